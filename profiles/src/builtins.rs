@@ -1,0 +1,155 @@
+//! Built-in models, hardware and workloads, embedded in the binary, and the resolution of a
+//! `--model` / `--hardware` / `--workload` argument (a file path or a built-in name).
+
+use crate::{Error, Hardware, ModelSpec, Result, Workload, workload::parse_tokens_csv, yaml};
+use std::path::Path;
+
+/// Built-in model names and their YAML.
+pub const MODELS: &[(&str, &str)] = &[
+    ("llama3.1-8b", include_str!("../data/models/llama3.1-8b.yaml")),
+    ("llama3.1-70b", include_str!("../data/models/llama3.1-70b.yaml")),
+];
+
+/// Built-in hardware names and their YAML.
+pub const HARDWARE: &[(&str, &str)] = &[("h200", include_str!("../data/hardware/h200.yaml"))];
+
+/// Built-in workload names, their YAML and the CSV files they refer to.
+pub const WORKLOADS: &[(&str, &str)] = &[
+    ("sharegpt-v3", include_str!("../data/workloads/sharegpt-v3.yaml")),
+    ("sharegpt-v3-merged", include_str!("../data/workloads/sharegpt-v3-merged.yaml")),
+];
+
+const CSVS: &[(&str, &str)] = &[
+    ("sharegpt_v3_tokens.csv", include_str!("../data/workloads/sharegpt_v3_tokens.csv")),
+    ("sharegpt_v3_merged_tokens.csv", include_str!("../data/workloads/sharegpt_v3_merged_tokens.csv")),
+];
+
+/// The default model name.
+pub const DEFAULT_MODEL: &str = "llama3.1-8b";
+/// The default hardware name.
+pub const DEFAULT_HARDWARE: &str = "h200";
+/// The default workload name.
+pub const DEFAULT_WORKLOAD: &str = "sharegpt-v3";
+
+fn names(table: &[(&str, &str)]) -> String {
+    table.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+}
+
+fn lookup<'a>(table: &'a [(&str, &str)], name: &str) -> Option<&'a str> {
+    table.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)
+}
+
+/// Resolves `arg` as a file path if such a file exists, else as a built-in name.
+fn resolve<T>(
+    arg: &str,
+    what: &'static str,
+    table: &[(&str, &str)],
+    from_file: impl Fn(&Path) -> Result<T>,
+    from_builtin: impl Fn(&str, &str) -> Result<T>,
+) -> Result<T> {
+    let path = Path::new(arg);
+    if path.is_file() {
+        return from_file(path);
+    }
+    match lookup(table, arg) {
+        Some(text) => from_builtin(text, &format!("built-in {what} `{arg}`")),
+        None => Err(Error::Unknown { what, name: arg.into(), builtins: names(table) }),
+    }
+}
+
+/// A model: a YAML file path or a built-in name (`llama3.1-8b`, `llama3.1-70b`).
+///
+/// # Errors
+/// [`Error::Unknown`], or the file's read/parse/validation error.
+pub fn model(arg: &str) -> Result<ModelSpec> {
+    resolve(
+        arg,
+        "model",
+        MODELS,
+        |p| ModelSpec::from_yaml(&yaml::read_to_string(p)?, &p.display().to_string()),
+        ModelSpec::from_yaml,
+    )
+}
+
+/// A hardware: a YAML file path or a built-in name (`h200`).
+///
+/// # Errors
+/// [`Error::Unknown`], or the file's read/parse/validation error.
+pub fn hardware(arg: &str) -> Result<Hardware> {
+    resolve(
+        arg,
+        "hardware",
+        HARDWARE,
+        |p| Hardware::from_yaml(&yaml::read_to_string(p)?, &p.display().to_string()),
+        Hardware::from_yaml,
+    )
+}
+
+/// A workload: a YAML or CSV file path, or a built-in name (`sharegpt-v3`, `sharegpt-v3-merged`).
+///
+/// # Errors
+/// [`Error::Unknown`], or the file's read/parse/validation error.
+pub fn workload(arg: &str) -> Result<Workload> {
+    resolve(arg, "workload", WORKLOADS, Workload::from_file, |text, origin| {
+        Workload::from_yaml(text, origin, |csv| {
+            let t = lookup(CSVS, csv).ok_or_else(|| Error::invalid(origin, "lengths.csv", csv, "a shipped CSV"))?;
+            Ok((t.to_string(), format!("built-in {csv}")))
+        })
+    })
+}
+
+/// Parses a built-in CSV sample (for tests and docs).
+///
+/// # Errors
+/// [`Error::Unknown`] for an unknown name.
+pub fn csv_sample(name: &str) -> Result<Vec<u32>> {
+    let t = lookup(CSVS, name).ok_or_else(|| Error::Unknown { what: "csv", name: name.into(), builtins: names(CSVS) })?;
+    parse_tokens_csv(t, name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_loads() {
+        for (n, _) in MODELS {
+            model(n).unwrap();
+        }
+        for (n, _) in HARDWARE {
+            hardware(n).unwrap();
+        }
+        for (n, _) in WORKLOADS {
+            workload(n).unwrap();
+        }
+    }
+
+    #[test]
+    fn shipped_samples_match_their_readme() {
+        // ../shared/data/README.md: 17,545 and 9,457 rows, maxima 161,298 and 197,528.
+        let a = csv_sample("sharegpt_v3_tokens.csv").unwrap();
+        assert_eq!((a.len(), *a.iter().max().unwrap()), (17_545, 161_298));
+        let b = csv_sample("sharegpt_v3_merged_tokens.csv").unwrap();
+        assert_eq!((b.len(), *b.iter().max().unwrap()), (9_457, 197_528));
+    }
+
+    #[test]
+    fn h200_memory_is_143771_mib() {
+        assert_eq!(hardware("h200").unwrap().memory_bytes, 143_771 * 1024 * 1024);
+    }
+
+    #[test]
+    fn unknown_names_list_builtins() {
+        let e = model("gpt-5").unwrap_err().to_string();
+        assert!(e.contains("llama3.1-8b") && e.contains("gpt-5"), "{e}");
+    }
+
+    #[test]
+    fn malformed_model_yaml_is_an_error() {
+        let e = ModelSpec::from_yaml("name: x\ndtype: bf16\nlayers: [", "m.yaml").unwrap_err();
+        assert!(e.to_string().starts_with("m.yaml: invalid YAML"), "{e}");
+        let text = "name: x\ndtype: bf16\nlayers:\n  - {kind: embedding, vocab: 10, hidden: 8}\n  - {kind: decoder, hidden: 8, ffn: 0, heads: 2, kv_heads: 1}\n  - {kind: head, vocab: 10, hidden: 8}\n";
+        let e = ModelSpec::from_yaml(text, "m.yaml").unwrap_err().to_string();
+        assert!(e.contains("layers[1].ffn") && e.contains(">= 1"), "{e}");
+    }
+}

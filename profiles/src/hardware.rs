@@ -1,0 +1,92 @@
+//! Hardware: one device type and its links.
+
+use crate::{Error, Result, yaml};
+use serde::{Deserialize, Serialize};
+
+/// A point-to-point link with the alpha-beta cost model `t = alpha_s + bytes / beta_bytes_per_s`
+/// (Hockney 1994).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    /// Human-readable link name (e.g. `NVLink 4`).
+    #[serde(default)]
+    pub name: String,
+    /// Latency per message, seconds.
+    pub alpha_s: f64,
+    /// Bandwidth per direction, bytes per second.
+    pub beta_bytes_per_s: f64,
+}
+
+impl Link {
+    /// Time to move `bytes` over this link, seconds.
+    pub fn time_s(&self, bytes: f64) -> f64 {
+        self.alpha_s + bytes / self.beta_bytes_per_s
+    }
+
+    pub(crate) fn validate(&self, origin: &str, field: &str) -> Result<()> {
+        if !(self.alpha_s.is_finite() && self.alpha_s >= 0.0) {
+            return Err(Error::invalid(origin, format!("{field}.alpha_s"), self.alpha_s, "a finite number of seconds >= 0"));
+        }
+        if !(self.beta_bytes_per_s.is_finite() && self.beta_bytes_per_s > 0.0) {
+            return Err(Error::invalid(
+                origin,
+                format!("{field}.beta_bytes_per_s"),
+                self.beta_bytes_per_s,
+                "a finite number of bytes per second > 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One accelerator type and how its devices are connected (YAML).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hardware {
+    /// Device name, e.g. `NVIDIA H200 SXM`.
+    pub name: String,
+    /// Device memory in bytes as the driver reports it (planners subtract a reserve).
+    pub memory_bytes: u64,
+    /// Peak dense bf16 throughput, FLOP/s (datasheet, no sparsity).
+    pub peak_flops: f64,
+    /// HBM bandwidth, bytes per second (bounds memory-bound kernels).
+    pub hbm_bytes_per_s: f64,
+    /// Devices per node; ranks `r` and `q` share a node iff `r / gpus_per_node == q / gpus_per_node`.
+    pub gpus_per_node: u32,
+    /// Link between devices of one node.
+    pub intra_node: Link,
+    /// Link between devices of different nodes (per device).
+    pub inter_node: Link,
+}
+
+impl Hardware {
+    /// Parses and validates a hardware file's text. `origin` names the file in errors.
+    ///
+    /// # Errors
+    /// [`Error::Yaml`] or [`Error::Invalid`].
+    pub fn from_yaml(text: &str, origin: &str) -> Result<Self> {
+        let hw: Hardware = yaml::parse(text, origin)?;
+        hw.validate(origin)?;
+        Ok(hw)
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the field.
+    pub fn validate(&self, origin: &str) -> Result<()> {
+        if self.memory_bytes == 0 {
+            return Err(Error::invalid(origin, "memory_bytes", 0, "> 0 bytes"));
+        }
+        for (field, v) in [("peak_flops", self.peak_flops), ("hbm_bytes_per_s", self.hbm_bytes_per_s)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(Error::invalid(origin, field, v, "a finite number > 0"));
+            }
+        }
+        if self.gpus_per_node == 0 {
+            return Err(Error::invalid(origin, "gpus_per_node", 0, ">= 1"));
+        }
+        self.intra_node.validate(origin, "intra_node")?;
+        self.inter_node.validate(origin, "inter_node")
+    }
+}

@@ -1,0 +1,188 @@
+//! Cost profiles: per-layer cost coefficients, memory, links and provenance.
+
+use crate::{Error, Hardware, LayerKind, Link, Result, yaml};
+use serde::{Deserialize, Serialize};
+
+/// A compute phase of one layer for one microbatch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Phase {
+    /// Forward, saving activations for the backward.
+    F,
+    /// Backward for inputs (dgrad; the Zero Bubble paper's "B").
+    I,
+    /// Backward for weights (wgrad).
+    W,
+    /// Forward-only (reference / teacher model): no activations kept.
+    Fo,
+}
+
+/// Coefficients of `t = c0_s + c_tok_s * tokens + c_attn_s * attn_pairs` (seconds), where
+/// `tokens` is a microbatch's true token count and `attn_pairs = Σ s_i (s_i + 1) / 2` the
+/// query-key pairs its causal attention computes. All coefficients are >= 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CostCoeffs {
+    /// Fixed cost per call (kernel launches, synchronisation), seconds.
+    pub c0_s: f64,
+    /// Cost per token, seconds.
+    pub c_tok_s: f64,
+    /// Cost per causal attention query-key pair, seconds.
+    #[serde(default)]
+    pub c_attn_s: f64,
+}
+
+impl CostCoeffs {
+    /// Predicted time in seconds for a microbatch of `tokens` tokens and `attn_pairs` pairs.
+    pub fn time_s(&self, tokens: f64, attn_pairs: f64) -> f64 {
+        self.c0_s + self.c_tok_s * tokens + self.c_attn_s * attn_pairs
+    }
+
+    fn validate(&self, origin: &str, field: &str) -> Result<()> {
+        for (name, v) in [("c0_s", self.c0_s), ("c_tok_s", self.c_tok_s), ("c_attn_s", self.c_attn_s)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(Error::invalid(origin, format!("{field}.{name}"), v, "a finite number of seconds >= 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Costs of one layer of the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerProfile {
+    /// Module name (torchtitan's: `tok_embeddings`, `layers.N`, `output`).
+    pub name: String,
+    /// Layer kind.
+    pub kind: LayerKind,
+    /// Forward.
+    pub f: CostCoeffs,
+    /// Backward for inputs (dgrad).
+    pub i: CostCoeffs,
+    /// Backward for weights (wgrad).
+    pub w: CostCoeffs,
+    /// Forward-only (no saved activations).
+    pub fo: CostCoeffs,
+    /// Activation bytes per token kept from F until I and freed by I (needed only by dgrad).
+    pub act_bytes_per_token_i: f64,
+    /// Activation bytes per token kept from F until W and freed by W (the GEMM inputs wgrad needs).
+    pub act_bytes_per_token_w: f64,
+    /// Bytes per token of this layer's output (what a stage boundary after it transfers).
+    pub output_bytes_per_token: f64,
+    /// Number of parameters.
+    pub param_count: u64,
+    /// Bytes of the parameters in the model's dtype.
+    pub param_bytes: u64,
+}
+
+impl LayerProfile {
+    /// The coefficients of one phase.
+    pub fn coeffs(&self, phase: Phase) -> &CostCoeffs {
+        match phase {
+            Phase::F => &self.f,
+            Phase::I => &self.i,
+            Phase::W => &self.w,
+            Phase::Fo => &self.fo,
+        }
+    }
+}
+
+/// Where a profile's numbers come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProfileSource {
+    /// Derived from FLOP counts and datasheet peaks ([`crate::analytic_profile`]).
+    Analytic,
+    /// Measured by the profiler on a real device.
+    Measured,
+}
+
+/// Provenance of a profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Provenance {
+    /// Analytic or measured.
+    pub source: ProfileSource,
+    /// The device the numbers describe.
+    pub device: String,
+    /// When it was measured (ISO 8601 date); `None` for deterministic analytic profiles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub date: Option<String>,
+    /// flatpipe version that produced it.
+    pub flatpipe_version: String,
+    /// Free-form notes: assumptions, efficiency factors, fit quality.
+    #[serde(default)]
+    pub notes: String,
+}
+
+/// A cost profile of one model on one hardware (YAML).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    /// Model name.
+    pub model: String,
+    /// Hardware description (devices, memory and links).
+    pub hardware: Hardware,
+    /// Per layer, in model order (embedding first, head last).
+    pub layers: Vec<LayerProfile>,
+    /// Optimizer-step time per parameter on one rank, seconds (it ends the step).
+    pub optimizer_s_per_param: f64,
+    /// Where the numbers come from.
+    pub provenance: Provenance,
+}
+
+impl Profile {
+    /// Parses and validates a profile file's text. `origin` names the file in errors.
+    ///
+    /// # Errors
+    /// [`Error::Yaml`] or [`Error::Invalid`] naming the field.
+    pub fn from_yaml(text: &str, origin: &str) -> Result<Self> {
+        let p: Profile = yaml::parse(text, origin)?;
+        p.validate(origin)?;
+        Ok(p)
+    }
+
+    /// The profile as YAML text.
+    ///
+    /// # Errors
+    /// [`Error::Yaml`] if serialization fails.
+    pub fn to_yaml(&self) -> Result<String> {
+        yaml::to_yaml(self, &self.model)
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the field, its value and the allowed range.
+    pub fn validate(&self, origin: &str) -> Result<()> {
+        self.hardware.validate(origin)?;
+        if self.layers.len() < 2 {
+            return Err(Error::invalid(origin, "layers", self.layers.len(), "at least 2 layers (embedding and head)"));
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            for (name, c) in [("f", &l.f), ("i", &l.i), ("w", &l.w), ("fo", &l.fo)] {
+                c.validate(origin, &format!("layers[{i}].{name}"))?;
+            }
+            for (name, v) in [
+                ("act_bytes_per_token_i", l.act_bytes_per_token_i),
+                ("act_bytes_per_token_w", l.act_bytes_per_token_w),
+                ("output_bytes_per_token", l.output_bytes_per_token),
+            ] {
+                if !(v.is_finite() && v >= 0.0) {
+                    return Err(Error::invalid(origin, format!("layers[{i}].{name}"), v, "a finite number of bytes >= 0"));
+                }
+            }
+        }
+        let o = self.optimizer_s_per_param;
+        if !(o.is_finite() && o >= 0.0) {
+            return Err(Error::invalid(origin, "optimizer_s_per_param", o, "a finite number of seconds >= 0"));
+        }
+        Ok(())
+    }
+
+    /// The link between ranks `a` and `b` (intra-node iff they share a node).
+    pub fn link(&self, a: usize, b: usize) -> &Link {
+        let g = self.hardware.gpus_per_node as usize;
+        if a / g == b / g { &self.hardware.intra_node } else { &self.hardware.inter_node }
+    }
+}

@@ -1,0 +1,279 @@
+//! Workloads: how one step's sequence lengths are drawn.
+
+use crate::{Error, Result, yaml};
+use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
+use rand_distr::{Distribution, LogNormal};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::Arc;
+
+/// How long one sequence is, in tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum LengthDistribution {
+    /// Every sequence has `tokens` tokens.
+    Fixed {
+        /// Tokens per sequence, >= 1.
+        tokens: u32,
+    },
+    /// Log-normal lengths: `exp(N(ln median, sigma²))`, rounded and clamped to `[min, max]`.
+    Lognormal {
+        /// Median length in tokens, >= 1.
+        median: f64,
+        /// Standard deviation of the log-length, >= 0.
+        sigma: f64,
+        /// Shortest length, tokens (default 1).
+        #[serde(default = "one")]
+        min: u32,
+        /// Longest length, tokens (default 131072).
+        #[serde(default = "max_len")]
+        max: u32,
+    },
+    /// Draw with replacement from a sample: a CSV file with a `tokens` column (path relative
+    /// to the workload file).
+    Empirical {
+        /// The CSV file.
+        csv: String,
+        /// The loaded sample (filled when the workload is loaded).
+        #[serde(skip)]
+        samples: Arc<Vec<u32>>,
+    },
+}
+
+fn one() -> u32 {
+    1
+}
+fn max_len() -> u32 {
+    131_072
+}
+
+/// How big one step is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepSize {
+    /// Exactly this many sequences per step.
+    Seqs(u32),
+    /// Sequences are drawn until the step holds at least this many tokens.
+    Tokens(u64),
+}
+
+/// A workload file (YAML): a length distribution, a default step size and a default seed.
+///
+/// ```yaml
+/// name: sharegpt-v3
+/// lengths: {kind: empirical, csv: sharegpt_v3_tokens.csv}
+/// seqs_per_step: 128
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    /// Workload name.
+    pub name: String,
+    /// Sequence lengths.
+    pub lengths: LengthDistribution,
+    /// Sequences per step (default 128), unless `tokens_per_step` is given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seqs_per_step: Option<u32>,
+    /// Tokens per step: sequences are drawn until the step holds at least this many.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_step: Option<u64>,
+    /// Default seed (0).
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// Reads a `tokens` column from CSV text. `origin` names the file in errors.
+pub(crate) fn parse_tokens_csv(text: &str, origin: &str) -> Result<Vec<u32>> {
+    let mut rdr = csv::Reader::from_reader(text.as_bytes());
+    let headers = rdr.headers().map_err(|e| Error::Csv { path: origin.into(), message: e.to_string() })?;
+    let col = headers.iter().position(|h| h.trim() == "tokens").ok_or_else(|| Error::Csv {
+        path: origin.into(),
+        message: format!("no `tokens` column (header: {})", headers.iter().collect::<Vec<_>>().join(",")),
+    })?;
+    let mut out = Vec::new();
+    for (i, rec) in rdr.records().enumerate() {
+        let row = i + 2; // 1-based, after the header
+        let rec = rec.map_err(|e| Error::Csv { path: origin.into(), message: format!("row {row}: {e}") })?;
+        let cell = rec.get(col).unwrap_or("").trim();
+        let v: u32 = cell.parse().map_err(|_| Error::Csv {
+            path: origin.into(),
+            message: format!("row {row}, column tokens: `{cell}` is not a whole number of tokens in 1..=4294967295"),
+        })?;
+        if v == 0 {
+            return Err(Error::Csv { path: origin.into(), message: format!("row {row}, column tokens: 0 (must be >= 1)") });
+        }
+        out.push(v);
+    }
+    if out.is_empty() {
+        return Err(Error::Csv { path: origin.into(), message: "no rows".into() });
+    }
+    Ok(out)
+}
+
+impl Workload {
+    /// Parses a workload file. Empirical samples are loaded through `load_csv`, which maps the
+    /// file's `csv` field to its text (relative paths are resolved by the caller).
+    ///
+    /// # Errors
+    /// [`Error::Yaml`], [`Error::Csv`] or [`Error::Invalid`].
+    pub fn from_yaml(
+        text: &str,
+        origin: &str,
+        load_csv: impl Fn(&str) -> Result<(String, String)>,
+    ) -> Result<Self> {
+        let mut w: Workload = yaml::parse(text, origin)?;
+        if let LengthDistribution::Empirical { csv, samples } = &mut w.lengths {
+            let (csv_text, csv_origin) = load_csv(csv)?;
+            *samples = Arc::new(parse_tokens_csv(&csv_text, &csv_origin)?);
+        }
+        w.validate(origin)?;
+        Ok(w)
+    }
+
+    /// Reads a workload from a YAML file, or directly from a CSV file with a `tokens` column
+    /// (then the defaults apply: 128 sequences per step, seed 0).
+    ///
+    /// # Errors
+    /// [`Error::Io`], [`Error::Yaml`], [`Error::Csv`] or [`Error::Invalid`], naming the file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let origin = path.display().to_string();
+        let text = yaml::read_to_string(path)?;
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) {
+            let samples = parse_tokens_csv(&text, &origin)?;
+            let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            return Ok(Workload::empirical(name, origin, samples));
+        }
+        let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Workload::from_yaml(&text, &origin, |csv| {
+            let p = dir.join(csv);
+            Ok((yaml::read_to_string(&p)?, p.display().to_string()))
+        })
+    }
+
+    /// An empirical workload over `samples` with the default step size and seed.
+    pub fn empirical(name: String, csv: String, samples: Vec<u32>) -> Self {
+        Workload {
+            name,
+            lengths: LengthDistribution::Empirical { csv, samples: Arc::new(samples) },
+            seqs_per_step: None,
+            tokens_per_step: None,
+            seed: 0,
+        }
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the field.
+    pub fn validate(&self, origin: &str) -> Result<()> {
+        match &self.lengths {
+            LengthDistribution::Fixed { tokens } if *tokens == 0 => {
+                return Err(Error::invalid(origin, "lengths.tokens", 0, ">= 1 token"));
+            }
+            LengthDistribution::Lognormal { median, sigma, min, max } => {
+                if !(median.is_finite() && *median >= 1.0) {
+                    return Err(Error::invalid(origin, "lengths.median", median, ">= 1 token"));
+                }
+                if !(sigma.is_finite() && *sigma >= 0.0) {
+                    return Err(Error::invalid(origin, "lengths.sigma", sigma, ">= 0"));
+                }
+                if *min == 0 || min > max {
+                    return Err(Error::invalid(origin, "lengths.min", min, format!("in 1..=max ({max})")));
+                }
+            }
+            _ => {}
+        }
+        if self.seqs_per_step == Some(0) {
+            return Err(Error::invalid(origin, "seqs_per_step", 0, ">= 1"));
+        }
+        if self.tokens_per_step == Some(0) {
+            return Err(Error::invalid(origin, "tokens_per_step", 0, ">= 1"));
+        }
+        if self.seqs_per_step.is_some() && self.tokens_per_step.is_some() {
+            return Err(Error::invalid(origin, "tokens_per_step", "set", "give seqs_per_step or tokens_per_step, not both"));
+        }
+        Ok(())
+    }
+
+    /// The step size the file asks for (default 128 sequences).
+    pub fn default_step_size(&self) -> StepSize {
+        match (self.seqs_per_step, self.tokens_per_step) {
+            (_, Some(t)) => StepSize::Tokens(t),
+            (Some(n), None) => StepSize::Seqs(n),
+            (None, None) => StepSize::Seqs(128),
+        }
+    }
+
+    fn draw(&self, rng: &mut ChaCha8Rng) -> u32 {
+        match &self.lengths {
+            LengthDistribution::Fixed { tokens } => *tokens,
+            LengthDistribution::Lognormal { median, sigma, min, max } => {
+                let d = LogNormal::new(median.ln(), *sigma).expect("validated: sigma >= 0");
+                let x: f64 = d.sample(rng);
+                (x.round().clamp(*min as f64, *max as f64)) as u32
+            }
+            LengthDistribution::Empirical { samples, .. } => samples[rng.random_range(0..samples.len())],
+        }
+    }
+
+    /// Draws the sequence lengths (tokens) of step number `step` under `seed`. The same
+    /// `(seed, step)` always gives the same lengths, independently of other steps, so steps can
+    /// be drawn in parallel. With [`StepSize::Tokens`], sequences are drawn until the step holds
+    /// at least that many tokens (the last one may overshoot).
+    pub fn sample_step(&self, seed: u64, step: u64, size: StepSize) -> Vec<u32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        match size {
+            StepSize::Seqs(n) => (0..n).map(|_| self.draw(&mut rng)).collect(),
+            StepSize::Tokens(t) => {
+                let mut out = Vec::new();
+                let mut total = 0u64;
+                while total < t {
+                    let s = self.draw(&mut rng);
+                    total += s as u64;
+                    out.push(s);
+                }
+                out
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_errors_name_row_and_column() {
+        let e = parse_tokens_csv("tokens\n12\nabc\n", "w.csv").unwrap_err().to_string();
+        assert!(e.contains("w.csv") && e.contains("row 3") && e.contains("abc"), "{e}");
+        let e = parse_tokens_csv("len\n12\n", "w.csv").unwrap_err().to_string();
+        assert!(e.contains("no `tokens` column"), "{e}");
+    }
+
+    #[test]
+    fn sampling_is_reproducible_and_sized() {
+        let w = Workload::empirical("t".into(), "t.csv".into(), vec![10, 20, 30]);
+        let a = w.sample_step(7, 3, StepSize::Seqs(50));
+        assert_eq!(a, w.sample_step(7, 3, StepSize::Seqs(50)));
+        assert_ne!(a, w.sample_step(7, 4, StepSize::Seqs(50)));
+        assert_eq!(a.len(), 50);
+        let b = w.sample_step(1, 0, StepSize::Tokens(1000));
+        let total: u32 = b.iter().sum();
+        assert!(total >= 1000 && total - b.last().unwrap() < 1000);
+    }
+
+    #[test]
+    fn lognormal_median_is_close() {
+        let w = Workload {
+            name: "ln".into(),
+            lengths: LengthDistribution::Lognormal { median: 1000.0, sigma: 1.0, min: 1, max: 1 << 30 },
+            seqs_per_step: None,
+            tokens_per_step: None,
+            seed: 0,
+        };
+        let mut v = w.sample_step(0, 0, StepSize::Seqs(20001));
+        v.sort_unstable();
+        let med = v[10000] as f64;
+        assert!((med / 1000.0 - 1.0).abs() < 0.05, "{med}");
+    }
+}
