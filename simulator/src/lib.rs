@@ -1,1 +1,75 @@
-//! s
+//! # flatpipe-simulator
+//!
+//! Predicts one pipeline-parallel training step: which op runs where and when, and what that
+//! costs in time and memory.
+//!
+//! ```text
+//! Workload --sample--> sequence lengths --microbatch--> [Microbatch] (flat [T] + cu_seqlens)
+//! ScheduleKind --generate--> Schedule (per-rank Vec<Action>, Placement)
+//! Profile + stages + microbatches --> TableCosts   (or UniformCosts from --costs)
+//! replay(Schedule, costs) --> Timeline --> Metrics, Gantt (plotters), Chrome trace
+//! ```
+//!
+//! - [`ir`]: [`Action`]s in PyTorch's notation (`0F1`, `3I0`, `3W0`, `2B1`), [`Placement`],
+//!   [`Schedule`] and its validation.
+//! - [`generators`]: GPipe and 1F1B for any `p, m >= 1`.
+//! - [`costs`]: the [`CostModel`] trait, [`UniformCosts`] and [`TableCosts`].
+//! - [`replay`] and [`dag`]: the longest path through the step's DAG of compute ops and
+//!   transfers (one FIFO link per ordered rank pair); a cycle is a deadlock naming its ops.
+//! - [`metrics`]: makespan, bubble ratio, peak activation memory and in-flight microbatches per
+//!   rank, and the lower bound.
+//! - [`gantt`], [`trace`]: charts and Perfetto traces of a [`Timeline`].
+//! - [`plan`]: the [`Plan`] file.
+//!
+//! ```
+//! use flatpipe_simulator::{ScheduleKind, UniformCostSpec, UniformCosts, simulate};
+//! // 1F1B, p = 4, m = 8, f = b = w = 1 s: (m + p - 1)(f + b + w) = 33 s.
+//! let schedule = ScheduleKind::OneFOneB.generate(4, 8).unwrap();
+//! let costs = UniformCosts::new(&UniformCostSpec::default(), 1);
+//! let sim = simulate(&schedule, &costs).unwrap();
+//! assert_eq!(sim.metrics.makespan_s, 33.0);
+//! assert_eq!(sim.metrics.ranks[0].peak_inflight_microbatches, 4);
+//! ```
+#![deny(missing_docs)]
+
+pub mod costs;
+pub mod dag;
+mod error;
+pub mod gantt;
+pub mod generators;
+pub mod ir;
+pub mod metrics;
+pub mod microbatch;
+pub mod plan;
+pub mod replay;
+pub mod timeline;
+pub mod trace;
+
+pub use costs::{CostModel, MemoryUnit, TableCosts, UniformCostSpec, UniformCosts};
+pub use error::{Error, Result};
+pub use generators::ScheduleKind;
+pub use ir::{Action, ActionKind, ComputeAction, MicrobatchId, Placement, PlacementKind, Rank, Schedule, StageId};
+pub use metrics::Metrics;
+pub use microbatch::Microbatch;
+pub use plan::{Microbatching, Plan};
+pub use timeline::Timeline;
+
+/// A simulated step: the timeline and its metrics.
+#[derive(Debug, Clone)]
+pub struct Simulation {
+    /// What ran where and when.
+    pub timeline: Timeline,
+    /// Makespan, bubble ratio, memory, lower bound.
+    pub metrics: Metrics,
+}
+
+/// Validates `schedule`, replays it under `costs` and computes its metrics.
+///
+/// # Errors
+/// [`Error::InvalidSchedule`] or [`Error::Deadlock`].
+pub fn simulate<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Simulation> {
+    schedule.validate()?;
+    let timeline = replay::replay(schedule, costs)?;
+    let metrics = metrics::metrics(schedule, costs, &timeline);
+    Ok(Simulation { timeline, metrics })
+}

@@ -1,0 +1,321 @@
+//! What each action, transfer and activation costs in one simulated step.
+//!
+//! Two cost models implement [`CostModel`]:
+//! - [`UniformCosts`]: the `--costs f=..,b=..,w=..,comm=..` model of the papers' formulas. Costs
+//!   are **one rank's share of the model per microbatch** in seconds: with `v` stages per rank
+//!   each stage costs `f/v`, `b/v`, `w/v`; `comm` is one transfer between adjacent stages on
+//!   different ranks. Memory is counted in units: one unit is one rank's share of one
+//!   microbatch's activations, so an F of one of `v` stages adds `1/v`, its I frees half of
+//!   that, its W the rest, and a fused B all of it.
+//! - [`TableCosts`]: per (stage, microbatch) times from a [`Profile`] and the step's flat
+//!   microbatches; transfers over the hardware's links; memory in bytes.
+//!
+//! Simulated time is integer nanoseconds, so replays are exact and deterministic.
+
+use crate::ir::{ActionKind, ComputeAction, MicrobatchId, Placement, Rank, StageId};
+use crate::microbatch::Microbatch;
+use crate::{Error, Result};
+use flatpipe_profiles::{Phase, Profile};
+use std::ops::Range;
+use std::str::FromStr;
+
+/// Seconds to integer nanoseconds (rounded to nearest).
+pub fn s_to_ns(s: f64) -> u64 {
+    (s * 1e9).round().max(0.0) as u64
+}
+
+/// Integer nanoseconds to seconds.
+pub fn ns_to_s(ns: u64) -> f64 {
+    ns as f64 * 1e-9
+}
+
+/// The unit activation memory is reported in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryUnit {
+    /// Bytes (profile-driven costs).
+    Bytes,
+    /// One rank's share of one microbatch's activations (uniform costs).
+    Units,
+}
+
+/// Costs the replay asks for. Implementations are cheap to query: the replay calls them once
+/// per op.
+pub trait CostModel: Sync {
+    /// Duration of one compute action, ns. A fused B costs I + W.
+    fn compute_ns(&self, a: ComputeAction) -> u64;
+    /// Duration of an overlapped forward + backward pair run together, ns (default: their sum).
+    fn overlap_ns(&self, f: ComputeAction, b: ComputeAction) -> u64 {
+        self.compute_ns(f) + self.compute_ns(b)
+    }
+    /// Duration of the transfer that action `kind` of `stage` sends for microbatch `mb`, ns:
+    /// after F or Fo the activations go to stage + 1, after I or B the gradient goes to
+    /// stage - 1. Only asked when the two stages are on different ranks.
+    fn comm_ns(&self, stage: StageId, mb: MicrobatchId, kind: ActionKind) -> u64;
+    /// Activation memory one F of `stage` keeps for `mb`: (part freed by I, part freed by W),
+    /// in [`CostModel::memory_unit`].
+    fn activation(&self, stage: StageId, mb: MicrobatchId) -> (f64, f64);
+    /// Optimizer-step time of `rank` at the end of the step, ns (0 for none).
+    fn optimizer_ns(&self, rank: Rank) -> u64;
+    /// The unit of [`CostModel::activation`].
+    fn memory_unit(&self) -> MemoryUnit;
+}
+
+/// The `--costs` specification: one rank's share per microbatch, seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct UniformCostSpec {
+    /// Forward, seconds.
+    pub f: f64,
+    /// Backward for inputs (dgrad), seconds.
+    pub b: f64,
+    /// Backward for weights (wgrad), seconds.
+    pub w: f64,
+    /// One transfer between adjacent stages on different ranks, seconds.
+    pub comm: f64,
+    /// An overlapped forward + backward pair (one rank's share), seconds; default `f + b + w`.
+    pub fb: Option<f64>,
+    /// A forward-only action (one rank's share), seconds; default `f`.
+    pub fo: Option<f64>,
+}
+
+impl Default for UniformCostSpec {
+    fn default() -> Self {
+        UniformCostSpec { f: 1.0, b: 1.0, w: 1.0, comm: 0.0, fb: None, fo: None }
+    }
+}
+
+impl FromStr for UniformCostSpec {
+    type Err = Error;
+    /// Parses `f=1,b=1,w=1,comm=0` (any subset, in any order; missing keys keep the defaults
+    /// f = b = w = 1, comm = 0).
+    fn from_str(s: &str) -> Result<Self> {
+        let mut spec = UniformCostSpec::default();
+        for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+            let (k, v) = item
+                .split_once('=')
+                .ok_or_else(|| Error::invalid("--costs", item, "key=seconds pairs such as f=1,b=1,w=1,comm=0"))?;
+            let x: f64 = v.trim().parse().map_err(|_| Error::invalid(format!("--costs {k}"), v, "a number of seconds"))?;
+            if !(x.is_finite() && x >= 0.0) {
+                return Err(Error::invalid(format!("--costs {k}"), v, "a finite number of seconds >= 0"));
+            }
+            match k.trim() {
+                "f" => spec.f = x,
+                "b" => spec.b = x,
+                "w" => spec.w = x,
+                "comm" => spec.comm = x,
+                "fb" => spec.fb = Some(x),
+                "fo" => spec.fo = Some(x),
+                other => return Err(Error::invalid("--costs", other, "keys are f, b, w, comm, fb, fo")),
+            }
+        }
+        Ok(spec)
+    }
+}
+
+/// Uniform costs: every stage of every microbatch costs the same (one rank's share / v).
+#[derive(Debug, Clone)]
+pub struct UniformCosts {
+    f_ns: u64,
+    i_ns: u64,
+    w_ns: u64,
+    fo_ns: u64,
+    fb_ns: u64,
+    comm_ns: u64,
+    unit_per_stage: f64,
+}
+
+impl UniformCosts {
+    /// Costs for `v` stages per rank.
+    pub fn new(spec: &UniformCostSpec, v: u32) -> Self {
+        let v = v.max(1) as f64;
+        UniformCosts {
+            f_ns: s_to_ns(spec.f / v),
+            i_ns: s_to_ns(spec.b / v),
+            w_ns: s_to_ns(spec.w / v),
+            fo_ns: s_to_ns(spec.fo.unwrap_or(spec.f) / v),
+            fb_ns: s_to_ns(spec.fb.unwrap_or(spec.f + spec.b + spec.w) / v),
+            comm_ns: s_to_ns(spec.comm),
+            unit_per_stage: 1.0 / v,
+        }
+    }
+}
+
+impl CostModel for UniformCosts {
+    #[inline]
+    fn compute_ns(&self, a: ComputeAction) -> u64 {
+        match a.kind {
+            ActionKind::F => self.f_ns,
+            ActionKind::I => self.i_ns,
+            ActionKind::W => self.w_ns,
+            ActionKind::B => self.i_ns + self.w_ns,
+            ActionKind::Fo => self.fo_ns,
+        }
+    }
+    fn overlap_ns(&self, _f: ComputeAction, b: ComputeAction) -> u64 {
+        // fb is a pair of F and a full backward; a pair with I alone saves W.
+        if b.kind == ActionKind::I { self.fb_ns.saturating_sub(self.w_ns) } else { self.fb_ns }
+    }
+    #[inline]
+    fn comm_ns(&self, _: StageId, _: MicrobatchId, _: ActionKind) -> u64 {
+        self.comm_ns
+    }
+    #[inline]
+    fn activation(&self, _: StageId, _: MicrobatchId) -> (f64, f64) {
+        (self.unit_per_stage / 2.0, self.unit_per_stage / 2.0)
+    }
+    fn optimizer_ns(&self, _: Rank) -> u64 {
+        0
+    }
+    fn memory_unit(&self) -> MemoryUnit {
+        MemoryUnit::Units
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Cell {
+    f: u64,
+    i: u64,
+    w: u64,
+    /// Transfer of this stage's output to stage + 1.
+    fwd_comm: u64,
+    /// Transfer of this stage's input gradient to stage - 1.
+    bwd_comm: u64,
+    act_i: f64,
+    act_w: f64,
+}
+
+/// Per (stage, microbatch) costs derived from a profile and the step's microbatches.
+#[derive(Debug, Clone)]
+pub struct TableCosts {
+    m: usize,
+    cells: Vec<Cell>,
+    /// Forward-only: (time, transfer) per (stage, fo microbatch).
+    fo: Vec<(u64, u64)>,
+    mfo: usize,
+    optimizer: Vec<u64>,
+}
+
+impl TableCosts {
+    /// Builds the table for `stages` (each a range of the profile's layer list), placed by
+    /// `placement`, over the step's `microbatches` and forward-only `fo_microbatches`.
+    /// Stage time is the sum over its layers of `c0 + c_tok * tokens + c_attn * attn_pairs`; a
+    /// transfer moves `output_bytes_per_token * tokens` of the sending boundary over the link
+    /// between the two ranks (`alpha + bytes / beta`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the stage count differs from the placement's or a range
+    /// leaves the layer list.
+    pub fn from_profile(
+        profile: &Profile,
+        stages: &[Range<usize>],
+        placement: &Placement,
+        microbatches: &[Microbatch],
+        fo_microbatches: &[Microbatch],
+    ) -> Result<Self> {
+        let n_layers = profile.layers.len();
+        if stages.len() != placement.num_stages() as usize {
+            return Err(Error::invalid("stages", stages.len(), format!("{} stages for this placement", placement.num_stages())));
+        }
+        for (s, r) in stages.iter().enumerate() {
+            if r.start >= r.end || r.end > n_layers {
+                return Err(Error::invalid(format!("stages[{s}]"), format!("{}..{}", r.start, r.end), format!("a non-empty range within 0..{n_layers}")));
+            }
+        }
+        let phase_s = |r: &Range<usize>, ph: Phase, t: f64, a: f64| -> f64 {
+            profile.layers[r.clone()].iter().map(|l| l.coeffs(ph).time_s(t, a)).sum()
+        };
+        let out_bytes = |s: usize, t: f64| profile.layers[stages[s].end - 1].output_bytes_per_token * t;
+        let link_ns = |s_from: usize, s_to: usize, bytes: f64| {
+            let a = placement.rank_of[s_from].idx();
+            let b = placement.rank_of[s_to].idx();
+            s_to_ns(profile.link(a, b).time_s(bytes))
+        };
+        let m = microbatches.len();
+        let mut cells = vec![Cell::default(); stages.len() * m];
+        for (s, r) in stages.iter().enumerate() {
+            let act = profile.layers[r.clone()].iter().fold((0.0, 0.0), |acc, l| (acc.0 + l.act_bytes_per_token_i, acc.1 + l.act_bytes_per_token_w));
+            for (k, mb) in microbatches.iter().enumerate() {
+                let (t, a) = (mb.tokens() as f64, mb.attn_pairs() as f64);
+                cells[s * m + k] = Cell {
+                    f: s_to_ns(phase_s(r, Phase::F, t, a)),
+                    i: s_to_ns(phase_s(r, Phase::I, t, a)),
+                    w: s_to_ns(phase_s(r, Phase::W, t, a)),
+                    fwd_comm: if s + 1 < stages.len() { link_ns(s, s + 1, out_bytes(s, t)) } else { 0 },
+                    bwd_comm: if s > 0 { link_ns(s, s - 1, out_bytes(s - 1, t)) } else { 0 },
+                    act_i: act.0 * t,
+                    act_w: act.1 * t,
+                };
+            }
+        }
+        let mfo = fo_microbatches.len();
+        let mut fo = vec![(0, 0); stages.len() * mfo];
+        for (s, r) in stages.iter().enumerate() {
+            for (k, mb) in fo_microbatches.iter().enumerate() {
+                let (t, a) = (mb.tokens() as f64, mb.attn_pairs() as f64);
+                let comm = if s + 1 < stages.len() { link_ns(s, s + 1, out_bytes(s, t)) } else { 0 };
+                fo[s * mfo + k] = (s_to_ns(phase_s(r, Phase::Fo, t, a)), comm);
+            }
+        }
+        let mut optimizer = vec![0u64; placement.num_ranks as usize];
+        for (s, r) in stages.iter().enumerate() {
+            let params: u64 = profile.layers[r.clone()].iter().map(|l| l.param_count).sum();
+            optimizer[placement.rank_of[s].idx()] += s_to_ns(params as f64 * profile.optimizer_s_per_param);
+        }
+        Ok(TableCosts { m, cells, fo, mfo, optimizer })
+    }
+
+    #[inline]
+    fn cell(&self, s: StageId, mb: MicrobatchId) -> &Cell {
+        &self.cells[s.idx() * self.m + mb.idx()]
+    }
+}
+
+impl CostModel for TableCosts {
+    #[inline]
+    fn compute_ns(&self, a: ComputeAction) -> u64 {
+        if a.kind == ActionKind::Fo {
+            return self.fo[a.stage.idx() * self.mfo + a.microbatch.idx()].0;
+        }
+        let c = self.cell(a.stage, a.microbatch);
+        match a.kind {
+            ActionKind::F => c.f,
+            ActionKind::I => c.i,
+            ActionKind::W => c.w,
+            ActionKind::B => c.i + c.w,
+            ActionKind::Fo => unreachable!("handled above"),
+        }
+    }
+    #[inline]
+    fn comm_ns(&self, stage: StageId, mb: MicrobatchId, kind: ActionKind) -> u64 {
+        match kind {
+            ActionKind::Fo => self.fo[stage.idx() * self.mfo + mb.idx()].1,
+            ActionKind::F => self.cell(stage, mb).fwd_comm,
+            _ => self.cell(stage, mb).bwd_comm,
+        }
+    }
+    #[inline]
+    fn activation(&self, s: StageId, mb: MicrobatchId) -> (f64, f64) {
+        let c = self.cell(s, mb);
+        (c.act_i, c.act_w)
+    }
+    fn optimizer_ns(&self, rank: Rank) -> u64 {
+        self.optimizer[rank.idx()]
+    }
+    fn memory_unit(&self) -> MemoryUnit {
+        MemoryUnit::Bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cost_spec_parses_and_rejects() {
+        let c: UniformCostSpec = "f=1,b=2,w=0.5,comm=0.1".parse().unwrap();
+        assert_eq!((c.f, c.b, c.w, c.comm), (1.0, 2.0, 0.5, 0.1));
+        let e = "f=-1".parse::<UniformCostSpec>().unwrap_err().to_string();
+        assert!(e.contains(">= 0") && e.contains("--costs f"), "{e}");
+        assert!("x=1".parse::<UniformCostSpec>().is_err());
+        assert!("f".parse::<UniformCostSpec>().is_err());
+    }
+}

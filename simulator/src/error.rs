@@ -1,0 +1,66 @@
+//! Errors of the simulator crate.
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What can go wrong while building, checking or simulating a schedule.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    // ---- inputs ----
+    /// A profile, model, hardware or workload problem.
+    #[error(transparent)]
+    Profiles(#[from] flatpipe_profiles::Error),
+    /// An argument or plan field is out of range.
+    #[error("{field} = {value} is invalid: {allowed}")]
+    InvalidArgument {
+        /// The option or field (e.g. `--pp`, `stages[2]`).
+        field: String,
+        /// The offending value.
+        value: String,
+        /// The allowed range, in words, with the numbers involved.
+        allowed: String,
+    },
+
+    // ---- schedules ----
+    /// An action string such as `0F1` does not parse.
+    #[error("`{text}` is not an action: {reason} (expected e.g. 0F1, 3I0, 3W0, 2B1, 1Fo0 or (0F3;1B2)OVERLAP_F_B)")]
+    ParseAction {
+        /// The text.
+        text: String,
+        /// Why.
+        reason: String,
+    },
+    /// A schedule breaks a validity rule.
+    #[error("invalid schedule {schedule}: {reason}")]
+    InvalidSchedule {
+        /// Schedule name.
+        schedule: String,
+        /// The rule broken, naming the rank, position and action.
+        reason: String,
+    },
+    /// The schedule deadlocks: its dependencies form a cycle.
+    #[error("schedule {schedule} deadlocks: {} wait on each other in a cycle ({})", cycle.len(), cycle.join(" -> "))]
+    Deadlock {
+        /// Schedule name.
+        schedule: String,
+        /// The ops on one dependency cycle, e.g. `rank 0: 0B1`.
+        cycle: Vec<String>,
+    },
+
+    // ---- outputs ----
+    /// A chart could not be drawn or written.
+    #[error("{path}: cannot draw chart: {message}")]
+    Plot {
+        /// Output file.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(field: impl Into<String>, value: impl ToString, allowed: impl Into<String>) -> Self {
+        Error::InvalidArgument { field: field.into(), value: value.to_string(), allowed: allowed.into() }
+    }
+}

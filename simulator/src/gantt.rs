@@ -1,0 +1,174 @@
+//! Gantt charts of a timeline (SVG or PNG by the file extension), drawn with plotters.
+//!
+//! One row per rank, top to bottom; F blue, I orange, W green, B purple, Fo grey-blue, an
+//! overlapped pair split in two halves (forward above, backward below), the optimizer step
+//! light grey; the microbatch number on every box wide enough to hold it. Idle time is the
+//! pale row background left uncovered.
+
+use crate::timeline::Timeline;
+use crate::{Error, Result};
+use crate::ir::{Action, ActionKind};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use std::path::Path;
+use std::sync::Once;
+
+static FONT: Once = Once::new();
+
+fn register_font() {
+    FONT.call_once(|| {
+        // DejaVu Sans (Bitstream Vera licence, assets/DejaVuSans-LICENSE.txt): plotters' bitmap
+        // backend needs a font to draw text and we ship one instead of relying on fontconfig.
+        let _ = plotters::style::register_font(
+            "sans-serif",
+            FontStyle::Normal,
+            include_bytes!("../assets/DejaVuSans.ttf"),
+        );
+    });
+}
+
+/// Fill colour of an action kind.
+pub fn color(kind: ActionKind) -> RGBColor {
+    match kind {
+        ActionKind::F => RGBColor(66, 133, 244),
+        ActionKind::I => RGBColor(245, 124, 0),
+        ActionKind::W => RGBColor(56, 142, 60),
+        ActionKind::B => RGBColor(142, 36, 170),
+        ActionKind::Fo => RGBColor(96, 125, 139),
+    }
+}
+
+fn time_unit(makespan_s: f64) -> (f64, &'static str) {
+    if makespan_s >= 1.0 {
+        (1.0, "s")
+    } else if makespan_s >= 1e-3 {
+        (1e3, "ms")
+    } else {
+        (1e6, "µs")
+    }
+}
+
+fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, t: &Timeline) -> std::result::Result<(), String> {
+    let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
+    root.fill(&WHITE).map_err(e)?;
+    let p = t.num_ranks().max(1);
+    let makespan_s = (t.makespan_ns() as f64 * 1e-9).max(1e-12);
+    let (scale, unit) = time_unit(makespan_s);
+    let x_max = makespan_s * scale;
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .margin_left(80)
+        .x_label_area_size(40)
+        .build_cartesian_2d(0f64..x_max, 0f64..p as f64)
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .disable_y_axis()
+        .x_desc(format!("time ({unit})"))
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(e)?;
+    let row = |r: usize| (p - 1 - r) as f64; // bottom of rank r's row
+    let pad = 0.12;
+    // Row backgrounds: what stays visible is idle time.
+    chart
+        .draw_series((0..p).map(|r| Rectangle::new([(0.0, row(r) + pad), (x_max, row(r) + 1.0 - pad)], RGBColor(236, 239, 241).filled())))
+        .map_err(e)?;
+    let px_per_unit = {
+        let (a, _) = chart.backend_coord(&(0.0, 0.0));
+        let (b, _) = chart.backend_coord(&(x_max, 0.0));
+        (b - a).max(1) as f64 / x_max
+    };
+    let label_style = ("sans-serif", 11).into_font().color(&WHITE).pos(Pos::new(HPos::Center, VPos::Center));
+    let mut boxes = Vec::new();
+    let mut labels = Vec::new();
+    for (r, ops) in t.compute.iter().enumerate() {
+        let (y0, y1) = (row(r) + pad, row(r) + 1.0 - pad);
+        for op in ops {
+            let x0 = op.start_ns as f64 * 1e-9 * scale;
+            let x1 = op.end_ns as f64 * 1e-9 * scale;
+            match op.action {
+                Action::Compute(a) => {
+                    boxes.push(Rectangle::new([(x0, y0), (x1, y1)], color(a.kind).filled()));
+                    let text = a.microbatch.to_string();
+                    if (x1 - x0) * px_per_unit >= 7.0 * text.len() as f64 + 2.0 {
+                        labels.push(Text::new(text, ((x0 + x1) / 2.0, (y0 + y1) / 2.0), label_style.clone()));
+                    }
+                }
+                Action::Overlap(f, b) => {
+                    let mid = (y0 + y1) / 2.0;
+                    boxes.push(Rectangle::new([(x0, mid), (x1, y1)], color(f.kind).filled()));
+                    boxes.push(Rectangle::new([(x0, y0), (x1, mid)], color(b.kind).filled()));
+                    if (x1 - x0) * px_per_unit >= 30.0 {
+                        let s = label_style.clone();
+                        labels.push(Text::new(format!("{}/{}", f.microbatch, b.microbatch), ((x0 + x1) / 2.0, mid), s));
+                    }
+                }
+            }
+            // A thin white edge keeps adjacent boxes apart.
+            boxes.push(Rectangle::new([(x0, y0), (x1, y1)], WHITE.stroke_width(1)));
+        }
+        if let Some(Some((a, b))) = t.optimizer.get(r) {
+            let (x0, x1) = (*a as f64 * 1e-9 * scale, *b as f64 * 1e-9 * scale);
+            boxes.push(Rectangle::new([(x0, y0), (x1, y1)], RGBColor(176, 176, 176).filled()));
+        }
+    }
+    chart.draw_series(boxes).map_err(e)?;
+    chart.draw_series(labels).map_err(e)?;
+    // Rank names left of the rows, and a legend under the caption.
+    let name_style = ("sans-serif", 14).into_font().color(&BLACK).pos(Pos::new(HPos::Right, VPos::Center));
+    for r in 0..p {
+        let (x, y) = chart.backend_coord(&(0.0, row(r) + 0.5));
+        root.draw(&Text::new(format!("rank {r}"), (x - 8, y), name_style.clone())).map_err(e)?;
+    }
+    let legend = [("F", color(ActionKind::F)), ("I", color(ActionKind::I)), ("W", color(ActionKind::W)), ("B", color(ActionKind::B)), ("Fo", color(ActionKind::Fo)), ("opt", RGBColor(176, 176, 176))];
+    let (w, _) = root.dim_in_pixel();
+    let mut x = w as i32 - 12 - 52 * legend.len() as i32;
+    for (name, c) in legend {
+        root.draw(&Rectangle::new([(x, 36), (x + 14, 50)], c.filled())).map_err(e)?;
+        root.draw(&Text::new(name, (x + 18, 43), ("sans-serif", 13).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Center)))).map_err(e)?;
+        x += 52;
+    }
+    root.present().map_err(e)?;
+    Ok(())
+}
+
+/// Writes the Gantt chart of `timeline` to `path` (`.svg` or `.png`), atomically (a temporary
+/// file in the same directory, renamed over the target).
+///
+/// # Errors
+/// [`Error::Plot`] if the extension is neither svg nor png or drawing / writing fails.
+pub fn write_gantt(path: &Path, title: &str, timeline: &Timeline) -> Result<()> {
+    register_font();
+    let plot_err = |message: String| Error::Plot { path: path.display().to_string(), message };
+    let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).unwrap_or_default();
+    let rows = timeline.num_ranks().max(1) as u32;
+    let size = (1600u32, 110 + 44 * rows.min(64) + 30);
+    match ext.as_str() {
+        "svg" => {
+            let mut svg = String::new();
+            {
+                let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
+                draw(&root, title, timeline).map_err(plot_err)?;
+            }
+            flatpipe_profiles::write_atomic(path, svg.as_bytes())?;
+        }
+        "png" => {
+            let dir = match path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => Path::new("."),
+            };
+            let tmp = tempfile::Builder::new().suffix(".png").tempfile_in(dir).map_err(|e| plot_err(e.to_string()))?;
+            {
+                let root = BitMapBackend::new(tmp.path(), size).into_drawing_area();
+                draw(&root, title, timeline).map_err(plot_err)?;
+            }
+            tmp.persist(path).map_err(|e| plot_err(e.error.to_string()))?;
+        }
+        other => return Err(plot_err(format!("unknown chart format `{other}`: use a .svg or .png file name"))),
+    }
+    Ok(())
+}

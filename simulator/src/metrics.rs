@@ -1,0 +1,183 @@
+//! Metrics of a replayed step: makespan, bubble ratio, memory, in-flight microbatches and the
+//! lower bound.
+
+use crate::costs::{CostModel, MemoryUnit, ns_to_s};
+use crate::ir::{Action, ActionKind, Rank, Schedule};
+use crate::timeline::Timeline;
+use serde::Serialize;
+
+/// Per-rank metrics.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RankMetrics {
+    /// The rank.
+    pub rank: u32,
+    /// Compute (and optimizer) time, seconds.
+    pub busy_s: f64,
+    /// `1 - busy / makespan`.
+    pub bubble_ratio: f64,
+    /// Peak activation memory in bytes (profile costs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_activation_bytes: Option<f64>,
+    /// Peak activation memory in units of one rank's share of one microbatch (uniform costs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_activation_units: Option<f64>,
+    /// Most microbatches in flight at once: from the end of a microbatch's first F on this rank
+    /// to the end of its last W or B here.
+    pub peak_inflight_microbatches: u32,
+}
+
+/// Metrics of one simulated step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Metrics {
+    /// Step time: end of the last op, seconds.
+    pub makespan_s: f64,
+    /// `1 - Σ busy / (ranks * makespan)`.
+    pub bubble_ratio: f64,
+    /// `max(critical path of one microbatch, max over ranks r of (fill_r + work_r))`, seconds.
+    pub lower_bound_s: f64,
+    /// `makespan / lower_bound - 1`.
+    pub gap_to_lower_bound: f64,
+    /// Per rank.
+    pub ranks: Vec<RankMetrics>,
+}
+
+/// The lower bound on the makespan, ns: `max(critical path of one microbatch, max over ranks r
+/// of (fill_r + work_r))` (DESIGN.md; after the makespan bounds of dslab-dag). The critical path
+/// of a microbatch runs its forwards and transfers through every stage, then its backwards
+/// back (I then W where the schedule splits them, a fused B otherwise). `fill_r` is the least
+/// forward time (with transfers) any microbatch needs to reach rank r's first stage; `work_r` is
+/// all of rank r's compute plus its optimizer step.
+pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
+    use crate::ir::{ComputeAction as CA, MicrobatchId, StageId};
+    let s_count = schedule.num_stages();
+    let m = schedule.num_microbatches;
+    let rank_of = &schedule.placement.rank_of;
+    let mut split = vec![false; (s_count * m) as usize];
+    for a in schedule.ranks.iter().flatten().flat_map(Action::parts) {
+        if a.kind == ActionKind::I {
+            split[(a.stage.0 * m + a.microbatch.0) as usize] = true;
+        }
+    }
+    let crosses = |s: u32, t: u32| rank_of[s as usize] != rank_of[t as usize];
+    let first_stage: Vec<u32> = (0..schedule.placement.num_ranks)
+        .map(|r| schedule.placement.stages_of(Rank(r)).first().map_or(u32::MAX, |s| s.0))
+        .collect();
+    let mut fill = vec![u64::MAX; first_stage.len()];
+    let mut critical = 0u64;
+    let mut chain = |kind: ActionKind, count: u32| {
+        for mb in 0..count {
+            let mut t = 0u64;
+            for s in 0..s_count {
+                let r = rank_of[s as usize].idx();
+                if first_stage[r] == s {
+                    fill[r] = fill[r].min(t);
+                }
+                t += costs.compute_ns(CA { stage: StageId(s), microbatch: MicrobatchId(mb), kind });
+                if s + 1 < s_count && crosses(s, s + 1) {
+                    t += costs.comm_ns(StageId(s), MicrobatchId(mb), kind);
+                }
+            }
+            critical = critical.max(t);
+            if kind == ActionKind::Fo {
+                continue;
+            }
+            for s in (0..s_count).rev() {
+                let id = |kind| CA { stage: StageId(s), microbatch: MicrobatchId(mb), kind };
+                let is_split = split[(s * m + mb) as usize];
+                t += costs.compute_ns(id(if is_split { ActionKind::I } else { ActionKind::B }));
+                let w = if is_split { costs.compute_ns(id(ActionKind::W)) } else { 0 };
+                critical = critical.max(t + w);
+                if s > 0 && crosses(s, s - 1) {
+                    t += costs.comm_ns(StageId(s), MicrobatchId(mb), if is_split { ActionKind::I } else { ActionKind::B });
+                }
+            }
+        }
+    };
+    chain(ActionKind::F, m);
+    chain(ActionKind::Fo, schedule.num_fo_microbatches);
+    let mut bound = critical;
+    for (r, actions) in schedule.ranks.iter().enumerate() {
+        let work: u64 = actions
+            .iter()
+            .map(|a| match *a {
+                Action::Compute(c) => costs.compute_ns(c),
+                Action::Overlap(f, b) => costs.overlap_ns(f, b),
+            })
+            .sum::<u64>()
+            + costs.optimizer_ns(Rank(r as u32));
+        let f = if fill[r] == u64::MAX { 0 } else { fill[r] };
+        bound = bound.max(f + work);
+    }
+    bound
+}
+
+/// Computes the metrics of `timeline`, the replay of `schedule` under `costs`.
+pub fn metrics<C: CostModel>(schedule: &Schedule, costs: &C, timeline: &Timeline) -> Metrics {
+    let makespan = timeline.makespan_ns();
+    let p = timeline.num_ranks();
+    let m = schedule.num_microbatches as usize;
+    let unit = costs.memory_unit();
+    let mut ranks = Vec::with_capacity(p);
+    let mut total_busy = 0u64;
+    let mut seen = vec![false; m];
+    let mut remaining = vec![0u32; m];
+    for r in 0..p {
+        let busy = timeline.busy_ns(r);
+        total_busy += busy;
+        let v = schedule.placement.stages_of(Rank(r as u32)).len() as u32;
+        seen.fill(false);
+        remaining.fill(v);
+        let (mut cur, mut peak) = (0.0f64, 0.0f64);
+        let (mut inflight, mut peak_inflight) = (0u32, 0u32);
+        for op in &timeline.compute[r] {
+            for a in op.action.parts().filter(|a| a.kind == ActionKind::F) {
+                let (ai, aw) = costs.activation(a.stage, a.microbatch);
+                cur += ai + aw;
+                let k = a.microbatch.idx();
+                if !seen[k] {
+                    seen[k] = true;
+                    inflight += 1;
+                }
+            }
+            peak = peak.max(cur);
+            peak_inflight = peak_inflight.max(inflight);
+            for a in op.action.parts() {
+                let (ai, aw) = costs.activation(a.stage, a.microbatch);
+                let (freed, last) = match a.kind {
+                    ActionKind::I => (ai, false),
+                    ActionKind::W => (aw, true),
+                    ActionKind::B => (ai + aw, true),
+                    ActionKind::F | ActionKind::Fo => (0.0, false),
+                };
+                cur -= freed;
+                if last {
+                    let k = a.microbatch.idx();
+                    remaining[k] -= 1;
+                    if remaining[k] == 0 {
+                        inflight -= 1;
+                    }
+                }
+            }
+        }
+        let (bytes, units) = match unit {
+            MemoryUnit::Bytes => (Some(peak), None),
+            MemoryUnit::Units => (None, Some(peak)),
+        };
+        ranks.push(RankMetrics {
+            rank: r as u32,
+            busy_s: ns_to_s(busy),
+            bubble_ratio: if makespan == 0 { 0.0 } else { 1.0 - busy as f64 / makespan as f64 },
+            peak_activation_bytes: bytes,
+            peak_activation_units: units,
+            peak_inflight_microbatches: peak_inflight,
+        });
+    }
+    let lb = lower_bound_ns(schedule, costs);
+    Metrics {
+        makespan_s: ns_to_s(makespan),
+        bubble_ratio: if makespan == 0 { 0.0 } else { 1.0 - total_busy as f64 / (p as f64 * makespan as f64) },
+        lower_bound_s: ns_to_s(lb),
+        gap_to_lower_bound: if lb == 0 { 0.0 } else { makespan as f64 / lb as f64 - 1.0 },
+        ranks,
+    }
+}

@@ -1,0 +1,204 @@
+//! The plan file: everything needed to run one pipeline configuration on a workload.
+
+use crate::generators::ScheduleKind;
+use crate::ir::PlacementKind;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// How a step's sequences become microbatches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Microbatching {
+    /// Exactly this many microbatches, balanced by predicted cost (attention included).
+    Microbatches(u32),
+    /// The fewest microbatches of at most this many tokens (first-fit decreasing).
+    TokenBudget(u64),
+}
+
+/// A contiguous range of the model's layer list `[start, end)` (0 is the embedding, the last
+/// is the head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageLayers {
+    /// First layer of the stage.
+    pub start: usize,
+    /// One past the last layer of the stage.
+    pub end: usize,
+}
+
+/// A pipeline plan (YAML), read by `flatpipe simulate --plan` (and later written by the planner
+/// and run by the executor).
+///
+/// ```yaml
+/// model: llama3.1-8b        # or `profile: my-profile.yaml`
+/// hardware: h200
+/// workload: sharegpt-v3
+/// pp: 4
+/// vpp: 1
+/// placement: loop
+/// schedule: 1f1b
+/// stages:                   # layer ranges [start, end) of stages 0..pp*vpp
+///   - {start: 0, end: 9}
+///   - {start: 9, end: 18}
+///   - {start: 18, end: 26}
+///   - {start: 26, end: 34}
+/// microbatching: {token_budget: 16384}
+/// seqs_per_step: 128
+/// seed: 0
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    /// Model (file or built-in name); with `hardware`, selects the analytic profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Hardware (file or built-in name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware: Option<String>,
+    /// A profile file or built-in profile name; overrides `model` and `hardware`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    /// Workload (file or built-in name).
+    pub workload: String,
+    /// Pipeline-parallel degree: ranks.
+    pub pp: u32,
+    /// Stages per rank (virtual stages).
+    #[serde(default = "one")]
+    pub vpp: u32,
+    /// Stage -> rank layout.
+    pub placement: PlacementKind,
+    /// Schedule family.
+    pub schedule: ScheduleKind,
+    /// Layer range of every stage, in stage order.
+    pub stages: Vec<StageLayers>,
+    /// How the step is cut into microbatches.
+    pub microbatching: Microbatching,
+    /// Sequences per step (default: the workload's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seqs_per_step: Option<u32>,
+    /// Tokens per step (instead of sequences).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_step: Option<u64>,
+    /// Seed of the step sampler.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl Plan {
+    /// Parses a plan file's text. `origin` names the file in errors.
+    ///
+    /// # Errors
+    /// [`flatpipe_profiles::Error::Yaml`] (wrapped) for malformed YAML.
+    pub fn from_yaml(text: &str, origin: &str) -> Result<Self> {
+        serde_yaml::from_str(text)
+            .map_err(|e| flatpipe_profiles::Error::Yaml { path: origin.into(), message: e.to_string() }.into())
+    }
+
+    /// The plan as YAML text.
+    ///
+    /// # Errors
+    /// [`flatpipe_profiles::Error::Yaml`] (wrapped) if serialization fails.
+    pub fn to_yaml(&self) -> Result<String> {
+        serde_yaml::to_string(self)
+            .map_err(|e| flatpipe_profiles::Error::Yaml { path: "plan".into(), message: e.to_string() }.into())
+    }
+
+    /// The stages' layer ranges.
+    pub fn stage_ranges(&self) -> Vec<Range<usize>> {
+        self.stages.iter().map(|s| s.start..s.end).collect()
+    }
+
+    /// Checks the plan against a model of `num_layers` layers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the field and the allowed range.
+    pub fn validate(&self, origin: &str, num_layers: usize) -> Result<()> {
+        let field = |f: &str| format!("{origin}: {f}");
+        if self.pp == 0 {
+            return Err(Error::invalid(field("pp"), 0, ">= 1 rank"));
+        }
+        if self.vpp == 0 {
+            return Err(Error::invalid(field("vpp"), 0, ">= 1 stage per rank"));
+        }
+        let want = self.schedule.stages_per_rank(self.vpp) * self.pp;
+        if self.stages.len() != want as usize {
+            return Err(Error::invalid(
+                field("stages"),
+                format!("{} stages", self.stages.len()),
+                format!("{} x {} = {want} stages for schedule {}", self.pp, self.schedule.stages_per_rank(self.vpp), self.schedule),
+            ));
+        }
+        let mut next = 0;
+        for (i, s) in self.stages.iter().enumerate() {
+            if s.start != next || s.end <= s.start || s.end > num_layers {
+                return Err(Error::invalid(
+                    field(&format!("stages[{i}]")),
+                    format!("{{start: {}, end: {}}}", s.start, s.end),
+                    format!("stages must cover layers 0..{num_layers} in order, each non-empty; this one must start at {next}"),
+                ));
+            }
+            next = s.end;
+        }
+        if next != num_layers {
+            return Err(Error::invalid(field("stages"), format!("ends at layer {next}"), format!("must cover all {num_layers} layers")));
+        }
+        if self.placement != self.schedule.placement() {
+            return Err(Error::invalid(
+                field("placement"),
+                format!("{:?}", self.placement).to_lowercase(),
+                format!("schedule {} uses {:?} placement", self.schedule, self.schedule.placement()).to_lowercase(),
+            ));
+        }
+        match self.microbatching {
+            Microbatching::Microbatches(0) => Err(Error::invalid(field("microbatching.microbatches"), 0, ">= 1")),
+            Microbatching::TokenBudget(0) => Err(Error::invalid(field("microbatching.token_budget"), 0, ">= 1 token")),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Splits `num_layers` layers into `num_stages` contiguous stages whose layer counts differ by
+/// at most one (earlier stages get the extra layers).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] if there are more stages than layers or no stages.
+pub fn even_split(num_layers: usize, num_stages: usize) -> Result<Vec<Range<usize>>> {
+    if num_stages == 0 {
+        return Err(Error::invalid("stages", 0, ">= 1"));
+    }
+    if num_stages > num_layers {
+        return Err(Error::invalid(
+            "stages (pp x vpp)",
+            num_stages,
+            format!("at most the model's {num_layers} layers (embedding, decoders and head), one layer or more per stage"),
+        ));
+    }
+    let (q, r) = (num_layers / num_stages, num_layers % num_stages);
+    let mut start = 0;
+    Ok((0..num_stages)
+        .map(|s| {
+            let len = q + usize::from(s < r);
+            let range = start..start + len;
+            start += len;
+            range
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_split_covers_every_layer_once() {
+        assert_eq!(even_split(34, 4).unwrap(), vec![0..9, 9..18, 18..26, 26..34]);
+        assert_eq!(even_split(10, 3).unwrap(), vec![0..4, 4..7, 7..10]);
+        let e = even_split(34, 35).unwrap_err().to_string();
+        assert!(e.contains("35") && e.contains("34 layers"), "{e}");
+    }
+}

@@ -1,0 +1,248 @@
+//! Replay: the step's timeline as the longest path through its dependency DAG.
+//!
+//! The DAG (see [`crate::dag`]) has one node per compute action and per transfer, and edges for
+//! (1) data dependencies: F(s) -> F(s+1); I or B of stage s+1 -> I or B of s; F -> I or B and
+//! I -> W on one stage; (2) each rank's action order; (3) each link's FIFO order: one link per
+//! ordered rank pair, transfers in the order the sender issues them. An op starts when all its
+//! predecessors have ended; its end is its start plus its duration.
+//!
+//! This module computes exactly that longest path without materialising the graph: every
+//! rank's predecessor in program order is its previous op, and a link's FIFO predecessor is the
+//! previous transfer the same sender issued on it, so a topological order is produced by
+//! advancing each rank's program counter while its next action's data are ready, waking a rank
+//! when data it waits for arrive. Each op is visited once: `O(ops)`. The petgraph DAG in
+//! [`crate::dag`] computes the same times and is the cross-check in the tests; when ranks stop
+//! with work left, it finds the dependency cycle to report.
+
+use crate::costs::CostModel;
+use crate::ir::{Action, ActionKind, ComputeAction, Rank, Schedule};
+use crate::timeline::{TimedOp, TimedTransfer, Timeline};
+use crate::{Result, dag};
+use std::collections::VecDeque;
+
+const UNSET: u64 = u64::MAX;
+
+struct State<'a, C: CostModel> {
+    schedule: &'a Schedule,
+    costs: &'a C,
+    s_count: usize,
+    m: usize,
+    mfo: usize,
+    rank_of: Vec<u32>,
+    /// Time the activation of (stage, mb) is available at that stage.
+    act_ready: Vec<u64>,
+    /// Time the output gradient of (stage, mb) is available at that stage.
+    grad_ready: Vec<u64>,
+    f_end: Vec<u64>,
+    i_end: Vec<u64>,
+    fo_ready: Vec<u64>,
+    /// Per sender rank: (receiver, time the link is free).
+    links: Vec<Vec<(u32, u64)>>,
+    timeline: Timeline,
+    wake: Vec<u32>,
+}
+
+impl<C: CostModel> State<'_, C> {
+    /// Time the data `a` needs are available, or None if they are not yet.
+    #[inline]
+    fn ready(&self, a: ComputeAction) -> Option<u64> {
+        let (s, mb) = (a.stage.idx(), a.microbatch.idx());
+        let t = match a.kind {
+            ActionKind::F => self.act_ready[s * self.m + mb],
+            ActionKind::Fo => self.fo_ready[s * self.mfo + mb],
+            ActionKind::I | ActionKind::B => {
+                let f = self.f_end[s * self.m + mb];
+                let g = self.grad_ready[s * self.m + mb];
+                if f == UNSET || g == UNSET { UNSET } else { f.max(g) }
+            }
+            ActionKind::W => self.i_end[s * self.m + mb],
+        };
+        (t != UNSET).then_some(t)
+    }
+
+    #[inline]
+    fn send(&mut self, from: u32, to_stage: usize, a: ComputeAction, end: u64) -> u64 {
+        let to = self.rank_of[to_stage];
+        if to == from {
+            return end;
+        }
+        let dur = self.costs.comm_ns(a.stage, a.microbatch, a.kind);
+        let links = &mut self.links[from as usize];
+        let slot = match links.iter().position(|(r, _)| *r == to) {
+            Some(i) => i,
+            None => {
+                links.push((to, 0));
+                links.len() - 1
+            }
+        };
+        let start = end.max(links[slot].1);
+        let arrive = start + dur;
+        links[slot].1 = arrive;
+        self.timeline.transfers.push(TimedTransfer {
+            from: Rank(from),
+            to: Rank(to),
+            stage: a.stage,
+            microbatch: a.microbatch,
+            kind: a.kind,
+            start_ns: start,
+            end_ns: arrive,
+        });
+        self.wake.push(to);
+        arrive
+    }
+
+    #[inline]
+    fn complete(&mut self, r: u32, a: ComputeAction, end: u64) {
+        let (s, mb) = (a.stage.idx(), a.microbatch.idx());
+        match a.kind {
+            ActionKind::F => {
+                self.f_end[s * self.m + mb] = end;
+                if s + 1 < self.s_count {
+                    let t = self.send(r, s + 1, a, end);
+                    self.act_ready[(s + 1) * self.m + mb] = t;
+                } else {
+                    // The loss gradient is available once the last stage's forward ends.
+                    self.grad_ready[s * self.m + mb] = end;
+                }
+            }
+            ActionKind::Fo => {
+                if s + 1 < self.s_count {
+                    let t = self.send(r, s + 1, a, end);
+                    self.fo_ready[(s + 1) * self.mfo + mb] = t;
+                }
+            }
+            ActionKind::I | ActionKind::B => {
+                if a.kind == ActionKind::I {
+                    self.i_end[s * self.m + mb] = end;
+                }
+                if s > 0 {
+                    let t = self.send(r, s - 1, a, end);
+                    self.grad_ready[(s - 1) * self.m + mb] = t;
+                }
+            }
+            ActionKind::W => {}
+        }
+    }
+}
+
+/// Replays `schedule` under `costs` and returns its timeline. The schedule should have passed
+/// [`Schedule::validate`]; each rank's optimizer step (if its cost is non-zero) follows its last
+/// action.
+///
+/// # Errors
+/// [`crate::Error::Deadlock`] naming the actions on a dependency cycle when the schedule
+/// cannot finish.
+pub fn replay<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Timeline> {
+    let p = schedule.placement.num_ranks as usize;
+    let s_count = schedule.num_stages() as usize;
+    let m = schedule.num_microbatches as usize;
+    let mfo = schedule.num_fo_microbatches as usize;
+    let mut st = State {
+        schedule,
+        costs,
+        s_count,
+        m,
+        mfo,
+        rank_of: schedule.placement.rank_of.iter().map(|r| r.0).collect(),
+        act_ready: vec![UNSET; s_count * m],
+        grad_ready: vec![UNSET; s_count * m],
+        f_end: vec![UNSET; s_count * m],
+        i_end: vec![UNSET; s_count * m],
+        fo_ready: vec![UNSET; s_count * mfo],
+        links: vec![Vec::new(); p],
+        timeline: Timeline {
+            compute: schedule.ranks.iter().map(|a| Vec::with_capacity(a.len())).collect(),
+            transfers: Vec::with_capacity(schedule.num_compute_actions()),
+            optimizer: vec![None; p],
+        },
+        wake: Vec::new(),
+    };
+    st.act_ready[..m].fill(0);
+    st.fo_ready[..mfo].fill(0);
+    let mut pc = vec![0usize; p];
+    let mut clock = vec![0u64; p];
+    let mut queued = vec![true; p];
+    let mut queue: VecDeque<u32> = (0..p as u32).collect();
+    while let Some(r) = queue.pop_front() {
+        let ri = r as usize;
+        queued[ri] = false;
+        let actions = &st.schedule.ranks[ri];
+        while pc[ri] < actions.len() {
+            let action = actions[pc[ri]];
+            let (start, dur) = match action {
+                Action::Compute(a) => match st.ready(a) {
+                    Some(t) => (t.max(clock[ri]), st.costs.compute_ns(a)),
+                    None => break,
+                },
+                Action::Overlap(a, b) => match (st.ready(a), st.ready(b)) {
+                    (Some(ta), Some(tb)) => (ta.max(tb).max(clock[ri]), st.costs.overlap_ns(a, b)),
+                    _ => break,
+                },
+            };
+            let end = start + dur;
+            st.timeline.compute[ri].push(TimedOp { action, start_ns: start, end_ns: end });
+            clock[ri] = end;
+            pc[ri] += 1;
+            for a in action.parts() {
+                st.complete(r, a, end);
+            }
+            for w in st.wake.drain(..) {
+                if !queued[w as usize] {
+                    queued[w as usize] = true;
+                    queue.push_back(w);
+                }
+            }
+        }
+    }
+    if (0..p).any(|r| pc[r] < schedule.ranks[r].len()) {
+        return Err(dag::deadlock_error(schedule));
+    }
+    for r in 0..p {
+        let opt = costs.optimizer_ns(Rank(r as u32));
+        if opt > 0 {
+            st.timeline.optimizer[r] = Some((clock[r], clock[r] + opt));
+        }
+    }
+    Ok(st.timeline)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::costs::{UniformCostSpec, UniformCosts};
+    use crate::generators::{gpipe, one_f_one_b};
+    use crate::ir::{Placement, Schedule};
+
+    fn uniform(f: f64, b: f64, w: f64, comm: f64) -> UniformCosts {
+        UniformCosts::new(&UniformCostSpec { f, b, w, comm, fb: None, fo: None }, 1)
+    }
+
+    #[test]
+    fn closed_forms_small() {
+        // (m + p - 1)(f + b + w): GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021.
+        for (p, m) in [(1, 1), (4, 8), (4, 2), (3, 7)] {
+            for s in [gpipe(p, m), one_f_one_b(p, m)] {
+                let t = replay(&s, &uniform(1.0, 2.0, 1.0, 0.0)).unwrap();
+                assert_eq!(t.makespan_ns(), (m + p - 1) as u64 * 4_000_000_000, "{} p={p} m={m}", s.name);
+            }
+        }
+    }
+
+    #[test]
+    fn comm_delays_each_hop() {
+        // One microbatch through p ranks: p forwards, p backwards, 2(p - 1) transfers.
+        let t = replay(&one_f_one_b(4, 1), &uniform(1.0, 1.0, 0.0, 0.5)).unwrap();
+        assert_eq!(t.makespan_ns(), 8_000_000_000 + 6 * 500_000_000);
+        assert_eq!(t.transfers.len(), 6);
+    }
+
+    #[test]
+    fn wrong_order_deadlocks_and_names_the_cycle() {
+        // Rank 1 wants the backward of microbatch 0 before running its forward.
+        let mut s: Schedule = one_f_one_b(2, 1);
+        s.ranks[1].swap(0, 1);
+        assert_eq!(s.placement, Placement::looped(2, 1));
+        let e = replay(&s, &uniform(1.0, 1.0, 1.0, 0.0)).unwrap_err().to_string();
+        assert!(e.contains("deadlocks") && e.contains("1B0") && e.contains("1F0"), "{e}");
+    }
+}
