@@ -126,11 +126,11 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, t: &Time
     }
     let legend = [("F", color(ActionKind::F)), ("I", color(ActionKind::I)), ("W", color(ActionKind::W)), ("B", color(ActionKind::B)), ("Fo", color(ActionKind::Fo)), ("opt", RGBColor(176, 176, 176))];
     let (w, _) = root.dim_in_pixel();
-    let mut x = w as i32 - 12 - 52 * legend.len() as i32;
+    let mut x = w as i32 - 24 - 56 * legend.len() as i32;
     for (name, c) in legend {
         root.draw(&Rectangle::new([(x, 36), (x + 14, 50)], c.filled())).map_err(e)?;
         root.draw(&Text::new(name, (x + 18, 43), ("sans-serif", 13).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Center)))).map_err(e)?;
-        x += 52;
+        x += 56;
     }
     root.present().map_err(e)?;
     Ok(())
