@@ -234,7 +234,7 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
         let seed = a.seed.or(plan.as_ref().map(|p| p.seed)).unwrap_or(workload.seed);
         let seqs = workload.sample_step(seed, 0, size);
         let mbing = match &plan {
-            Some(p) => p.microbatching,
+            Some(p) => p.microbatching()?,
             None => match (a.microbatches, a.token_budget) {
                 (Some(m), _) => Microbatching::Microbatches(m),
                 (None, Some(t)) => Microbatching::TokenBudget(t),

@@ -1,1 +1,5 @@
+//! flatpipe's integration tests: one binary, modules by topic.
 
+mod cli;
+mod closed_forms;
+mod properties;

@@ -24,9 +24,9 @@ pub fn s_to_ns(s: f64) -> u64 {
     (s * 1e9).round().max(0.0) as u64
 }
 
-/// Integer nanoseconds to seconds.
+/// Integer nanoseconds to seconds (a division, so whole multiples of 1e9 stay exact).
 pub fn ns_to_s(ns: u64) -> f64 {
-    ns as f64 * 1e-9
+    ns as f64 / 1e9
 }
 
 /// The unit activation memory is reported in.

@@ -7,8 +7,7 @@ use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
 /// How a step's sequences become microbatches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Microbatching {
     /// Exactly this many microbatches, balanced by predicted cost (attention included).
     Microbatches(u32),
@@ -43,7 +42,7 @@ pub struct StageLayers {
 ///   - {start: 9, end: 18}
 ///   - {start: 18, end: 26}
 ///   - {start: 26, end: 34}
-/// microbatching: {token_budget: 16384}
+/// token_budget: 16384            # or `microbatches: 8`
 /// seqs_per_step: 128
 /// seed: 0
 /// ```
@@ -72,8 +71,13 @@ pub struct Plan {
     pub schedule: ScheduleKind,
     /// Layer range of every stage, in stage order.
     pub stages: Vec<StageLayers>,
-    /// How the step is cut into microbatches.
-    pub microbatching: Microbatching,
+    /// Exactly this many microbatches per step, balanced by predicted cost (give this or
+    /// `token_budget`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub microbatches: Option<u32>,
+    /// The fewest microbatches of at most this many tokens (first-fit decreasing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_budget: Option<u64>,
     /// Sequences per step (default: the workload's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seqs_per_step: Option<u32>,
@@ -106,6 +110,20 @@ impl Plan {
     pub fn to_yaml(&self) -> Result<String> {
         serde_yaml::to_string(self)
             .map_err(|e| flatpipe_profiles::Error::Yaml { path: "plan".into(), message: e.to_string() }.into())
+    }
+
+    /// How the step is cut into microbatches (`token_budget` or `microbatches`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] unless exactly one of the two is given, and it is >= 1.
+    pub fn microbatching(&self) -> Result<Microbatching> {
+        match (self.microbatches, self.token_budget) {
+            (Some(0), None) => Err(Error::invalid("microbatches", 0, ">= 1")),
+            (None, Some(0)) => Err(Error::invalid("token_budget", 0, ">= 1 token")),
+            (Some(m), None) => Ok(Microbatching::Microbatches(m)),
+            (None, Some(t)) => Ok(Microbatching::TokenBudget(t)),
+            _ => Err(Error::invalid("microbatches / token_budget", "both or neither", "give exactly one of the two")),
+        }
     }
 
     /// The stages' layer ranges.
@@ -154,11 +172,11 @@ impl Plan {
                 format!("schedule {} uses {:?} placement", self.schedule, self.schedule.placement()).to_lowercase(),
             ));
         }
-        match self.microbatching {
-            Microbatching::Microbatches(0) => Err(Error::invalid(field("microbatching.microbatches"), 0, ">= 1")),
-            Microbatching::TokenBudget(0) => Err(Error::invalid(field("microbatching.token_budget"), 0, ">= 1 token")),
-            _ => Ok(()),
-        }
+        self.microbatching().map_err(|e| match e {
+            Error::InvalidArgument { field: f, value, allowed } => Error::InvalidArgument { field: field(&f), value, allowed },
+            other => other,
+        })?;
+        Ok(())
     }
 }
 

@@ -1,0 +1,174 @@
+//! End-to-end tests of the `flatpipe` command.
+
+use serde_json::Value;
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn flatpipe(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_flatpipe")).args(args).current_dir(dir).output().expect("run flatpipe")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn json(o: &Output) -> Value {
+    assert!(o.status.success(), "exit {:?}: {}", o.status.code(), stderr(o));
+    serde_json::from_slice(&o.stdout).expect("JSON on stdout")
+}
+
+#[test]
+fn default_simulate_compares_schedules_and_draws_the_best() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(dir.path(), &["simulate"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("llama3.1-8b") && out.contains("seed 0") && out.contains("128 sequences"), "{out}");
+    assert!(out.contains("1f1b") && out.contains("gpipe"), "{out}");
+    let png = std::fs::read(dir.path().join("flatpipe-gantt.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+}
+
+#[test]
+fn uniform_costs_json_matches_the_closed_form() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--costs", "f=1,b=1,w=1,comm=0", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b,gpipe", "--format", "json", "--gantt", "g.svg", "--trace", "t.json"],
+    );
+    let v = json(&o);
+    let list = v.as_array().unwrap();
+    assert_eq!(list.len(), 2);
+    for r in list {
+        // (m + p - 1)(f + b + w) = 11 * 3; bubble (p - 1) / (m + p - 1) = 3 / 11.
+        assert_eq!(r["makespan_s"], 33.0);
+        assert!((r["bubble_ratio"].as_f64().unwrap() - 3.0 / 11.0).abs() < 1e-12);
+        assert_eq!(r["pp"], 4);
+        assert_eq!(r["microbatches"], 8);
+        let ranks = r["ranks"].as_array().unwrap();
+        assert_eq!(ranks.len(), 4);
+        assert!(ranks[0]["peak_activation_units"].is_number());
+        assert!(ranks[0].get("peak_activation_bytes").is_none());
+    }
+    let one = list.iter().find(|r| r["schedule"] == "1f1b").unwrap();
+    assert_eq!(one["ranks"][0]["peak_inflight_microbatches"], 4);
+    assert_eq!(one["lower_bound_s"], 3.0 + 24.0);
+    // The SVG and the trace exist, and the trace names actions in PyTorch notation.
+    assert!(std::fs::read_to_string(dir.path().join("g.svg")).unwrap().starts_with("<svg"));
+    assert!(dir.path().join("g-1f1b.svg").exists() && dir.path().join("g-gpipe.svg").exists());
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("t.json")).unwrap()).unwrap();
+    let names: Vec<&str> = trace["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+    assert!(names.contains(&"0F0") && names.contains(&"3B7") && names.contains(&"process_name"));
+}
+
+#[test]
+fn costs_refuse_workload_options() {
+    let dir = tempfile::tempdir().unwrap();
+    for extra in [["--workload", "sharegpt-v3"], ["--token-budget", "4096"], ["--seqs-per-step", "8"], ["--tokens-per-step", "9000"]] {
+        let mut args = vec!["simulate", "--costs", "f=1"];
+        args.extend(extra);
+        let o = flatpipe(dir.path(), &args);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}");
+        assert!(stderr(&o).contains(extra[0]), "{}", stderr(&o));
+    }
+}
+
+#[test]
+fn bad_input_is_a_clear_error_with_exit_code_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (&["simulate", "--costs", "f=-1"], ">= 0"),
+        (&["simulate", "--costs", "f=1", "--pp", "0"], "pp"),
+        (&["simulate", "--pp", "0"], ">= 1 rank"),
+        (&["simulate", "--pp", "40"], "34 layers"),
+        (&["simulate", "--schedule", "zigzag"], "one of gpipe, 1f1b"),
+        (&["simulate", "--model", "gpt-9"], "llama3.1-8b"),
+        (&["simulate", "--token-budget", "0"], "--token-budget"),
+        (&["simulate", "--microbatches", "500"], "in 1..=128"),
+        (&["simulate", "--gantt", "chart.jpg"], "svg or .png"),
+    ];
+    for (args, needle) in cases {
+        let o = flatpipe(dir.path(), args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(needle), "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{args:?}");
+    }
+}
+
+#[test]
+fn malformed_files_name_the_file_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("m.yaml"), "name: x\ndtype: bf16\nlayers: [\n").unwrap();
+    let o = flatpipe(dir.path(), &["simulate", "--model", "m.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("m.yaml: invalid YAML"), "{}", stderr(&o));
+    std::fs::write(dir.path().join("h.yaml"), "name: x\nmemory_bytes: 1\npeak_flops: -5\nhbm_bytes_per_s: 1\ngpus_per_node: 8\nintra_node: {alpha_s: 0, beta_bytes_per_s: 1}\ninter_node: {alpha_s: 0, beta_bytes_per_s: 1}\n").unwrap();
+    let o = flatpipe(dir.path(), &["simulate", "--hardware", "h.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("h.yaml: field `peak_flops` = -5"), "{}", stderr(&o));
+    std::fs::write(dir.path().join("w.csv"), "tokens\n100\n-3\n").unwrap();
+    let o = flatpipe(dir.path(), &["simulate", "--workload", "w.csv"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("w.csv") && stderr(&o).contains("row 3"), "{}", stderr(&o));
+}
+
+const PLAN: &str = "model: llama3.1-8b
+hardware: h200
+workload: sharegpt-v3
+pp: 2
+placement: loop
+schedule: 1f1b
+stages:
+  - {start: 0, end: 18}
+  - {start: 18, end: 34}
+microbatches: 8
+seqs_per_step: 64
+seed: 3
+";
+
+#[test]
+fn plan_files_run_and_are_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("plan.yaml"), PLAN).unwrap();
+    let v = json(&flatpipe(dir.path(), &["simulate", "--plan", "plan.yaml", "--format", "json"]));
+    assert_eq!(v[0]["schedule"], "1f1b");
+    assert_eq!(v[0]["pp"], 2);
+    assert_eq!(v[0]["microbatches"], 8);
+    assert!(v[0]["ranks"][1]["peak_activation_bytes"].as_f64().unwrap() > 0.0);
+    // A gap in the layer ranges.
+    std::fs::write(dir.path().join("bad.yaml"), PLAN.replace("{start: 18, end: 34}", "{start: 19, end: 34}")).unwrap();
+    let o = flatpipe(dir.path(), &["simulate", "--plan", "bad.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("bad.yaml: stages[1]") && stderr(&o).contains("must start at 18"), "{}", stderr(&o));
+    // --plan excludes the options it sets.
+    let o = flatpipe(dir.path(), &["simulate", "--plan", "plan.yaml", "--pp", "4"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn same_seed_same_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |seed: &str| flatpipe(dir.path(), &["simulate", "--workload", "sharegpt-v3-merged", "--seed", seed, "--format", "json"]).stdout;
+    assert_eq!(run("7"), run("7"));
+    assert_ne!(run("7"), run("8"));
+}
+
+#[test]
+fn builtins_lists_every_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = json(&flatpipe(dir.path(), &["builtins", "--format", "json"]));
+    let names: Vec<&str> = v.as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap()).collect();
+    for n in ["llama3.1-8b", "llama3.1-70b", "h200", "sharegpt-v3", "sharegpt-v3-merged", "llama3.1-8b@h200"] {
+        assert!(names.contains(&n), "{n} missing from {names:?}");
+    }
+}
+
+#[test]
+fn every_subcommand_has_help() {
+    let dir = tempfile::tempdir().unwrap();
+    for sub in [vec!["--help"], vec!["simulate", "--help"], vec!["builtins", "--help"]] {
+        let o = flatpipe(dir.path(), &sub);
+        assert!(o.status.success());
+        assert!(String::from_utf8_lossy(&o.stdout).contains("Usage"));
+    }
+}

@@ -1,0 +1,89 @@
+//! Property tests over every generator: validity, dependencies in the timeline, the lower
+//! bound, IR round trips.
+
+use flatpipe::simulator::dag::Dag;
+use flatpipe::simulator::ir::{Action, ActionKind, ComputeAction};
+use flatpipe::simulator::{ScheduleKind, UniformCostSpec, UniformCosts, simulate};
+use proptest::prelude::*;
+use std::collections::HashMap;
+
+fn kind() -> impl Strategy<Value = ScheduleKind> {
+    prop::sample::select(ScheduleKind::ALL.to_vec())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn every_generator_is_valid_and_respects_dependencies(
+        kind in kind(), p in 1u32..=12, m in 1u32..=48,
+        f in 1u32..5, b in 1u32..5, w in 0u32..4, comm in 0u32..3,
+    ) {
+        let schedule = kind.generate(p, m).unwrap();
+        // Each (stage, microbatch) has exactly one F and one backward, counted independently of
+        // the validator.
+        let mut count: HashMap<(u32, u32, ActionKind), u32> = HashMap::new();
+        for a in schedule.ranks.iter().flatten().flat_map(|a| a.parts().collect::<Vec<_>>()) {
+            *count.entry((a.stage.0, a.microbatch.0, a.kind)).or_default() += 1;
+        }
+        for s in 0..schedule.num_stages() {
+            for mb in 0..m {
+                prop_assert_eq!(count.get(&(s, mb, ActionKind::F)).copied(), Some(1));
+                let b = count.get(&(s, mb, ActionKind::B)).copied().unwrap_or(0);
+                let i = count.get(&(s, mb, ActionKind::I)).copied().unwrap_or(0);
+                let wc = count.get(&(s, mb, ActionKind::W)).copied().unwrap_or(0);
+                prop_assert!((b, i, wc) == (1, 0, 0) || (b, i, wc) == (0, 1, 1));
+            }
+        }
+        let spec = UniformCostSpec { f: f as f64, b: b as f64, w: w as f64, comm: comm as f64, fb: None, fo: None };
+        let costs = UniformCosts::new(&spec, 1);
+        let sim = simulate(&schedule, &costs).unwrap();
+        // Ops of one rank never overlap; every dependency ends before its dependant starts.
+        let mut end: HashMap<(u32, u32, ActionKind), (u64, u64, u32)> = HashMap::new();
+        for (r, ops) in sim.timeline.compute.iter().enumerate() {
+            for pair in ops.windows(2) {
+                prop_assert!(pair[0].end_ns <= pair[1].start_ns);
+            }
+            for op in ops {
+                for a in op.action.parts() {
+                    end.insert((a.stage.0, a.microbatch.0, a.kind), (op.start_ns, op.end_ns, r as u32));
+                }
+            }
+        }
+        let comm_ns = comm as u64 * 1_000_000_000;
+        let last = schedule.num_stages() - 1;
+        for (&(s, mb, k), &(start, _, r)) in &end {
+            let dep = |s2: u32, k2: ActionKind| {
+                let (_, e, r2) = end[&(s2, mb, k2)];
+                e + if r2 != r { comm_ns } else { 0 }
+            };
+            let bwd = |s2: u32| if end.contains_key(&(s2, mb, ActionKind::B)) { ActionKind::B } else { ActionKind::I };
+            match k {
+                ActionKind::F if s > 0 => prop_assert!(start >= dep(s - 1, ActionKind::F)),
+                ActionKind::B | ActionKind::I => {
+                    prop_assert!(start >= dep(s, ActionKind::F));
+                    if s < last { prop_assert!(start >= dep(s + 1, bwd(s + 1))); }
+                }
+                ActionKind::W => prop_assert!(start >= dep(s, ActionKind::I)),
+                _ => {}
+            }
+        }
+        // Makespan >= lower bound; the petgraph DAG agrees with the replay.
+        prop_assert!(sim.metrics.makespan_s >= sim.metrics.lower_bound_s - 1e-9);
+        let dag = Dag::build(&schedule).replay_makespan_ns(&costs).unwrap();
+        prop_assert_eq!(dag, sim.timeline.makespan_ns());
+    }
+
+    #[test]
+    fn action_strings_round_trip(stage in 0u32..1000, mb in 0u32..100_000, k in 0usize..5, stage2 in 0u32..1000, mb2 in 0u32..1000, pair in any::<bool>()) {
+        let kinds = [ActionKind::F, ActionKind::I, ActionKind::W, ActionKind::B, ActionKind::Fo];
+        let a = ComputeAction::new(stage, kinds[k], mb);
+        let action = if pair {
+            Action::Overlap(ComputeAction::new(stage, ActionKind::F, mb), ComputeAction::new(stage2, ActionKind::B, mb2))
+        } else {
+            Action::Compute(a)
+        };
+        let text = action.to_string();
+        prop_assert_eq!(text.parse::<Action>().unwrap(), action);
+    }
+}
