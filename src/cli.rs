@@ -26,7 +26,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Simulate pipeline schedules on one step of a workload and compare them.
-    Simulate(SimulateArgs),
+    Simulate(Box<SimulateArgs>),
     /// List the built-in models, hardware, profiles and workloads.
     Builtins(BuiltinsArgs),
 }
@@ -112,24 +112,37 @@ pub fn run() -> Result<ExitCode> {
         _ => "debug",
     };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| level.into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| level.into()),
+        )
         .with_writer(std::io::stderr)
         .with_target(false)
         .without_time()
         .init();
     match cli.command {
-        Command::Simulate(a) => simulate(a),
+        Command::Simulate(a) => simulate(*a),
         Command::Builtins(a) => list_builtins(a),
     }
 }
 
 /// Built-in profile names: `<model>@<hardware>` for every built-in pair.
 fn builtin_profile_names() -> Vec<String> {
-    builtins::MODELS.iter().flat_map(|(m, _)| builtins::HARDWARE.iter().map(move |(h, _)| format!("{m}@{h}"))).collect()
+    builtins::MODELS
+        .iter()
+        .flat_map(|(m, _)| {
+            builtins::HARDWARE
+                .iter()
+                .map(move |(h, _)| format!("{m}@{h}"))
+        })
+        .collect()
 }
 
 /// Resolves `--profile` (file or `model@hardware`) or `--model` + `--hardware` to a profile.
-fn resolve_profile(profile: Option<&str>, model: Option<&str>, hardware: Option<&str>) -> Result<Profile> {
+fn resolve_profile(
+    profile: Option<&str>,
+    model: Option<&str>,
+    hardware: Option<&str>,
+) -> Result<Profile> {
     if let Some(p) = profile {
         let path = Path::new(p);
         if path.is_file() {
@@ -138,15 +151,25 @@ fn resolve_profile(profile: Option<&str>, model: Option<&str>, hardware: Option<
         if let Some((m, h)) = p.split_once('@') {
             return analytic(m, h);
         }
-        bail!("unknown profile `{p}`: no such file and no such built-in (built-ins: {})", builtin_profile_names().join(", "));
+        bail!(
+            "unknown profile `{p}`: no such file and no such built-in (built-ins: {})",
+            builtin_profile_names().join(", ")
+        );
     }
-    analytic(model.unwrap_or(builtins::DEFAULT_MODEL), hardware.unwrap_or(builtins::DEFAULT_HARDWARE))
+    analytic(
+        model.unwrap_or(builtins::DEFAULT_MODEL),
+        hardware.unwrap_or(builtins::DEFAULT_HARDWARE),
+    )
 }
 
 fn analytic(model: &str, hardware: &str) -> Result<Profile> {
     let m = builtins::model(model)?;
     let h = builtins::hardware(hardware)?;
-    Ok(profiles::analytic_profile(&m, &h, &AnalyticOptions::default())?)
+    Ok(profiles::analytic_profile(
+        &m,
+        &h,
+        &AnalyticOptions::default(),
+    )?)
 }
 
 fn parse_kinds(names: &[String]) -> Result<Vec<ScheduleKind>> {
@@ -197,7 +220,12 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
             let v = kind.stages_per_rank(a.vpp.unwrap_or(1));
             let schedule = kind.generate(p, m)?;
             let costs = UniformCosts::new(&spec, v);
-            runs.push(Run { kind, vpp: v, sim: sim::simulate(&schedule, &costs)?, schedule });
+            runs.push(Run {
+                kind,
+                vpp: v,
+                sim: sim::simulate(&schedule, &costs)?,
+                schedule,
+            });
         }
         info = StepInfo {
             description: format!(
@@ -219,7 +247,11 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
                 p.model.as_deref().or(a.model.as_deref()),
                 p.hardware.as_deref().or(a.hardware.as_deref()),
             )?,
-            None => resolve_profile(a.profile.as_deref(), a.model.as_deref(), a.hardware.as_deref())?,
+            None => resolve_profile(
+                a.profile.as_deref(),
+                a.model.as_deref(),
+                a.hardware.as_deref(),
+            )?,
         };
         let workload_name = a
             .workload
@@ -228,10 +260,16 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
             .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
         let workload = builtins::workload(&workload_name)?;
         if let Some(p) = &plan {
-            p.validate(&a.plan.as_ref().expect("plan given").display().to_string(), profile.layers.len())?;
+            p.validate(
+                &a.plan.as_ref().expect("plan given").display().to_string(),
+                profile.layers.len(),
+            )?;
         }
         let size = step_size(&a, plan.as_ref(), &workload)?;
-        let seed = a.seed.or(plan.as_ref().map(|p| p.seed)).unwrap_or(workload.seed);
+        let seed = a
+            .seed
+            .or(plan.as_ref().map(|p| p.seed))
+            .unwrap_or(workload.seed);
         let seqs = workload.sample_step(seed, 0, size);
         let mbing = match &plan {
             Some(p) => p.microbatching()?,
@@ -258,8 +296,14 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
                 None => even_split(profile.layers.len(), (p * v) as usize)?,
             };
             let schedule = kind.generate(p, mbs.len() as u32)?;
-            let costs = TableCosts::from_profile(&profile, &stages, &schedule.placement, &mbs, &[])?;
-            runs.push(Run { kind, vpp: v, sim: sim::simulate(&schedule, &costs)?, schedule });
+            let costs =
+                TableCosts::from_profile(&profile, &stages, &schedule.placement, &mbs, &[])?;
+            runs.push(Run {
+                kind,
+                vpp: v,
+                sim: sim::simulate(&schedule, &costs)?,
+                schedule,
+            });
         }
         info = StepInfo {
             description: format!(
@@ -272,12 +316,31 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
                 mbs.len(),
                 match mbing {
                     Microbatching::Microbatches(m) => format!("{m} balanced by cost"),
-                    Microbatching::TokenBudget(t) => format!("token budget {t}, first-fit decreasing"),
+                    Microbatching::TokenBudget(t) =>
+                        format!("token budget {t}, first-fit decreasing"),
                 }
             ),
         };
     }
-    runs.sort_by(|x, y| x.sim.metrics.makespan_s.total_cmp(&y.sim.metrics.makespan_s).then(x.kind.cmp(&y.kind)));
+    // Fastest first; among equally fast schedules, the one with less peak activation memory.
+    let peak = |r: &Run| {
+        let m = &r.sim.metrics;
+        m.ranks
+            .iter()
+            .map(|x| {
+                x.peak_activation_bytes
+                    .or(x.peak_activation_units)
+                    .unwrap_or(0.0)
+            })
+            .fold(0.0, f64::max)
+    };
+    runs.sort_by(|x, y| {
+        let (a, b) = (&x.sim.metrics, &y.sim.metrics);
+        a.makespan_s
+            .total_cmp(&b.makespan_s)
+            .then(peak(x).total_cmp(&peak(y)))
+            .then(x.kind.cmp(&y.kind))
+    });
     let reports: Vec<Report> = runs
         .iter()
         .map(|r| Report {
@@ -301,7 +364,10 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
             100.0 * r.sim.metrics.bubble_ratio
         )
     };
-    let gantt = a.gantt.clone().unwrap_or_else(|| PathBuf::from("flatpipe-gantt.png"));
+    let gantt = a
+        .gantt
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("flatpipe-gantt.png"));
     sim::gantt::write_gantt(&gantt, &title(best), &best.sim.timeline)?;
     notes.push(format!("Gantt chart of {}: {}", best.kind, gantt.display()));
     if a.gantt.is_some() && runs.len() > 1 {
@@ -337,8 +403,14 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
 
 /// `out.png` + `1f1b` -> `out-1f1b.png`.
 fn sibling(path: &Path, tag: &str) -> PathBuf {
-    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    let ext = path.extension().map(|e| format!(".{}", e.to_string_lossy())).unwrap_or_default();
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ext = path
+        .extension()
+        .map(|e| format!(".{}", e.to_string_lossy()))
+        .unwrap_or_default();
     path.with_file_name(format!("{stem}-{tag}{ext}"))
 }
 
@@ -355,12 +427,19 @@ fn step_size(a: &SimulateArgs, plan: Option<&Plan>, w: &Workload) -> Result<Step
 }
 
 /// Cuts one step into flat microbatches; warns about sequences longer than the token budget.
-fn make_microbatches(seqs: &[u32], how: Microbatching, profile: &Profile) -> Result<Vec<sim::Microbatch>> {
+fn make_microbatches(
+    seqs: &[u32],
+    how: Microbatching,
+    profile: &Profile,
+) -> Result<Vec<sim::Microbatch>> {
     Ok(match how {
         Microbatching::Microbatches(m) => {
             // Predicted F + I + W time of one sequence through the whole model.
             let (tok, pair) = profile.layers.iter().fold((0.0, 0.0), |acc, l| {
-                (acc.0 + l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s, acc.1 + l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s)
+                (
+                    acc.0 + l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s,
+                    acc.1 + l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s,
+                )
             });
             microbatch::split_balanced(seqs, m as usize, |t, a| tok * t as f64 + pair * a as f64)?
         }
@@ -396,12 +475,36 @@ fn fmt_bytes(b: f64) -> String {
 fn table(reports: &[Report]) -> Table {
     let mut t = Table::new();
     t.load_preset(UTF8_BORDERS_ONLY);
-    t.set_header(["schedule", "pp", "vpp", "m", "makespan", "bubble", "lower bound", "gap", "peak act. (max rank)", "peak in-flight"]);
+    t.set_header([
+        "schedule",
+        "pp",
+        "vpp",
+        "m",
+        "makespan",
+        "bubble",
+        "lower bound",
+        "gap",
+        "peak act. (max rank)",
+        "peak in-flight",
+    ]);
     for r in reports {
         let m = &r.metrics;
-        let peak_mem = m.ranks.iter().map(|x| x.peak_activation_bytes.or(x.peak_activation_units).unwrap_or(0.0)).fold(0.0, f64::max);
+        let peak_mem = m
+            .ranks
+            .iter()
+            .map(|x| {
+                x.peak_activation_bytes
+                    .or(x.peak_activation_units)
+                    .unwrap_or(0.0)
+            })
+            .fold(0.0, f64::max);
         let unit_mode = m.ranks.iter().any(|x| x.peak_activation_units.is_some());
-        let inflight = m.ranks.iter().map(|x| x.peak_inflight_microbatches).max().unwrap_or(0);
+        let inflight = m
+            .ranks
+            .iter()
+            .map(|x| x.peak_inflight_microbatches)
+            .max()
+            .unwrap_or(0);
         t.add_row([
             r.schedule.clone(),
             r.pp.to_string(),
@@ -411,7 +514,11 @@ fn table(reports: &[Report]) -> Table {
             format!("{:.1}%", 100.0 * m.bubble_ratio),
             fmt_s(m.lower_bound_s),
             format!("{:+.1}%", 100.0 * m.gap_to_lower_bound),
-            if unit_mode { format!("{peak_mem:.2} units") } else { fmt_bytes(peak_mem) },
+            if unit_mode {
+                format!("{peak_mem:.2} units")
+            } else {
+                fmt_bytes(peak_mem)
+            },
             inflight.to_string(),
         ]);
     }
@@ -431,7 +538,13 @@ fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
         out.push(Entry {
             kind: "model",
             name: name.to_string(),
-            description: format!("{} decoder layers, {:.2}B parameters, {:?}", m.num_decoder_layers(), m.param_count() as f64 / 1e9, m.dtype).to_lowercase(),
+            description: format!(
+                "{} decoder layers, {:.2}B parameters, {:?}",
+                m.num_decoder_layers(),
+                m.param_count() as f64 / 1e9,
+                m.dtype
+            )
+            .to_lowercase(),
         });
     }
     for (name, _) in builtins::HARDWARE {
@@ -439,19 +552,37 @@ fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
         out.push(Entry {
             kind: "hardware",
             name: name.to_string(),
-            description: format!("{}, {} MiB, {:.0} TFLOP/s bf16, {} per node", h.name, h.memory_bytes >> 20, h.peak_flops / 1e12, h.gpus_per_node),
+            description: format!(
+                "{}, {} MiB, {:.0} TFLOP/s bf16, {} per node",
+                h.name,
+                h.memory_bytes >> 20,
+                h.peak_flops / 1e12,
+                h.gpus_per_node
+            ),
         });
     }
     for name in builtin_profile_names() {
-        out.push(Entry { kind: "profile", name: name.clone(), description: "analytic profile (FLOP counts over datasheet peaks)".into() });
+        out.push(Entry {
+            kind: "profile",
+            name: name.clone(),
+            description: "analytic profile (FLOP counts over datasheet peaks)".into(),
+        });
     }
     for (name, _) in builtins::WORKLOADS {
         let w = builtins::workload(name)?;
         let d = match &w.lengths {
-            profiles::LengthDistribution::Empirical { samples, .. } => format!("{} real sequence lengths, {:?} per step", samples.len(), w.default_step_size()),
+            profiles::LengthDistribution::Empirical { samples, .. } => format!(
+                "{} real sequence lengths, {:?} per step",
+                samples.len(),
+                w.default_step_size()
+            ),
             other => format!("{other:?}"),
         };
-        out.push(Entry { kind: "workload", name: name.to_string(), description: d });
+        out.push(Entry {
+            kind: "workload",
+            name: name.to_string(),
+            description: d,
+        });
     }
     match a.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),

@@ -5,7 +5,11 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn flatpipe(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_flatpipe")).args(args).current_dir(dir).output().expect("run flatpipe")
+    Command::new(env!("CARGO_BIN_EXE_flatpipe"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run flatpipe")
 }
 
 fn stderr(o: &Output) -> String {
@@ -13,7 +17,12 @@ fn stderr(o: &Output) -> String {
 }
 
 fn json(o: &Output) -> Value {
-    assert!(o.status.success(), "exit {:?}: {}", o.status.code(), stderr(o));
+    assert!(
+        o.status.success(),
+        "exit {:?}: {}",
+        o.status.code(),
+        stderr(o)
+    );
     serde_json::from_slice(&o.stdout).expect("JSON on stdout")
 }
 
@@ -23,7 +32,10 @@ fn default_simulate_compares_schedules_and_draws_the_best() {
     let o = flatpipe(dir.path(), &["simulate"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("llama3.1-8b") && out.contains("seed 0") && out.contains("128 sequences"), "{out}");
+    assert!(
+        out.contains("llama3.1-8b") && out.contains("seed 0") && out.contains("128 sequences"),
+        "{out}"
+    );
     assert!(out.contains("1f1b") && out.contains("gpipe"), "{out}");
     let png = std::fs::read(dir.path().join("flatpipe-gantt.png")).unwrap();
     assert_eq!(&png[1..4], b"PNG");
@@ -34,7 +46,23 @@ fn uniform_costs_json_matches_the_closed_form() {
     let dir = tempfile::tempdir().unwrap();
     let o = flatpipe(
         dir.path(),
-        &["simulate", "--costs", "f=1,b=1,w=1,comm=0", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b,gpipe", "--format", "json", "--gantt", "g.svg", "--trace", "t.json"],
+        &[
+            "simulate",
+            "--costs",
+            "f=1,b=1,w=1,comm=0",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--schedule",
+            "1f1b,gpipe",
+            "--format",
+            "json",
+            "--gantt",
+            "g.svg",
+            "--trace",
+            "t.json",
+        ],
     );
     let v = json(&o);
     let list = v.as_array().unwrap();
@@ -54,17 +82,32 @@ fn uniform_costs_json_matches_the_closed_form() {
     assert_eq!(one["ranks"][0]["peak_inflight_microbatches"], 4);
     assert_eq!(one["lower_bound_s"], 3.0 + 24.0);
     // The SVG and the trace exist, and the trace names actions in PyTorch notation.
-    assert!(std::fs::read_to_string(dir.path().join("g.svg")).unwrap().starts_with("<svg"));
+    assert!(
+        std::fs::read_to_string(dir.path().join("g.svg"))
+            .unwrap()
+            .starts_with("<svg")
+    );
     assert!(dir.path().join("g-1f1b.svg").exists() && dir.path().join("g-gpipe.svg").exists());
-    let trace: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("t.json")).unwrap()).unwrap();
-    let names: Vec<&str> = trace["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("t.json")).unwrap()).unwrap();
+    let names: Vec<&str> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
     assert!(names.contains(&"0F0") && names.contains(&"3B7") && names.contains(&"process_name"));
 }
 
 #[test]
 fn costs_refuse_workload_options() {
     let dir = tempfile::tempdir().unwrap();
-    for extra in [["--workload", "sharegpt-v3"], ["--token-budget", "4096"], ["--seqs-per-step", "8"], ["--tokens-per-step", "9000"]] {
+    for extra in [
+        ["--workload", "sharegpt-v3"],
+        ["--token-budget", "4096"],
+        ["--seqs-per-step", "8"],
+        ["--tokens-per-step", "9000"],
+    ] {
         let mut args = vec!["simulate", "--costs", "f=1"];
         args.extend(extra);
         let o = flatpipe(dir.path(), &args);
@@ -98,18 +141,34 @@ fn bad_input_is_a_clear_error_with_exit_code_2() {
 #[test]
 fn malformed_files_name_the_file_and_field() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("m.yaml"), "name: x\ndtype: bf16\nlayers: [\n").unwrap();
+    std::fs::write(
+        dir.path().join("m.yaml"),
+        "name: x\ndtype: bf16\nlayers: [\n",
+    )
+    .unwrap();
     let o = flatpipe(dir.path(), &["simulate", "--model", "m.yaml"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("m.yaml: invalid YAML"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("m.yaml: invalid YAML"),
+        "{}",
+        stderr(&o)
+    );
     std::fs::write(dir.path().join("h.yaml"), "name: x\nmemory_bytes: 1\npeak_flops: -5\nhbm_bytes_per_s: 1\ngpus_per_node: 8\nintra_node: {alpha_s: 0, beta_bytes_per_s: 1}\ninter_node: {alpha_s: 0, beta_bytes_per_s: 1}\n").unwrap();
     let o = flatpipe(dir.path(), &["simulate", "--hardware", "h.yaml"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("h.yaml: field `peak_flops` = -5"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("h.yaml: field `peak_flops` = -5"),
+        "{}",
+        stderr(&o)
+    );
     std::fs::write(dir.path().join("w.csv"), "tokens\n100\n-3\n").unwrap();
     let o = flatpipe(dir.path(), &["simulate", "--workload", "w.csv"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("w.csv") && stderr(&o).contains("row 3"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("w.csv") && stderr(&o).contains("row 3"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 const PLAN: &str = "model: llama3.1-8b
@@ -130,25 +189,53 @@ seed: 3
 fn plan_files_run_and_are_validated() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("plan.yaml"), PLAN).unwrap();
-    let v = json(&flatpipe(dir.path(), &["simulate", "--plan", "plan.yaml", "--format", "json"]));
+    let v = json(&flatpipe(
+        dir.path(),
+        &["simulate", "--plan", "plan.yaml", "--format", "json"],
+    ));
     assert_eq!(v[0]["schedule"], "1f1b");
     assert_eq!(v[0]["pp"], 2);
     assert_eq!(v[0]["microbatches"], 8);
     assert!(v[0]["ranks"][1]["peak_activation_bytes"].as_f64().unwrap() > 0.0);
     // A gap in the layer ranges.
-    std::fs::write(dir.path().join("bad.yaml"), PLAN.replace("{start: 18, end: 34}", "{start: 19, end: 34}")).unwrap();
+    std::fs::write(
+        dir.path().join("bad.yaml"),
+        PLAN.replace("{start: 18, end: 34}", "{start: 19, end: 34}"),
+    )
+    .unwrap();
     let o = flatpipe(dir.path(), &["simulate", "--plan", "bad.yaml"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("bad.yaml: stages[1]") && stderr(&o).contains("must start at 18"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("bad.yaml: stages[1]") && stderr(&o).contains("must start at 18"),
+        "{}",
+        stderr(&o)
+    );
     // --plan excludes the options it sets.
-    let o = flatpipe(dir.path(), &["simulate", "--plan", "plan.yaml", "--pp", "4"]);
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--plan", "plan.yaml", "--pp", "4"],
+    );
     assert_eq!(o.status.code(), Some(2));
 }
 
 #[test]
 fn same_seed_same_output() {
     let dir = tempfile::tempdir().unwrap();
-    let run = |seed: &str| flatpipe(dir.path(), &["simulate", "--workload", "sharegpt-v3-merged", "--seed", seed, "--format", "json"]).stdout;
+    let run = |seed: &str| {
+        flatpipe(
+            dir.path(),
+            &[
+                "simulate",
+                "--workload",
+                "sharegpt-v3-merged",
+                "--seed",
+                seed,
+                "--format",
+                "json",
+            ],
+        )
+        .stdout
+    };
     assert_eq!(run("7"), run("7"));
     assert_ne!(run("7"), run("8"));
 }
@@ -157,8 +244,20 @@ fn same_seed_same_output() {
 fn builtins_lists_every_name() {
     let dir = tempfile::tempdir().unwrap();
     let v = json(&flatpipe(dir.path(), &["builtins", "--format", "json"]));
-    let names: Vec<&str> = v.as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap()).collect();
-    for n in ["llama3.1-8b", "llama3.1-70b", "h200", "sharegpt-v3", "sharegpt-v3-merged", "llama3.1-8b@h200"] {
+    let names: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    for n in [
+        "llama3.1-8b",
+        "llama3.1-70b",
+        "h200",
+        "sharegpt-v3",
+        "sharegpt-v3-merged",
+        "llama3.1-8b@h200",
+    ] {
         assert!(names.contains(&n), "{n} missing from {names:?}");
     }
 }
@@ -166,7 +265,11 @@ fn builtins_lists_every_name() {
 #[test]
 fn every_subcommand_has_help() {
     let dir = tempfile::tempdir().unwrap();
-    for sub in [vec!["--help"], vec!["simulate", "--help"], vec!["builtins", "--help"]] {
+    for sub in [
+        vec!["--help"],
+        vec!["simulate", "--help"],
+        vec!["builtins", "--help"],
+    ] {
         let o = flatpipe(dir.path(), &sub);
         assert!(o.status.success());
         assert!(String::from_utf8_lossy(&o.stdout).contains("Usage"));

@@ -4,7 +4,17 @@ use flatpipe::simulator::dag::Dag;
 use flatpipe::simulator::{ScheduleKind, UniformCostSpec, UniformCosts, simulate};
 
 fn costs(f: f64, b: f64, w: f64, comm: f64) -> UniformCosts {
-    UniformCosts::new(&UniformCostSpec { f, b, w, comm, fb: None, fo: None }, 1)
+    UniformCosts::new(
+        &UniformCostSpec {
+            f,
+            b,
+            w,
+            comm,
+            fb: None,
+            fo: None,
+        },
+        1,
+    )
 }
 
 /// GPipe (Huang et al. 2019) and 1F1B (Narayanan et al. 2021) with uniform costs and no
@@ -22,7 +32,10 @@ fn gpipe_and_1f1b_makespan_grid() {
                 assert_eq!(sim.metrics.makespan_s, want, "{kind} p={p} m={m}");
                 // Bubble ratio of both: (p - 1) / (m + p - 1).
                 let bubble = (p - 1) as f64 / (m + p - 1) as f64;
-                assert!((sim.metrics.bubble_ratio - bubble).abs() < 1e-12, "{kind} p={p} m={m}");
+                assert!(
+                    (sim.metrics.bubble_ratio - bubble).abs() < 1e-12,
+                    "{kind} p={p} m={m}"
+                );
             }
         }
     }
@@ -39,9 +52,18 @@ fn in_flight_microbatches() {
             let gpipe = simulate(&ScheduleKind::GPipe.generate(p, m).unwrap(), &c).unwrap();
             for r in 0..p as usize {
                 let want = (p - r as u32).min(m);
-                assert_eq!(one.metrics.ranks[r].peak_inflight_microbatches, want, "1f1b p={p} m={m} r={r}");
-                assert_eq!(one.metrics.ranks[r].peak_activation_units, Some(want as f64));
-                assert_eq!(gpipe.metrics.ranks[r].peak_inflight_microbatches, m, "gpipe p={p} m={m} r={r}");
+                assert_eq!(
+                    one.metrics.ranks[r].peak_inflight_microbatches, want,
+                    "1f1b p={p} m={m} r={r}"
+                );
+                assert_eq!(
+                    one.metrics.ranks[r].peak_activation_units,
+                    Some(want as f64)
+                );
+                assert_eq!(
+                    gpipe.metrics.ranks[r].peak_inflight_microbatches, m,
+                    "gpipe p={p} m={m} r={r}"
+                );
             }
         }
     }

@@ -48,7 +48,11 @@ pub struct AnalyticOptions {
 
 impl Default for AnalyticOptions {
     fn default() -> Self {
-        AnalyticOptions { efficiency: 0.40, launch_overhead_s: 20e-6, optimizer_bytes_per_param: 30.0 }
+        AnalyticOptions {
+            efficiency: 0.40,
+            launch_overhead_s: 20e-6,
+            optimizer_bytes_per_param: 30.0,
+        }
     }
 }
 
@@ -57,13 +61,27 @@ impl Default for AnalyticOptions {
 ///
 /// # Errors
 /// [`Error::Invalid`] if `opts.efficiency` is not in (0, 1] or the overhead is negative.
-pub fn analytic_profile(model: &ModelSpec, hw: &Hardware, opts: &AnalyticOptions) -> Result<Profile> {
+pub fn analytic_profile(
+    model: &ModelSpec,
+    hw: &Hardware,
+    opts: &AnalyticOptions,
+) -> Result<Profile> {
     let origin = format!("analytic profile of {} on {}", model.name, hw.name);
     if !(opts.efficiency > 0.0 && opts.efficiency <= 1.0) {
-        return Err(Error::invalid(&origin, "efficiency", opts.efficiency, "in (0, 1]"));
+        return Err(Error::invalid(
+            &origin,
+            "efficiency",
+            opts.efficiency,
+            "in (0, 1]",
+        ));
     }
     if !(opts.launch_overhead_s.is_finite() && opts.launch_overhead_s >= 0.0) {
-        return Err(Error::invalid(&origin, "launch_overhead_s", opts.launch_overhead_s, ">= 0 seconds"));
+        return Err(Error::invalid(
+            &origin,
+            "launch_overhead_s",
+            opts.launch_overhead_s,
+            ">= 0 seconds",
+        ));
     }
     let d = model.dtype.bytes() as f64;
     let flop_s = 1.0 / (opts.efficiency * hw.peak_flops); // seconds per FLOP
@@ -84,7 +102,15 @@ pub fn analytic_profile(model: &ModelSpec, hw: &Hardware, opts: &AnalyticOptions
                     // Gather H values per token (read + write); W scatter-adds them back.
                     let bytes = 2.0 * h * d;
                     let zero = CostCoeffs::default();
-                    (coeffs(c0, 0.0, bytes, 0.0), zero, coeffs(c0, 0.0, 2.0 * bytes, 0.0), coeffs(c0, 0.0, bytes, 0.0), 0.0, 4.0, h * d)
+                    (
+                        coeffs(c0, 0.0, bytes, 0.0),
+                        zero,
+                        coeffs(c0, 0.0, 2.0 * bytes, 0.0),
+                        coeffs(c0, 0.0, bytes, 0.0),
+                        0.0,
+                        4.0,
+                        h * d,
+                    )
                 }
                 LayerKind::Decoder => {
                     let ffn = l.ffn as f64;
@@ -202,8 +228,13 @@ mod tests {
     fn rejects_bad_efficiency() {
         let model = builtins::model("llama3.1-8b").unwrap();
         let hw = builtins::hardware("h200").unwrap();
-        let opts = AnalyticOptions { efficiency: 0.0, ..Default::default() };
-        let e = analytic_profile(&model, &hw, &opts).unwrap_err().to_string();
+        let opts = AnalyticOptions {
+            efficiency: 0.0,
+            ..Default::default()
+        };
+        let e = analytic_profile(&model, &hw, &opts)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("efficiency") && e.contains("(0, 1]"), "{e}");
     }
 }

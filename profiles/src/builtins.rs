@@ -6,8 +6,14 @@ use std::path::Path;
 
 /// Built-in model names and their YAML.
 pub const MODELS: &[(&str, &str)] = &[
-    ("llama3.1-8b", include_str!("../data/models/llama3.1-8b.yaml")),
-    ("llama3.1-70b", include_str!("../data/models/llama3.1-70b.yaml")),
+    (
+        "llama3.1-8b",
+        include_str!("../data/models/llama3.1-8b.yaml"),
+    ),
+    (
+        "llama3.1-70b",
+        include_str!("../data/models/llama3.1-70b.yaml"),
+    ),
 ];
 
 /// Built-in hardware names and their YAML.
@@ -15,13 +21,25 @@ pub const HARDWARE: &[(&str, &str)] = &[("h200", include_str!("../data/hardware/
 
 /// Built-in workload names, their YAML and the CSV files they refer to.
 pub const WORKLOADS: &[(&str, &str)] = &[
-    ("sharegpt-v3", include_str!("../data/workloads/sharegpt-v3.yaml")),
-    ("sharegpt-v3-merged", include_str!("../data/workloads/sharegpt-v3-merged.yaml")),
+    (
+        "sharegpt-v3",
+        include_str!("../data/workloads/sharegpt-v3.yaml"),
+    ),
+    (
+        "sharegpt-v3-merged",
+        include_str!("../data/workloads/sharegpt-v3-merged.yaml"),
+    ),
 ];
 
 const CSVS: &[(&str, &str)] = &[
-    ("sharegpt_v3_tokens.csv", include_str!("../data/workloads/sharegpt_v3_tokens.csv")),
-    ("sharegpt_v3_merged_tokens.csv", include_str!("../data/workloads/sharegpt_v3_merged_tokens.csv")),
+    (
+        "sharegpt_v3_tokens.csv",
+        include_str!("../data/workloads/sharegpt_v3_tokens.csv"),
+    ),
+    (
+        "sharegpt_v3_merged_tokens.csv",
+        include_str!("../data/workloads/sharegpt_v3_merged_tokens.csv"),
+    ),
 ];
 
 /// The default model name.
@@ -53,7 +71,11 @@ fn resolve<T>(
     }
     match lookup(table, arg) {
         Some(text) => from_builtin(text, &format!("built-in {what} `{arg}`")),
-        None => Err(Error::Unknown { what, name: arg.into(), builtins: names(table) }),
+        None => Err(Error::Unknown {
+            what,
+            name: arg.into(),
+            builtins: names(table),
+        }),
     }
 }
 
@@ -90,12 +112,19 @@ pub fn hardware(arg: &str) -> Result<Hardware> {
 /// # Errors
 /// [`Error::Unknown`], or the file's read/parse/validation error.
 pub fn workload(arg: &str) -> Result<Workload> {
-    resolve(arg, "workload", WORKLOADS, Workload::from_file, |text, origin| {
-        Workload::from_yaml(text, origin, |csv| {
-            let t = lookup(CSVS, csv).ok_or_else(|| Error::invalid(origin, "lengths.csv", csv, "a shipped CSV"))?;
-            Ok((t.to_string(), format!("built-in {csv}")))
-        })
-    })
+    resolve(
+        arg,
+        "workload",
+        WORKLOADS,
+        Workload::from_file,
+        |text, origin| {
+            Workload::from_yaml(text, origin, |csv| {
+                let t = lookup(CSVS, csv)
+                    .ok_or_else(|| Error::invalid(origin, "lengths.csv", csv, "a shipped CSV"))?;
+                Ok((t.to_string(), format!("built-in {csv}")))
+            })
+        },
+    )
 }
 
 /// Parses a built-in CSV sample (for tests and docs).
@@ -103,7 +132,11 @@ pub fn workload(arg: &str) -> Result<Workload> {
 /// # Errors
 /// [`Error::Unknown`] for an unknown name.
 pub fn csv_sample(name: &str) -> Result<Vec<u32>> {
-    let t = lookup(CSVS, name).ok_or_else(|| Error::Unknown { what: "csv", name: name.into(), builtins: names(CSVS) })?;
+    let t = lookup(CSVS, name).ok_or_else(|| Error::Unknown {
+        what: "csv",
+        name: name.into(),
+        builtins: names(CSVS),
+    })?;
     parse_tokens_csv(t, name)
 }
 
@@ -135,7 +168,10 @@ mod tests {
 
     #[test]
     fn h200_memory_is_143771_mib() {
-        assert_eq!(hardware("h200").unwrap().memory_bytes, 143_771 * 1024 * 1024);
+        assert_eq!(
+            hardware("h200").unwrap().memory_bytes,
+            143_771 * 1024 * 1024
+        );
     }
 
     #[test]
@@ -149,7 +185,9 @@ mod tests {
         let e = ModelSpec::from_yaml("name: x\ndtype: bf16\nlayers: [", "m.yaml").unwrap_err();
         assert!(e.to_string().starts_with("m.yaml: invalid YAML"), "{e}");
         let text = "name: x\ndtype: bf16\nlayers:\n  - {kind: embedding, vocab: 10, hidden: 8}\n  - {kind: decoder, hidden: 8, ffn: 0, heads: 2, kv_heads: 1}\n  - {kind: head, vocab: 10, hidden: 8}\n";
-        let e = ModelSpec::from_yaml(text, "m.yaml").unwrap_err().to_string();
+        let e = ModelSpec::from_yaml(text, "m.yaml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("layers[1].ffn") && e.contains(">= 1"), "{e}");
     }
 }

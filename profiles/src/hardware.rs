@@ -25,7 +25,12 @@ impl Link {
 
     pub(crate) fn validate(&self, origin: &str, field: &str) -> Result<()> {
         if !(self.alpha_s.is_finite() && self.alpha_s >= 0.0) {
-            return Err(Error::invalid(origin, format!("{field}.alpha_s"), self.alpha_s, "a finite number of seconds >= 0"));
+            return Err(Error::invalid(
+                origin,
+                format!("{field}.alpha_s"),
+                self.alpha_s,
+                "a finite number of seconds >= 0",
+            ));
         }
         if !(self.beta_bytes_per_s.is_finite() && self.beta_bytes_per_s > 0.0) {
             return Err(Error::invalid(
@@ -78,7 +83,10 @@ impl Hardware {
         if self.memory_bytes == 0 {
             return Err(Error::invalid(origin, "memory_bytes", 0, "> 0 bytes"));
         }
-        for (field, v) in [("peak_flops", self.peak_flops), ("hbm_bytes_per_s", self.hbm_bytes_per_s)] {
+        for (field, v) in [
+            ("peak_flops", self.peak_flops),
+            ("hbm_bytes_per_s", self.hbm_bytes_per_s),
+        ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(Error::invalid(origin, field, v, "a finite number > 0"));
             }

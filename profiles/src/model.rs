@@ -164,13 +164,22 @@ impl ModelSpec {
             Err(Error::invalid(origin, field, value, allowed))
         };
         if self.layers.is_empty() {
-            return bad("layers".into(), "[]".into(), "needs an embedding, decoders and a head");
+            return bad(
+                "layers".into(),
+                "[]".into(),
+                "needs an embedding, decoders and a head",
+            );
         }
         for (i, g) in self.layers.iter().enumerate() {
             let need = |name: &str, v: Option<u64>| -> Result<u64> {
                 match v {
                     Some(x) if x >= 1 => Ok(x),
-                    Some(x) => Err(Error::invalid(origin, format!("layers[{i}].{name}"), x, ">= 1")),
+                    Some(x) => Err(Error::invalid(
+                        origin,
+                        format!("layers[{i}].{name}"),
+                        x,
+                        ">= 1",
+                    )),
                     None => Err(Error::invalid(
                         origin,
                         format!("layers[{i}].{name}"),
@@ -201,9 +210,17 @@ impl ModelSpec {
                     forbid("heads", g.heads)?;
                     forbid("kv_heads", g.kv_heads)?;
                     if g.count != 1 {
-                        return bad(format!("layers[{i}].count"), g.count.to_string(), "1 for embedding and head");
+                        return bad(
+                            format!("layers[{i}].count"),
+                            g.count.to_string(),
+                            "1 for embedding and head",
+                        );
                     }
-                    let want_pos = if g.kind == LayerKind::Embedding { 0 } else { self.layers.len() - 1 };
+                    let want_pos = if g.kind == LayerKind::Embedding {
+                        0
+                    } else {
+                        self.layers.len() - 1
+                    };
                     if i != want_pos {
                         return bad(
                             format!("layers[{i}].kind"),
@@ -219,20 +236,36 @@ impl ModelSpec {
                     let kv = need("kv_heads", g.kv_heads)?;
                     forbid("vocab", g.vocab)?;
                     if h % heads != 0 {
-                        return bad(format!("layers[{i}].heads"), heads.to_string(), &format!("must divide hidden = {h}"));
+                        return bad(
+                            format!("layers[{i}].heads"),
+                            heads.to_string(),
+                            &format!("must divide hidden = {h}"),
+                        );
                     }
                     if kv > heads || heads % kv != 0 {
-                        return bad(format!("layers[{i}].kv_heads"), kv.to_string(), &format!("must divide heads = {heads}"));
+                        return bad(
+                            format!("layers[{i}].kv_heads"),
+                            kv.to_string(),
+                            &format!("must divide heads = {heads}"),
+                        );
                     }
                 }
             }
         }
         if self.layers.first().map(|g| g.kind) != Some(LayerKind::Embedding) {
-            return bad("layers[0].kind".into(), format!("{:?}", self.layers[0].kind).to_lowercase(), "must be embedding");
+            return bad(
+                "layers[0].kind".into(),
+                format!("{:?}", self.layers[0].kind).to_lowercase(),
+                "must be embedding",
+            );
         }
         let last = self.layers.len() - 1;
         if self.layers[last].kind != LayerKind::Head {
-            return bad(format!("layers[{last}].kind"), format!("{:?}", self.layers[last].kind).to_lowercase(), "must be head");
+            return bad(
+                format!("layers[{last}].kind"),
+                format!("{:?}", self.layers[last].kind).to_lowercase(),
+                "must be head",
+            );
         }
         Ok(())
     }
@@ -265,7 +298,11 @@ impl ModelSpec {
 
     /// Number of decoder layers.
     pub fn num_decoder_layers(&self) -> usize {
-        self.layers.iter().filter(|g| g.kind == LayerKind::Decoder).map(|g| g.count as usize).sum()
+        self.layers
+            .iter()
+            .filter(|g| g.kind == LayerKind::Decoder)
+            .map(|g| g.count as usize)
+            .sum()
     }
 
     /// Total parameter count.

@@ -38,9 +38,18 @@ impl CostCoeffs {
     }
 
     fn validate(&self, origin: &str, field: &str) -> Result<()> {
-        for (name, v) in [("c0_s", self.c0_s), ("c_tok_s", self.c_tok_s), ("c_attn_s", self.c_attn_s)] {
+        for (name, v) in [
+            ("c0_s", self.c0_s),
+            ("c_tok_s", self.c_tok_s),
+            ("c_attn_s", self.c_attn_s),
+        ] {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(Error::invalid(origin, format!("{field}.{name}"), v, "a finite number of seconds >= 0"));
+                return Err(Error::invalid(
+                    origin,
+                    format!("{field}.{name}"),
+                    v,
+                    "a finite number of seconds >= 0",
+                ));
             }
         }
         Ok(())
@@ -157,7 +166,12 @@ impl Profile {
     pub fn validate(&self, origin: &str) -> Result<()> {
         self.hardware.validate(origin)?;
         if self.layers.len() < 2 {
-            return Err(Error::invalid(origin, "layers", self.layers.len(), "at least 2 layers (embedding and head)"));
+            return Err(Error::invalid(
+                origin,
+                "layers",
+                self.layers.len(),
+                "at least 2 layers (embedding and head)",
+            ));
         }
         for (i, l) in self.layers.iter().enumerate() {
             for (name, c) in [("f", &l.f), ("i", &l.i), ("w", &l.w), ("fo", &l.fo)] {
@@ -169,13 +183,23 @@ impl Profile {
                 ("output_bytes_per_token", l.output_bytes_per_token),
             ] {
                 if !(v.is_finite() && v >= 0.0) {
-                    return Err(Error::invalid(origin, format!("layers[{i}].{name}"), v, "a finite number of bytes >= 0"));
+                    return Err(Error::invalid(
+                        origin,
+                        format!("layers[{i}].{name}"),
+                        v,
+                        "a finite number of bytes >= 0",
+                    ));
                 }
             }
         }
         let o = self.optimizer_s_per_param;
         if !(o.is_finite() && o >= 0.0) {
-            return Err(Error::invalid(origin, "optimizer_s_per_param", o, "a finite number of seconds >= 0"));
+            return Err(Error::invalid(
+                origin,
+                "optimizer_s_per_param",
+                o,
+                "a finite number of seconds >= 0",
+            ));
         }
         Ok(())
     }
@@ -183,6 +207,10 @@ impl Profile {
     /// The link between ranks `a` and `b` (intra-node iff they share a node).
     pub fn link(&self, a: usize, b: usize) -> &Link {
         let g = self.hardware.gpus_per_node as usize;
-        if a / g == b / g { &self.hardware.intra_node } else { &self.hardware.inter_node }
+        if a / g == b / g {
+            &self.hardware.intra_node
+        } else {
+            &self.hardware.inter_node
+        }
     }
 }

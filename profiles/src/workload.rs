@@ -85,27 +85,45 @@ pub struct Workload {
 /// Reads a `tokens` column from CSV text. `origin` names the file in errors.
 pub(crate) fn parse_tokens_csv(text: &str, origin: &str) -> Result<Vec<u32>> {
     let mut rdr = csv::Reader::from_reader(text.as_bytes());
-    let headers = rdr.headers().map_err(|e| Error::Csv { path: origin.into(), message: e.to_string() })?;
-    let col = headers.iter().position(|h| h.trim() == "tokens").ok_or_else(|| Error::Csv {
+    let headers = rdr.headers().map_err(|e| Error::Csv {
         path: origin.into(),
-        message: format!("no `tokens` column (header: {})", headers.iter().collect::<Vec<_>>().join(",")),
+        message: e.to_string(),
     })?;
+    let col = headers
+        .iter()
+        .position(|h| h.trim() == "tokens")
+        .ok_or_else(|| Error::Csv {
+            path: origin.into(),
+            message: format!(
+                "no `tokens` column (header: {})",
+                headers.iter().collect::<Vec<_>>().join(",")
+            ),
+        })?;
     let mut out = Vec::new();
     for (i, rec) in rdr.records().enumerate() {
         let row = i + 2; // 1-based, after the header
-        let rec = rec.map_err(|e| Error::Csv { path: origin.into(), message: format!("row {row}: {e}") })?;
+        let rec = rec.map_err(|e| Error::Csv {
+            path: origin.into(),
+            message: format!("row {row}: {e}"),
+        })?;
         let cell = rec.get(col).unwrap_or("").trim();
         let v: u32 = cell.parse().map_err(|_| Error::Csv {
             path: origin.into(),
             message: format!("row {row}, column tokens: `{cell}` is not a whole number of tokens in 1..=4294967295"),
         })?;
         if v == 0 {
-            return Err(Error::Csv { path: origin.into(), message: format!("row {row}, column tokens: 0 (must be >= 1)") });
+            return Err(Error::Csv {
+                path: origin.into(),
+                message: format!("row {row}, column tokens: 0 (must be >= 1)"),
+            });
         }
         out.push(v);
     }
     if out.is_empty() {
-        return Err(Error::Csv { path: origin.into(), message: "no rows".into() });
+        return Err(Error::Csv {
+            path: origin.into(),
+            message: "no rows".into(),
+        });
     }
     Ok(out)
 }
@@ -138,9 +156,15 @@ impl Workload {
     pub fn from_file(path: &Path) -> Result<Self> {
         let origin = path.display().to_string();
         let text = yaml::read_to_string(path)?;
-        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) {
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("csv"))
+        {
             let samples = parse_tokens_csv(&text, &origin)?;
-            let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let name = path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
             return Ok(Workload::empirical(name, origin, samples));
         }
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -154,7 +178,10 @@ impl Workload {
     pub fn empirical(name: String, csv: String, samples: Vec<u32>) -> Self {
         Workload {
             name,
-            lengths: LengthDistribution::Empirical { csv, samples: Arc::new(samples) },
+            lengths: LengthDistribution::Empirical {
+                csv,
+                samples: Arc::new(samples),
+            },
             seqs_per_step: None,
             tokens_per_step: None,
             seed: 0,
@@ -170,15 +197,30 @@ impl Workload {
             LengthDistribution::Fixed { tokens } if *tokens == 0 => {
                 return Err(Error::invalid(origin, "lengths.tokens", 0, ">= 1 token"));
             }
-            LengthDistribution::Lognormal { median, sigma, min, max } => {
+            LengthDistribution::Lognormal {
+                median,
+                sigma,
+                min,
+                max,
+            } => {
                 if !(median.is_finite() && *median >= 1.0) {
-                    return Err(Error::invalid(origin, "lengths.median", median, ">= 1 token"));
+                    return Err(Error::invalid(
+                        origin,
+                        "lengths.median",
+                        median,
+                        ">= 1 token",
+                    ));
                 }
                 if !(sigma.is_finite() && *sigma >= 0.0) {
                     return Err(Error::invalid(origin, "lengths.sigma", sigma, ">= 0"));
                 }
                 if *min == 0 || min > max {
-                    return Err(Error::invalid(origin, "lengths.min", min, format!("in 1..=max ({max})")));
+                    return Err(Error::invalid(
+                        origin,
+                        "lengths.min",
+                        min,
+                        format!("in 1..=max ({max})"),
+                    ));
                 }
             }
             _ => {}
@@ -190,7 +232,12 @@ impl Workload {
             return Err(Error::invalid(origin, "tokens_per_step", 0, ">= 1"));
         }
         if self.seqs_per_step.is_some() && self.tokens_per_step.is_some() {
-            return Err(Error::invalid(origin, "tokens_per_step", "set", "give seqs_per_step or tokens_per_step, not both"));
+            return Err(Error::invalid(
+                origin,
+                "tokens_per_step",
+                "set",
+                "give seqs_per_step or tokens_per_step, not both",
+            ));
         }
         Ok(())
     }
@@ -207,12 +254,19 @@ impl Workload {
     fn draw(&self, rng: &mut ChaCha8Rng) -> u32 {
         match &self.lengths {
             LengthDistribution::Fixed { tokens } => *tokens,
-            LengthDistribution::Lognormal { median, sigma, min, max } => {
+            LengthDistribution::Lognormal {
+                median,
+                sigma,
+                min,
+                max,
+            } => {
                 let d = LogNormal::new(median.ln(), *sigma).expect("validated: sigma >= 0");
                 let x: f64 = d.sample(rng);
                 (x.round().clamp(*min as f64, *max as f64)) as u32
             }
-            LengthDistribution::Empirical { samples, .. } => samples[rng.random_range(0..samples.len())],
+            LengthDistribution::Empirical { samples, .. } => {
+                samples[rng.random_range(0..samples.len())]
+            }
         }
     }
 
@@ -244,9 +298,16 @@ mod tests {
 
     #[test]
     fn csv_errors_name_row_and_column() {
-        let e = parse_tokens_csv("tokens\n12\nabc\n", "w.csv").unwrap_err().to_string();
-        assert!(e.contains("w.csv") && e.contains("row 3") && e.contains("abc"), "{e}");
-        let e = parse_tokens_csv("len\n12\n", "w.csv").unwrap_err().to_string();
+        let e = parse_tokens_csv("tokens\n12\nabc\n", "w.csv")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("w.csv") && e.contains("row 3") && e.contains("abc"),
+            "{e}"
+        );
+        let e = parse_tokens_csv("len\n12\n", "w.csv")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no `tokens` column"), "{e}");
     }
 
@@ -266,7 +327,12 @@ mod tests {
     fn lognormal_median_is_close() {
         let w = Workload {
             name: "ln".into(),
-            lengths: LengthDistribution::Lognormal { median: 1000.0, sigma: 1.0, min: 1, max: 1 << 30 },
+            lengths: LengthDistribution::Lognormal {
+                median: 1000.0,
+                sigma: 1.0,
+                min: 1,
+                max: 1 << 30,
+            },
             seqs_per_step: None,
             tokens_per_step: None,
             seed: 0,

@@ -48,7 +48,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         _ => Path::new("."),
     };
     let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
-    tmp.write_all(bytes).and_then(|()| tmp.as_file().sync_all()).map_err(io)?;
+    tmp.write_all(bytes)
+        .and_then(|()| tmp.as_file().sync_all())
+        .map_err(io)?;
     tmp.persist(path).map_err(|e| io(e.error))?;
     Ok(())
 }

@@ -79,7 +79,14 @@ pub struct UniformCostSpec {
 
 impl Default for UniformCostSpec {
     fn default() -> Self {
-        UniformCostSpec { f: 1.0, b: 1.0, w: 1.0, comm: 0.0, fb: None, fo: None }
+        UniformCostSpec {
+            f: 1.0,
+            b: 1.0,
+            w: 1.0,
+            comm: 0.0,
+            fb: None,
+            fo: None,
+        }
     }
 }
 
@@ -90,12 +97,23 @@ impl FromStr for UniformCostSpec {
     fn from_str(s: &str) -> Result<Self> {
         let mut spec = UniformCostSpec::default();
         for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-            let (k, v) = item
-                .split_once('=')
-                .ok_or_else(|| Error::invalid("--costs", item, "key=seconds pairs such as f=1,b=1,w=1,comm=0"))?;
-            let x: f64 = v.trim().parse().map_err(|_| Error::invalid(format!("--costs {k}"), v, "a number of seconds"))?;
+            let (k, v) = item.split_once('=').ok_or_else(|| {
+                Error::invalid(
+                    "--costs",
+                    item,
+                    "key=seconds pairs such as f=1,b=1,w=1,comm=0",
+                )
+            })?;
+            let x: f64 = v
+                .trim()
+                .parse()
+                .map_err(|_| Error::invalid(format!("--costs {k}"), v, "a number of seconds"))?;
             if !(x.is_finite() && x >= 0.0) {
-                return Err(Error::invalid(format!("--costs {k}"), v, "a finite number of seconds >= 0"));
+                return Err(Error::invalid(
+                    format!("--costs {k}"),
+                    v,
+                    "a finite number of seconds >= 0",
+                ));
             }
             match k.trim() {
                 "f" => spec.f = x,
@@ -104,7 +122,13 @@ impl FromStr for UniformCostSpec {
                 "comm" => spec.comm = x,
                 "fb" => spec.fb = Some(x),
                 "fo" => spec.fo = Some(x),
-                other => return Err(Error::invalid("--costs", other, "keys are f, b, w, comm, fb, fo")),
+                other => {
+                    return Err(Error::invalid(
+                        "--costs",
+                        other,
+                        "keys are f, b, w, comm, fb, fo",
+                    ));
+                }
             }
         }
         Ok(spec)
@@ -152,7 +176,11 @@ impl CostModel for UniformCosts {
     }
     fn overlap_ns(&self, _f: ComputeAction, b: ComputeAction) -> u64 {
         // fb is a pair of F and a full backward; a pair with I alone saves W.
-        if b.kind == ActionKind::I { self.fb_ns.saturating_sub(self.w_ns) } else { self.fb_ns }
+        if b.kind == ActionKind::I {
+            self.fb_ns.saturating_sub(self.w_ns)
+        } else {
+            self.fb_ns
+        }
     }
     #[inline]
     fn comm_ns(&self, _: StageId, _: MicrobatchId, _: ActionKind) -> u64 {
@@ -213,17 +241,29 @@ impl TableCosts {
     ) -> Result<Self> {
         let n_layers = profile.layers.len();
         if stages.len() != placement.num_stages() as usize {
-            return Err(Error::invalid("stages", stages.len(), format!("{} stages for this placement", placement.num_stages())));
+            return Err(Error::invalid(
+                "stages",
+                stages.len(),
+                format!("{} stages for this placement", placement.num_stages()),
+            ));
         }
         for (s, r) in stages.iter().enumerate() {
             if r.start >= r.end || r.end > n_layers {
-                return Err(Error::invalid(format!("stages[{s}]"), format!("{}..{}", r.start, r.end), format!("a non-empty range within 0..{n_layers}")));
+                return Err(Error::invalid(
+                    format!("stages[{s}]"),
+                    format!("{}..{}", r.start, r.end),
+                    format!("a non-empty range within 0..{n_layers}"),
+                ));
             }
         }
         let phase_s = |r: &Range<usize>, ph: Phase, t: f64, a: f64| -> f64 {
-            profile.layers[r.clone()].iter().map(|l| l.coeffs(ph).time_s(t, a)).sum()
+            profile.layers[r.clone()]
+                .iter()
+                .map(|l| l.coeffs(ph).time_s(t, a))
+                .sum()
         };
-        let out_bytes = |s: usize, t: f64| profile.layers[stages[s].end - 1].output_bytes_per_token * t;
+        let out_bytes =
+            |s: usize, t: f64| profile.layers[stages[s].end - 1].output_bytes_per_token * t;
         let link_ns = |s_from: usize, s_to: usize, bytes: f64| {
             let a = placement.rank_of[s_from].idx();
             let b = placement.rank_of[s_to].idx();
@@ -232,15 +272,28 @@ impl TableCosts {
         let m = microbatches.len();
         let mut cells = vec![Cell::default(); stages.len() * m];
         for (s, r) in stages.iter().enumerate() {
-            let act = profile.layers[r.clone()].iter().fold((0.0, 0.0), |acc, l| (acc.0 + l.act_bytes_per_token_i, acc.1 + l.act_bytes_per_token_w));
+            let act = profile.layers[r.clone()].iter().fold((0.0, 0.0), |acc, l| {
+                (
+                    acc.0 + l.act_bytes_per_token_i,
+                    acc.1 + l.act_bytes_per_token_w,
+                )
+            });
             for (k, mb) in microbatches.iter().enumerate() {
                 let (t, a) = (mb.tokens() as f64, mb.attn_pairs() as f64);
                 cells[s * m + k] = Cell {
                     f: s_to_ns(phase_s(r, Phase::F, t, a)),
                     i: s_to_ns(phase_s(r, Phase::I, t, a)),
                     w: s_to_ns(phase_s(r, Phase::W, t, a)),
-                    fwd_comm: if s + 1 < stages.len() { link_ns(s, s + 1, out_bytes(s, t)) } else { 0 },
-                    bwd_comm: if s > 0 { link_ns(s, s - 1, out_bytes(s - 1, t)) } else { 0 },
+                    fwd_comm: if s + 1 < stages.len() {
+                        link_ns(s, s + 1, out_bytes(s, t))
+                    } else {
+                        0
+                    },
+                    bwd_comm: if s > 0 {
+                        link_ns(s, s - 1, out_bytes(s - 1, t))
+                    } else {
+                        0
+                    },
                     act_i: act.0 * t,
                     act_w: act.1 * t,
                 };
@@ -251,16 +304,30 @@ impl TableCosts {
         for (s, r) in stages.iter().enumerate() {
             for (k, mb) in fo_microbatches.iter().enumerate() {
                 let (t, a) = (mb.tokens() as f64, mb.attn_pairs() as f64);
-                let comm = if s + 1 < stages.len() { link_ns(s, s + 1, out_bytes(s, t)) } else { 0 };
+                let comm = if s + 1 < stages.len() {
+                    link_ns(s, s + 1, out_bytes(s, t))
+                } else {
+                    0
+                };
                 fo[s * mfo + k] = (s_to_ns(phase_s(r, Phase::Fo, t, a)), comm);
             }
         }
         let mut optimizer = vec![0u64; placement.num_ranks as usize];
         for (s, r) in stages.iter().enumerate() {
-            let params: u64 = profile.layers[r.clone()].iter().map(|l| l.param_count).sum();
-            optimizer[placement.rank_of[s].idx()] += s_to_ns(params as f64 * profile.optimizer_s_per_param);
+            let params: u64 = profile.layers[r.clone()]
+                .iter()
+                .map(|l| l.param_count)
+                .sum();
+            optimizer[placement.rank_of[s].idx()] +=
+                s_to_ns(params as f64 * profile.optimizer_s_per_param);
         }
-        Ok(TableCosts { m, cells, fo, mfo, optimizer })
+        Ok(TableCosts {
+            m,
+            cells,
+            fo,
+            mfo,
+            optimizer,
+        })
     }
 
     #[inline]

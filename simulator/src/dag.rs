@@ -52,8 +52,16 @@ impl std::fmt::Display for DagNode {
         match self {
             DagNode::Compute { rank, action, .. } => write!(f, "rank {rank}: {action}"),
             DagNode::Transfer { from, to, action } => {
-                let dir = if matches!(action.kind, ActionKind::F | ActionKind::Fo) { "F" } else { "B" };
-                write!(f, "{}SEND_{dir}{} (rank {from} -> rank {to})", action.stage, action.microbatch)
+                let dir = if matches!(action.kind, ActionKind::F | ActionKind::Fo) {
+                    "F"
+                } else {
+                    "B"
+                };
+                write!(
+                    f,
+                    "{}SEND_{dir}{} (rank {from} -> rank {to})",
+                    action.stage, action.microbatch
+                )
             }
         }
     }
@@ -81,7 +89,11 @@ impl Dag {
         for (r, actions) in schedule.ranks.iter().enumerate() {
             let mut ids = Vec::with_capacity(actions.len());
             for (pos, &action) in actions.iter().enumerate() {
-                let id = g.add_node(DagNode::Compute { rank: r as u32, pos: pos as u32, action });
+                let id = g.add_node(DagNode::Compute {
+                    rank: r as u32,
+                    pos: pos as u32,
+                    action,
+                });
                 for a in action.parts() {
                     let k = a.stage.idx() * m + a.microbatch.idx();
                     match a.kind {
@@ -108,9 +120,15 @@ impl Dag {
                 for a in action.parts() {
                     let (s, mb) = (a.stage.idx(), a.microbatch.idx());
                     let (target, slot) = match a.kind {
-                        ActionKind::F if s + 1 < s_count => (s + 1, &mut act_arrival[(s + 1) * m + mb]),
-                        ActionKind::Fo if s + 1 < s_count => (s + 1, &mut fo_arrival[(s + 1) * mfo + mb]),
-                        ActionKind::I | ActionKind::B if s > 0 => (s - 1, &mut grad_arrival[(s - 1) * m + mb]),
+                        ActionKind::F if s + 1 < s_count => {
+                            (s + 1, &mut act_arrival[(s + 1) * m + mb])
+                        }
+                        ActionKind::Fo if s + 1 < s_count => {
+                            (s + 1, &mut fo_arrival[(s + 1) * mfo + mb])
+                        }
+                        ActionKind::I | ActionKind::B if s > 0 => {
+                            (s - 1, &mut grad_arrival[(s - 1) * m + mb])
+                        }
                         _ => continue,
                     };
                     let to = schedule.placement.rank_of[target].0;
@@ -118,7 +136,11 @@ impl Dag {
                         *slot = id;
                         continue;
                     }
-                    let t = g.add_node(DagNode::Transfer { from: r as u32, to, action: a });
+                    let t = g.add_node(DagNode::Transfer {
+                        from: r as u32,
+                        to,
+                        action: a,
+                    });
                     *slot = t;
                     g.add_edge(id, t, ());
                     if let Some(prev) = last_on_link.insert((r as u32, to), t) {
@@ -137,7 +159,9 @@ impl Dag {
                     let preds = match a.kind {
                         ActionKind::F => [(s > 0).then(|| act_arrival[k]), None],
                         ActionKind::Fo => [(s > 0).then(|| fo_arrival[s * mfo + mb]), None],
-                        ActionKind::I | ActionKind::B => [Some(f_node[k]), (s + 1 < s_count).then(|| grad_arrival[k])],
+                        ActionKind::I | ActionKind::B => {
+                            [Some(f_node[k]), (s + 1 < s_count).then(|| grad_arrival[k])]
+                        }
                         ActionKind::W => [Some(i_node[k]), None],
                     };
                     for p in preds.into_iter().flatten().filter(|p| *p != none) {
@@ -156,11 +180,24 @@ impl Dag {
         let mut end = vec![0u64; self.graph.node_count()];
         let mut makespan = 0;
         for n in order {
-            let start = self.graph.neighbors_directed(n, Direction::Incoming).map(|p| end[p.index()]).max().unwrap_or(0);
+            let start = self
+                .graph
+                .neighbors_directed(n, Direction::Incoming)
+                .map(|p| end[p.index()])
+                .max()
+                .unwrap_or(0);
             let dur = match self.graph[n] {
-                DagNode::Compute { action: Action::Compute(a), .. } => costs.compute_ns(a),
-                DagNode::Compute { action: Action::Overlap(a, b), .. } => costs.overlap_ns(a, b),
-                DagNode::Transfer { action, .. } => costs.comm_ns(action.stage, action.microbatch, action.kind),
+                DagNode::Compute {
+                    action: Action::Compute(a),
+                    ..
+                } => costs.compute_ns(a),
+                DagNode::Compute {
+                    action: Action::Overlap(a, b),
+                    ..
+                } => costs.overlap_ns(a, b),
+                DagNode::Transfer { action, .. } => {
+                    costs.comm_ns(action.stage, action.microbatch, action.kind)
+                }
             };
             end[n.index()] = start + dur;
             makespan = makespan.max(start + dur);
@@ -174,7 +211,9 @@ impl Dag {
             Ok(_) => return None,
             Err(c) => c.node_id(),
         };
-        let scc = tarjan_scc(&self.graph).into_iter().find(|c| c.contains(&start))?;
+        let scc = tarjan_scc(&self.graph)
+            .into_iter()
+            .find(|c| c.contains(&start))?;
         let in_scc: std::collections::HashSet<NodeIndex> = scc.into_iter().collect();
         // Shortest path start -> ... -> start inside the component (BFS).
         let mut parent: HashMap<NodeIndex, NodeIndex> = HashMap::new();
@@ -210,5 +249,8 @@ pub fn deadlock_error(schedule: &Schedule) -> Error {
         .find_cycle()
         .map(|c| c.iter().map(ToString::to_string).collect())
         .unwrap_or_else(|| vec!["(no cycle found; the schedule is incomplete)".into()]);
-    Error::Deadlock { schedule: schedule.name.clone(), cycle }
+    Error::Deadlock {
+        schedule: schedule.name.clone(),
+        cycle,
+    }
 }

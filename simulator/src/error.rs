@@ -23,7 +23,9 @@ pub enum Error {
 
     // ---- schedules ----
     /// An action string such as `0F1` does not parse.
-    #[error("`{text}` is not an action: {reason} (expected e.g. 0F1, 3I0, 3W0, 2B1, 1Fo0 or (0F3;1B2)OVERLAP_F_B)")]
+    #[error(
+        "`{text}` is not an action: {reason} (expected e.g. 0F1, 3I0, 3W0, 2B1, 1Fo0 or (0F3;1B2)OVERLAP_F_B)"
+    )]
     ParseAction {
         /// The text.
         text: String,
@@ -60,7 +62,15 @@ pub enum Error {
 
 impl Error {
     /// Shorthand for [`Error::InvalidArgument`].
-    pub fn invalid(field: impl Into<String>, value: impl ToString, allowed: impl Into<String>) -> Self {
-        Error::InvalidArgument { field: field.into(), value: value.to_string(), allowed: allowed.into() }
+    pub fn invalid(
+        field: impl Into<String>,
+        value: impl ToString,
+        allowed: impl Into<String>,
+    ) -> Self {
+        Error::InvalidArgument {
+            field: field.into(),
+            value: value.to_string(),
+            allowed: allowed.into(),
+        }
     }
 }

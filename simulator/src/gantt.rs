@@ -5,9 +5,9 @@
 //! light grey; the microbatch number on every box wide enough to hold it. Idle time is the
 //! pale row background left uncovered.
 
+use crate::ir::{Action, ActionKind};
 use crate::timeline::Timeline;
 use crate::{Error, Result};
-use crate::ir::{Action, ActionKind};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -49,7 +49,11 @@ fn time_unit(makespan_s: f64) -> (f64, &'static str) {
     }
 }
 
-fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, t: &Timeline) -> std::result::Result<(), String> {
+fn draw<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    title: &str,
+    t: &Timeline,
+) -> std::result::Result<(), String> {
     let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
     root.fill(&WHITE).map_err(e)?;
     let p = t.num_ranks().max(1);
@@ -75,14 +79,22 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, t: &Time
     let pad = 0.12;
     // Row backgrounds: what stays visible is idle time.
     chart
-        .draw_series((0..p).map(|r| Rectangle::new([(0.0, row(r) + pad), (x_max, row(r) + 1.0 - pad)], RGBColor(236, 239, 241).filled())))
+        .draw_series((0..p).map(|r| {
+            Rectangle::new(
+                [(0.0, row(r) + pad), (x_max, row(r) + 1.0 - pad)],
+                RGBColor(236, 239, 241).filled(),
+            )
+        }))
         .map_err(e)?;
     let px_per_unit = {
         let (a, _) = chart.backend_coord(&(0.0, 0.0));
         let (b, _) = chart.backend_coord(&(x_max, 0.0));
         (b - a).max(1) as f64 / x_max
     };
-    let label_style = ("sans-serif", 11).into_font().color(&WHITE).pos(Pos::new(HPos::Center, VPos::Center));
+    let label_style = ("sans-serif", 11)
+        .into_font()
+        .color(&WHITE)
+        .pos(Pos::new(HPos::Center, VPos::Center));
     let mut boxes = Vec::new();
     let mut labels = Vec::new();
     for (r, ops) in t.compute.iter().enumerate() {
@@ -95,16 +107,30 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, t: &Time
                     boxes.push(Rectangle::new([(x0, y0), (x1, y1)], color(a.kind).filled()));
                     let text = a.microbatch.to_string();
                     if (x1 - x0) * px_per_unit >= 7.0 * text.len() as f64 + 2.0 {
-                        labels.push(Text::new(text, ((x0 + x1) / 2.0, (y0 + y1) / 2.0), label_style.clone()));
+                        labels.push(Text::new(
+                            text,
+                            ((x0 + x1) / 2.0, (y0 + y1) / 2.0),
+                            label_style.clone(),
+                        ));
                     }
                 }
                 Action::Overlap(f, b) => {
                     let mid = (y0 + y1) / 2.0;
-                    boxes.push(Rectangle::new([(x0, mid), (x1, y1)], color(f.kind).filled()));
-                    boxes.push(Rectangle::new([(x0, y0), (x1, mid)], color(b.kind).filled()));
+                    boxes.push(Rectangle::new(
+                        [(x0, mid), (x1, y1)],
+                        color(f.kind).filled(),
+                    ));
+                    boxes.push(Rectangle::new(
+                        [(x0, y0), (x1, mid)],
+                        color(b.kind).filled(),
+                    ));
                     if (x1 - x0) * px_per_unit >= 30.0 {
                         let s = label_style.clone();
-                        labels.push(Text::new(format!("{}/{}", f.microbatch, b.microbatch), ((x0 + x1) / 2.0, mid), s));
+                        labels.push(Text::new(
+                            format!("{}/{}", f.microbatch, b.microbatch),
+                            ((x0 + x1) / 2.0, mid),
+                            s,
+                        ));
                     }
                 }
             }
@@ -113,23 +139,50 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, t: &Time
         }
         if let Some(Some((a, b))) = t.optimizer.get(r) {
             let (x0, x1) = (*a as f64 * 1e-9 * scale, *b as f64 * 1e-9 * scale);
-            boxes.push(Rectangle::new([(x0, y0), (x1, y1)], RGBColor(176, 176, 176).filled()));
+            boxes.push(Rectangle::new(
+                [(x0, y0), (x1, y1)],
+                RGBColor(176, 176, 176).filled(),
+            ));
         }
     }
     chart.draw_series(boxes).map_err(e)?;
     chart.draw_series(labels).map_err(e)?;
     // Rank names left of the rows, and a legend under the caption.
-    let name_style = ("sans-serif", 14).into_font().color(&BLACK).pos(Pos::new(HPos::Right, VPos::Center));
+    let name_style = ("sans-serif", 14)
+        .into_font()
+        .color(&BLACK)
+        .pos(Pos::new(HPos::Right, VPos::Center));
     for r in 0..p {
         let (x, y) = chart.backend_coord(&(0.0, row(r) + 0.5));
-        root.draw(&Text::new(format!("rank {r}"), (x - 8, y), name_style.clone())).map_err(e)?;
+        root.draw(&Text::new(
+            format!("rank {r}"),
+            (x - 8, y),
+            name_style.clone(),
+        ))
+        .map_err(e)?;
     }
-    let legend = [("F", color(ActionKind::F)), ("I", color(ActionKind::I)), ("W", color(ActionKind::W)), ("B", color(ActionKind::B)), ("Fo", color(ActionKind::Fo)), ("opt", RGBColor(176, 176, 176))];
+    let legend = [
+        ("F", color(ActionKind::F)),
+        ("I", color(ActionKind::I)),
+        ("W", color(ActionKind::W)),
+        ("B", color(ActionKind::B)),
+        ("Fo", color(ActionKind::Fo)),
+        ("opt", RGBColor(176, 176, 176)),
+    ];
     let (w, _) = root.dim_in_pixel();
     let mut x = w as i32 - 24 - 56 * legend.len() as i32;
     for (name, c) in legend {
-        root.draw(&Rectangle::new([(x, 36), (x + 14, 50)], c.filled())).map_err(e)?;
-        root.draw(&Text::new(name, (x + 18, 43), ("sans-serif", 13).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Center)))).map_err(e)?;
+        root.draw(&Rectangle::new([(x, 36), (x + 14, 50)], c.filled()))
+            .map_err(e)?;
+        root.draw(&Text::new(
+            name,
+            (x + 18, 43),
+            ("sans-serif", 13)
+                .into_font()
+                .color(&BLACK)
+                .pos(Pos::new(HPos::Left, VPos::Center)),
+        ))
+        .map_err(e)?;
         x += 56;
     }
     root.present().map_err(e)?;
@@ -143,8 +196,15 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, t: &Time
 /// [`Error::Plot`] if the extension is neither svg nor png or drawing / writing fails.
 pub fn write_gantt(path: &Path, title: &str, timeline: &Timeline) -> Result<()> {
     register_font();
-    let plot_err = |message: String| Error::Plot { path: path.display().to_string(), message };
-    let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).unwrap_or_default();
+    let plot_err = |message: String| Error::Plot {
+        path: path.display().to_string(),
+        message,
+    };
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase)
+        .unwrap_or_default();
     let rows = timeline.num_ranks().max(1) as u32;
     let size = (1600u32, 110 + 44 * rows.min(64) + 30);
     match ext.as_str() {
@@ -161,14 +221,22 @@ pub fn write_gantt(path: &Path, title: &str, timeline: &Timeline) -> Result<()> 
                 Some(d) if !d.as_os_str().is_empty() => d,
                 _ => Path::new("."),
             };
-            let tmp = tempfile::Builder::new().suffix(".png").tempfile_in(dir).map_err(|e| plot_err(e.to_string()))?;
+            let tmp = tempfile::Builder::new()
+                .suffix(".png")
+                .tempfile_in(dir)
+                .map_err(|e| plot_err(e.to_string()))?;
             {
                 let root = BitMapBackend::new(tmp.path(), size).into_drawing_area();
                 draw(&root, title, timeline).map_err(plot_err)?;
             }
-            tmp.persist(path).map_err(|e| plot_err(e.error.to_string()))?;
+            tmp.persist(path)
+                .map_err(|e| plot_err(e.error.to_string()))?;
         }
-        other => return Err(plot_err(format!("unknown chart format `{other}`: use a .svg or .png file name"))),
+        other => {
+            return Err(plot_err(format!(
+                "unknown chart format `{other}`: use a .svg or .png file name"
+            )));
+        }
     }
     Ok(())
 }

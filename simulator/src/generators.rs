@@ -87,13 +87,24 @@ impl FromStr for ScheduleKind {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         let t = s.trim().to_ascii_lowercase();
-        ScheduleKind::ALL.iter().copied().find(|k| k.name() == t || k.pytorch_name().eq_ignore_ascii_case(&t)).ok_or_else(|| {
-            Error::invalid(
-                "--schedule",
-                s,
-                format!("one of {} or all", ScheduleKind::ALL.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")),
-            )
-        })
+        ScheduleKind::ALL
+            .iter()
+            .copied()
+            .find(|k| k.name() == t || k.pytorch_name().eq_ignore_ascii_case(&t))
+            .ok_or_else(|| {
+                Error::invalid(
+                    "--schedule",
+                    s,
+                    format!(
+                        "one of {} or all",
+                        ScheduleKind::ALL
+                            .iter()
+                            .map(|k| k.name())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                )
+            })
     }
 }
 
@@ -106,7 +117,13 @@ pub fn gpipe(p: u32, m: u32) -> Schedule {
             f.chain(b).collect()
         })
         .collect();
-    Schedule { name: "gpipe".into(), placement: Placement::looped(p, 1), num_microbatches: m, num_fo_microbatches: 0, ranks }
+    Schedule {
+        name: "gpipe".into(),
+        placement: Placement::looped(p, 1),
+        num_microbatches: m,
+        num_fo_microbatches: 0,
+        ranks,
+    }
 }
 
 /// 1F1B (PipeDream-Flush) on `p` ranks, `m` microbatches: rank `r` runs
@@ -126,5 +143,11 @@ pub fn one_f_one_b(p: u32, m: u32) -> Schedule {
             a
         })
         .collect();
-    Schedule { name: "1f1b".into(), placement: Placement::looped(p, 1), num_microbatches: m, num_fo_microbatches: 0, ranks }
+    Schedule {
+        name: "1f1b".into(),
+        placement: Placement::looped(p, 1),
+        num_microbatches: m,
+        num_fo_microbatches: 0,
+        ranks,
+    }
 }

@@ -94,7 +94,11 @@ pub struct ComputeAction {
 impl ComputeAction {
     /// Shorthand constructor.
     pub fn new(stage: u32, kind: ActionKind, microbatch: u32) -> Self {
-        ComputeAction { stage: StageId(stage), microbatch: MicrobatchId(microbatch), kind }
+        ComputeAction {
+            stage: StageId(stage),
+            microbatch: MicrobatchId(microbatch),
+            kind,
+        }
     }
 }
 
@@ -142,28 +146,43 @@ impl fmt::Display for Action {
 impl FromStr for ComputeAction {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        let err = |reason: &str| Error::ParseAction { text: s.to_string(), reason: reason.to_string() };
+        let err = |reason: &str| Error::ParseAction {
+            text: s.to_string(),
+            reason: reason.to_string(),
+        };
         let t = s.trim();
-        let d1 = t.find(|c: char| !c.is_ascii_digit()).ok_or_else(|| err("no action letter"))?;
+        let d1 = t
+            .find(|c: char| !c.is_ascii_digit())
+            .ok_or_else(|| err("no action letter"))?;
         if d1 == 0 {
             return Err(err("must start with the stage number"));
         }
         let rest = &t[d1..];
-        let l = rest.find(|c: char| c.is_ascii_digit()).ok_or_else(|| err("no microbatch number after the letter"))?;
+        let l = rest
+            .find(|c: char| c.is_ascii_digit())
+            .ok_or_else(|| err("no microbatch number after the letter"))?;
         let kind = match &rest[..l] {
             "F" => ActionKind::F,
             "I" => ActionKind::I,
             "W" => ActionKind::W,
             "B" => ActionKind::B,
             "Fo" => ActionKind::Fo,
-            other => return Err(err(&format!("unknown action type `{other}` (compute actions are F, I, W, B, Fo)"))),
+            other => {
+                return Err(err(&format!(
+                    "unknown action type `{other}` (compute actions are F, I, W, B, Fo)"
+                )));
+            }
         };
         let mb = &rest[l..];
         if !mb.bytes().all(|b| b.is_ascii_digit()) {
             return Err(err("trailing characters after the microbatch number"));
         }
-        let stage: u32 = t[..d1].parse().map_err(|_| err("stage number out of range"))?;
-        let microbatch: u32 = mb.parse().map_err(|_| err("microbatch number out of range"))?;
+        let stage: u32 = t[..d1]
+            .parse()
+            .map_err(|_| err("stage number out of range"))?;
+        let microbatch: u32 = mb
+            .parse()
+            .map_err(|_| err("microbatch number out of range"))?;
         Ok(ComputeAction::new(stage, kind, microbatch))
     }
 }
@@ -173,9 +192,16 @@ impl FromStr for Action {
     fn from_str(s: &str) -> Result<Self> {
         let t = s.trim();
         if let Some(inner) = t.strip_prefix('(') {
-            let err = |reason: &str| Error::ParseAction { text: s.to_string(), reason: reason.to_string() };
-            let inner = inner.strip_suffix(")OVERLAP_F_B").ok_or_else(|| err("an overlapped pair ends with )OVERLAP_F_B"))?;
-            let (a, b) = inner.split_once(';').ok_or_else(|| err("an overlapped pair holds two actions separated by ;"))?;
+            let err = |reason: &str| Error::ParseAction {
+                text: s.to_string(),
+                reason: reason.to_string(),
+            };
+            let inner = inner
+                .strip_suffix(")OVERLAP_F_B")
+                .ok_or_else(|| err("an overlapped pair ends with )OVERLAP_F_B"))?;
+            let (a, b) = inner
+                .split_once(';')
+                .ok_or_else(|| err("an overlapped pair holds two actions separated by ;"))?;
             return Ok(Action::Overlap(a.parse()?, b.parse()?));
         }
         Ok(Action::Compute(t.parse()?))
@@ -208,13 +234,23 @@ pub struct Placement {
 impl Placement {
     /// Loop placement of `p * v` stages: stage `s` on rank `s mod p`.
     pub fn looped(p: u32, v: u32) -> Self {
-        Placement { rank_of: (0..p * v).map(|s| Rank(s % p)).collect(), num_ranks: p, kind: PlacementKind::Loop }
+        Placement {
+            rank_of: (0..p * v).map(|s| Rank(s % p)).collect(),
+            num_ranks: p,
+            kind: PlacementKind::Loop,
+        }
     }
 
     /// V placement of `2p` stages: rank `r` holds stages `r` and `2p - 1 - r`.
     pub fn v_shape(p: u32) -> Self {
-        let rank_of = (0..2 * p).map(|s| Rank(if s < p { s } else { 2 * p - 1 - s })).collect();
-        Placement { rank_of, num_ranks: p, kind: PlacementKind::V }
+        let rank_of = (0..2 * p)
+            .map(|s| Rank(if s < p { s } else { 2 * p - 1 - s }))
+            .collect();
+        Placement {
+            rank_of,
+            num_ranks: p,
+            kind: PlacementKind::V,
+        }
     }
 
     /// Number of stages.
@@ -229,7 +265,10 @@ impl Placement {
 
     /// The stages held by `rank`, in increasing order.
     pub fn stages_of(&self, rank: Rank) -> Vec<StageId> {
-        (0..self.num_stages()).map(StageId).filter(|s| self.rank(*s) == rank).collect()
+        (0..self.num_stages())
+            .map(StageId)
+            .filter(|s| self.rank(*s) == rank)
+            .collect()
     }
 }
 
@@ -268,7 +307,12 @@ impl Schedule {
     /// # Errors
     /// [`Error::InvalidSchedule`] naming the rank, position and action.
     pub fn validate(&self) -> Result<()> {
-        let fail = |reason: String| Err(Error::InvalidSchedule { schedule: self.name.clone(), reason });
+        let fail = |reason: String| {
+            Err(Error::InvalidSchedule {
+                schedule: self.name.clone(),
+                reason,
+            })
+        };
         let p = self.placement.num_ranks as usize;
         let s_count = self.num_stages() as usize;
         let m = self.num_microbatches as usize;
@@ -284,12 +328,16 @@ impl Schedule {
                 if let Action::Overlap(a, b) = action
                     && !(a.kind == ActionKind::F && b.kind.is_input_backward())
                 {
-                    return fail(format!("rank {r}, position {pos}: {action} must pair a forward F with a backward I or B"));
+                    return fail(format!(
+                        "rank {r}, position {pos}: {action} must pair a forward F with a backward I or B"
+                    ));
                 }
                 for a in action.parts() {
                     let s = a.stage.idx();
                     if s >= s_count {
-                        return fail(format!("rank {r}, position {pos}: {a} names stage {s}; stages are 0..{s_count}"));
+                        return fail(format!(
+                            "rank {r}, position {pos}: {a} names stage {s}; stages are 0..{s_count}"
+                        ));
                     }
                     if self.placement.rank(a.stage).idx() != r {
                         return fail(format!(
@@ -300,13 +348,17 @@ impl Schedule {
                     let mb = a.microbatch.idx();
                     if a.kind == ActionKind::Fo {
                         if mb >= mfo {
-                            return fail(format!("rank {r}, position {pos}: {a} names forward-only microbatch {mb}; there are {mfo}"));
+                            return fail(format!(
+                                "rank {r}, position {pos}: {a} names forward-only microbatch {mb}; there are {mfo}"
+                            ));
                         }
                         fo_counts[s * mfo + mb] += 1;
                         continue;
                     }
                     if mb >= m {
-                        return fail(format!("rank {r}, position {pos}: {a} names microbatch {mb}; microbatches are 0..{m}"));
+                        return fail(format!(
+                            "rank {r}, position {pos}: {a} names microbatch {mb}; microbatches are 0..{m}"
+                        ));
                     }
                     let c = &mut counts[s * m + mb];
                     let k = match a.kind {
@@ -314,7 +366,10 @@ impl Schedule {
                         ActionKind::I => 1,
                         ActionKind::W => {
                             if c[1] == 0 {
-                                return fail(format!("rank {r}, position {pos}: {a} comes before its I ({}I{})", s, mb));
+                                return fail(format!(
+                                    "rank {r}, position {pos}: {a} comes before its I ({}I{})",
+                                    s, mb
+                                ));
                             }
                             2
                         }
@@ -329,7 +384,9 @@ impl Schedule {
             for mb in 0..m {
                 let [f, i, w, b] = counts[s * m + mb];
                 if f != 1 {
-                    return fail(format!("stage {s} microbatch {mb} has {f} forwards ({s}F{mb}); exactly 1 is needed"));
+                    return fail(format!(
+                        "stage {s} microbatch {mb} has {f} forwards ({s}F{mb}); exactly 1 is needed"
+                    ));
                 }
                 let ok = (b == 1 && i == 0 && w == 0) || (b == 0 && i == 1 && w == 1);
                 if !ok {
@@ -341,7 +398,9 @@ impl Schedule {
             for k in 0..mfo {
                 let c = fo_counts[s * mfo + k];
                 if c != 1 {
-                    return fail(format!("stage {s} forward-only microbatch {k} has {c} Fo actions; exactly 1 is needed"));
+                    return fail(format!(
+                        "stage {s} forward-only microbatch {k} has {c} Fo actions; exactly 1 is needed"
+                    ));
                 }
             }
         }
@@ -350,7 +409,11 @@ impl Schedule {
 
     /// The step-by-rank grid as text: one line per rank, one action per column.
     pub fn grid(&self) -> String {
-        let cells: Vec<Vec<String>> = self.ranks.iter().map(|a| a.iter().map(ToString::to_string).collect()).collect();
+        let cells: Vec<Vec<String>> = self
+            .ranks
+            .iter()
+            .map(|a| a.iter().map(ToString::to_string).collect())
+            .collect();
         let width = cells.iter().flatten().map(String::len).max().unwrap_or(1);
         let mut out = String::new();
         for (r, row) in cells.iter().enumerate() {
@@ -370,11 +433,26 @@ mod tests {
 
     #[test]
     fn parses_pytorch_notation() {
-        assert_eq!("0F1".parse::<Action>().unwrap(), Action::new(0, ActionKind::F, 1));
-        assert_eq!("12I30".parse::<Action>().unwrap(), Action::new(12, ActionKind::I, 30));
-        assert_eq!("2Fo5".parse::<Action>().unwrap(), Action::new(2, ActionKind::Fo, 5));
+        assert_eq!(
+            "0F1".parse::<Action>().unwrap(),
+            Action::new(0, ActionKind::F, 1)
+        );
+        assert_eq!(
+            "12I30".parse::<Action>().unwrap(),
+            Action::new(12, ActionKind::I, 30)
+        );
+        assert_eq!(
+            "2Fo5".parse::<Action>().unwrap(),
+            Action::new(2, ActionKind::Fo, 5)
+        );
         let pair: Action = "(0F7;7B3)OVERLAP_F_B".parse().unwrap();
-        assert_eq!(pair, Action::Overlap(ComputeAction::new(0, ActionKind::F, 7), ComputeAction::new(7, ActionKind::B, 3)));
+        assert_eq!(
+            pair,
+            Action::Overlap(
+                ComputeAction::new(0, ActionKind::F, 7),
+                ComputeAction::new(7, ActionKind::B, 3)
+            )
+        );
         assert_eq!(pair.to_string(), "(0F7;7B3)OVERLAP_F_B");
         for bad in ["", "F1", "0X1", "0F", "0F1x", "(0F1;1B0)", "0SEND_F1"] {
             assert!(bad.parse::<Action>().is_err(), "{bad}");

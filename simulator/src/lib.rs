@@ -48,7 +48,10 @@ pub mod trace;
 pub use costs::{CostModel, MemoryUnit, TableCosts, UniformCostSpec, UniformCosts};
 pub use error::{Error, Result};
 pub use generators::ScheduleKind;
-pub use ir::{Action, ActionKind, ComputeAction, MicrobatchId, Placement, PlacementKind, Rank, Schedule, StageId};
+pub use ir::{
+    Action, ActionKind, ComputeAction, MicrobatchId, Placement, PlacementKind, Rank, Schedule,
+    StageId,
+};
 pub use metrics::Metrics;
 pub use microbatch::Microbatch;
 pub use plan::{Microbatching, Plan};

@@ -60,7 +60,13 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
     }
     let crosses = |s: u32, t: u32| rank_of[s as usize] != rank_of[t as usize];
     let first_stage: Vec<u32> = (0..schedule.placement.num_ranks)
-        .map(|r| schedule.placement.stages_of(Rank(r)).first().map_or(u32::MAX, |s| s.0))
+        .map(|r| {
+            schedule
+                .placement
+                .stages_of(Rank(r))
+                .first()
+                .map_or(u32::MAX, |s| s.0)
+        })
         .collect();
     let mut fill = vec![u64::MAX; first_stage.len()];
     let mut critical = 0u64;
@@ -72,7 +78,11 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
                 if first_stage[r] == s {
                     fill[r] = fill[r].min(t);
                 }
-                t += costs.compute_ns(CA { stage: StageId(s), microbatch: MicrobatchId(mb), kind });
+                t += costs.compute_ns(CA {
+                    stage: StageId(s),
+                    microbatch: MicrobatchId(mb),
+                    kind,
+                });
                 if s + 1 < s_count && crosses(s, s + 1) {
                     t += costs.comm_ns(StageId(s), MicrobatchId(mb), kind);
                 }
@@ -82,13 +92,33 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
                 continue;
             }
             for s in (0..s_count).rev() {
-                let id = |kind| CA { stage: StageId(s), microbatch: MicrobatchId(mb), kind };
+                let id = |kind| CA {
+                    stage: StageId(s),
+                    microbatch: MicrobatchId(mb),
+                    kind,
+                };
                 let is_split = split[(s * m + mb) as usize];
-                t += costs.compute_ns(id(if is_split { ActionKind::I } else { ActionKind::B }));
-                let w = if is_split { costs.compute_ns(id(ActionKind::W)) } else { 0 };
+                t += costs.compute_ns(id(if is_split {
+                    ActionKind::I
+                } else {
+                    ActionKind::B
+                }));
+                let w = if is_split {
+                    costs.compute_ns(id(ActionKind::W))
+                } else {
+                    0
+                };
                 critical = critical.max(t + w);
                 if s > 0 && crosses(s, s - 1) {
-                    t += costs.comm_ns(StageId(s), MicrobatchId(mb), if is_split { ActionKind::I } else { ActionKind::B });
+                    t += costs.comm_ns(
+                        StageId(s),
+                        MicrobatchId(mb),
+                        if is_split {
+                            ActionKind::I
+                        } else {
+                            ActionKind::B
+                        },
+                    );
                 }
             }
         }
@@ -166,7 +196,11 @@ pub fn metrics<C: CostModel>(schedule: &Schedule, costs: &C, timeline: &Timeline
         ranks.push(RankMetrics {
             rank: r as u32,
             busy_s: ns_to_s(busy),
-            bubble_ratio: if makespan == 0 { 0.0 } else { 1.0 - busy as f64 / makespan as f64 },
+            bubble_ratio: if makespan == 0 {
+                0.0
+            } else {
+                1.0 - busy as f64 / makespan as f64
+            },
             peak_activation_bytes: bytes,
             peak_activation_units: units,
             peak_inflight_microbatches: peak_inflight,
@@ -175,9 +209,17 @@ pub fn metrics<C: CostModel>(schedule: &Schedule, costs: &C, timeline: &Timeline
     let lb = lower_bound_ns(schedule, costs);
     Metrics {
         makespan_s: ns_to_s(makespan),
-        bubble_ratio: if makespan == 0 { 0.0 } else { 1.0 - total_busy as f64 / (p as f64 * makespan as f64) },
+        bubble_ratio: if makespan == 0 {
+            0.0
+        } else {
+            1.0 - total_busy as f64 / (p as f64 * makespan as f64)
+        },
         lower_bound_s: ns_to_s(lb),
-        gap_to_lower_bound: if lb == 0 { 0.0 } else { makespan as f64 / lb as f64 - 1.0 },
+        gap_to_lower_bound: if lb == 0 {
+            0.0
+        } else {
+            makespan as f64 / lb as f64 - 1.0
+        },
         ranks,
     }
 }

@@ -21,7 +21,10 @@ impl Microbatch {
 
     /// Causal attention query-key pairs: `Σ s (s + 1) / 2`.
     pub fn attn_pairs(&self) -> u64 {
-        self.seq_lens.iter().map(|&s| s as u64 * (s as u64 + 1) / 2).sum()
+        self.seq_lens
+            .iter()
+            .map(|&s| s as u64 * (s as u64 + 1) / 2)
+            .sum()
     }
 
     /// Cumulative sequence boundaries `[0, s_0, s_0 + s_1, .., T]` (length `n + 1`).
@@ -66,8 +69,16 @@ pub fn pack_token_budget(seqs: &[u32], budget: u64) -> Result<(Vec<Microbatch>, 
     for i in order {
         let s = seqs[i] as u64;
         if s > budget {
-            oversize.push(Oversize { index: i, tokens: seqs[i] });
-            bins.push((s, Microbatch { seq_lens: vec![seqs[i]] }));
+            oversize.push(Oversize {
+                index: i,
+                tokens: seqs[i],
+            });
+            bins.push((
+                s,
+                Microbatch {
+                    seq_lens: vec![seqs[i]],
+                },
+            ));
             continue;
         }
         match bins.iter_mut().find(|(t, _)| *t + s <= budget) {
@@ -75,7 +86,12 @@ pub fn pack_token_budget(seqs: &[u32], budget: u64) -> Result<(Vec<Microbatch>, 
                 *t += s;
                 mb.seq_lens.push(seqs[i]);
             }
-            None => bins.push((s, Microbatch { seq_lens: vec![seqs[i]] })),
+            None => bins.push((
+                s,
+                Microbatch {
+                    seq_lens: vec![seqs[i]],
+                },
+            )),
         }
     }
     Ok((bins.into_iter().map(|(_, mb)| mb).collect(), oversize))
@@ -88,12 +104,20 @@ pub fn pack_token_budget(seqs: &[u32], budget: u64) -> Result<(Vec<Microbatch>, 
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] if `m` is 0 or exceeds the number of sequences.
-pub fn split_balanced(seqs: &[u32], m: usize, cost: impl Fn(u64, u64) -> f64) -> Result<Vec<Microbatch>> {
+pub fn split_balanced(
+    seqs: &[u32],
+    m: usize,
+    cost: impl Fn(u64, u64) -> f64,
+) -> Result<Vec<Microbatch>> {
     if m == 0 || m > seqs.len() {
         return Err(Error::invalid(
             "--microbatches",
             m,
-            format!("in 1..={} (each microbatch needs at least one of the step's {} sequences)", seqs.len(), seqs.len()),
+            format!(
+                "in 1..={} (each microbatch needs at least one of the step's {} sequences)",
+                seqs.len(),
+                seqs.len()
+            ),
         ));
     }
     let c = |s: u32| cost(s as u64, s as u64 * (s as u64 + 1) / 2);
@@ -102,7 +126,11 @@ pub fn split_balanced(seqs: &[u32], m: usize, cost: impl Fn(u64, u64) -> f64) ->
     let mut load = vec![0.0f64; m];
     let mut out = vec![Microbatch::default(); m];
     for i in order {
-        let (k, _) = load.iter().enumerate().min_by(|a, b| a.1.total_cmp(b.1).then(a.0.cmp(&b.0))).expect("m >= 1");
+        let (k, _) = load
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1.total_cmp(b.1).then(a.0.cmp(&b.0)))
+            .expect("m >= 1");
         load[k] += c(seqs[i]);
         out[k].seq_lens.push(seqs[i]);
     }
@@ -116,10 +144,14 @@ mod tests {
     #[test]
     fn flat_accounting_uses_true_tokens() {
         // 8 documents of 1,024 tokens: 8 * 1024 * 1025 / 2 pairs, vs 8192 * 8193 / 2 for one document.
-        let mb = Microbatch { seq_lens: vec![1024; 8] };
+        let mb = Microbatch {
+            seq_lens: vec![1024; 8],
+        };
         assert_eq!(mb.tokens(), 8192);
         assert_eq!(mb.attn_pairs(), 4_198_400);
-        let one = Microbatch { seq_lens: vec![8192] };
+        let one = Microbatch {
+            seq_lens: vec![8192],
+        };
         assert_eq!(mb.attn_pairs() * 8193, one.attn_pairs() * 1025);
         assert_eq!(mb.cu_seqlens().last(), Some(&8192));
         assert_eq!(mb.cu_seqlens().len(), 9);
@@ -128,9 +160,18 @@ mod tests {
     #[test]
     fn ffd_respects_budget_and_flags_oversize() {
         let (mbs, over) = pack_token_budget(&[6, 5, 4, 3, 2, 20], 10).unwrap();
-        assert_eq!(over, vec![Oversize { index: 5, tokens: 20 }]);
+        assert_eq!(
+            over,
+            vec![Oversize {
+                index: 5,
+                tokens: 20
+            }]
+        );
         // FFD by hand: 20 | 6+4 | 5+3+2
-        assert_eq!(mbs.iter().map(|m| m.seq_lens.clone()).collect::<Vec<_>>(), vec![vec![20], vec![6, 4], vec![5, 3, 2]]);
+        assert_eq!(
+            mbs.iter().map(|m| m.seq_lens.clone()).collect::<Vec<_>>(),
+            vec![vec![20], vec![6, 4], vec![5, 3, 2]]
+        );
     }
 
     #[test]

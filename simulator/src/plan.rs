@@ -99,8 +99,13 @@ impl Plan {
     /// # Errors
     /// [`flatpipe_profiles::Error::Yaml`] (wrapped) for malformed YAML.
     pub fn from_yaml(text: &str, origin: &str) -> Result<Self> {
-        serde_yaml::from_str(text)
-            .map_err(|e| flatpipe_profiles::Error::Yaml { path: origin.into(), message: e.to_string() }.into())
+        serde_yaml::from_str(text).map_err(|e| {
+            flatpipe_profiles::Error::Yaml {
+                path: origin.into(),
+                message: e.to_string(),
+            }
+            .into()
+        })
     }
 
     /// The plan as YAML text.
@@ -108,8 +113,13 @@ impl Plan {
     /// # Errors
     /// [`flatpipe_profiles::Error::Yaml`] (wrapped) if serialization fails.
     pub fn to_yaml(&self) -> Result<String> {
-        serde_yaml::to_string(self)
-            .map_err(|e| flatpipe_profiles::Error::Yaml { path: "plan".into(), message: e.to_string() }.into())
+        serde_yaml::to_string(self).map_err(|e| {
+            flatpipe_profiles::Error::Yaml {
+                path: "plan".into(),
+                message: e.to_string(),
+            }
+            .into()
+        })
     }
 
     /// How the step is cut into microbatches (`token_budget` or `microbatches`).
@@ -122,7 +132,11 @@ impl Plan {
             (None, Some(0)) => Err(Error::invalid("token_budget", 0, ">= 1 token")),
             (Some(m), None) => Ok(Microbatching::Microbatches(m)),
             (None, Some(t)) => Ok(Microbatching::TokenBudget(t)),
-            _ => Err(Error::invalid("microbatches / token_budget", "both or neither", "give exactly one of the two")),
+            _ => Err(Error::invalid(
+                "microbatches / token_budget",
+                "both or neither",
+                "give exactly one of the two",
+            )),
         }
     }
 
@@ -148,7 +162,12 @@ impl Plan {
             return Err(Error::invalid(
                 field("stages"),
                 format!("{} stages", self.stages.len()),
-                format!("{} x {} = {want} stages for schedule {}", self.pp, self.schedule.stages_per_rank(self.vpp), self.schedule),
+                format!(
+                    "{} x {} = {want} stages for schedule {}",
+                    self.pp,
+                    self.schedule.stages_per_rank(self.vpp),
+                    self.schedule
+                ),
             ));
         }
         let mut next = 0;
@@ -157,23 +176,42 @@ impl Plan {
                 return Err(Error::invalid(
                     field(&format!("stages[{i}]")),
                     format!("{{start: {}, end: {}}}", s.start, s.end),
-                    format!("stages must cover layers 0..{num_layers} in order, each non-empty; this one must start at {next}"),
+                    format!(
+                        "stages must cover layers 0..{num_layers} in order, each non-empty; this one must start at {next}"
+                    ),
                 ));
             }
             next = s.end;
         }
         if next != num_layers {
-            return Err(Error::invalid(field("stages"), format!("ends at layer {next}"), format!("must cover all {num_layers} layers")));
+            return Err(Error::invalid(
+                field("stages"),
+                format!("ends at layer {next}"),
+                format!("must cover all {num_layers} layers"),
+            ));
         }
         if self.placement != self.schedule.placement() {
             return Err(Error::invalid(
                 field("placement"),
                 format!("{:?}", self.placement).to_lowercase(),
-                format!("schedule {} uses {:?} placement", self.schedule, self.schedule.placement()).to_lowercase(),
+                format!(
+                    "schedule {} uses {:?} placement",
+                    self.schedule,
+                    self.schedule.placement()
+                )
+                .to_lowercase(),
             ));
         }
         self.microbatching().map_err(|e| match e {
-            Error::InvalidArgument { field: f, value, allowed } => Error::InvalidArgument { field: field(&f), value, allowed },
+            Error::InvalidArgument {
+                field: f,
+                value,
+                allowed,
+            } => Error::InvalidArgument {
+                field: field(&f),
+                value,
+                allowed,
+            },
             other => other,
         })?;
         Ok(())
@@ -193,7 +231,9 @@ pub fn even_split(num_layers: usize, num_stages: usize) -> Result<Vec<Range<usiz
         return Err(Error::invalid(
             "stages (pp x vpp)",
             num_stages,
-            format!("at most the model's {num_layers} layers (embedding, decoders and head), one layer or more per stage"),
+            format!(
+                "at most the model's {num_layers} layers (embedding, decoders and head), one layer or more per stage"
+            ),
         ));
     }
     let (q, r) = (num_layers / num_stages, num_layers % num_stages);
@@ -214,7 +254,10 @@ mod tests {
 
     #[test]
     fn even_split_covers_every_layer_once() {
-        assert_eq!(even_split(34, 4).unwrap(), vec![0..9, 9..18, 18..26, 26..34]);
+        assert_eq!(
+            even_split(34, 4).unwrap(),
+            vec![0..9, 9..18, 18..26, 26..34]
+        );
         assert_eq!(even_split(10, 3).unwrap(), vec![0..4, 4..7, 7..10]);
         let e = even_split(34, 35).unwrap_err().to_string();
         assert!(e.contains("35") && e.contains("34 layers"), "{e}");

@@ -53,7 +53,11 @@ impl<C: CostModel> State<'_, C> {
             ActionKind::I | ActionKind::B => {
                 let f = self.f_end[s * self.m + mb];
                 let g = self.grad_ready[s * self.m + mb];
-                if f == UNSET || g == UNSET { UNSET } else { f.max(g) }
+                if f == UNSET || g == UNSET {
+                    UNSET
+                } else {
+                    f.max(g)
+                }
             }
             ActionKind::W => self.i_end[s * self.m + mb],
         };
@@ -151,7 +155,11 @@ pub fn replay<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Timeline> 
         fo_ready: vec![UNSET; s_count * mfo],
         links: vec![Vec::new(); p],
         timeline: Timeline {
-            compute: schedule.ranks.iter().map(|a| Vec::with_capacity(a.len())).collect(),
+            compute: schedule
+                .ranks
+                .iter()
+                .map(|a| Vec::with_capacity(a.len()))
+                .collect(),
             transfers: Vec::with_capacity(schedule.num_compute_actions()),
             optimizer: vec![None; p],
         },
@@ -180,7 +188,11 @@ pub fn replay<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Timeline> 
                 },
             };
             let end = start + dur;
-            st.timeline.compute[ri].push(TimedOp { action, start_ns: start, end_ns: end });
+            st.timeline.compute[ri].push(TimedOp {
+                action,
+                start_ns: start,
+                end_ns: end,
+            });
             clock[ri] = end;
             pc[ri] += 1;
             for a in action.parts() {
@@ -197,10 +209,10 @@ pub fn replay<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Timeline> 
     if (0..p).any(|r| pc[r] < schedule.ranks[r].len()) {
         return Err(dag::deadlock_error(schedule));
     }
-    for r in 0..p {
+    for (r, &end) in clock.iter().enumerate() {
         let opt = costs.optimizer_ns(Rank(r as u32));
         if opt > 0 {
-            st.timeline.optimizer[r] = Some((clock[r], clock[r] + opt));
+            st.timeline.optimizer[r] = Some((end, end + opt));
         }
     }
     Ok(st.timeline)
@@ -214,7 +226,17 @@ mod tests {
     use crate::ir::{Placement, Schedule};
 
     fn uniform(f: f64, b: f64, w: f64, comm: f64) -> UniformCosts {
-        UniformCosts::new(&UniformCostSpec { f, b, w, comm, fb: None, fo: None }, 1)
+        UniformCosts::new(
+            &UniformCostSpec {
+                f,
+                b,
+                w,
+                comm,
+                fb: None,
+                fo: None,
+            },
+            1,
+        )
     }
 
     #[test]
@@ -223,7 +245,12 @@ mod tests {
         for (p, m) in [(1, 1), (4, 8), (4, 2), (3, 7)] {
             for s in [gpipe(p, m), one_f_one_b(p, m)] {
                 let t = replay(&s, &uniform(1.0, 2.0, 1.0, 0.0)).unwrap();
-                assert_eq!(t.makespan_ns(), (m + p - 1) as u64 * 4_000_000_000, "{} p={p} m={m}", s.name);
+                assert_eq!(
+                    t.makespan_ns(),
+                    (m + p - 1) as u64 * 4_000_000_000,
+                    "{} p={p} m={m}",
+                    s.name
+                );
             }
         }
     }
@@ -242,7 +269,12 @@ mod tests {
         let mut s: Schedule = one_f_one_b(2, 1);
         s.ranks[1].swap(0, 1);
         assert_eq!(s.placement, Placement::looped(2, 1));
-        let e = replay(&s, &uniform(1.0, 1.0, 1.0, 0.0)).unwrap_err().to_string();
-        assert!(e.contains("deadlocks") && e.contains("1B0") && e.contains("1F0"), "{e}");
+        let e = replay(&s, &uniform(1.0, 1.0, 1.0, 0.0))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("deadlocks") && e.contains("1B0") && e.contains("1F0"),
+            "{e}"
+        );
     }
 }

@@ -35,7 +35,11 @@ pub struct TimedTransfer {
 impl TimedTransfer {
     /// PyTorch's name of the send: `0SEND_F1` (forward) or `3SEND_B1` (backward).
     pub fn name(&self) -> String {
-        let dir = if matches!(self.kind, ActionKind::F | ActionKind::Fo) { "F" } else { "B" };
+        let dir = if matches!(self.kind, ActionKind::F | ActionKind::Fo) {
+            "F"
+        } else {
+            "B"
+        };
         format!("{}SEND_{dir}{}", self.stage, self.microbatch)
     }
 }
@@ -60,15 +64,32 @@ impl Timeline {
 
     /// End of the last op (compute, transfer or optimizer), ns.
     pub fn makespan_ns(&self) -> u64 {
-        let c = self.compute.iter().filter_map(|ops| ops.last()).map(|o| o.end_ns).max().unwrap_or(0);
+        let c = self
+            .compute
+            .iter()
+            .filter_map(|ops| ops.last())
+            .map(|o| o.end_ns)
+            .max()
+            .unwrap_or(0);
         let t = self.transfers.iter().map(|t| t.end_ns).max().unwrap_or(0);
-        let o = self.optimizer.iter().flatten().map(|o| o.1).max().unwrap_or(0);
+        let o = self
+            .optimizer
+            .iter()
+            .flatten()
+            .map(|o| o.1)
+            .max()
+            .unwrap_or(0);
         c.max(t).max(o)
     }
 
     /// Busy (compute and optimizer) time of rank `r`, ns.
     pub fn busy_ns(&self, r: usize) -> u64 {
         let c: u64 = self.compute[r].iter().map(|o| o.end_ns - o.start_ns).sum();
-        c + self.optimizer.get(r).copied().flatten().map_or(0, |(a, b)| b - a)
+        c + self
+            .optimizer
+            .get(r)
+            .copied()
+            .flatten()
+            .map_or(0, |(a, b)| b - a)
     }
 }

@@ -19,7 +19,9 @@ pub fn chrome_trace(timeline: &Timeline) -> Value {
     let p = timeline.num_ranks();
     for r in 0..p {
         events.push(json!({"ph": "M", "name": "process_name", "pid": r, "args": {"name": format!("rank {r}")}}));
-        events.push(json!({"ph": "M", "name": "process_sort_index", "pid": r, "args": {"sort_index": r}}));
+        events.push(
+            json!({"ph": "M", "name": "process_sort_index", "pid": r, "args": {"sort_index": r}}),
+        );
         events.push(json!({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}}));
         for op in &timeline.compute[r] {
             let cat = match op.action {
