@@ -18,7 +18,7 @@ fn bench_1f1b(c: &mut Criterion) {
         },
         1,
     );
-    let schedule = ScheduleKind::OneFOneB.generate(p, m).unwrap();
+    let schedule = ScheduleKind::OneFOneB.generate(p, 1, m).unwrap();
     let t = replay::replay(&schedule, &costs).unwrap();
     let ops = schedule.num_compute_actions() + t.transfers.len();
     assert_eq!(ops, 524_288 + 516_096);
@@ -28,7 +28,7 @@ fn bench_1f1b(c: &mut Criterion) {
     g.bench_function("generate+validate+replay", |b| {
         b.iter(|| {
             let s = ScheduleKind::OneFOneB
-                .generate(black_box(p), black_box(m))
+                .generate(black_box(p), 1, black_box(m))
                 .unwrap();
             s.validate().unwrap();
             replay::replay(&s, &costs).unwrap()
@@ -46,5 +46,32 @@ fn bench_1f1b(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_1f1b);
+/// Generating, validating and replaying every handcrafted schedule at p = 32, v = 2 (1 where
+/// the kind has one stage per rank), m = 256.
+fn bench_every_schedule(c: &mut Criterion) {
+    let (p, m) = (32u32, 256u32);
+    let spec = UniformCostSpec {
+        f: 1.0,
+        b: 2.0,
+        w: 1.0,
+        comm: 0.1,
+        fb: None,
+        fo: None,
+    };
+    let mut g = c.benchmark_group("generate+simulate_p32_v2_m256");
+    g.sample_size(20);
+    for &kind in ScheduleKind::ALL {
+        let v = kind.stages_per_rank(Some(2)).unwrap_or(2);
+        let costs = UniformCosts::new(&spec, v);
+        g.bench_function(kind.name(), |b| {
+            b.iter(|| {
+                let s = kind.generate(black_box(p), v, black_box(m)).unwrap();
+                flatpipe::simulator::simulate(&s, &costs).unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_1f1b, bench_every_schedule);
 criterion_main!(benches);

@@ -27,6 +27,8 @@ struct Cli {
 enum Command {
     /// Simulate pipeline schedules on one step of a workload and compare them.
     Simulate(Box<SimulateArgs>),
+    /// Generate a schedule, print its step-by-rank grid and optionally write PyTorch's CSV.
+    Schedule(ScheduleArgs),
     /// List the built-in models, hardware, profiles and workloads.
     Builtins(BuiltinsArgs),
 }
@@ -53,15 +55,20 @@ struct SimulateArgs {
     #[arg(long)]
     workload: Option<String>,
     /// Run a plan file (sets pp, vpp, schedule, stages and microbatching).
-    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "token_budget"])]
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "token_budget", "schedule_csv"])]
     plan: Option<PathBuf>,
-    /// Schedules to compare, comma-separated (gpipe, 1f1b) or `all`.
+    /// Simulate a schedule from PyTorch's compute-only pipeline-order CSV (one row per rank;
+    /// its rows set pp, its stages the placement, its microbatch indices m).
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "token_budget"])]
+    schedule_csv: Option<PathBuf>,
+    /// Schedules to compare, comma-separated (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1,
+    /// zb-h2, zb-v, dualpipev) or `all` (the default).
     #[arg(long, value_delimiter = ',')]
     schedule: Vec<String>,
     /// Pipeline-parallel degree (ranks). Default 4.
     #[arg(long)]
     pp: Option<u32>,
-    /// Stages per rank for interleaved schedules.
+    /// Stages per rank for interleaved schedules (default 2; V schedules always use 2).
     #[arg(long)]
     vpp: Option<u32>,
     /// Exactly this many microbatches, balanced by predicted cost.
@@ -95,6 +102,29 @@ struct SimulateArgs {
     format: Format,
 }
 
+/// Options of `flatpipe schedule`.
+#[derive(Debug, Args)]
+struct ScheduleArgs {
+    /// Schedule kind (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v, dualpipev).
+    #[arg(long)]
+    schedule: String,
+    /// Pipeline-parallel degree (ranks).
+    #[arg(long)]
+    pp: u32,
+    /// Stages per rank (interleaved schedules; default 2).
+    #[arg(long)]
+    vpp: Option<u32>,
+    /// Microbatches per step.
+    #[arg(long)]
+    microbatches: u32,
+    /// Write PyTorch's compute-only pipeline-order CSV here (atomically).
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// Output format of the grid.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
 /// Options of `flatpipe builtins`.
 #[derive(Debug, Args)]
 struct BuiltinsArgs {
@@ -121,6 +151,7 @@ pub fn run() -> Result<ExitCode> {
         .init();
     match cli.command {
         Command::Simulate(a) => simulate(*a),
+        Command::Schedule(a) => schedule_cmd(a),
         Command::Builtins(a) => list_builtins(a),
     }
 }
@@ -198,7 +229,7 @@ struct Report {
 }
 
 struct Run {
-    kind: ScheduleKind,
+    name: String,
     vpp: u32,
     sim: Simulation,
     schedule: sim::Schedule,
@@ -209,19 +240,59 @@ struct StepInfo {
     description: String,
 }
 
+/// The schedules a `simulate` call compares: generated kinds, or one loaded from a CSV file.
+enum Schedules {
+    Kinds(Vec<ScheduleKind>),
+    Csv(sim::Schedule),
+}
+
+impl Schedules {
+    /// `(name, stages per rank, schedule)` for `p` ranks and `m` microbatches.
+    fn build(&self, p: u32, vpp: Option<u32>, m: u32) -> Result<Vec<(String, u32, sim::Schedule)>> {
+        match self {
+            Schedules::Csv(s) => Ok(vec![(
+                s.name.clone(),
+                s.num_stages() / s.placement.num_ranks,
+                s.clone(),
+            )]),
+            Schedules::Kinds(kinds) => kinds
+                .iter()
+                .map(|k| {
+                    let v = k.stages_per_rank(vpp)?;
+                    Ok((k.name().to_string(), v, k.generate(p, v, m)?))
+                })
+                .collect(),
+        }
+    }
+}
+
 fn simulate(a: SimulateArgs) -> Result<ExitCode> {
     let mut runs = Vec::new();
     let info: StepInfo;
+    let schedules = match &a.schedule_csv {
+        Some(path) => {
+            let text = profiles::read_to_string(path)?;
+            Schedules::Csv(sim::pytorch_csv::read_pytorch_csv(
+                &text,
+                &path.display().to_string(),
+            )?)
+        }
+        None => Schedules::Kinds(parse_kinds(&a.schedule)?),
+    };
+    let csv_shape = match &schedules {
+        Schedules::Csv(s) => Some((s.placement.num_ranks, s.num_microbatches)),
+        Schedules::Kinds(_) => None,
+    };
     if let Some(spec) = &a.costs {
         let spec: UniformCostSpec = spec.parse()?;
-        let p = a.pp.unwrap_or(4);
-        let m = a.microbatches.unwrap_or(p);
-        for kind in parse_kinds(&a.schedule)? {
-            let v = kind.stages_per_rank(a.vpp.unwrap_or(1));
-            let schedule = kind.generate(p, m)?;
+        let (p, m) = csv_shape.unwrap_or((
+            a.pp.unwrap_or(4),
+            a.microbatches.unwrap_or(a.pp.unwrap_or(4)),
+        ));
+        for (name, v, schedule) in schedules.build(p, a.vpp, m)? {
             let costs = UniformCosts::new(&spec, v);
             runs.push(Run {
-                kind,
+                name,
                 vpp: v,
                 sim: sim::simulate(&schedule, &costs)?,
                 schedule,
@@ -241,29 +312,25 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
             }
             None => None,
         };
-        let profile = match &plan {
-            Some(p) => resolve_profile(
-                p.profile.as_deref().or(a.profile.as_deref()),
-                p.model.as_deref().or(a.model.as_deref()),
-                p.hardware.as_deref().or(a.hardware.as_deref()),
-            )?,
-            None => resolve_profile(
-                a.profile.as_deref(),
-                a.model.as_deref(),
-                a.hardware.as_deref(),
-            )?,
-        };
+        fn pick<'a>(
+            from_plan: Option<&'a String>,
+            from_args: &'a Option<String>,
+        ) -> Option<&'a str> {
+            from_plan.or(from_args.as_ref()).map(String::as_str)
+        }
+        let profile = resolve_profile(
+            pick(plan.as_ref().and_then(|p| p.profile.as_ref()), &a.profile),
+            pick(plan.as_ref().and_then(|p| p.model.as_ref()), &a.model),
+            pick(plan.as_ref().and_then(|p| p.hardware.as_ref()), &a.hardware),
+        )?;
         let workload_name = a
             .workload
             .clone()
             .or_else(|| plan.as_ref().map(|p| p.workload.clone()))
             .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
         let workload = builtins::workload(&workload_name)?;
-        if let Some(p) = &plan {
-            p.validate(
-                &a.plan.as_ref().expect("plan given").display().to_string(),
-                profile.layers.len(),
-            )?;
+        if let (Some(p), Some(path)) = (&plan, &a.plan) {
+            p.validate(&path.display().to_string(), profile.layers.len())?;
         }
         let size = step_size(&a, plan.as_ref(), &workload)?;
         let seed = a
@@ -271,9 +338,10 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
             .or(plan.as_ref().map(|p| p.seed))
             .unwrap_or(workload.seed);
         let seqs = workload.sample_step(seed, 0, size);
-        let mbing = match &plan {
-            Some(p) => p.microbatching()?,
-            None => match (a.microbatches, a.token_budget) {
+        let mbing = match (&plan, csv_shape) {
+            (Some(p), _) => p.microbatching()?,
+            (None, Some((_, m))) => Microbatching::Microbatches(m),
+            (None, None) => match (a.microbatches, a.token_budget) {
                 (Some(m), _) => Microbatching::Microbatches(m),
                 (None, Some(t)) => Microbatching::TokenBudget(t),
                 (None, None) => Microbatching::TokenBudget(16_384),
@@ -281,25 +349,25 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
         };
         let mbs = make_microbatches(&seqs, mbing, &profile)?;
         let tokens: u64 = seqs.iter().map(|&s| s as u64).sum();
-        let p = plan.as_ref().map(|p| p.pp).or(a.pp).unwrap_or(4);
-        if p == 0 {
-            bail!("--pp = 0 is invalid: >= 1 rank");
-        }
-        let kinds = match &plan {
-            Some(pl) => vec![pl.schedule],
-            None => parse_kinds(&a.schedule)?,
+        let p = csv_shape
+            .map(|c| c.0)
+            .or(plan.as_ref().map(|p| p.pp))
+            .or(a.pp)
+            .unwrap_or(4);
+        let schedules = match &plan {
+            Some(pl) => Schedules::Kinds(vec![pl.schedule]),
+            None => schedules,
         };
-        for kind in kinds {
-            let v = kind.stages_per_rank(plan.as_ref().map(|p| p.vpp).or(a.vpp).unwrap_or(1));
+        let vpp = plan.as_ref().and_then(|p| p.vpp).or(a.vpp);
+        for (name, v, schedule) in schedules.build(p, vpp, mbs.len() as u32)? {
             let stages = match &plan {
                 Some(pl) => pl.stage_ranges(),
-                None => even_split(profile.layers.len(), (p * v) as usize)?,
+                None => even_split(profile.layers.len(), schedule.num_stages() as usize)?,
             };
-            let schedule = kind.generate(p, mbs.len() as u32)?;
             let costs =
                 TableCosts::from_profile(&profile, &stages, &schedule.placement, &mbs, &[])?;
             runs.push(Run {
-                kind,
+                name,
                 vpp: v,
                 sim: sim::simulate(&schedule, &costs)?,
                 schedule,
@@ -339,12 +407,12 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
         a.makespan_s
             .total_cmp(&b.makespan_s)
             .then(peak(x).total_cmp(&peak(y)))
-            .then(x.kind.cmp(&y.kind))
+            .then(x.name.cmp(&y.name))
     });
     let reports: Vec<Report> = runs
         .iter()
         .map(|r| Report {
-            schedule: r.kind.name().into(),
+            schedule: r.name.clone(),
             pp: r.schedule.placement.num_ranks,
             vpp: r.vpp,
             microbatches: r.schedule.num_microbatches,
@@ -356,7 +424,7 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
     let title = |r: &Run| {
         format!(
             "{}  p={} v={} m={}  makespan {}  bubble {:.1}%",
-            r.kind,
+            r.name,
             r.schedule.placement.num_ranks,
             r.vpp,
             r.schedule.num_microbatches,
@@ -369,18 +437,18 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
         .clone()
         .unwrap_or_else(|| PathBuf::from("flatpipe-gantt.png"));
     sim::gantt::write_gantt(&gantt, &title(best), &best.sim.timeline)?;
-    notes.push(format!("Gantt chart of {}: {}", best.kind, gantt.display()));
+    notes.push(format!("Gantt chart of {}: {}", best.name, gantt.display()));
     if a.gantt.is_some() && runs.len() > 1 {
         for r in &runs {
-            let path = sibling(&gantt, r.kind.name());
+            let path = sibling(&gantt, &sanitize(&r.name));
             sim::gantt::write_gantt(&path, &title(r), &r.sim.timeline)?;
-            notes.push(format!("Gantt chart of {}: {}", r.kind, path.display()));
+            notes.push(format!("Gantt chart of {}: {}", r.name, path.display()));
         }
     }
     if let Some(path) = &a.trace {
         let doc = sim::trace::chrome_trace(&best.sim.timeline);
         profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
-        notes.push(format!("Chrome trace of {}: {}", best.kind, path.display()));
+        notes.push(format!("Chrome trace of {}: {}", best.name, path.display()));
     }
     match a.format {
         Format::Json => {
@@ -399,6 +467,19 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A schedule name fit for a file name (a CSV schedule is named after its path).
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// `out.png` + `1f1b` -> `out-1f1b.png`.
@@ -523,6 +604,43 @@ fn table(reports: &[Report]) -> Table {
         ]);
     }
     t
+}
+
+fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
+    let kind: ScheduleKind = a.schedule.parse()?;
+    let v = kind.stages_per_rank(a.vpp)?;
+    let s = kind.generate(a.pp, v, a.microbatches)?;
+    if let Some(path) = &a.output {
+        profiles::write_atomic(
+            path,
+            sim::pytorch_csv::write_pytorch_csv(&s, false)?.as_bytes(),
+        )?;
+    }
+    match a.format {
+        Format::Json => {
+            let ranks: Vec<Vec<String>> = s
+                .ranks
+                .iter()
+                .map(|r| r.iter().map(ToString::to_string).collect())
+                .collect();
+            let doc = serde_json::json!({
+                "schedule": kind.name(), "pp": a.pp, "vpp": v, "microbatches": a.microbatches,
+                "placement": format!("{:?}", s.placement.kind).to_lowercase(), "ranks": ranks,
+            });
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        }
+        Format::Table => {
+            println!(
+                "{kind}: p={} v={v} m={} ({:?} placement)",
+                a.pp, a.microbatches, s.placement.kind
+            );
+            print!("{}", s.grid());
+        }
+    }
+    if let Some(path) = &a.output {
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {

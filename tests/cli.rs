@@ -124,7 +124,10 @@ fn bad_input_is_a_clear_error_with_exit_code_2() {
         (&["simulate", "--costs", "f=1", "--pp", "0"], "pp"),
         (&["simulate", "--pp", "0"], ">= 1 rank"),
         (&["simulate", "--pp", "40"], "34 layers"),
-        (&["simulate", "--schedule", "zigzag"], "one of gpipe, 1f1b"),
+        (
+            &["simulate", "--schedule", "zigzag"],
+            "one of gpipe, 1f1b, interleaved-1f1b",
+        ),
         (&["simulate", "--model", "gpt-9"], "llama3.1-8b"),
         (&["simulate", "--token-budget", "0"], "--token-budget"),
         (&["simulate", "--microbatches", "500"], "in 1..=128"),
@@ -274,4 +277,104 @@ fn every_subcommand_has_help() {
         assert!(o.status.success());
         assert!(String::from_utf8_lossy(&o.stdout).contains("Usage"));
     }
+}
+
+#[test]
+fn schedule_command_prints_the_grid_and_writes_csv() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "3",
+            "-o",
+            "order.csv",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    // 1F1B, p = 2, m = 3 by hand: rank 0 warms up with one forward.
+    assert!(out.contains("rank  0: 0F0 0F1 0B0 0F2 0B1 0B2"), "{out}");
+    assert!(out.contains("rank  1: 1F0 1B0 1F1 1B1 1F2 1B2"), "{out}");
+    let csv = std::fs::read_to_string(dir.path().join("order.csv")).unwrap();
+    assert_eq!(csv, "0F0,0F1,0B0,0F2,0B1,0B2\n1F0,1B0,1F1,1B1,1F2,1B2\n");
+    // The CSV simulates like the generated schedule: (m + p - 1)(f + b + w) = 4 * 3.
+    let v = json(&flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--schedule-csv",
+            "order.csv",
+            "--costs",
+            "f=1,b=1,w=1",
+            "--format",
+            "json",
+        ],
+    ));
+    assert_eq!(v[0]["makespan_s"], 12.0);
+    assert_eq!(v[0]["microbatches"], 3);
+    // A broken file names the row and cell.
+    std::fs::write(dir.path().join("bad.csv"), "0F0,0B0\n1F0,1Q0\n").unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--schedule-csv", "bad.csv", "--costs", "f=1"],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("row 2, cell 2"), "{}", stderr(&o));
+    // A CSV with a profile: the step is cut into the file's microbatch count.
+    let v = json(&flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--schedule-csv",
+            "order.csv",
+            "--format",
+            "json",
+        ],
+    ));
+    assert_eq!(v[0]["microbatches"], 3);
+    assert!(v[0]["ranks"][0]["static_bytes"].as_f64().unwrap() > 1e9);
+}
+
+#[test]
+fn v_schedules_refuse_loop_placement_in_plans() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = PLAN.replace("schedule: 1f1b", "schedule: zb-v").replace(
+        "  - {start: 0, end: 18}\n  - {start: 18, end: 34}\n",
+        "  - {start: 0, end: 9}\n  - {start: 9, end: 18}\n  - {start: 18, end: 26}\n  - {start: 26, end: 34}\n",
+    );
+    std::fs::write(dir.path().join("v.yaml"), &plan).unwrap();
+    let o = flatpipe(dir.path(), &["simulate", "--plan", "v.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("placement") && stderr(&o).contains("zb-v uses v placement"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::write(
+        dir.path().join("v.yaml"),
+        plan.replace("placement: loop", "placement: v"),
+    )
+    .unwrap();
+    let v = json(&flatpipe(
+        dir.path(),
+        &["simulate", "--plan", "v.yaml", "--format", "json"],
+    ));
+    assert_eq!(v[0]["vpp"], 2);
+    // --vpp other than 2 for a V schedule is refused.
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--schedule", "dualpipev", "--vpp", "3"],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("exactly 2 stages per rank"),
+        "{}",
+        stderr(&o)
+    );
 }

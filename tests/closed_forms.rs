@@ -26,7 +26,7 @@ fn gpipe_and_1f1b_makespan_grid() {
     for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
         for p in 1..=16u32 {
             for m in 1..=64u32 {
-                let s = kind.generate(p, m).unwrap();
+                let s = kind.generate(p, 1, m).unwrap();
                 let sim = simulate(&s, &c).unwrap();
                 let want = (m + p - 1) as f64 * (f + b + w);
                 assert_eq!(sim.metrics.makespan_s, want, "{kind} p={p} m={m}");
@@ -48,8 +48,8 @@ fn in_flight_microbatches() {
     let c = costs(1.0, 1.0, 1.0, 0.0);
     for p in 1..=12u32 {
         for m in 1..=40u32 {
-            let one = simulate(&ScheduleKind::OneFOneB.generate(p, m).unwrap(), &c).unwrap();
-            let gpipe = simulate(&ScheduleKind::GPipe.generate(p, m).unwrap(), &c).unwrap();
+            let one = simulate(&ScheduleKind::OneFOneB.generate(p, 1, m).unwrap(), &c).unwrap();
+            let gpipe = simulate(&ScheduleKind::GPipe.generate(p, 1, m).unwrap(), &c).unwrap();
             for r in 0..p as usize {
                 let want = (p - r as u32).min(m);
                 assert_eq!(
@@ -78,7 +78,7 @@ fn lower_bound_closed_form() {
     let c = costs(f, b, w, 0.0);
     for p in 1..=8u32 {
         for m in 1..=16u32 {
-            let sim = simulate(&ScheduleKind::OneFOneB.generate(p, m).unwrap(), &c).unwrap();
+            let sim = simulate(&ScheduleKind::OneFOneB.generate(p, 1, m).unwrap(), &c).unwrap();
             let want = ((p - 1) as f64 * f + m as f64 * (f + b + w)).max(p as f64 * (f + b + w));
             assert_eq!(sim.metrics.lower_bound_s, want, "p={p} m={m}");
         }
@@ -94,7 +94,7 @@ fn communication_on_the_critical_path() {
     let c = costs(f, b, 0.0, comm);
     for p in 1..=8u32 {
         for m in 1..=12u32 {
-            let sim = simulate(&ScheduleKind::GPipe.generate(p, m).unwrap(), &c).unwrap();
+            let sim = simulate(&ScheduleKind::GPipe.generate(p, 1, m).unwrap(), &c).unwrap();
             let want = (m + p - 1) as f64 * (f + b) + 2.0 * (p - 1) as f64 * comm;
             assert_eq!(sim.metrics.makespan_s, want, "p={p} m={m}");
         }
@@ -107,7 +107,7 @@ fn dag_longest_path_matches_replay() {
     let c = costs(1.0, 2.0, 1.0, 0.25);
     for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
         for (p, m) in [(1, 1), (2, 5), (4, 8), (5, 3), (8, 16)] {
-            let s = kind.generate(p, m).unwrap();
+            let s = kind.generate(p, 1, m).unwrap();
             let sim = simulate(&s, &c).unwrap();
             let dag = Dag::build(&s).replay_makespan_ns(&c).unwrap();
             assert_eq!(dag, sim.timeline.makespan_ns(), "{kind} p={p} m={m}");

@@ -3,3 +3,4 @@
 mod cli;
 mod closed_forms;
 mod properties;
+mod schedules;

@@ -3,6 +3,7 @@
 
 use flatpipe::simulator::dag::Dag;
 use flatpipe::simulator::ir::{Action, ActionKind, ComputeAction};
+use flatpipe::simulator::pytorch_csv::{read_pytorch_csv, write_pytorch_csv};
 use flatpipe::simulator::{ScheduleKind, UniformCostSpec, UniformCosts, simulate};
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -16,10 +17,11 @@ proptest! {
 
     #[test]
     fn every_generator_is_valid_and_respects_dependencies(
-        kind in kind(), p in 1u32..=12, m in 1u32..=48,
+        kind in kind(), p in 1u32..=12, v in 1u32..=4, m in 1u32..=48,
         f in 1u32..5, b in 1u32..5, w in 0u32..4, comm in 0u32..3,
     ) {
-        let schedule = kind.generate(p, m).unwrap();
+        let v = if kind.stages_per_rank(Some(v)).is_ok() { kind.stages_per_rank(Some(v)).unwrap() } else { 2 };
+        let schedule = kind.generate(p, v, m).unwrap();
         // Each (stage, microbatch) has exactly one F and one backward, counted independently of
         // the validator.
         let mut count: HashMap<(u32, u32, ActionKind), u32> = HashMap::new();
@@ -36,7 +38,7 @@ proptest! {
             }
         }
         let spec = UniformCostSpec { f: f as f64, b: b as f64, w: w as f64, comm: comm as f64, fb: None, fo: None };
-        let costs = UniformCosts::new(&spec, 1);
+        let costs = UniformCosts::new(&spec, v);
         let sim = simulate(&schedule, &costs).unwrap();
         // Ops of one rank never overlap; every dependency ends before its dependant starts.
         let mut end: HashMap<(u32, u32, ActionKind), (u64, u64, u32)> = HashMap::new();
@@ -72,6 +74,9 @@ proptest! {
         prop_assert!(sim.metrics.makespan_s >= sim.metrics.lower_bound_s - 1e-9);
         let dag = Dag::build(&schedule).replay_makespan_ns(&costs).unwrap();
         prop_assert_eq!(dag, sim.timeline.makespan_ns());
+        // PyTorch CSV round trip.
+        let text = write_pytorch_csv(&schedule, false).unwrap();
+        prop_assert_eq!(read_pytorch_csv(&text, "t").unwrap().ranks, schedule.ranks.clone());
     }
 
     #[test]

@@ -54,6 +54,16 @@ pub trait CostModel: Sync {
     /// Activation memory one F of `stage` keeps for `mb`: (part freed by I, part freed by W),
     /// in [`CostModel::memory_unit`].
     fn activation(&self, stage: StageId, mb: MicrobatchId) -> (f64, f64);
+    /// Bytes of the output buffer an F of `stage` holds for `mb` until its transfer to the next
+    /// stage completes (0 under uniform costs).
+    fn output_bytes(&self, _stage: StageId, _mb: MicrobatchId) -> f64 {
+        0.0
+    }
+    /// Memory of `rank` that is constant over the step (parameters, gradients, optimizer
+    /// state), bytes (0 under uniform costs).
+    fn static_bytes(&self, _rank: Rank) -> f64 {
+        0.0
+    }
     /// Optimizer-step time of `rank` at the end of the step, ns (0 for none).
     fn optimizer_ns(&self, rank: Rank) -> u64;
     /// The unit of [`CostModel::activation`].
@@ -209,6 +219,7 @@ struct Cell {
     bwd_comm: u64,
     act_i: f64,
     act_w: f64,
+    out_bytes: f64,
 }
 
 /// Per (stage, microbatch) costs derived from a profile and the step's microbatches.
@@ -220,7 +231,12 @@ pub struct TableCosts {
     fo: Vec<(u64, u64)>,
     mfo: usize,
     optimizer: Vec<u64>,
+    static_bytes: Vec<f64>,
 }
+
+/// Bytes per parameter kept for the whole step under mixed-precision AdamW: bf16 weights (2),
+/// bf16 gradients (2), fp32 master weights, first and second moments (12).
+pub const MIXED_PRECISION_ADAM_BYTES_PER_PARAM: f64 = 16.0;
 
 impl TableCosts {
     /// Builds the table for `stages` (each a range of the profile's layer list), placed by
@@ -296,6 +312,11 @@ impl TableCosts {
                     },
                     act_i: act.0 * t,
                     act_w: act.1 * t,
+                    out_bytes: if s + 1 < stages.len() {
+                        out_bytes(s, t)
+                    } else {
+                        0.0
+                    },
                 };
             }
         }
@@ -313,13 +334,15 @@ impl TableCosts {
             }
         }
         let mut optimizer = vec![0u64; placement.num_ranks as usize];
+        let mut static_bytes = vec![0.0; placement.num_ranks as usize];
         for (s, r) in stages.iter().enumerate() {
             let params: u64 = profile.layers[r.clone()]
                 .iter()
                 .map(|l| l.param_count)
                 .sum();
-            optimizer[placement.rank_of[s].idx()] +=
-                s_to_ns(params as f64 * profile.optimizer_s_per_param);
+            let rank = placement.rank_of[s].idx();
+            optimizer[rank] += s_to_ns(params as f64 * profile.optimizer_s_per_param);
+            static_bytes[rank] += params as f64 * MIXED_PRECISION_ADAM_BYTES_PER_PARAM;
         }
         Ok(TableCosts {
             m,
@@ -327,6 +350,7 @@ impl TableCosts {
             fo,
             mfo,
             optimizer,
+            static_bytes,
         })
     }
 
@@ -366,6 +390,12 @@ impl CostModel for TableCosts {
     }
     fn optimizer_ns(&self, rank: Rank) -> u64 {
         self.optimizer[rank.idx()]
+    }
+    fn output_bytes(&self, s: StageId, mb: MicrobatchId) -> f64 {
+        self.cell(s, mb).out_bytes
+    }
+    fn static_bytes(&self, rank: Rank) -> f64 {
+        self.static_bytes[rank.idx()]
     }
     fn memory_unit(&self) -> MemoryUnit {
         MemoryUnit::Bytes

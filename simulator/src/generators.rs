@@ -1,18 +1,28 @@
-//! Schedule generators.
+//! Schedule generators: every handcrafted pipeline schedule of the field, for any valid
+//! `(p, v, m)`.
 //!
-//! GPipe (Huang et al. 2019) runs every forward, then every backward:
+//! | kind | placement | source |
+//! |---|---|---|
+//! | `gpipe` | loop, v = 1 | Huang et al. 2019 |
+//! | `1f1b` | loop, v = 1 | PipeDream-Flush, Narayanan et al. 2021 |
+//! | `interleaved-1f1b` | loop, v >= 1 | Narayanan et al. 2021; Megatron-LM's warm-up rule |
+//! | `looped-bfs` | loop, v >= 1 | PyTorch's `ScheduleLoopedBFS` (breadth-first) |
+//! | `zb-h1`, `zb-h2` | loop, v = 1 | Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 |
+//! | `zb-v` | V, v = 2 | Qi et al. 2024, "Pipeline Parallelism with Controllable Memory" |
+//! | `dualpipev` | V, v = 2 | DeepSeek-V3 report; the DualPipe repository's DualPipeV |
+//!
+//! GPipe runs every forward, then every backward; 1F1B bounds in-flight microbatches on rank `r`
+//! by `min(p - r, m)`:
 //!
 //! ```text
-//! rank 0: F0 F1 F2 F3 .  .  .  B0 B1 B2 B3
-//! rank 1:    F0 F1 F2 F3 .  B0 B1 B2 B3
+//! gpipe  rank 0: F0 F1 F2 F3 .  .  .  B0 B1 B2 B3        1f1b  rank 0: F0 F1 F2 .  .  B0 F3 B1 ..
+//!        rank 1:    F0 F1 F2 F3 .  B0 B1 B2 B3                 rank 1:    F0 F1 .  B0 F2 B1 F3 ..
 //! ```
 //!
-//! 1F1B (PipeDream-Flush, Narayanan et al. 2021) bounds in-flight microbatches on rank `r` by
-//! `min(p - r, m)`: `min(p - r - 1, m)` warm-up forwards, then alternating one forward and one
-//! backward, then the remaining backwards. With uniform costs both reach the makespan
-//! `(m + p - 1)(f + b + w)`.
+//! With uniform costs and no communication both take `(m + p - 1)(f + b + w)`.
 
-use crate::ir::{Action, ActionKind, Placement, Schedule};
+use crate::costs::{UniformCostSpec, UniformCosts};
+use crate::ir::{Action, ActionKind, ComputeAction, Placement, PlacementKind, Schedule};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -27,52 +37,129 @@ pub enum ScheduleKind {
     /// 1F1B / PipeDream-Flush (Narayanan et al. 2021).
     #[serde(rename = "1f1b")]
     OneFOneB,
+    /// Interleaved 1F1B with `v` stages per rank in loop placement (Narayanan et al. 2021).
+    #[serde(rename = "interleaved-1f1b")]
+    Interleaved1F1B,
+    /// Breadth-first looping: every microbatch through chunk 0, then chunk 1, ... (PyTorch).
+    #[serde(rename = "looped-bfs")]
+    LoopedBfs,
+    /// ZB-H1: 1F1B's memory, split backward, deferred W's (Qi et al. 2024).
+    #[serde(rename = "zb-h1")]
+    ZbH1,
+    /// ZB-H2: `2p - 1` in-flight microbatches on rank 0, deferred W's (Qi et al. 2024).
+    #[serde(rename = "zb-h2")]
+    ZbH2,
+    /// ZB-V: V placement, split backward (Qi et al. 2024, controllable memory).
+    #[serde(rename = "zb-v")]
+    ZbV,
+    /// DualPipeV: V placement with overlapped forward-backward pairs (DeepSeek).
+    #[serde(rename = "dualpipev")]
+    DualPipeV,
 }
 
 impl ScheduleKind {
     /// Every implemented kind, in the order `all` lists them.
-    pub const ALL: &'static [ScheduleKind] = &[ScheduleKind::GPipe, ScheduleKind::OneFOneB];
+    pub const ALL: &'static [ScheduleKind] = &[
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::LoopedBfs,
+        ScheduleKind::ZbH1,
+        ScheduleKind::ZbH2,
+        ScheduleKind::ZbV,
+        ScheduleKind::DualPipeV,
+    ];
 
     /// The command-line name.
     pub fn name(self) -> &'static str {
         match self {
             ScheduleKind::GPipe => "gpipe",
             ScheduleKind::OneFOneB => "1f1b",
+            ScheduleKind::Interleaved1F1B => "interleaved-1f1b",
+            ScheduleKind::LoopedBfs => "looped-bfs",
+            ScheduleKind::ZbH1 => "zb-h1",
+            ScheduleKind::ZbH2 => "zb-h2",
+            ScheduleKind::ZbV => "zb-v",
+            ScheduleKind::DualPipeV => "dualpipev",
         }
     }
 
     /// PyTorch's name of the schedule class, where one exists.
-    pub fn pytorch_name(self) -> &'static str {
+    pub fn pytorch_name(self) -> Option<&'static str> {
         match self {
-            ScheduleKind::GPipe => "GPipe",
-            ScheduleKind::OneFOneB => "1F1B",
+            ScheduleKind::GPipe => Some("GPipe"),
+            ScheduleKind::OneFOneB => Some("1F1B"),
+            ScheduleKind::Interleaved1F1B => Some("Interleaved1F1B"),
+            ScheduleKind::LoopedBfs => Some("LoopedBFS"),
+            ScheduleKind::ZbV => Some("ZBVZeroBubble"),
+            ScheduleKind::DualPipeV => Some("DualPipeV"),
+            ScheduleKind::ZbH1 | ScheduleKind::ZbH2 => None,
         }
     }
 
     /// The placement this kind implies.
-    pub fn placement(self) -> crate::ir::PlacementKind {
-        crate::ir::PlacementKind::Loop
+    pub fn placement(self) -> PlacementKind {
+        match self {
+            ScheduleKind::ZbV | ScheduleKind::DualPipeV => PlacementKind::V,
+            _ => PlacementKind::Loop,
+        }
     }
 
-    /// Stages per rank this kind needs, given the requested `vpp`.
-    pub fn stages_per_rank(self, _vpp: u32) -> u32 {
-        1
-    }
-
-    /// Generates the schedule for `p` ranks and `m` microbatches (any `p, m >= 1`).
+    /// Stages per rank this kind uses given the requested `vpp` (`None`: the default, 2 for
+    /// interleaved schedules).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `p` or `m` is 0.
-    pub fn generate(self, p: u32, m: u32) -> Result<Schedule> {
+    /// [`Error::InvalidArgument`] when `vpp` is 0, or a V schedule is given `vpp != 2`.
+    pub fn stages_per_rank(self, vpp: Option<u32>) -> Result<u32> {
+        match (self, vpp) {
+            (_, Some(0)) => Err(Error::invalid("--vpp", 0, ">= 1 stage per rank")),
+            (ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs, v) => Ok(v.unwrap_or(2)),
+            (ScheduleKind::ZbV | ScheduleKind::DualPipeV, None | Some(2)) => Ok(2),
+            (ScheduleKind::ZbV | ScheduleKind::DualPipeV, Some(v)) => Err(Error::invalid(
+                "--vpp",
+                v,
+                format!(
+                    "{self} uses the V placement: exactly 2 stages per rank (r and 2p - 1 - r)"
+                ),
+            )),
+            _ => Ok(1),
+        }
+    }
+
+    /// Generates the schedule for `p` ranks, `v` stages per rank (see
+    /// [`ScheduleKind::stages_per_rank`]) and `m` microbatches; any `p, m >= 1` works.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `p`, `v` or `m` is 0 or `v` does not fit the kind.
+    pub fn generate(self, p: u32, v: u32, m: u32) -> Result<Schedule> {
         if p == 0 {
             return Err(Error::invalid("pp", 0, ">= 1 rank"));
         }
         if m == 0 {
             return Err(Error::invalid("microbatches", 0, ">= 1"));
         }
+        let want = self.stages_per_rank(Some(v))?;
+        if want != v
+            && !matches!(
+                self,
+                ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs
+            )
+        {
+            return Err(Error::invalid(
+                "vpp",
+                v,
+                format!("{self} uses {want} stage(s) per rank"),
+            ));
+        }
         Ok(match self {
             ScheduleKind::GPipe => gpipe(p, m),
             ScheduleKind::OneFOneB => one_f_one_b(p, m),
+            ScheduleKind::Interleaved1F1B => interleaved_1f1b(p, v, m, None)?.0,
+            ScheduleKind::LoopedBfs => looped_bfs(p, v, m),
+            ScheduleKind::ZbH1 => zb_h1(p, m),
+            ScheduleKind::ZbH2 => zb_h2(p, m),
+            ScheduleKind::ZbV => zb_v(p, m),
+            ScheduleKind::DualPipeV => dualpipev(p, m),
         })
     }
 }
@@ -86,25 +173,36 @@ impl fmt::Display for ScheduleKind {
 impl FromStr for ScheduleKind {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        let t = s.trim().to_ascii_lowercase();
+        let t = s.trim();
         ScheduleKind::ALL
             .iter()
             .copied()
-            .find(|k| k.name() == t || k.pytorch_name().eq_ignore_ascii_case(&t))
+            .find(|k| {
+                k.name().eq_ignore_ascii_case(t)
+                    || k.pytorch_name().is_some_and(|n| n.eq_ignore_ascii_case(t))
+            })
             .ok_or_else(|| {
+                let names: Vec<_> = ScheduleKind::ALL.iter().map(|k| k.name()).collect();
                 Error::invalid(
                     "--schedule",
                     s,
-                    format!(
-                        "one of {} or all",
-                        ScheduleKind::ALL
-                            .iter()
-                            .map(|k| k.name())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
+                    format!("one of {} or all", names.join(", ")),
                 )
             })
+    }
+}
+
+fn act(stage: u32, kind: ActionKind, mb: u32) -> Action {
+    Action::new(stage, kind, mb)
+}
+
+fn schedule(name: &str, placement: Placement, m: u32, ranks: Vec<Vec<Action>>) -> Schedule {
+    Schedule {
+        name: name.into(),
+        placement,
+        num_microbatches: m,
+        num_fo_microbatches: 0,
+        ranks,
     }
 }
 
@@ -112,18 +210,13 @@ impl FromStr for ScheduleKind {
 pub fn gpipe(p: u32, m: u32) -> Schedule {
     let ranks = (0..p)
         .map(|r| {
-            let f = (0..m).map(|mb| Action::new(r, ActionKind::F, mb));
-            let b = (0..m).map(|mb| Action::new(r, ActionKind::B, mb));
-            f.chain(b).collect()
+            (0..m)
+                .map(|mb| act(r, ActionKind::F, mb))
+                .chain((0..m).map(|mb| act(r, ActionKind::B, mb)))
+                .collect()
         })
         .collect();
-    Schedule {
-        name: "gpipe".into(),
-        placement: Placement::looped(p, 1),
-        num_microbatches: m,
-        num_fo_microbatches: 0,
-        ranks,
-    }
+    schedule("gpipe", Placement::looped(p, 1), m, ranks)
 }
 
 /// 1F1B (PipeDream-Flush) on `p` ranks, `m` microbatches: rank `r` runs
@@ -134,20 +227,395 @@ pub fn one_f_one_b(p: u32, m: u32) -> Schedule {
         .map(|r| {
             let warm = (p - r - 1).min(m);
             let mut a = Vec::with_capacity(2 * m as usize);
-            a.extend((0..warm).map(|mb| Action::new(r, ActionKind::F, mb)));
+            a.extend((0..warm).map(|mb| act(r, ActionKind::F, mb)));
             for i in 0..m - warm {
-                a.push(Action::new(r, ActionKind::F, warm + i));
-                a.push(Action::new(r, ActionKind::B, i));
+                a.push(act(r, ActionKind::F, warm + i));
+                a.push(act(r, ActionKind::B, i));
             }
-            a.extend((m - warm..m).map(|mb| Action::new(r, ActionKind::B, mb)));
+            a.extend((m - warm..m).map(|mb| act(r, ActionKind::B, mb)));
             a
         })
         .collect();
-    Schedule {
-        name: "1f1b".into(),
-        placement: Placement::looped(p, 1),
-        num_microbatches: m,
-        num_fo_microbatches: 0,
-        ranks,
+    schedule("1f1b", Placement::looped(p, 1), m, ranks)
+}
+
+/// Interleaved 1F1B (Narayanan et al. 2021) on `p` ranks with `v` stages per rank (stage
+/// `c * p + r` on rank `r`), `m` microbatches, microbatch group size `g` (Megatron's
+/// `--microbatch-group-size-per-virtual-pipeline-stage`; default `min(p, m)`).
+///
+/// The order follows Megatron-LM: microbatches go in groups of `g`; within a group every chunk
+/// runs over the group's microbatches (a short last group runs over what is left). Backwards
+/// use the same order with the chunks reversed. Rank `r` runs
+/// `min((p - r - 1) * 2 + (v - 1) * g, m * v)` warm-up forwards (for `v = 1`, 1F1B's
+/// `min(p - r - 1, m)`), then one forward and one backward alternately, then the remaining
+/// backwards. Some `(p, v, m)` deadlock with the default `g` when the last group is short (e.g.
+/// `p = 5, v = 2, m = 7`); then, and when `g` is not given, the smallest deadlock-free `g <= m`
+/// is used (and logged). Returns the schedule and the group size used.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a zero argument or a given `g` outside `1..=m`;
+/// [`Error::Deadlock`] if a given `g` deadlocks.
+pub fn interleaved_1f1b(p: u32, v: u32, m: u32, g: Option<u32>) -> Result<(Schedule, u32)> {
+    if p == 0 || v == 0 || m == 0 {
+        return Err(Error::invalid(
+            "p, v, m",
+            format!("{p}, {v}, {m}"),
+            "all >= 1",
+        ));
     }
+    if let Some(g) = g {
+        if g == 0 || g > m {
+            return Err(Error::invalid(
+                "microbatch group size",
+                g,
+                format!("in 1..={m}"),
+            ));
+        }
+        let s = interleaved_with_group(p, v, m, g);
+        check_deadlock_free(&s)?;
+        return Ok((s, g));
+    }
+    let default = p.min(m);
+    let s = interleaved_with_group(p, v, m, default);
+    if check_deadlock_free(&s).is_ok() {
+        return Ok((s, default));
+    }
+    for g in 1..=m {
+        let s = interleaved_with_group(p, v, m, g);
+        if check_deadlock_free(&s).is_ok() {
+            tracing::warn!(
+                "interleaved-1f1b with p = {p}, v = {v}, m = {m} deadlocks with the default microbatch group size {default} \
+                 (the last group is short); using the smallest deadlock-free group size {g}"
+            );
+            return Ok((s, g));
+        }
+    }
+    Err(crate::dag::deadlock_error(&s))
+}
+
+fn check_deadlock_free(s: &Schedule) -> Result<()> {
+    crate::replay::replay(s, &UniformCosts::new(&UniformCostSpec::default(), 1)).map(|_| ())
+}
+
+fn interleaved_with_group(p: u32, v: u32, m: u32, g: u32) -> Schedule {
+    // Megatron's schedule table: (microbatch, chunk) in forward order.
+    let mut table = Vec::with_capacity((m * v) as usize);
+    let mut start = 0;
+    while start < m {
+        let end = (start + g).min(m);
+        for chunk in 0..v {
+            table.extend((start..end).map(|mb| (mb, chunk)));
+        }
+        start = end;
+    }
+    let total = m * v;
+    let ranks = (0..p)
+        .map(|r| {
+            let warm = if v == 1 {
+                (p - r - 1).min(m)
+            } else {
+                ((p - r - 1) * 2 + (v - 1) * g).min(total)
+            };
+            let fwd = |k: u32| {
+                let (mb, c) = table[k as usize];
+                act(c * p + r, ActionKind::F, mb)
+            };
+            let bwd = |k: u32| {
+                let (mb, c) = table[k as usize];
+                act((v - 1 - c) * p + r, ActionKind::B, mb)
+            };
+            let mut a: Vec<Action> = (0..warm).map(fwd).collect();
+            for i in 0..total - warm {
+                a.push(fwd(warm + i));
+                a.push(bwd(i));
+            }
+            a.extend((total - warm..total).map(bwd));
+            a
+        })
+        .collect();
+    schedule("interleaved-1f1b", Placement::looped(p, v), m, ranks)
+}
+
+/// Breadth-first looping (PyTorch's `ScheduleLoopedBFS`): rank `r` runs every microbatch's
+/// forward through its chunk 0, then chunk 1, ...; then the backwards chunk by chunk in
+/// reverse. Loop placement with `v` stages per rank.
+pub fn looped_bfs(p: u32, v: u32, m: u32) -> Schedule {
+    let ranks = (0..p)
+        .map(|r| {
+            let f = (0..v).flat_map(|c| (0..m).map(move |mb| act(c * p + r, ActionKind::F, mb)));
+            let b = (0..v)
+                .rev()
+                .flat_map(|c| (0..m).map(move |mb| act(c * p + r, ActionKind::B, mb)));
+            f.chain(b).collect()
+        })
+        .collect();
+    schedule("looped-bfs", Placement::looped(p, v), m, ranks)
+}
+
+/// The zero-bubble handcrafted family on one stage per rank: rank `r` runs `warm(r)` forwards,
+/// then repeats I, W, F (I and W of microbatch `i`, then the next forward), except that the W's
+/// of its first `defer(r)` microbatches go to the end.
+fn zero_bubble_h(
+    name: &str,
+    p: u32,
+    m: u32,
+    warm: impl Fn(u32) -> u32,
+    defer: impl Fn(u32) -> u32,
+) -> Schedule {
+    let ranks = (0..p)
+        .map(|r| {
+            let (w, d) = (warm(r).min(m), defer(r).min(m));
+            let mut a: Vec<Action> = (0..w).map(|mb| act(r, ActionKind::F, mb)).collect();
+            let mut next_f = w;
+            for i in 0..m {
+                a.push(act(r, ActionKind::I, i));
+                if i >= d {
+                    a.push(act(r, ActionKind::W, i));
+                }
+                if next_f < m {
+                    a.push(act(r, ActionKind::F, next_f));
+                    next_f += 1;
+                }
+            }
+            a.extend((0..d).map(|mb| act(r, ActionKind::W, mb)));
+            a
+        })
+        .collect();
+    schedule(name, Placement::looped(p, 1), m, ranks)
+}
+
+/// ZB-H1 (Qi et al. 2024): 1F1B's activation memory (`p` in-flight microbatches on rank 0)
+/// with the backward split into I and W. Rank `r` runs `min(p - r, m)` forwards, then I, W, F
+/// repeatedly, deferring the W's of its first `r` microbatches to the end. With uniform costs,
+/// `m >= p` and `b >= w`: makespan `m(f + b + w) + (p - 1)(f + b - min(f, w))`.
+pub fn zb_h1(p: u32, m: u32) -> Schedule {
+    zero_bubble_h("zb-h1", p, m, |r| p - r, |r| r)
+}
+
+/// ZB-H2 (Qi et al. 2024): `2p - 1` in-flight microbatches on rank 0. Rank `r` runs
+/// `min(2(p - r) - 1, m)` forwards, then I, W, F repeatedly, deferring the W's of its first `2r`
+/// microbatches to the end. With uniform costs and `m >= 2p - 1`: makespan
+/// `m(f + b + w) + (p - 1) max(f, f + b - 2w, b - f)`.
+pub fn zb_h2(p: u32, m: u32) -> Schedule {
+    zero_bubble_h("zb-h2", p, m, |r| 2 * (p - r) - 1, |r| 2 * r)
+}
+
+/// Keeps only the actions of microbatches `< m` (V schedules are built for at least `2p - 1`
+/// microbatches and trimmed; removing ops never adds a dependency, so no deadlock appears).
+fn trim(ranks: Vec<Vec<Action>>, m: u32) -> Vec<Vec<Action>> {
+    ranks
+        .into_iter()
+        .map(|actions| {
+            actions
+                .into_iter()
+                .filter_map(|a| match a {
+                    Action::Compute(c) => (c.microbatch.0 < m).then_some(a),
+                    Action::Overlap(f, b) => match (f.microbatch.0 < m, b.microbatch.0 < m) {
+                        (true, true) => Some(a),
+                        (true, false) => Some(Action::Compute(f)),
+                        (false, true) => Some(Action::Compute(b)),
+                        (false, false) => None,
+                    },
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"; the order of PyTorch's
+/// `ScheduleZBVZeroBubble`): V placement, rank `r` holds stages `r` (chunk 0) and
+/// `2p - 1 - r` (chunk 1). Rank `r` runs `2(p - r) - 1` chunk-0 forwards; `r` pairs of forwards
+/// (chunk 1, chunk 0); `p - r` rounds of F, I, W on chunk 1; then rounds of (F, I, W on chunk 0;
+/// F, I, W on chunk 1) until every forward is issued; then `r` pairs of I (chunk 0, chunk 1),
+/// `p - r` rounds of (I, W) on chunk 0, and the remaining W's. Built for `max(m, 2p - 1)`
+/// microbatches and trimmed to `m`. With `f = b = w` and `m >= 2p` it reaches the lower bound
+/// `m(f + b + w) + (p - 1) f / 2`.
+pub fn zb_v(p: u32, m: u32) -> Schedule {
+    let n = m.max(2 * p - 1);
+    let ranks = (0..p)
+        .map(|r| {
+            let (c0, c1) = (r, 2 * p - 1 - r);
+            let (mut f0, mut f1, mut b0, mut b1) = (0, 0, 0, 0);
+            let mut a = Vec::new();
+            let push = |a: &mut Vec<Action>, s: u32, k: ActionKind, mb: u32| a.push(act(s, k, mb));
+            for _ in 0..2 * (p - r) - 1 {
+                push(&mut a, c0, ActionKind::F, f0);
+                f0 += 1;
+            }
+            for _ in 0..r {
+                push(&mut a, c1, ActionKind::F, f1);
+                f1 += 1;
+                push(&mut a, c0, ActionKind::F, f0);
+                f0 += 1;
+            }
+            for _ in 0..p - r {
+                push(&mut a, c1, ActionKind::F, f1);
+                f1 += 1;
+                push(&mut a, c1, ActionKind::I, b1);
+                push(&mut a, c1, ActionKind::W, b1);
+                b1 += 1;
+            }
+            while f1 < f0 || f0 < n {
+                if f0 < n {
+                    push(&mut a, c0, ActionKind::F, f0);
+                    f0 += 1;
+                }
+                push(&mut a, c0, ActionKind::I, b0);
+                push(&mut a, c0, ActionKind::W, b0);
+                b0 += 1;
+                push(&mut a, c1, ActionKind::F, f1);
+                f1 += 1;
+                push(&mut a, c1, ActionKind::I, b1);
+                push(&mut a, c1, ActionKind::W, b1);
+                b1 += 1;
+            }
+            let (mut w0, mut w1) = (b0, b1);
+            for _ in 0..r {
+                push(&mut a, c0, ActionKind::I, b0);
+                b0 += 1;
+                push(&mut a, c1, ActionKind::I, b1);
+                b1 += 1;
+            }
+            for _ in 0..p - r {
+                push(&mut a, c0, ActionKind::I, b0);
+                b0 += 1;
+                push(&mut a, c0, ActionKind::W, w0);
+                w0 += 1;
+            }
+            while w1 < b1 {
+                push(&mut a, c1, ActionKind::W, w1);
+                w1 += 1;
+            }
+            while w0 < b0 {
+                push(&mut a, c0, ActionKind::W, w0);
+                w0 += 1;
+            }
+            a
+        })
+        .collect();
+    schedule("zb-v", Placement::v_shape(p), m, trim(ranks, m))
+}
+
+/// Per-rank builder for DualPipeV: microbatch counters per chunk and the FIFO of deferred W's.
+struct DualPipeRank {
+    stage: [u32; 2],
+    f: [u32; 2],
+    b: [u32; 2],
+    deferred_w: std::collections::VecDeque<ComputeAction>,
+    out: Vec<Action>,
+}
+
+impl DualPipeRank {
+    fn fwd(&mut self, c: usize) -> ComputeAction {
+        let a = ComputeAction::new(self.stage[c], ActionKind::F, self.f[c]);
+        self.f[c] += 1;
+        a
+    }
+    /// A backward of chunk `c`: a fused B, or with `zb` an I whose W is deferred.
+    fn bwd(&mut self, c: usize, zb: bool) -> ComputeAction {
+        let mb = self.b[c];
+        self.b[c] += 1;
+        if zb {
+            self.deferred_w
+                .push_back(ComputeAction::new(self.stage[c], ActionKind::W, mb));
+            ComputeAction::new(self.stage[c], ActionKind::I, mb)
+        } else {
+            ComputeAction::new(self.stage[c], ActionKind::B, mb)
+        }
+    }
+    fn push(&mut self, a: ComputeAction) {
+        self.out.push(Action::Compute(a));
+    }
+    fn weight(&mut self) {
+        if let Some(w) = self.deferred_w.pop_front() {
+            self.out.push(Action::Compute(w));
+        }
+    }
+    fn pair(&mut self, fc: usize, bc: usize) {
+        let f = self.fwd(fc);
+        let b = self.bwd(bc, false);
+        self.out.push(Action::Overlap(f, b));
+    }
+}
+
+/// DualPipeV (DeepSeek-V3 report; the DualPipe repository's `dualpipev.py`, the "cut-in-half"
+/// DualPipe): V placement, rank `r` holds stages `r` (chunk 0) and `2p - 1 - r` (chunk 1). Its
+/// eight phases per rank: `2(p - r - 1)` chunk-0 forwards; `r + 1` pairs of forwards (chunk 0,
+/// chunk 1); `p - r - 1` rounds of (I, W, F) on chunk 1; `n - 2p + r + 1` main rounds of two
+/// overlapped forward-backward pairs (F chunk 0 with B chunk 1, F chunk 1 with B chunk 0; the
+/// last rank runs the first F and B apart); `p - r - 1` rounds of (B chunk 1, pair F chunk 1 with
+/// B chunk 0); `r + 1` rounds of backwards (chunk 1, chunk 0) that switch from fused B to I with
+/// deferred W half-way (odd ranks before chunk 1, even ranks before chunk 0); `p - r - 1`
+/// rounds of (deferred W, I chunk 0); the deferred W's. Built for `n = max(m, 2p)`
+/// microbatches and trimmed to `m`.
+pub fn dualpipev(p: u32, m: u32) -> Schedule {
+    let n = m.max(2 * p);
+    let ranks = (0..p)
+        .map(|r| {
+            let mut x = DualPipeRank {
+                stage: [r, 2 * p - 1 - r],
+                f: [0; 2],
+                b: [0; 2],
+                deferred_w: Default::default(),
+                out: Vec::new(),
+            };
+            for _ in 0..2 * (p - r - 1) {
+                let a = x.fwd(0);
+                x.push(a);
+            }
+            for _ in 0..r + 1 {
+                let a = x.fwd(0);
+                x.push(a);
+                let a = x.fwd(1);
+                x.push(a);
+            }
+            for _ in 0..p - r - 1 {
+                let i = x.bwd(1, true);
+                x.push(i);
+                x.weight();
+                let a = x.fwd(1);
+                x.push(a);
+            }
+            for i in 0..n - 2 * p + r + 1 {
+                if i == 0 && r == p - 1 {
+                    let a = x.fwd(0);
+                    x.push(a);
+                    let b = x.bwd(1, false);
+                    x.push(b);
+                } else {
+                    x.pair(0, 1);
+                }
+                x.pair(1, 0);
+            }
+            for _ in 0..p - r - 1 {
+                let b = x.bwd(1, false);
+                x.push(b);
+                x.pair(1, 0);
+            }
+            let step6 = r + 1;
+            let mut zb = false;
+            for i in 0..step6 {
+                if i == step6 / 2 && r % 2 == 1 {
+                    zb = true;
+                }
+                let b = x.bwd(1, zb);
+                x.push(b);
+                if i == step6 / 2 && r % 2 == 0 {
+                    zb = true;
+                }
+                let b = x.bwd(0, zb);
+                x.push(b);
+            }
+            for _ in 0..p - r - 1 {
+                x.weight();
+                let b = x.bwd(0, true);
+                x.push(b);
+            }
+            while !x.deferred_w.is_empty() {
+                x.weight();
+            }
+            x.out
+        })
+        .collect();
+    schedule("dualpipev", Placement::v_shape(p), m, trim(ranks, m))
 }

@@ -407,19 +407,30 @@ impl Schedule {
         Ok(())
     }
 
-    /// The step-by-rank grid as text: one line per rank, one action per column.
+    /// The step-by-rank grid as text: one line per rank, one action per column (columns as
+    /// wide as their widest cell).
     pub fn grid(&self) -> String {
         let cells: Vec<Vec<String>> = self
             .ranks
             .iter()
             .map(|a| a.iter().map(ToString::to_string).collect())
             .collect();
-        let width = cells.iter().flatten().map(String::len).max().unwrap_or(1);
+        let cols = cells.iter().map(Vec::len).max().unwrap_or(0);
+        let widths: Vec<usize> = (0..cols)
+            .map(|c| {
+                cells
+                    .iter()
+                    .filter_map(|row| row.get(c))
+                    .map(String::len)
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
         let mut out = String::new();
         for (r, row) in cells.iter().enumerate() {
             out.push_str(&format!("rank {r:>2}:"));
-            for c in row {
-                out.push_str(&format!(" {c:>width$}"));
+            for (c, cell) in row.iter().enumerate() {
+                out.push_str(&format!(" {cell:>w$}", w = widths[c]));
             }
             out.push('\n');
         }

@@ -12,7 +12,8 @@
 //!
 //! - [`ir`]: [`Action`]s in PyTorch's notation (`0F1`, `3I0`, `3W0`, `2B1`), [`Placement`],
 //!   [`Schedule`] and its validation.
-//! - [`generators`]: GPipe and 1F1B for any `p, m >= 1`.
+//! - [`generators`]: GPipe, 1F1B, interleaved 1F1B, looped BFS, ZB-H1, ZB-H2, ZB-V and
+//!   DualPipeV for any `p, m >= 1`; [`pytorch_csv`] reads and writes PyTorch's pipeline-order CSV.
 //! - [`costs`]: the [`CostModel`] trait, [`UniformCosts`] and [`TableCosts`].
 //! - [`replay`] and [`dag`]: the longest path through the step's DAG of compute ops and
 //!   transfers (one FIFO link per ordered rank pair); a cycle is a deadlock naming its ops.
@@ -24,7 +25,7 @@
 //! ```
 //! use flatpipe_simulator::{ScheduleKind, UniformCostSpec, UniformCosts, simulate};
 //! // 1F1B, p = 4, m = 8, f = b = w = 1 s: (m + p - 1)(f + b + w) = 33 s.
-//! let schedule = ScheduleKind::OneFOneB.generate(4, 8).unwrap();
+//! let schedule = ScheduleKind::OneFOneB.generate(4, 1, 8).unwrap();
 //! let costs = UniformCosts::new(&UniformCostSpec::default(), 1);
 //! let sim = simulate(&schedule, &costs).unwrap();
 //! assert_eq!(sim.metrics.makespan_s, 33.0);
@@ -41,6 +42,7 @@ pub mod ir;
 pub mod metrics;
 pub mod microbatch;
 pub mod plan;
+pub mod pytorch_csv;
 pub mod replay;
 pub mod timeline;
 pub mod trace;

@@ -21,6 +21,10 @@ pub struct RankMetrics {
     /// Peak activation memory in units of one rank's share of one microbatch (uniform costs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_activation_units: Option<f64>,
+    /// Parameters, gradients and optimizer state of this rank's stages, bytes (constant over
+    /// the step; mixed-precision AdamW, 16 bytes per parameter). Profile costs only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub static_bytes: Option<f64>,
     /// Most microbatches in flight at once: from the end of a microbatch's first F on this rank
     /// to the end of its last W or B here.
     pub peak_inflight_microbatches: u32,
@@ -141,58 +145,139 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
     bound
 }
 
+/// Activation memory events of each rank: `(time_ns, change)` in the cost model's unit, in time
+/// order (frees before allocations at equal times). An F allocates its stage's activations for
+/// the microbatch, and its output buffer when it sends to another rank, at its start; I frees
+/// the part only dgrad needed, W the rest, a fused B all of it, at their ends; an output buffer
+/// is freed when its transfer completes (a stage whose next stage is on the same rank hands its
+/// output over at the F's end).
+pub fn memory_events<C: CostModel>(
+    schedule: &Schedule,
+    costs: &C,
+    timeline: &Timeline,
+) -> Vec<Vec<(u64, f64)>> {
+    let p = timeline.num_ranks();
+    let last = schedule.num_stages().saturating_sub(1);
+    let mut events: Vec<Vec<(u64, f64)>> = vec![Vec::new(); p];
+    let mut unsorted = vec![false; p];
+    for (r, ops) in timeline.compute.iter().enumerate() {
+        let ev = &mut events[r];
+        ev.reserve(2 * ops.len());
+        for op in ops {
+            for a in op.action.parts().filter(|a| a.kind == ActionKind::F) {
+                let (ai, aw) = costs.activation(a.stage, a.microbatch);
+                ev.push((op.start_ns, ai + aw));
+                if a.stage.0 < last {
+                    let out = costs.output_bytes(a.stage, a.microbatch);
+                    if out > 0.0 {
+                        ev.push((op.start_ns, out));
+                        let next = schedule.placement.rank_of[a.stage.idx() + 1];
+                        if next.idx() == r {
+                            ev.push((op.end_ns, -out));
+                        }
+                    }
+                }
+            }
+            for a in op.action.parts() {
+                let (ai, aw) = costs.activation(a.stage, a.microbatch);
+                let freed = match a.kind {
+                    ActionKind::I => ai,
+                    ActionKind::W => aw,
+                    ActionKind::B => ai + aw,
+                    ActionKind::F | ActionKind::Fo => 0.0,
+                };
+                if freed > 0.0 {
+                    ev.push((op.end_ns, -freed));
+                }
+            }
+        }
+    }
+    for t in &timeline.transfers {
+        if t.kind == ActionKind::F {
+            let out = costs.output_bytes(t.stage, t.microbatch);
+            if out > 0.0 {
+                events[t.from.idx()].push((t.end_ns, -out));
+                unsorted[t.from.idx()] = true;
+            }
+        }
+    }
+    for (ev, unsorted) in events.iter_mut().zip(unsorted) {
+        if unsorted {
+            ev.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+        }
+    }
+    events
+}
+
+/// Activation memory of each rank over the step: `(time_ns, level after the change)` steps.
+pub fn memory_timeline<C: CostModel>(
+    schedule: &Schedule,
+    costs: &C,
+    timeline: &Timeline,
+) -> Vec<Vec<(u64, f64)>> {
+    memory_events(schedule, costs, timeline)
+        .into_iter()
+        .map(|ev| {
+            let mut level = 0.0;
+            ev.into_iter()
+                .map(|(t, d)| {
+                    level += d;
+                    (t, level)
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// Computes the metrics of `timeline`, the replay of `schedule` under `costs`.
 pub fn metrics<C: CostModel>(schedule: &Schedule, costs: &C, timeline: &Timeline) -> Metrics {
     let makespan = timeline.makespan_ns();
     let p = timeline.num_ranks();
     let m = schedule.num_microbatches as usize;
     let unit = costs.memory_unit();
+    let events = memory_events(schedule, costs, timeline);
     let mut ranks = Vec::with_capacity(p);
     let mut total_busy = 0u64;
     let mut seen = vec![false; m];
     let mut remaining = vec![0u32; m];
-    for r in 0..p {
+    for (r, rank_events) in events.iter().enumerate() {
         let busy = timeline.busy_ns(r);
         total_busy += busy;
         let v = schedule.placement.stages_of(Rank(r as u32)).len() as u32;
         seen.fill(false);
         remaining.fill(v);
-        let (mut cur, mut peak) = (0.0f64, 0.0f64);
         let (mut inflight, mut peak_inflight) = (0u32, 0u32);
         for op in &timeline.compute[r] {
-            for a in op.action.parts().filter(|a| a.kind == ActionKind::F) {
-                let (ai, aw) = costs.activation(a.stage, a.microbatch);
-                cur += ai + aw;
+            for a in op.action.parts() {
                 let k = a.microbatch.idx();
-                if !seen[k] {
+                if a.kind == ActionKind::F && !seen[k] {
                     seen[k] = true;
                     inflight += 1;
                 }
             }
-            peak = peak.max(cur);
             peak_inflight = peak_inflight.max(inflight);
-            for a in op.action.parts() {
-                let (ai, aw) = costs.activation(a.stage, a.microbatch);
-                let (freed, last) = match a.kind {
-                    ActionKind::I => (ai, false),
-                    ActionKind::W => (aw, true),
-                    ActionKind::B => (ai + aw, true),
-                    ActionKind::F | ActionKind::Fo => (0.0, false),
-                };
-                cur -= freed;
-                if last {
-                    let k = a.microbatch.idx();
-                    remaining[k] -= 1;
-                    if remaining[k] == 0 {
-                        inflight -= 1;
-                    }
+            for a in op
+                .action
+                .parts()
+                .filter(|a| matches!(a.kind, ActionKind::W | ActionKind::B))
+            {
+                let k = a.microbatch.idx();
+                remaining[k] -= 1;
+                if remaining[k] == 0 {
+                    inflight -= 1;
                 }
             }
+        }
+        let (mut level, mut peak) = (0.0f64, 0.0f64);
+        for &(_, d) in rank_events {
+            level += d;
+            peak = peak.max(level);
         }
         let (bytes, units) = match unit {
             MemoryUnit::Bytes => (Some(peak), None),
             MemoryUnit::Units => (None, Some(peak)),
         };
+        let static_bytes = costs.static_bytes(Rank(r as u32));
         ranks.push(RankMetrics {
             rank: r as u32,
             busy_s: ns_to_s(busy),
@@ -203,6 +288,7 @@ pub fn metrics<C: CostModel>(schedule: &Schedule, costs: &C, timeline: &Timeline
             },
             peak_activation_bytes: bytes,
             peak_activation_units: units,
+            static_bytes: (unit == MemoryUnit::Bytes).then_some(static_bytes),
             peak_inflight_microbatches: peak_inflight,
         });
     }

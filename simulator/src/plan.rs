@@ -34,7 +34,6 @@ pub struct StageLayers {
 /// hardware: h200
 /// workload: sharegpt-v3
 /// pp: 4
-/// vpp: 1
 /// placement: loop
 /// schedule: 1f1b
 /// stages:                   # layer ranges [start, end) of stages 0..pp*vpp
@@ -62,9 +61,10 @@ pub struct Plan {
     pub workload: String,
     /// Pipeline-parallel degree: ranks.
     pub pp: u32,
-    /// Stages per rank (virtual stages).
-    #[serde(default = "one")]
-    pub vpp: u32,
+    /// Stages per rank (virtual stages); default: the schedule's (1, 2 for interleaved and V
+    /// schedules).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vpp: Option<u32>,
     /// Stage -> rank layout.
     pub placement: PlacementKind,
     /// Schedule family.
@@ -87,10 +87,6 @@ pub struct Plan {
     /// Seed of the step sampler.
     #[serde(default)]
     pub seed: u64,
-}
-
-fn one() -> u32 {
-    1
 }
 
 impl Plan {
@@ -154,19 +150,25 @@ impl Plan {
         if self.pp == 0 {
             return Err(Error::invalid(field("pp"), 0, ">= 1 rank"));
         }
-        if self.vpp == 0 {
-            return Err(Error::invalid(field("vpp"), 0, ">= 1 stage per rank"));
-        }
-        let want = self.schedule.stages_per_rank(self.vpp) * self.pp;
+        let v = self
+            .schedule
+            .stages_per_rank(self.vpp)
+            .map_err(|e| match e {
+                Error::InvalidArgument { value, allowed, .. } => Error::InvalidArgument {
+                    field: field("vpp"),
+                    value,
+                    allowed,
+                },
+                other => other,
+            })?;
+        let want = v * self.pp;
         if self.stages.len() != want as usize {
             return Err(Error::invalid(
                 field("stages"),
                 format!("{} stages", self.stages.len()),
                 format!(
-                    "{} x {} = {want} stages for schedule {}",
-                    self.pp,
-                    self.schedule.stages_per_rank(self.vpp),
-                    self.schedule
+                    "{} x {v} = {want} stages for schedule {}",
+                    self.pp, self.schedule
                 ),
             ));
         }
