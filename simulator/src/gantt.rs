@@ -2,7 +2,8 @@
 //!
 //! One row per rank, top to bottom; F blue, I orange, W green, B purple, Fo grey-blue, an
 //! overlapped pair split in two halves (forward above, backward below), the optimizer step
-//! light grey; the microbatch number on every box wide enough to hold it. Idle time is the
+//! light grey; a rank's later stages (chunks) darker; the microbatch number on every box wide
+//! enough to hold it. Idle time is the
 //! pale row background left uncovered.
 
 use crate::ir::{Action, ActionKind};
@@ -37,6 +38,15 @@ pub fn color(kind: ActionKind) -> RGBColor {
         ActionKind::B => RGBColor(142, 36, 170),
         ActionKind::Fo => RGBColor(96, 125, 139),
     }
+}
+
+/// The colour of `kind` on a rank's `chunk`-th stage: later chunks are drawn darker so that
+/// interleaved and V schedules show which stage ran.
+fn chunk_color(kind: ActionKind, chunk: usize) -> RGBColor {
+    let RGBColor(r, g, b) = color(kind);
+    let k = 1.0 - 0.3 * (chunk.min(3) as f64);
+    let d = |c: u8| (c as f64 * k).round() as u8;
+    RGBColor(d(r), d(g), d(b))
 }
 
 fn time_unit(makespan_s: f64) -> (f64, &'static str) {
@@ -99,12 +109,16 @@ fn draw<DB: DrawingBackend>(
     let mut labels = Vec::new();
     for (r, ops) in t.compute.iter().enumerate() {
         let (y0, y1) = (row(r) + pad, row(r) + 1.0 - pad);
+        let mut stages: Vec<u32> = ops.iter().flat_map(|o| o.action.parts()).map(|a| a.stage.0).collect();
+        stages.sort_unstable();
+        stages.dedup();
+        let chunk = |s: u32| stages.binary_search(&s).unwrap_or(0);
         for op in ops {
             let x0 = op.start_ns as f64 * 1e-9 * scale;
             let x1 = op.end_ns as f64 * 1e-9 * scale;
             match op.action {
                 Action::Compute(a) => {
-                    boxes.push(Rectangle::new([(x0, y0), (x1, y1)], color(a.kind).filled()));
+                    boxes.push(Rectangle::new([(x0, y0), (x1, y1)], chunk_color(a.kind, chunk(a.stage.0)).filled()));
                     let text = a.microbatch.to_string();
                     if (x1 - x0) * px_per_unit >= 7.0 * text.len() as f64 + 2.0 {
                         labels.push(Text::new(
@@ -118,11 +132,11 @@ fn draw<DB: DrawingBackend>(
                     let mid = (y0 + y1) / 2.0;
                     boxes.push(Rectangle::new(
                         [(x0, mid), (x1, y1)],
-                        color(f.kind).filled(),
+                        chunk_color(f.kind, chunk(f.stage.0)).filled(),
                     ));
                     boxes.push(Rectangle::new(
                         [(x0, y0), (x1, mid)],
-                        color(b.kind).filled(),
+                        chunk_color(b.kind, chunk(b.stage.0)).filled(),
                     ));
                     if (x1 - x0) * px_per_unit >= 30.0 {
                         let s = label_style.clone();
