@@ -5,8 +5,10 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use flatpipe_profiles::{self as profiles, AnalyticOptions, Profile, StepSize, Workload, builtins};
 use flatpipe_simulator::{
-    self as sim, Microbatching, Plan, ScheduleKind, Simulation, TableCosts, UniformCostSpec,
-    UniformCosts, microbatch, plan::even_split,
+    self as sim, Microbatching, Plan, ScheduleKind, Simulation, UniformCostSpec, UniformCosts,
+    montecarlo::{self, Capacity, ScheduleSource},
+    plan::even_split,
+    policy::{Policy, PolicyParams},
 };
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -83,9 +85,34 @@ struct SimulateArgs {
     /// Tokens per step: sequences are drawn until the step holds this many.
     #[arg(long)]
     tokens_per_step: Option<u64>,
+    /// Steps to sample and simulate (Monte Carlo over the workload). Default 1.
+    #[arg(long)]
+    steps: Option<u32>,
+    /// Microbatching policies to compare, comma-separated: padded, packed, flat-ffd (default),
+    /// flat-balanced.
+    #[arg(long, value_delimiter = ',')]
+    policy: Vec<String>,
+    /// Schedule capacities to compare, comma-separated: `dynamic` (default: each step's schedule
+    /// is built for its microbatch count) or K (built once for K microbatches; overflow runs
+    /// extra rounds, missing slots run empty).
+    #[arg(long, value_delimiter = ',')]
+    capacity: Vec<String>,
+    /// Row length of the packed policy, tokens. Default 4096.
+    #[arg(long)]
+    pack_len: Option<u32>,
+    /// Cap on the padded policy's sequence length S (longer sequences are truncated).
+    #[arg(long)]
+    max_seq_len: Option<u32>,
+    /// Keep each sampled sequence with this probability (an RL filter), so the sequence count
+    /// per step varies.
+    #[arg(long)]
+    keep_prob: Option<f64>,
+    /// Write a histogram of step times per policy (best schedule) here (.svg or .png).
+    #[arg(long)]
+    histogram: Option<PathBuf>,
     /// Uniform costs instead of a profile and workload: one rank's share of the model per
     /// microbatch in seconds, e.g. f=1,b=1,w=1,comm=0 (keys f, b, w, comm, fb, fo).
-    #[arg(long, conflicts_with_all = ["profile", "model", "hardware", "workload", "plan", "token_budget", "seqs_per_step", "tokens_per_step"])]
+    #[arg(long, conflicts_with_all = ["profile", "model", "hardware", "workload", "plan", "token_budget", "seqs_per_step", "tokens_per_step", "steps", "policy", "capacity", "pack_len", "max_seq_len", "keep_prob", "histogram"])]
     costs: Option<String>,
     /// Seed of the step sampler (default: the workload's, 0). Printed.
     #[arg(long)]
@@ -217,7 +244,7 @@ fn parse_kinds(names: &[String]) -> Result<Vec<ScheduleKind>> {
     Ok(kinds)
 }
 
-/// One row of `simulate`'s output (`--format json` prints a list of these).
+/// One row of `simulate --costs`'s output (`--format json` prints a list of these).
 #[derive(Debug, Serialize)]
 struct Report {
     schedule: String,
@@ -228,16 +255,26 @@ struct Report {
     metrics: sim::Metrics,
 }
 
-struct Run {
-    name: String,
-    vpp: u32,
-    sim: Simulation,
-    schedule: sim::Schedule,
+/// The single-step fields of a profile-driven row (when one step ran as one round).
+#[derive(Debug, Serialize)]
+struct SingleStep {
+    microbatches: u32,
+    #[serde(flatten)]
+    metrics: sim::Metrics,
 }
 
-/// What the step looks like, for the header line and the Gantt title.
-struct StepInfo {
-    description: String,
+/// One row of `simulate`'s output with a profile: one (schedule, policy, capacity).
+#[derive(Debug, Serialize)]
+struct McReport {
+    schedule: String,
+    policy: String,
+    capacity: String,
+    pp: u32,
+    vpp: u32,
+    #[serde(flatten)]
+    summary: montecarlo::Summary,
+    #[serde(flatten)]
+    single: Option<SingleStep>,
 }
 
 /// The schedules a `simulate` call compares: generated kinds, or one loaded from a CSV file.
@@ -246,29 +283,7 @@ enum Schedules {
     Csv(sim::Schedule),
 }
 
-impl Schedules {
-    /// `(name, stages per rank, schedule)` for `p` ranks and `m` microbatches.
-    fn build(&self, p: u32, vpp: Option<u32>, m: u32) -> Result<Vec<(String, u32, sim::Schedule)>> {
-        match self {
-            Schedules::Csv(s) => Ok(vec![(
-                s.name.clone(),
-                s.num_stages() / s.placement.num_ranks,
-                s.clone(),
-            )]),
-            Schedules::Kinds(kinds) => kinds
-                .iter()
-                .map(|k| {
-                    let v = k.stages_per_rank(vpp)?;
-                    Ok((k.name().to_string(), v, k.generate(p, v, m)?))
-                })
-                .collect(),
-        }
-    }
-}
-
 fn simulate(a: SimulateArgs) -> Result<ExitCode> {
-    let mut runs = Vec::new();
-    let info: StepInfo;
     let schedules = match &a.schedule_csv {
         Some(path) => {
             let text = profiles::read_to_string(path)?;
@@ -279,194 +294,564 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
         }
         None => Schedules::Kinds(parse_kinds(&a.schedule)?),
     };
-    let csv_shape = match &schedules {
-        Schedules::Csv(s) => Some((s.placement.num_ranks, s.num_microbatches)),
-        Schedules::Kinds(_) => None,
-    };
-    if let Some(spec) = &a.costs {
-        let spec: UniformCostSpec = spec.parse()?;
-        let (p, m) = csv_shape.unwrap_or((
-            a.pp.unwrap_or(4),
-            a.microbatches.unwrap_or(a.pp.unwrap_or(4)),
-        ));
-        for (name, v, schedule) in schedules.build(p, a.vpp, m)? {
-            let costs = UniformCosts::new(&spec, v);
-            runs.push(Run {
-                name,
-                vpp: v,
-                sim: sim::simulate(&schedule, &costs)?,
-                schedule,
-            });
-        }
-        info = StepInfo {
-            description: format!(
-                "uniform costs f={} b={} w={} comm={} s (one rank's share per microbatch), {m} microbatches",
-                spec.f, spec.b, spec.w, spec.comm
-            ),
-        };
-    } else {
-        let plan = match &a.plan {
-            Some(path) => {
-                let origin = path.display().to_string();
-                Some(Plan::from_yaml(&profiles::read_to_string(path)?, &origin)?)
-            }
-            None => None,
-        };
-        fn pick<'a>(
-            from_plan: Option<&'a String>,
-            from_args: &'a Option<String>,
-        ) -> Option<&'a str> {
-            from_plan.or(from_args.as_ref()).map(String::as_str)
-        }
-        let profile = resolve_profile(
-            pick(plan.as_ref().and_then(|p| p.profile.as_ref()), &a.profile),
-            pick(plan.as_ref().and_then(|p| p.model.as_ref()), &a.model),
-            pick(plan.as_ref().and_then(|p| p.hardware.as_ref()), &a.hardware),
-        )?;
-        let workload_name = a
-            .workload
-            .clone()
-            .or_else(|| plan.as_ref().map(|p| p.workload.clone()))
-            .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
-        let workload = builtins::workload(&workload_name)?;
-        if let (Some(p), Some(path)) = (&plan, &a.plan) {
-            p.validate(&path.display().to_string(), profile.layers.len())?;
-        }
-        let size = step_size(&a, plan.as_ref(), &workload)?;
-        let seed = a
-            .seed
-            .or(plan.as_ref().map(|p| p.seed))
-            .unwrap_or(workload.seed);
-        let seqs = workload.sample_step(seed, 0, size);
-        let mbing = match (&plan, csv_shape) {
-            (Some(p), _) => p.microbatching()?,
-            (None, Some((_, m))) => Microbatching::Microbatches(m),
-            (None, None) => match (a.microbatches, a.token_budget) {
-                (Some(m), _) => Microbatching::Microbatches(m),
-                (None, Some(t)) => Microbatching::TokenBudget(t),
-                (None, None) => Microbatching::TokenBudget(16_384),
-            },
-        };
-        let mbs = make_microbatches(&seqs, mbing, &profile)?;
-        let tokens: u64 = seqs.iter().map(|&s| s as u64).sum();
-        let p = csv_shape
-            .map(|c| c.0)
-            .or(plan.as_ref().map(|p| p.pp))
-            .or(a.pp)
-            .unwrap_or(4);
-        let schedules = match &plan {
-            Some(pl) => Schedules::Kinds(vec![pl.schedule]),
-            None => schedules,
-        };
-        let vpp = plan.as_ref().and_then(|p| p.vpp).or(a.vpp);
-        for (name, v, schedule) in schedules.build(p, vpp, mbs.len() as u32)? {
-            let stages = match &plan {
-                Some(pl) => pl.stage_ranges(),
-                None => even_split(profile.layers.len(), schedule.num_stages() as usize)?,
-            };
-            let costs =
-                TableCosts::from_profile(&profile, &stages, &schedule.placement, &mbs, &[])?;
-            runs.push(Run {
-                name,
-                vpp: v,
-                sim: sim::simulate(&schedule, &costs)?,
-                schedule,
-            });
-        }
-        info = StepInfo {
-            description: format!(
-                "{} on {} ({} profile), workload {} seed {seed}: {} sequences, {tokens} tokens, {} microbatches ({})",
-                profile.model,
-                profile.hardware.name,
-                format!("{:?}", profile.provenance.source).to_lowercase(),
-                workload.name,
-                seqs.len(),
-                mbs.len(),
-                match mbing {
-                    Microbatching::Microbatches(m) => format!("{m} balanced by cost"),
-                    Microbatching::TokenBudget(t) =>
-                        format!("token budget {t}, first-fit decreasing"),
-                }
-            ),
-        };
+    match &a.costs {
+        Some(spec) => simulate_uniform(&a, &spec.parse()?, schedules),
+        None => simulate_profile(&a, schedules),
     }
-    // Fastest first; among equally fast schedules, the one with less peak activation memory.
-    let peak = |r: &Run| {
-        let m = &r.sim.metrics;
-        m.ranks
-            .iter()
-            .map(|x| {
-                x.peak_activation_bytes
-                    .or(x.peak_activation_units)
-                    .unwrap_or(0.0)
-            })
-            .fold(0.0, f64::max)
-    };
-    runs.sort_by(|x, y| {
-        let (a, b) = (&x.sim.metrics, &y.sim.metrics);
-        a.makespan_s
-            .total_cmp(&b.makespan_s)
-            .then(peak(x).total_cmp(&peak(y)))
-            .then(x.name.cmp(&y.name))
-    });
-    let reports: Vec<Report> = runs
-        .iter()
-        .map(|r| Report {
-            schedule: r.name.clone(),
-            pp: r.schedule.placement.num_ranks,
-            vpp: r.vpp,
-            microbatches: r.schedule.num_microbatches,
-            metrics: r.sim.metrics.clone(),
-        })
-        .collect();
+}
+
+/// Writes the Gantt chart(s) and trace a `simulate` call asked for; returns notes to print.
+fn write_charts(
+    a: &SimulateArgs,
+    runs: &[(String, String, &sim::Timeline)],
+) -> Result<Vec<String>> {
     let mut notes = Vec::new();
-    let best = &runs[0];
-    let title = |r: &Run| {
-        format!(
-            "{}  p={} v={} m={}  makespan {}  bubble {:.1}%",
-            r.name,
-            r.schedule.placement.num_ranks,
-            r.vpp,
-            r.schedule.num_microbatches,
-            fmt_s(r.sim.metrics.makespan_s),
-            100.0 * r.sim.metrics.bubble_ratio
-        )
+    let Some((best_name, best_title, best)) = runs.first() else {
+        return Ok(notes);
     };
     let gantt = a
         .gantt
         .clone()
         .unwrap_or_else(|| PathBuf::from("flatpipe-gantt.png"));
-    sim::gantt::write_gantt(&gantt, &title(best), &best.sim.timeline)?;
-    notes.push(format!("Gantt chart of {}: {}", best.name, gantt.display()));
+    sim::gantt::write_gantt(&gantt, best_title, best)?;
+    notes.push(format!("Gantt chart of {best_name}: {}", gantt.display()));
     if a.gantt.is_some() && runs.len() > 1 {
-        for r in &runs {
-            let path = sibling(&gantt, &sanitize(&r.name));
-            sim::gantt::write_gantt(&path, &title(r), &r.sim.timeline)?;
-            notes.push(format!("Gantt chart of {}: {}", r.name, path.display()));
+        for (name, title, t) in runs {
+            let path = sibling(&gantt, &sanitize(name));
+            sim::gantt::write_gantt(&path, title, t)?;
+            notes.push(format!("Gantt chart of {name}: {}", path.display()));
         }
     }
     if let Some(path) = &a.trace {
-        let doc = sim::trace::chrome_trace(&best.sim.timeline);
+        let doc = sim::trace::chrome_trace(best);
         profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
-        notes.push(format!("Chrome trace of {}: {}", best.name, path.display()));
+        notes.push(format!("Chrome trace of {best_name}: {}", path.display()));
     }
-    match a.format {
+    Ok(notes)
+}
+
+fn gantt_title(name: &str, schedule: &sim::Schedule, v: u32, m: &sim::Metrics) -> String {
+    format!(
+        "{name}  p={} v={v} m={}  makespan {}  bubble {:.1}%",
+        schedule.placement.num_ranks,
+        schedule.num_microbatches,
+        fmt_s(m.makespan_s),
+        100.0 * m.bubble_ratio
+    )
+}
+
+fn peak_of(m: &sim::Metrics) -> f64 {
+    m.ranks
+        .iter()
+        .map(|x| {
+            x.peak_activation_bytes
+                .or(x.peak_activation_units)
+                .unwrap_or(0.0)
+        })
+        .fold(0.0, f64::max)
+}
+
+fn simulate_uniform(
+    a: &SimulateArgs,
+    spec: &UniformCostSpec,
+    schedules: Schedules,
+) -> Result<ExitCode> {
+    let built: Vec<(String, u32, sim::Schedule)> = match schedules {
+        Schedules::Csv(s) => vec![(s.name.clone(), s.num_stages() / s.placement.num_ranks, s)],
+        Schedules::Kinds(kinds) => {
+            let p = a.pp.unwrap_or(4);
+            let m = a.microbatches.unwrap_or(p);
+            kinds
+                .iter()
+                .map(|k| {
+                    let v = k.stages_per_rank(a.vpp)?;
+                    Ok((k.name().to_string(), v, k.generate(p, v, m)?))
+                })
+                .collect::<Result<_>>()?
+        }
+    };
+    let mut runs = Vec::new();
+    for (name, v, schedule) in built {
+        let sim = sim::simulate(&schedule, &UniformCosts::new(spec, v))?;
+        runs.push((name, v, schedule, sim));
+    }
+    runs.sort_by(|x, y| {
+        let (a, b) = (&x.3.metrics, &y.3.metrics);
+        a.makespan_s
+            .total_cmp(&b.makespan_s)
+            .then(peak_of(a).total_cmp(&peak_of(b)))
+            .then(x.0.cmp(&y.0))
+    });
+    let reports: Vec<Report> = runs
+        .iter()
+        .map(|(name, v, s, sim)| Report {
+            schedule: name.clone(),
+            pp: s.placement.num_ranks,
+            vpp: *v,
+            microbatches: s.num_microbatches,
+            metrics: sim.metrics.clone(),
+        })
+        .collect();
+    let charts: Vec<_> = runs
+        .iter()
+        .map(|(n, v, s, sim)| {
+            (
+                n.clone(),
+                gantt_title(n, s, *v, &sim.metrics),
+                &sim.timeline,
+            )
+        })
+        .collect();
+    let notes = write_charts(a, &charts)?;
+    let m = runs.first().map_or(0, |r| r.2.num_microbatches);
+    let header = format!(
+        "uniform costs f={} b={} w={} comm={} s (one rank's share per microbatch), {m} microbatches",
+        spec.f, spec.b, spec.w, spec.comm
+    );
+    let mut t = new_table(&[
+        "schedule",
+        "pp",
+        "vpp",
+        "m",
+        "makespan",
+        "bubble",
+        "lower bound",
+        "gap",
+        "peak act. (max rank)",
+        "peak in-flight",
+    ]);
+    for r in &reports {
+        let m = &r.metrics;
+        let inflight = m
+            .ranks
+            .iter()
+            .map(|x| x.peak_inflight_microbatches)
+            .max()
+            .unwrap_or(0);
+        t.add_row([
+            r.schedule.clone(),
+            r.pp.to_string(),
+            r.vpp.to_string(),
+            r.microbatches.to_string(),
+            fmt_s(m.makespan_s),
+            pct(m.bubble_ratio),
+            fmt_s(m.lower_bound_s),
+            format!("{:+.1}%", 100.0 * m.gap_to_lower_bound),
+            format!("{:.2} units", peak_of(m)),
+            inflight.to_string(),
+        ]);
+    }
+    emit(a.format, &reports, &header, &t, &notes)
+}
+
+fn emit<T: Serialize>(
+    format: Format,
+    reports: &T,
+    header: &str,
+    table: &Table,
+    notes: &[String],
+) -> Result<ExitCode> {
+    match format {
         Format::Json => {
-            println!("{}", serde_json::to_string_pretty(&reports)?);
-            eprintln!("{}", info.description);
+            println!("{}", serde_json::to_string_pretty(reports)?);
+            eprintln!("{header}");
             for n in notes {
                 eprintln!("{n}");
             }
         }
         Format::Table => {
-            println!("{}", info.description);
-            println!("{}", table(&reports));
+            println!("{header}");
+            println!("{table}");
             for n in notes {
                 println!("{n}");
             }
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn new_table(header: &[&str]) -> Table {
+    let mut t = Table::new();
+    t.load_preset(UTF8_BORDERS_ONLY);
+    t.set_header(header.to_vec());
+    t
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", 100.0 * x)
+}
+
+fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result<ExitCode> {
+    let plan = match &a.plan {
+        Some(path) => Some(Plan::from_yaml(
+            &profiles::read_to_string(path)?,
+            &path.display().to_string(),
+        )?),
+        None => None,
+    };
+    fn pick<'a>(from_plan: Option<&'a String>, from_args: &'a Option<String>) -> Option<&'a str> {
+        from_plan.or(from_args.as_ref()).map(String::as_str)
+    }
+    let profile = resolve_profile(
+        pick(plan.as_ref().and_then(|p| p.profile.as_ref()), &a.profile),
+        pick(plan.as_ref().and_then(|p| p.model.as_ref()), &a.model),
+        pick(plan.as_ref().and_then(|p| p.hardware.as_ref()), &a.hardware),
+    )?;
+    let workload_name = a
+        .workload
+        .clone()
+        .or_else(|| plan.as_ref().map(|p| p.workload.clone()))
+        .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
+    let mut workload = builtins::workload(&workload_name)?;
+    if let Some(q) = a.keep_prob {
+        workload.keep_probability = Some(q);
+        workload.validate("--keep-prob")?;
+    }
+    if let (Some(p), Some(path)) = (&plan, &a.plan) {
+        p.validate(&path.display().to_string(), profile.layers.len())?;
+    }
+    let size = step_size(a, plan.as_ref(), &workload)?;
+    let seed = a
+        .seed
+        .or(plan.as_ref().map(|p| p.seed))
+        .unwrap_or(workload.seed);
+    let steps = a.steps.unwrap_or(1);
+    if steps == 0 {
+        bail!("--steps = 0 is invalid: >= 1 step");
+    }
+    let csv_m = match &schedules {
+        Schedules::Csv(s) => Some(s.num_microbatches),
+        Schedules::Kinds(_) => None,
+    };
+    if csv_m.is_some() && !a.capacity.is_empty() {
+        bail!(
+            "--capacity cannot be combined with --schedule-csv: a loaded schedule has the fixed capacity of its microbatch count"
+        );
+    }
+    let (microbatches, token_budget) = match &plan {
+        Some(pl) => match pl.microbatching()? {
+            Microbatching::Microbatches(m) => (Some(m), 16_384),
+            Microbatching::TokenBudget(t) => (None, t),
+        },
+        None => (a.microbatches.or(csv_m), a.token_budget.unwrap_or(16_384)),
+    };
+    let params = PolicyParams {
+        token_budget,
+        microbatches,
+        pack_len: a.pack_len.unwrap_or(4096),
+        max_seq_len: a.max_seq_len,
+    };
+    let policies: Vec<Policy> = if a.policy.is_empty() {
+        vec![Policy::FlatFfd]
+    } else {
+        dedup(
+            a.policy
+                .iter()
+                .map(|x| x.parse())
+                .collect::<Result<Vec<Policy>, _>>()?,
+        )
+    };
+    let capacities: Vec<Capacity> = if a.capacity.is_empty() {
+        vec![Capacity::Dynamic]
+    } else {
+        dedup(
+            a.capacity
+                .iter()
+                .map(|x| x.parse())
+                .collect::<Result<Vec<Capacity>, _>>()?,
+        )
+    };
+    let p = match (&schedules, &plan) {
+        (Schedules::Csv(s), _) => s.placement.num_ranks,
+        (_, Some(pl)) => pl.pp,
+        _ => a.pp.unwrap_or(4),
+    };
+    if p == 0 {
+        bail!("--pp = 0 is invalid: >= 1 rank");
+    }
+    let sources: Vec<(ScheduleSource, u32)> = match (schedules, &plan) {
+        (Schedules::Csv(s), _) => {
+            let v = s.num_stages() / s.placement.num_ranks;
+            vec![(ScheduleSource::Given(s), v)]
+        }
+        (_, Some(pl)) => vec![(
+            ScheduleSource::Kind(pl.schedule),
+            pl.schedule.stages_per_rank(pl.vpp)?,
+        )],
+        (Schedules::Kinds(kinds), None) => kinds
+            .into_iter()
+            .map(|k| Ok((ScheduleSource::Kind(k), k.stages_per_rank(a.vpp)?)))
+            .collect::<Result<_>>()?,
+    };
+    let mut combos = Vec::new();
+    for (source, v) in sources {
+        let stages = match (&plan, &source) {
+            (Some(pl), _) => pl.stage_ranges(),
+            (None, ScheduleSource::Given(s)) => {
+                even_split(profile.layers.len(), s.num_stages() as usize)?
+            }
+            (None, ScheduleSource::Kind(_)) => even_split(profile.layers.len(), (p * v) as usize)?,
+        };
+        for &policy in &policies {
+            for &capacity in &capacities {
+                combos.push(montecarlo::Combo {
+                    source: source.clone(),
+                    v,
+                    stages: stages.clone(),
+                    policy,
+                    capacity,
+                });
+            }
+        }
+    }
+    let bar = Progress::new(steps as u64);
+    let mc = montecarlo::run(
+        &profile,
+        &workload,
+        seed,
+        size,
+        steps,
+        p,
+        &params,
+        &combos,
+        &|| bar.inc(),
+    )?;
+    bar.finish();
+    if mc.oversize_sequences > 0 {
+        tracing::warn!(
+            "{} sequence(s) longer than the token budget {token_budget} got a microbatch of their own",
+            mc.oversize_sequences
+        );
+    }
+    if mc.truncated_tokens > 0 {
+        tracing::warn!(
+            "the padded policy truncated {} tokens at --max-seq-len",
+            mc.truncated_tokens
+        );
+    }
+    type Row = (McReport, Option<(sim::Schedule, Simulation)>, u32);
+    let mut rows: Vec<Row> = combos
+        .iter()
+        .zip(mc.outcomes.iter().zip(mc.first))
+        .map(|(c, (outcomes, first))| {
+            let single = if steps == 1 {
+                first.as_ref().map(|(s, sim)| SingleStep {
+                    microbatches: s.num_microbatches,
+                    metrics: sim.metrics.clone(),
+                })
+            } else {
+                None
+            };
+            let capacity = match &c.source {
+                ScheduleSource::Given(s) => s.num_microbatches.to_string(),
+                ScheduleSource::Kind(_) => c.capacity.to_string(),
+            };
+            let report = McReport {
+                schedule: c.source.name(),
+                policy: c.policy.to_string(),
+                capacity,
+                pp: p,
+                vpp: c.v,
+                summary: montecarlo::summarize(outcomes, p, profile.hardware.peak_flops),
+                single,
+            };
+            (report, first, c.v)
+        })
+        .collect();
+    rows.sort_by(|x, y| {
+        let (a, b) = (&x.0.summary, &y.0.summary);
+        a.step_time_s
+            .mean
+            .total_cmp(&b.step_time_s.mean)
+            .then(a.peak_activation_bytes.total_cmp(&b.peak_activation_bytes))
+            .then(x.0.schedule.cmp(&y.0.schedule))
+    });
+    let charts: Vec<_> = rows
+        .iter()
+        .filter_map(|(r, first, v)| {
+            first.as_ref().map(|(s, sim)| {
+                let name = format!("{}-{}-{}", r.schedule, r.policy, r.capacity);
+                let name =
+                    if combos.len() == rows.len() && policies.len() == 1 && capacities.len() == 1 {
+                        r.schedule.clone()
+                    } else {
+                        name
+                    };
+                (
+                    name.clone(),
+                    gantt_title(&name, s, *v, &sim.metrics),
+                    &sim.timeline,
+                )
+            })
+        })
+        .collect();
+    let mut notes = write_charts(a, &charts)?;
+    if let Some(path) = &a.histogram {
+        let best = &rows[0].0.schedule;
+        let series: Vec<(String, Vec<f64>)> = combos
+            .iter()
+            .zip(&mc.outcomes)
+            .filter(|(c, _)| &c.source.name() == best)
+            .map(|(c, o)| {
+                (
+                    format!("{} / {}", c.policy, c.capacity),
+                    o.iter().map(|x| x.step_time_s).collect(),
+                )
+            })
+            .collect();
+        let title = format!(
+            "{best}: step time over {steps} steps of {} (p={p})",
+            workload.name
+        );
+        sim::histogram::write_histogram(path, &title, &series)?;
+        notes.push(format!(
+            "Histogram of step times of {best}: {}",
+            path.display()
+        ));
+    }
+    let n0 = mc.sequences_per_step[0];
+    let header = format!(
+        "{} on {} ({} profile), workload {} seed {seed}: {steps} step(s), {} sequences per step on average (step 0: {n0}), {}",
+        profile.model,
+        profile.hardware.name,
+        format!("{:?}", profile.provenance.source).to_lowercase(),
+        workload.name,
+        mc.sequences_per_step.iter().sum::<usize>() as f64 / steps as f64,
+        match microbatches {
+            Some(m) => format!("{m} microbatches balanced by cost"),
+            None => format!("token budget {token_budget}"),
+        }
+    );
+    let reports: Vec<&McReport> = rows.iter().map(|r| &r.0).collect();
+    let table = if steps == 1 {
+        let mut t = new_table(&[
+            "schedule",
+            "policy",
+            "capacity",
+            "m",
+            "step time",
+            "bubble",
+            "lower bound",
+            "gap",
+            "peak act.",
+            "params+opt",
+            "tokens/s",
+            "MFU",
+        ]);
+        for r in &reports {
+            let s = &r.summary;
+            let (lb, gap) = match &r.single {
+                Some(x) => (
+                    fmt_s(x.metrics.lower_bound_s),
+                    format!("{:+.1}%", 100.0 * x.metrics.gap_to_lower_bound),
+                ),
+                None => ("-".into(), "-".into()),
+            };
+            t.add_row([
+                r.schedule.clone(),
+                r.policy.clone(),
+                r.capacity.clone(),
+                format!("{}", s.microbatches_mean),
+                fmt_s(s.step_time_s.mean),
+                pct(s.bubble_ratio_mean),
+                lb,
+                gap,
+                fmt_bytes(s.peak_activation_bytes),
+                fmt_bytes(s.static_bytes),
+                format!("{:.0}", s.tokens_per_s),
+                pct(s.mfu),
+            ]);
+        }
+        t
+    } else {
+        let mut t = new_table(&[
+            "schedule",
+            "policy",
+            "capacity",
+            "mean",
+            "p50",
+            "p90",
+            "p99",
+            "bubble",
+            "tokens/s",
+            "padding",
+            "MFU",
+            "peak act.",
+            "mean m",
+        ]);
+        for r in &reports {
+            let s = &r.summary;
+            t.add_row([
+                r.schedule.clone(),
+                r.policy.clone(),
+                r.capacity.clone(),
+                fmt_s(s.step_time_s.mean),
+                fmt_s(s.step_time_s.p50),
+                fmt_s(s.step_time_s.p90),
+                fmt_s(s.step_time_s.p99),
+                pct(s.bubble_ratio_mean),
+                format!("{:.0}", s.tokens_per_s),
+                pct(s.padding_fraction),
+                pct(s.mfu),
+                fmt_bytes(s.peak_activation_bytes),
+                format!("{:.1}", s.microbatches_mean),
+            ]);
+        }
+        t
+    };
+    emit(a.format, &reports, &header, &table, &notes)
+}
+
+fn dedup<T: PartialEq>(v: Vec<T>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(v.len());
+    for x in v {
+        if !out.contains(&x) {
+            out.push(x);
+        }
+    }
+    out
+}
+
+/// A progress bar on stderr that appears only once the work has run for a second.
+struct Progress {
+    bar: indicatif::ProgressBar,
+    start: std::time::Instant,
+    shown: std::sync::atomic::AtomicBool,
+}
+
+impl Progress {
+    fn new(len: u64) -> Self {
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(len),
+            indicatif::ProgressDrawTarget::hidden(),
+        );
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} steps  {elapsed} (eta {eta})",
+        ) {
+            bar.set_style(style);
+        }
+        Progress {
+            bar,
+            start: std::time::Instant::now(),
+            shown: false.into(),
+        }
+    }
+
+    fn inc(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.shown.load(Ordering::Relaxed)
+            && self.start.elapsed() > std::time::Duration::from_secs(1)
+            && !self.shown.swap(true, Ordering::Relaxed)
+        {
+            self.bar
+                .set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        }
+        self.bar.inc(1);
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
 }
 
 /// A schedule name fit for a file name (a CSV schedule is named after its path).
@@ -508,36 +893,6 @@ fn step_size(a: &SimulateArgs, plan: Option<&Plan>, w: &Workload) -> Result<Step
 }
 
 /// Cuts one step into flat microbatches; warns about sequences longer than the token budget.
-fn make_microbatches(
-    seqs: &[u32],
-    how: Microbatching,
-    profile: &Profile,
-) -> Result<Vec<sim::Microbatch>> {
-    Ok(match how {
-        Microbatching::Microbatches(m) => {
-            // Predicted F + I + W time of one sequence through the whole model.
-            let (tok, pair) = profile.layers.iter().fold((0.0, 0.0), |acc, l| {
-                (
-                    acc.0 + l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s,
-                    acc.1 + l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s,
-                )
-            });
-            microbatch::split_balanced(seqs, m as usize, |t, a| tok * t as f64 + pair * a as f64)?
-        }
-        Microbatching::TokenBudget(t) => {
-            let (mbs, over) = microbatch::pack_token_budget(seqs, t)?;
-            for o in over {
-                tracing::warn!(
-                    "sequence {} of the step has {} tokens, more than the token budget {t}: it gets a microbatch of its own",
-                    o.index,
-                    o.tokens
-                );
-            }
-            mbs
-        }
-    })
-}
-
 /// Seconds with a unit that fits.
 fn fmt_s(s: f64) -> String {
     if s >= 1.0 {
@@ -551,59 +906,6 @@ fn fmt_s(s: f64) -> String {
 
 fn fmt_bytes(b: f64) -> String {
     format!("{:.2} GiB", b / (1u64 << 30) as f64)
-}
-
-fn table(reports: &[Report]) -> Table {
-    let mut t = Table::new();
-    t.load_preset(UTF8_BORDERS_ONLY);
-    t.set_header([
-        "schedule",
-        "pp",
-        "vpp",
-        "m",
-        "makespan",
-        "bubble",
-        "lower bound",
-        "gap",
-        "peak act. (max rank)",
-        "peak in-flight",
-    ]);
-    for r in reports {
-        let m = &r.metrics;
-        let peak_mem = m
-            .ranks
-            .iter()
-            .map(|x| {
-                x.peak_activation_bytes
-                    .or(x.peak_activation_units)
-                    .unwrap_or(0.0)
-            })
-            .fold(0.0, f64::max);
-        let unit_mode = m.ranks.iter().any(|x| x.peak_activation_units.is_some());
-        let inflight = m
-            .ranks
-            .iter()
-            .map(|x| x.peak_inflight_microbatches)
-            .max()
-            .unwrap_or(0);
-        t.add_row([
-            r.schedule.clone(),
-            r.pp.to_string(),
-            r.vpp.to_string(),
-            r.microbatches.to_string(),
-            fmt_s(m.makespan_s),
-            format!("{:.1}%", 100.0 * m.bubble_ratio),
-            fmt_s(m.lower_bound_s),
-            format!("{:+.1}%", 100.0 * m.gap_to_lower_bound),
-            if unit_mode {
-                format!("{peak_mem:.2} units")
-            } else {
-                fmt_bytes(peak_mem)
-            },
-            inflight.to_string(),
-        ]);
-    }
-    t
 }
 
 fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {

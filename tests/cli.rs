@@ -378,3 +378,107 @@ fn v_schedules_refuse_loop_placement_in_plans() {
         stderr(&o)
     );
 }
+
+#[test]
+fn monte_carlo_reports_distributions_per_policy_and_capacity() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "simulate",
+        "--schedule",
+        "1f1b,zb-h1",
+        "--policy",
+        "padded,packed,flat-ffd,flat-balanced",
+        "--capacity",
+        "dynamic,8",
+        "--steps",
+        "25",
+        "--workload",
+        "sharegpt-v3-merged",
+        "--keep-prob",
+        "0.7",
+        "--format",
+        "json",
+        "--histogram",
+        "h.svg",
+    ];
+    let o = flatpipe(dir.path(), &args);
+    let v = json(&o);
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 2 * 4 * 2);
+    for r in rows {
+        for key in [
+            "schedule",
+            "policy",
+            "capacity",
+            "steps",
+            "bubble_ratio_mean",
+            "tokens_per_s",
+            "padding_fraction",
+            "peak_activation_bytes",
+            "mfu",
+        ] {
+            assert!(r.get(key).is_some(), "{key} missing in {r}");
+        }
+        let q = &r["step_time_s"];
+        let (mean, p50, p90, p99) = (
+            q["mean"].as_f64().unwrap(),
+            q["p50"].as_f64().unwrap(),
+            q["p90"].as_f64().unwrap(),
+            q["p99"].as_f64().unwrap(),
+        );
+        assert!(p50 <= p90 && p90 <= p99 && mean > 0.0);
+        assert_eq!(r["steps"], 25);
+        // Single-step fields only for one step.
+        assert!(r.get("makespan_s").is_none());
+        let pad = r["padding_fraction"].as_f64().unwrap();
+        if r["policy"].as_str().unwrap().starts_with("flat") {
+            assert_eq!(pad, 0.0);
+        } else {
+            assert!(pad > 0.0);
+        }
+    }
+    // Sorted by mean step time.
+    let means: Vec<f64> = rows
+        .iter()
+        .map(|r| r["step_time_s"]["mean"].as_f64().unwrap())
+        .collect();
+    assert!(means.windows(2).all(|w| w[0] <= w[1]));
+    assert!(
+        std::fs::read_to_string(dir.path().join("h.svg"))
+            .unwrap()
+            .contains("<svg")
+    );
+    // Byte-identical on a second run with the same seed.
+    assert_eq!(flatpipe(dir.path(), &args).stdout, o.stdout);
+    // The seed is printed.
+    assert!(stderr(&o).contains("seed 0"), "{}", stderr(&o));
+}
+
+#[test]
+fn costs_refuse_monte_carlo_options() {
+    let dir = tempfile::tempdir().unwrap();
+    for extra in [
+        ["--steps", "5"],
+        ["--policy", "padded"],
+        ["--capacity", "8"],
+    ] {
+        let mut args = vec!["simulate", "--costs", "f=1"];
+        args.extend(extra);
+        let o = flatpipe(dir.path(), &args);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}");
+        assert!(stderr(&o).contains(extra[0]), "{}", stderr(&o));
+    }
+    for (args, needle) in [
+        (
+            vec!["simulate", "--policy", "squeezed"],
+            "one of padded, packed",
+        ),
+        (vec!["simulate", "--capacity", "0"], "`dynamic` or a number"),
+        (vec!["simulate", "--steps", "0"], "--steps"),
+        (vec!["simulate", "--keep-prob", "1.5"], "keep_probability"),
+    ] {
+        let o = flatpipe(dir.path(), &args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(stderr(&o).contains(needle), "{args:?}: {}", stderr(&o));
+    }
+}

@@ -4,3 +4,4 @@ mod cli;
 mod closed_forms;
 mod properties;
 mod schedules;
+mod variable_length;

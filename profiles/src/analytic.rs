@@ -146,7 +146,18 @@ pub fn analytic_profile(
                 }
             };
             let params = l.param_count();
+            let (flops_tok, flops_pair) = match l.kind {
+                LayerKind::Embedding => (0.0, 0.0),
+                LayerKind::Decoder => {
+                    let kv = h / l.heads as f64 * l.kv_heads as f64;
+                    let matmul = h * (h + 2.0 * kv) + h * h + 3.0 * h * l.ffn as f64;
+                    (6.0 * matmul, 12.0 * h)
+                }
+                LayerKind::Head => (6.0 * h * l.vocab as f64, 0.0),
+            };
             LayerProfile {
+                model_flops_per_token: flops_tok,
+                model_flops_per_attn_pair: flops_pair,
                 name: l.fqn(),
                 kind: l.kind,
                 f,

@@ -78,6 +78,14 @@ pub struct LayerProfile {
     pub act_bytes_per_token_w: f64,
     /// Bytes per token of this layer's output (what a stage boundary after it transfers).
     pub output_bytes_per_token: f64,
+    /// Model FLOPs of one training token through this layer (F + I + W; the MFU convention:
+    /// 6 x matmul parameters, PaLM, Chowdhery et al. 2022, appendix B). 0 if unknown.
+    #[serde(default)]
+    pub model_flops_per_token: f64,
+    /// Model FLOPs of one causal attention query-key pair in training (F + I + W: `12 h`,
+    /// Narayanan et al. 2021, eq. 3, without recomputation). 0 if unknown.
+    #[serde(default)]
+    pub model_flops_per_attn_pair: f64,
     /// Number of parameters.
     pub param_count: u64,
     /// Bytes of the parameters in the model's dtype.
@@ -202,6 +210,16 @@ impl Profile {
             ));
         }
         Ok(())
+    }
+
+    /// Model FLOPs of training `tokens` true tokens with `attn_pairs` true attention pairs
+    /// through every layer. MFU is this over `step time x ranks x peak_flops`; callers pass
+    /// true tokens and pairs, never padded ones.
+    pub fn model_flops(&self, tokens: f64, attn_pairs: f64) -> f64 {
+        self.layers
+            .iter()
+            .map(|l| l.model_flops_per_token * tokens + l.model_flops_per_attn_pair * attn_pairs)
+            .sum()
     }
 
     /// The link between ranks `a` and `b` (intra-node iff they share a node).

@@ -2,7 +2,7 @@
 
 use crate::{Error, Result, yaml};
 use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
-use rand_distr::{Distribution, LogNormal};
+use rand_distr::{Distribution, LogNormal, Pareto};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
@@ -25,6 +25,17 @@ pub enum LengthDistribution {
         /// Shortest length, tokens (default 1).
         #[serde(default = "one")]
         min: u32,
+        /// Longest length, tokens (default 131072).
+        #[serde(default = "max_len")]
+        max: u32,
+    },
+    /// Pareto (long-tailed, RL rollouts: a few very long responses): `scale * U^(-1/alpha)`,
+    /// rounded and clamped to `[scale, max]`.
+    Pareto {
+        /// Shortest length (the distribution's scale `x_m`), tokens, >= 1.
+        scale: f64,
+        /// Tail index `alpha` > 0 (smaller is heavier; the mean is finite for alpha > 1).
+        alpha: f64,
         /// Longest length, tokens (default 131072).
         #[serde(default = "max_len")]
         max: u32,
@@ -77,6 +88,10 @@ pub struct Workload {
     /// Tokens per step: sequences are drawn until the step holds at least this many.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_step: Option<u64>,
+    /// Keep each drawn sequence with this probability (e.g. RL steps that keep only the
+    /// rollouts that passed a filter), so the count per step varies; at least one is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_probability: Option<f64>,
     /// Default seed (0).
     #[serde(default)]
     pub seed: u64,
@@ -184,6 +199,7 @@ impl Workload {
             },
             seqs_per_step: None,
             tokens_per_step: None,
+            keep_probability: None,
             seed: 0,
         }
     }
@@ -223,7 +239,28 @@ impl Workload {
                     ));
                 }
             }
+            LengthDistribution::Pareto { scale, alpha, max } => {
+                if !(scale.is_finite() && *scale >= 1.0) {
+                    return Err(Error::invalid(origin, "lengths.scale", scale, ">= 1 token"));
+                }
+                if !(alpha.is_finite() && *alpha > 0.0) {
+                    return Err(Error::invalid(origin, "lengths.alpha", alpha, "> 0"));
+                }
+                if (*max as f64) < *scale {
+                    return Err(Error::invalid(
+                        origin,
+                        "lengths.max",
+                        max,
+                        format!(">= scale ({scale})"),
+                    ));
+                }
+            }
             _ => {}
+        }
+        if let Some(q) = self.keep_probability
+            && !(q > 0.0 && q <= 1.0)
+        {
+            return Err(Error::invalid(origin, "keep_probability", q, "in (0, 1]"));
         }
         if self.seqs_per_step == Some(0) {
             return Err(Error::invalid(origin, "seqs_per_step", 0, ">= 1"));
@@ -264,6 +301,11 @@ impl Workload {
                 let x: f64 = d.sample(rng);
                 (x.round().clamp(*min as f64, *max as f64)) as u32
             }
+            LengthDistribution::Pareto { scale, alpha, max } => {
+                let d = Pareto::new(*scale, *alpha).expect("validated: scale >= 1, alpha > 0");
+                let x: f64 = d.sample(rng);
+                x.round().clamp(*scale, *max as f64) as u32
+            }
             LengthDistribution::Empirical { samples, .. } => {
                 samples[rng.random_range(0..samples.len())]
             }
@@ -276,7 +318,7 @@ impl Workload {
     /// at least that many tokens (the last one may overshoot).
     pub fn sample_step(&self, seed: u64, step: u64, size: StepSize) -> Vec<u32> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        match size {
+        let mut out: Vec<u32> = match size {
             StepSize::Seqs(n) => (0..n).map(|_| self.draw(&mut rng)).collect(),
             StepSize::Tokens(t) => {
                 let mut out = Vec::new();
@@ -288,7 +330,15 @@ impl Workload {
                 }
                 out
             }
+        };
+        if let Some(q) = self.keep_probability.filter(|q| *q < 1.0) {
+            let first = out[0];
+            out.retain(|_| rng.random_bool(q));
+            if out.is_empty() {
+                out.push(first);
+            }
         }
+        out
     }
 }
 
@@ -324,6 +374,31 @@ mod tests {
     }
 
     #[test]
+    fn pareto_tail_and_filter() {
+        let mut w = Workload::empirical("t".into(), "t.csv".into(), vec![1]);
+        w.lengths = LengthDistribution::Pareto {
+            scale: 100.0,
+            alpha: 1.5,
+            max: 1 << 30,
+        };
+        let v = w.sample_step(0, 0, StepSize::Seqs(20_000));
+        // P(X > x) = (scale / x)^alpha: P(X > 400) = 4^-1.5 = 1/8.
+        let frac = v.iter().filter(|&&x| x > 400).count() as f64 / v.len() as f64;
+        assert!((frac - 0.125).abs() < 0.01, "{frac}");
+        assert!(v.iter().all(|&x| x >= 100));
+        w.keep_probability = Some(0.5);
+        let counts: Vec<usize> = (0..50)
+            .map(|s| w.sample_step(0, s, StepSize::Seqs(100)).len())
+            .collect();
+        assert!(
+            counts.iter().any(|&c| c != counts[0]),
+            "counts must vary: {counts:?}"
+        );
+        let mean = counts.iter().sum::<usize>() as f64 / 50.0;
+        assert!((mean - 50.0).abs() < 5.0, "{mean}");
+    }
+
+    #[test]
     fn lognormal_median_is_close() {
         let w = Workload {
             name: "ln".into(),
@@ -335,6 +410,7 @@ mod tests {
             },
             seqs_per_step: None,
             tokens_per_step: None,
+            keep_probability: None,
             seed: 0,
         };
         let mut v = w.sample_step(0, 0, StepSize::Seqs(20001));

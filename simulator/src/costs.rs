@@ -241,7 +241,8 @@ pub const MIXED_PRECISION_ADAM_BYTES_PER_PARAM: f64 = 16.0;
 impl TableCosts {
     /// Builds the table for `stages` (each a range of the profile's layer list), placed by
     /// `placement`, over the step's `microbatches` and forward-only `fo_microbatches`.
-    /// Stage time is the sum over its layers of `c0 + c_tok * tokens + c_attn * attn_pairs`; a
+    /// Stage time is the sum over its layers of `c0 + c_tok * tokens + c_attn * attn_pairs` over
+    /// what the kernels compute ([`Microbatch::computed_tokens`], padding included); a
     /// transfer moves `output_bytes_per_token * tokens` of the sending boundary over the link
     /// between the two ranks (`alpha + bytes / beta`).
     ///
@@ -295,7 +296,7 @@ impl TableCosts {
                 )
             });
             for (k, mb) in microbatches.iter().enumerate() {
-                let (t, a) = (mb.tokens() as f64, mb.attn_pairs() as f64);
+                let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
                 cells[s * m + k] = Cell {
                     f: s_to_ns(phase_s(r, Phase::F, t, a)),
                     i: s_to_ns(phase_s(r, Phase::I, t, a)),
@@ -324,7 +325,7 @@ impl TableCosts {
         let mut fo = vec![(0, 0); stages.len() * mfo];
         for (s, r) in stages.iter().enumerate() {
             for (k, mb) in fo_microbatches.iter().enumerate() {
-                let (t, a) = (mb.tokens() as f64, mb.attn_pairs() as f64);
+                let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
                 let comm = if s + 1 < stages.len() {
                     link_ns(s, s + 1, out_bytes(s, t))
                 } else {
@@ -352,6 +353,13 @@ impl TableCosts {
             optimizer,
             static_bytes,
         })
+    }
+
+    /// The same costs with no optimizer step (a round of a fixed-capacity schedule that is not
+    /// the step's last).
+    pub fn without_optimizer(mut self) -> Self {
+        self.optimizer.fill(0);
+        self
     }
 
     #[inline]

@@ -109,7 +109,11 @@ fn draw<DB: DrawingBackend>(
     let mut labels = Vec::new();
     for (r, ops) in t.compute.iter().enumerate() {
         let (y0, y1) = (row(r) + pad, row(r) + 1.0 - pad);
-        let mut stages: Vec<u32> = ops.iter().flat_map(|o| o.action.parts()).map(|a| a.stage.0).collect();
+        let mut stages: Vec<u32> = ops
+            .iter()
+            .flat_map(|o| o.action.parts())
+            .map(|a| a.stage.0)
+            .collect();
         stages.sort_unstable();
         stages.dedup();
         let chunk = |s: u32| stages.binary_search(&s).unwrap_or(0);
@@ -118,7 +122,10 @@ fn draw<DB: DrawingBackend>(
             let x1 = op.end_ns as f64 * 1e-9 * scale;
             match op.action {
                 Action::Compute(a) => {
-                    boxes.push(Rectangle::new([(x0, y0), (x1, y1)], chunk_color(a.kind, chunk(a.stage.0)).filled()));
+                    boxes.push(Rectangle::new(
+                        [(x0, y0), (x1, y1)],
+                        chunk_color(a.kind, chunk(a.stage.0)).filled(),
+                    ));
                     let text = a.microbatch.to_string();
                     if (x1 - x0) * px_per_unit >= 7.0 * text.len() as f64 + 2.0 {
                         labels.push(Text::new(
@@ -203,12 +210,38 @@ fn draw<DB: DrawingBackend>(
     Ok(())
 }
 
-/// Writes the Gantt chart of `timeline` to `path` (`.svg` or `.png`), atomically (a temporary
-/// file in the same directory, renamed over the target).
-///
-/// # Errors
-/// [`Error::Plot`] if the extension is neither svg nor png or drawing / writing fails.
-pub fn write_gantt(path: &Path, title: &str, timeline: &Timeline) -> Result<()> {
+/// Something drawable on any plotters backend.
+pub(crate) trait Chart {
+    /// Size in pixels.
+    fn size(&self) -> (u32, u32);
+    /// Draws onto `root`.
+    fn draw<DB: DrawingBackend>(
+        &self,
+        root: &DrawingArea<DB, Shift>,
+    ) -> std::result::Result<(), String>;
+}
+
+struct Gantt<'a> {
+    title: &'a str,
+    timeline: &'a Timeline,
+}
+
+impl Chart for Gantt<'_> {
+    fn size(&self) -> (u32, u32) {
+        let rows = self.timeline.num_ranks().max(1) as u32;
+        (1600, 110 + 44 * rows.min(64) + 30)
+    }
+    fn draw<DB: DrawingBackend>(
+        &self,
+        root: &DrawingArea<DB, Shift>,
+    ) -> std::result::Result<(), String> {
+        draw(root, self.title, self.timeline)
+    }
+}
+
+/// Renders `chart` to `path` (`.svg` or `.png`) atomically: a temporary file in the same
+/// directory, renamed over the target.
+pub(crate) fn render(path: &Path, chart: &impl Chart) -> Result<()> {
     register_font();
     let plot_err = |message: String| Error::Plot {
         path: path.display().to_string(),
@@ -219,14 +252,13 @@ pub fn write_gantt(path: &Path, title: &str, timeline: &Timeline) -> Result<()> 
         .and_then(|e| e.to_str())
         .map(str::to_ascii_lowercase)
         .unwrap_or_default();
-    let rows = timeline.num_ranks().max(1) as u32;
-    let size = (1600u32, 110 + 44 * rows.min(64) + 30);
+    let size = chart.size();
     match ext.as_str() {
         "svg" => {
             let mut svg = String::new();
             {
                 let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
-                draw(&root, title, timeline).map_err(plot_err)?;
+                chart.draw(&root).map_err(plot_err)?;
             }
             flatpipe_profiles::write_atomic(path, svg.as_bytes())?;
         }
@@ -241,7 +273,7 @@ pub fn write_gantt(path: &Path, title: &str, timeline: &Timeline) -> Result<()> 
                 .map_err(|e| plot_err(e.to_string()))?;
             {
                 let root = BitMapBackend::new(tmp.path(), size).into_drawing_area();
-                draw(&root, title, timeline).map_err(plot_err)?;
+                chart.draw(&root).map_err(plot_err)?;
             }
             tmp.persist(path)
                 .map_err(|e| plot_err(e.error.to_string()))?;
@@ -253,4 +285,13 @@ pub fn write_gantt(path: &Path, title: &str, timeline: &Timeline) -> Result<()> 
         }
     }
     Ok(())
+}
+
+/// Writes the Gantt chart of `timeline` to `path` (`.svg` or `.png`), atomically (a temporary
+/// file in the same directory, renamed over the target).
+///
+/// # Errors
+/// [`Error::Plot`] if the extension is neither svg nor png or drawing / writing fails.
+pub fn write_gantt(path: &Path, title: &str, timeline: &Timeline) -> Result<()> {
+    render(path, &Gantt { title, timeline })
 }

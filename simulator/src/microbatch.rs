@@ -1,16 +1,56 @@
-//! Flat microbatches: a list of sequences as one `[T]` token list with `cu_seqlens`.
+//! Microbatches: a list of sequences, flat (`[T]` tokens with `cu_seqlens`), padded
+//! (`[B, S]`) or packed into rows with a dense block-causal mask.
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
-/// One microbatch: the lengths of the sequences packed into one flat `[T]` token list.
+/// How a microbatch's sequences are laid out for the kernels, which decides what they compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Shape {
+    /// Flat `[T]` tokens with `cu_seqlens` (varlen attention): computes exactly the true tokens
+    /// and `Σ s_i (s_i + 1) / 2` attention pairs.
+    #[default]
+    Flat,
+    /// `[B, S]`: `rows` sequences each padded to `seq_len`; computes `B * S` tokens and
+    /// `B * S (S + 1) / 2` pairs (a causal kernel over the padding).
+    Padded {
+        /// B.
+        rows: u32,
+        /// S.
+        seq_len: u32,
+    },
+    /// Greedy packing into `rows` rows of `row_len` tokens with a dense block-causal mask (the
+    /// torchtune `PackedDataset` style): computes `rows * row_len` tokens and, because a dense
+    /// masked kernel computes the whole block, `rows * row_len²` pairs (the seed essay's `n·M²`).
+    /// A sequence longer than a row gets a row of its own length `s` (`s` tokens, `s²` pairs),
+    /// so every policy trains on the same whole sequences; those rows are `long_tokens` and
+    /// `long_pairs`.
+    Packed {
+        /// n, rows of `row_len`.
+        rows: u32,
+        /// M.
+        row_len: u32,
+        /// Σ s over the sequences longer than M (each a row of its own).
+        long_tokens: u64,
+        /// Σ s² over the sequences longer than M.
+        long_pairs: u64,
+    },
+}
+
+/// One microbatch: the lengths of the sequences it holds and their layout.
 ///
-/// `tokens = Σ s_i`, `attn_pairs = Σ s_i (s_i + 1) / 2` (the query-key pairs causal attention
-/// computes with no attention across sequence boundaries), `cu_seqlens = [0, s_0, s_0 + s_1, ..]`.
+/// `tokens = Σ s_i` (true tokens), `attn_pairs = Σ s_i (s_i + 1) / 2` (the query-key pairs
+/// causal attention needs with no attention across sequence boundaries),
+/// `cu_seqlens = [0, s_0, s_0 + s_1, ..]`. What the kernels compute depends on the [`Shape`]:
+/// [`Microbatch::computed_tokens`] and [`Microbatch::computed_attn_pairs`].
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Microbatch {
     /// Sequence lengths in tokens.
     pub seq_lens: Vec<u32>,
+    /// Layout (flat unless a padded or packed policy made it).
+    #[serde(default)]
+    pub shape: Shape,
 }
 
 impl Microbatch {
@@ -25,6 +65,44 @@ impl Microbatch {
             .iter()
             .map(|&s| s as u64 * (s as u64 + 1) / 2)
             .sum()
+    }
+
+    /// Tokens the kernels process: true tokens plus padding.
+    pub fn computed_tokens(&self) -> u64 {
+        match self.shape {
+            Shape::Flat => self.tokens(),
+            Shape::Padded { rows, seq_len } => rows as u64 * seq_len as u64,
+            Shape::Packed {
+                rows,
+                row_len,
+                long_tokens,
+                ..
+            } => rows as u64 * row_len as u64 + long_tokens,
+        }
+    }
+
+    /// Attention query-key pairs the kernels compute.
+    pub fn computed_attn_pairs(&self) -> u64 {
+        match self.shape {
+            Shape::Flat => self.attn_pairs(),
+            Shape::Padded { rows, seq_len } => {
+                rows as u64 * (seq_len as u64 * (seq_len as u64 + 1) / 2)
+            }
+            Shape::Packed {
+                rows,
+                row_len,
+                long_pairs,
+                ..
+            } => rows as u64 * row_len as u64 * row_len as u64 + long_pairs,
+        }
+    }
+
+    /// A flat microbatch of these sequences.
+    pub fn flat(seq_lens: Vec<u32>) -> Self {
+        Microbatch {
+            seq_lens,
+            shape: Shape::Flat,
+        }
     }
 
     /// Cumulative sequence boundaries `[0, s_0, s_0 + s_1, .., T]` (length `n + 1`).
@@ -73,12 +151,7 @@ pub fn pack_token_budget(seqs: &[u32], budget: u64) -> Result<(Vec<Microbatch>, 
                 index: i,
                 tokens: seqs[i],
             });
-            bins.push((
-                s,
-                Microbatch {
-                    seq_lens: vec![seqs[i]],
-                },
-            ));
+            bins.push((s, Microbatch::flat(vec![seqs[i]])));
             continue;
         }
         match bins.iter_mut().find(|(t, _)| *t + s <= budget) {
@@ -86,12 +159,7 @@ pub fn pack_token_budget(seqs: &[u32], budget: u64) -> Result<(Vec<Microbatch>, 
                 *t += s;
                 mb.seq_lens.push(seqs[i]);
             }
-            None => bins.push((
-                s,
-                Microbatch {
-                    seq_lens: vec![seqs[i]],
-                },
-            )),
+            None => bins.push((s, Microbatch::flat(vec![seqs[i]]))),
         }
     }
     Ok((bins.into_iter().map(|(_, mb)| mb).collect(), oversize))
@@ -144,14 +212,10 @@ mod tests {
     #[test]
     fn flat_accounting_uses_true_tokens() {
         // 8 documents of 1,024 tokens: 8 * 1024 * 1025 / 2 pairs, vs 8192 * 8193 / 2 for one document.
-        let mb = Microbatch {
-            seq_lens: vec![1024; 8],
-        };
+        let mb = Microbatch::flat(vec![1024; 8]);
         assert_eq!(mb.tokens(), 8192);
         assert_eq!(mb.attn_pairs(), 4_198_400);
-        let one = Microbatch {
-            seq_lens: vec![8192],
-        };
+        let one = Microbatch::flat(vec![8192]);
         assert_eq!(mb.attn_pairs() * 8193, one.attn_pairs() * 1025);
         assert_eq!(mb.cu_seqlens().last(), Some(&8192));
         assert_eq!(mb.cu_seqlens().len(), 9);

@@ -1,0 +1,368 @@
+//! Monte Carlo over sampled steps: each step's sequences, microbatches and schedule, simulated
+//! in parallel, summarised as a step-time distribution.
+//!
+//! Schedule capacity (`--capacity`):
+//! - `dynamic` (default): each step's schedule is built for that step's microbatch count
+//!   (DESIGN point 3).
+//! - `K` (the torchtitan-style baseline): the schedule is built once for K microbatches. A
+//!   step with n microbatches runs `ceil(n / K)` rounds of that schedule one after the other,
+//!   each ending with a pipeline flush (the next round starts when the previous one has
+//!   finished on every rank); the first rounds carry microbatches `0..K`, `K..2K`, ..., the last
+//!   round the rest (possibly one). Slots a round has no microbatch for are **empty
+//!   microbatches**: zero tokens, so each of their actions still costs its fixed `c0` (kernel
+//!   launches) and nothing else, and they hold no activations. Only the last round ends with
+//!   the optimizer step. The step time is the sum of the rounds' makespans.
+
+use crate::costs::{CostModel, TableCosts};
+use crate::generators::ScheduleKind;
+use crate::ir::{Rank, Schedule};
+use crate::microbatch::Microbatch;
+use crate::policy::{Batched, Policy, PolicyParams, batch};
+use crate::{Error, Result, Simulation, simulate};
+use flatpipe_profiles::{Profile, StepSize, Workload};
+use rayon::prelude::*;
+use serde::Serialize;
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+/// How many microbatches a step's schedule holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Capacity {
+    /// Built per step for that step's microbatch count.
+    Dynamic,
+    /// Built once for K microbatches; overflow runs extra rounds, missing slots run empty.
+    Fixed(u32),
+}
+
+impl fmt::Display for Capacity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Capacity::Dynamic => f.write_str("dynamic"),
+            Capacity::Fixed(k) => write!(f, "{k}"),
+        }
+    }
+}
+
+impl FromStr for Capacity {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let t = s.trim();
+        if t == "dynamic" {
+            return Ok(Capacity::Dynamic);
+        }
+        match t.parse::<u32>() {
+            Ok(k) if k >= 1 => Ok(Capacity::Fixed(k)),
+            _ => Err(Error::invalid(
+                "--capacity",
+                s,
+                "`dynamic` or a number of microbatches >= 1",
+            )),
+        }
+    }
+}
+
+/// Where a configuration's schedule comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScheduleSource {
+    /// Generated for the step (or for the fixed capacity).
+    Kind(ScheduleKind),
+    /// Given as data (e.g. a PyTorch CSV): a fixed-capacity schedule of its microbatch count.
+    Given(Schedule),
+}
+
+impl ScheduleSource {
+    /// The schedule's name.
+    pub fn name(&self) -> String {
+        match self {
+            ScheduleSource::Kind(k) => k.name().to_string(),
+            ScheduleSource::Given(s) => s.name.clone(),
+        }
+    }
+}
+
+/// One configuration to evaluate on every sampled step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Combo {
+    /// Schedule family or given schedule.
+    pub source: ScheduleSource,
+    /// Stages per rank.
+    pub v: u32,
+    /// Layer range of every stage.
+    pub stages: Vec<Range<usize>>,
+    /// Microbatching policy.
+    pub policy: Policy,
+    /// Schedule capacity (a given schedule always has the fixed capacity of its microbatch
+    /// count).
+    pub capacity: Capacity,
+}
+
+/// What one simulated step cost.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepOutcome {
+    /// Step time (sum of the rounds' makespans), seconds.
+    pub step_time_s: f64,
+    /// Busy time summed over ranks, seconds.
+    pub busy_s: f64,
+    /// True tokens of the step.
+    pub true_tokens: u64,
+    /// Tokens the kernels computed (padding included).
+    pub computed_tokens: u64,
+    /// Model FLOPs of the step from true tokens and true attention pairs.
+    pub model_flops: f64,
+    /// Peak activation memory over ranks and rounds, bytes.
+    pub peak_activation_bytes: f64,
+    /// Largest parameters + gradients + optimizer state of a rank, bytes.
+    pub static_bytes: f64,
+    /// Microbatches of the step.
+    pub microbatches: u32,
+    /// Rounds of the schedule (1 unless a fixed capacity overflowed).
+    pub rounds: u32,
+}
+
+/// Simulates one step of `mbs` under `combo` on `p` ranks. Returns the outcome and, when the
+/// step ran as one round, its schedule and simulation.
+///
+/// # Errors
+/// Generation, cost or simulation errors.
+pub fn simulate_step(
+    profile: &Profile,
+    p: u32,
+    combo: &Combo,
+    mbs: &[Microbatch],
+) -> Result<(StepOutcome, Option<(Schedule, Simulation)>)> {
+    let n = mbs.len() as u32;
+    let capacity = match &combo.source {
+        ScheduleSource::Given(s) => Capacity::Fixed(s.num_microbatches),
+        ScheduleSource::Kind(_) => combo.capacity,
+    };
+    let (k, rounds) = match capacity {
+        Capacity::Dynamic => (n, 1),
+        Capacity::Fixed(k) => (k, n.div_ceil(k).max(1)),
+    };
+    let schedule = match &combo.source {
+        ScheduleSource::Kind(kind) => kind.generate(p, combo.v, k)?,
+        ScheduleSource::Given(s) => s.clone(),
+    };
+    let mut out = StepOutcome {
+        step_time_s: 0.0,
+        busy_s: 0.0,
+        true_tokens: mbs.iter().map(Microbatch::tokens).sum(),
+        computed_tokens: mbs.iter().map(Microbatch::computed_tokens).sum(),
+        model_flops: mbs
+            .iter()
+            .map(|m| profile.model_flops(m.tokens() as f64, m.attn_pairs() as f64))
+            .sum(),
+        peak_activation_bytes: 0.0,
+        static_bytes: 0.0,
+        microbatches: n,
+        rounds,
+    };
+    let mut single = None;
+    for round in 0..rounds {
+        let start = (round * k) as usize;
+        let mut slots: Vec<Microbatch> = mbs[start..(start + k as usize).min(mbs.len())].to_vec();
+        slots.resize(k as usize, Microbatch::default());
+        let mut costs =
+            TableCosts::from_profile(profile, &combo.stages, &schedule.placement, &slots, &[])?;
+        if round + 1 < rounds {
+            costs = costs.without_optimizer();
+        }
+        let sim = simulate(&schedule, &costs)?;
+        out.step_time_s += sim.metrics.makespan_s;
+        out.busy_s += sim.metrics.ranks.iter().map(|r| r.busy_s).sum::<f64>();
+        let peak = sim
+            .metrics
+            .ranks
+            .iter()
+            .filter_map(|r| r.peak_activation_bytes)
+            .fold(0.0, f64::max);
+        out.peak_activation_bytes = out.peak_activation_bytes.max(peak);
+        out.static_bytes = (0..p)
+            .map(|r| costs.static_bytes(Rank(r)))
+            .fold(0.0, f64::max);
+        if rounds == 1 {
+            single = Some((schedule.clone(), sim));
+        }
+    }
+    Ok((out, single))
+}
+
+/// Mean and nearest-rank percentiles.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Quantiles {
+    /// Mean.
+    pub mean: f64,
+    /// Median (nearest rank).
+    pub p50: f64,
+    /// 90th percentile (nearest rank).
+    pub p90: f64,
+    /// 99th percentile (nearest rank).
+    pub p99: f64,
+}
+
+impl Quantiles {
+    /// Of `xs` (not empty).
+    pub fn of(xs: &[f64]) -> Self {
+        let mut v = xs.to_vec();
+        v.sort_by(f64::total_cmp);
+        let q = |p: f64| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        Quantiles {
+            mean: v.iter().sum::<f64>() / v.len() as f64,
+            p50: q(0.5),
+            p90: q(0.9),
+            p99: q(0.99),
+        }
+    }
+}
+
+/// The distribution of one configuration over the sampled steps.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Summary {
+    /// Steps sampled.
+    pub steps: u32,
+    /// Step time, seconds.
+    pub step_time_s: Quantiles,
+    /// Mean over steps of `1 - busy / (ranks * step time)`.
+    pub bubble_ratio_mean: f64,
+    /// True tokens per second of the pipeline: Σ true tokens / Σ step time.
+    pub tokens_per_s: f64,
+    /// Fraction of computed tokens that are padding: `1 - Σ true / Σ computed`.
+    pub padding_fraction: f64,
+    /// Model FLOPs utilisation from true tokens and attention pairs:
+    /// `Σ model FLOPs / (Σ step time * ranks * peak FLOP/s)`.
+    pub mfu: f64,
+    /// Largest peak activation memory of any rank in any step, bytes.
+    pub peak_activation_bytes: f64,
+    /// Largest parameters + gradients + optimizer state of a rank, bytes.
+    pub static_bytes: f64,
+    /// Mean microbatches per step.
+    pub microbatches_mean: f64,
+}
+
+/// Summarises `outcomes` of one configuration on `p` ranks of `peak_flops` FLOP/s each.
+pub fn summarize(outcomes: &[StepOutcome], p: u32, peak_flops: f64) -> Summary {
+    let n = outcomes.len().max(1) as f64;
+    let times: Vec<f64> = outcomes.iter().map(|o| o.step_time_s).collect();
+    let total_time: f64 = times.iter().sum();
+    let true_tokens: u64 = outcomes.iter().map(|o| o.true_tokens).sum();
+    let computed: u64 = outcomes.iter().map(|o| o.computed_tokens).sum();
+    Summary {
+        steps: outcomes.len() as u32,
+        step_time_s: Quantiles::of(&times),
+        bubble_ratio_mean: outcomes
+            .iter()
+            .map(|o| 1.0 - o.busy_s / (p as f64 * o.step_time_s))
+            .sum::<f64>()
+            / n,
+        tokens_per_s: true_tokens as f64 / total_time,
+        padding_fraction: if computed == 0 {
+            0.0
+        } else {
+            1.0 - true_tokens as f64 / computed as f64
+        },
+        mfu: outcomes.iter().map(|o| o.model_flops).sum::<f64>()
+            / (total_time * p as f64 * peak_flops),
+        peak_activation_bytes: outcomes
+            .iter()
+            .map(|o| o.peak_activation_bytes)
+            .fold(0.0, f64::max),
+        static_bytes: outcomes.iter().map(|o| o.static_bytes).fold(0.0, f64::max),
+        microbatches_mean: outcomes.iter().map(|o| o.microbatches as f64).sum::<f64>() / n,
+    }
+}
+
+/// What a Monte Carlo run produced.
+#[derive(Debug, Clone)]
+pub struct MonteCarlo {
+    /// `outcomes[c][i]`: combo `c` on step `i`.
+    pub outcomes: Vec<Vec<StepOutcome>>,
+    /// For each combo, step 0's schedule and simulation when it ran as one round.
+    pub first: Vec<Option<(Schedule, Simulation)>>,
+    /// Sequences longer than the token budget, over all steps and policies.
+    pub oversize_sequences: usize,
+    /// Tokens cut by the padded policy's `max_seq_len`, over all steps.
+    pub truncated_tokens: u64,
+    /// The steps' sequence counts.
+    pub sequences_per_step: Vec<usize>,
+}
+
+/// Samples `steps` steps of `workload` (step `i` from `(seed, i)`), cuts each into microbatches
+/// under every policy the combos use, and simulates every combo on every step in parallel
+/// (rayon). `progress` is called once per finished step. Results are independent of the
+/// thread count.
+///
+/// # Errors
+/// The first batching, generation or simulation error.
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    profile: &Profile,
+    workload: &Workload,
+    seed: u64,
+    size: StepSize,
+    steps: u32,
+    p: u32,
+    params: &PolicyParams,
+    combos: &[Combo],
+    progress: &(dyn Fn() + Sync),
+) -> Result<MonteCarlo> {
+    let (tok, pair) = profile.layers.iter().fold((0.0, 0.0), |acc, l| {
+        (
+            acc.0 + l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s,
+            acc.1 + l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s,
+        )
+    });
+    let cost = move |t: u64, a: u64| tok * t as f64 + pair * a as f64;
+    let mut policies: Vec<Policy> = combos.iter().map(|c| c.policy).collect();
+    policies.sort();
+    policies.dedup();
+    type StepResult = (
+        Vec<(StepOutcome, Option<(Schedule, Simulation)>)>,
+        usize,
+        u64,
+        usize,
+    );
+    let per_step: Vec<StepResult> = (0..steps)
+        .into_par_iter()
+        .map(|i| -> Result<StepResult> {
+            let seqs = workload.sample_step(seed, i as u64, size);
+            let batched: Vec<(Policy, Batched)> = policies
+                .iter()
+                .map(|&pol| Ok((pol, batch(pol, &seqs, params, &cost)?)))
+                .collect::<Result<_>>()?;
+            let oversize = batched.iter().map(|(_, b)| b.oversize.len()).sum();
+            let truncated = batched.iter().map(|(_, b)| b.truncated_tokens).sum();
+            let mut row = Vec::with_capacity(combos.len());
+            for c in combos {
+                let b = &batched
+                    .iter()
+                    .find(|(pol, _)| *pol == c.policy)
+                    .expect("every policy batched")
+                    .1;
+                let (o, sim) = simulate_step(profile, p, c, &b.microbatches)?;
+                row.push((o, if i == 0 { sim } else { None }));
+            }
+            progress();
+            Ok((row, oversize, truncated, seqs.len()))
+        })
+        .collect::<Result<_>>()?;
+    let mut mc = MonteCarlo {
+        outcomes: vec![Vec::with_capacity(steps as usize); combos.len()],
+        first: vec![None; combos.len()],
+        oversize_sequences: 0,
+        truncated_tokens: 0,
+        sequences_per_step: Vec::with_capacity(steps as usize),
+    };
+    for (row, oversize, truncated, n) in per_step {
+        mc.oversize_sequences += oversize;
+        mc.truncated_tokens += truncated;
+        mc.sequences_per_step.push(n);
+        for (c, (o, sim)) in row.into_iter().enumerate() {
+            mc.outcomes[c].push(o);
+            if sim.is_some() {
+                mc.first[c] = sim;
+            }
+        }
+    }
+    Ok(mc)
+}
