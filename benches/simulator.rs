@@ -2,6 +2,10 @@
 //! (524,288 compute ops and 516,096 transfers), reported as simulated ops per second.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
+use flatpipe::simulator::montecarlo::{self, Capacity, Combo, ScheduleSource};
+use flatpipe::simulator::plan::even_split;
+use flatpipe::simulator::policy::{Policy, PolicyParams, batch};
 use flatpipe::simulator::{ScheduleKind, UniformCostSpec, UniformCosts, metrics, replay};
 use std::hint::black_box;
 
@@ -73,5 +77,98 @@ fn bench_every_schedule(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_1f1b, bench_every_schedule);
+/// Packing one step of 1,024 ShareGPT sequences into cost-balanced flat microbatches.
+fn bench_packing(c: &mut Criterion) {
+    let w = builtins::workload("sharegpt-v3").unwrap();
+    let seqs = w.sample_step(0, 0, StepSize::Seqs(1024));
+    let profile = profile();
+    let (tok, pair) = profile
+        .layers
+        .iter()
+        .fold((0.0, 0.0), |a, l| (a.0 + l.f.c_tok_s, a.1 + l.f.c_attn_s));
+    let cost = move |t: u64, a: u64| tok * t as f64 + pair * a as f64;
+    let params = PolicyParams::default();
+    let mut g = c.benchmark_group("pack_1024_sequences");
+    for policy in [
+        Policy::FlatBalanced,
+        Policy::FlatFfd,
+        Policy::Packed,
+        Policy::Padded,
+    ] {
+        g.bench_function(policy.name(), |b| {
+            b.iter(|| batch(policy, black_box(&seqs), &params, &cost).unwrap())
+        });
+    }
+    g.finish();
+}
+
+fn profile() -> flatpipe::profiles::Profile {
+    let m = builtins::model("llama3.1-8b").unwrap();
+    let h = builtins::hardware("h200").unwrap();
+    analytic_profile(&m, &h, &AnalyticOptions::default()).unwrap()
+}
+
+/// 1,000 sampled steps of the default workload (sharegpt-v3, 128 sequences, flat-ffd, token
+/// budget 16,384) at p = 8, every handcrafted schedule, on all cores (rayon).
+fn bench_monte_carlo(c: &mut Criterion) {
+    let profile = profile();
+    let w = builtins::workload("sharegpt-v3").unwrap();
+    let p = 8;
+    let combos: Vec<Combo> = ScheduleKind::ALL
+        .iter()
+        .map(|&k| {
+            let v = k.stages_per_rank(None).unwrap();
+            Combo {
+                source: ScheduleSource::Kind(k),
+                v,
+                stages: even_split(profile.layers.len(), (p * v) as usize).unwrap(),
+                policy: Policy::FlatFfd,
+                capacity: Capacity::Dynamic,
+            }
+        })
+        .collect();
+    let mut g = c.benchmark_group("monte_carlo_1000_steps_p8");
+    g.sample_size(10);
+    g.bench_function("every_schedule", |b| {
+        b.iter(|| {
+            montecarlo::run(
+                &profile,
+                &w,
+                0,
+                StepSize::Seqs(128),
+                1000,
+                p,
+                &PolicyParams::default(),
+                &combos,
+                &|| {},
+            )
+            .unwrap()
+        })
+    });
+    g.bench_function("1f1b", |b| {
+        b.iter(|| {
+            montecarlo::run(
+                &profile,
+                &w,
+                0,
+                StepSize::Seqs(128),
+                1000,
+                p,
+                &PolicyParams::default(),
+                &combos[1..2],
+                &|| {},
+            )
+            .unwrap()
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_1f1b,
+    bench_every_schedule,
+    bench_packing,
+    bench_monte_carlo
+);
 criterion_main!(benches);
