@@ -121,7 +121,12 @@ struct SimulateArgs {
     /// each one's also goes to <stem>-<schedule>.<ext>. Default flatpipe-gantt.png.
     #[arg(long)]
     gantt: Option<PathBuf>,
-    /// Write a Chrome trace (Perfetto) JSON of the best schedule here.
+    /// Write the best schedule's activation memory per rank over the step here (CSV: rank,
+    /// time_s, activation in bytes or units).
+    #[arg(long)]
+    memory: Option<PathBuf>,
+    /// Write a Chrome trace (Perfetto) JSON of the best schedule here; with several schedules,
+    /// each one's also goes to <stem>-<schedule>.json.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Output format.
@@ -301,14 +306,12 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
 }
 
 /// Writes the Gantt chart(s) and trace a `simulate` call asked for; returns notes to print.
-fn write_charts(
-    a: &SimulateArgs,
-    runs: &[(String, String, &sim::Timeline)],
-) -> Result<Vec<String>> {
+fn write_charts(a: &SimulateArgs, runs: &[(String, String, &Simulation)]) -> Result<Vec<String>> {
     let mut notes = Vec::new();
-    let Some((best_name, best_title, best)) = runs.first() else {
+    let Some((best_name, best_title, best_sim)) = runs.first() else {
         return Ok(notes);
     };
+    let best = &best_sim.timeline;
     let gantt = a
         .gantt
         .clone()
@@ -316,9 +319,9 @@ fn write_charts(
     sim::gantt::write_gantt(&gantt, best_title, best)?;
     notes.push(format!("Gantt chart of {best_name}: {}", gantt.display()));
     if a.gantt.is_some() && runs.len() > 1 {
-        for (name, title, t) in runs {
+        for (name, title, s) in runs {
             let path = sibling(&gantt, &sanitize(name));
-            sim::gantt::write_gantt(&path, title, t)?;
+            sim::gantt::write_gantt(&path, title, &s.timeline)?;
             notes.push(format!("Gantt chart of {name}: {}", path.display()));
         }
     }
@@ -326,6 +329,38 @@ fn write_charts(
         let doc = sim::trace::chrome_trace(best);
         profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
         notes.push(format!("Chrome trace of {best_name}: {}", path.display()));
+        if runs.len() > 1 {
+            for (name, _, s) in runs {
+                let path = sibling(path, &sanitize(name));
+                let doc = sim::trace::chrome_trace(&s.timeline);
+                profiles::write_atomic(&path, serde_json::to_string(&doc)?.as_bytes())?;
+                notes.push(format!("Chrome trace of {name}: {}", path.display()));
+            }
+        }
+    }
+    if let Some(path) = &a.memory {
+        let unit = if best_sim
+            .metrics
+            .ranks
+            .iter()
+            .any(|r| r.peak_activation_units.is_some())
+        {
+            "units"
+        } else {
+            "bytes"
+        };
+        let mut csv = format!("rank,time_s,activation_{unit}\n");
+        for (r, levels) in best_sim.memory.iter().enumerate() {
+            csv.push_str(&format!("{r},0,0\n"));
+            for (t, level) in levels {
+                csv.push_str(&format!("{r},{},{level}\n", *t as f64 / 1e9));
+            }
+        }
+        profiles::write_atomic(path, csv.as_bytes())?;
+        notes.push(format!(
+            "Activation memory over time of {best_name}: {}",
+            path.display()
+        ));
     }
     Ok(notes)
 }
@@ -394,13 +429,7 @@ fn simulate_uniform(
         .collect();
     let charts: Vec<_> = runs
         .iter()
-        .map(|(n, v, s, sim)| {
-            (
-                n.clone(),
-                gantt_title(n, s, *v, &sim.metrics),
-                &sim.timeline,
-            )
-        })
+        .map(|(n, v, s, sim)| (n.clone(), gantt_title(n, s, *v, &sim.metrics), sim))
         .collect();
     let notes = write_charts(a, &charts)?;
     let m = runs.first().map_or(0, |r| r.2.num_microbatches);
@@ -677,11 +706,7 @@ fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result<ExitCode> 
                     } else {
                         name
                     };
-                (
-                    name.clone(),
-                    gantt_title(&name, s, *v, &sim.metrics),
-                    &sim.timeline,
-                )
+                (name.clone(), gantt_title(&name, s, *v, &sim.metrics), sim)
             })
         })
         .collect();

@@ -482,3 +482,33 @@ fn costs_refuse_monte_carlo_options() {
         assert!(stderr(&o).contains(needle), "{args:?}: {}", stderr(&o));
     }
 }
+
+#[test]
+fn memory_timeline_csv_by_hand() {
+    // 1F1B, p = 2, m = 2, f = b = w = 1 (B = 2): rank 0 runs F0 [0,1] F1 [1,2] B0 [4,6]
+    // B1 [7,9]; rank 1 runs F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7]. One unit per microbatch,
+    // allocated at an F's start and freed at its B's end.
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--costs",
+            "f=1,b=1,w=1",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--memory",
+            "m.csv",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let csv = std::fs::read_to_string(dir.path().join("m.csv")).unwrap();
+    assert_eq!(
+        csv,
+        "rank,time_s,activation_units\n0,0,0\n0,0,1\n0,1,2\n0,6,1\n0,9,0\n1,0,0\n1,1,1\n1,4,0\n1,4,1\n1,7,0\n"
+    );
+}

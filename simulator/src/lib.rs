@@ -69,6 +69,9 @@ pub struct Simulation {
     pub timeline: Timeline,
     /// Makespan, bubble ratio, memory, lower bound.
     pub metrics: Metrics,
+    /// Activation memory per rank over the step: `(time_ns, level)` after each change, in the
+    /// cost model's unit (bytes, or units under uniform costs).
+    pub memory: Vec<Vec<(u64, f64)>>,
 }
 
 /// Validates `schedule`, replays it under `costs` and computes its metrics.
@@ -78,6 +81,11 @@ pub struct Simulation {
 pub fn simulate<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Simulation> {
     schedule.validate()?;
     let timeline = replay::replay(schedule, costs)?;
-    let metrics = metrics::metrics(schedule, costs, &timeline);
-    Ok(Simulation { timeline, metrics })
+    let events = metrics::memory_events(schedule, costs, &timeline);
+    let metrics = metrics::metrics_with_events(schedule, costs, &timeline, &events);
+    Ok(Simulation {
+        timeline,
+        metrics,
+        memory: metrics::memory_levels(events),
+    })
 }

@@ -209,13 +209,10 @@ pub fn memory_events<C: CostModel>(
     events
 }
 
-/// Activation memory of each rank over the step: `(time_ns, level after the change)` steps.
-pub fn memory_timeline<C: CostModel>(
-    schedule: &Schedule,
-    costs: &C,
-    timeline: &Timeline,
-) -> Vec<Vec<(u64, f64)>> {
-    memory_events(schedule, costs, timeline)
+/// Activation memory of each rank over the step, from [`memory_events`]: `(time_ns, level
+/// after the change)` steps.
+pub fn memory_levels(events: Vec<Vec<(u64, f64)>>) -> Vec<Vec<(u64, f64)>> {
+    events
         .into_iter()
         .map(|ev| {
             let mut level = 0.0;
@@ -231,11 +228,25 @@ pub fn memory_timeline<C: CostModel>(
 
 /// Computes the metrics of `timeline`, the replay of `schedule` under `costs`.
 pub fn metrics<C: CostModel>(schedule: &Schedule, costs: &C, timeline: &Timeline) -> Metrics {
+    metrics_with_events(
+        schedule,
+        costs,
+        timeline,
+        &memory_events(schedule, costs, timeline),
+    )
+}
+
+/// [`metrics`] given the [`memory_events`] of the same replay.
+pub fn metrics_with_events<C: CostModel>(
+    schedule: &Schedule,
+    costs: &C,
+    timeline: &Timeline,
+    events: &[Vec<(u64, f64)>],
+) -> Metrics {
     let makespan = timeline.makespan_ns();
     let p = timeline.num_ranks();
     let m = schedule.num_microbatches as usize;
     let unit = costs.memory_unit();
-    let events = memory_events(schedule, costs, timeline);
     let mut ranks = Vec::with_capacity(p);
     let mut total_busy = 0u64;
     let mut seen = vec![false; m];
