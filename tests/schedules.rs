@@ -243,3 +243,16 @@ fn pytorch_csv_round_trip() {
         }
     }
 }
+
+/// Regression: a deadlock in a large schedule is reported with its cycle (the cycle finder is
+/// iterative; a recursive SCC overflowed the test thread's stack on deep graphs).
+#[test]
+fn deep_deadlock_reports_a_cycle() {
+    let mut s = ScheduleKind::OneFOneB.generate(64, 1, 512).unwrap();
+    // The last rank runs the backward of microbatch 511 first: it waits on its own forward.
+    let last = s.ranks.len() - 1;
+    let n = s.ranks[last].len();
+    s.ranks[last].swap(0, n - 1);
+    let e = simulate(&s, &UniformCosts::new(&spec(1.0, 1.0, 1.0), 1)).unwrap_err().to_string();
+    assert!(e.contains("deadlocks") && e.contains("rank 63: 63B511"), "{e}");
+}

@@ -20,9 +20,9 @@ use crate::Error;
 use crate::costs::CostModel;
 use crate::ir::{Action, ActionKind, ComputeAction, Schedule};
 use petgraph::Direction;
-use petgraph::algo::{tarjan_scc, toposort};
+use petgraph::algo::toposort;
 use petgraph::graph::{DiGraph, NodeIndex};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 /// A node of the DAG.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -205,41 +205,45 @@ impl Dag {
         Some(makespan)
     }
 
-    /// One dependency cycle, as the nodes on it in order, if the graph has one.
+    /// One dependency cycle, as the nodes on it in order, if the graph has one. Iterative
+    /// (no recursion, so deep graphs are fine): Kahn's algorithm removes every node not
+    /// downstream of a cycle; every remaining node has a remaining predecessor, so walking
+    /// predecessors from any of them must repeat a node, and the walk between the repeats is a
+    /// cycle.
     pub fn find_cycle(&self) -> Option<Vec<DagNode>> {
-        let start = match toposort(&self.graph, None) {
-            Ok(_) => return None,
-            Err(c) => c.node_id(),
-        };
-        let scc = tarjan_scc(&self.graph)
-            .into_iter()
-            .find(|c| c.contains(&start))?;
-        let in_scc: std::collections::HashSet<NodeIndex> = scc.into_iter().collect();
-        // Shortest path start -> ... -> start inside the component (BFS).
-        let mut parent: HashMap<NodeIndex, NodeIndex> = HashMap::new();
-        let mut queue = VecDeque::from([start]);
-        while let Some(u) = queue.pop_front() {
-            for v in self.graph.neighbors_directed(u, Direction::Outgoing) {
-                if !in_scc.contains(&v) {
-                    continue;
-                }
-                if v == start {
-                    let mut path = vec![u];
-                    let mut x = u;
-                    while x != start {
-                        x = parent[&x];
-                        path.push(x);
-                    }
-                    path.reverse();
-                    return Some(path.into_iter().map(|n| self.graph[n]).collect());
-                }
-                if let std::collections::hash_map::Entry::Vacant(e) = parent.entry(v) {
-                    e.insert(u);
-                    queue.push_back(v);
+        let g = &self.graph;
+        let mut indeg: Vec<u32> = vec![0; g.node_count()];
+        for e in g.raw_edges() {
+            indeg[e.target().index()] += 1;
+        }
+        let mut stack: Vec<NodeIndex> =
+            g.node_indices().filter(|n| indeg[n.index()] == 0).collect();
+        let mut removed = vec![false; g.node_count()];
+        while let Some(u) = stack.pop() {
+            removed[u.index()] = true;
+            for v in g.neighbors_directed(u, Direction::Outgoing) {
+                indeg[v.index()] -= 1;
+                if indeg[v.index()] == 0 {
+                    stack.push(v);
                 }
             }
         }
-        None
+        let start = g.node_indices().find(|n| !removed[n.index()])?;
+        let mut seen_at: HashMap<NodeIndex, usize> = HashMap::new();
+        let mut walk = Vec::new();
+        let mut v = start;
+        loop {
+            if let Some(&i) = seen_at.get(&v) {
+                let mut cycle: Vec<DagNode> = walk[i..].iter().map(|n: &NodeIndex| g[*n]).collect();
+                cycle.reverse();
+                return Some(cycle);
+            }
+            seen_at.insert(v, walk.len());
+            walk.push(v);
+            v = g
+                .neighbors_directed(v, Direction::Incoming)
+                .find(|p| !removed[p.index()])?;
+        }
     }
 }
 

@@ -137,6 +137,17 @@ impl<C: CostModel> State<'_, C> {
 /// [`crate::Error::Deadlock`] naming the actions on a dependency cycle when the schedule
 /// cannot finish.
 pub fn replay<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Timeline> {
+    replay_or_stuck(schedule, costs).ok_or_else(|| dag::deadlock_error(schedule))
+}
+
+/// Whether `schedule` finishes (no dependency cycle), without building the deadlock report.
+pub fn is_deadlock_free(schedule: &Schedule) -> bool {
+    use crate::costs::{UniformCostSpec, UniformCosts};
+    replay_or_stuck(schedule, &UniformCosts::new(&UniformCostSpec::default(), 1)).is_some()
+}
+
+/// The replay, or `None` when ranks stop with work left.
+fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timeline> {
     let p = schedule.placement.num_ranks as usize;
     let s_count = schedule.num_stages() as usize;
     let m = schedule.num_microbatches as usize;
@@ -207,7 +218,7 @@ pub fn replay<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Timeline> 
         }
     }
     if (0..p).any(|r| pc[r] < schedule.ranks[r].len()) {
-        return Err(dag::deadlock_error(schedule));
+        return None;
     }
     for (r, &end) in clock.iter().enumerate() {
         let opt = costs.optimizer_ns(Rank(r as u32));
@@ -215,7 +226,7 @@ pub fn replay<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Timeline> 
             st.timeline.optimizer[r] = Some((end, end + opt));
         }
     }
-    Ok(st.timeline)
+    Some(st.timeline)
 }
 
 #[cfg(test)]
