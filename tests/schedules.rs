@@ -253,6 +253,11 @@ fn deep_deadlock_reports_a_cycle() {
     let last = s.ranks.len() - 1;
     let n = s.ranks[last].len();
     s.ranks[last].swap(0, n - 1);
-    let e = simulate(&s, &UniformCosts::new(&spec(1.0, 1.0, 1.0), 1)).unwrap_err().to_string();
-    assert!(e.contains("deadlocks") && e.contains("rank 63: 63B511"), "{e}");
+    let e = simulate(&s, &UniformCosts::new(&spec(1.0, 1.0, 1.0), 1))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("deadlocks") && e.contains("rank 63: 63B511"),
+        "{e}"
+    );
 }
