@@ -118,13 +118,14 @@ fn bench_monte_carlo(c: &mut Criterion) {
         .iter()
         .map(|&k| {
             let v = k.stages_per_rank(None).unwrap();
-            Combo {
-                source: ScheduleSource::Kind(k),
+            let stages = even_split(profile.layers.len(), (p * v) as usize).unwrap();
+            Combo::new(
+                ScheduleSource::Kind(k),
                 v,
-                stages: even_split(profile.layers.len(), (p * v) as usize).unwrap(),
-                policy: Policy::FlatFfd,
-                capacity: Capacity::Dynamic,
-            }
+                stages,
+                Policy::FlatFfd,
+                Capacity::Dynamic,
+            )
         })
         .collect();
     let mut g = c.benchmark_group("monte_carlo_1000_steps_p8");

@@ -571,7 +571,10 @@ fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result<ExitCode> 
         max_seq_len: a.max_seq_len,
     };
     let policies: Vec<Policy> = if a.policy.is_empty() {
-        vec![Policy::FlatFfd]
+        match plan.as_ref().and_then(|pl| pl.policy.as_ref()) {
+            Some(name) => vec![name.parse()?],
+            None => vec![Policy::FlatFfd],
+        }
     } else {
         dedup(
             a.policy
@@ -623,13 +626,13 @@ fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result<ExitCode> 
         };
         for &policy in &policies {
             for &capacity in &capacities {
-                combos.push(montecarlo::Combo {
-                    source: source.clone(),
-                    v,
-                    stages: stages.clone(),
-                    policy,
-                    capacity,
-                });
+                let mut combo =
+                    montecarlo::Combo::new(source.clone(), v, stages.clone(), policy, capacity);
+                if let Some(pl) = &plan {
+                    combo.dp = pl.dp.unwrap_or(1);
+                    combo.recompute = pl.recompute.clone();
+                }
+                combos.push(combo);
             }
         }
     }
@@ -681,7 +684,11 @@ fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result<ExitCode> 
                 capacity,
                 pp: p,
                 vpp: c.v,
-                summary: montecarlo::summarize(outcomes, p, profile.hardware.peak_flops),
+                summary: montecarlo::summarize(
+                    outcomes,
+                    p * c.dp.max(1),
+                    profile.hardware.peak_flops,
+                ),
                 single,
             };
             (report, first, c.v)

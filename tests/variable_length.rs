@@ -67,13 +67,13 @@ fn combos(p: u32, policies: &[Policy], capacities: &[Capacity], kind: ScheduleKi
     let mut out = Vec::new();
     for &policy in policies {
         for &capacity in capacities {
-            out.push(Combo {
-                source: ScheduleSource::Kind(kind),
+            out.push(Combo::new(
+                ScheduleSource::Kind(kind),
                 v,
-                stages: stages.clone(),
+                stages.clone(),
                 policy,
                 capacity,
-            });
+            ));
         }
     }
     out

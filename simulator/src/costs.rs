@@ -16,6 +16,7 @@ use crate::ir::{ActionKind, ComputeAction, MicrobatchId, Placement, Rank, StageI
 use crate::microbatch::Microbatch;
 use crate::{Error, Result};
 use flatpipe_profiles::{Phase, Profile};
+use serde::{Deserialize, Serialize};
 use std::ops::Range;
 use std::str::FromStr;
 
@@ -222,6 +223,69 @@ struct Cell {
     out_bytes: f64,
 }
 
+/// Activation recomputation of a stage: what its forward keeps for the backward, and what the
+/// backward recomputes (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+/// Transformer Models").
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep everything: the profile's activation bytes, no extra time.
+    #[default]
+    None,
+    /// Keep the GEMM inputs wgrad needs and each layer's input; recompute the attention core
+    /// and the elementwise work in dgrad. Decoder layers keep `act_bytes_per_token_w` plus their
+    /// input (`output_bytes_per_token`); I gains the layer's forward attention time
+    /// (`c_attn * attn_pairs`). Other layers keep everything.
+    Selective,
+    /// Keep only each layer's input and rerun the whole forward in dgrad: every layer keeps
+    /// `output_bytes_per_token` per token (its input's size) and I gains the layer's forward
+    /// time. (The wgrad inputs that I recomputes live from I to W and are not counted.)
+    Full,
+}
+
+impl Recompute {
+    /// Every mode, cheapest in time first.
+    pub const ALL: &'static [Recompute] = &[Recompute::None, Recompute::Selective, Recompute::Full];
+}
+
+/// The per-layer (extra I seconds, act bytes freed by I, act bytes freed by W) of `mode` for a
+/// layer at `tokens` tokens and `pairs` attention pairs.
+pub fn recompute_effect(
+    l: &flatpipe_profiles::LayerProfile,
+    mode: Recompute,
+    tokens: f64,
+    pairs: f64,
+) -> (f64, f64, f64) {
+    use flatpipe_profiles::LayerKind;
+    let input = l.output_bytes_per_token * tokens;
+    match (mode, l.kind) {
+        (Recompute::None, _) | (Recompute::Selective, LayerKind::Embedding | LayerKind::Head) => (
+            0.0,
+            l.act_bytes_per_token_i * tokens,
+            l.act_bytes_per_token_w * tokens,
+        ),
+        (Recompute::Selective, LayerKind::Decoder) => (
+            l.f.c_attn_s * pairs,
+            input,
+            l.act_bytes_per_token_w * tokens,
+        ),
+        (Recompute::Full, LayerKind::Embedding) => (0.0, 0.0, l.act_bytes_per_token_w * tokens),
+        (Recompute::Full, _) => (l.f.time_s(tokens, pairs), input, 0.0),
+    }
+}
+
+/// Options of [`TableCosts::with_options`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CostOptions<'a> {
+    /// Recomputation per stage (empty: none anywhere).
+    pub recompute: &'a [Recompute],
+    /// Global rank of pipeline rank 0 (a data-parallel replica's offset), which decides which
+    /// transfers cross a node boundary.
+    pub first_rank: usize,
+}
+
 /// Per (stage, microbatch) costs derived from a profile and the step's microbatches.
 #[derive(Debug, Clone)]
 pub struct TableCosts {
@@ -256,6 +320,38 @@ impl TableCosts {
         microbatches: &[Microbatch],
         fo_microbatches: &[Microbatch],
     ) -> Result<Self> {
+        Self::with_options(
+            profile,
+            stages,
+            placement,
+            microbatches,
+            fo_microbatches,
+            &CostOptions::default(),
+        )
+    }
+
+    /// [`TableCosts::from_profile`] with per-stage recomputation (see [`Recompute`]) and a
+    /// replica's rank offset.
+    ///
+    /// # Errors
+    /// As [`TableCosts::from_profile`], and if `recompute` is non-empty with a length other than
+    /// the stage count.
+    pub fn with_options(
+        profile: &Profile,
+        stages: &[Range<usize>],
+        placement: &Placement,
+        microbatches: &[Microbatch],
+        fo_microbatches: &[Microbatch],
+        opts: &CostOptions<'_>,
+    ) -> Result<Self> {
+        if !opts.recompute.is_empty() && opts.recompute.len() != stages.len() {
+            return Err(Error::invalid(
+                "recompute",
+                opts.recompute.len(),
+                format!("one mode per stage ({})", stages.len()),
+            ));
+        }
+        let mode = |s: usize| opts.recompute.get(s).copied().unwrap_or_default();
         let n_layers = profile.layers.len();
         if stages.len() != placement.num_stages() as usize {
             return Err(Error::invalid(
@@ -282,24 +378,25 @@ impl TableCosts {
         let out_bytes =
             |s: usize, t: f64| profile.layers[stages[s].end - 1].output_bytes_per_token * t;
         let link_ns = |s_from: usize, s_to: usize, bytes: f64| {
-            let a = placement.rank_of[s_from].idx();
-            let b = placement.rank_of[s_to].idx();
+            let a = opts.first_rank + placement.rank_of[s_from].idx();
+            let b = opts.first_rank + placement.rank_of[s_to].idx();
             s_to_ns(profile.link(a, b).time_s(bytes))
         };
         let m = microbatches.len();
         let mut cells = vec![Cell::default(); stages.len() * m];
         for (s, r) in stages.iter().enumerate() {
-            let act = profile.layers[r.clone()].iter().fold((0.0, 0.0), |acc, l| {
-                (
-                    acc.0 + l.act_bytes_per_token_i,
-                    acc.1 + l.act_bytes_per_token_w,
-                )
-            });
             for (k, mb) in microbatches.iter().enumerate() {
                 let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
+                let (extra_i, act_i, act_w) =
+                    profile.layers[r.clone()]
+                        .iter()
+                        .fold((0.0, 0.0, 0.0), |acc, l| {
+                            let (x, i, w) = recompute_effect(l, mode(s), t, a);
+                            (acc.0 + x, acc.1 + i, acc.2 + w)
+                        });
                 cells[s * m + k] = Cell {
                     f: s_to_ns(phase_s(r, Phase::F, t, a)),
-                    i: s_to_ns(phase_s(r, Phase::I, t, a)),
+                    i: s_to_ns(phase_s(r, Phase::I, t, a) + extra_i),
                     w: s_to_ns(phase_s(r, Phase::W, t, a)),
                     fwd_comm: if s + 1 < stages.len() {
                         link_ns(s, s + 1, out_bytes(s, t))
@@ -311,8 +408,8 @@ impl TableCosts {
                     } else {
                         0
                     },
-                    act_i: act.0 * t,
-                    act_w: act.1 * t,
+                    act_i,
+                    act_w,
                     out_bytes: if s + 1 < stages.len() {
                         out_bytes(s, t)
                     } else {

@@ -209,6 +209,31 @@ pub fn memory_events<C: CostModel>(
     events
 }
 
+/// Per stage, the most microbatches whose activations of that stage are alive at once (from
+/// the start of their F to the end of their W or B there): the in-flight count the planner's
+/// memory constraint multiplies each stage's activation bytes by.
+pub fn stage_inflight_peaks(schedule: &Schedule, timeline: &Timeline) -> Vec<u32> {
+    let mut alive = vec![0u32; schedule.num_stages() as usize];
+    let mut peak = alive.clone();
+    for ops in &timeline.compute {
+        for op in ops {
+            for a in op.action.parts().filter(|a| a.kind == ActionKind::F) {
+                let s = a.stage.idx();
+                alive[s] += 1;
+                peak[s] = peak[s].max(alive[s]);
+            }
+            for a in op
+                .action
+                .parts()
+                .filter(|a| matches!(a.kind, ActionKind::W | ActionKind::B))
+            {
+                alive[a.stage.idx()] -= 1;
+            }
+        }
+    }
+    peak
+}
+
 /// Activation memory of each rank over the step, from [`memory_events`]: `(time_ns, level
 /// after the change)` steps.
 pub fn memory_levels(events: Vec<Vec<(u64, f64)>>) -> Vec<Vec<(u64, f64)>> {

@@ -95,6 +95,89 @@ pub struct Combo {
     /// Schedule capacity (a given schedule always has the fixed capacity of its microbatch
     /// count).
     pub capacity: Capacity,
+    /// Data-parallel replicas (each runs the pipeline on its share of the step).
+    pub dp: u32,
+    /// Recomputation per stage (empty: none).
+    pub recompute: Vec<crate::costs::Recompute>,
+}
+
+impl Combo {
+    /// A combo with one replica and no recomputation.
+    pub fn new(
+        source: ScheduleSource,
+        v: u32,
+        stages: Vec<Range<usize>>,
+        policy: Policy,
+        capacity: Capacity,
+    ) -> Self {
+        Combo {
+            source,
+            v,
+            stages,
+            policy,
+            capacity,
+            dp: 1,
+            recompute: Vec::new(),
+        }
+    }
+}
+
+/// Ring all-reduce time of each pipeline rank's gradients over the `dp` replicas, seconds:
+/// `2 (dp - 1) (alpha + bytes / (dp * beta))` (Patarasuk and Yuan 2009), bytes = bf16 gradients
+/// of the rank's stages, on the inter-node link when the replicas of a pipeline rank span nodes
+/// (rank `d * pp + r` is replica d's pipeline rank r). The slowest pipeline rank counts; it is
+/// added after the pipeline's makespan (no overlap with the last backward is assumed).
+pub fn allreduce_s(
+    profile: &Profile,
+    stages: &[Range<usize>],
+    placement: &crate::ir::Placement,
+    dp: u32,
+) -> f64 {
+    if dp <= 1 {
+        return 0.0;
+    }
+    let pp = placement.num_ranks as usize;
+    let mut params = vec![0u64; pp];
+    for (s, r) in stages.iter().enumerate() {
+        params[placement.rank_of[s].idx()] += profile.layers[r.clone()]
+            .iter()
+            .map(|l| l.param_count)
+            .sum::<u64>();
+    }
+    let g = profile.hardware.gpus_per_node as usize;
+    (0..pp)
+        .map(|r| {
+            let same_node = (0..dp as usize).all(|d| (d * pp + r) / g == r / g);
+            let link = if same_node {
+                &profile.hardware.intra_node
+            } else {
+                &profile.hardware.inter_node
+            };
+            let bytes = params[r] as f64 * 2.0;
+            2.0 * (dp as f64 - 1.0) * (link.alpha_s + bytes / (dp as f64 * link.beta_bytes_per_s))
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Splits a step's sequences into `dp` shares balanced by predicted cost (LPT; Graham 1969).
+pub fn dp_shares(seqs: &[u32], dp: u32, cost: &dyn Fn(u64, u64) -> f64) -> Vec<Vec<u32>> {
+    if dp <= 1 {
+        return vec![seqs.to_vec()];
+    }
+    let mut order: Vec<u32> = seqs.to_vec();
+    order.sort_by(|a, b| b.cmp(a));
+    let mut load = vec![0.0f64; dp as usize];
+    let mut out = vec![Vec::new(); dp as usize];
+    for s in order {
+        let (k, _) = load
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1.total_cmp(b.1).then(a.0.cmp(&b.0)))
+            .expect("dp >= 1");
+        load[k] += cost(s as u64, s as u64 * (s as u64 + 1) / 2);
+        out[k].push(s);
+    }
+    out
 }
 
 /// What one simulated step cost.
@@ -131,6 +214,20 @@ pub fn simulate_step(
     combo: &Combo,
     mbs: &[Microbatch],
 ) -> Result<(StepOutcome, Option<(Schedule, Simulation)>)> {
+    simulate_replica(profile, p, combo, mbs, 0)
+}
+
+/// [`simulate_step`] for the replica whose pipeline rank 0 is global rank `first_rank`.
+///
+/// # Errors
+/// Generation, cost or simulation errors.
+pub fn simulate_replica(
+    profile: &Profile,
+    p: u32,
+    combo: &Combo,
+    mbs: &[Microbatch],
+    first_rank: usize,
+) -> Result<(StepOutcome, Option<(Schedule, Simulation)>)> {
     let n = mbs.len() as u32;
     let capacity = match &combo.source {
         ScheduleSource::Given(s) => Capacity::Fixed(s.num_microbatches),
@@ -163,8 +260,18 @@ pub fn simulate_step(
         let start = (round * k) as usize;
         let mut slots: Vec<Microbatch> = mbs[start..(start + k as usize).min(mbs.len())].to_vec();
         slots.resize(k as usize, Microbatch::default());
-        let mut costs =
-            TableCosts::from_profile(profile, &combo.stages, &schedule.placement, &slots, &[])?;
+        let opts = crate::costs::CostOptions {
+            recompute: &combo.recompute,
+            first_rank,
+        };
+        let mut costs = TableCosts::with_options(
+            profile,
+            &combo.stages,
+            &schedule.placement,
+            &slots,
+            &[],
+            &opts,
+        )?;
         if round + 1 < rounds {
             costs = costs.without_optimizer();
         }
@@ -186,6 +293,22 @@ pub fn simulate_step(
         }
     }
     Ok((out, single))
+}
+
+/// Combines two replicas' outcomes of one step: the step ends with the slower replica; tokens,
+/// FLOPs and busy time add up; memory is the larger.
+fn merge_replicas(a: StepOutcome, b: StepOutcome) -> StepOutcome {
+    StepOutcome {
+        step_time_s: a.step_time_s.max(b.step_time_s),
+        busy_s: a.busy_s + b.busy_s,
+        true_tokens: a.true_tokens + b.true_tokens,
+        computed_tokens: a.computed_tokens + b.computed_tokens,
+        model_flops: a.model_flops + b.model_flops,
+        peak_activation_bytes: a.peak_activation_bytes.max(b.peak_activation_bytes),
+        static_bytes: a.static_bytes.max(b.static_bytes),
+        microbatches: a.microbatches.max(b.microbatches),
+        rounds: a.rounds.max(b.rounds),
+    }
 }
 
 /// Mean and nearest-rank percentiles.
@@ -240,7 +363,8 @@ pub struct Summary {
     pub microbatches_mean: f64,
 }
 
-/// Summarises `outcomes` of one configuration on `p` ranks of `peak_flops` FLOP/s each.
+/// Summarises `outcomes` of one configuration on `p` ranks in all (dp x pp) of `peak_flops`
+/// FLOP/s each.
 pub fn summarize(outcomes: &[StepOutcome], p: u32, peak_flops: f64) -> Summary {
     let n = outcomes.len().max(1) as f64;
     let times: Vec<f64> = outcomes.iter().map(|o| o.step_time_s).collect();
@@ -326,21 +450,61 @@ pub fn run(
         .into_par_iter()
         .map(|i| -> Result<StepResult> {
             let seqs = workload.sample_step(seed, i as u64, size);
-            let batched: Vec<(Policy, Batched)> = policies
+            let mut dps: Vec<u32> = combos.iter().map(|c| c.dp.max(1)).collect();
+            dps.sort_unstable();
+            dps.dedup();
+            // (dp, policy) -> each replica's microbatches.
+            let mut batched: Vec<((u32, Policy), Vec<Batched>)> = Vec::new();
+            for &dp in &dps {
+                let shares = dp_shares(&seqs, dp, &cost);
+                for &pol in &policies {
+                    let b = shares
+                        .iter()
+                        .map(|share| batch(pol, share, params, &cost))
+                        .collect::<Result<Vec<_>>>()?;
+                    batched.push(((dp, pol), b));
+                }
+            }
+            let oversize = batched
                 .iter()
-                .map(|&pol| Ok((pol, batch(pol, &seqs, params, &cost)?)))
-                .collect::<Result<_>>()?;
-            let oversize = batched.iter().map(|(_, b)| b.oversize.len()).sum();
-            let truncated = batched.iter().map(|(_, b)| b.truncated_tokens).sum();
+                .flat_map(|(_, b)| b)
+                .map(|b| b.oversize.len())
+                .sum();
+            let truncated = batched
+                .iter()
+                .flat_map(|(_, b)| b)
+                .map(|b| b.truncated_tokens)
+                .sum();
             let mut row = Vec::with_capacity(combos.len());
             for c in combos {
-                let b = &batched
+                let dp = c.dp.max(1);
+                let replicas = &batched
                     .iter()
-                    .find(|(pol, _)| *pol == c.policy)
-                    .expect("every policy batched")
+                    .find(|(k, _)| *k == (dp, c.policy))
+                    .expect("every (dp, policy) batched")
                     .1;
-                let (o, sim) = simulate_step(profile, p, c, &b.microbatches)?;
-                row.push((o, if i == 0 { sim } else { None }));
+                let mut total: Option<StepOutcome> = None;
+                let mut first_sim = None;
+                for (d, b) in replicas.iter().enumerate() {
+                    let (o, sim) =
+                        simulate_replica(profile, p, c, &b.microbatches, d * p as usize)?;
+                    if d == 0 {
+                        first_sim = sim;
+                    }
+                    total = Some(match total {
+                        None => o,
+                        Some(t) => merge_replicas(t, o),
+                    });
+                }
+                let mut o = total.expect("dp >= 1");
+                if dp > 1 {
+                    let placement = match &c.source {
+                        ScheduleSource::Kind(k) => k.generate(p, c.v, 1)?.placement,
+                        ScheduleSource::Given(s) => s.placement.clone(),
+                    };
+                    o.step_time_s += allreduce_s(profile, &c.stages, &placement, dp);
+                }
+                row.push((o, if i == 0 && dp == 1 { first_sim } else { None }));
             }
             progress();
             Ok((row, oversize, truncated, seqs.len()))

@@ -59,7 +59,11 @@ pub struct Plan {
     pub profile: Option<String>,
     /// Workload (file or built-in name).
     pub workload: String,
-    /// Pipeline-parallel degree: ranks.
+    /// Data-parallel degree: pipeline replicas, each taking its share of the step's sequences
+    /// (default 1). Ranks = dp x pp.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp: Option<u32>,
+    /// Pipeline-parallel degree: ranks per replica.
     pub pp: u32,
     /// Stages per rank (virtual stages); default: the schedule's (1, 2 for interleaved and V
     /// schedules).
@@ -84,9 +88,53 @@ pub struct Plan {
     /// Tokens per step (instead of sequences).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_step: Option<u64>,
+    /// Microbatching policy (`flat-ffd` when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    /// Activation recomputation per stage (none everywhere when absent).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recompute: Vec<crate::costs::Recompute>,
     /// Seed of the step sampler.
     #[serde(default)]
     pub seed: u64,
+    /// What the planner predicted for this plan (informational; `simulate --plan` recomputes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted: Option<Predicted>,
+    /// Where the plan came from: hashes of the profile and workload it was planned on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provenance: Option<PlanProvenance>,
+}
+
+/// The planner's prediction for a plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Predicted {
+    /// Mean step time over the sampled steps, seconds.
+    pub step_time_mean_s: f64,
+    /// 90th percentile step time, seconds.
+    pub step_time_p90_s: f64,
+    /// Mean bubble ratio.
+    pub bubble_ratio: f64,
+    /// Lower bound on the mean step time (perfectly balanced stages, no bubble), seconds.
+    pub lower_bound_s: f64,
+    /// Peak memory per pipeline rank (parameters, gradients, optimizer state, activations), bytes.
+    pub peak_memory_bytes: Vec<f64>,
+    /// The per-rank memory limit planned against, bytes.
+    pub memory_limit_bytes: f64,
+    /// Steps sampled.
+    pub steps: u32,
+}
+
+/// Hashes of a plan's inputs (SHA-256 of their canonical YAML / samples).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanProvenance {
+    /// SHA-256 of the profile as YAML.
+    pub profile_sha256: String,
+    /// SHA-256 of the workload's definition and samples.
+    pub workload_sha256: String,
+    /// flatpipe version that planned it.
+    pub flatpipe_version: String,
 }
 
 impl Plan {
@@ -171,6 +219,26 @@ impl Plan {
                     self.pp, self.schedule
                 ),
             ));
+        }
+        if self.dp == Some(0) {
+            return Err(Error::invalid(field("dp"), 0, ">= 1 replica"));
+        }
+        if !self.recompute.is_empty() && self.recompute.len() != self.stages.len() {
+            return Err(Error::invalid(
+                field("recompute"),
+                format!("{} entries", self.recompute.len()),
+                format!("one per stage ({})", self.stages.len()),
+            ));
+        }
+        if let Some(p) = &self.policy {
+            p.parse::<crate::policy::Policy>().map_err(|e| match e {
+                Error::InvalidArgument { value, allowed, .. } => Error::InvalidArgument {
+                    field: field("policy"),
+                    value,
+                    allowed,
+                },
+                other => other,
+            })?;
         }
         let mut next = 0;
         for (i, s) in self.stages.iter().enumerate() {
