@@ -1,15 +1,22 @@
 //! # flatpipe-planner
 //!
-//! This crate will hold flatpipe's planner: the contiguous layer partition of a model into
-//! `p * v` stages under per-rank memory limits (a MILP through `good_lp`, cross-checked against an
-//! exact dynamic program), and the plan search over data- and pipeline-parallel degrees, virtual
-//! stages, schedule kinds, token budgets and recomputation, evaluated with
-//! [`flatpipe_simulator`] on sampled steps of a workload. It will also export plans to
-//! torchtitan, Megatron-LM and PyTorch's pipeline-order CSV.
+//! Chooses a pipeline plan: how many replicas (dp) and pipeline ranks (pp), how many stages
+//! per rank (v), which schedule, which token budget, how to split the layers and where to
+//! recompute activations, under a per-rank memory limit, for a model, a hardware and an
+//! input-length distribution.
 //!
-//! Nothing is implemented yet: the plan file type it will read and write,
-//! [`flatpipe_simulator::plan::Plan`], lives in the simulator crate so that
-//! `flatpipe simulate --plan` can run plans today.
+//! - [`partition`]: the contiguous layer split as an exact DP and a MILP (good_lp).
+//! - [`search`]: the enumeration of candidates, each evaluated with the simulator's Monte
+//!   Carlo over sampled steps, pruned by lower bounds.
+//! - [`export`]: torchtitan, Megatron-LM and PyTorch pipeline-order CSV exports.
+//!
+//! The planner never executes anything.
 #![deny(missing_docs)]
 
+mod error;
+pub mod export;
+pub mod partition;
+pub mod search;
+
+pub use error::{Error, Result};
 pub use flatpipe_simulator;

@@ -282,7 +282,7 @@ pub fn interleaved_1f1b(p: u32, v: u32, m: u32, g: Option<u32>) -> Result<(Sched
     for g in 1..=m {
         let s = interleaved_with_group(p, v, m, g);
         if crate::replay::is_deadlock_free(&s) {
-            tracing::warn!(
+            tracing::debug!(
                 "interleaved-1f1b with p = {p}, v = {v}, m = {m} deadlocks with the default microbatch group size {default} \
                  (the last group is short); using the smallest deadlock-free group size {g}"
             );

@@ -197,6 +197,9 @@ pub struct StepOutcome {
     pub peak_activation_bytes: f64,
     /// Largest parameters + gradients + optimizer state of a rank, bytes.
     pub static_bytes: f64,
+    /// Per pipeline rank: parameters, gradients and optimizer state plus the peak activation
+    /// memory (largest over replicas and rounds), bytes.
+    pub rank_memory_bytes: Vec<f64>,
     /// Microbatches of the step.
     pub microbatches: u32,
     /// Rounds of the schedule (1 unless a fixed capacity overflowed).
@@ -252,6 +255,7 @@ pub fn simulate_replica(
             .sum(),
         peak_activation_bytes: 0.0,
         static_bytes: 0.0,
+        rank_memory_bytes: vec![0.0; p as usize],
         microbatches: n,
         rounds,
     };
@@ -288,6 +292,10 @@ pub fn simulate_replica(
         out.static_bytes = (0..p)
             .map(|r| costs.static_bytes(Rank(r)))
             .fold(0.0, f64::max);
+        for (r, m) in sim.metrics.ranks.iter().enumerate() {
+            let total = costs.static_bytes(Rank(r as u32)) + m.peak_activation_bytes.unwrap_or(0.0);
+            out.rank_memory_bytes[r] = out.rank_memory_bytes[r].max(total);
+        }
         if rounds == 1 {
             single = Some((schedule.clone(), sim));
         }
@@ -306,6 +314,12 @@ fn merge_replicas(a: StepOutcome, b: StepOutcome) -> StepOutcome {
         model_flops: a.model_flops + b.model_flops,
         peak_activation_bytes: a.peak_activation_bytes.max(b.peak_activation_bytes),
         static_bytes: a.static_bytes.max(b.static_bytes),
+        rank_memory_bytes: a
+            .rank_memory_bytes
+            .iter()
+            .zip(&b.rank_memory_bytes)
+            .map(|(x, y)| x.max(*y))
+            .collect(),
         microbatches: a.microbatches.max(b.microbatches),
         rounds: a.rounds.max(b.rounds),
     }
@@ -504,7 +518,7 @@ pub fn run(
                     };
                     o.step_time_s += allreduce_s(profile, &c.stages, &placement, dp);
                 }
-                row.push((o, if i == 0 && dp == 1 { first_sim } else { None }));
+                row.push((o, if i == 0 { first_sim } else { None }));
             }
             progress();
             Ok((row, oversize, truncated, seqs.len()))

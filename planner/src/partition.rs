@@ -1,0 +1,771 @@
+//! Contiguous layer partition into `S = p * v` stages under per-rank memory limits.
+//!
+//! Every layer goes to exactly one stage and stages are contiguous, non-empty ranges in model
+//! order (an embedding-only or head-only stage is allowed). Each stage picks an activation
+//! recomputation mode ([`Recompute`]). The objective is the bottleneck: the largest stage time
+//! (F + I + W of a representative microbatch, plus recomputation). Memory of rank r:
+//! `Σ_{s on r} Σ_{l in s} (static_l + k_s * act_l(mode_s))`, with `k_s` the stage's peak
+//! in-flight microbatches from the simulator's replay of the schedule.
+//!
+//! Two exact solvers:
+//! - [`solve_dp`]: dynamic program over (stage, last layer), `O(S L² modes)`, exact when every
+//!   rank holds one stage (then memory is per stage) or no memory limit binds.
+//! - [`solve_milp`]: a MILP (good_lp; HiGHS, or pure-Rust microlp without the `highs`
+//!   feature) in the cumulative formulation: `u[l][s] = 1` iff layer l is in a stage `<= s`;
+//!   `x[l][s] = u[l][s] - u[l][s-1]` is membership, contiguity is `u[l+1][s] <= u[l][s]`, and the
+//!   order of stages leaves no symmetry to break. Modes use `z[l][s][m] = x[l][s] AND r[s][m]`.
+//!
+//! [`solve`] runs the DP without memory limits first: its optimum is a lower bound on every
+//! split; when it fits every rank it is optimal and the MILP is skipped.
+
+use crate::{Error, Result};
+use flatpipe_simulator::Placement;
+use flatpipe_simulator::costs::Recompute;
+use good_lp::{
+    Expression, ProblemVariables, Solution, SolverModel, Variable, constraint, variable,
+};
+use std::ops::Range;
+
+/// Bytes per parameter kept for the whole step, split as the infeasibility report shows it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StaticBytes {
+    /// Weights (bf16: 2).
+    pub params: f64,
+    /// Gradients (bf16: 2).
+    pub grads: f64,
+    /// Optimizer state (mixed-precision AdamW: fp32 master, m and v, 12).
+    pub optimizer: f64,
+}
+
+impl Default for StaticBytes {
+    fn default() -> Self {
+        StaticBytes {
+            params: 2.0,
+            grads: 2.0,
+            optimizer: 12.0,
+        }
+    }
+}
+
+impl StaticBytes {
+    /// Total bytes per parameter.
+    pub fn total(&self) -> f64 {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+/// One layer's costs for the partition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerCost {
+    /// Time of F + I + W of a representative microbatch per [`Recompute`] mode (indexed like
+    /// `Recompute::ALL`), seconds.
+    pub time_s: [f64; 3],
+    /// Activation bytes one microbatch keeps per mode, bytes.
+    pub act_bytes: [f64; 3],
+    /// Parameter count.
+    pub params: u64,
+}
+
+/// A partition problem.
+#[derive(Debug, Clone)]
+pub struct PartitionProblem {
+    /// Layers in model order.
+    pub layers: Vec<LayerCost>,
+    /// Stage -> rank (`S` stages).
+    pub placement: Placement,
+    /// Peak in-flight microbatches of every stage (`k_s`).
+    pub inflight: Vec<f64>,
+    /// Memory limit per rank, bytes (`f64::INFINITY` for none).
+    pub memory_limit_bytes: f64,
+    /// Bytes per parameter.
+    pub static_bytes: StaticBytes,
+    /// Allowed recomputation modes.
+    pub modes: Vec<Recompute>,
+}
+
+/// A solution.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Partition {
+    /// Layer range of every stage.
+    pub stages: Vec<Range<usize>>,
+    /// Recomputation of every stage.
+    pub recompute: Vec<Recompute>,
+    /// The largest stage time, seconds.
+    pub bottleneck_s: f64,
+    /// Memory of every rank under the model, bytes.
+    pub rank_memory_bytes: Vec<f64>,
+    /// Which solver produced it (`dp`, `dp (memory not binding)`, `milp`, `milp (time
+    /// limit)`, `dp (per-stage memory shares)`).
+    pub solver: &'static str,
+    /// A certified lower bound on the optimal bottleneck (the memory-free optimum), seconds:
+    /// `bottleneck_s / lower_bound_s - 1` bounds how far from optimal this split can be.
+    pub lower_bound_s: f64,
+    /// Whether the split is proven optimal.
+    pub optimal: bool,
+}
+
+fn mode_index(m: Recompute) -> usize {
+    Recompute::ALL
+        .iter()
+        .position(|x| *x == m)
+        .expect("every mode is in ALL")
+}
+
+impl PartitionProblem {
+    fn s_count(&self) -> usize {
+        self.placement.num_stages() as usize
+    }
+
+    fn check(&self) -> Result<()> {
+        let (l, s) = (self.layers.len(), self.s_count());
+        if s == 0 || s > l {
+            return Err(Error::invalid(
+                "stages (pp x vpp)",
+                s,
+                format!(
+                    "between 1 and the model's {l} layers (each stage holds at least one layer)"
+                ),
+            ));
+        }
+        if self.inflight.len() != s {
+            return Err(Error::invalid(
+                "inflight",
+                self.inflight.len(),
+                format!("one per stage ({s})"),
+            ));
+        }
+        if self.modes.is_empty() {
+            return Err(Error::invalid(
+                "recompute modes",
+                "none",
+                "at least one mode",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Time of layers `r` in `mode`, seconds.
+    fn time(&self, r: Range<usize>, mode: Recompute) -> f64 {
+        self.layers[r]
+            .iter()
+            .map(|l| l.time_s[mode_index(mode)])
+            .sum()
+    }
+
+    /// Memory of stage `s` holding layers `r` in `mode`, bytes.
+    fn stage_memory(&self, s: usize, r: Range<usize>, mode: Recompute) -> f64 {
+        let k = self.inflight[s];
+        self.layers[r]
+            .iter()
+            .map(|l| {
+                l.params as f64 * self.static_bytes.total() + k * l.act_bytes[mode_index(mode)]
+            })
+            .sum()
+    }
+
+    /// Memory of every rank for a partition, bytes.
+    pub fn rank_memory(&self, stages: &[Range<usize>], recompute: &[Recompute]) -> Vec<f64> {
+        let mut mem = vec![0.0; self.placement.num_ranks as usize];
+        for (s, r) in stages.iter().enumerate() {
+            mem[self.placement.rank_of[s].idx()] += self.stage_memory(s, r.clone(), recompute[s]);
+        }
+        mem
+    }
+
+    /// The heaviest rank of a partition as text: "rank 0 needs 151.2 GiB: params 15.0, grads
+    /// 15.0, optimizer 90.1, activations 31.1".
+    pub fn explain_rank(&self, stages: &[Range<usize>], recompute: &[Recompute]) -> String {
+        let p = self.placement.num_ranks as usize;
+        let mut params = vec![0.0; p];
+        let mut act = vec![0.0; p];
+        for (s, r) in stages.iter().enumerate() {
+            let rank = self.placement.rank_of[s].idx();
+            params[rank] += self.layers[r.clone()]
+                .iter()
+                .map(|l| l.params as f64)
+                .sum::<f64>();
+            act[rank] += self.inflight[s]
+                * self.layers[r.clone()]
+                    .iter()
+                    .map(|l| l.act_bytes[mode_index(recompute[s])])
+                    .sum::<f64>();
+        }
+        let total: Vec<f64> = (0..p)
+            .map(|r| params[r] * self.static_bytes.total() + act[r])
+            .collect();
+        let r = (0..p)
+            .max_by(|a, b| total[*a].total_cmp(&total[*b]))
+            .unwrap_or(0);
+        let g = |b: f64| b / (1u64 << 30) as f64;
+        format!(
+            "rank {r} needs {:.1} GiB: params {:.1}, grads {:.1}, optimizer {:.1}, activations {:.1}",
+            g(total[r]),
+            g(params[r] * self.static_bytes.params),
+            g(params[r] * self.static_bytes.grads),
+            g(params[r] * self.static_bytes.optimizer),
+            g(act[r])
+        )
+    }
+}
+
+/// Exact dynamic program: the contiguous split minimising the bottleneck with every stage in
+/// its fastest mode that fits, where each stage's memory must fit the limit on its own (exact
+/// when every rank holds one stage; with `ignore_memory` a lower bound for any placement).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for an empty problem or more stages than layers;
+/// [`Error::InfeasibleMemory`] when no split fits.
+pub fn solve_dp(problem: &PartitionProblem, ignore_memory: bool) -> Result<Partition> {
+    let limits = vec![
+        if ignore_memory {
+            f64::INFINITY
+        } else {
+            problem.memory_limit_bytes
+        };
+        problem.s_count()
+    ];
+    dp_with_stage_limits(problem, &limits)
+}
+
+/// The DP with a memory limit per stage, bytes.
+fn dp_with_stage_limits(problem: &PartitionProblem, stage_limit: &[f64]) -> Result<Partition> {
+    problem.check()?;
+    let (l_count, s_count) = (problem.layers.len(), problem.s_count());
+    // Prefix sums per mode for O(1) range time and activation; params prefix.
+    let nm = Recompute::ALL.len();
+    let mut t_pre = vec![vec![0.0; l_count + 1]; nm];
+    let mut a_pre = vec![vec![0.0; l_count + 1]; nm];
+    let mut p_pre = vec![0.0; l_count + 1];
+    for (i, l) in problem.layers.iter().enumerate() {
+        for m in 0..nm {
+            t_pre[m][i + 1] = t_pre[m][i] + l.time_s[m];
+            a_pre[m][i + 1] = a_pre[m][i] + l.act_bytes[m];
+        }
+        p_pre[i + 1] = p_pre[i] + l.params as f64 * problem.static_bytes.total();
+    }
+    let best_mode = |s: usize, j: usize, l: usize| -> Option<(f64, Recompute)> {
+        problem
+            .modes
+            .iter()
+            .filter_map(|&m| {
+                let mi = mode_index(m);
+                let mem = p_pre[l] - p_pre[j] + problem.inflight[s] * (a_pre[mi][l] - a_pre[mi][j]);
+                (mem <= stage_limit[s]).then_some((t_pre[mi][l] - t_pre[mi][j], m))
+            })
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+    };
+    const INF: f64 = f64::INFINITY;
+    // f[s][l]: best bottleneck of layers 0..l in stages 0..=s (stage s ends at l).
+    let mut f = vec![vec![INF; l_count + 1]; s_count];
+    let mut arg = vec![vec![(0usize, Recompute::None); l_count + 1]; s_count];
+    for l in 1..=l_count {
+        if let Some((t, m)) = best_mode(0, 0, l) {
+            f[0][l] = t;
+            arg[0][l] = (0, m);
+        }
+    }
+    for s in 1..s_count {
+        // Stage s ends at l >= s + 1 and leaves at least one layer per later stage.
+        for l in s + 1..=l_count - (s_count - 1 - s) {
+            for j in s..l {
+                let prev = f[s - 1][j];
+                if prev >= f[s][l] {
+                    continue;
+                }
+                if let Some((t, m)) = best_mode(s, j, l) {
+                    let v = prev.max(t);
+                    if v < f[s][l] {
+                        f[s][l] = v;
+                        arg[s][l] = (j, m);
+                    }
+                }
+            }
+        }
+    }
+    let bottleneck = f[s_count - 1][l_count];
+    if !bottleneck.is_finite() {
+        return Err(infeasible(problem));
+    }
+    let mut stages = vec![0..0; s_count];
+    let mut recompute = vec![Recompute::None; s_count];
+    let mut end = l_count;
+    for s in (0..s_count).rev() {
+        let (j, m) = arg[s][end];
+        stages[s] = j..end;
+        recompute[s] = m;
+        end = j;
+    }
+    let rank_memory_bytes = problem.rank_memory(&stages, &recompute);
+    Ok(Partition {
+        stages,
+        recompute,
+        bottleneck_s: bottleneck,
+        rank_memory_bytes,
+        solver: "dp",
+        lower_bound_s: bottleneck,
+        optimal: true,
+    })
+}
+
+/// The infeasibility report: the heaviest rank of the split that needs the least memory (every
+/// stage in its most memory-saving allowed mode, layers split to minimise the largest stage's
+/// memory).
+fn infeasible(problem: &PartitionProblem) -> Error {
+    let lean = *problem
+        .modes
+        .iter()
+        .min_by(|a, b| {
+            let act = |m: Recompute| {
+                problem
+                    .layers
+                    .iter()
+                    .map(|l| l.act_bytes[mode_index(m)])
+                    .sum::<f64>()
+            };
+            act(**a).total_cmp(&act(**b))
+        })
+        .expect("checked: at least one mode");
+    let s_count = problem.s_count();
+    // Min-max memory split by binary search over a greedy fill (memory is additive per stage).
+    let mem_of = |s: usize, r: Range<usize>| problem.stage_memory(s, r, lean);
+    let fits = |cap: f64| -> Option<Vec<Range<usize>>> {
+        let mut stages = Vec::with_capacity(s_count);
+        let mut start = 0;
+        for s in 0..s_count {
+            let left_stages = s_count - s - 1;
+            let mut end = start + 1;
+            if mem_of(s, start..end) > cap {
+                return None;
+            }
+            while end < problem.layers.len() - left_stages && mem_of(s, start..end + 1) <= cap {
+                end += 1;
+            }
+            if s == s_count - 1 {
+                end = problem.layers.len();
+                if mem_of(s, start..end) > cap {
+                    return None;
+                }
+            }
+            stages.push(start..end);
+            start = end;
+        }
+        Some(stages)
+    };
+    let (mut lo, mut hi) = (
+        0.0,
+        problem
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, _)| mem_of(0, i..i + 1))
+            .sum::<f64>()
+            * 4.0
+            + 1.0,
+    );
+    for _ in 0..100 {
+        let mid = (lo + hi) / 2.0;
+        if fits(mid).is_some() {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    let stages = fits(hi).unwrap_or_default();
+    let recompute = vec![lean; stages.len()];
+    let explanation = if stages.len() == s_count {
+        format!(
+            "{}; limit {:.1} GiB",
+            problem.explain_rank(&stages, &recompute),
+            problem.memory_limit_bytes / (1u64 << 30) as f64
+        )
+    } else {
+        "no split found".into()
+    };
+    Error::InfeasibleMemory {
+        layers: problem.layers.len(),
+        stages: s_count,
+        limit_gib: problem.memory_limit_bytes / (1u64 << 30) as f64,
+        explanation,
+    }
+}
+
+/// The MILP (see the module docs), solved to proven optimality.
+///
+/// # Errors
+/// [`Error::InfeasibleMemory`] when no split fits; [`Error::Solver`] on a solver failure.
+pub fn solve_milp(problem: &PartitionProblem) -> Result<Partition> {
+    solve_milp_within(problem, None)
+}
+
+/// [`solve_milp`] with a time limit in seconds (HiGHS only; microlp has none). When the limit
+/// stops the search, the best split found is returned with `optimal: false`.
+///
+/// # Errors
+/// As [`solve_milp`]; [`Error::Solver`] if the limit passes before any split is found.
+pub fn solve_milp_within(
+    problem: &PartitionProblem,
+    time_limit_s: Option<f64>,
+) -> Result<Partition> {
+    #[cfg(feature = "highs")]
+    {
+        let limit = time_limit_s;
+        milp_with(problem, move |p: good_lp::variable::UnsolvedProblem| {
+            // Stop at a 1% relative gap: the result is certified within 1% of optimal.
+            let m = good_lp::solvers::highs::highs(p).set_threads(1);
+            let m = m
+                .set_mip_rel_gap(0.01)
+                .unwrap_or_else(|_| unreachable!("0.01 is a valid gap"));
+            match limit {
+                Some(t) => m.set_time_limit(t),
+                None => m,
+            }
+        })
+    }
+    #[cfg(not(feature = "highs"))]
+    {
+        let _ = time_limit_s;
+        milp_with(problem, good_lp::solvers::microlp::microlp)
+    }
+}
+
+fn milp_with<S>(problem: &PartitionProblem, solver: S) -> Result<Partition>
+where
+    S: good_lp::Solver,
+    S::Model: SolverModel<Error = good_lp::ResolutionError>,
+{
+    problem.check()?;
+    let (l_count, s_count) = (problem.layers.len(), problem.s_count());
+    let modes = &problem.modes;
+    let mut vars = ProblemVariables::new();
+    let t = vars.add(variable().min(0.0));
+    // u[l][s] for s < S - 1; u[l][S-1] = 1.
+    let u: Vec<Vec<Variable>> = (0..l_count)
+        .map(|_| {
+            (0..s_count - 1)
+                .map(|_| vars.add(variable().binary()))
+                .collect()
+        })
+        .collect();
+    let u_expr = |l: usize, s: isize| -> Expression {
+        if s < 0 {
+            Expression::from(0.0)
+        } else if s as usize == s_count - 1 {
+            Expression::from(1.0)
+        } else {
+            u[l][s as usize].into()
+        }
+    };
+    let x =
+        |l: usize, s: usize| -> Expression { u_expr(l, s as isize) - u_expr(l, s as isize - 1) };
+    let single_mode = modes.len() == 1;
+    let r: Vec<Vec<Variable>> = if single_mode {
+        Vec::new()
+    } else {
+        (0..s_count)
+            .map(|_| {
+                modes
+                    .iter()
+                    .map(|_| vars.add(variable().binary()))
+                    .collect()
+            })
+            .collect()
+    };
+    let z: Vec<Vec<Vec<Variable>>> = if single_mode {
+        Vec::new()
+    } else {
+        (0..l_count)
+            .map(|_| {
+                (0..s_count)
+                    .map(|_| {
+                        modes
+                            .iter()
+                            .map(|_| vars.add(variable().min(0.0).max(1.0)))
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    // membership of layer l in stage s with mode index mi, as an expression
+    let member = |l: usize, s: usize, mi: usize| -> Expression {
+        if single_mode {
+            x(l, s)
+        } else {
+            z[l][s][mi].into()
+        }
+    };
+    let mut model = vars.minimise(t).using(solver);
+    for l in 0..l_count {
+        for s in 0..s_count.saturating_sub(1) {
+            if s + 1 < s_count - 1 {
+                model = model.with(constraint!(u[l][s] <= u[l][s + 1]));
+            }
+            if l + 1 < l_count {
+                model = model.with(constraint!(u[l + 1][s] <= u[l][s]));
+            }
+        }
+    }
+    for s in 0..s_count {
+        let size: Expression = (0..l_count).map(|l| x(l, s)).sum();
+        model = model.with(constraint!(size >= 1.0));
+        if !single_mode {
+            let one: Expression = r[s].iter().map(|v| Expression::from(*v)).sum();
+            model = model.with(constraint!(one == 1.0));
+            for (l, zl) in z.iter().enumerate() {
+                for (mi, &zv) in zl[s].iter().enumerate() {
+                    let rv = r[s][mi];
+                    model = model.with(constraint!(zv <= x(l, s)));
+                    model = model.with(constraint!(zv <= rv));
+                    model = model.with(constraint!(zv >= x(l, s) + rv - 1.0));
+                }
+            }
+        }
+        let time: Expression = (0..l_count)
+            .flat_map(|l| modes.iter().enumerate().map(move |(mi, &m)| (l, mi, m)))
+            .map(|(l, mi, m)| problem.layers[l].time_s[mode_index(m)] * member(l, s, mi))
+            .sum();
+        model = model.with(constraint!(time <= t));
+    }
+    if problem.memory_limit_bytes.is_finite() {
+        for rank in 0..problem.placement.num_ranks {
+            let stages = problem.placement.stages_of(flatpipe_simulator::Rank(rank));
+            let mem: Expression = stages
+                .iter()
+                .flat_map(|s| {
+                    (0..l_count).flat_map(move |l| {
+                        modes
+                            .iter()
+                            .enumerate()
+                            .map(move |(mi, &m)| (s.idx(), l, mi, m))
+                    })
+                })
+                .map(|(s, l, mi, m)| {
+                    let layer = &problem.layers[l];
+                    let bytes = layer.params as f64 * problem.static_bytes.total()
+                        + problem.inflight[s] * layer.act_bytes[mode_index(m)];
+                    bytes * member(l, s, mi)
+                })
+                .sum();
+            model = model.with(constraint!(mem <= problem.memory_limit_bytes));
+        }
+    }
+    let sol = match model.solve() {
+        Ok(sol) => sol,
+        Err(good_lp::ResolutionError::Infeasible) => return Err(infeasible(problem)),
+        Err(e) => return Err(Error::Solver(e.to_string())),
+    };
+    let in_stage = |l: usize, s: usize| {
+        let v = |s: isize| {
+            if s < 0 {
+                0.0
+            } else if s as usize == s_count - 1 {
+                1.0
+            } else {
+                sol.value(u[l][s as usize])
+            }
+        };
+        v(s as isize) - v(s as isize - 1) > 0.5
+    };
+    let mut stages = Vec::with_capacity(s_count);
+    let mut start = 0;
+    for s in 0..s_count {
+        let mut end = start;
+        while end < l_count && in_stage(end, s) {
+            end += 1;
+        }
+        stages.push(start..end);
+        start = end;
+    }
+    let recompute: Vec<Recompute> = (0..s_count)
+        .map(|s| {
+            if single_mode {
+                modes[0]
+            } else {
+                modes[(0..modes.len())
+                    .find(|&mi| sol.value(r[s][mi]) > 0.5)
+                    .unwrap_or(0)]
+            }
+        })
+        .collect();
+    let bottleneck = stages
+        .iter()
+        .zip(&recompute)
+        .map(|(r, &m)| problem.time(r.clone(), m))
+        .fold(0.0, f64::max);
+    let rank_memory_bytes = problem.rank_memory(&stages, &recompute);
+    let optimal = matches!(sol.status(), good_lp::solvers::SolutionStatus::Optimal);
+    Ok(Partition {
+        stages,
+        recompute,
+        bottleneck_s: bottleneck,
+        rank_memory_bytes,
+        solver: if optimal { "milp" } else { "milp (time limit)" },
+        lower_bound_s: 0.0,
+        optimal,
+    })
+}
+
+/// Time limit of the MILP inside [`solve`], seconds.
+pub const MILP_TIME_LIMIT_S: f64 = 0.5;
+
+/// Certified gap below which [`solve`] keeps the fast split without running the MILP.
+pub const ACCEPT_GAP: f64 = 0.02;
+
+/// The best partition:
+/// 1. one stage per rank: the DP, exact;
+/// 2. otherwise the DP without memory limits gives a certified lower bound; when its split
+///    fits every rank it is optimal;
+/// 3. if even a perfect spread of the leanest memory over the ranks exceeds the limit, no
+///    split fits;
+/// 4. otherwise a feasible split from the DP with per-stage shares of each rank's limit; if it
+///    is within [`ACCEPT_GAP`] of the lower bound it is kept, else the MILP (HiGHS,
+///    [`MILP_TIME_LIMIT_S`], stopping at a 1% gap) looks for a better or proven-optimal one.
+///    The result carries the lower bound, so its gap to optimal is certified either way.
+///
+/// # Errors
+/// As [`solve_dp`] and [`solve_milp`].
+pub fn solve(problem: &PartitionProblem) -> Result<Partition> {
+    solve_with(problem, Some(MILP_TIME_LIMIT_S))
+}
+
+/// [`solve`] with the MILP's time limit, or `None` to skip the MILP (the fast split is then
+/// returned with its certified gap).
+///
+/// # Errors
+/// As [`solve`].
+pub fn solve_with(problem: &PartitionProblem, milp_time_limit_s: Option<f64>) -> Result<Partition> {
+    problem.check()?;
+    let one_stage_per_rank = problem.s_count() == problem.placement.num_ranks as usize;
+    if one_stage_per_rank {
+        return solve_dp(problem, false);
+    }
+    let free = solve_dp(problem, true)?;
+    let lb = free.bottleneck_s;
+    if free
+        .rank_memory_bytes
+        .iter()
+        .all(|&m| m <= problem.memory_limit_bytes)
+    {
+        return Ok(Partition {
+            solver: "dp (memory not binding)",
+            ..free
+        });
+    }
+    let lean = problem
+        .modes
+        .iter()
+        .map(|&m| {
+            problem
+                .layers
+                .iter()
+                .map(|l| {
+                    l.params as f64 * problem.static_bytes.total()
+                        + problem.inflight.iter().copied().fold(f64::MAX, f64::min)
+                            * l.act_bytes[mode_index(m)]
+                })
+                .sum::<f64>()
+        })
+        .fold(f64::MAX, f64::min);
+    if lean / problem.placement.num_ranks as f64 > problem.memory_limit_bytes {
+        return Err(infeasible(problem));
+    }
+    let shares: Vec<f64> = (0..problem.s_count())
+        .map(|s| {
+            let on_rank = problem
+                .placement
+                .stages_of(problem.placement.rank_of[s])
+                .len() as f64;
+            problem.memory_limit_bytes / on_rank
+        })
+        .collect();
+    let heuristic = dp_with_stage_limits(problem, &shares).ok();
+    if let Some(h) = &heuristic
+        && (h.bottleneck_s <= lb * (1.0 + ACCEPT_GAP) || milp_time_limit_s.is_none())
+    {
+        let optimal = h.bottleneck_s <= lb * (1.0 + 1e-9);
+        return Ok(Partition {
+            solver: "dp (per-stage memory shares)",
+            lower_bound_s: lb,
+            optimal,
+            ..h.clone()
+        });
+    }
+    let t0 = std::time::Instant::now();
+    let milp = solve_milp_within(problem, milp_time_limit_s);
+    tracing::debug!(
+        "partition MILP: {} layers, {} stages, {:.3} s, heuristic {:?}, result {:?}",
+        problem.layers.len(),
+        problem.s_count(),
+        t0.elapsed().as_secs_f64(),
+        heuristic.as_ref().map(|h| h.bottleneck_s / lb),
+        milp.as_ref().map(|m| (m.bottleneck_s / lb, m.optimal))
+    );
+    let best = match (milp, heuristic) {
+        (Ok(m), Some(h)) => {
+            if m.optimal || m.bottleneck_s <= h.bottleneck_s {
+                m
+            } else {
+                Partition {
+                    solver: "dp (per-stage memory shares)",
+                    optimal: false,
+                    ..h
+                }
+            }
+        }
+        (Ok(m), None) => m,
+        (Err(Error::InfeasibleMemory { .. }), _) => return Err(infeasible(problem)),
+        (Err(_), Some(h)) => Partition {
+            solver: "dp (per-stage memory shares)",
+            optimal: false,
+            ..h
+        },
+        (Err(e), None) => return Err(e),
+    };
+    Ok(Partition {
+        lower_bound_s: lb,
+        ..best
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problem(times: &[f64], p: u32, v: u32) -> PartitionProblem {
+        PartitionProblem {
+            layers: times
+                .iter()
+                .map(|&t| LayerCost {
+                    time_s: [t; 3],
+                    act_bytes: [0.0; 3],
+                    params: 0,
+                })
+                .collect(),
+            placement: Placement::looped(p, v),
+            inflight: vec![1.0; (p * v) as usize],
+            memory_limit_bytes: f64::INFINITY,
+            static_bytes: StaticBytes::default(),
+            modes: vec![Recompute::None],
+        }
+    }
+
+    #[test]
+    fn thirty_layers_on_four_ranks() {
+        // 30 equal layers into 4 stages: the best bottleneck is ceil(30 / 4) = 8 layers.
+        let part = solve_dp(&problem(&[1.0; 30], 4, 1), false).unwrap();
+        assert_eq!(part.bottleneck_s, 8.0);
+        let sizes: Vec<usize> = part.stages.iter().map(|r| r.len()).collect();
+        assert_eq!(sizes.iter().sum::<usize>(), 30);
+        assert!(sizes.iter().all(|n| (1..=8).contains(n)), "{sizes:?}");
+        let part = solve_dp(&problem(&[1.0; 10], 3, 1), false).unwrap();
+        assert_eq!(part.bottleneck_s, 4.0);
+    }
+
+    #[test]
+    fn milp_matches_dp_by_hand() {
+        // Layers 5, 1, 1, 1, 5, 1 into 3 stages: [5] [1 1 1] [5 1] -> bottleneck 6.
+        let pr = problem(&[5.0, 1.0, 1.0, 1.0, 5.0, 1.0], 3, 1);
+        assert_eq!(solve_dp(&pr, false).unwrap().bottleneck_s, 6.0);
+        assert_eq!(solve_milp(&pr).unwrap().bottleneck_s, 6.0);
+    }
+}

@@ -1,0 +1,507 @@
+//! Plan search: enumerate (pp, v, schedule, token budget), split the layers for each, and
+//! evaluate the candidates with the simulator's Monte Carlo over sampled steps.
+//!
+//! For every candidate:
+//! 1. `dp = ranks / pp` replicas, each taking its cost-balanced share of every step.
+//! 2. The schedule's peak in-flight microbatches per stage come from a replay of the
+//!    schedule (uniform costs, the largest sampled microbatch count).
+//! 3. [`crate::partition::solve`] splits the layers and picks recomputation under the memory
+//!    limit, with per-layer costs of a representative microbatch (mean tokens and attention
+//!    pairs of the sampled microbatches; activations at the token budget).
+//! 4. A lower bound on the mean step time: every replica's compute divided over its pp ranks
+//!    (no bubble), plus the gradient all-reduce. Candidates are evaluated in increasing order of
+//!    this bound; once `keep` candidates are known, one whose bound is no better than the
+//!    `keep`-th best is pruned unevaluated.
+//! 5. Evaluation: the Monte Carlo on the same sampled steps; the simulated peak memory of every
+//!    rank (static + activations, largest over steps) must fit the limit.
+
+use crate::partition::{LayerCost, Partition, PartitionProblem, StaticBytes, solve_with};
+use crate::{Error, Result};
+use flatpipe_profiles::{Profile, StepSize, Workload};
+use flatpipe_simulator::costs::{Recompute, UniformCostSpec, UniformCosts, recompute_effect};
+use flatpipe_simulator::metrics::stage_inflight_peaks;
+use flatpipe_simulator::montecarlo::{
+    self, Capacity, Combo, ScheduleSource, Summary, allreduce_s, dp_shares,
+};
+use flatpipe_simulator::policy::{Policy, PolicyParams, batch};
+use flatpipe_simulator::{ScheduleKind, replay};
+use serde::Serialize;
+
+/// What to enumerate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SearchSpace {
+    /// Ranks in all (dp x pp).
+    pub ranks: u32,
+    /// Pipeline degrees to try (each must divide `ranks`).
+    pub pp: Vec<u32>,
+    /// Stages per rank to try for interleaved schedules (V schedules always use 2, the others 1).
+    pub vpp: Vec<u32>,
+    /// Schedules to try.
+    pub kinds: Vec<ScheduleKind>,
+    /// Token budgets per microbatch to try.
+    pub token_budgets: Vec<u64>,
+    /// Recomputation modes the partition may choose from.
+    pub recompute: Vec<Recompute>,
+    /// Microbatching policy.
+    pub policy: Policy,
+}
+
+impl SearchSpace {
+    /// Every divisor of `ranks` as pp, v in {1, 2, 4}, every handcrafted schedule, budgets
+    /// 4k..128k tokens, every recomputation mode, flat-ffd microbatching.
+    pub fn default_for(ranks: u32) -> Self {
+        SearchSpace {
+            ranks,
+            pp: (1..=ranks).filter(|p| ranks % p == 0).collect(),
+            vpp: vec![1, 2, 4],
+            kinds: ScheduleKind::ALL.to_vec(),
+            token_budgets: vec![4096, 8192, 16_384, 32_768, 65_536, 131_072],
+            recompute: Recompute::ALL.to_vec(),
+            policy: Policy::FlatFfd,
+        }
+    }
+}
+
+/// Which statistic ranks the candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankBy {
+    /// Mean step time.
+    Mean,
+    /// 90th percentile step time.
+    P90,
+}
+
+/// How to evaluate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SearchConfig {
+    /// Sampled steps per candidate.
+    pub steps: u32,
+    /// Seed of the step sampler.
+    pub seed: u64,
+    /// Step size.
+    pub size: StepSize,
+    /// Memory limit per rank, bytes.
+    pub memory_limit_bytes: f64,
+    /// Bytes per parameter.
+    pub static_bytes: StaticBytes,
+    /// Ranking statistic.
+    pub rank_by: RankBy,
+    /// How many evaluated candidates to keep (best and runners-up); pruning keeps this many.
+    pub keep: usize,
+    /// Time limit of the partition MILP per candidate, seconds; `None` keeps the DP-based
+    /// split with its certified gap (fast).
+    pub milp_time_limit_s: Option<f64>,
+}
+
+/// One evaluated candidate.
+#[derive(Debug, Clone, Serialize)]
+pub struct Candidate {
+    /// Data-parallel replicas.
+    pub dp: u32,
+    /// Pipeline ranks per replica.
+    pub pp: u32,
+    /// Stages per rank.
+    pub vpp: u32,
+    /// Schedule.
+    pub schedule: ScheduleKind,
+    /// Token budget per microbatch.
+    pub token_budget: u64,
+    /// Layer range of every stage.
+    #[serde(skip)]
+    pub partition: Partition,
+    /// Lower bound on the mean step time, seconds.
+    pub lower_bound_s: f64,
+    /// The simulated distribution over the sampled steps.
+    pub summary: Summary,
+    /// Per pipeline rank: static + peak activation memory (largest over steps), bytes.
+    pub peak_memory_bytes: Vec<f64>,
+}
+
+impl Candidate {
+    /// The ranking statistic, seconds.
+    pub fn score(&self, by: RankBy) -> f64 {
+        match by {
+            RankBy::Mean => self.summary.step_time_s.mean,
+            RankBy::P90 => self.summary.step_time_s.p90,
+        }
+    }
+
+    /// `schedule pp=.. v=.. dp=.. budget=..`.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} dp={} pp={} v={} budget={}",
+            self.schedule, self.dp, self.pp, self.vpp, self.token_budget
+        )
+    }
+}
+
+/// What the search found.
+#[derive(Debug, Clone)]
+pub struct SearchResult {
+    /// Evaluated, feasible candidates, best first (at most `keep`).
+    pub ranked: Vec<Candidate>,
+    /// Candidates rejected, with the reason (memory, too many stages, ...).
+    pub rejected: Vec<(String, String)>,
+    /// Candidates pruned by their lower bound without evaluation.
+    pub pruned: usize,
+    /// Candidates evaluated with the Monte Carlo.
+    pub evaluated: usize,
+}
+
+struct Pending {
+    dp: u32,
+    pp: u32,
+    v: u32,
+    kind: ScheduleKind,
+    budget: u64,
+    stats: usize,
+    lower_bound_s: f64,
+}
+
+/// Microbatch statistics of the sampled steps under one (dp, budget).
+struct BatchStats {
+    mean_tokens: f64,
+    mean_pairs: f64,
+    max_count: u32,
+    /// Per step: the largest replica's total F + I + W time over all layers, seconds.
+    replica_work_s: Vec<f64>,
+}
+
+fn batch_stats(
+    profile: &Profile,
+    steps: &[Vec<u32>],
+    dp: u32,
+    policy: Policy,
+    budget: u64,
+) -> Result<BatchStats> {
+    let (tok, pair) = profile.layers.iter().fold((0.0, 0.0), |acc, l| {
+        (
+            acc.0 + l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s,
+            acc.1 + l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s,
+        )
+    });
+    let c0: f64 = profile
+        .layers
+        .iter()
+        .map(|l| l.f.c0_s + l.i.c0_s + l.w.c0_s)
+        .sum();
+    let cost = move |t: u64, a: u64| tok * t as f64 + pair * a as f64;
+    let params = PolicyParams {
+        token_budget: budget,
+        ..Default::default()
+    };
+    let (mut n, mut t_sum, mut a_sum, mut max_count) = (0usize, 0.0, 0.0, 0u32);
+    let mut replica_work_s = Vec::with_capacity(steps.len());
+    for seqs in steps {
+        let mut worst = 0.0f64;
+        for share in dp_shares(seqs, dp, &cost) {
+            let b = batch(policy, &share, &params, &cost)?;
+            max_count = max_count.max(b.microbatches.len() as u32);
+            let mut work = 0.0;
+            for mb in &b.microbatches {
+                let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
+                n += 1;
+                t_sum += t;
+                a_sum += a;
+                work += c0 + tok * t + pair * a;
+            }
+            worst = worst.max(work);
+        }
+        replica_work_s.push(worst);
+    }
+    Ok(BatchStats {
+        mean_tokens: t_sum / n.max(1) as f64,
+        mean_pairs: a_sum / n.max(1) as f64,
+        max_count: max_count.max(1),
+        replica_work_s,
+    })
+}
+
+/// Searches `space` for the best plan of `profile` on `workload`. `progress(done, total)` is
+/// called as candidates finish.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for an empty space or a pp that does not divide the ranks;
+/// [`Error::NoFeasiblePlan`] (with the reasons) when nothing fits; simulator errors.
+pub fn search(
+    profile: &Profile,
+    workload: &Workload,
+    space: &SearchSpace,
+    config: &SearchConfig,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> Result<SearchResult> {
+    if space.ranks == 0 {
+        return Err(Error::invalid("--ranks", 0, ">= 1"));
+    }
+    if let Some(p) = space.pp.iter().find(|p| **p == 0 || space.ranks % **p != 0) {
+        return Err(Error::invalid(
+            "--pp",
+            p,
+            format!("a divisor of --ranks {}", space.ranks),
+        ));
+    }
+    if config.steps == 0 {
+        return Err(Error::invalid("--steps", 0, ">= 1"));
+    }
+    let steps: Vec<Vec<u32>> = (0..config.steps)
+        .map(|i| workload.sample_step(config.seed, i as u64, config.size))
+        .collect();
+    let n_layers = profile.layers.len();
+    let mut rejected = Vec::new();
+    let mut pending = Vec::new();
+    let mut all_stats = Vec::new();
+    let total_params: f64 = profile.layers.iter().map(|l| l.param_count as f64).sum();
+    for &pp in &space.pp {
+        let dp = space.ranks / pp;
+        // All-reduce lower bound: the slowest pipeline rank holds at least 1/pp of the gradients.
+        let ar_lb = allreduce_lb(profile, total_params / pp as f64, dp, pp);
+        for &budget in &space.token_budgets {
+            let stats = batch_stats(profile, &steps, dp, space.policy, budget)?;
+            let work_lb = stats.replica_work_s.iter().sum::<f64>()
+                / stats.replica_work_s.len().max(1) as f64
+                / pp as f64;
+            all_stats.push(stats);
+            let stats_idx = all_stats.len() - 1;
+            for &kind in &space.kinds {
+                let vs: Vec<u32> = match kind {
+                    ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => {
+                        space.vpp.iter().copied().filter(|v| *v >= 2).collect()
+                    }
+                    _ => vec![kind.stages_per_rank(None)?],
+                };
+                for v in vs {
+                    let what = format!("{kind} dp={dp} pp={pp} v={v} budget={budget}");
+                    let s_count = (pp * v) as usize;
+                    if s_count > n_layers {
+                        rejected.push((what, format!("{s_count} stages for {n_layers} layers")));
+                        continue;
+                    }
+                    pending.push(Pending {
+                        dp,
+                        pp,
+                        v,
+                        kind,
+                        budget,
+                        stats: stats_idx,
+                        lower_bound_s: work_lb + ar_lb,
+                    });
+                }
+            }
+        }
+    }
+    pending.sort_by(|a, b| a.lower_bound_s.total_cmp(&b.lower_bound_s));
+    let total = pending.len();
+    let mut ranked: Vec<Candidate> = Vec::new();
+    let (mut pruned, mut evaluated) = (0, 0);
+    for (i, c) in pending.into_iter().enumerate() {
+        if ranked.len() >= config.keep
+            && c.lower_bound_s >= ranked[config.keep - 1].score(config.rank_by)
+        {
+            pruned += 1;
+            progress(i + 1, total);
+            continue;
+        }
+        let what = format!(
+            "{} dp={} pp={} v={} budget={}",
+            c.kind, c.dp, c.pp, c.v, c.budget
+        );
+        let partition = match plan_candidate(
+            profile,
+            space,
+            config,
+            &all_stats[c.stats],
+            c.pp,
+            c.v,
+            c.kind,
+            c.budget,
+        ) {
+            Ok(p) => p,
+            Err(Error::InfeasibleMemory { explanation, .. }) => {
+                rejected.push((what, explanation));
+                progress(i + 1, total);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        evaluated += 1;
+        let mut combo = Combo::new(
+            ScheduleSource::Kind(c.kind),
+            c.v,
+            partition.stages.clone(),
+            space.policy,
+            Capacity::Dynamic,
+        );
+        combo.dp = c.dp;
+        combo.recompute = partition.recompute.clone();
+        let params = PolicyParams {
+            token_budget: c.budget,
+            ..Default::default()
+        };
+        let mc = montecarlo::run(
+            profile,
+            workload,
+            config.seed,
+            config.size,
+            config.steps,
+            c.pp,
+            &params,
+            &[combo],
+            &|| {},
+        )?;
+        let outcomes = &mc.outcomes[0];
+        let mut peak = vec![0.0f64; c.pp as usize];
+        for o in outcomes {
+            for (r, m) in o.rank_memory_bytes.iter().enumerate() {
+                peak[r] = peak[r].max(*m);
+            }
+        }
+        progress(i + 1, total);
+        if let Some((r, m)) = peak
+            .iter()
+            .enumerate()
+            .find(|(_, m)| **m > config.memory_limit_bytes)
+        {
+            let gib = |b: f64| b / (1u64 << 30) as f64;
+            rejected.push((
+                what,
+                format!(
+                    "simulated peak on rank {r} is {:.1} GiB, over the limit {:.1} GiB",
+                    gib(*m),
+                    gib(config.memory_limit_bytes)
+                ),
+            ));
+            continue;
+        }
+        let cand = Candidate {
+            dp: c.dp,
+            pp: c.pp,
+            vpp: c.v,
+            schedule: c.kind,
+            token_budget: c.budget,
+            lower_bound_s: c
+                .lower_bound_s
+                .max(lb_with_partition(profile, &partition, &c)),
+            partition,
+            summary: montecarlo::summarize(outcomes, c.dp * c.pp, profile.hardware.peak_flops),
+            peak_memory_bytes: peak,
+        };
+        let pos = ranked.partition_point(|x| x.score(config.rank_by) <= cand.score(config.rank_by));
+        ranked.insert(pos, cand);
+        ranked.truncate(config.keep.max(1));
+    }
+    if ranked.is_empty() {
+        let mut reasons: Vec<String> = rejected
+            .iter()
+            .take(6)
+            .map(|(w, r)| format!("{w}: {r}"))
+            .collect();
+        if rejected.len() > 6 {
+            reasons.push(format!("... and {} more", rejected.len() - 6));
+        }
+        return Err(Error::NoFeasiblePlan(reasons.join("; ")));
+    }
+    Ok(SearchResult {
+        ranked,
+        rejected,
+        pruned,
+        evaluated,
+    })
+}
+
+/// Ring all-reduce lower bound for `params` gradients (bf16) per pipeline rank over `dp`
+/// replicas (see [`allreduce_s`]).
+fn allreduce_lb(profile: &Profile, params: f64, dp: u32, pp: u32) -> f64 {
+    if dp <= 1 {
+        return 0.0;
+    }
+    let g = profile.hardware.gpus_per_node as usize;
+    let spans_nodes = (dp as usize - 1) * pp as usize >= g;
+    let link = if spans_nodes {
+        &profile.hardware.inter_node
+    } else {
+        &profile.hardware.intra_node
+    };
+    2.0 * (dp as f64 - 1.0) * (link.alpha_s + params * 2.0 / (dp as f64 * link.beta_bytes_per_s))
+}
+
+/// The lower bound with the candidate's own split: its all-reduce replaces the even-split one.
+fn lb_with_partition(profile: &Profile, partition: &Partition, c: &Pending) -> f64 {
+    let placement = if c.kind.placement() == flatpipe_simulator::PlacementKind::V {
+        flatpipe_simulator::Placement::v_shape(c.pp)
+    } else {
+        flatpipe_simulator::Placement::looped(c.pp, c.v)
+    };
+    let total_params: f64 = profile.layers.iter().map(|l| l.param_count as f64).sum();
+    c.lower_bound_s - allreduce_lb(profile, total_params / c.pp as f64, c.dp, c.pp)
+        + allreduce_s(profile, &partition.stages, &placement, c.dp)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn plan_candidate(
+    profile: &Profile,
+    space: &SearchSpace,
+    config: &SearchConfig,
+    stats: &BatchStats,
+    pp: u32,
+    v: u32,
+    kind: ScheduleKind,
+    budget: u64,
+) -> Result<Partition> {
+    let schedule = kind.generate(pp, v, stats.max_count)?;
+    let uniform = replay::replay(
+        &schedule,
+        &UniformCosts::new(&UniformCostSpec::default(), v),
+    )?;
+    let inflight: Vec<f64> = stage_inflight_peaks(&schedule, &uniform)
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    let act_tokens = budget as f64;
+    let layers = profile
+        .layers
+        .iter()
+        .map(|l| {
+            let mut time_s = [0.0; 3];
+            let mut act_bytes = [0.0; 3];
+            for (mi, &m) in Recompute::ALL.iter().enumerate() {
+                let (extra, _, _) = recompute_effect(l, m, stats.mean_tokens, stats.mean_pairs);
+                time_s[mi] = l.f.time_s(stats.mean_tokens, stats.mean_pairs)
+                    + l.i.time_s(stats.mean_tokens, stats.mean_pairs)
+                    + l.w.time_s(stats.mean_tokens, stats.mean_pairs)
+                    + extra;
+                let (_, act_i, act_w) = recompute_effect(l, m, act_tokens, 0.0);
+                act_bytes[mi] = act_i + act_w;
+            }
+            LayerCost {
+                time_s,
+                act_bytes,
+                params: l.param_count,
+            }
+        })
+        .collect();
+    let problem = PartitionProblem {
+        layers,
+        placement: schedule.placement.clone(),
+        inflight,
+        memory_limit_bytes: config.memory_limit_bytes,
+        static_bytes: config.static_bytes,
+        modes: space.recompute.clone(),
+    };
+    // Quick reject: the static memory alone, spread perfectly over pp ranks, must fit.
+    let static_total: f64 =
+        problem.layers.iter().map(|l| l.params as f64).sum::<f64>() * config.static_bytes.total();
+    if static_total / pp as f64 > config.memory_limit_bytes {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        return Err(Error::InfeasibleMemory {
+            layers: problem.layers.len(),
+            stages: (pp * v) as usize,
+            limit_gib: gib(config.memory_limit_bytes),
+            explanation: format!(
+                "parameters, gradients and optimizer state alone need {:.1} GiB per rank over {pp} ranks; limit {:.1} GiB",
+                gib(static_total / pp as f64),
+                gib(config.memory_limit_bytes)
+            ),
+        });
+    }
+    solve_with(&problem, config.milp_time_limit_s)
+}
