@@ -2,6 +2,7 @@
 
 mod cli;
 mod closed_forms;
+mod planner;
 mod properties;
 mod schedules;
 mod variable_length;

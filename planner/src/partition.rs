@@ -193,9 +193,8 @@ impl PartitionProblem {
         let total: Vec<f64> = (0..p)
             .map(|r| params[r] * self.static_bytes.total() + act[r])
             .collect();
-        let r = (0..p)
-            .max_by(|a, b| total[*a].total_cmp(&total[*b]))
-            .unwrap_or(0);
+        // The heaviest rank; the lowest index among equals.
+        let r = (0..p).fold(0, |best, r| if total[r] > total[best] { r } else { best });
         let g = |b: f64| b / (1u64 << 30) as f64;
         format!(
             "rank {r} needs {:.1} GiB: params {:.1}, grads {:.1}, optimizer {:.1}, activations {:.1}",

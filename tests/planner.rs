@@ -1,0 +1,308 @@
+//! The planner: partition solvers against each other and by hand, memory limits, exports, and
+//! the chosen plan against the plans a user would try by hand.
+
+use flatpipe::planner::export::{megatron, megatron_layout, parse_megatron_layout, torchtitan};
+use flatpipe::planner::partition::{
+    LayerCost, PartitionProblem, StaticBytes, solve, solve_dp, solve_milp,
+};
+use flatpipe::planner::search::{RankBy, SearchConfig, SearchSpace, search};
+use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
+use flatpipe::simulator::costs::Recompute;
+use flatpipe::simulator::montecarlo::{self, Capacity, Combo, ScheduleSource};
+use flatpipe::simulator::plan::{StageLayers, even_split};
+use flatpipe::simulator::policy::{Policy, PolicyParams};
+use flatpipe::simulator::{Placement, PlacementKind, Plan, ScheduleKind};
+use proptest::prelude::*;
+
+fn layers(times: &[f64], params: &[u64], act: &[f64]) -> Vec<LayerCost> {
+    times
+        .iter()
+        .zip(params)
+        .zip(act)
+        .map(|((&t, &p), &a)| LayerCost {
+            time_s: [t, t * 1.1, t * 1.3],
+            act_bytes: [a, a * 0.5, a * 0.1],
+            params: p,
+        })
+        .collect()
+}
+
+fn problem(
+    ls: Vec<LayerCost>,
+    placement: Placement,
+    limit: f64,
+    modes: Vec<Recompute>,
+) -> PartitionProblem {
+    let s = placement.num_stages() as usize;
+    PartitionProblem {
+        layers: ls,
+        placement,
+        inflight: vec![2.0; s],
+        memory_limit_bytes: limit,
+        static_bytes: StaticBytes::default(),
+        modes,
+    }
+}
+
+/// Every contiguous split of `n` layers into `s` non-empty stages (brute force).
+fn splits(n: usize, s: usize) -> Vec<Vec<std::ops::Range<usize>>> {
+    if s == 1 {
+        return vec![vec![0..n]];
+    }
+    let mut out = Vec::new();
+    for first in 1..=n - (s - 1) {
+        for rest in splits(n - first, s - 1) {
+            let mut v = vec![0..first];
+            v.extend(rest.into_iter().map(|r| r.start + first..r.end + first));
+            out.push(v);
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    /// The MILP and the exact DP find the same optimum of the plain contiguous min-max split.
+    #[test]
+    fn milp_equals_dp(times in prop::collection::vec(1u32..20, 2..14), p in 1u32..5) {
+        prop_assume!(times.len() >= p as usize);
+        let t: Vec<f64> = times.iter().map(|&x| x as f64).collect();
+        let n = t.len();
+        let pr = problem(layers(&t, &vec![0; n], &vec![0.0; n]), Placement::looped(p, 1), f64::INFINITY, vec![Recompute::None]);
+        let dp = solve_dp(&pr, false).unwrap();
+        let milp = solve_milp(&pr).unwrap();
+        prop_assert!((dp.bottleneck_s - milp.bottleneck_s).abs() < 1e-9, "dp {} milp {}", dp.bottleneck_s, milp.bottleneck_s);
+        prop_assert_eq!(dp.stages.iter().map(|r| r.len()).sum::<usize>(), n);
+    }
+
+    /// With memory limits and recomputation on two stages per rank, the MILP matches a brute
+    /// force over every split and mode, and `solve` is feasible and no better than that optimum
+    /// nor below its certified lower bound.
+    #[test]
+    fn milp_matches_brute_force_with_memory(
+        times in prop::collection::vec(1u32..10, 4..8),
+        params in prop::collection::vec(0u64..4, 4..8),
+        limit in 20.0f64..60.0,
+    ) {
+        let n = times.len().min(params.len());
+        let t: Vec<f64> = times[..n].iter().map(|&x| x as f64).collect();
+        let act: Vec<f64> = vec![2.0; n];
+        let placement = Placement::looped(2, 2);
+        let modes = vec![Recompute::None, Recompute::Selective, Recompute::Full];
+        let pr = problem(layers(&t, &params[..n], &act), placement.clone(), limit, modes.clone());
+        let mut best = f64::INFINITY;
+        for split in splits(n, 4) {
+            for combo in 0..81usize {
+                let rec: Vec<Recompute> = (0..4).map(|s| modes[(combo / 3usize.pow(s as u32)) % 3]).collect();
+                if pr.rank_memory(&split, &rec).iter().all(|&m| m <= limit) {
+                    let idx = |m: Recompute| modes.iter().position(|x| *x == m).unwrap();
+                    let b = split.iter().zip(&rec).map(|(r, &m)| pr.layers[r.clone()].iter().map(|l| l.time_s[idx(m)]).sum::<f64>()).fold(0.0, f64::max);
+                    best = best.min(b);
+                }
+            }
+        }
+        match solve_milp(&pr) {
+            Ok(m) => prop_assert!((m.bottleneck_s - best).abs() < 1e-6, "milp {} brute {}", m.bottleneck_s, best),
+            Err(_) => prop_assert!(best.is_infinite()),
+        }
+        if let Ok(s) = solve(&pr) {
+            prop_assert!(s.rank_memory_bytes.iter().all(|&m| m <= limit + 1e-9));
+            prop_assert!(s.bottleneck_s >= best - 1e-9);
+            prop_assert!(s.lower_bound_s <= best + 1e-9);
+        } else {
+            prop_assert!(best.is_infinite());
+        }
+    }
+}
+
+/// The unconstrained optimum puts too much on the rank holding the heavy embedding; under the
+/// limit the split moves layers off it (and stays optimal by the DP, exact for one stage per
+/// rank).
+#[test]
+fn memory_limit_moves_layers_off_the_heavy_rank() {
+    // 8 layers of time 1; layer 0 has 10 parameters (160 bytes), the others none; each layer's
+    // activations are 10 bytes per microbatch, 2 in flight: 20 bytes per layer.
+    let mut params = vec![0u64; 8];
+    params[0] = 10;
+    let ls = layers(&[1.0; 8], &params, &[10.0; 8]);
+    let free = solve_dp(
+        &problem(
+            ls.clone(),
+            Placement::looped(2, 1),
+            f64::INFINITY,
+            vec![Recompute::None],
+        ),
+        false,
+    )
+    .unwrap();
+    assert_eq!(free.stages, vec![0..4, 4..8]); // rank 0: 160 + 4 * 20 = 240 bytes
+    let limited = solve_dp(
+        &problem(ls, Placement::looped(2, 1), 200.0, vec![Recompute::None]),
+        false,
+    )
+    .unwrap();
+    // Rank 0 may hold 160 + 2 * 20 = 200 bytes: two layers; the rest (6) go to rank 1.
+    assert_eq!(limited.stages, vec![0..2, 2..8]);
+    assert_eq!(limited.bottleneck_s, 6.0);
+}
+
+#[test]
+fn infeasible_requests_explain_the_heaviest_rank() {
+    let ls = layers(&[1.0; 4], &[1 << 30; 4], &[1.0; 4]);
+    let pr = problem(
+        ls,
+        Placement::looped(2, 1),
+        20.0 * (1u64 << 30) as f64,
+        vec![Recompute::None],
+    );
+    let e = solve(&pr).unwrap_err().to_string();
+    // Each rank holds 2 layers of 1 Gi parameters: 2 * 16 = 32 GiB (params 4, grads 4, optimizer 24).
+    assert!(
+        e.contains("rank 0 needs 32.0 GiB: params 4.0, grads 4.0, optimizer 24.0")
+            && e.contains("limit 20.0 GiB"),
+        "{e}"
+    );
+}
+
+fn profile() -> flatpipe::profiles::Profile {
+    let m = builtins::model("llama3.1-8b").unwrap();
+    let h = builtins::hardware("h200").unwrap();
+    analytic_profile(&m, &h, &AnalyticOptions::default()).unwrap()
+}
+
+fn plan(schedule: ScheduleKind, pp: u32, stages: &[std::ops::Range<usize>]) -> Plan {
+    Plan {
+        model: Some("llama3.1-8b".into()),
+        hardware: Some("h200".into()),
+        profile: None,
+        workload: "sharegpt-v3".into(),
+        dp: None,
+        pp,
+        vpp: None,
+        placement: schedule.placement(),
+        schedule,
+        stages: stages
+            .iter()
+            .map(|r| StageLayers {
+                start: r.start,
+                end: r.end,
+            })
+            .collect(),
+        microbatches: None,
+        token_budget: Some(16_384),
+        seqs_per_step: None,
+        tokens_per_step: None,
+        policy: None,
+        recompute: Vec::new(),
+        seed: 0,
+        predicted: None,
+        provenance: None,
+    }
+}
+
+#[test]
+fn megatron_layout_round_trips() {
+    let prof = profile();
+    let stages = even_split(34, 8).unwrap();
+    let p = plan(ScheduleKind::Interleaved1F1B, 4, &stages);
+    let layout = megatron_layout(&p, &prof).unwrap();
+    // 34 layers into 8 stages: 5,5,4,4,4,4,4,4 -> E + 4 decoders first, 3 decoders + loss last.
+    assert_eq!(layout, "Etttt|ttttt|tttt|tttt|tttt|tttt|tttt|tttL");
+    let parsed = parse_megatron_layout(&layout).unwrap();
+    let sizes: Vec<usize> = parsed
+        .iter()
+        .map(|(e, t, l)| usize::from(*e) + t + usize::from(*l))
+        .collect();
+    assert_eq!(sizes, stages.iter().map(|r| r.len()).collect::<Vec<_>>());
+    // "E(tt|)*2t|tL" expands to "Ett|tt|t|tL".
+    assert_eq!(
+        parse_megatron_layout("E(tt|)*2t|tL").unwrap(),
+        vec![
+            (true, 2, false),
+            (false, 2, false),
+            (false, 1, false),
+            (false, 1, true)
+        ]
+    );
+    assert!(
+        megatron(&p, &prof)
+            .unwrap()
+            .contains("--num-virtual-stages-per-pipeline-rank 2")
+    );
+    // V placements cannot be expressed; ZB warns.
+    let v = plan(ScheduleKind::ZbV, 4, &stages);
+    assert!(
+        megatron(&v, &prof)
+            .unwrap_err()
+            .to_string()
+            .contains("V placement")
+    );
+    let zb = plan(ScheduleKind::ZbH1, 4, &even_split(34, 4).unwrap());
+    assert!(
+        megatron(&zb, &prof)
+            .unwrap()
+            .starts_with("# warning: Megatron-LM has no zb-h1")
+    );
+    let tt = torchtitan(&zb, &prof, 12, Some("s.csv")).unwrap();
+    assert!(
+        tt.contains("module_fqns_per_model_part = [[\"tok_embeddings\", \"layers.0\""),
+        "{tt}"
+    );
+    assert!(
+        tt.contains("\"layers.31\", \"norm\", \"output\"]]")
+            && tt.contains("pipeline_parallel_schedule_csv = \"s.csv\""),
+        "{tt}"
+    );
+    assert!(tt.contains("num_tokens_per_microbatch_per_dp_rank = 16384"));
+    assert_eq!(PlacementKind::V, v.placement);
+}
+
+/// On the embedded default (Llama-3.1-8B, 8 H200, ShareGPT) the chosen plan is at least as fast,
+/// on the same sampled steps, as 1F1B at pp = 2, 4, 8 with an even split (dp = 8 / pp, token
+/// budget 16,384), the plans a user would try by hand.
+#[test]
+fn default_plan_beats_hand_written_1f1b() {
+    let prof = profile();
+    let w = builtins::workload("sharegpt-v3").unwrap();
+    let limit = prof.hardware.memory_bytes as f64 - 4.0 * (1u64 << 30) as f64;
+    let config = SearchConfig {
+        steps: 64,
+        seed: 0,
+        size: StepSize::Seqs(128),
+        memory_limit_bytes: limit,
+        static_bytes: StaticBytes::default(),
+        rank_by: RankBy::Mean,
+        keep: 5,
+        milp_time_limit_s: None,
+    };
+    let result = search(&prof, &w, &SearchSpace::default_for(8), &config, &|_, _| {}).unwrap();
+    let best = result.ranked[0].summary.step_time_s.mean;
+    for pp in [2u32, 4, 8] {
+        let stages = even_split(prof.layers.len(), pp as usize).unwrap();
+        let mut combo = Combo::new(
+            ScheduleSource::Kind(ScheduleKind::OneFOneB),
+            1,
+            stages,
+            Policy::FlatFfd,
+            Capacity::Dynamic,
+        );
+        combo.dp = 8 / pp;
+        let mc = montecarlo::run(
+            &prof,
+            &w,
+            0,
+            StepSize::Seqs(128),
+            64,
+            pp,
+            &PolicyParams::default(),
+            &[combo],
+            &|| {},
+        )
+        .unwrap();
+        let hand = montecarlo::summarize(&mc.outcomes[0], 8, prof.hardware.peak_flops)
+            .step_time_s
+            .mean;
+        assert!(best <= hand, "chosen {best} s vs 1f1b pp={pp}: {hand} s");
+    }
+}
