@@ -47,14 +47,14 @@ fn problem(
 /// Every contiguous split of `n` layers into `s` non-empty stages (brute force).
 fn splits(n: usize, s: usize) -> Vec<Vec<std::ops::Range<usize>>> {
     if s == 1 {
-        return vec![vec![0..n]];
+        return vec![std::iter::once(0..n).collect()];
     }
     let mut out = Vec::new();
     for first in 1..=n - (s - 1) {
         for rest in splits(n - first, s - 1) {
-            let mut v = vec![0..first];
-            v.extend(rest.into_iter().map(|r| r.start + first..r.end + first));
-            out.push(v);
+            let v = std::iter::once(0..first)
+                .chain(rest.into_iter().map(|r| r.start + first..r.end + first));
+            out.push(v.collect());
         }
     }
     out
