@@ -433,6 +433,9 @@ where
     S::Model: SolverModel<Error = good_lp::ResolutionError>,
 {
     problem.check()?;
+    // The memory-free DP optimum bounds the bottleneck from below: as a constraint it closes
+    // the weak LP bound of min-max splits, so the solver stops at the first split reaching it.
+    let lb = solve_dp(problem, true)?.bottleneck_s;
     let (l_count, s_count) = (problem.layers.len(), problem.s_count());
     let modes = &problem.modes;
     let mut vars = ProblemVariables::new();
@@ -494,6 +497,7 @@ where
         }
     };
     let mut model = vars.minimise(t).using(solver);
+    model = model.with(constraint!(t >= lb));
     for l in 0..l_count {
         for s in 0..s_count.saturating_sub(1) {
             if s + 1 < s_count - 1 {
@@ -599,7 +603,7 @@ where
         bottleneck_s: bottleneck,
         rank_memory_bytes,
         solver: if optimal { "milp" } else { "milp (time limit)" },
-        lower_bound_s: 0.0,
+        lower_bound_s: lb,
         optimal,
     })
 }
@@ -690,7 +694,10 @@ pub fn solve_with(problem: &PartitionProblem, milp_time_limit_s: Option<f64>) ->
         });
     }
     let t0 = std::time::Instant::now();
-    let milp = solve_milp_within(problem, milp_time_limit_s);
+    // Without a split from the DP, the MILP runs even when not asked for, within the default
+    // limit, so that a search never waits on it.
+    let limit = milp_time_limit_s.unwrap_or(MILP_TIME_LIMIT_S);
+    let milp = solve_milp_within(problem, Some(limit));
     tracing::debug!(
         "partition MILP: {} layers, {} stages, {:.3} s, heuristic {:?}, result {:?}",
         problem.layers.len(),
@@ -718,7 +725,24 @@ pub fn solve_with(problem: &PartitionProblem, milp_time_limit_s: Option<f64>) ->
             optimal: false,
             ..h
         },
-        (Err(e), None) => return Err(e),
+        (Err(_), None) => {
+            return Err(match infeasible(problem) {
+                Error::InfeasibleMemory {
+                    layers,
+                    stages,
+                    limit_gib,
+                    explanation,
+                } => Error::InfeasibleMemory {
+                    layers,
+                    stages,
+                    limit_gib,
+                    explanation: format!(
+                        "{explanation} (no split found by the DP with per-stage shares of the limit, nor by the MILP within {limit} s)"
+                    ),
+                },
+                other => other,
+            });
+        }
     };
     Ok(Partition {
         lower_bound_s: lb,

@@ -44,7 +44,7 @@ pub fn color(kind: ActionKind) -> RGBColor {
 /// interleaved and V schedules show which stage ran.
 fn chunk_color(kind: ActionKind, chunk: usize) -> RGBColor {
     let RGBColor(r, g, b) = color(kind);
-    let k = 1.0 - 0.3 * (chunk.min(3) as f64);
+    let k = 1.0 - 0.15 * (chunk.min(3) as f64);
     let d = |c: u8| (c as f64 * k).round() as u8;
     RGBColor(d(r), d(g), d(b))
 }

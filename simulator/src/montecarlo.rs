@@ -22,9 +22,11 @@ use crate::{Error, Result, Simulation, simulate};
 use flatpipe_profiles::{Profile, StepSize, Workload};
 use rayon::prelude::*;
 use serde::Serialize;
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// How many microbatches a step's schedule holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -206,6 +208,25 @@ pub struct StepOutcome {
     pub rounds: u32,
 }
 
+/// Generated schedules by (kind, p, v, m): steps of a Monte Carlo share their microbatch counts,
+/// and interleaved 1F1B's deadlock-free group size search is worth doing once.
+fn cached_schedule(kind: ScheduleKind, p: u32, v: u32, m: u32) -> Result<Arc<Schedule>> {
+    type Cache = Mutex<HashMap<(ScheduleKind, u32, u32, u32), Arc<Schedule>>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let key = (kind, p, v, m);
+    if let Some(s) = cache.lock().expect("schedule cache").get(&key) {
+        return Ok(Arc::clone(s));
+    }
+    let s = Arc::new(kind.generate(p, v, m)?);
+    let mut c = cache.lock().expect("schedule cache");
+    if c.len() > 4096 {
+        c.clear();
+    }
+    c.insert(key, Arc::clone(&s));
+    Ok(s)
+}
+
 /// Simulates one step of `mbs` under `combo` on `p` ranks. Returns the outcome and, when the
 /// step ran as one round, its schedule and simulation.
 ///
@@ -240,9 +261,9 @@ pub fn simulate_replica(
         Capacity::Dynamic => (n, 1),
         Capacity::Fixed(k) => (k, n.div_ceil(k).max(1)),
     };
-    let schedule = match &combo.source {
-        ScheduleSource::Kind(kind) => kind.generate(p, combo.v, k)?,
-        ScheduleSource::Given(s) => s.clone(),
+    let schedule: Arc<Schedule> = match &combo.source {
+        ScheduleSource::Kind(kind) => cached_schedule(*kind, p, combo.v, k)?,
+        ScheduleSource::Given(s) => Arc::new(s.clone()),
     };
     let mut out = StepOutcome {
         step_time_s: 0.0,
@@ -297,7 +318,7 @@ pub fn simulate_replica(
             out.rank_memory_bytes[r] = out.rank_memory_bytes[r].max(total);
         }
         if rounds == 1 {
-            single = Some((schedule.clone(), sim));
+            single = Some(((*schedule).clone(), sim));
         }
     }
     Ok((out, single))
