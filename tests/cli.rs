@@ -512,3 +512,93 @@ fn memory_timeline_csv_by_hand() {
         "rank,time_s,activation_units\n0,0,0\n0,0,1\n0,1,2\n0,6,1\n0,9,0\n1,0,0\n1,1,1\n1,4,0\n1,4,1\n1,7,0\n"
     );
 }
+
+#[test]
+fn plan_writes_a_plan_that_simulate_reproduces() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--steps",
+            "8",
+            "--pp",
+            "2,4",
+            "--schedule",
+            "1f1b,zb-h1",
+            "--token-budgets",
+            "8192,16384",
+            "-o",
+            "p.yaml",
+            "--export",
+            "megatron",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    let plans = v["plans"].as_array().unwrap();
+    assert!(!plans.is_empty() && plans.len() <= 5);
+    let predicted = v["chosen"]["predicted"]["step_time_mean_s"]
+        .as_f64()
+        .unwrap();
+    assert_eq!(
+        plans[0]["summary"]["step_time_s"]["mean"].as_f64().unwrap(),
+        predicted
+    );
+    let text = std::fs::read_to_string(dir.path().join("p.yaml")).unwrap();
+    assert!(
+        text.contains("profile_sha256") && text.contains("workload_sha256"),
+        "{text}"
+    );
+    let megatron = std::fs::read_to_string(dir.path().join("p.megatron.txt")).unwrap();
+    assert!(
+        megatron.contains("--pipeline-model-parallel-layout \"E"),
+        "{megatron}"
+    );
+    // simulate --plan on the same steps gives the same mean.
+    let s = json(&flatpipe(
+        dir.path(),
+        &[
+            "simulate", "--plan", "p.yaml", "--steps", "8", "--format", "json",
+        ],
+    ));
+    assert!((s[0]["step_time_s"]["mean"].as_f64().unwrap() - predicted).abs() < 1e-9);
+}
+
+#[test]
+fn plan_that_cannot_fit_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--steps",
+            "2",
+            "--memory-limit",
+            "10GiB",
+            "--schedule",
+            "1f1b",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(
+        e.contains("no plan fits") && e.contains("GiB") && e.contains("limit 10.0 GiB"),
+        "{e}"
+    );
+    let o = flatpipe(dir.path(), &["plan", "--memory-limit", "lots"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("--memory-limit `lots` is invalid"),
+        "{}",
+        stderr(&o)
+    );
+    let o = flatpipe(dir.path(), &["plan", "--ranks", "8", "--pp", "3"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("a divisor of --ranks 8"),
+        "{}",
+        stderr(&o)
+    );
+}
