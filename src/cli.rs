@@ -116,7 +116,7 @@ struct SimulateArgs {
     histogram: Option<PathBuf>,
     /// Uniform costs instead of a profile and workload: one rank's share of the model per
     /// microbatch in seconds, e.g. f=1,b=1,w=1,comm=0 (keys f, b, w, comm, fb, fo).
-    #[arg(long, conflicts_with_all = ["profile", "model", "hardware", "workload", "plan", "token_budget", "seqs_per_step", "tokens_per_step", "steps", "policy", "capacity", "pack_len", "max_seq_len", "keep_prob", "histogram"])]
+    #[arg(long, conflicts_with_all = ["profile", "model", "hardware", "workload", "plan", "token_budget", "seqs_per_step", "tokens_per_step", "policy", "capacity", "pack_len", "max_seq_len", "keep_prob", "histogram"])]
     costs: Option<String>,
     /// Seed of the step sampler (default: the workload's, 0). Printed.
     #[arg(long)]
@@ -387,6 +387,11 @@ fn simulate(a: SimulateArgs) -> Result<ExitCode> {
         None => Schedules::Kinds(parse_kinds(&a.schedule)?),
     };
     match &a.costs {
+        Some(_) if a.steps.is_some_and(|n| n > 1) => {
+            bail!(
+                "the argument '--costs' cannot be used with '--steps' > 1: uniform costs describe one step"
+            )
+        }
         Some(spec) => simulate_uniform(&a, &spec.parse()?, schedules),
         None => simulate_profile(&a, schedules),
     }

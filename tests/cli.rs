@@ -457,6 +457,8 @@ fn monte_carlo_reports_distributions_per_policy_and_capacity() {
 #[test]
 fn costs_refuse_monte_carlo_options() {
     let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(dir.path(), &["simulate", "--costs", "f=1", "--steps", "1"]);
+    assert!(o.status.success(), "--steps 1 is one step: {}", stderr(&o));
     for extra in [
         ["--steps", "5"],
         ["--policy", "padded"],
