@@ -45,9 +45,9 @@ enum Format {
     Json,
 }
 
-/// Options of `flatpipe simulate`.
+/// What a run is about: the model's costs and the input lengths (shared by simulate and plan).
 #[derive(Debug, Args)]
-struct SimulateArgs {
+struct Inputs {
     /// Cost profile: a YAML file or a built-in name such as llama3.1-8b@h200.
     #[arg(long, conflicts_with_all = ["model", "hardware"])]
     profile: Option<String>,
@@ -60,6 +60,13 @@ struct SimulateArgs {
     /// Workload: a YAML file, a CSV file with a `tokens` column, or a built-in name.
     #[arg(long)]
     workload: Option<String>,
+}
+
+/// Options of `flatpipe simulate`.
+#[derive(Debug, Args)]
+struct SimulateArgs {
+    #[command(flatten)]
+    inputs: Inputs,
     /// Run a plan file (sets pp, vpp, schedule, stages and microbatching).
     #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "token_budget", "schedule_csv"])]
     plan: Option<PathBuf>,
@@ -149,18 +156,8 @@ enum ExportFormat {
 /// Options of `flatpipe plan`.
 #[derive(Debug, Args)]
 struct PlanArgs {
-    /// Cost profile: a YAML file or a built-in name such as llama3.1-8b@h200.
-    #[arg(long, conflicts_with_all = ["model", "hardware"])]
-    profile: Option<String>,
-    /// Model (YAML file or built-in name); its analytic profile on --hardware is used.
-    #[arg(long)]
-    model: Option<String>,
-    /// Hardware (YAML file or built-in name).
-    #[arg(long)]
-    hardware: Option<String>,
-    /// Workload: a YAML file, a CSV file with a `tokens` column, or a built-in name.
-    #[arg(long)]
-    workload: Option<String>,
+    #[command(flatten)]
+    inputs: Inputs,
     /// Ranks in all (dp x pp). Default 8 (one 8-GPU node).
     #[arg(long, default_value_t = 8)]
     ranks: u32,
@@ -614,11 +611,21 @@ fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result<ExitCode> 
         from_plan.or(from_args.as_ref()).map(String::as_str)
     }
     let profile = resolve_profile(
-        pick(plan.as_ref().and_then(|p| p.profile.as_ref()), &a.profile),
-        pick(plan.as_ref().and_then(|p| p.model.as_ref()), &a.model),
-        pick(plan.as_ref().and_then(|p| p.hardware.as_ref()), &a.hardware),
+        pick(
+            plan.as_ref().and_then(|p| p.profile.as_ref()),
+            &a.inputs.profile,
+        ),
+        pick(
+            plan.as_ref().and_then(|p| p.model.as_ref()),
+            &a.inputs.model,
+        ),
+        pick(
+            plan.as_ref().and_then(|p| p.hardware.as_ref()),
+            &a.inputs.hardware,
+        ),
     )?;
     let workload_name = a
+        .inputs
         .workload
         .clone()
         .or_else(|| plan.as_ref().map(|p| p.workload.clone()))
@@ -1087,11 +1094,12 @@ struct PlanRow {
 fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     use planner::search::{RankBy, SearchConfig, SearchSpace};
     let profile = resolve_profile(
-        a.profile.as_deref(),
-        a.model.as_deref(),
-        a.hardware.as_deref(),
+        a.inputs.profile.as_deref(),
+        a.inputs.model.as_deref(),
+        a.inputs.hardware.as_deref(),
     )?;
     let workload_name = a
+        .inputs
         .workload
         .clone()
         .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
@@ -1195,16 +1203,18 @@ fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         })
         .collect();
     // The chosen plan as a Plan file.
-    let (model_ref, hardware_ref) = match &a.profile {
+    let (model_ref, hardware_ref) = match &a.inputs.profile {
         Some(_) => (None, None),
         None => (
             Some(
-                a.model
+                a.inputs
+                    .model
                     .clone()
                     .unwrap_or_else(|| builtins::DEFAULT_MODEL.into()),
             ),
             Some(
-                a.hardware
+                a.inputs
+                    .hardware
                     .clone()
                     .unwrap_or_else(|| builtins::DEFAULT_HARDWARE.into()),
             ),
@@ -1213,7 +1223,7 @@ fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     let plan = Plan {
         model: model_ref,
         hardware: hardware_ref,
-        profile: a.profile.clone(),
+        profile: a.inputs.profile.clone(),
         workload: workload_name.clone(),
         dp: Some(best.dp),
         pp: best.pp,
