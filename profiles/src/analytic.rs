@@ -195,10 +195,8 @@ mod tests {
     use super::*;
     use crate::builtins;
 
-    /// Model FLOPs utilisation of a one-device step of one sequence of `s` tokens, with the
-    /// model-FLOPs convention of the PaLM paper (Chowdhery et al. 2022, appendix B):
-    /// `6N + 12 L h s` per token for training, N = non-embedding parameters... here counted
-    /// exactly from the same GEMM shapes: 3 x forward FLOPs (+ causal attention).
+    /// Model FLOPs utilisation of a one-device step of one sequence of `s` tokens: model
+    /// FLOPs (counted independently below) over the analytic time times the peak.
     fn mfu(s: f64) -> f64 {
         let model = builtins::model("llama3.1-8b").unwrap();
         let hw = builtins::hardware("h200").unwrap();
