@@ -1,12 +1,36 @@
 //! # flatpipe-executor
 //!
-//! This crate will run plans for real: a decoder-only transformer over flat `[T]` token lists
-//! with `cu_seqlens`, real forward (F), dgrad (I) and wgrad (W) kernels on a CPU backend (one
-//! thread per rank, channels for links) and a CUDA backend (cudarc: cuBLAS GEMMs and NVRTC
-//! kernels), one interpreter for every schedule, and the profiler that measures the same kernels
-//! and fits a [`flatpipe_planner::flatpipe_simulator`] cost profile.
+//! Runs flatpipe plans for real. A decoder-only transformer over flat `[T]` token lists with
+//! `cu_seqlens` ([`cpu`], fp32, GEMMs by `matrixmultiply` through `ndarray`), with forward (F),
+//! dgrad (I) and wgrad (W) kernels ([`kernels`], each backward checked against finite
+//! differences), and one interpreter ([`interpreter`]) for every schedule of the simulator's IR:
+//! one thread per rank runs its action list and waits only on real data dependencies; transfers
+//! go through channels and are checked against the step's microbatch plan (no shape handshake).
 //!
-//! Nothing is implemented yet.
+//! ```text
+//! Plan / inline options --> Setup --> per step: sequences -> dp shares -> microbatches
+//!   -> MicrobatchData (ids, labels, loss weights) -> Schedule (IR, generated for this m)
+//!   -> interpreter: thread per rank, F / I / W / B / Fo -> loss, gradients, measured Timeline
+//!   -> all-reduce over dp, global grad norm, AdamW
+//! ```
+//!
+//! - [`data`]: token ids, labels and loss weights; the explicit loss reduction.
+//! - [`worker`]: the [`StageWorker`] trait a backend implements, and [`AdamW`].
+//! - [`cpu`]: the CPU backend; [`null`]: a backend whose kernels do nothing (measures the
+//!   interpreter's own overhead).
+//! - [`runner`]: a plan's steps end to end, and the single-rank reference run that `--verify`
+//!   and the tests compare against.
 #![deny(missing_docs)]
 
+pub mod cpu;
+pub mod data;
+mod error;
+
+pub mod kernels;
+
+pub mod worker;
+
+pub use data::{LossReduction, MicrobatchData};
+pub use error::{Error, Result};
 pub use flatpipe_planner;
+pub use worker::{AdamW, StageWorker};

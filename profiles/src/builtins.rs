@@ -14,10 +14,14 @@ pub const MODELS: &[(&str, &str)] = &[
         "llama3.1-70b",
         include_str!("../data/models/llama3.1-70b.yaml"),
     ),
+    ("tiny", include_str!("../data/models/tiny.yaml")),
 ];
 
 /// Built-in hardware names and their YAML.
-pub const HARDWARE: &[(&str, &str)] = &[("h200", include_str!("../data/hardware/h200.yaml"))];
+pub const HARDWARE: &[(&str, &str)] = &[
+    ("h200", include_str!("../data/hardware/h200.yaml")),
+    ("cpu", include_str!("../data/hardware/cpu.yaml")),
+];
 
 /// Built-in workload names, their YAML and the CSV files they refer to.
 pub const WORKLOADS: &[(&str, &str)] = &[
@@ -28,6 +32,10 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     (
         "sharegpt-v3-merged",
         include_str!("../data/workloads/sharegpt-v3-merged.yaml"),
+    ),
+    (
+        "tiny-chat",
+        include_str!("../data/workloads/tiny-chat.yaml"),
     ),
 ];
 
@@ -79,7 +87,7 @@ fn resolve<T>(
     }
 }
 
-/// A model: a YAML file path or a built-in name (`llama3.1-8b`, `llama3.1-70b`).
+/// A model: a YAML file path or a built-in name (`llama3.1-8b`, `llama3.1-70b`, `tiny`).
 ///
 /// # Errors
 /// [`Error::Unknown`], or the file's read/parse/validation error.
@@ -93,7 +101,7 @@ pub fn model(arg: &str) -> Result<ModelSpec> {
     )
 }
 
-/// A hardware: a YAML file path or a built-in name (`h200`).
+/// A hardware: a YAML file path or a built-in name (`h200`, `cpu`).
 ///
 /// # Errors
 /// [`Error::Unknown`], or the file's read/parse/validation error.
@@ -107,7 +115,8 @@ pub fn hardware(arg: &str) -> Result<Hardware> {
     )
 }
 
-/// A workload: a YAML or CSV file path, or a built-in name (`sharegpt-v3`, `sharegpt-v3-merged`).
+/// A workload: a YAML or CSV file path, or a built-in name (`sharegpt-v3`, `sharegpt-v3-merged`,
+/// `tiny-chat`).
 ///
 /// # Errors
 /// [`Error::Unknown`], or the file's read/parse/validation error.

@@ -45,7 +45,17 @@ pub enum LengthDistribution {
     Empirical {
         /// The CSV file.
         csv: String,
-        /// The loaded sample (filled when the workload is loaded).
+        /// Divide every sampled length by this and round up (default 1), e.g. 16 to turn chat
+        /// lengths into a CPU-sized workload.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        divide: Option<u32>,
+        /// Clamp (scaled) lengths to at least this many tokens (default 1).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        min: Option<u32>,
+        /// Clamp (scaled) lengths to at most this many tokens (default: no cap).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max: Option<u32>,
+        /// The loaded sample, scaled and clamped (filled when the workload is loaded).
         #[serde(skip)]
         samples: Arc<Vec<u32>>,
     },
@@ -155,9 +165,33 @@ impl Workload {
         load_csv: impl Fn(&str) -> Result<(String, String)>,
     ) -> Result<Self> {
         let mut w: Workload = yaml::parse(text, origin)?;
-        if let LengthDistribution::Empirical { csv, samples } = &mut w.lengths {
+        if let LengthDistribution::Empirical {
+            csv,
+            samples,
+            divide,
+            min,
+            max,
+        } = &mut w.lengths
+        {
             let (csv_text, csv_origin) = load_csv(csv)?;
-            *samples = Arc::new(parse_tokens_csv(&csv_text, &csv_origin)?);
+            let (d, lo, hi) = (
+                divide.unwrap_or(1),
+                min.unwrap_or(1),
+                max.unwrap_or(u32::MAX),
+            );
+            if d == 0 {
+                return Err(Error::invalid(origin, "lengths.divide", 0, ">= 1"));
+            }
+            if lo == 0 || lo > hi {
+                return Err(Error::invalid(
+                    origin,
+                    "lengths.min",
+                    lo,
+                    format!("in 1..=max ({hi})"),
+                ));
+            }
+            let raw = parse_tokens_csv(&csv_text, &csv_origin)?;
+            *samples = Arc::new(raw.iter().map(|s| s.div_ceil(d).clamp(lo, hi)).collect());
         }
         w.validate(origin)?;
         Ok(w)
@@ -195,6 +229,9 @@ impl Workload {
             name,
             lengths: LengthDistribution::Empirical {
                 csv,
+                divide: None,
+                min: None,
+                max: None,
                 samples: Arc::new(samples),
             },
             seqs_per_step: None,

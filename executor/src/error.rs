@@ -1,0 +1,62 @@
+//! Errors of the executor.
+
+use thiserror::Error;
+
+/// What can go wrong when running a plan.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// A request that cannot run as given (names the field and the allowed range).
+    #[error("{0}")]
+    Invalid(String),
+    /// Something the executor does not do yet, with what to use instead.
+    #[error("not supported: {0}")]
+    Unsupported(String),
+    /// A transfer whose size does not match the step's microbatch plan (never truncated).
+    #[error(
+        "rank {rank}: {what} of microbatch {microbatch} for stage {stage} holds {got} values, the step's plan says T = {tokens} x H = {hidden} = {expected}"
+    )]
+    TransferMismatch {
+        /// Receiving rank.
+        rank: u32,
+        /// `activations` or `gradient`.
+        what: &'static str,
+        /// Receiving stage.
+        stage: u32,
+        /// Microbatch.
+        microbatch: u32,
+        /// Values received.
+        got: usize,
+        /// Tokens of the microbatch in the plan.
+        tokens: usize,
+        /// Hidden size.
+        hidden: usize,
+        /// `tokens * hidden`.
+        expected: usize,
+    },
+    /// A rank waited for data that no rank will send (the schedule lacks an action).
+    #[error(
+        "rank {rank} waits for {what} of microbatch {microbatch} for stage {stage}, but every rank that could send it has finished: the schedule is missing the action that produces it"
+    )]
+    NeverSent {
+        /// Waiting rank.
+        rank: u32,
+        /// `activations` or `gradient`.
+        what: &'static str,
+        /// Stage.
+        stage: u32,
+        /// Microbatch.
+        microbatch: u32,
+    },
+    /// Another rank failed first; this rank stopped.
+    #[error("rank {0} stopped because another rank failed")]
+    Aborted(u32),
+    /// An error of the simulator (schedule generation, validation, microbatching).
+    #[error(transparent)]
+    Simulator(#[from] flatpipe_simulator::Error),
+    /// An error of the profiles crate (model, workload).
+    #[error(transparent)]
+    Profiles(#[from] flatpipe_profiles::Error),
+}
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

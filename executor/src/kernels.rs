@@ -1,0 +1,541 @@
+//! CPU kernels of a Llama-style decoder over flat `[T]` tokens with `cu_seqlens`, fp32.
+//!
+//! Every tensor is row-major `[T, X]` (`T` tokens of the microbatch, no padding). Matrix
+//! multiplies go through [`ndarray::linalg::general_mat_mul`], which runs `matrixmultiply`'s
+//! single-threaded packed GEMM (no hand-written matmul). Each forward has a backward that
+//! returns the gradient with respect to its inputs; gradients with respect to weights are
+//! separate functions so that dgrad (I) and wgrad (W) can run at different times. All
+//! backwards are checked against central finite differences in this module's tests.
+//!
+//! Conventions follow Llama 3 (Dubey et al. 2024) as implemented in torchtitan: RMSNorm with
+//! `eps = 1e-5`, rotary embeddings with `theta = 500000` on the rotate-half layout, positions
+//! restarting at 0 in every sequence, grouped-query attention (query head `h` reads key/value
+//! head `h / (heads / kv_heads)`), SwiGLU MLP `W2 (silu(x W1) * (x W3))`.
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut2, Axis, Slice};
+use std::ops::Range;
+
+/// The block `rows x cols` of `x` (ndarray's `s![]` macro expands to unsafe code, which this
+/// workspace forbids).
+fn block(x: ArrayView2<'_, f32>, rows: Range<usize>, cols: Range<usize>) -> ArrayView2<'_, f32> {
+    let mut v = x;
+    v.slice_axis_inplace(Axis(0), Slice::from(rows));
+    v.slice_axis_inplace(Axis(1), Slice::from(cols));
+    v
+}
+
+/// The mutable block `rows x cols` of `x`.
+fn block_mut(
+    x: &mut Array2<f32>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+) -> ArrayViewMut2<'_, f32> {
+    let mut v = x.view_mut();
+    v.slice_axis_inplace(Axis(0), Slice::from(rows));
+    v.slice_axis_inplace(Axis(1), Slice::from(cols));
+    v
+}
+
+/// RMSNorm epsilon (Llama 3).
+pub const RMS_EPS: f32 = 1e-5;
+/// Rotary base (Llama 3).
+pub const ROPE_THETA: f32 = 500_000.0;
+
+/// `a [m, k] @ b [k, n]` -> `[m, n]`.
+pub fn matmul(a: ArrayView2<f32>, b: ArrayView2<f32>) -> Array2<f32> {
+    let mut c = Array2::zeros((a.nrows(), b.ncols()));
+    general_mat_mul(1.0, &a, &b, 0.0, &mut c);
+    c
+}
+
+/// `c += a @ b` (shapes `[m, k] @ [k, n]` into `[m, n]`).
+pub fn matmul_acc(c: &mut ArrayViewMut2<f32>, a: ArrayView2<f32>, b: ArrayView2<f32>) {
+    general_mat_mul(1.0, &a, &b, 1.0, c);
+}
+
+/// RMSNorm forward: `y = x * rstd * g`, `rstd = 1 / sqrt(mean(x²) + eps)` per row.
+/// `x [T, H]`, `g [H]`. Returns `(y [T, H], xhat = x * rstd [T, H], rstd [T])`.
+pub fn rmsnorm(x: ArrayView2<f32>, g: ArrayView1<f32>) -> (Array2<f32>, Array2<f32>, Array1<f32>) {
+    let h = x.ncols() as f32;
+    let mut xhat = x.to_owned();
+    let mut rstd = Array1::zeros(x.nrows());
+    for (mut row, r) in xhat.rows_mut().into_iter().zip(rstd.iter_mut()) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / h;
+        *r = 1.0 / (ms + RMS_EPS).sqrt();
+        row.mapv_inplace(|v| v * *r);
+    }
+    let y = &xhat * &g;
+    (y, xhat, rstd)
+}
+
+/// RMSNorm dgrad: `dx = rstd * (dy*g - xhat * mean(dy*g*xhat))` per row.
+pub fn rmsnorm_dx(
+    dy: ArrayView2<f32>,
+    xhat: ArrayView2<f32>,
+    rstd: ArrayView1<f32>,
+    g: ArrayView1<f32>,
+) -> Array2<f32> {
+    let h = dy.ncols() as f32;
+    let mut dx = &dy * &g;
+    for ((mut row, xh), r) in dx.rows_mut().into_iter().zip(xhat.rows()).zip(rstd.iter()) {
+        let dot = row.iter().zip(xh.iter()).map(|(a, b)| a * b).sum::<f32>() / h;
+        row.zip_mut_with(&xh, |d, &xv| *d = r * (*d - xv * dot));
+    }
+    dx
+}
+
+/// RMSNorm wgrad: `dg += Σ_t dy * xhat`.
+pub fn rmsnorm_dg(dg: &mut Array1<f32>, dy: ArrayView2<f32>, xhat: ArrayView2<f32>) {
+    for (d, x) in dy.rows().into_iter().zip(xhat.rows()) {
+        for ((acc, &dv), &xv) in dg.iter_mut().zip(d.iter()).zip(x.iter()) {
+            *acc += dv * xv;
+        }
+    }
+}
+
+/// Rotary embedding in place on `x [T, heads * d]`, rotate-half layout: for each head and
+/// `i < d/2`, `(x_i, x_{i+d/2})` is rotated by `pos * theta^(-2i/d)`, where `pos` restarts at 0 in
+/// every sequence of `cu_seqlens`. `inverse` rotates back (the backward of a rotation is its
+/// transpose).
+pub fn rope(x: &mut ArrayViewMut2<f32>, cu_seqlens: &[usize], head_dim: usize, inverse: bool) {
+    let half = head_dim / 2;
+    let heads = x.ncols() / head_dim;
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| ROPE_THETA.powf(-2.0 * i as f32 / head_dim as f32))
+        .collect();
+    let sign = if inverse { -1.0 } else { 1.0 };
+    for w in cu_seqlens.windows(2) {
+        for (pos, t) in (w[0]..w[1]).enumerate() {
+            let mut row = x.row_mut(t);
+            for (i, f) in freqs.iter().enumerate() {
+                let (sin, cos) = (pos as f32 * f).sin_cos();
+                let sin = sign * sin;
+                for h in 0..heads {
+                    let a = h * head_dim + i;
+                    let b = a + half;
+                    let (x1, x2) = (row[a], row[b]);
+                    row[a] = x1 * cos - x2 * sin;
+                    row[b] = x1 * sin + x2 * cos;
+                }
+            }
+        }
+    }
+}
+
+/// Sizes of grouped-query attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnDims {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (divides `heads`).
+    pub kv_heads: usize,
+    /// Head dimension `d`.
+    pub head_dim: usize,
+}
+
+impl AttnDims {
+    fn kv_of(&self, h: usize) -> usize {
+        h / (self.heads / self.kv_heads)
+    }
+    fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
+/// Causal softmax probabilities of one (sequence, head): `P = softmax(Q K^T * scale)` with the
+/// upper triangle masked, from the row log-sum-exps when `lse` is given (the backward), else
+/// computing and returning them.
+fn probs(
+    q: ArrayView2<f32>,
+    k: ArrayView2<f32>,
+    scale: f32,
+    lse: Option<&[f32]>,
+) -> (Array2<f32>, Vec<f32>) {
+    let mut p = matmul(q, k.t());
+    let mut out_lse = Vec::with_capacity(p.nrows());
+    for (i, mut row) in p.rows_mut().into_iter().enumerate() {
+        let l = match lse {
+            Some(l) => l[i],
+            None => {
+                let m = row
+                    .iter()
+                    .take(i + 1)
+                    .fold(f32::NEG_INFINITY, |a, &b| a.max(b * scale));
+                let sum: f32 = row.iter().take(i + 1).map(|&v| (v * scale - m).exp()).sum();
+                m + sum.ln()
+            }
+        };
+        out_lse.push(l);
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = if j <= i { (*v * scale - l).exp() } else { 0.0 };
+        }
+    }
+    (p, out_lse)
+}
+
+/// Varlen causal attention forward (FlashAttention's interface, computed per sequence with
+/// GEMMs): `q [T, heads*d]`, `k, v [T, kv_heads*d]` -> `(o [T, heads*d], lse [T, heads])`. No
+/// query attends across a `cu_seqlens` boundary or to a later position.
+pub fn attention(
+    q: ArrayView2<f32>,
+    k: ArrayView2<f32>,
+    v: ArrayView2<f32>,
+    cu_seqlens: &[usize],
+    dims: AttnDims,
+) -> (Array2<f32>, Array2<f32>) {
+    let d = dims.head_dim;
+    let mut o = Array2::zeros(q.raw_dim());
+    let mut lse = Array2::zeros((q.nrows(), dims.heads));
+    for w in cu_seqlens.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        for h in 0..dims.heads {
+            let g = dims.kv_of(h);
+            let qh = block(q, a..b, h * d..(h + 1) * d);
+            let kh = block(k, a..b, g * d..(g + 1) * d);
+            let vh = block(v, a..b, g * d..(g + 1) * d);
+            let (p, l) = probs(qh, kh, dims.scale(), None);
+            let mut oh = block_mut(&mut o, a..b, h * d..(h + 1) * d);
+            general_mat_mul(1.0, &p, &vh, 0.0, &mut oh);
+            for (i, x) in l.into_iter().enumerate() {
+                lse[[a + i, h]] = x;
+            }
+        }
+    }
+    (o, lse)
+}
+
+/// Varlen causal attention backward: from `do [T, heads*d]` and the forward's `q, k, v, o, lse`,
+/// returns `(dq [T, heads*d], dk [T, kv_heads*d], dv [T, kv_heads*d])` (FlashAttention-2's
+/// backward, Dao 2023: `dS = P ∘ (dP - rowsum(dO ∘ O))`).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    dout: ArrayView2<f32>,
+    q: ArrayView2<f32>,
+    k: ArrayView2<f32>,
+    v: ArrayView2<f32>,
+    o: ArrayView2<f32>,
+    lse: ArrayView2<f32>,
+    cu_seqlens: &[usize],
+    dims: AttnDims,
+) -> (Array2<f32>, Array2<f32>, Array2<f32>) {
+    let d = dims.head_dim;
+    let scale = dims.scale();
+    let mut dq = Array2::zeros(q.raw_dim());
+    let mut dk = Array2::zeros(k.raw_dim());
+    let mut dv = Array2::zeros(v.raw_dim());
+    for w in cu_seqlens.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        for h in 0..dims.heads {
+            let g = dims.kv_of(h);
+            let (cols, kv_cols) = (h * d..(h + 1) * d, g * d..(g + 1) * d);
+            let qh = block(q, a..b, cols.clone());
+            let kh = block(k, a..b, kv_cols.clone());
+            let vh = block(v, a..b, kv_cols.clone());
+            let doh = block(dout, a..b, cols.clone());
+            let oh = block(o, a..b, cols.clone());
+            let l: Vec<f32> = (a..b).map(|t| lse[[t, h]]).collect();
+            let (p, _) = probs(qh, kh, scale, Some(&l));
+            // dV += P^T dO
+            matmul_acc(&mut block_mut(&mut dv, a..b, kv_cols.clone()), p.t(), doh);
+            // dP = dO V^T; dS = P ∘ (dP - D), D_i = Σ_j dO_ij O_ij
+            let mut ds = matmul(doh, vh.t());
+            for (i, mut row) in ds.rows_mut().into_iter().enumerate() {
+                let di: f32 = doh.row(i).iter().zip(oh.row(i)).map(|(x, y)| x * y).sum();
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x = p[[i, j]] * (*x - di) * scale;
+                }
+            }
+            // dQ = dS K, dK += dS^T Q (scale folded into dS)
+            matmul_acc(&mut block_mut(&mut dq, a..b, cols), ds.view(), kh);
+            matmul_acc(&mut block_mut(&mut dk, a..b, kv_cols), ds.t(), qh);
+        }
+    }
+    (dq, dk, dv)
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// SwiGLU activation: `silu(gate) * up` elementwise, `[T, F]`.
+pub fn swiglu(gate: ArrayView2<f32>, up: ArrayView2<f32>) -> Array2<f32> {
+    let mut out = gate.to_owned();
+    out.zip_mut_with(&up, |g, &u| *g = *g * sigmoid(*g) * u);
+    out
+}
+
+/// SwiGLU backward: from `d [T, F]` returns `(dgate, dup)`;
+/// `dgate = d * up * σ(g)(1 + g(1 - σ(g)))`, `dup = d * silu(g)`.
+pub fn swiglu_backward(
+    d: ArrayView2<f32>,
+    gate: ArrayView2<f32>,
+    up: ArrayView2<f32>,
+) -> (Array2<f32>, Array2<f32>) {
+    let mut dg = d.to_owned();
+    let mut du = d.to_owned();
+    ndarray::Zip::from(&mut dg)
+        .and(&mut du)
+        .and(gate)
+        .and(up)
+        .for_each(|dg, du, &g, &u| {
+            let sg = sigmoid(g);
+            *du *= g * sg;
+            *dg *= u * sg * (1.0 + g * (1.0 - sg));
+        });
+    (dg, du)
+}
+
+/// Cross-entropy of `logits [T, V]` against `labels [T]`, weighted per token: returns
+/// `(Σ_t w_t loss_t, Σ_t loss_t, lse [T])` with `loss_t = lse_t - logits[t, label_t]`, summed in f64.
+pub fn cross_entropy(
+    logits: ArrayView2<f32>,
+    labels: &[u32],
+    weights: &[f32],
+) -> (f64, f64, Array1<f32>) {
+    let mut lse = Array1::zeros(logits.nrows());
+    let (mut weighted, mut plain) = (0.0f64, 0.0f64);
+    for (t, row) in logits.rows().into_iter().enumerate() {
+        let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let l = m + row.iter().map(|&x| (x - m).exp()).sum::<f32>().ln();
+        lse[t] = l;
+        let loss = (l - row[labels[t] as usize]) as f64;
+        plain += loss;
+        weighted += weights[t] as f64 * loss;
+    }
+    (weighted, plain, lse)
+}
+
+/// Cross-entropy dgrad with respect to the logits: `w_t (softmax_t - onehot(label_t))`, in place
+/// on a copy of the logits.
+pub fn cross_entropy_backward(
+    logits: ArrayView2<f32>,
+    lse: ArrayView1<f32>,
+    labels: &[u32],
+    weights: &[f32],
+) -> Array2<f32> {
+    let mut d = logits.to_owned();
+    for (t, mut row) in d.rows_mut().into_iter().enumerate() {
+        let (l, w) = (lse[t], weights[t]);
+        row.mapv_inplace(|x| w * (x - l).exp());
+        row[labels[t] as usize] -= w;
+    }
+    d
+}
+
+/// Embedding lookup: rows `ids` of `table [V, H]` -> `[T, H]`.
+pub fn embedding(table: ArrayView2<f32>, ids: &[u32]) -> Array2<f32> {
+    table.select(
+        Axis(0),
+        &ids.iter().map(|&i| i as usize).collect::<Vec<_>>(),
+    )
+}
+
+/// Embedding wgrad: `dtable[ids[t]] += dy[t]`.
+pub fn embedding_backward(dtable: &mut Array2<f32>, dy: ArrayView2<f32>, ids: &[u32]) {
+    for (t, &id) in ids.iter().enumerate() {
+        let mut row = dtable.row_mut(id as usize);
+        row += &dy.row(t);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
+
+    pub(crate) fn randn(rng: &mut ChaCha8Rng, shape: (usize, usize), scale: f32) -> Array2<f32> {
+        Array2::from_shape_fn(shape, |_| (rng.random::<f32>() * 2.0 - 1.0) * scale)
+    }
+
+    /// Checks `<grad, u> ≈ (L(x + eps u) - L(x - eps u)) / 2 eps` for a random direction u,
+    /// with `L(x) = <r, f(x)>` for a fixed random projection r. Returns the relative error.
+    pub(crate) fn directional(
+        x: &Array2<f32>,
+        grad: &Array2<f32>,
+        loss: &dyn Fn(&Array2<f32>) -> f64,
+        seed: u64,
+    ) -> f64 {
+        directional_eps(x, grad, loss, seed, 1e-2)
+    }
+
+    /// [`directional`] with step `eps` (larger for parameters whose effect is small next to
+    /// the output's magnitude, where f32 rounding of the output dominates a small step).
+    pub(crate) fn directional_eps(
+        x: &Array2<f32>,
+        grad: &Array2<f32>,
+        loss: &dyn Fn(&Array2<f32>) -> f64,
+        seed: u64,
+        eps: f32,
+    ) -> f64 {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let u = randn(&mut rng, x.dim(), 1.0);
+        let lp = loss(&(x + &(&u * eps)));
+        let lm = loss(&(x - &(&u * eps)));
+        let fd = (lp - lm) / (2.0 * eps as f64);
+        let an: f64 = grad
+            .iter()
+            .zip(u.iter())
+            .map(|(g, u)| (*g * *u) as f64)
+            .sum();
+        (fd - an).abs() / fd.abs().max(an.abs()).max(1e-3)
+    }
+
+    fn proj(y: &Array2<f32>, r: &Array2<f32>) -> f64 {
+        y.iter()
+            .zip(r.iter())
+            .map(|(a, b)| (*a as f64) * (*b as f64))
+            .sum()
+    }
+
+    const TOL: f64 = 2e-3;
+
+    #[test]
+    fn rmsnorm_gradients_match_finite_differences() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let x = randn(&mut rng, (5, 16), 1.0);
+        let g = randn(&mut rng, (1, 16), 1.0).row(0).to_owned();
+        let r = randn(&mut rng, (5, 16), 1.0);
+        let (_, xhat, rstd) = rmsnorm(x.view(), g.view());
+        let dx = rmsnorm_dx(r.view(), xhat.view(), rstd.view(), g.view());
+        let e = directional(&x, &dx, &|x| proj(&rmsnorm(x.view(), g.view()).0, &r), 2);
+        assert!(e < TOL, "dx rel err {e}");
+        let mut dg = Array1::zeros(16);
+        rmsnorm_dg(&mut dg, r.view(), xhat.view());
+        let g2 = g.clone().insert_axis(Axis(0));
+        let dg2 = dg.insert_axis(Axis(0));
+        let e = directional(&g2, &dg2, &|g| proj(&rmsnorm(x.view(), g.row(0)).0, &r), 3);
+        assert!(e < TOL, "dg rel err {e}");
+    }
+
+    #[test]
+    fn rope_is_a_rotation_restarting_per_sequence() {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let x = randn(&mut rng, (7, 16), 1.0);
+        let cu = [0, 3, 7];
+        let mut y = x.clone();
+        rope(&mut y.view_mut(), &cu, 8, false);
+        // Position 0 of each sequence is unrotated; norms are preserved.
+        assert_eq!(y.row(0), x.row(0));
+        assert_eq!(y.row(3), x.row(3));
+        for (a, b) in x.rows().into_iter().zip(y.rows()) {
+            let (na, nb) = (a.dot(&a), b.dot(&b));
+            assert!((na - nb).abs() < 1e-4 * na, "{na} {nb}");
+        }
+        // Same relative position, same rotation: row 1 and row 4 rotate by pos 1.
+        let mut one = block(x.view(), 1..2, 0..16).to_owned();
+        rope(&mut one.view_mut(), &[0, 1], 8, false);
+        assert_ne!(
+            one.row(0),
+            y.row(1),
+            "pos 0 of a one-token sequence is unrotated"
+        );
+        // The inverse undoes it (the backward of the rotation).
+        rope(&mut y.view_mut(), &cu, 8, true);
+        for (a, b) in x.iter().zip(y.iter()) {
+            assert!((a - b).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn attention_gradients_match_finite_differences() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let dims = AttnDims {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 4,
+        };
+        let cu = [0usize, 3, 8, 9];
+        let q = randn(&mut rng, (9, 16), 1.0);
+        let k = randn(&mut rng, (9, 8), 1.0);
+        let v = randn(&mut rng, (9, 8), 1.0);
+        let r = randn(&mut rng, (9, 16), 1.0);
+        let (o, lse) = attention(q.view(), k.view(), v.view(), &cu, dims);
+        let (dq, dk, dv) = attention_backward(
+            r.view(),
+            q.view(),
+            k.view(),
+            v.view(),
+            o.view(),
+            lse.view(),
+            &cu,
+            dims,
+        );
+        let f = |q: &Array2<f32>, k: &Array2<f32>, v: &Array2<f32>| {
+            proj(&attention(q.view(), k.view(), v.view(), &cu, dims).0, &r)
+        };
+        assert!(directional(&q, &dq, &|x| f(x, &k, &v), 6) < TOL);
+        assert!(directional(&k, &dk, &|x| f(&q, x, &v), 7) < TOL);
+        assert!(directional(&v, &dv, &|x| f(&q, &k, x), 8) < TOL);
+    }
+
+    #[test]
+    fn attention_is_causal_and_stays_inside_its_sequence() {
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let dims = AttnDims {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+        };
+        let q = randn(&mut rng, (6, 8), 1.0);
+        let k = randn(&mut rng, (6, 4), 1.0);
+        let mut v = randn(&mut rng, (6, 4), 1.0);
+        let (o1, _) = attention(q.view(), k.view(), v.view(), &[0, 2, 6], dims);
+        // Changing token 3's value changes nothing before it nor the first sequence.
+        v.row_mut(3).fill(7.0);
+        let (o2, _) = attention(q.view(), k.view(), v.view(), &[0, 2, 6], dims);
+        for t in [0, 1, 2] {
+            assert_eq!(o1.row(t), o2.row(t), "token {t}");
+        }
+        assert_ne!(o1.row(3), o2.row(3));
+        // Token 0 of a sequence attends only to itself: its output is its value.
+        let (o, _) = attention(q.view(), k.view(), v.view(), &[0, 2, 6], dims);
+        for c in 0..4 {
+            assert!((o[[2, c]] - v[[2, c]]).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn swiglu_gradients_match_finite_differences() {
+        let mut rng = ChaCha8Rng::seed_from_u64(10);
+        let g = randn(&mut rng, (4, 6), 2.0);
+        let u = randn(&mut rng, (4, 6), 2.0);
+        let r = randn(&mut rng, (4, 6), 1.0);
+        let (dg, du) = swiglu_backward(r.view(), g.view(), u.view());
+        assert!(directional(&g, &dg, &|x| proj(&swiglu(x.view(), u.view()), &r), 11) < TOL);
+        assert!(directional(&u, &du, &|x| proj(&swiglu(g.view(), x.view()), &r), 12) < TOL);
+    }
+
+    #[test]
+    fn cross_entropy_gradient_and_value() {
+        let mut rng = ChaCha8Rng::seed_from_u64(13);
+        let logits = randn(&mut rng, (5, 11), 3.0);
+        let labels = [0u32, 3, 10, 5, 5];
+        let w = [0.1f32, 0.2, 0.3, 0.4, 0.5];
+        let (_, plain, lse) = cross_entropy(logits.view(), &labels, &[1.0; 5]);
+        // Reference: -log softmax computed directly in f64.
+        let direct: f64 = (0..5)
+            .map(|t| {
+                let row = logits.row(t);
+                let z: f64 = row.iter().map(|&x| (x as f64).exp()).sum();
+                -((row[labels[t] as usize] as f64).exp() / z).ln()
+            })
+            .sum();
+        assert!((plain - direct).abs() < 1e-4 * direct, "{plain} {direct}");
+        let d = cross_entropy_backward(logits.view(), lse.view(), &labels, &w);
+        let e = directional(&logits, &d, &|x| cross_entropy(x.view(), &labels, &w).0, 14);
+        assert!(e < TOL, "{e}");
+    }
+
+    #[test]
+    fn embedding_backward_scatters() {
+        let table = Array2::from_shape_fn((4, 2), |(i, j)| (i * 2 + j) as f32);
+        let y = embedding(table.view(), &[3, 0, 3]);
+        assert_eq!(y.row(0).to_vec(), vec![6.0, 7.0]);
+        let mut d = Array2::zeros((4, 2));
+        embedding_backward(&mut d, Array2::ones((3, 2)).view(), &[3, 0, 3]);
+        assert_eq!(d.row(3).to_vec(), vec![2.0, 2.0]);
+        assert_eq!(d.row(0).to_vec(), vec![1.0, 1.0]);
+        assert_eq!(d.row(1).to_vec(), vec![0.0, 0.0]);
+    }
+}

@@ -1,0 +1,164 @@
+//! What a backend provides to the interpreter: one [`StageWorker`] per pipeline stage.
+//!
+//! A stage is built from its layer range alone. Its input and output say what they are: token
+//! ids into the first stage ([`StageInput::Tokens`], read from the microbatch's data), hidden
+//! states `[T, H]` between stages ([`StageInput::Hidden`] / [`StageOutput::Hidden`]), and loss
+//! sums out of the last ([`StageOutput::Loss`]).
+
+use crate::Result;
+use crate::data::MicrobatchData;
+
+/// What a stage's forward takes.
+#[derive(Debug)]
+pub enum StageInput<H> {
+    /// The first stage reads the microbatch's token ids `[T]`.
+    Tokens,
+    /// Hidden states `[T, H]` from the previous stage.
+    Hidden(H),
+}
+
+/// What a stage's forward produces.
+#[derive(Debug)]
+pub enum StageOutput<H> {
+    /// Hidden states `[T, H]` for the next stage.
+    Hidden(H),
+    /// The last stage's loss sums over the microbatch.
+    Loss(LossSums),
+}
+
+/// Loss sums of one microbatch (f64 accumulations of fp32 token losses).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct LossSums {
+    /// `Σ_t weight_t * loss_t`: this microbatch's share of the step's loss.
+    pub weighted: f64,
+    /// `Σ_t loss_t` (nats).
+    pub sum: f64,
+    /// Tokens `T`.
+    pub tokens: u64,
+}
+
+/// AdamW hyper-parameters (decoupled weight decay, Loshchilov and Hutter 2019).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamW {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+}
+
+impl Default for AdamW {
+    fn default() -> Self {
+        AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
+    }
+}
+
+impl AdamW {
+    /// One AdamW update of `param` with gradient `grad * grad_scale` and moments `m`, `v` at
+    /// step `t >= 1`: `m = b1 m + (1-b1) g`, `v = b2 v + (1-b2) g²`,
+    /// `p -= lr (m / (1-b1^t) / (sqrt(v / (1-b2^t)) + eps) + wd p)`.
+    pub fn update(
+        &self,
+        param: &mut [f32],
+        grad: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        t: u64,
+        grad_scale: f32,
+    ) {
+        let bc1 = 1.0 - self.beta1.powi(t as i32);
+        let bc2 = 1.0 - self.beta2.powi(t as i32);
+        for (((p, &g), m), v) in param
+            .iter_mut()
+            .zip(grad)
+            .zip(m.iter_mut())
+            .zip(v.iter_mut())
+        {
+            let g = g * grad_scale;
+            *m = self.beta1 * *m + (1.0 - self.beta1) * g;
+            *v = self.beta2 * *v + (1.0 - self.beta2) * g * g;
+            let update = (*m / bc1) / ((*v / bc2).sqrt() + self.eps);
+            *p -= self.lr * (update + self.weight_decay * *p);
+        }
+    }
+}
+
+/// One pipeline stage on one rank: its layers' parameters, gradients, optimizer state and the
+/// activations it keeps between F, I and W of each microbatch.
+///
+/// The interpreter calls F, then I, then W (or B = I + W) for every microbatch, in the order the
+/// schedule says; `Fo` is a forward that keeps nothing.
+pub trait StageWorker: Send {
+    /// The hidden-state tensor passed between stages (`[T, H]`).
+    type Hidden: Send;
+
+    /// Hidden size H.
+    fn hidden_size(&self) -> usize;
+
+    /// Number of elements of a hidden tensor (`T * H`), to check a transfer against the plan.
+    fn hidden_len(h: &Self::Hidden) -> usize;
+
+    /// Forward of microbatch `mb` (`keep`: save what the backward needs; false for `Fo`).
+    ///
+    /// # Errors
+    /// A wrong input kind for this stage, or a backend failure.
+    fn forward(
+        &mut self,
+        mb: u32,
+        data: &MicrobatchData,
+        input: StageInput<Self::Hidden>,
+        keep: bool,
+    ) -> Result<StageOutput<Self::Hidden>>;
+
+    /// dgrad (I) of microbatch `mb`: from the output gradient (`None` on the last stage, whose
+    /// gradient starts at its loss) to the input gradient (`None` on the first stage, whose input
+    /// is token ids). Keeps what W needs.
+    ///
+    /// # Errors
+    /// No saved forward for `mb`, or a backend failure.
+    fn backward_input(
+        &mut self,
+        mb: u32,
+        data: &MicrobatchData,
+        grad: Option<Self::Hidden>,
+    ) -> Result<Option<Self::Hidden>>;
+
+    /// wgrad (W) of microbatch `mb`: accumulates the weight gradients and frees what I kept.
+    ///
+    /// # Errors
+    /// No saved dgrad for `mb`, or a backend failure.
+    fn backward_weight(&mut self, mb: u32, data: &MicrobatchData) -> Result<()>;
+
+    /// Sets every gradient to zero (start of a step).
+    fn zero_grads(&mut self);
+
+    /// Calls `f` on every gradient buffer, in a fixed order (for the data-parallel all-reduce).
+    fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32]));
+
+    /// `Σ g²` over this stage's gradients, in f64.
+    fn grad_sq_norm(&self) -> f64;
+
+    /// One optimizer step at step number `t >= 1` with gradients scaled by `grad_scale`
+    /// (clipping).
+    fn optimizer_step(&mut self, opt: &AdamW, t: u64, grad_scale: f32);
+
+    /// `(name, values)` of every parameter, names as torchtitan's (`layers.3.attention.wq.weight`).
+    fn named_params(&self) -> Vec<(String, Vec<f32>)>;
+
+    /// `(name, values)` of every gradient, named like [`StageWorker::named_params`].
+    fn named_grads(&self) -> Vec<(String, Vec<f32>)>;
+
+    /// Microbatches whose activations are still held (F done, W not yet), for checks.
+    fn held_microbatches(&self) -> usize;
+}
