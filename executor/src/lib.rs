@@ -25,8 +25,11 @@
 pub mod cpu;
 pub mod data;
 mod error;
+pub mod interpreter;
 
 pub mod kernels;
+pub mod null;
+pub mod runner;
 
 pub mod worker;
 

@@ -1,0 +1,598 @@
+//! The one interpreter (DESIGN point 6): every schedule, `pp = 1` included, runs through
+//! [`run_step`].
+//!
+//! One worker thread per rank (and per data-parallel replica) walks its action list from the
+//! schedule IR in order. An action starts as soon as its inputs are there: F of stage `s > 0`
+//! waits for stage `s - 1`'s activations of that microbatch, I of a non-last stage for stage
+//! `s + 1`'s gradient; nothing else synchronises the ranks. Transfers go through one channel per
+//! receiving rank; messages that arrive before they are needed wait in the rank's mailbox, keyed
+//! by (direction, stage, microbatch). A transfer between two stages on the same rank (V
+//! placement) is a hand-off in that rank's mailbox.
+//!
+//! No shape handshake: every rank holds the step's microbatch plan (each microbatch's `T` and
+//! `cu_seqlens`) before the step starts, so a receiver knows that microbatch k's activations are
+//! `T_k x H`; a transfer of any other size is [`Error::TransferMismatch`], never truncated.
+//!
+//! After the last action of every rank, the step ends with the data-parallel gradient all-reduce
+//! (a sum over replicas of each pipeline rank's gradients), the global gradient norm over all
+//! stages (what clipping needs), and the optimizer step on every rank in parallel.
+
+use crate::data::MicrobatchData;
+use crate::worker::{AdamW, LossSums, StageInput, StageOutput, StageWorker};
+use crate::{Error, Result};
+use flatpipe_simulator::ir::{
+    Action, ActionKind, ComputeAction, MicrobatchId, Rank, Schedule, StageId,
+};
+use flatpipe_simulator::timeline::{TimedOp, TimedTransfer, Timeline};
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+/// One data-parallel replica's step: its schedule and its microbatches' data.
+#[derive(Debug, Clone, Copy)]
+pub struct Replica<'a> {
+    /// The schedule (generated for this replica's microbatch count).
+    pub schedule: &'a Schedule,
+    /// Training microbatches `0..m`.
+    pub microbatches: &'a [MicrobatchData],
+    /// Forward-only microbatches `0..m_fo` (evaluation, reference or teacher forwards).
+    pub fo_microbatches: &'a [MicrobatchData],
+}
+
+/// What the step does after the pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepOptions {
+    /// Run AdamW with this configuration as step number `t >= 1`; `None`: keep the gradients.
+    pub optimizer: Option<(AdamW, u64)>,
+    /// Clip the global gradient norm to this value.
+    pub max_grad_norm: Option<f64>,
+}
+
+/// What one step measured and computed.
+#[derive(Debug, Clone)]
+pub struct StepRun {
+    /// Measured timeline of every rank (`dp * pp` rows, replica-major: rank `d * pp + r`),
+    /// nanoseconds from the first action's start.
+    pub timeline: Timeline,
+    /// The step's loss: `Σ weight_t loss_t` over all training microbatches of all replicas.
+    pub loss: f64,
+    /// Loss sums of the training microbatches, per replica in microbatch order.
+    pub microbatch_losses: Vec<Vec<LossSums>>,
+    /// Loss sums of the forward-only microbatches, per replica.
+    pub fo_losses: Vec<Vec<LossSums>>,
+    /// Global gradient L2 norm over every stage (after the all-reduce, before clipping).
+    pub grad_norm: f64,
+}
+
+/// Which way a message goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Dir {
+    /// Activations of F into stage `s`.
+    Forward,
+    /// Gradient of I / B into stage `s`.
+    Backward,
+    /// Activations of Fo into stage `s`.
+    ForwardOnly,
+}
+
+impl Dir {
+    fn what(self) -> &'static str {
+        match self {
+            Dir::Backward => "the gradient",
+            _ => "the activations",
+        }
+    }
+}
+
+type Key = (Dir, u32, u32);
+
+enum Msg<H> {
+    Data(Key, H),
+    Abort,
+}
+
+/// A rank's incoming messages: the channel and what arrived before it was needed.
+struct Mailbox<H> {
+    rank: u32,
+    rx: Receiver<Msg<H>>,
+    early: HashMap<Key, H>,
+}
+
+impl<H> Mailbox<H> {
+    fn take(&mut self, key: Key) -> Result<H> {
+        if let Some(h) = self.early.remove(&key) {
+            return Ok(h);
+        }
+        loop {
+            match self.rx.recv() {
+                Ok(Msg::Data(k, h)) if k == key => return Ok(h),
+                Ok(Msg::Data(k, h)) => {
+                    self.early.insert(k, h);
+                }
+                Ok(Msg::Abort) => return Err(Error::Aborted(self.rank)),
+                Err(_) => {
+                    return Err(Error::NeverSent {
+                        rank: self.rank,
+                        what: key.0.what(),
+                        stage: key.1,
+                        microbatch: key.2,
+                    });
+                }
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct RankOut {
+    ops: Vec<TimedOp>,
+    transfers: Vec<TimedTransfer>,
+    losses: Vec<(u32, LossSums)>,
+    fo_losses: Vec<(u32, LossSums)>,
+}
+
+struct RankCtx<'a, W: StageWorker> {
+    global: u32,
+    first_rank: u32,
+    schedule: &'a Schedule,
+    replica: Replica<'a>,
+    stages: &'a mut [(u32, W)],
+    index: HashMap<u32, usize>,
+    mailbox: Mailbox<W::Hidden>,
+    peers: Vec<Option<Sender<Msg<W::Hidden>>>>,
+    t0: Instant,
+    out: RankOut,
+}
+
+impl<'a, W: StageWorker> RankCtx<'a, W> {
+    fn now(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
+    fn data(&self, a: &ComputeAction) -> Result<&'a MicrobatchData> {
+        let (list, what): (&'a [MicrobatchData], _) = if a.kind == ActionKind::Fo {
+            (self.replica.fo_microbatches, "forward-only microbatches")
+        } else {
+            (self.replica.microbatches, "microbatches")
+        };
+        list.get(a.microbatch.idx()).ok_or_else(|| {
+            Error::Invalid(format!(
+                "action {a} on rank {}: the step has {} {what}",
+                self.global,
+                list.len()
+            ))
+        })
+    }
+
+    fn recv(&mut self, dir: Dir, a: &ComputeAction) -> Result<W::Hidden> {
+        let h = self.mailbox.take((dir, a.stage.0, a.microbatch.0))?;
+        let tokens = self.data(a)?.tokens();
+        let hidden = self.stage(a.stage.0)?.hidden_size();
+        let got = W::hidden_len(&h);
+        if got != tokens * hidden {
+            return Err(Error::TransferMismatch {
+                rank: self.global,
+                what: dir.what(),
+                stage: a.stage.0,
+                microbatch: a.microbatch.0,
+                got,
+                tokens,
+                hidden,
+                expected: tokens * hidden,
+            });
+        }
+        Ok(h)
+    }
+
+    fn send(&mut self, dir: Dir, from: &ComputeAction, to_stage: u32, h: W::Hidden) -> Result<()> {
+        let to = self.schedule.placement.rank_of[to_stage as usize].0 + self.first_rank;
+        let key = (dir, to_stage, from.microbatch.0);
+        if to == self.global {
+            self.mailbox.early.insert(key, h);
+            return Ok(());
+        }
+        let t = self.now();
+        self.out.transfers.push(TimedTransfer {
+            from: Rank(self.global),
+            to: Rank(to),
+            stage: from.stage,
+            microbatch: from.microbatch,
+            kind: from.kind,
+            start_ns: t,
+            end_ns: t,
+        });
+        let peer = self.peers[to as usize]
+            .as_ref()
+            .ok_or_else(|| Error::Invalid(format!("rank {to} is not a peer")))?;
+        peer.send(Msg::Data(key, h))
+            .map_err(|_| Error::Aborted(self.global))
+    }
+
+    fn stage(&mut self, s: u32) -> Result<&mut W> {
+        let i = *self.index.get(&s).ok_or_else(|| {
+            Error::Invalid(format!(
+                "rank {} runs an action of stage {s}, which it does not hold",
+                self.global
+            ))
+        })?;
+        Ok(&mut self.stages[i].1)
+    }
+
+    /// Gets the inputs of one compute action (blocking on receives).
+    fn inputs(&mut self, a: &ComputeAction) -> Result<Option<W::Hidden>> {
+        let last = self.schedule.num_stages() - 1;
+        Ok(match a.kind {
+            ActionKind::F if a.stage.0 > 0 => Some(self.recv(Dir::Forward, a)?),
+            ActionKind::Fo if a.stage.0 > 0 => Some(self.recv(Dir::ForwardOnly, a)?),
+            ActionKind::I | ActionKind::B if a.stage.0 < last => Some(self.recv(Dir::Backward, a)?),
+            _ => None,
+        })
+    }
+
+    /// Runs one compute action on its inputs and sends its output.
+    fn compute(&mut self, a: &ComputeAction, input: Option<W::Hidden>) -> Result<()> {
+        let last = self.schedule.num_stages() - 1;
+        let (s, mb) = (a.stage.0, a.microbatch.0);
+        let data = self.data(a)?;
+        match a.kind {
+            ActionKind::F | ActionKind::Fo => {
+                let keep = a.kind == ActionKind::F;
+                let input = match input {
+                    Some(h) => StageInput::Hidden(h),
+                    None => StageInput::Tokens,
+                };
+                let out = self.stage(s)?.forward(mb, data, input, keep)?;
+                match (out, s == last) {
+                    (StageOutput::Hidden(h), false) => {
+                        let dir = if keep { Dir::Forward } else { Dir::ForwardOnly };
+                        self.send(dir, a, s + 1, h)?;
+                    }
+                    (StageOutput::Loss(l), true) => {
+                        if keep {
+                            self.out.losses.push((mb, l));
+                        } else {
+                            self.out.fo_losses.push((mb, l));
+                        }
+                    }
+                    _ => {
+                        return Err(Error::Invalid(format!(
+                            "stage {s}: only the last stage ({last}) may end in the loss"
+                        )));
+                    }
+                }
+            }
+            ActionKind::I | ActionKind::B => {
+                let dx = self.stage(s)?.backward_input(mb, data, input)?;
+                if s > 0 {
+                    let dx = dx.ok_or_else(|| {
+                        Error::Invalid(format!("stage {s} produced no input gradient"))
+                    })?;
+                    self.send(Dir::Backward, a, s - 1, dx)?;
+                }
+                if a.kind == ActionKind::B {
+                    self.stage(s)?.backward_weight(mb, data)?;
+                }
+            }
+            ActionKind::W => self.stage(s)?.backward_weight(mb, data)?,
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, r: usize) -> Result<()> {
+        let actions = &self.schedule.ranks[r];
+        for action in actions {
+            let parts: Vec<ComputeAction> = action.parts().collect();
+            let mut inputs = Vec::with_capacity(parts.len());
+            for a in &parts {
+                inputs.push(self.inputs(a)?);
+            }
+            let start = self.now();
+            for (a, input) in parts.iter().zip(inputs) {
+                self.compute(a, input)?;
+            }
+            let end = self.now();
+            self.out.ops.push(TimedOp {
+                action: *action,
+                start_ns: start,
+                end_ns: end,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Runs one step of every replica on `ranks` (`ranks[d * pp + r]`: the stages of replica d's
+/// pipeline rank r, as `(global stage id, worker)`).
+///
+/// # Errors
+/// [`Error::Invalid`] when the ranks, stages and schedules do not fit together;
+/// [`Error::TransferMismatch`] / [`Error::NeverSent`] from the transfers; any backend error.
+/// The first failing rank's error is returned; the other ranks stop.
+pub fn run_step<W: StageWorker>(
+    ranks: &mut [Vec<(u32, W)>],
+    replicas: &[Replica<'_>],
+    opts: &StepOptions,
+) -> Result<StepRun> {
+    let dp = replicas.len();
+    let first = replicas
+        .first()
+        .ok_or_else(|| Error::Invalid("a step needs at least one replica".into()))?;
+    let pp = first.schedule.placement.num_ranks as usize;
+    if ranks.len() != dp * pp {
+        return Err(Error::Invalid(format!(
+            "{} ranks given for dp = {dp} x pp = {pp}",
+            ranks.len()
+        )));
+    }
+    for (d, rep) in replicas.iter().enumerate() {
+        let s = rep.schedule;
+        if s.placement.rank_of != first.schedule.placement.rank_of {
+            return Err(Error::Invalid(format!(
+                "replica {d}'s schedule places stages differently from replica 0's"
+            )));
+        }
+        if s.num_microbatches as usize != rep.microbatches.len()
+            || s.num_fo_microbatches as usize != rep.fo_microbatches.len()
+        {
+            return Err(Error::Invalid(format!(
+                "replica {d}: the schedule `{}` is for {} microbatches (+{} forward-only), the step has {} (+{})",
+                s.name,
+                s.num_microbatches,
+                s.num_fo_microbatches,
+                rep.microbatches.len(),
+                rep.fo_microbatches.len()
+            )));
+        }
+        s.validate()?;
+        for r in 0..pp {
+            let mut want: Vec<u32> = s
+                .placement
+                .stages_of(Rank(r as u32))
+                .iter()
+                .map(|x| x.0)
+                .collect();
+            let mut have: Vec<u32> = ranks[d * pp + r].iter().map(|x| x.0).collect();
+            want.sort_unstable();
+            have.sort_unstable();
+            if want != have {
+                return Err(Error::Invalid(format!(
+                    "rank {} holds stages {have:?}, the placement gives it {want:?}",
+                    d * pp + r
+                )));
+            }
+        }
+    }
+    for rank in ranks.iter_mut() {
+        for (_, w) in rank.iter_mut() {
+            w.zero_grads();
+        }
+    }
+
+    let n = dp * pp;
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| channel::<Msg<W::Hidden>>()).unzip();
+    let barrier = Arc::new(Barrier::new(n));
+    let t0 = Instant::now();
+    let results: Vec<Result<RankOut>> = std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(n);
+        for ((g, stages), rx) in ranks.iter_mut().enumerate().zip(rxs) {
+            let (d, r) = (g / pp, g % pp);
+            let replica = replicas[d];
+            let peers: Vec<Option<Sender<Msg<W::Hidden>>>> = txs
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (i != g).then(|| t.clone()))
+                .collect();
+            let barrier = Arc::clone(&barrier);
+            handles.push(scope.spawn(move || {
+                let index = stages
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (s, _))| (*s, i))
+                    .collect();
+                let mut ctx = RankCtx {
+                    global: g as u32,
+                    first_rank: (d * pp) as u32,
+                    schedule: replica.schedule,
+                    replica,
+                    stages: stages.as_mut_slice(),
+                    index,
+                    mailbox: Mailbox {
+                        rank: g as u32,
+                        rx,
+                        early: HashMap::new(),
+                    },
+                    peers,
+                    t0,
+                    out: RankOut::default(),
+                };
+                barrier.wait();
+                let res = ctx.run(r);
+                if res.is_err() {
+                    for p in ctx.peers.iter().flatten() {
+                        let _ = p.send(Msg::Abort);
+                    }
+                }
+                res.map(|()| ctx.out)
+            }));
+        }
+        drop(txs);
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Invalid("a rank's thread panicked".into())))
+            })
+            .collect()
+    });
+    let mut outs = Vec::with_capacity(n);
+    let mut first_err = None;
+    for res in results {
+        match res {
+            Ok(o) => outs.push(o),
+            Err(Error::Aborted(_)) => {}
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    if outs.len() != n {
+        return Err(Error::Invalid("ranks stopped without an error".into()));
+    }
+
+    // Data-parallel all-reduce: replica 0's pipeline rank r sums its peers' gradients, then
+    // every replica takes the sum.
+    let opt_start = t0.elapsed().as_nanos() as u64;
+    if dp > 1 {
+        for r in 0..pp {
+            let mut sum: Vec<Vec<f32>> = Vec::new();
+            for d in 0..dp {
+                let mut k = 0;
+                for (_, w) in ranks[d * pp + r].iter_mut() {
+                    w.visit_grads(&mut |g| {
+                        if d == 0 {
+                            sum.push(g.to_vec());
+                        } else {
+                            for (a, b) in sum[k].iter_mut().zip(g.iter()) {
+                                *a += *b;
+                            }
+                        }
+                        k += 1;
+                    });
+                }
+            }
+            for d in 0..dp {
+                let mut k = 0;
+                for (_, w) in ranks[d * pp + r].iter_mut() {
+                    w.visit_grads(&mut |g| {
+                        g.copy_from_slice(&sum[k]);
+                        k += 1;
+                    });
+                }
+            }
+        }
+    }
+    let grad_norm = ranks[..pp]
+        .iter()
+        .flat_map(|r| r.iter().map(|(_, w)| w.grad_sq_norm()))
+        .sum::<f64>()
+        .sqrt();
+    let mut optimizer = vec![None; n];
+    if let Some((adamw, t)) = opts.optimizer {
+        let scale = match opts.max_grad_norm {
+            Some(c) if grad_norm > c => (c / (grad_norm + 1e-6)) as f32,
+            _ => 1.0,
+        };
+        optimizer = std::thread::scope(|scope| {
+            let hs: Vec<_> = ranks
+                .iter_mut()
+                .map(|rank| {
+                    scope.spawn(move || {
+                        let a = t0.elapsed().as_nanos() as u64;
+                        for (_, w) in rank.iter_mut() {
+                            w.optimizer_step(&adamw, t, scale);
+                        }
+                        (a, t0.elapsed().as_nanos() as u64)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().ok().map(|(a, b)| (a.min(opt_start), b)))
+                .collect()
+        });
+    }
+
+    let mut timeline = Timeline {
+        compute: Vec::with_capacity(n),
+        transfers: Vec::new(),
+        optimizer,
+    };
+    let mut microbatch_losses = vec![Vec::new(); dp];
+    let mut fo_losses = vec![Vec::new(); dp];
+    for (g, o) in outs.into_iter().enumerate() {
+        let d = g / pp;
+        timeline.compute.push(o.ops);
+        timeline.transfers.extend(o.transfers);
+        microbatch_losses[d].extend(o.losses);
+        fo_losses[d].extend(o.fo_losses);
+    }
+    // Times from the first action's start (thread start-up is not the step's).
+    let origin = timeline
+        .compute
+        .iter()
+        .filter_map(|ops| ops.first())
+        .map(|o| o.start_ns)
+        .min()
+        .unwrap_or(0)
+        .min(opt_start);
+    for ops in &mut timeline.compute {
+        for o in ops {
+            o.start_ns -= origin;
+            o.end_ns -= origin;
+        }
+    }
+    for t in &mut timeline.transfers {
+        t.start_ns -= origin;
+        t.end_ns -= origin;
+    }
+    for (a, b) in timeline.optimizer.iter_mut().flatten() {
+        *a -= origin;
+        *b -= origin;
+    }
+    let sort = |v: &mut Vec<(u32, LossSums)>| {
+        v.sort_by_key(|x| x.0);
+        v.iter().map(|x| x.1).collect::<Vec<_>>()
+    };
+    let microbatch_losses: Vec<Vec<LossSums>> = microbatch_losses.iter_mut().map(sort).collect();
+    let fo_losses: Vec<Vec<LossSums>> = fo_losses.iter_mut().map(sort).collect();
+    let loss = microbatch_losses.iter().flatten().map(|l| l.weighted).sum();
+    Ok(StepRun {
+        timeline,
+        loss,
+        microbatch_losses,
+        fo_losses,
+        grad_norm,
+    })
+}
+
+/// A forward-only (evaluation) schedule: every rank runs `Fo` of its stages in ascending stage
+/// order, each over all `m` microbatches (breadth-first, so no rank waits on a later chunk).
+///
+/// # Errors
+/// [`Error::Invalid`] for `m = 0`.
+pub fn forward_only_schedule(train: &Schedule, m: u32) -> Result<Schedule> {
+    if m == 0 {
+        return Err(Error::Invalid(
+            "an evaluation step needs >= 1 microbatch".into(),
+        ));
+    }
+    let p = train.placement.num_ranks;
+    let ranks = (0..p)
+        .map(|r| {
+            let mut stages = train.placement.stages_of(Rank(r));
+            stages.sort();
+            stages
+                .iter()
+                .flat_map(|s| {
+                    (0..m).map(move |mb| {
+                        Action::Compute(ComputeAction {
+                            stage: StageId(s.0),
+                            microbatch: MicrobatchId(mb),
+                            kind: ActionKind::Fo,
+                        })
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    Ok(Schedule {
+        name: format!("{}-forward-only", train.name),
+        placement: train.placement.clone(),
+        num_microbatches: 0,
+        num_fo_microbatches: m,
+        ranks,
+    })
+}

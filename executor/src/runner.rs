@@ -1,0 +1,511 @@
+//! A plan's steps end to end: sample the step's sequences, split them over data-parallel
+//! replicas, cut microbatches, build the data, generate each replica's schedule for its
+//! microbatch count (dynamic capacity, DESIGN point 3), run the interpreter; and the single-rank
+//! reference that `--verify` and the tests compare against.
+
+use crate::cpu::CpuStage;
+use crate::data::{LossReduction, MicrobatchData, build_step};
+use crate::interpreter::{Replica, StepOptions, StepRun, forward_only_schedule, run_step};
+use crate::worker::{AdamW, StageInput, StageWorker};
+use crate::{Error, Result};
+use flatpipe_profiles::{ModelSpec, StepSize, Workload};
+use flatpipe_simulator::costs::Recompute;
+use flatpipe_simulator::ir::{Placement, Rank, Schedule};
+use flatpipe_simulator::microbatch::Microbatch;
+use flatpipe_simulator::montecarlo::{ScheduleSource, dp_shares};
+use flatpipe_simulator::policy::{Policy, PolicyParams, batch};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Predicted cost of a flat microbatch `(tokens, attention pairs)`, any unit: balances
+/// microbatches (`flat-balanced`, exact counts) and data-parallel shares.
+pub type BalanceCost = Arc<dyn Fn(u64, u64) -> f64 + Send + Sync>;
+
+/// Everything a run needs besides the backend.
+#[derive(Clone)]
+pub struct Setup {
+    /// The model (the stages are built from its layer list).
+    pub model: ModelSpec,
+    /// Layer range of every stage, in stage order.
+    pub stages: Vec<Range<usize>>,
+    /// Schedule family (generated per step for its microbatch count) or a given schedule
+    /// (fixed microbatch count).
+    pub source: ScheduleSource,
+    /// Ranks per replica.
+    pub pp: u32,
+    /// Stages per rank.
+    pub v: u32,
+    /// Data-parallel replicas.
+    pub dp: u32,
+    /// Recomputation per stage (empty: none).
+    pub recompute: Vec<Recompute>,
+    /// Microbatching policy (flat policies only).
+    pub policy: Policy,
+    /// Token budget / microbatch count.
+    pub params: PolicyParams,
+    /// Where the step's sequence lengths come from.
+    pub workload: Workload,
+    /// Sequences or tokens per step.
+    pub step_size: StepSize,
+    /// Seed of the step sampler and of the token ids.
+    pub seed: u64,
+    /// Seed of the weights.
+    pub init_seed: u64,
+    /// How token losses become the step's loss.
+    pub reduction: LossReduction,
+    /// Optimizer.
+    pub adamw: AdamW,
+    /// Clip the global gradient norm to this (none: no clipping).
+    pub max_grad_norm: Option<f64>,
+    /// Cost used to balance microbatches and replicas.
+    pub balance: BalanceCost,
+}
+
+impl std::fmt::Debug for Setup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Setup")
+            .field("model", &self.model.name)
+            .field("stages", &self.stages)
+            .field("schedule", &self.source.name())
+            .field("pp", &self.pp)
+            .field("v", &self.v)
+            .field("dp", &self.dp)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One replica's share of a prepared step.
+#[derive(Debug, Clone)]
+pub struct PreparedReplica {
+    /// The schedule for this replica's microbatch count.
+    pub schedule: Schedule,
+    /// Microbatch lengths (for the simulator's prediction of the same step).
+    pub lengths: Vec<Microbatch>,
+    /// Microbatch data.
+    pub microbatches: Vec<MicrobatchData>,
+}
+
+/// A step ready to run: every replica's schedule and data.
+#[derive(Debug, Clone)]
+pub struct PreparedStep {
+    /// Step number.
+    pub step: u64,
+    /// Replicas in order.
+    pub replicas: Vec<PreparedReplica>,
+}
+
+impl PreparedStep {
+    /// True tokens of the step.
+    pub fn tokens(&self) -> u64 {
+        self.replicas
+            .iter()
+            .flat_map(|r| &r.microbatches)
+            .map(|m| m.tokens() as u64)
+            .sum()
+    }
+
+    /// Every microbatch of every replica, in order (what the reference runs).
+    pub fn all_microbatches(&self) -> impl Iterator<Item = &MicrobatchData> {
+        self.replicas.iter().flat_map(|r| &r.microbatches)
+    }
+}
+
+impl Setup {
+    /// The stage -> rank placement (the same for every step).
+    ///
+    /// # Errors
+    /// Schedule generation errors.
+    pub fn placement(&self) -> Result<Placement> {
+        Ok(match &self.source {
+            ScheduleSource::Kind(k) => k.generate(self.pp, self.v, 1)?.placement,
+            ScheduleSource::Given(s) => s.placement.clone(),
+        })
+    }
+
+    /// Checks that the setup can run: flat policy, stage count, recomputation list.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] / [`Error::Unsupported`] naming what is wrong.
+    pub fn check(&self) -> Result<()> {
+        if !matches!(self.policy, Policy::FlatFfd | Policy::FlatBalanced) {
+            return Err(Error::Unsupported(format!(
+                "policy {}: the executor runs flat [T] microbatches with cu_seqlens (flat-ffd or flat-balanced); padded and packed are simulated baselines",
+                self.policy
+            )));
+        }
+        if self.dp == 0 || self.pp == 0 {
+            return Err(Error::Invalid("dp and pp must be >= 1".into()));
+        }
+        let placement = self.placement()?;
+        if placement.rank_of.len() != self.stages.len() {
+            return Err(Error::Invalid(format!(
+                "the schedule has {} stages, the plan lists {} layer ranges",
+                placement.rank_of.len(),
+                self.stages.len()
+            )));
+        }
+        let n = self.model.layers().len();
+        let mut next = 0;
+        for (s, r) in self.stages.iter().enumerate() {
+            if r.start != next || r.end <= r.start || r.end > n {
+                return Err(Error::Invalid(format!(
+                    "stage {s} covers layers [{}, {}): stages must cover 0..{n} in order, each non-empty",
+                    r.start, r.end
+                )));
+            }
+            next = r.end;
+        }
+        if next != n {
+            return Err(Error::Invalid(format!(
+                "the stages end at layer {next}, the model has {n} layers"
+            )));
+        }
+        if !self.recompute.is_empty() && self.recompute.len() != self.stages.len() {
+            return Err(Error::Invalid(format!(
+                "recompute lists {} modes for {} stages",
+                self.recompute.len(),
+                self.stages.len()
+            )));
+        }
+        if self.recompute.contains(&Recompute::Selective) {
+            return Err(Error::Unsupported(
+                "selective recomputation is not implemented by the CPU executor; plan with recompute none or full".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Samples step `step` and builds every replica's microbatches, data and schedule.
+    ///
+    /// # Errors
+    /// Microbatching and schedule generation errors; a given schedule whose microbatch count
+    /// differs from the step's.
+    pub fn prepare(&self, step: u64) -> Result<PreparedStep> {
+        let seqs = self.workload.sample_step(self.seed, step, self.step_size);
+        let cost = |t: u64, a: u64| (self.balance)(t, a);
+        let shares = dp_shares(&seqs, self.dp, &cost);
+        let mut lengths = Vec::with_capacity(shares.len());
+        for (d, share) in shares.iter().enumerate() {
+            if share.is_empty() {
+                return Err(Error::Invalid(format!(
+                    "step {step} has {} sequences, too few for dp = {} replicas (replica {d} gets none)",
+                    seqs.len(),
+                    self.dp
+                )));
+            }
+            lengths.push(batch(self.policy, share, &self.params, &cost)?.microbatches);
+        }
+        let seq_lens: Vec<Vec<Vec<u32>>> = lengths
+            .iter()
+            .map(|mbs| mbs.iter().map(|m| m.seq_lens.clone()).collect())
+            .collect();
+        let vocab = self
+            .model
+            .layers()
+            .first()
+            .map(|l| l.vocab as u32)
+            .unwrap_or(1);
+        let data = build_step(&seq_lens, vocab, self.seed, step, self.reduction);
+        let replicas = lengths
+            .into_iter()
+            .zip(data)
+            .map(|(lengths, microbatches)| {
+                let m = microbatches.len() as u32;
+                let schedule = match &self.source {
+                    ScheduleSource::Kind(k) => k.generate(self.pp, self.v, m)?,
+                    ScheduleSource::Given(s) if s.num_microbatches == m => s.clone(),
+                    ScheduleSource::Given(s) => {
+                        return Err(Error::Invalid(format!(
+                            "the loaded schedule `{}` has {} microbatches, step {step} has {m}; give --microbatches {}",
+                            s.name, s.num_microbatches, s.num_microbatches
+                        )));
+                    }
+                };
+                Ok(PreparedReplica {
+                    schedule,
+                    lengths,
+                    microbatches,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PreparedStep { step, replicas })
+    }
+}
+
+/// A plan's ranks with their stages, run step after step.
+#[derive(Debug)]
+pub struct Executor<W> {
+    /// `ranks[d * pp + r]`: replica d's pipeline rank r, its stages as `(stage id, worker)`.
+    pub ranks: Vec<Vec<(u32, W)>>,
+    pp: usize,
+    steps_done: u64,
+}
+
+impl Executor<CpuStage> {
+    /// Builds every rank's CPU stages from their layer ranges.
+    ///
+    /// # Errors
+    /// [`Setup::check`] errors; stage construction errors.
+    pub fn cpu(setup: &Setup) -> Result<Self> {
+        setup.check()?;
+        let placement = setup.placement()?;
+        Executor::build(setup, &placement, |s| {
+            let mode = setup.recompute.get(s).copied().unwrap_or_default();
+            CpuStage::new(&setup.model, setup.stages[s].clone(), setup.init_seed, mode)
+        })
+    }
+}
+
+impl<W: StageWorker> Executor<W> {
+    /// Builds every rank's stages with `make(stage index)`.
+    ///
+    /// # Errors
+    /// The first error of `make`.
+    pub fn build(
+        setup: &Setup,
+        placement: &Placement,
+        mut make: impl FnMut(usize) -> Result<W>,
+    ) -> Result<Self> {
+        let pp = setup.pp as usize;
+        let mut ranks = Vec::with_capacity(pp * setup.dp as usize);
+        for _ in 0..setup.dp {
+            for r in 0..pp {
+                let stages = placement
+                    .stages_of(Rank(r as u32))
+                    .into_iter()
+                    .map(|s| Ok((s.0, make(s.idx())?)))
+                    .collect::<Result<Vec<_>>>()?;
+                ranks.push(stages);
+            }
+        }
+        Ok(Executor {
+            ranks,
+            pp,
+            steps_done: 0,
+        })
+    }
+
+    /// Runs one training step (forward, backward, all-reduce, AdamW).
+    ///
+    /// # Errors
+    /// Any interpreter or backend error.
+    pub fn train_step(&mut self, setup: &Setup, step: &PreparedStep) -> Result<StepRun> {
+        let replicas: Vec<Replica<'_>> = step
+            .replicas
+            .iter()
+            .map(|r| Replica {
+                schedule: &r.schedule,
+                microbatches: &r.microbatches,
+                fo_microbatches: &[],
+            })
+            .collect();
+        let opts = StepOptions {
+            optimizer: Some((setup.adamw, self.steps_done + 1)),
+            max_grad_norm: setup.max_grad_norm,
+        };
+        let run = run_step(&mut self.ranks, &replicas, &opts)?;
+        self.steps_done += 1;
+        Ok(run)
+    }
+
+    /// Runs one training step's forward and backward without the optimizer (the gradients stay
+    /// for inspection).
+    ///
+    /// # Errors
+    /// Any interpreter or backend error.
+    pub fn gradients(&mut self, step: &PreparedStep) -> Result<StepRun> {
+        let replicas: Vec<Replica<'_>> = step
+            .replicas
+            .iter()
+            .map(|r| Replica {
+                schedule: &r.schedule,
+                microbatches: &r.microbatches,
+                fo_microbatches: &[],
+            })
+            .collect();
+        run_step(&mut self.ranks, &replicas, &StepOptions::default())
+    }
+
+    /// Runs a forward-only (evaluation) step over the step's microbatches: `Fo` on every stage,
+    /// nothing kept, no backward; the loss sums are in [`StepRun::fo_losses`].
+    ///
+    /// # Errors
+    /// Any interpreter or backend error.
+    pub fn eval_step(&mut self, step: &PreparedStep) -> Result<StepRun> {
+        let schedules = step
+            .replicas
+            .iter()
+            .map(|r| forward_only_schedule(&r.schedule, r.microbatches.len() as u32))
+            .collect::<Result<Vec<_>>>()?;
+        let replicas: Vec<Replica<'_>> = step
+            .replicas
+            .iter()
+            .zip(&schedules)
+            .map(|(r, s)| Replica {
+                schedule: s,
+                microbatches: &[],
+                fo_microbatches: &r.microbatches,
+            })
+            .collect();
+        run_step(&mut self.ranks, &replicas, &StepOptions::default())
+    }
+
+    /// Replica 0's gradients by parameter name.
+    pub fn named_grads(&self) -> BTreeMap<String, Vec<f32>> {
+        self.ranks[..self.pp]
+            .iter()
+            .flatten()
+            .flat_map(|(_, w)| w.named_grads())
+            .collect()
+    }
+
+    /// Replica 0's parameters by name.
+    pub fn named_params(&self) -> BTreeMap<String, Vec<f32>> {
+        self.ranks[..self.pp]
+            .iter()
+            .flatten()
+            .flat_map(|(_, w)| w.named_params())
+            .collect()
+    }
+
+    /// Every replica's parameters by name (replica-major), to check that replicas agree.
+    pub fn replica_params(&self) -> Vec<BTreeMap<String, Vec<f32>>> {
+        self.ranks
+            .chunks(self.pp)
+            .map(|c| {
+                c.iter()
+                    .flatten()
+                    .flat_map(|(_, w)| w.named_params())
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+/// The single-rank reference: the whole model as one stage on one thread, every microbatch of
+/// the step (all replicas) run as F, I, W in turn, then the same AdamW. No schedule, no
+/// interpreter, no transfers.
+#[derive(Debug)]
+pub struct Reference {
+    stage: CpuStage,
+    steps_done: u64,
+}
+
+/// What the reference computed for one step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReferenceStep {
+    /// The step's loss.
+    pub loss: f64,
+    /// Global gradient norm (before clipping).
+    pub grad_norm: f64,
+}
+
+impl Reference {
+    /// The whole model of `setup` with the same initial weights.
+    ///
+    /// # Errors
+    /// Stage construction errors.
+    pub fn new(setup: &Setup) -> Result<Self> {
+        let n = setup.model.layers().len();
+        Ok(Reference {
+            stage: CpuStage::new(&setup.model, 0..n, setup.init_seed, Recompute::None)?,
+            steps_done: 0,
+        })
+    }
+
+    /// Forward and backward of every microbatch of `step`; with `optimize`, then AdamW.
+    ///
+    /// # Errors
+    /// Backend errors.
+    pub fn step(
+        &mut self,
+        setup: &Setup,
+        step: &PreparedStep,
+        optimize: bool,
+    ) -> Result<ReferenceStep> {
+        self.stage.zero_grads();
+        let mut loss = 0.0;
+        for (i, mb) in step.all_microbatches().enumerate() {
+            let i = i as u32;
+            match self.stage.forward(i, mb, StageInput::Tokens, true)? {
+                crate::worker::StageOutput::Loss(l) => loss += l.weighted,
+                crate::worker::StageOutput::Hidden(_) => {
+                    return Err(Error::Invalid("the whole model ends in the loss".into()));
+                }
+            }
+            self.stage.backward_input(i, mb, None)?;
+            self.stage.backward_weight(i, mb)?;
+        }
+        let grad_norm = self.stage.grad_sq_norm().sqrt();
+        if optimize {
+            self.steps_done += 1;
+            let scale = match setup.max_grad_norm {
+                Some(c) if grad_norm > c => (c / (grad_norm + 1e-6)) as f32,
+                _ => 1.0,
+            };
+            self.stage
+                .optimizer_step(&setup.adamw, self.steps_done, scale);
+        }
+        Ok(ReferenceStep { loss, grad_norm })
+    }
+
+    /// Gradients by parameter name.
+    pub fn named_grads(&self) -> BTreeMap<String, Vec<f32>> {
+        self.stage.named_grads().into_iter().collect()
+    }
+
+    /// Parameters by name.
+    pub fn named_params(&self) -> BTreeMap<String, Vec<f32>> {
+        self.stage.named_params().into_iter().collect()
+    }
+}
+
+/// The largest difference between two sets of named tensors.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Diff {
+    /// `max |a - b|` over every element.
+    pub max_abs: f64,
+    /// `max over tensors of max|a - b| / max|b|` (normwise relative, so tiny elements do not
+    /// dominate).
+    pub max_rel: f64,
+    /// The tensor with the largest relative difference.
+    pub worst: String,
+}
+
+/// Compares `a` against the reference `b`, tensor by tensor.
+///
+/// # Errors
+/// [`Error::Invalid`] when the names or sizes differ.
+pub fn compare(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> Result<Diff> {
+    if a.len() != b.len() || a.keys().zip(b.keys()).any(|(x, y)| x != y) {
+        return Err(Error::Invalid(format!(
+            "the runs hold different tensors ({} vs {})",
+            a.len(),
+            b.len()
+        )));
+    }
+    let mut d = Diff::default();
+    for ((name, x), y) in a.iter().zip(b.values()) {
+        if x.len() != y.len() {
+            return Err(Error::Invalid(format!(
+                "{name}: {} vs {} values",
+                x.len(),
+                y.len()
+            )));
+        }
+        let abs = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (*p as f64 - *q as f64).abs())
+            .fold(0.0, f64::max);
+        let scale = y.iter().map(|q| (*q as f64).abs()).fold(0.0, f64::max);
+        let rel = if scale > 0.0 { abs / scale } else { abs };
+        d.max_abs = d.max_abs.max(abs);
+        if rel > d.max_rel || d.worst.is_empty() {
+            d.max_rel = d.max_rel.max(rel);
+            d.worst = name.clone();
+        }
+    }
+    Ok(d)
+}
