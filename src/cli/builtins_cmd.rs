@@ -1,0 +1,85 @@
+//! `flatpipe builtins`: list the built-in models, hardware, profiles and workloads.
+
+use super::*;
+
+/// Options of `flatpipe builtins`.
+#[derive(Debug, Args)]
+pub(super) struct BuiltinsArgs {
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
+pub(super) fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
+    #[derive(Serialize)]
+    struct Entry {
+        kind: &'static str,
+        name: String,
+        description: String,
+    }
+    let mut out = Vec::new();
+    for (name, _) in builtins::MODELS {
+        let m = builtins::model(name)?;
+        out.push(Entry {
+            kind: "model",
+            name: name.to_string(),
+            description: format!(
+                "{} decoder layers, {:.2}B parameters, {:?}",
+                m.num_decoder_layers(),
+                m.param_count() as f64 / 1e9,
+                m.dtype
+            )
+            .to_lowercase(),
+        });
+    }
+    for (name, _) in builtins::HARDWARE {
+        let h = builtins::hardware(name)?;
+        out.push(Entry {
+            kind: "hardware",
+            name: name.to_string(),
+            description: format!(
+                "{}, {} MiB, {:.0} TFLOP/s bf16, {} per node",
+                h.name,
+                h.memory_bytes >> 20,
+                h.peak_flops / 1e12,
+                h.gpus_per_node
+            ),
+        });
+    }
+    for name in builtin_profile_names() {
+        out.push(Entry {
+            kind: "profile",
+            name: name.clone(),
+            description: "analytic profile (FLOP counts over datasheet peaks)".into(),
+        });
+    }
+    for (name, _) in builtins::WORKLOADS {
+        let w = builtins::workload(name)?;
+        let d = match &w.lengths {
+            profiles::LengthDistribution::Empirical { samples, .. } => format!(
+                "{} real sequence lengths, {:?} per step",
+                samples.len(),
+                w.default_step_size()
+            ),
+            other => format!("{other:?}"),
+        };
+        out.push(Entry {
+            kind: "workload",
+            name: name.to_string(),
+            description: d,
+        });
+    }
+    match a.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
+        Format::Table => {
+            let mut t = Table::new();
+            t.load_preset(UTF8_BORDERS_ONLY);
+            t.set_header(["kind", "name", "description"]);
+            for e in out {
+                t.add_row([e.kind.to_string(), e.name, e.description]);
+            }
+            println!("{t}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,299 @@
+//! Command-line parsing and the subcommands (one module each).
+
+mod builtins_cmd;
+mod plan;
+mod schedule;
+mod simulate;
+
+use builtins_cmd::{BuiltinsArgs, list_builtins};
+use plan::{PlanArgs, plan_cmd};
+use schedule::{ScheduleArgs, schedule_cmd};
+use simulate::{SimulateArgs, simulate};
+
+use anyhow::{Result, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
+use flatpipe_planner as planner;
+use flatpipe_profiles::{self as profiles, AnalyticOptions, Profile, StepSize, Workload, builtins};
+use flatpipe_simulator::{
+    self as sim, Microbatching, Plan, ScheduleKind, Simulation, UniformCostSpec, UniformCosts,
+    montecarlo::{self, Capacity, ScheduleSource},
+    plan::even_split,
+    policy::{Policy, PolicyParams},
+};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// flatpipe: profile, simulate, plan and execute pipeline-parallel LLM training.
+#[derive(Debug, Parser)]
+#[command(name = "flatpipe", version, about, long_about = None)]
+struct Cli {
+    /// Log more (repeat for more detail).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Simulate pipeline schedules on one step of a workload and compare them.
+    Simulate(Box<SimulateArgs>),
+    /// Choose the fastest plan (dp x pp, v, schedule, token budget, layer split, recomputation)
+    /// that fits the memory limit, and export it.
+    Plan(Box<PlanArgs>),
+    /// Generate a schedule, print its step-by-rank grid and optionally write PyTorch's CSV.
+    Schedule(ScheduleArgs),
+    /// List the built-in models, hardware, profiles and workloads.
+    Builtins(BuiltinsArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Format {
+    Table,
+    Json,
+}
+
+/// What a run is about: the model's costs and the input lengths (shared by simulate and plan).
+#[derive(Debug, Args)]
+struct Inputs {
+    /// Cost profile: a YAML file or a built-in name such as llama3.1-8b@h200.
+    #[arg(long, conflicts_with_all = ["model", "hardware"])]
+    profile: Option<String>,
+    /// Model (YAML file or built-in name); its analytic profile on --hardware is used.
+    #[arg(long)]
+    model: Option<String>,
+    /// Hardware (YAML file or built-in name).
+    #[arg(long)]
+    hardware: Option<String>,
+    /// Workload: a YAML file, a CSV file with a `tokens` column, or a built-in name.
+    #[arg(long)]
+    workload: Option<String>,
+}
+
+/// Parses the command line and runs the subcommand.
+pub fn run() -> Result<ExitCode> {
+    let cli = Cli::parse();
+    let level = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| level.into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .init();
+    match cli.command {
+        Command::Simulate(a) => simulate(*a),
+        Command::Plan(a) => plan_cmd(*a),
+        Command::Schedule(a) => schedule_cmd(a),
+        Command::Builtins(a) => list_builtins(a),
+    }
+}
+
+/// Built-in profile names: `<model>@<hardware>` for every built-in pair.
+fn builtin_profile_names() -> Vec<String> {
+    builtins::MODELS
+        .iter()
+        .flat_map(|(m, _)| {
+            builtins::HARDWARE
+                .iter()
+                .map(move |(h, _)| format!("{m}@{h}"))
+        })
+        .collect()
+}
+
+/// Resolves `--profile` (file or `model@hardware`) or `--model` + `--hardware` to a profile.
+fn resolve_profile(
+    profile: Option<&str>,
+    model: Option<&str>,
+    hardware: Option<&str>,
+) -> Result<Profile> {
+    if let Some(p) = profile {
+        let path = Path::new(p);
+        if path.is_file() {
+            return Ok(Profile::from_yaml(&profiles::read_to_string(path)?, p)?);
+        }
+        if let Some((m, h)) = p.split_once('@') {
+            return analytic(m, h);
+        }
+        bail!(
+            "unknown profile `{p}`: no such file and no such built-in (built-ins: {})",
+            builtin_profile_names().join(", ")
+        );
+    }
+    analytic(
+        model.unwrap_or(builtins::DEFAULT_MODEL),
+        hardware.unwrap_or(builtins::DEFAULT_HARDWARE),
+    )
+}
+
+fn analytic(model: &str, hardware: &str) -> Result<Profile> {
+    let m = builtins::model(model)?;
+    let h = builtins::hardware(hardware)?;
+    Ok(profiles::analytic_profile(
+        &m,
+        &h,
+        &AnalyticOptions::default(),
+    )?)
+}
+
+fn parse_kinds(names: &[String]) -> Result<Vec<ScheduleKind>> {
+    if names.is_empty() || names.iter().any(|n| n.trim() == "all") {
+        return Ok(ScheduleKind::ALL.to_vec());
+    }
+    let mut kinds = Vec::new();
+    for n in names {
+        let k: ScheduleKind = n.parse()?;
+        if !kinds.contains(&k) {
+            kinds.push(k);
+        }
+    }
+    Ok(kinds)
+}
+
+fn emit<T: Serialize>(
+    format: Format,
+    reports: &T,
+    header: &str,
+    table: &Table,
+    notes: &[String],
+) -> Result<ExitCode> {
+    match format {
+        Format::Json => {
+            println!("{}", serde_json::to_string_pretty(reports)?);
+            eprintln!("{header}");
+            for n in notes {
+                eprintln!("{n}");
+            }
+        }
+        Format::Table => {
+            println!("{header}");
+            println!("{table}");
+            for n in notes {
+                println!("{n}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn new_table(header: &[&str]) -> Table {
+    let mut t = Table::new();
+    t.load_preset(UTF8_BORDERS_ONLY);
+    t.set_header(header.to_vec());
+    t
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", 100.0 * x)
+}
+
+fn dedup<T: PartialEq>(v: Vec<T>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(v.len());
+    for x in v {
+        if !out.contains(&x) {
+            out.push(x);
+        }
+    }
+    out
+}
+
+/// A progress bar on stderr that appears only once the work has run for a second.
+struct Progress {
+    bar: indicatif::ProgressBar,
+    start: std::time::Instant,
+    shown: std::sync::atomic::AtomicBool,
+}
+
+impl Progress {
+    fn new(len: u64) -> Self {
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(len),
+            indicatif::ProgressDrawTarget::hidden(),
+        );
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} steps  {elapsed} (eta {eta})",
+        ) {
+            bar.set_style(style);
+        }
+        Progress {
+            bar,
+            start: std::time::Instant::now(),
+            shown: false.into(),
+        }
+    }
+
+    fn inc(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.shown.load(Ordering::Relaxed)
+            && self.start.elapsed() > std::time::Duration::from_secs(1)
+            && !self.shown.swap(true, Ordering::Relaxed)
+        {
+            self.bar
+                .set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        }
+        self.bar.inc(1);
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// A schedule name fit for a file name (a CSV schedule is named after its path).
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// `out.png` + `1f1b` -> `out-1f1b.png`.
+fn sibling(path: &Path, tag: &str) -> PathBuf {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ext = path
+        .extension()
+        .map(|e| format!(".{}", e.to_string_lossy()))
+        .unwrap_or_default();
+    path.with_file_name(format!("{stem}-{tag}{ext}"))
+}
+
+/// Cuts one step into flat microbatches; warns about sequences longer than the token budget.
+/// Seconds with a unit that fits.
+fn fmt_s(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.1} µs", s * 1e6)
+    }
+}
+
+fn fmt_bytes(b: f64) -> String {
+    format!("{:.2} GiB", b / (1u64 << 30) as f64)
+}
+
+fn gantt_title(name: &str, schedule: &sim::Schedule, v: u32, m: &sim::Metrics) -> String {
+    format!(
+        "{name}  p={} v={v} m={}  makespan {}  bubble {:.1}%",
+        schedule.placement.num_ranks,
+        schedule.num_microbatches,
+        fmt_s(m.makespan_s),
+        100.0 * m.bubble_ratio
+    )
+}

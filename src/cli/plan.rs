@@ -1,0 +1,491 @@
+//! `flatpipe plan`: search dp x pp, v, schedule, token budget and split; write and export the plan.
+
+use super::*;
+
+/// What `plan --export` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum ExportFormat {
+    Torchtitan,
+    Megatron,
+    PytorchCsv,
+}
+
+/// Options of `flatpipe plan`.
+#[derive(Debug, Args)]
+pub(super) struct PlanArgs {
+    #[command(flatten)]
+    inputs: Inputs,
+    /// Ranks in all (dp x pp). Default 8 (one 8-GPU node).
+    #[arg(long, default_value_t = 8)]
+    ranks: u32,
+    /// Memory limit per rank, e.g. 120GiB (default: the hardware's memory minus a 4 GiB
+    /// reserve for the CUDA context, communication buffers and fragmentation).
+    #[arg(long)]
+    memory_limit: Option<String>,
+    /// Pipeline degrees to try, comma-separated (default: every divisor of --ranks).
+    #[arg(long, value_delimiter = ',')]
+    pp: Vec<u32>,
+    /// Stages per rank to try for interleaved schedules (default 2,4).
+    #[arg(long, value_delimiter = ',')]
+    vpp: Vec<u32>,
+    /// Schedules to try (default: every handcrafted schedule).
+    #[arg(long, value_delimiter = ',')]
+    schedule: Vec<String>,
+    /// Token budgets per microbatch to try (default 4096,8192,16384,32768,65536,131072).
+    #[arg(long, value_delimiter = ',')]
+    token_budgets: Vec<u64>,
+    /// Recomputation modes the split may use per stage (default none,selective,full).
+    #[arg(long, value_delimiter = ',')]
+    recompute: Vec<String>,
+    /// Sampled steps per candidate. Default 64.
+    #[arg(long, default_value_t = 64)]
+    steps: u32,
+    /// Sequences per step (default: the workload's, 128).
+    #[arg(long, conflicts_with = "tokens_per_step")]
+    seqs_per_step: Option<u32>,
+    /// Tokens per step.
+    #[arg(long)]
+    tokens_per_step: Option<u64>,
+    /// Seed of the step sampler (default 0). Printed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Rank candidates by mean or p90 step time.
+    #[arg(long, default_value = "mean", value_parser = ["mean", "p90"])]
+    rank_by: String,
+    /// Where memory forces a split away from the fastest one, also run the partition MILP
+    /// (HiGHS, 0.5 s per candidate) instead of keeping the DP-based split and its certified gap.
+    #[arg(long)]
+    exact_split: bool,
+    /// How many plans to report (the best and its runners-up).
+    #[arg(long, default_value_t = 5)]
+    keep: usize,
+    /// Write the chosen plan here (YAML, atomically).
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// Export the chosen plan; printed, or written next to -o (plan.torchtitan.toml,
+    /// plan.megatron.txt, plan.pytorch.csv).
+    #[arg(long, value_enum)]
+    export: Option<ExportFormat>,
+    /// Write the Gantt chart of the chosen plan's first step here (default flatpipe-plan.png).
+    #[arg(long)]
+    gantt: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
+/// The memory limit: `--memory-limit` parsed (e.g. `120GiB`, `80GB`, `1.5e11`), or the
+/// hardware's memory minus a 4 GiB reserve.
+pub(super) fn memory_limit(arg: Option<&str>, profile: &Profile) -> Result<f64> {
+    const RESERVE_BYTES: f64 = 4.0 * (1u64 << 30) as f64;
+    match arg {
+        None => Ok(profile.hardware.memory_bytes as f64 - RESERVE_BYTES),
+        Some(text) => {
+            let bytes = match text.trim().parse::<f64>() {
+                Ok(b) => b,
+                Err(_) => text
+                    .trim()
+                    .parse::<bytesize::ByteSize>()
+                    .map_err(|e| anyhow::anyhow!("--memory-limit `{text}` is invalid: {e} (e.g. 120GiB, 80GB or a number of bytes)"))?
+                    .as_u64() as f64,
+            };
+            if !(bytes.is_finite() && bytes > 0.0) {
+                bail!("--memory-limit `{text}` is invalid: a positive amount of memory");
+            }
+            Ok(bytes)
+        }
+    }
+}
+
+pub(super) fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+pub(super) fn workload_hash(w: &Workload) -> Result<String> {
+    let mut bytes = serde_yaml::to_string(w)?.into_bytes();
+    if let profiles::LengthDistribution::Empirical { samples, .. } = &w.lengths {
+        for s in samples.iter() {
+            bytes.extend_from_slice(&s.to_le_bytes());
+        }
+    }
+    Ok(sha256_hex(&bytes))
+}
+
+/// One row of `plan`'s output.
+#[derive(Debug, Serialize)]
+pub(super) struct PlanRow {
+    rank: usize,
+    #[serde(flatten)]
+    candidate: planner::search::Candidate,
+    stages: Vec<[usize; 2]>,
+    recompute: Vec<sim::costs::Recompute>,
+    gap_to_lower_bound: f64,
+}
+
+pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
+    use planner::search::{RankBy, SearchConfig, SearchSpace};
+    let profile = resolve_profile(
+        a.inputs.profile.as_deref(),
+        a.inputs.model.as_deref(),
+        a.inputs.hardware.as_deref(),
+    )?;
+    let workload_name = a
+        .inputs
+        .workload
+        .clone()
+        .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
+    let workload = builtins::workload(&workload_name)?;
+    let limit = memory_limit(a.memory_limit.as_deref(), &profile)?;
+    let mut space = SearchSpace::default_for(a.ranks);
+    if !a.pp.is_empty() {
+        space.pp = dedup(a.pp.clone());
+    }
+    if !a.vpp.is_empty() {
+        space.vpp = dedup(a.vpp.clone());
+    }
+    if !a.schedule.is_empty() {
+        space.kinds = parse_kinds(&a.schedule)?;
+    }
+    if !a.token_budgets.is_empty() {
+        if a.token_budgets.contains(&0) {
+            bail!("--token-budgets: 0 is invalid: every budget >= 1 token");
+        }
+        space.token_budgets = dedup(a.token_budgets.clone());
+    }
+    if !a.recompute.is_empty() {
+        space.recompute = a
+            .recompute
+            .iter()
+            .map(|r| match r.trim() {
+                "none" => Ok(sim::costs::Recompute::None),
+                "selective" => Ok(sim::costs::Recompute::Selective),
+                "full" => Ok(sim::costs::Recompute::Full),
+                other => Err(anyhow::anyhow!(
+                    "--recompute `{other}` is invalid: one of none, selective, full"
+                )),
+            })
+            .collect::<Result<_>>()?;
+    }
+    if a.keep == 0 {
+        bail!("--keep = 0 is invalid: >= 1 plan");
+    }
+    let size = match (a.seqs_per_step, a.tokens_per_step) {
+        (Some(0), _) => bail!("--seqs-per-step = 0 is invalid: >= 1 sequence"),
+        (_, Some(0)) => bail!("--tokens-per-step = 0 is invalid: >= 1 token"),
+        (Some(n), _) => StepSize::Seqs(n),
+        (None, Some(t)) => StepSize::Tokens(t),
+        (None, None) => workload.default_step_size(),
+    };
+    let seed = a.seed.unwrap_or(workload.seed);
+    let config = SearchConfig {
+        steps: a.steps,
+        seed,
+        size,
+        memory_limit_bytes: limit,
+        static_bytes: Default::default(),
+        rank_by: if a.rank_by == "p90" {
+            RankBy::P90
+        } else {
+            RankBy::Mean
+        },
+        keep: a.keep,
+        milp_time_limit_s: a
+            .exact_split
+            .then_some(planner::partition::MILP_TIME_LIMIT_S),
+    };
+    let bar = std::sync::Mutex::new(None::<indicatif::ProgressBar>);
+    let start = std::time::Instant::now();
+    let progress = |done: usize, total: usize| {
+        let mut b = bar.lock().expect("progress lock");
+        if b.is_none() && start.elapsed() > std::time::Duration::from_secs(1) {
+            let pb = indicatif::ProgressBar::new(total as u64);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} candidates  {elapsed}",
+            ) {
+                pb.set_style(style);
+            }
+            *b = Some(pb);
+        }
+        if let Some(pb) = b.as_ref() {
+            pb.set_position(done as u64);
+        }
+    };
+    let result = planner::search::search(&profile, &workload, &space, &config, &progress)?;
+    if let Some(pb) = bar.lock().expect("progress lock").take() {
+        pb.finish_and_clear();
+    }
+    let best = &result.ranked[0];
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let rows: Vec<PlanRow> = result
+        .ranked
+        .iter()
+        .enumerate()
+        .map(|(i, c)| PlanRow {
+            rank: i + 1,
+            candidate: c.clone(),
+            stages: c
+                .partition
+                .stages
+                .iter()
+                .map(|r| [r.start, r.end])
+                .collect(),
+            recompute: c.partition.recompute.clone(),
+            gap_to_lower_bound: c.summary.step_time_s.mean / c.lower_bound_s - 1.0,
+        })
+        .collect();
+    // The chosen plan as a Plan file.
+    let (model_ref, hardware_ref) = match &a.inputs.profile {
+        Some(_) => (None, None),
+        None => (
+            Some(
+                a.inputs
+                    .model
+                    .clone()
+                    .unwrap_or_else(|| builtins::DEFAULT_MODEL.into()),
+            ),
+            Some(
+                a.inputs
+                    .hardware
+                    .clone()
+                    .unwrap_or_else(|| builtins::DEFAULT_HARDWARE.into()),
+            ),
+        ),
+    };
+    let plan = Plan {
+        model: model_ref,
+        hardware: hardware_ref,
+        profile: a.inputs.profile.clone(),
+        workload: workload_name.clone(),
+        dp: Some(best.dp),
+        pp: best.pp,
+        vpp: Some(best.vpp),
+        placement: best.schedule.placement(),
+        schedule: best.schedule,
+        stages: best
+            .partition
+            .stages
+            .iter()
+            .map(|r| sim::plan::StageLayers {
+                start: r.start,
+                end: r.end,
+            })
+            .collect(),
+        microbatches: None,
+        token_budget: Some(best.token_budget),
+        seqs_per_step: a.seqs_per_step,
+        tokens_per_step: a.tokens_per_step,
+        policy: Some(space.policy.to_string()),
+        recompute: best.partition.recompute.clone(),
+        seed,
+        predicted: Some(sim::plan::Predicted {
+            step_time_mean_s: best.summary.step_time_s.mean,
+            step_time_p90_s: best.summary.step_time_s.p90,
+            bubble_ratio: best.summary.bubble_ratio_mean,
+            lower_bound_s: best.lower_bound_s,
+            peak_memory_bytes: best.peak_memory_bytes.clone(),
+            memory_limit_bytes: limit,
+            steps: a.steps,
+        }),
+        provenance: Some(sim::plan::PlanProvenance {
+            profile_sha256: sha256_hex(profile.to_yaml()?.as_bytes()),
+            workload_sha256: workload_hash(&workload)?,
+            flatpipe_version: env!("CARGO_PKG_VERSION").to_string(),
+        }),
+    };
+    let mut notes = Vec::new();
+    if let Some(path) = &a.output {
+        profiles::write_atomic(path, plan.to_yaml()?.as_bytes())?;
+        notes.push(format!(
+            "Plan written to {} (run it: flatpipe simulate --plan {})",
+            path.display(),
+            path.display()
+        ));
+    }
+    let m_typical = best.summary.microbatches_mean.round().max(1.0) as u32;
+    let export_text = match a.export {
+        None => None,
+        Some(ExportFormat::Torchtitan) => Some((
+            "torchtitan.toml",
+            planner::export::torchtitan(&plan, &profile, m_typical, Some("schedule.csv"))?,
+        )),
+        Some(ExportFormat::Megatron) => {
+            Some(("megatron.txt", planner::export::megatron(&plan, &profile)?))
+        }
+        Some(ExportFormat::PytorchCsv) => {
+            let s = best.schedule.generate(best.pp, best.vpp, m_typical)?;
+            Some((
+                "pytorch.csv",
+                sim::pytorch_csv::write_pytorch_csv(&s, false)?,
+            ))
+        }
+    };
+    let mut export_inline = None;
+    if let Some((ext, text)) = &export_text {
+        match &a.output {
+            Some(path) => {
+                let p = path.with_extension(ext);
+                profiles::write_atomic(&p, text.as_bytes())?;
+                notes.push(format!("Export written to {}", p.display()));
+            }
+            None => export_inline = Some(text.clone()),
+        }
+    }
+    // Gantt of the chosen plan's first step (replica 0).
+    let mut combo = montecarlo::Combo::new(
+        ScheduleSource::Kind(best.schedule),
+        best.vpp,
+        best.partition.stages.clone(),
+        space.policy,
+        Capacity::Dynamic,
+    );
+    combo.dp = best.dp;
+    combo.recompute = best.partition.recompute.clone();
+    let params = PolicyParams {
+        token_budget: best.token_budget,
+        ..Default::default()
+    };
+    let first = montecarlo::run(
+        &profile,
+        &workload,
+        seed,
+        size,
+        1,
+        best.pp,
+        &params,
+        &[combo],
+        &|| {},
+    )?;
+    if let Some((s, simulation)) = &first.first[0] {
+        let gantt = a
+            .gantt
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("flatpipe-plan.png"));
+        let title = format!(
+            "chosen plan: {} dp={} (step 0, replica 0)",
+            gantt_title(best.schedule.name(), s, best.vpp, &simulation.metrics),
+            best.dp
+        );
+        sim::gantt::write_gantt(&gantt, &title, &simulation.timeline)?;
+        notes.push(format!(
+            "Gantt chart of the chosen plan: {}",
+            gantt.display()
+        ));
+    }
+    let header = format!(
+        "{} on {} x {} ({} profile), workload {} seed {seed}, {} sampled steps, memory limit {:.1} GiB per rank: {} candidates evaluated, {} pruned by their lower bound, {} rejected",
+        profile.model,
+        a.ranks,
+        profile.hardware.name,
+        format!("{:?}", profile.provenance.source).to_lowercase(),
+        workload.name,
+        a.steps,
+        gib(limit),
+        result.evaluated,
+        result.pruned,
+        result.rejected.len()
+    );
+    match a.format {
+        Format::Json => {
+            let doc = serde_json::json!({
+                "plans": rows,
+                "chosen": plan,
+                "rejected": result.rejected.iter().map(|(w, r)| serde_json::json!({"candidate": w, "reason": r})).collect::<Vec<_>>(),
+                "export": export_inline,
+            });
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+            eprintln!("{header}");
+            for n in &notes {
+                eprintln!("{n}");
+            }
+        }
+        Format::Table => {
+            println!("{header}");
+            let mut t = new_table(&[
+                "#",
+                "schedule",
+                "dp",
+                "pp",
+                "v",
+                "budget",
+                "mean",
+                "p90",
+                "bubble",
+                "lower bound",
+                "gap",
+                "peak mem (max rank)",
+                "layers per stage",
+                "recompute",
+            ]);
+            for r in &rows {
+                let c = &r.candidate;
+                let sizes: Vec<String> = c
+                    .partition
+                    .stages
+                    .iter()
+                    .map(|x| x.len().to_string())
+                    .collect();
+                let rec = recompute_summary(&c.partition.recompute);
+                t.add_row([
+                    r.rank.to_string(),
+                    c.schedule.to_string(),
+                    c.dp.to_string(),
+                    c.pp.to_string(),
+                    c.vpp.to_string(),
+                    c.token_budget.to_string(),
+                    fmt_s(c.summary.step_time_s.mean),
+                    fmt_s(c.summary.step_time_s.p90),
+                    pct(c.summary.bubble_ratio_mean),
+                    fmt_s(c.lower_bound_s),
+                    format!("{:+.1}%", 100.0 * r.gap_to_lower_bound),
+                    format!(
+                        "{:.1} / {:.1} GiB",
+                        gib(c.peak_memory_bytes.iter().copied().fold(0.0, f64::max)),
+                        gib(limit)
+                    ),
+                    sizes.join("/"),
+                    rec,
+                ]);
+            }
+            println!("{t}");
+            println!(
+                "chosen: {} (layers per stage {}), predicted mean step {} (p90 {})",
+                best.describe(),
+                best.partition
+                    .stages
+                    .iter()
+                    .map(|x| x.len().to_string())
+                    .collect::<Vec<_>>()
+                    .join("/"),
+                fmt_s(best.summary.step_time_s.mean),
+                fmt_s(best.summary.step_time_s.p90)
+            );
+            if let Some(text) = &export_inline {
+                println!("{text}");
+            }
+            for n in &notes {
+                println!("{n}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `none x6, full x2` (run-length counts of the per-stage modes, in stage order).
+pub(super) fn recompute_summary(modes: &[sim::costs::Recompute]) -> String {
+    let mut parts: Vec<(sim::costs::Recompute, usize)> = Vec::new();
+    for &m in modes {
+        match parts.last_mut() {
+            Some((last, n)) if *last == m => *n += 1,
+            _ => parts.push((m, 1)),
+        }
+    }
+    parts
+        .iter()
+        .map(|(m, n)| format!("{} x{n}", format!("{m:?}").to_lowercase()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

@@ -1,0 +1,63 @@
+//! `flatpipe schedule`: generate a schedule, print its grid, write PyTorch's CSV.
+
+use super::*;
+
+/// Options of `flatpipe schedule`.
+#[derive(Debug, Args)]
+pub(super) struct ScheduleArgs {
+    /// Schedule kind (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v, dualpipev).
+    #[arg(long)]
+    schedule: String,
+    /// Pipeline-parallel degree (ranks).
+    #[arg(long)]
+    pp: u32,
+    /// Stages per rank (interleaved schedules; default 2).
+    #[arg(long)]
+    vpp: Option<u32>,
+    /// Microbatches per step.
+    #[arg(long)]
+    microbatches: u32,
+    /// Write PyTorch's compute-only pipeline-order CSV here (atomically).
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// Output format of the grid.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
+pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
+    let kind: ScheduleKind = a.schedule.parse()?;
+    let v = kind.stages_per_rank(a.vpp)?;
+    let s = kind.generate(a.pp, v, a.microbatches)?;
+    if let Some(path) = &a.output {
+        profiles::write_atomic(
+            path,
+            sim::pytorch_csv::write_pytorch_csv(&s, false)?.as_bytes(),
+        )?;
+    }
+    match a.format {
+        Format::Json => {
+            let ranks: Vec<Vec<String>> = s
+                .ranks
+                .iter()
+                .map(|r| r.iter().map(ToString::to_string).collect())
+                .collect();
+            let doc = serde_json::json!({
+                "schedule": kind.name(), "pp": a.pp, "vpp": v, "microbatches": a.microbatches,
+                "placement": format!("{:?}", s.placement.kind).to_lowercase(), "ranks": ranks,
+            });
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        }
+        Format::Table => {
+            println!(
+                "{kind}: p={} v={v} m={} ({:?} placement)",
+                a.pp, a.microbatches, s.placement.kind
+            );
+            print!("{}", s.grid());
+        }
+    }
+    if let Some(path) = &a.output {
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}

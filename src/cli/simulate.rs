@@ -1,0 +1,654 @@
+//! `flatpipe simulate`: uniform costs or a profile and workload, one or many steps.
+
+use super::*;
+
+/// Options of `flatpipe simulate`.
+#[derive(Debug, Args)]
+pub(super) struct SimulateArgs {
+    #[command(flatten)]
+    inputs: Inputs,
+    /// Run a plan file (sets pp, vpp, schedule, stages and microbatching).
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "token_budget", "schedule_csv"])]
+    plan: Option<PathBuf>,
+    /// Simulate a schedule from PyTorch's compute-only pipeline-order CSV (one row per rank;
+    /// its rows set pp, its stages the placement, its microbatch indices m).
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "token_budget"])]
+    schedule_csv: Option<PathBuf>,
+    /// Schedules to compare, comma-separated (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1,
+    /// zb-h2, zb-v, dualpipev) or `all` (the default).
+    #[arg(long, value_delimiter = ',')]
+    schedule: Vec<String>,
+    /// Pipeline-parallel degree (ranks). Default 4.
+    #[arg(long)]
+    pp: Option<u32>,
+    /// Stages per rank for interleaved schedules (default 2; V schedules always use 2).
+    #[arg(long)]
+    vpp: Option<u32>,
+    /// Exactly this many microbatches, balanced by predicted cost.
+    #[arg(long, conflicts_with = "token_budget")]
+    microbatches: Option<u32>,
+    /// The fewest microbatches of at most this many tokens (first-fit decreasing). Default 16384.
+    #[arg(long)]
+    token_budget: Option<u64>,
+    /// Sequences per step (default: the workload's, 128).
+    #[arg(long, conflicts_with = "tokens_per_step")]
+    seqs_per_step: Option<u32>,
+    /// Tokens per step: sequences are drawn until the step holds this many.
+    #[arg(long)]
+    tokens_per_step: Option<u64>,
+    /// Steps to sample and simulate (Monte Carlo over the workload). Default 1.
+    #[arg(long)]
+    steps: Option<u32>,
+    /// Microbatching policies to compare, comma-separated: padded, packed, flat-ffd (default),
+    /// flat-balanced.
+    #[arg(long, value_delimiter = ',')]
+    policy: Vec<String>,
+    /// Schedule capacities to compare, comma-separated: `dynamic` (default: each step's schedule
+    /// is built for its microbatch count) or K (built once for K microbatches; overflow runs
+    /// extra rounds, missing slots run empty).
+    #[arg(long, value_delimiter = ',')]
+    capacity: Vec<String>,
+    /// Row length of the packed policy, tokens. Default 4096.
+    #[arg(long)]
+    pack_len: Option<u32>,
+    /// Cap on the padded policy's sequence length S (longer sequences are truncated).
+    #[arg(long)]
+    max_seq_len: Option<u32>,
+    /// Keep each sampled sequence with this probability (an RL filter), so the sequence count
+    /// per step varies.
+    #[arg(long)]
+    keep_prob: Option<f64>,
+    /// Write a histogram of step times per policy (best schedule) here (.svg or .png).
+    #[arg(long)]
+    histogram: Option<PathBuf>,
+    /// Uniform costs instead of a profile and workload: one rank's share of the model per
+    /// microbatch in seconds, e.g. f=1,b=1,w=1,comm=0 (keys f, b, w, comm, fb, fo).
+    #[arg(long, conflicts_with_all = ["profile", "model", "hardware", "workload", "plan", "token_budget", "seqs_per_step", "tokens_per_step", "policy", "capacity", "pack_len", "max_seq_len", "keep_prob", "histogram"])]
+    costs: Option<String>,
+    /// Seed of the step sampler (default: the workload's, 0). Printed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Write the Gantt chart of the best schedule here (.svg or .png); with several schedules,
+    /// each one's also goes to <stem>-<schedule>.<ext>. Default flatpipe-gantt.png.
+    #[arg(long)]
+    gantt: Option<PathBuf>,
+    /// Write the best schedule's activation memory per rank over the step here (CSV: rank,
+    /// time_s, activation in bytes or units).
+    #[arg(long)]
+    memory: Option<PathBuf>,
+    /// Write a Chrome trace (Perfetto) JSON of the best schedule here; with several schedules,
+    /// each one's also goes to <stem>-<schedule>.json.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
+/// One row of `simulate --costs`'s output (`--format json` prints a list of these).
+#[derive(Debug, Serialize)]
+pub(super) struct Report {
+    schedule: String,
+    pp: u32,
+    vpp: u32,
+    microbatches: u32,
+    #[serde(flatten)]
+    metrics: sim::Metrics,
+}
+
+/// The single-step fields of a profile-driven row (when one step ran as one round).
+#[derive(Debug, Serialize)]
+pub(super) struct SingleStep {
+    microbatches: u32,
+    #[serde(flatten)]
+    metrics: sim::Metrics,
+}
+
+/// One row of `simulate`'s output with a profile: one (schedule, policy, capacity).
+#[derive(Debug, Serialize)]
+pub(super) struct McReport {
+    schedule: String,
+    policy: String,
+    capacity: String,
+    pp: u32,
+    vpp: u32,
+    #[serde(flatten)]
+    summary: montecarlo::Summary,
+    #[serde(flatten)]
+    single: Option<SingleStep>,
+}
+
+/// The schedules a `simulate` call compares: generated kinds, or one loaded from a CSV file.
+pub(super) enum Schedules {
+    Kinds(Vec<ScheduleKind>),
+    Csv(sim::Schedule),
+}
+
+pub(super) fn simulate(a: SimulateArgs) -> Result<ExitCode> {
+    let schedules = match &a.schedule_csv {
+        Some(path) => {
+            let text = profiles::read_to_string(path)?;
+            Schedules::Csv(sim::pytorch_csv::read_pytorch_csv(
+                &text,
+                &path.display().to_string(),
+            )?)
+        }
+        None => Schedules::Kinds(parse_kinds(&a.schedule)?),
+    };
+    match &a.costs {
+        Some(_) if a.steps.is_some_and(|n| n > 1) => {
+            bail!(
+                "the argument '--costs' cannot be used with '--steps' > 1: uniform costs describe one step"
+            )
+        }
+        Some(spec) => simulate_uniform(&a, &spec.parse()?, schedules),
+        None => simulate_profile(&a, schedules),
+    }
+}
+
+/// Writes the Gantt chart(s) and trace a `simulate` call asked for; returns notes to print.
+pub(super) fn write_charts(
+    a: &SimulateArgs,
+    runs: &[(String, String, &Simulation)],
+) -> Result<Vec<String>> {
+    let mut notes = Vec::new();
+    let Some((best_name, best_title, best_sim)) = runs.first() else {
+        return Ok(notes);
+    };
+    let best = &best_sim.timeline;
+    let gantt = a
+        .gantt
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("flatpipe-gantt.png"));
+    sim::gantt::write_gantt(&gantt, best_title, best)?;
+    notes.push(format!("Gantt chart of {best_name}: {}", gantt.display()));
+    if a.gantt.is_some() && runs.len() > 1 {
+        for (name, title, s) in runs {
+            let path = sibling(&gantt, &sanitize(name));
+            sim::gantt::write_gantt(&path, title, &s.timeline)?;
+            notes.push(format!("Gantt chart of {name}: {}", path.display()));
+        }
+    }
+    if let Some(path) = &a.trace {
+        let doc = sim::trace::chrome_trace(best);
+        profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
+        notes.push(format!("Chrome trace of {best_name}: {}", path.display()));
+        if runs.len() > 1 {
+            for (name, _, s) in runs {
+                let path = sibling(path, &sanitize(name));
+                let doc = sim::trace::chrome_trace(&s.timeline);
+                profiles::write_atomic(&path, serde_json::to_string(&doc)?.as_bytes())?;
+                notes.push(format!("Chrome trace of {name}: {}", path.display()));
+            }
+        }
+    }
+    if let Some(path) = &a.memory {
+        let unit = if best_sim
+            .metrics
+            .ranks
+            .iter()
+            .any(|r| r.peak_activation_units.is_some())
+        {
+            "units"
+        } else {
+            "bytes"
+        };
+        let mut csv = format!("rank,time_s,activation_{unit}\n");
+        for (r, levels) in best_sim.memory.iter().enumerate() {
+            csv.push_str(&format!("{r},0,0\n"));
+            for (t, level) in levels {
+                csv.push_str(&format!("{r},{},{level}\n", *t as f64 / 1e9));
+            }
+        }
+        profiles::write_atomic(path, csv.as_bytes())?;
+        notes.push(format!(
+            "Activation memory over time of {best_name}: {}",
+            path.display()
+        ));
+    }
+    Ok(notes)
+}
+
+pub(super) fn peak_of(m: &sim::Metrics) -> f64 {
+    m.ranks
+        .iter()
+        .map(|x| {
+            x.peak_activation_bytes
+                .or(x.peak_activation_units)
+                .unwrap_or(0.0)
+        })
+        .fold(0.0, f64::max)
+}
+
+pub(super) fn simulate_uniform(
+    a: &SimulateArgs,
+    spec: &UniformCostSpec,
+    schedules: Schedules,
+) -> Result<ExitCode> {
+    let built: Vec<(String, u32, sim::Schedule)> = match schedules {
+        Schedules::Csv(s) => vec![(s.name.clone(), s.num_stages() / s.placement.num_ranks, s)],
+        Schedules::Kinds(kinds) => {
+            let p = a.pp.unwrap_or(4);
+            let m = a.microbatches.unwrap_or(p);
+            kinds
+                .iter()
+                .map(|k| {
+                    let v = k.stages_per_rank(a.vpp)?;
+                    Ok((k.name().to_string(), v, k.generate(p, v, m)?))
+                })
+                .collect::<Result<_>>()?
+        }
+    };
+    let mut runs = Vec::new();
+    for (name, v, schedule) in built {
+        let sim = sim::simulate(&schedule, &UniformCosts::new(spec, v))?;
+        runs.push((name, v, schedule, sim));
+    }
+    runs.sort_by(|x, y| {
+        let (a, b) = (&x.3.metrics, &y.3.metrics);
+        a.makespan_s
+            .total_cmp(&b.makespan_s)
+            .then(peak_of(a).total_cmp(&peak_of(b)))
+            .then(x.0.cmp(&y.0))
+    });
+    let reports: Vec<Report> = runs
+        .iter()
+        .map(|(name, v, s, sim)| Report {
+            schedule: name.clone(),
+            pp: s.placement.num_ranks,
+            vpp: *v,
+            microbatches: s.num_microbatches,
+            metrics: sim.metrics.clone(),
+        })
+        .collect();
+    let charts: Vec<_> = runs
+        .iter()
+        .map(|(n, v, s, sim)| (n.clone(), gantt_title(n, s, *v, &sim.metrics), sim))
+        .collect();
+    let notes = write_charts(a, &charts)?;
+    let m = runs.first().map_or(0, |r| r.2.num_microbatches);
+    let header = format!(
+        "uniform costs f={} b={} w={} comm={} s (one rank's share per microbatch), {m} microbatches",
+        spec.f, spec.b, spec.w, spec.comm
+    );
+    let mut t = new_table(&[
+        "schedule",
+        "pp",
+        "vpp",
+        "m",
+        "makespan",
+        "bubble",
+        "lower bound",
+        "gap",
+        "peak act. (max rank)",
+        "peak in-flight",
+    ]);
+    for r in &reports {
+        let m = &r.metrics;
+        let inflight = m
+            .ranks
+            .iter()
+            .map(|x| x.peak_inflight_microbatches)
+            .max()
+            .unwrap_or(0);
+        t.add_row([
+            r.schedule.clone(),
+            r.pp.to_string(),
+            r.vpp.to_string(),
+            r.microbatches.to_string(),
+            fmt_s(m.makespan_s),
+            pct(m.bubble_ratio),
+            fmt_s(m.lower_bound_s),
+            format!("{:+.1}%", 100.0 * m.gap_to_lower_bound),
+            format!("{:.2} units", peak_of(m)),
+            inflight.to_string(),
+        ]);
+    }
+    emit(a.format, &reports, &header, &t, &notes)
+}
+
+pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result<ExitCode> {
+    let plan = match &a.plan {
+        Some(path) => Some(Plan::from_yaml(
+            &profiles::read_to_string(path)?,
+            &path.display().to_string(),
+        )?),
+        None => None,
+    };
+    fn pick<'a>(from_plan: Option<&'a String>, from_args: &'a Option<String>) -> Option<&'a str> {
+        from_plan.or(from_args.as_ref()).map(String::as_str)
+    }
+    let profile = resolve_profile(
+        pick(
+            plan.as_ref().and_then(|p| p.profile.as_ref()),
+            &a.inputs.profile,
+        ),
+        pick(
+            plan.as_ref().and_then(|p| p.model.as_ref()),
+            &a.inputs.model,
+        ),
+        pick(
+            plan.as_ref().and_then(|p| p.hardware.as_ref()),
+            &a.inputs.hardware,
+        ),
+    )?;
+    let workload_name = a
+        .inputs
+        .workload
+        .clone()
+        .or_else(|| plan.as_ref().map(|p| p.workload.clone()))
+        .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
+    let mut workload = builtins::workload(&workload_name)?;
+    if let Some(q) = a.keep_prob {
+        workload.keep_probability = Some(q);
+        workload.validate("--keep-prob")?;
+    }
+    if let (Some(p), Some(path)) = (&plan, &a.plan) {
+        p.validate(&path.display().to_string(), profile.layers.len())?;
+    }
+    let size = step_size(a, plan.as_ref(), &workload)?;
+    let seed = a
+        .seed
+        .or(plan.as_ref().map(|p| p.seed))
+        .unwrap_or(workload.seed);
+    let steps = a.steps.unwrap_or(1);
+    if steps == 0 {
+        bail!("--steps = 0 is invalid: >= 1 step");
+    }
+    let csv_m = match &schedules {
+        Schedules::Csv(s) => Some(s.num_microbatches),
+        Schedules::Kinds(_) => None,
+    };
+    if csv_m.is_some() && !a.capacity.is_empty() {
+        bail!(
+            "--capacity cannot be combined with --schedule-csv: a loaded schedule has the fixed capacity of its microbatch count"
+        );
+    }
+    let (microbatches, token_budget) = match &plan {
+        Some(pl) => match pl.microbatching()? {
+            Microbatching::Microbatches(m) => (Some(m), 16_384),
+            Microbatching::TokenBudget(t) => (None, t),
+        },
+        None => (a.microbatches.or(csv_m), a.token_budget.unwrap_or(16_384)),
+    };
+    let params = PolicyParams {
+        token_budget,
+        microbatches,
+        pack_len: a.pack_len.unwrap_or(4096),
+        max_seq_len: a.max_seq_len,
+    };
+    let policies: Vec<Policy> = if a.policy.is_empty() {
+        match plan.as_ref().and_then(|pl| pl.policy.as_ref()) {
+            Some(name) => vec![name.parse()?],
+            None => vec![Policy::FlatFfd],
+        }
+    } else {
+        dedup(
+            a.policy
+                .iter()
+                .map(|x| x.parse())
+                .collect::<Result<Vec<Policy>, _>>()?,
+        )
+    };
+    let capacities: Vec<Capacity> = if a.capacity.is_empty() {
+        vec![Capacity::Dynamic]
+    } else {
+        dedup(
+            a.capacity
+                .iter()
+                .map(|x| x.parse())
+                .collect::<Result<Vec<Capacity>, _>>()?,
+        )
+    };
+    let p = match (&schedules, &plan) {
+        (Schedules::Csv(s), _) => s.placement.num_ranks,
+        (_, Some(pl)) => pl.pp,
+        _ => a.pp.unwrap_or(4),
+    };
+    if p == 0 {
+        bail!("--pp = 0 is invalid: >= 1 rank");
+    }
+    let sources: Vec<(ScheduleSource, u32)> = match (schedules, &plan) {
+        (Schedules::Csv(s), _) => {
+            let v = s.num_stages() / s.placement.num_ranks;
+            vec![(ScheduleSource::Given(s), v)]
+        }
+        (_, Some(pl)) => vec![(
+            ScheduleSource::Kind(pl.schedule),
+            pl.schedule.stages_per_rank(pl.vpp)?,
+        )],
+        (Schedules::Kinds(kinds), None) => kinds
+            .into_iter()
+            .map(|k| Ok((ScheduleSource::Kind(k), k.stages_per_rank(a.vpp)?)))
+            .collect::<Result<_>>()?,
+    };
+    let mut combos = Vec::new();
+    for (source, v) in sources {
+        let stages = match (&plan, &source) {
+            (Some(pl), _) => pl.stage_ranges(),
+            (None, ScheduleSource::Given(s)) => {
+                even_split(profile.layers.len(), s.num_stages() as usize)?
+            }
+            (None, ScheduleSource::Kind(_)) => even_split(profile.layers.len(), (p * v) as usize)?,
+        };
+        for &policy in &policies {
+            for &capacity in &capacities {
+                let mut combo =
+                    montecarlo::Combo::new(source.clone(), v, stages.clone(), policy, capacity);
+                if let Some(pl) = &plan {
+                    combo.dp = pl.dp.unwrap_or(1);
+                    combo.recompute = pl.recompute.clone();
+                }
+                combos.push(combo);
+            }
+        }
+    }
+    let bar = Progress::new(steps as u64);
+    let mc = montecarlo::run(
+        &profile,
+        &workload,
+        seed,
+        size,
+        steps,
+        p,
+        &params,
+        &combos,
+        &|| bar.inc(),
+    )?;
+    bar.finish();
+    if mc.oversize_sequences > 0 {
+        tracing::warn!(
+            "{} sequence(s) longer than the token budget {token_budget} got a microbatch of their own",
+            mc.oversize_sequences
+        );
+    }
+    if mc.truncated_tokens > 0 {
+        tracing::warn!(
+            "the padded policy truncated {} tokens at --max-seq-len",
+            mc.truncated_tokens
+        );
+    }
+    type Row = (McReport, Option<(sim::Schedule, Simulation)>, u32);
+    let mut rows: Vec<Row> = combos
+        .iter()
+        .zip(mc.outcomes.iter().zip(mc.first))
+        .map(|(c, (outcomes, first))| {
+            let single = if steps == 1 {
+                first.as_ref().map(|(s, sim)| SingleStep {
+                    microbatches: s.num_microbatches,
+                    metrics: sim.metrics.clone(),
+                })
+            } else {
+                None
+            };
+            let capacity = match &c.source {
+                ScheduleSource::Given(s) => s.num_microbatches.to_string(),
+                ScheduleSource::Kind(_) => c.capacity.to_string(),
+            };
+            let report = McReport {
+                schedule: c.source.name(),
+                policy: c.policy.to_string(),
+                capacity,
+                pp: p,
+                vpp: c.v,
+                summary: montecarlo::summarize(
+                    outcomes,
+                    p * c.dp.max(1),
+                    profile.hardware.peak_flops,
+                ),
+                single,
+            };
+            (report, first, c.v)
+        })
+        .collect();
+    rows.sort_by(|x, y| {
+        let (a, b) = (&x.0.summary, &y.0.summary);
+        a.step_time_s
+            .mean
+            .total_cmp(&b.step_time_s.mean)
+            .then(a.peak_activation_bytes.total_cmp(&b.peak_activation_bytes))
+            .then(x.0.schedule.cmp(&y.0.schedule))
+    });
+    let charts: Vec<_> = rows
+        .iter()
+        .filter_map(|(r, first, v)| {
+            first.as_ref().map(|(s, sim)| {
+                let name = format!("{}-{}-{}", r.schedule, r.policy, r.capacity);
+                let name =
+                    if combos.len() == rows.len() && policies.len() == 1 && capacities.len() == 1 {
+                        r.schedule.clone()
+                    } else {
+                        name
+                    };
+                (name.clone(), gantt_title(&name, s, *v, &sim.metrics), sim)
+            })
+        })
+        .collect();
+    let mut notes = write_charts(a, &charts)?;
+    if let Some(path) = &a.histogram {
+        let best = &rows[0].0.schedule;
+        let series: Vec<(String, Vec<f64>)> = combos
+            .iter()
+            .zip(&mc.outcomes)
+            .filter(|(c, _)| &c.source.name() == best)
+            .map(|(c, o)| {
+                (
+                    format!("{} / {}", c.policy, c.capacity),
+                    o.iter().map(|x| x.step_time_s).collect(),
+                )
+            })
+            .collect();
+        let title = format!(
+            "{best}: step time over {steps} steps of {} (p={p})",
+            workload.name
+        );
+        sim::histogram::write_histogram(path, &title, &series)?;
+        notes.push(format!(
+            "Histogram of step times of {best}: {}",
+            path.display()
+        ));
+    }
+    let n0 = mc.sequences_per_step[0];
+    let header = format!(
+        "{} on {} ({} profile), workload {} seed {seed}: {steps} step(s), {} sequences per step on average (step 0: {n0}), {}",
+        profile.model,
+        profile.hardware.name,
+        format!("{:?}", profile.provenance.source).to_lowercase(),
+        workload.name,
+        mc.sequences_per_step.iter().sum::<usize>() as f64 / steps as f64,
+        match microbatches {
+            Some(m) => format!("{m} microbatches balanced by cost"),
+            None => format!("token budget {token_budget}"),
+        }
+    );
+    let reports: Vec<&McReport> = rows.iter().map(|r| &r.0).collect();
+    let table = if steps == 1 {
+        let mut t = new_table(&[
+            "schedule",
+            "policy",
+            "capacity",
+            "m",
+            "step time",
+            "bubble",
+            "lower bound",
+            "gap",
+            "peak act.",
+            "params+opt",
+            "tokens/s",
+            "MFU",
+        ]);
+        for r in &reports {
+            let s = &r.summary;
+            let (lb, gap) = match &r.single {
+                Some(x) => (
+                    fmt_s(x.metrics.lower_bound_s),
+                    format!("{:+.1}%", 100.0 * x.metrics.gap_to_lower_bound),
+                ),
+                None => ("-".into(), "-".into()),
+            };
+            t.add_row([
+                r.schedule.clone(),
+                r.policy.clone(),
+                r.capacity.clone(),
+                format!("{}", s.microbatches_mean),
+                fmt_s(s.step_time_s.mean),
+                pct(s.bubble_ratio_mean),
+                lb,
+                gap,
+                fmt_bytes(s.peak_activation_bytes),
+                fmt_bytes(s.static_bytes),
+                format!("{:.0}", s.tokens_per_s),
+                pct(s.mfu),
+            ]);
+        }
+        t
+    } else {
+        let mut t = new_table(&[
+            "schedule",
+            "policy",
+            "capacity",
+            "mean",
+            "p50",
+            "p90",
+            "p99",
+            "bubble",
+            "tokens/s",
+            "padding",
+            "MFU",
+            "peak act.",
+            "mean m",
+        ]);
+        for r in &reports {
+            let s = &r.summary;
+            t.add_row([
+                r.schedule.clone(),
+                r.policy.clone(),
+                r.capacity.clone(),
+                fmt_s(s.step_time_s.mean),
+                fmt_s(s.step_time_s.p50),
+                fmt_s(s.step_time_s.p90),
+                fmt_s(s.step_time_s.p99),
+                pct(s.bubble_ratio_mean),
+                format!("{:.0}", s.tokens_per_s),
+                pct(s.padding_fraction),
+                pct(s.mfu),
+                fmt_bytes(s.peak_activation_bytes),
+                format!("{:.1}", s.microbatches_mean),
+            ]);
+        }
+        t
+    };
+    emit(a.format, &reports, &header, &table, &notes)
+}
+
+pub(super) fn step_size(a: &SimulateArgs, plan: Option<&Plan>, w: &Workload) -> Result<StepSize> {
+    let seqs = a.seqs_per_step.or(plan.and_then(|p| p.seqs_per_step));
+    let toks = a.tokens_per_step.or(plan.and_then(|p| p.tokens_per_step));
+    Ok(match (seqs, toks) {
+        (Some(0), _) => bail!("--seqs-per-step = 0 is invalid: >= 1 sequence"),
+        (_, Some(0)) => bail!("--tokens-per-step = 0 is invalid: >= 1 token"),
+        (Some(n), _) => StepSize::Seqs(n),
+        (None, Some(t)) => StepSize::Tokens(t),
+        (None, None) => w.default_step_size(),
+    })
+}
