@@ -604,3 +604,131 @@ fn plan_that_cannot_fit_says_why() {
         stderr(&o)
     );
 }
+
+fn repo_file(rel: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(rel)
+        .display()
+        .to_string()
+}
+
+#[test]
+fn execute_runs_the_shipped_plan_and_verifies_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = repo_file("examples/cpu-tiny/plan.yaml");
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--plan",
+            &plan,
+            "--steps",
+            "1",
+            "--seqs-per-step",
+            "8",
+            "--verify",
+            "--gantt",
+            "g.svg",
+            "--trace",
+            "t.json",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    assert_eq!(v["schedule"], "zb-h2");
+    assert_eq!(v["pp"], 2);
+    let step = &v["steps"][0];
+    assert_eq!(step["verify"]["within_tolerance"], true, "{step}");
+    assert!(step["verify"]["grad_max_rel_diff"].as_f64().unwrap() <= 1e-4);
+    // The loss of random-ish tokens over a 4096-token vocabulary starts near ln(4096) = 8.32.
+    let loss = step["loss"].as_f64().unwrap();
+    assert!((loss - 4096f64.ln()).abs() < 0.5, "{loss}");
+    assert!(step["measured_makespan_s"].as_f64().unwrap() > 0.0);
+    // No measured profile: no prediction, and the output says so.
+    assert!(step.get("predicted_makespan_s").is_none());
+    assert!(
+        stderr(&o).contains("No profile measured on the cpu backend"),
+        "{}",
+        stderr(&o)
+    );
+    let svg = std::fs::read_to_string(dir.path().join("g.svg")).unwrap();
+    assert!(svg.contains("measured on cpu") && svg.contains("rank 1"));
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("t.json")).unwrap()).unwrap();
+    let names: Vec<&str> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    // ZB-H2 runs separate I and W actions, and the last stage's first F is 1F0.
+    assert!(names.iter().any(|n| n.starts_with("1I")), "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("1W")), "{names:?}");
+    assert!(names.contains(&"1F0"), "{names:?}");
+}
+
+#[test]
+fn execute_takes_inline_options_like_simulate() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--schedule",
+            "zb-v",
+            "--pp",
+            "2",
+            "--microbatches",
+            "3",
+            "--seqs-per-step",
+            "6",
+            "--steps",
+            "2",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    assert_eq!(v["schedule"], "zb-v");
+    assert_eq!(v["vpp"], 2);
+    let steps = v["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2);
+    for s in steps {
+        assert_eq!(s["microbatches"], serde_json::json!([3]));
+        let b = s["bubble_ratio"].as_f64().unwrap();
+        assert!((0.0..1.0).contains(&b), "{b}");
+    }
+}
+
+#[test]
+fn execute_refuses_impossible_requests_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    // tiny has 10 layers: 12 stages cannot each hold one.
+    let o = flatpipe(dir.path(), &["execute", "--pp", "12", "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("12"), "{}", stderr(&o));
+    // More microbatches than sequences.
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--microbatches",
+            "9",
+            "--seqs-per-step",
+            "4",
+            "--steps",
+            "1",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--microbatches"), "{}", stderr(&o));
+    // A padded plan: the executor runs flat microbatches only.
+    let plan = std::fs::read_to_string(repo_file("examples/cpu-tiny/plan.yaml"))
+        .unwrap()
+        .replace("policy: flat-ffd", "policy: padded");
+    std::fs::write(dir.path().join("p.yaml"), plan).unwrap();
+    let o = flatpipe(dir.path(), &["execute", "--plan", "p.yaml", "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("flat"), "{}", stderr(&o));
+}

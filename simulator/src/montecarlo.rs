@@ -161,6 +161,19 @@ pub fn allreduce_s(
         .fold(0.0, f64::max)
 }
 
+/// The predicted compute time (F + I + W over every layer, seconds) of a flat microbatch of
+/// `tokens` tokens and `attn_pairs` causal pairs, without fixed costs: what `flat-balanced`
+/// microbatching and the data-parallel shares balance.
+pub fn balance_cost(profile: &Profile) -> impl Fn(u64, u64) -> f64 + Send + Sync + Clone + 'static {
+    let (tok, pair) = profile.layers.iter().fold((0.0, 0.0), |acc, l| {
+        (
+            acc.0 + l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s,
+            acc.1 + l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s,
+        )
+    });
+    move |t: u64, a: u64| tok * t as f64 + pair * a as f64
+}
+
 /// Splits a step's sequences into `dp` shares balanced by predicted cost (LPT; Graham 1969).
 pub fn dp_shares(seqs: &[u32], dp: u32, cost: &dyn Fn(u64, u64) -> f64) -> Vec<Vec<u32>> {
     if dp <= 1 {
@@ -465,13 +478,7 @@ pub fn run(
     combos: &[Combo],
     progress: &(dyn Fn() + Sync),
 ) -> Result<MonteCarlo> {
-    let (tok, pair) = profile.layers.iter().fold((0.0, 0.0), |acc, l| {
-        (
-            acc.0 + l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s,
-            acc.1 + l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s,
-        )
-    });
-    let cost = move |t: u64, a: u64| tok * t as f64 + pair * a as f64;
+    let cost = balance_cost(profile);
     let mut policies: Vec<Policy> = combos.iter().map(|c| c.policy).collect();
     policies.sort();
     policies.dedup();

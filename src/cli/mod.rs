@@ -1,11 +1,13 @@
 //! Command-line parsing and the subcommands (one module each).
 
 mod builtins_cmd;
+mod execute;
 mod plan;
 mod schedule;
 mod simulate;
 
 use builtins_cmd::{BuiltinsArgs, list_builtins};
+use execute::{ExecuteArgs, execute};
 use plan::{PlanArgs, plan_cmd};
 use schedule::{ScheduleArgs, schedule_cmd};
 use simulate::{SimulateArgs, simulate};
@@ -43,6 +45,9 @@ enum Command {
     /// Choose the fastest plan (dp x pp, v, schedule, token budget, layer split, recomputation)
     /// that fits the memory limit, and export it.
     Plan(Box<PlanArgs>),
+    /// Run a plan for real (CPU backend): a real transformer's F / I / W on the workload's
+    /// sequences, the measured timeline, and with --verify a check against a single-rank run.
+    Execute(Box<ExecuteArgs>),
     /// Generate a schedule, print its step-by-rank grid and optionally write PyTorch's CSV.
     Schedule(ScheduleArgs),
     /// List the built-in models, hardware, profiles and workloads.
@@ -91,6 +96,7 @@ pub fn run() -> Result<ExitCode> {
     match cli.command {
         Command::Simulate(a) => simulate(*a),
         Command::Plan(a) => plan_cmd(*a),
+        Command::Execute(a) => execute(*a),
         Command::Schedule(a) => schedule_cmd(a),
         Command::Builtins(a) => list_builtins(a),
     }

@@ -18,8 +18,8 @@ pub(super) struct PlanArgs {
     /// Ranks in all (dp x pp). Default 8 (one 8-GPU node).
     #[arg(long, default_value_t = 8)]
     ranks: u32,
-    /// Memory limit per rank, e.g. 120GiB (default: the hardware's memory minus a 4 GiB
-    /// reserve for the CUDA context, communication buffers and fragmentation).
+    /// Memory limit per rank, e.g. 120GiB (default: the hardware's memory minus a reserve for
+    /// the CUDA context, communication buffers and fragmentation: 4 GiB, at most 1/8 of it).
     #[arg(long)]
     memory_limit: Option<String>,
     /// Pipeline degrees to try, comma-separated (default: every divisor of --ranks).
@@ -77,9 +77,12 @@ pub(super) struct PlanArgs {
 /// The memory limit: `--memory-limit` parsed (e.g. `120GiB`, `80GB`, `1.5e11`), or the
 /// hardware's memory minus a 4 GiB reserve.
 pub(super) fn memory_limit(arg: Option<&str>, profile: &Profile) -> Result<f64> {
-    const RESERVE_BYTES: f64 = 4.0 * (1u64 << 30) as f64;
+    // The reserve: CUDA context, communication buffers, fragmentation; at most an eighth of a
+    // small device (a CPU rank's few GiB).
+    let memory = profile.hardware.memory_bytes as f64;
+    let reserve = (4.0 * (1u64 << 30) as f64).min(memory / 8.0);
     match arg {
-        None => Ok(profile.hardware.memory_bytes as f64 - RESERVE_BYTES),
+        None => Ok(memory - reserve),
         Some(text) => {
             let bytes = match text.trim().parse::<f64>() {
                 Ok(b) => b,

@@ -1,0 +1,550 @@
+//! `flatpipe execute`: run a plan (or inline options) for real on the CPU backend, record the
+//! measured timeline, compare with the single-rank reference (`--verify`) and, given a profile
+//! measured on this backend, with the simulator's prediction.
+
+use super::*;
+use flatpipe_executor::runner::{self, Executor, PreparedStep, Reference, Setup};
+use flatpipe_executor::{AdamW, LossReduction};
+use profiles::ProfileSource;
+use std::sync::Arc;
+
+/// Loss within this relative difference of the single-rank reference (fp32).
+const VERIFY_LOSS_RTOL: f64 = 1e-5;
+/// Every gradient and parameter tensor within this normwise relative difference.
+const VERIFY_RTOL: f64 = 1e-4;
+
+/// The backend that runs the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum Backend {
+    /// Threads with single-threaded fp32 kernels (matrixmultiply GEMMs).
+    Cpu,
+}
+
+/// Options of `flatpipe execute`.
+#[derive(Debug, Args)]
+pub(super) struct ExecuteArgs {
+    #[command(flatten)]
+    inputs: Inputs,
+    /// Run this plan file (sets model, workload, dp, pp, vpp, schedule, stages, microbatching).
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "dp", "microbatches", "token_budget"])]
+    plan: Option<PathBuf>,
+    /// Schedule (inline; default 1f1b): gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2,
+    /// zb-v, dualpipev.
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Run a schedule from PyTorch's pipeline-order CSV instead (its rows set pp, its microbatch
+    /// count m: every step is cut into exactly m microbatches).
+    #[arg(long, conflicts_with_all = ["plan", "schedule", "pp", "vpp", "microbatches", "token_budget"])]
+    schedule_csv: Option<PathBuf>,
+    /// Pipeline-parallel degree (inline; default 2). Keep pp x dp <= the machine's cores.
+    #[arg(long)]
+    pp: Option<u32>,
+    /// Stages per rank (inline; default: the schedule's).
+    #[arg(long)]
+    vpp: Option<u32>,
+    /// Data-parallel replicas (inline; default 1).
+    #[arg(long)]
+    dp: Option<u32>,
+    /// Exactly this many microbatches per replica and step (inline; default 2 x pp x vpp
+    /// unless --token-budget is given).
+    #[arg(long, conflicts_with = "token_budget")]
+    microbatches: Option<u32>,
+    /// The fewest microbatches of at most this many tokens (inline).
+    #[arg(long)]
+    token_budget: Option<u64>,
+    /// Sequences per step (default: the workload's).
+    #[arg(long, conflicts_with = "tokens_per_step")]
+    seqs_per_step: Option<u32>,
+    /// Tokens per step.
+    #[arg(long)]
+    tokens_per_step: Option<u64>,
+    /// Training steps to run. Default 3.
+    #[arg(long, default_value_t = 3)]
+    steps: u32,
+    /// Seed of the step sampler and the token ids (default: the plan's or workload's).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Seed of the initial weights.
+    #[arg(long, default_value_t = 0)]
+    init_seed: u64,
+    /// Backend.
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    backend: Backend,
+    /// Loss reduction: per-token (Σ token losses / step tokens) or per-sequence.
+    #[arg(long, default_value = "per-token", value_parser = ["per-token", "per-sequence"])]
+    loss_reduction: String,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f32,
+    /// Clip the global gradient norm to this value (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    max_grad_norm: f64,
+    /// Also run the single-rank reference on the same steps; print the largest differences of
+    /// loss, gradients and parameters, and exit 1 when they exceed the tolerance (loss 1e-5
+    /// relative, tensors 1e-4 normwise relative).
+    #[arg(long)]
+    verify: bool,
+    /// Write the Gantt chart of the last step's measured timeline here (.svg or .png).
+    #[arg(long)]
+    gantt: Option<PathBuf>,
+    /// Write a Chrome trace (Perfetto) of the last step's measured timeline here.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
+/// One step's row of `execute`'s output.
+#[derive(Debug, Serialize)]
+struct StepRow {
+    step: u64,
+    microbatches: Vec<usize>,
+    tokens: u64,
+    loss: f64,
+    grad_norm: f64,
+    measured_makespan_s: f64,
+    tokens_per_s: f64,
+    bubble_ratio: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    predicted_makespan_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rel_error: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verify: Option<VerifyRow>,
+}
+
+/// Differences against the single-rank reference on one step.
+#[derive(Debug, Serialize, Clone)]
+struct VerifyRow {
+    reference_loss: f64,
+    loss_rel_diff: f64,
+    grad_max_abs_diff: f64,
+    grad_max_rel_diff: f64,
+    grad_worst: String,
+    param_max_abs_diff: f64,
+    param_max_rel_diff: f64,
+    grad_norm_rel_diff: f64,
+    within_tolerance: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct ExecuteReport {
+    model: String,
+    workload: String,
+    schedule: String,
+    dp: u32,
+    pp: u32,
+    vpp: u32,
+    backend: String,
+    steps: Vec<StepRow>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    median_abs_rel_error: Option<f64>,
+    prediction: String,
+}
+
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+        }
+    }
+}
+
+/// The profile used to predict, when it was measured on this backend.
+fn measured_on(profile: &Profile, backend: Backend) -> bool {
+    profile.provenance.source == ProfileSource::Measured
+        && match backend {
+            Backend::Cpu => profile.provenance.device.to_lowercase().contains("cpu"),
+        }
+}
+
+pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
+    let plan = match &a.plan {
+        Some(path) => Some(Plan::from_yaml(
+            &profiles::read_to_string(path)?,
+            &path.display().to_string(),
+        )?),
+        None => None,
+    };
+    let model_name = plan
+        .as_ref()
+        .and_then(|p| p.model.clone())
+        .or_else(|| a.inputs.model.clone())
+        .unwrap_or_else(|| "tiny".into());
+    let model = builtins::model(&model_name)?;
+    let hardware = plan
+        .as_ref()
+        .and_then(|p| p.hardware.clone())
+        .or_else(|| a.inputs.hardware.clone())
+        .unwrap_or_else(|| "cpu".into());
+    let profile_arg = plan
+        .as_ref()
+        .and_then(|p| p.profile.clone())
+        .or_else(|| a.inputs.profile.clone());
+    let profile = resolve_profile(profile_arg.as_deref(), Some(&model_name), Some(&hardware))?;
+    let workload_name = a
+        .inputs
+        .workload
+        .clone()
+        .or_else(|| plan.as_ref().map(|p| p.workload.clone()))
+        .unwrap_or_else(|| "tiny-chat".into());
+    let workload = builtins::workload(&workload_name)?;
+    let num_layers = model.layers().len();
+    if let (Some(p), Some(path)) = (&plan, &a.plan) {
+        p.validate(&path.display().to_string(), num_layers)?;
+    }
+    if a.steps == 0 {
+        bail!("--steps = 0 is invalid: >= 1 step");
+    }
+    let reduction = match a.loss_reduction.as_str() {
+        "per-sequence" => LossReduction::PerSequence,
+        _ => LossReduction::PerToken,
+    };
+    let step_size = match (a.seqs_per_step, a.tokens_per_step) {
+        (Some(0), _) => bail!("--seqs-per-step = 0 is invalid: >= 1 sequence"),
+        (_, Some(0)) => bail!("--tokens-per-step = 0 is invalid: >= 1 token"),
+        (Some(n), _) => StepSize::Seqs(n),
+        (_, Some(t)) => StepSize::Tokens(t),
+        _ => match plan.as_ref().map(|p| (p.seqs_per_step, p.tokens_per_step)) {
+            Some((Some(n), _)) => StepSize::Seqs(n),
+            Some((_, Some(t))) => StepSize::Tokens(t),
+            _ => workload.default_step_size(),
+        },
+    };
+    let (source, pp, v, dp, stages, recompute, policy, params) = match &plan {
+        Some(pl) => {
+            let v = pl.schedule.stages_per_rank(pl.vpp)?;
+            let (microbatches, token_budget) = match pl.microbatching()? {
+                Microbatching::Microbatches(m) => (Some(m), 16_384),
+                Microbatching::TokenBudget(t) => (None, t),
+            };
+            let policy: Policy = match &pl.policy {
+                Some(p) => p.parse()?,
+                None => Policy::FlatFfd,
+            };
+            (
+                ScheduleSource::Kind(pl.schedule),
+                pl.pp,
+                v,
+                pl.dp.unwrap_or(1),
+                pl.stage_ranges(),
+                pl.recompute.clone(),
+                policy,
+                PolicyParams {
+                    token_budget,
+                    microbatches,
+                    ..PolicyParams::default()
+                },
+            )
+        }
+        None => {
+            let (source, pp, v) = match &a.schedule_csv {
+                Some(path) => {
+                    let s = sim::pytorch_csv::read_pytorch_csv(
+                        &profiles::read_to_string(path)?,
+                        &path.display().to_string(),
+                    )?;
+                    let (p, v) = (
+                        s.placement.num_ranks,
+                        s.num_stages() / s.placement.num_ranks,
+                    );
+                    (ScheduleSource::Given(s), p, v)
+                }
+                None => {
+                    let kind: ScheduleKind = a.schedule.as_deref().unwrap_or("1f1b").parse()?;
+                    let pp = a.pp.unwrap_or(2);
+                    if pp == 0 {
+                        bail!("--pp = 0 is invalid: >= 1 rank");
+                    }
+                    (ScheduleSource::Kind(kind), pp, kind.stages_per_rank(a.vpp)?)
+                }
+            };
+            let microbatches = match (&source, a.microbatches, a.token_budget) {
+                (ScheduleSource::Given(s), _, _) => Some(s.num_microbatches),
+                (_, Some(m), _) => Some(m),
+                (_, None, Some(_)) => None,
+                (_, None, None) => Some(2 * pp * v),
+            };
+            let stages = even_split(num_layers, (pp * v) as usize)?;
+            (
+                source,
+                pp,
+                v,
+                a.dp.unwrap_or(1),
+                stages,
+                Vec::new(),
+                Policy::FlatBalanced,
+                PolicyParams {
+                    token_budget: a.token_budget.unwrap_or(16_384),
+                    microbatches,
+                    ..PolicyParams::default()
+                },
+            )
+        }
+    };
+    if dp == 0 {
+        bail!("--dp = 0 is invalid: >= 1 replica");
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if (dp * pp) as usize > cores {
+        tracing::warn!(
+            "{} ranks on {cores} cores: ranks will share cores, so measured times include the OS scheduler's time slicing",
+            dp * pp
+        );
+    }
+    let balance = montecarlo::balance_cost(&profile);
+    let setup = Setup {
+        model: model.clone(),
+        stages: stages.clone(),
+        source: source.clone(),
+        pp,
+        v,
+        dp,
+        recompute: recompute.clone(),
+        policy,
+        params,
+        workload: workload.clone(),
+        step_size,
+        seed: a
+            .seed
+            .or(plan.as_ref().map(|p| p.seed))
+            .unwrap_or(workload.seed),
+        init_seed: a.init_seed,
+        reduction,
+        adamw: AdamW {
+            lr: a.lr,
+            ..AdamW::default()
+        },
+        max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
+        balance: Arc::new(balance),
+    };
+    let mut exec = match a.backend {
+        Backend::Cpu => Executor::cpu(&setup)?,
+    };
+    let mut reference = if a.verify {
+        Some(Reference::new(&setup)?)
+    } else {
+        None
+    };
+    let predict = measured_on(&profile, a.backend);
+    let combo = {
+        let mut c =
+            montecarlo::Combo::new(source.clone(), v, stages.clone(), policy, Capacity::Dynamic);
+        c.dp = dp;
+        c.recompute = recompute.clone();
+        c
+    };
+    let bar = Progress::new(a.steps as u64);
+    let mut rows = Vec::with_capacity(a.steps as usize);
+    let mut last = None;
+    let mut failed = false;
+    for step in 0..a.steps as u64 {
+        let prepared: PreparedStep = setup.prepare(step)?;
+        let run = exec.train_step(&setup, &prepared)?;
+        let makespan_s = run.timeline.makespan_ns() as f64 * 1e-9;
+        let n = run.timeline.num_ranks();
+        let busy: f64 = (0..n).map(|r| run.timeline.busy_ns(r) as f64 * 1e-9).sum();
+        let predicted = if predict {
+            let mut worst: f64 = 0.0;
+            for (d, r) in prepared.replicas.iter().enumerate() {
+                let (o, _) = montecarlo::simulate_replica(
+                    &profile,
+                    pp,
+                    &combo,
+                    &r.lengths,
+                    d * pp as usize,
+                )?;
+                worst = worst.max(o.step_time_s);
+            }
+            let placement = setup.placement()?;
+            Some(worst + montecarlo::allreduce_s(&profile, &stages, &placement, dp))
+        } else {
+            None
+        };
+        let verify = match &mut reference {
+            Some(re) => {
+                let r = re.step(&setup, &prepared, true)?;
+                let g = runner::compare(&exec.named_grads(), &re.named_grads())?;
+                let p = runner::compare(&exec.named_params(), &re.named_params())?;
+                let loss_rel = (run.loss - r.loss).abs() / r.loss.abs().max(f64::MIN_POSITIVE);
+                let norm_rel =
+                    (run.grad_norm - r.grad_norm).abs() / r.grad_norm.max(f64::MIN_POSITIVE);
+                let ok = loss_rel <= VERIFY_LOSS_RTOL
+                    && g.max_rel <= VERIFY_RTOL
+                    && p.max_rel <= VERIFY_RTOL
+                    && norm_rel <= VERIFY_RTOL;
+                failed |= !ok;
+                Some(VerifyRow {
+                    reference_loss: r.loss,
+                    loss_rel_diff: loss_rel,
+                    grad_max_abs_diff: g.max_abs,
+                    grad_max_rel_diff: g.max_rel,
+                    grad_worst: g.worst,
+                    param_max_abs_diff: p.max_abs,
+                    param_max_rel_diff: p.max_rel,
+                    grad_norm_rel_diff: norm_rel,
+                    within_tolerance: ok,
+                })
+            }
+            None => None,
+        };
+        let tokens = prepared.tokens();
+        rows.push(StepRow {
+            step,
+            microbatches: prepared
+                .replicas
+                .iter()
+                .map(|r| r.microbatches.len())
+                .collect(),
+            tokens,
+            loss: run.loss,
+            grad_norm: run.grad_norm,
+            measured_makespan_s: makespan_s,
+            tokens_per_s: tokens as f64 / makespan_s,
+            bubble_ratio: 1.0 - busy / (n as f64 * makespan_s),
+            predicted_makespan_s: predicted,
+            rel_error: predicted.map(|p| (makespan_s - p) / makespan_s),
+            verify,
+        });
+        last = Some((prepared, run));
+        bar.inc();
+    }
+    bar.finish();
+    let mut notes = Vec::new();
+    if let Some((prepared, run)) = &last {
+        let m: Vec<String> = prepared
+            .replicas
+            .iter()
+            .map(|r| r.microbatches.len().to_string())
+            .collect();
+        let title = format!(
+            "{} measured on {}: {} dp={dp} pp={pp} v={v} m={}, step {}",
+            model.name,
+            a.backend.name(),
+            source.name(),
+            m.join("/"),
+            prepared.step
+        );
+        if let Some(path) = &a.gantt {
+            sim::gantt::write_gantt(path, &title, &run.timeline)?;
+            notes.push(format!("Gantt chart of the last step: {}", path.display()));
+        }
+        if let Some(path) = &a.trace {
+            let doc = sim::trace::chrome_trace(&run.timeline);
+            profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
+            notes.push(format!("Chrome trace of the last step: {}", path.display()));
+        }
+    }
+    let errors: Vec<f64> = rows
+        .iter()
+        .filter_map(|r| r.rel_error.map(f64::abs))
+        .collect();
+    let median_abs_rel_error = (!errors.is_empty()).then(|| montecarlo::Quantiles::of(&errors).p50);
+    let prediction = if predict {
+        format!(
+            "predicted with the profile measured on {} ({})",
+            profile.provenance.device,
+            profile.provenance.date.as_deref().unwrap_or("undated")
+        )
+    } else {
+        format!(
+            "No profile measured on the {} backend was given (the {} profile of {} on {} is not a measurement), so no predicted vs measured makespan; give --profile FILE with a profile measured on this backend",
+            a.backend.name(),
+            format!("{:?}", profile.provenance.source).to_lowercase(),
+            profile.model,
+            profile.provenance.device
+        )
+    };
+    notes.push(prediction.clone());
+    let report = ExecuteReport {
+        model: model.name.clone(),
+        workload: workload.name.clone(),
+        schedule: source.name(),
+        dp,
+        pp,
+        vpp: v,
+        backend: a.backend.name().to_string(),
+        steps: rows,
+        median_abs_rel_error,
+        prediction,
+    };
+    let header = format!(
+        "{} on the {} backend: {} dp={dp} pp={pp} v={v}, workload {} ({} steps; {} stages, layers {})",
+        model.name,
+        report.backend,
+        report.schedule,
+        workload.name,
+        a.steps,
+        stages.len(),
+        stages
+            .iter()
+            .map(|r| format!("{}..{}", r.start, r.end))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let mut cols = vec![
+        "step",
+        "m",
+        "tokens",
+        "loss",
+        "grad norm",
+        "measured",
+        "tokens/s",
+        "bubble",
+    ];
+    if predict {
+        cols.extend(["predicted", "error"]);
+    }
+    if a.verify {
+        cols.extend(["ref. loss", "grad diff (rel)", "param diff (rel)", "ok"]);
+    }
+    let mut t = new_table(&cols);
+    for r in &report.steps {
+        let mut row = vec![
+            r.step.to_string(),
+            r.microbatches
+                .iter()
+                .map(|m| m.to_string())
+                .collect::<Vec<_>>()
+                .join("/"),
+            r.tokens.to_string(),
+            format!("{:.4}", r.loss),
+            format!("{:.3}", r.grad_norm),
+            fmt_s(r.measured_makespan_s),
+            format!("{:.0}", r.tokens_per_s),
+            pct(r.bubble_ratio),
+        ];
+        if let (Some(p), Some(e)) = (r.predicted_makespan_s, r.rel_error) {
+            row.extend([fmt_s(p), format!("{:+.1}%", 100.0 * e)]);
+        }
+        if let Some(v) = &r.verify {
+            row.extend([
+                format!("{:.4}", v.reference_loss),
+                format!("{:.1e}", v.grad_max_rel_diff),
+                format!("{:.1e}", v.param_max_rel_diff),
+                if v.within_tolerance { "yes" } else { "NO" }.to_string(),
+            ]);
+        }
+        t.add_row(row);
+    }
+    if let Some(e) = report.median_abs_rel_error {
+        notes.push(format!(
+            "median |relative error| of the prediction: {:.1}%",
+            100.0 * e
+        ));
+    }
+    if a.verify {
+        notes.push(format!(
+            "--verify: the single-rank reference ran the same steps; tolerance: loss {VERIFY_LOSS_RTOL:.0e} relative, gradients and parameters {VERIFY_RTOL:.0e} normwise relative (max|a - b| / max|b| per tensor)"
+        ));
+    }
+    let code = emit(a.format, &report, &header, &t, &notes)?;
+    if failed {
+        eprintln!(
+            "--verify: the pipelined run differs from the single-rank reference beyond the tolerance"
+        );
+        return Ok(ExitCode::from(1));
+    }
+    Ok(code)
+}
