@@ -7,8 +7,8 @@
 //!
 //! - [`profiles`]: models, hardware, cost profiles, workloads.
 //! - [`simulator`]: schedule IR, generators, replay, metrics, Gantt charts, traces, plans.
-//! - [`planner`]: layer partitioning and plan search (to come).
-//! - [`executor`]: running plans for real (to come).
+//! - [`planner`]: layer partitioning (exact DP and MILP) and plan search.
+//! - [`executor`]: running plans for real: a transformer with F / I / W kernels, one interpreter.
 #![deny(missing_docs)]
 
 pub use flatpipe_executor as executor;
