@@ -732,3 +732,51 @@ fn execute_refuses_impossible_requests_clearly() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("flat"), "{}", stderr(&o));
 }
+
+#[test]
+fn execute_compares_with_a_profile_measured_on_its_backend() {
+    use flatpipe::profiles::{AnalyticOptions, ProfileSource, analytic_profile, builtins};
+    let dir = tempfile::tempdir().unwrap();
+    // Stand-in for a profiler output: the analytic tiny@cpu profile marked as measured on a CPU.
+    let model = builtins::model("tiny").unwrap();
+    let hw = builtins::hardware("cpu").unwrap();
+    let mut p = analytic_profile(&model, &hw, &AnalyticOptions::default()).unwrap();
+    p.provenance.source = ProfileSource::Measured;
+    p.provenance.device = "test CPU".into();
+    p.provenance.date = Some("2026-11-30".into());
+    std::fs::write(dir.path().join("measured.yaml"), p.to_yaml().unwrap()).unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--profile",
+            "measured.yaml",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--seqs-per-step",
+            "4",
+            "--steps",
+            "2",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    let mut errs = Vec::new();
+    for s in v["steps"].as_array().unwrap() {
+        let (pred, meas) = (
+            s["predicted_makespan_s"].as_f64().unwrap(),
+            s["measured_makespan_s"].as_f64().unwrap(),
+        );
+        assert!(pred > 0.0 && meas > 0.0);
+        let e = s["rel_error"].as_f64().unwrap();
+        assert!((e - (meas - pred) / meas).abs() < 1e-9);
+        errs.push(e.abs());
+    }
+    errs.sort_by(f64::total_cmp);
+    // Median of two values: nearest rank (the smaller).
+    let m = v["median_abs_rel_error"].as_f64().unwrap();
+    assert!(errs.contains(&m), "{m} {errs:?}");
+}

@@ -154,6 +154,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn tiny_chat_is_sharegpt_divided_by_16_within_8_to_512() {
+        let raw = csv_sample("sharegpt_v3_tokens.csv").unwrap();
+        let w = workload("tiny-chat").unwrap();
+        let crate::LengthDistribution::Empirical { samples, .. } = &w.lengths else {
+            panic!("empirical");
+        };
+        assert_eq!(samples.len(), raw.len());
+        for (s, r) in samples.iter().zip(&raw) {
+            assert_eq!(*s, r.div_ceil(16).clamp(8, 512), "raw {r}");
+        }
+        let e = Workload::from_yaml(
+            "name: x\nlengths: {kind: empirical, csv: a.csv, divide: 0}\n",
+            "x.yaml",
+            |_| Ok(("tokens\n5\n".into(), "a.csv".into())),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("x.yaml") && e.contains("divide"), "{e}");
+    }
+
+    #[test]
     fn every_builtin_loads() {
         for (n, _) in MODELS {
             model(n).unwrap();

@@ -23,13 +23,19 @@ pub(super) fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
         out.push(Entry {
             kind: "model",
             name: name.to_string(),
-            description: format!(
-                "{} decoder layers, {:.2}B parameters, {:?}",
-                m.num_decoder_layers(),
-                m.param_count() as f64 / 1e9,
-                m.dtype
-            )
-            .to_lowercase(),
+            description: {
+                let n = m.param_count() as f64;
+                let params = if n >= 1e9 {
+                    format!("{:.2}B", n / 1e9)
+                } else {
+                    format!("{:.2}M", n / 1e6)
+                };
+                format!(
+                    "{} decoder layers, {params} parameters, {}",
+                    m.num_decoder_layers(),
+                    format!("{:?}", m.dtype).to_lowercase()
+                )
+            },
         });
     }
     for (name, _) in builtins::HARDWARE {
@@ -38,10 +44,14 @@ pub(super) fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
             kind: "hardware",
             name: name.to_string(),
             description: format!(
-                "{}, {} MiB, {:.0} TFLOP/s bf16, {} per node",
+                "{}, {} MiB, {} peak, {} per node",
                 h.name,
                 h.memory_bytes >> 20,
-                h.peak_flops / 1e12,
+                if h.peak_flops >= 1e12 {
+                    format!("{:.0} TFLOP/s", h.peak_flops / 1e12)
+                } else {
+                    format!("{:.0} GFLOP/s", h.peak_flops / 1e9)
+                },
                 h.gpus_per_node
             ),
         });
@@ -56,10 +66,16 @@ pub(super) fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
     for (name, _) in builtins::WORKLOADS {
         let w = builtins::workload(name)?;
         let d = match &w.lengths {
-            profiles::LengthDistribution::Empirical { samples, .. } => format!(
-                "{} real sequence lengths, {:?} per step",
+            profiles::LengthDistribution::Empirical {
+                samples, divide, ..
+            } => format!(
+                "{} real sequence lengths{}, {} per step",
                 samples.len(),
-                w.default_step_size()
+                divide.map_or(String::new(), |d| format!(" divided by {d}")),
+                match w.default_step_size() {
+                    StepSize::Seqs(n) => format!("{n} sequences"),
+                    StepSize::Tokens(t) => format!("{t} tokens"),
+                }
             ),
             other => format!("{other:?}"),
         };

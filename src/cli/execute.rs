@@ -167,22 +167,45 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         )?),
         None => None,
     };
-    let model_name = plan
+    let profile_arg = plan
         .as_ref()
-        .and_then(|p| p.model.clone())
-        .or_else(|| a.inputs.model.clone())
-        .unwrap_or_else(|| "tiny".into());
-    let model = builtins::model(&model_name)?;
+        .and_then(|p| p.profile.clone())
+        .or_else(|| a.inputs.profile.clone());
     let hardware = plan
         .as_ref()
         .and_then(|p| p.hardware.clone())
         .or_else(|| a.inputs.hardware.clone())
         .unwrap_or_else(|| "cpu".into());
-    let profile_arg = plan
+    let model_arg = plan
         .as_ref()
-        .and_then(|p| p.profile.clone())
-        .or_else(|| a.inputs.profile.clone());
-    let profile = resolve_profile(profile_arg.as_deref(), Some(&model_name), Some(&hardware))?;
+        .and_then(|p| p.model.clone())
+        .or_else(|| a.inputs.model.clone());
+    let profile = resolve_profile(
+        profile_arg.as_deref(),
+        Some(model_arg.as_deref().unwrap_or("tiny")),
+        Some(&hardware),
+    )?;
+    // The architecture: the plan's or --model, else the profile's model (a built-in name).
+    let model_name = match (&model_arg, &profile_arg) {
+        (Some(m), _) => m.clone(),
+        (None, Some(_)) => profile.model.clone(),
+        (None, None) => "tiny".into(),
+    };
+    let model = builtins::model(&model_name).map_err(|e| {
+        anyhow::anyhow!(
+            "execute needs the model's architecture: {e} (the profile is of model `{}`; give `model:` in the plan, or --model without --profile)",
+            profile.model
+        )
+    })?;
+    if profile.layers.len() != model.layers().len() {
+        bail!(
+            "the profile of {} has {} layers, the model {} has {}: they must describe the same model",
+            profile.model,
+            profile.layers.len(),
+            model.name,
+            model.layers().len()
+        );
+    }
     let workload_name = a
         .inputs
         .workload
