@@ -283,3 +283,27 @@ fn losses_fall_over_a_few_adamw_steps() {
     }
     assert!(last < 0.9 * first, "{first} -> {last}");
 }
+
+#[test]
+fn per_sequence_loss_reduction_matches_too() {
+    let mut s = setup(ScheduleSource::Kind(ScheduleKind::ZbH2), 2, 1, 4);
+    s.reduction = LossReduction::PerSequence;
+    check(&s);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(16))]
+    /// Any schedule, any p in 1..=4 and m in 1..=8: the pipelined step equals the single-rank one.
+    #[test]
+    fn random_configurations_match_the_single_rank_run(
+        k in 0usize..ScheduleKind::ALL.len(),
+        p in 1u32..=4,
+        m in 1u32..=8,
+    ) {
+        let kind = ScheduleKind::ALL[k];
+        let v = kind.stages_per_rank(None).unwrap();
+        // The mini model has 8 layers: at most 8 stages.
+        proptest::prop_assume!(p * v <= 8);
+        check(&setup(ScheduleSource::Kind(kind), p, v, m));
+    }
+}
