@@ -146,6 +146,66 @@ enum WCtx {
     },
 }
 
+fn nbytes<const N: usize>(arrays: [&dyn ArrayBytes; N]) -> usize {
+    arrays.iter().map(|a| a.bytes()).sum()
+}
+
+trait ArrayBytes {
+    fn bytes(&self) -> usize;
+}
+impl<D: ndarray::Dimension> ArrayBytes for ndarray::Array<f32, D> {
+    fn bytes(&self) -> usize {
+        self.len() * 4
+    }
+}
+
+impl FCtx {
+    fn bytes(&self) -> usize {
+        match self {
+            FCtx::Embedding => 0,
+            FCtx::Input(x) => x.bytes(),
+            FCtx::Head(c) => nbytes([&c.h, &c.xhat, &c.rstd, &c.logits, &c.lse]),
+            FCtx::Decoder(c) => nbytes([
+                &c.h1, &c.xhat1, &c.rstd1, &c.q, &c.k, &c.v, &c.o, &c.lse, &c.h2, &c.xhat2,
+                &c.rstd2, &c.gate, &c.up, &c.act,
+            ]),
+        }
+    }
+}
+
+impl WCtx {
+    fn bytes(&self) -> usize {
+        match self {
+            WCtx::Embedding { dy } => dy.bytes(),
+            WCtx::Head {
+                h,
+                xhat,
+                dlogits,
+                dh,
+            } => nbytes([h, xhat, dlogits, dh]),
+            WCtx::Decoder {
+                h1,
+                xhat1,
+                o,
+                h2,
+                xhat2,
+                act,
+                dq,
+                dk,
+                dv,
+                da,
+                dgate,
+                dup,
+                dm,
+                dh1,
+                dh2,
+            } => nbytes([
+                h1, xhat1, o, h2, xhat2, act, dq, dk, dv, da, dgate, dup, dm, dh1, dh2,
+            ]),
+        }
+    }
+}
+
 fn decoder_forward(p: &Decoder, x: &Array2<f32>, cu: &[usize]) -> (Array2<f32>, DecoderF) {
     let d = p.dims.head_dim;
     let (h1, xhat1, rstd1) = k::rmsnorm(x.view(), p.attn_norm.row());
@@ -447,6 +507,14 @@ impl CpuStage {
             fctx: HashMap::new(),
             wctx: HashMap::new(),
         })
+    }
+
+    /// Bytes of activations and gradients this stage holds for microbatches between F and W
+    /// (what F keeps until I plus what I keeps until W), from the real tensors.
+    pub fn saved_bytes(&self) -> usize {
+        let f: usize = self.fctx.values().flatten().map(FCtx::bytes).sum();
+        let w: usize = self.wctx.values().flatten().map(WCtx::bytes).sum();
+        f + w
     }
 
     /// Global layer indices held by this stage.

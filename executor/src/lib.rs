@@ -29,6 +29,7 @@ pub mod interpreter;
 
 pub mod kernels;
 pub mod null;
+pub mod profiler;
 pub mod runner;
 
 pub mod worker;

@@ -186,6 +186,9 @@ pub fn analytic_profile(
                 "FLOP counts / ({} x peak {:.3e} FLOP/s) + elementwise bytes / {:.3e} B/s + {} s per layer and phase",
                 opts.efficiency, hw.peak_flops, hw.hbm_bytes_per_s, opts.launch_overhead_s
             ),
+            grid: None,
+            repetitions: None,
+            fits: Vec::new(),
         },
     })
 }

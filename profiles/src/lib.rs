@@ -36,7 +36,9 @@ pub use analytic::{AnalyticOptions, analytic_profile};
 pub use error::{Error, Result};
 pub use hardware::{Hardware, Link};
 pub use model::{Dtype, Layer, LayerGroup, LayerKind, ModelSpec};
-pub use profile::{CostCoeffs, LayerProfile, Phase, Profile, ProfileSource, Provenance};
+pub use profile::{
+    CostCoeffs, FitQuality, LayerProfile, Phase, Profile, ProfileSource, Provenance,
+};
 pub use workload::{LengthDistribution, StepSize, Workload};
 pub use yaml::{read_to_string, write_atomic};
 

@@ -130,6 +130,31 @@ pub struct Provenance {
     /// Free-form notes: assumptions, efficiency factors, fit quality.
     #[serde(default)]
     pub notes: String,
+    /// Measured profiles: the grid the profiler timed (token counts, compositions, rounds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grid: Option<String>,
+    /// Measured profiles: timed rounds per grid point (the median is kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetitions: Option<u32>,
+    /// Measured profiles: how well each fitted cost model matches its timings.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fits: Vec<FitQuality>,
+}
+
+/// The quality of one fitted cost model (one layer kind and phase) of a measured profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FitQuality {
+    /// Layer kind.
+    pub kind: LayerKind,
+    /// Phase: F, I, W or Fo.
+    pub phase: Phase,
+    /// Coefficient of determination R² on the timings.
+    pub r2: f64,
+    /// Largest `|predicted - measured| / measured` over the grid.
+    pub max_rel_residual: f64,
+    /// Grid points fitted.
+    pub samples: u32,
 }
 
 /// A cost profile of one model on one hardware (YAML).

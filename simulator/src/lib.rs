@@ -40,6 +40,7 @@ pub mod gantt;
 pub mod generators;
 pub mod histogram;
 pub mod ir;
+pub mod kineto;
 pub mod metrics;
 pub mod microbatch;
 pub mod montecarlo;

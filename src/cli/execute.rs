@@ -144,15 +144,51 @@ struct ExecuteReport {
 }
 
 impl Backend {
-    fn name(self) -> &'static str {
+    pub(super) fn name(self) -> &'static str {
         match self {
             Backend::Cpu => "cpu",
         }
     }
 }
 
-/// The profile used to predict, when it was measured on this backend.
-fn measured_on(profile: &Profile, backend: Backend) -> bool {
+/// The simulator's prediction of a prepared step on `profile`: the slowest replica's makespan
+/// plus the data-parallel all-reduce (seconds), and replica 0's per-rank bubble ratios.
+pub(super) fn predict_step(
+    profile: &Profile,
+    setup: &Setup,
+    combo: &montecarlo::Combo,
+    prepared: &PreparedStep,
+) -> Result<(f64, Vec<f64>)> {
+    let pp = setup.pp;
+    let mut worst: f64 = 0.0;
+    let mut bubbles = Vec::new();
+    for (d, r) in prepared.replicas.iter().enumerate() {
+        let (o, sim) =
+            montecarlo::simulate_replica(profile, pp, combo, &r.lengths, d * pp as usize)?;
+        worst = worst.max(o.step_time_s);
+        if d == 0
+            && let Some((_, sim)) = sim
+        {
+            bubbles = sim.metrics.ranks.iter().map(|m| m.bubble_ratio).collect();
+        }
+    }
+    let placement = setup.placement()?;
+    Ok((
+        worst + montecarlo::allreduce_s(profile, &setup.stages, &placement, setup.dp),
+        bubbles,
+    ))
+}
+
+/// Measured bubble ratio of every rank: `1 - busy / makespan`.
+pub(super) fn measured_bubbles(t: &sim::Timeline) -> Vec<f64> {
+    let m = t.makespan_ns() as f64;
+    (0..t.num_ranks())
+        .map(|r| 1.0 - t.busy_ns(r) as f64 / m)
+        .collect()
+}
+
+/// Whether `profile` was measured on `backend`.
+pub(super) fn measured_on(profile: &Profile, backend: Backend) -> bool {
     profile.provenance.source == ProfileSource::Measured
         && match backend {
             Backend::Cpu => profile.provenance.device.to_lowercase().contains("cpu"),
@@ -369,19 +405,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         let n = run.timeline.num_ranks();
         let busy: f64 = (0..n).map(|r| run.timeline.busy_ns(r) as f64 * 1e-9).sum();
         let predicted = if predict {
-            let mut worst: f64 = 0.0;
-            for (d, r) in prepared.replicas.iter().enumerate() {
-                let (o, _) = montecarlo::simulate_replica(
-                    &profile,
-                    pp,
-                    &combo,
-                    &r.lengths,
-                    d * pp as usize,
-                )?;
-                worst = worst.max(o.step_time_s);
-            }
-            let placement = setup.placement()?;
-            Some(worst + montecarlo::allreduce_s(&profile, &stages, &placement, dp))
+            Some(predict_step(&profile, &setup, &combo, &prepared)?.0)
         } else {
             None
         };
@@ -427,7 +451,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             tokens_per_s: tokens as f64 / makespan_s,
             bubble_ratio: 1.0 - busy / (n as f64 * makespan_s),
             predicted_makespan_s: predicted,
-            rel_error: predicted.map(|p| (makespan_s - p) / makespan_s),
+            rel_error: predicted.map(|p| (p - makespan_s) / makespan_s),
             verify,
         });
         last = Some((prepared, run));

@@ -1,14 +1,20 @@
 //! Command-line parsing and the subcommands (one module each).
 
 mod builtins_cmd;
+mod calibrate;
 mod execute;
+mod import_trace;
 mod plan;
+mod profile;
 mod schedule;
 mod simulate;
 
 use builtins_cmd::{BuiltinsArgs, list_builtins};
+use calibrate::{CalibrateArgs, calibrate};
 use execute::{ExecuteArgs, execute};
+use import_trace::{ImportTraceArgs, import_trace};
 use plan::{PlanArgs, plan_cmd};
+use profile::{ProfileArgs, profile_cmd};
 use schedule::{ScheduleArgs, schedule_cmd};
 use simulate::{SimulateArgs, simulate};
 
@@ -48,6 +54,15 @@ enum Command {
     /// Run a plan for real (CPU backend): a real transformer's F / I / W on the workload's
     /// sequences, the measured timeline, and with --verify a check against a single-rank run.
     Execute(Box<ExecuteArgs>),
+    /// Measure the executor's kernels (F, I, W, Fo per layer kind over a token grid), links and
+    /// optimizer on this machine, fit the cost model and write a measured profile.
+    Profile(Box<ProfileArgs>),
+    /// The closed loop: profile this machine, plan each schedule on the measured profile,
+    /// execute it, and compare predicted with measured makespan and bubbles.
+    Calibrate(Box<CalibrateArgs>),
+    /// Read a PyTorch profiler trace (actions labelled PP:<action>) into a measured timeline:
+    /// Gantt chart, bubble per rank, and the comparison with flatpipe's prediction.
+    ImportTrace(Box<ImportTraceArgs>),
     /// Generate a schedule, print its step-by-rank grid and optionally write PyTorch's CSV.
     Schedule(ScheduleArgs),
     /// List the built-in models, hardware, profiles and workloads.
@@ -97,6 +112,9 @@ pub fn run() -> Result<ExitCode> {
         Command::Simulate(a) => simulate(*a),
         Command::Plan(a) => plan_cmd(*a),
         Command::Execute(a) => execute(*a),
+        Command::Profile(a) => profile_cmd(*a),
+        Command::Calibrate(a) => calibrate(*a),
+        Command::ImportTrace(a) => import_trace(*a),
         Command::Schedule(a) => schedule_cmd(a),
         Command::Builtins(a) => list_builtins(a),
     }

@@ -1,0 +1,302 @@
+//! `flatpipe calibrate`: the closed loop on this machine. Profile the executor's kernels, plan
+//! each schedule with that profile, execute the plan, and compare the predicted makespan and
+//! bubbles with the measured ones.
+
+use super::*;
+use execute::{Backend, measured_bubbles, measured_on, predict_step};
+use flatpipe_executor::AdamW;
+use flatpipe_executor::profiler::ProfileConfig;
+use flatpipe_executor::runner::{Executor, Setup};
+use std::sync::Arc;
+
+/// Options of `flatpipe calibrate`.
+#[derive(Debug, Args)]
+pub(super) struct CalibrateArgs {
+    /// Backend.
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    backend: Backend,
+    /// Model (default tiny).
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Workload (default tiny-chat).
+    #[arg(long, default_value = "tiny-chat")]
+    workload: String,
+    /// Use this measured profile instead of profiling first.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Coarse profiling grid and 3 measured steps per schedule.
+    #[arg(long)]
+    quick: bool,
+    /// Pipeline ranks (default: the machine's cores, at most 4). On the CPU backend keep it at
+    /// most the number of cores, so the measurement is not the OS scheduler's.
+    #[arg(long)]
+    pp: Option<u32>,
+    /// Schedules to compare (default: all).
+    #[arg(long, value_delimiter = ',')]
+    schedule: Vec<String>,
+    /// Measured steps per schedule (after one warm-up step). Default 5 (3 with --quick).
+    #[arg(long)]
+    steps: Option<u32>,
+    /// Token budgets the planner may choose from (default 256,512,1024).
+    #[arg(long, value_delimiter = ',')]
+    token_budgets: Vec<u64>,
+    /// Also write the measured profile here.
+    #[arg(long)]
+    save_profile: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    schedule: String,
+    pp: u32,
+    vpp: u32,
+    token_budget: u64,
+    layers_per_stage: Vec<usize>,
+    predicted_makespan_s: f64,
+    measured_makespan_s: f64,
+    rel_error: f64,
+    predicted_bubble_per_rank: Vec<f64>,
+    measured_bubble_per_rank: Vec<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    workload: String,
+    device: String,
+    profile: String,
+    steps: u32,
+    schedules: Vec<Row>,
+    median_abs_rel_error: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
+    let model = builtins::model(&a.model)?;
+    let workload = builtins::workload(&a.workload)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let pp = a.pp.unwrap_or(cores.clamp(1, 4));
+    if pp == 0 {
+        bail!("--pp = 0 is invalid: >= 1 rank");
+    }
+    if pp > cores {
+        tracing::warn!(
+            "--pp {pp} on {cores} cores: ranks share cores, so the OS scheduler's time slicing enters the measurement"
+        );
+    }
+    let kinds = parse_kinds(&a.schedule)?;
+    let steps = a.steps.unwrap_or(if a.quick { 3 } else { 5 });
+    if steps == 0 {
+        bail!("--steps = 0 is invalid: >= 1 step");
+    }
+    let budgets = if a.token_budgets.is_empty() {
+        vec![256, 512, 1024]
+    } else {
+        dedup(a.token_budgets.clone())
+    };
+    let (profile, origin) = match &a.profile {
+        Some(path) => {
+            let p = Profile::from_yaml(
+                &profiles::read_to_string(path)?,
+                &path.display().to_string(),
+            )?;
+            if !measured_on(&p, a.backend) {
+                bail!(
+                    "{}: the profile was not measured on the {} backend (source {:?}, device {}); run without --profile to measure one",
+                    path.display(),
+                    a.backend.name(),
+                    p.provenance.source,
+                    p.provenance.device
+                );
+            }
+            (p, path.display().to_string())
+        }
+        None => {
+            let mut cfg = if a.quick {
+                ProfileConfig::quick()
+            } else {
+                ProfileConfig::full()
+            };
+            // Profile as the plan runs: pp ranks busy at once.
+            cfg.concurrency = pp as usize;
+            let hw = builtins::hardware("cpu")?;
+            let p = profile::measure(&model, &hw, &cfg)?;
+            if let Some(path) = &a.save_profile {
+                profiles::write_atomic(path, p.to_yaml()?.as_bytes())?;
+            }
+            (p, "measured now".to_string())
+        }
+    };
+    if profile.layers.len() != model.layers().len() {
+        bail!(
+            "the profile has {} layers, model {} has {}",
+            profile.layers.len(),
+            model.name,
+            model.layers().len()
+        );
+    }
+    let size = workload.default_step_size();
+    let mut rows = Vec::new();
+    let bar = Progress::new(kinds.len() as u64);
+    for kind in kinds {
+        // Plan this schedule on the measured profile: the layer split and token budget.
+        let mut space = planner::search::SearchSpace::default_for(pp);
+        space.pp = vec![pp];
+        space.vpp = vec![2];
+        space.kinds = vec![kind];
+        space.token_budgets = budgets.clone();
+        space.recompute = vec![sim::costs::Recompute::None];
+        let config = planner::search::SearchConfig {
+            steps: 16,
+            seed: workload.seed,
+            size,
+            memory_limit_bytes: f64::INFINITY,
+            static_bytes: planner::partition::StaticBytes {
+                params: 4.0,
+                grads: 4.0,
+                optimizer: 8.0,
+            },
+            rank_by: planner::search::RankBy::Mean,
+            keep: 1,
+            milp_time_limit_s: None,
+        };
+        let result = planner::search::search(&profile, &workload, &space, &config, &|_, _| {})?;
+        let Some(best) = result.ranked.first() else {
+            let why = result
+                .rejected
+                .first()
+                .map(|(c, r)| format!("{c}: {r}"))
+                .unwrap_or_default();
+            tracing::warn!("{}: no plan ({why})", kind.name());
+            continue;
+        };
+        let setup = Setup {
+            model: model.clone(),
+            stages: best.partition.stages.clone(),
+            source: ScheduleSource::Kind(kind),
+            pp,
+            v: best.vpp,
+            dp: 1,
+            recompute: Vec::new(),
+            policy: Policy::FlatFfd,
+            params: PolicyParams {
+                token_budget: best.token_budget,
+                ..PolicyParams::default()
+            },
+            workload: workload.clone(),
+            step_size: size,
+            seed: workload.seed,
+            init_seed: 0,
+            reduction: flatpipe_executor::LossReduction::PerToken,
+            adamw: AdamW::default(),
+            max_grad_norm: Some(1.0),
+            balance: Arc::new(montecarlo::balance_cost(&profile)),
+        };
+        let combo = montecarlo::Combo::new(
+            setup.source.clone(),
+            setup.v,
+            setup.stages.clone(),
+            Policy::FlatFfd,
+            Capacity::Dynamic,
+        );
+        let mut exec = match a.backend {
+            Backend::Cpu => Executor::cpu(&setup)?,
+        };
+        // One warm-up step (allocator, page faults), not measured.
+        exec.train_step(&setup, &setup.prepare(steps as u64)?)?;
+        let (mut pred, mut meas) = (Vec::new(), Vec::new());
+        let (mut pb, mut mb): (Vec<Vec<f64>>, Vec<Vec<f64>>) = (Vec::new(), Vec::new());
+        for step in 0..steps as u64 {
+            let prepared = setup.prepare(step)?;
+            let run = exec.train_step(&setup, &prepared)?;
+            let (p, bubbles) = predict_step(&profile, &setup, &combo, &prepared)?;
+            pred.push(p);
+            meas.push(run.timeline.makespan_ns() as f64 * 1e-9);
+            pb.push(bubbles);
+            mb.push(measured_bubbles(&run.timeline));
+        }
+        let per_rank = |b: &[Vec<f64>]| -> Vec<f64> {
+            (0..pp as usize)
+                .map(|r| median(b.iter().filter_map(|x| x.get(r).copied()).collect()))
+                .collect()
+        };
+        let (p, m) = (median(pred), median(meas));
+        rows.push(Row {
+            schedule: kind.name().to_string(),
+            pp,
+            vpp: setup.v,
+            token_budget: best.token_budget,
+            layers_per_stage: setup.stages.iter().map(|r| r.len()).collect(),
+            predicted_makespan_s: p,
+            measured_makespan_s: m,
+            rel_error: (p - m) / m,
+            predicted_bubble_per_rank: per_rank(&pb),
+            measured_bubble_per_rank: per_rank(&mb),
+        });
+        bar.inc();
+    }
+    bar.finish();
+    if rows.is_empty() {
+        bail!("no schedule could be planned on this profile");
+    }
+    let median_abs_rel_error = median(rows.iter().map(|r| r.rel_error.abs()).collect());
+    let report = Report {
+        model: model.name.clone(),
+        workload: workload.name.clone(),
+        device: profile.provenance.device.clone(),
+        profile: origin,
+        steps,
+        schedules: rows,
+        median_abs_rel_error,
+    };
+    let header = format!(
+        "closed loop on {}: {} on {}, pp={pp}, profile {}, {steps} measured steps per schedule (medians)",
+        report.device, report.model, report.workload, report.profile
+    );
+    let mut t = new_table(&[
+        "schedule",
+        "v",
+        "budget",
+        "layers per stage",
+        "predicted",
+        "measured",
+        "error",
+        "bubble per rank: predicted",
+        "measured",
+    ]);
+    let list = |v: &[f64]| v.iter().map(|x| pct(*x)).collect::<Vec<_>>().join(" ");
+    for r in &report.schedules {
+        t.add_row([
+            r.schedule.clone(),
+            r.vpp.to_string(),
+            r.token_budget.to_string(),
+            r.layers_per_stage
+                .iter()
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>()
+                .join("/"),
+            fmt_s(r.predicted_makespan_s),
+            fmt_s(r.measured_makespan_s),
+            format!("{:+.1}%", 100.0 * r.rel_error),
+            list(&r.predicted_bubble_per_rank),
+            list(&r.measured_bubble_per_rank),
+        ]);
+    }
+    let notes = vec![format!(
+        "median |relative error| over schedules: {:.1}%",
+        100.0 * report.median_abs_rel_error
+    )];
+    emit(a.format, &report, &header, &t, &notes)
+}

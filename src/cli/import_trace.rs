@@ -1,0 +1,216 @@
+//! `flatpipe import-trace`: read a PyTorch profiler trace of a pipelined run (actions labelled
+//! `PP:<action>`) into a measured timeline: Gantt chart, bubble per rank, and the comparison with
+//! flatpipe's prediction of the same schedule.
+
+use super::*;
+use sim::kineto::read_traces;
+use sim::microbatch::Microbatch;
+
+/// Options of `flatpipe import-trace`.
+#[derive(Debug, Args)]
+pub(super) struct ImportTraceArgs {
+    /// Trace files: one per rank in rank order, or one file whose pids are the ranks.
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// Profile to predict with (file or model@hardware). With --model/--hardware/--plan, the
+    /// trace is compared with flatpipe's prediction of the schedule it ran.
+    #[arg(long, conflicts_with_all = ["model", "hardware"])]
+    profile: Option<String>,
+    /// Model (analytic profile on --hardware).
+    #[arg(long)]
+    model: Option<String>,
+    /// Hardware.
+    #[arg(long)]
+    hardware: Option<String>,
+    /// Plan file whose stages (layer ranges) the run used (default: an even split).
+    #[arg(long)]
+    plan: Option<PathBuf>,
+    /// Tokens per microbatch of the traced run (for the prediction). Default 4096.
+    #[arg(long, default_value_t = 4096)]
+    tokens_per_microbatch: u32,
+    /// Sequence length within a microbatch (default: one sequence of all its tokens).
+    #[arg(long)]
+    seq_len: Option<u32>,
+    /// Write the Gantt chart of the measured timeline here (.svg or .png).
+    #[arg(long)]
+    gantt: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
+#[derive(Debug, Serialize)]
+struct RankRow {
+    rank: usize,
+    actions: usize,
+    busy_s: f64,
+    measured_bubble_ratio: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    predicted_bubble_ratio: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct TraceReport {
+    files: Vec<String>,
+    ranks: usize,
+    stages: u32,
+    microbatches: u32,
+    measured_makespan_s: f64,
+    measured_bubble_ratio: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    predicted_makespan_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rel_error: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    profile: Option<String>,
+    per_rank: Vec<RankRow>,
+}
+
+pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
+    let mut files = Vec::with_capacity(a.traces.len());
+    for p in &a.traces {
+        files.push((p.display().to_string(), profiles::read_to_string(p)?));
+    }
+    let imported = read_traces(&files)?;
+    let t = &imported.timeline;
+    let s = &imported.schedule;
+    let makespan = t.makespan_ns() as f64 * 1e-9;
+    let bubbles: Vec<f64> = (0..t.num_ranks())
+        .map(|r| 1.0 - t.busy_ns(r) as f64 * 1e-9 / makespan)
+        .collect();
+    let compare = a.profile.is_some() || a.model.is_some() || a.plan.is_some();
+    let mut predicted = None;
+    let mut predicted_bubbles = Vec::new();
+    let mut profile_name = None;
+    if compare {
+        let plan = match &a.plan {
+            Some(path) => Some(Plan::from_yaml(
+                &profiles::read_to_string(path)?,
+                &path.display().to_string(),
+            )?),
+            None => None,
+        };
+        let profile = resolve_profile(
+            a.profile
+                .as_deref()
+                .or(plan.as_ref().and_then(|p| p.profile.as_deref())),
+            a.model
+                .as_deref()
+                .or(plan.as_ref().and_then(|p| p.model.as_deref())),
+            a.hardware
+                .as_deref()
+                .or(plan.as_ref().and_then(|p| p.hardware.as_deref())),
+        )?;
+        let stages = match &plan {
+            Some(p) => {
+                if p.stages.len() != s.num_stages() as usize {
+                    bail!(
+                        "the plan has {} stages, the trace ran {}",
+                        p.stages.len(),
+                        s.num_stages()
+                    );
+                }
+                p.stage_ranges()
+            }
+            None => even_split(profile.layers.len(), s.num_stages() as usize)?,
+        };
+        if a.tokens_per_microbatch == 0 || a.seq_len == Some(0) {
+            bail!("--tokens-per-microbatch and --seq-len must be >= 1 token");
+        }
+        let seq = a.seq_len.unwrap_or(a.tokens_per_microbatch);
+        let mut lens = vec![seq; (a.tokens_per_microbatch / seq) as usize];
+        if a.tokens_per_microbatch % seq != 0 {
+            lens.push(a.tokens_per_microbatch % seq);
+        }
+        let mbs = vec![
+            Microbatch {
+                seq_lens: lens,
+                shape: Default::default(),
+            };
+            s.num_microbatches as usize
+        ];
+        let costs = sim::TableCosts::from_profile(&profile, &stages, &s.placement, &mbs, &[])?
+            .without_optimizer();
+        let simulation = sim::simulate(s, &costs)?;
+        predicted = Some(simulation.metrics.makespan_s);
+        predicted_bubbles = simulation
+            .metrics
+            .ranks
+            .iter()
+            .map(|r| r.bubble_ratio)
+            .collect();
+        profile_name = Some(format!(
+            "{} on {} ({:?})",
+            profile.model, profile.hardware.name, profile.provenance.source
+        ));
+    }
+    let per_rank: Vec<RankRow> = (0..t.num_ranks())
+        .map(|r| RankRow {
+            rank: r,
+            actions: t.compute[r].len(),
+            busy_s: t.busy_ns(r) as f64 * 1e-9,
+            measured_bubble_ratio: bubbles[r],
+            predicted_bubble_ratio: predicted_bubbles.get(r).copied(),
+        })
+        .collect();
+    let busy: f64 = per_rank.iter().map(|r| r.busy_s).sum();
+    let report = TraceReport {
+        files: files.iter().map(|f| f.0.clone()).collect(),
+        ranks: t.num_ranks(),
+        stages: s.num_stages(),
+        microbatches: s.num_microbatches,
+        measured_makespan_s: makespan,
+        measured_bubble_ratio: 1.0 - busy / (t.num_ranks() as f64 * makespan),
+        predicted_makespan_s: predicted,
+        rel_error: predicted.map(|p| (p - makespan) / makespan),
+        profile: profile_name,
+        per_rank,
+    };
+    let mut notes = Vec::new();
+    if let Some(path) = &a.gantt {
+        let title = format!(
+            "imported trace: {} ranks, {} stages, m={}",
+            report.ranks, report.stages, report.microbatches
+        );
+        sim::gantt::write_gantt(path, &title, t)?;
+        notes.push(format!("Gantt chart of the trace: {}", path.display()));
+    }
+    match (report.predicted_makespan_s, &report.profile) {
+        (Some(p), Some(name)) => notes.push(format!(
+            "predicted makespan {} with {name} ({} tokens per microbatch), relative error {:+.1}% (measured: first to last PP: action; the prediction leaves out the optimizer step)",
+            fmt_s(p),
+            a.tokens_per_microbatch,
+            100.0 * (p - makespan) / makespan
+        )),
+        _ => notes.push(
+            "give --profile, --model/--hardware or --plan to compare with flatpipe's prediction"
+                .into(),
+        ),
+    }
+    let header = format!(
+        "{}: {} ranks, {} stages, {} microbatches, measured makespan {}, bubble {}",
+        report.files.join(", "),
+        report.ranks,
+        report.stages,
+        report.microbatches,
+        fmt_s(makespan),
+        pct(report.measured_bubble_ratio)
+    );
+    let mut tab = new_table(&[
+        "rank",
+        "actions",
+        "busy",
+        "bubble (measured)",
+        "bubble (predicted)",
+    ]);
+    for r in &report.per_rank {
+        tab.add_row([
+            r.rank.to_string(),
+            r.actions.to_string(),
+            fmt_s(r.busy_s),
+            pct(r.measured_bubble_ratio),
+            r.predicted_bubble_ratio.map_or("-".into(), pct),
+        ]);
+    }
+    emit(a.format, &report, &header, &tab, &notes)
+}
