@@ -4,13 +4,13 @@
 //!
 //! Sizes: the built-in `tiny` model (hidden 256, FFN 688, 4 heads, 2 KV heads, vocabulary 4096)
 //! on a microbatch of T = 1024 tokens in 8 sequences of 128 (the attention GEMMs run per
-//! sequence and head).
+//! sequence, head and query block). The bench binary uses mimalloc like the `flatpipe` binary.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use flatpipe::executor::cpu::CpuStage;
 use flatpipe::executor::data::{LossReduction, build_step};
 use flatpipe::executor::interpreter::{Replica, StepOptions, run_step};
-use flatpipe::executor::kernels::matmul;
+use flatpipe::executor::kernels::{ATTN_BLOCK, matmul};
 use flatpipe::executor::null::NullStage;
 use flatpipe::executor::worker::{StageInput, StageWorker};
 use flatpipe::profiles::builtins;
@@ -20,11 +20,15 @@ use ndarray::Array2;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const SEQS: usize = 8;
 const SEQ_LEN: usize = 128;
 const T: usize = SEQS * SEQ_LEN;
 
-/// `(m, k, n)` of every GEMM a layer's phase runs, as `[m, k] @ [k, n]`.
+/// `(m, k, n)` of every GEMM a layer's phase runs, as `[m, k] @ [k, n]`. Attention runs per
+/// sequence, head and query block of `ATTN_BLOCK` rows against the keys up to the block's end.
 fn decoder_gemms(
     h: usize,
     kv: usize,
@@ -32,15 +36,21 @@ fn decoder_gemms(
     heads: usize,
     d: usize,
 ) -> [Vec<(usize, usize, usize)>; 3] {
-    let attn_f = [(SEQ_LEN, d, SEQ_LEN), (SEQ_LEN, SEQ_LEN, d)];
-    // Backward: recompute S = Q K^T, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q.
-    let attn_i = [
-        (SEQ_LEN, d, SEQ_LEN),
-        (SEQ_LEN, SEQ_LEN, d),
-        (SEQ_LEN, d, SEQ_LEN),
-        (SEQ_LEN, SEQ_LEN, d),
-        (SEQ_LEN, SEQ_LEN, d),
-    ];
+    let (mut attn_f, mut attn_i) = (Vec::new(), Vec::new());
+    for q0 in (0..SEQ_LEN).step_by(ATTN_BLOCK) {
+        let rows = ATTN_BLOCK.min(SEQ_LEN - q0);
+        let keys = q0 + rows;
+        // S = Q K^T, O = P V.
+        attn_f.extend([(rows, d, keys), (rows, keys, d)]);
+        // Backward: recompute S, dV += P^T dO, dP = dO V^T, dQ = dS K, dK += dS^T Q.
+        attn_i.extend([
+            (rows, d, keys),
+            (keys, rows, d),
+            (rows, d, keys),
+            (rows, keys, d),
+            (keys, rows, d),
+        ]);
+    }
     let per_head = |g: &[(usize, usize, usize)]| {
         std::iter::repeat_n(g.to_vec(), SEQS * heads)
             .flatten()

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 /// mimalloc keeps freed memory for reuse: the executor allocates and frees `[T, H]` tensors of
 /// megabytes every action, and the system allocator's mmap / munmap and page faults made a
 /// layer's time grow faster than its token count (measured: a decoder forward on 2,048 tokens
-/// took 49 ms with glibc malloc, 37 ms with its mmap threshold raised).
+/// took 49 ms with glibc malloc, 36 ms with mimalloc).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

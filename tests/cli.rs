@@ -827,6 +827,18 @@ fn a_profile_written_by_the_profiler_drives_simulate_plan_and_execute() {
     assert!(p.provenance.date.is_some() && p.provenance.grid.is_some());
     assert_eq!(p.provenance.fits.len(), 12);
     assert_eq!(p.layers.len(), 6);
+    // FLOPs (and MFU) come from true tokens and pairs: the model's counts, not the timings.
+    let small = flatpipe::profiles::ModelSpec::from_yaml(SMALL_MODEL, "small").unwrap();
+    let analytic = flatpipe::profiles::analytic_profile(
+        &small,
+        &flatpipe::profiles::builtins::hardware("cpu").unwrap(),
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        p.model_flops(1000.0, 5000.0),
+        analytic.model_flops(1000.0, 5000.0)
+    );
     // It drives simulate and plan ...
     let o = flatpipe(
         dir.path(),
