@@ -79,7 +79,9 @@ pub fn torchtitan(
 /// # Errors
 /// [`Error::Export`] for V placements, which the layout cannot express.
 pub fn megatron_layout(plan: &Plan, profile: &Profile) -> Result<String> {
-    if plan.placement == PlacementKind::V || plan.schedule.placement() == PlacementKind::V {
+    if plan.placement == PlacementKind::V
+        || plan.schedule.placement_for(plan.vpp.unwrap_or(1)) == PlacementKind::V
+    {
         return Err(Error::Export {
             format: "megatron",
             reason: format!(

@@ -333,11 +333,13 @@ pub fn search(
         );
         combo.dp = c.dp;
         combo.recompute = partition.recompute.clone();
+        // zb-auto builds each step's schedule under the same memory limit.
+        combo.memory_limit_bytes = Some(config.memory_limit_bytes);
         let params = PolicyParams {
             token_budget: c.budget,
             ..Default::default()
         };
-        let mc = montecarlo::run(
+        let mc = match montecarlo::run(
             profile,
             workload,
             config.seed,
@@ -347,7 +349,16 @@ pub fn search(
             &params,
             &[combo],
             &|| {},
-        )?;
+        ) {
+            Ok(mc) => mc,
+            // zb-auto finds no schedule under the limit on some step: a rejected candidate.
+            Err(e) if c.kind == ScheduleKind::ZbAuto => {
+                progress(i + 1, total);
+                rejected.push((what, e.to_string()));
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         let outcomes = &mc.outcomes[0];
         let mut peak = vec![0.0f64; c.pp as usize];
         for o in outcomes {
@@ -426,7 +437,7 @@ fn allreduce_lb(profile: &Profile, params: f64, dp: u32, pp: u32) -> f64 {
 
 /// The lower bound with the candidate's own split: its all-reduce replaces the even-split one.
 fn lb_with_partition(profile: &Profile, partition: &Partition, c: &Pending) -> f64 {
-    let placement = if c.kind.placement() == flatpipe_simulator::PlacementKind::V {
+    let placement = if c.kind.placement_for(c.v) == flatpipe_simulator::PlacementKind::V {
         flatpipe_simulator::Placement::v_shape(c.pp)
     } else {
         flatpipe_simulator::Placement::looped(c.pp, c.v)

@@ -54,6 +54,10 @@ pub enum ScheduleKind {
     /// DualPipeV: V placement with overlapped forward-backward pairs (DeepSeek).
     #[serde(rename = "dualpipev")]
     DualPipeV,
+    /// zb-auto: built per step from its costs under an activation-memory limit (loop placement,
+    /// or V with 2 stages per rank); see [`crate::zb_auto`].
+    #[serde(rename = "zb-auto")]
+    ZbAuto,
 }
 
 impl ScheduleKind {
@@ -67,6 +71,7 @@ impl ScheduleKind {
         ScheduleKind::ZbH2,
         ScheduleKind::ZbV,
         ScheduleKind::DualPipeV,
+        ScheduleKind::ZbAuto,
     ];
 
     /// The command-line name.
@@ -80,6 +85,7 @@ impl ScheduleKind {
             ScheduleKind::ZbH2 => "zb-h2",
             ScheduleKind::ZbV => "zb-v",
             ScheduleKind::DualPipeV => "dualpipev",
+            ScheduleKind::ZbAuto => "zb-auto",
         }
     }
 
@@ -92,15 +98,23 @@ impl ScheduleKind {
             ScheduleKind::LoopedBfs => Some("LoopedBFS"),
             ScheduleKind::ZbV => Some("ZBVZeroBubble"),
             ScheduleKind::DualPipeV => Some("DualPipeV"),
-            ScheduleKind::ZbH1 | ScheduleKind::ZbH2 => None,
+            ScheduleKind::ZbH1 | ScheduleKind::ZbH2 | ScheduleKind::ZbAuto => None,
         }
     }
 
-    /// The placement this kind implies.
+    /// The placement this kind implies with its default stages per rank.
     pub fn placement(self) -> PlacementKind {
         match self {
             ScheduleKind::ZbV | ScheduleKind::DualPipeV => PlacementKind::V,
             _ => PlacementKind::Loop,
+        }
+    }
+
+    /// The placement this kind uses with `v` stages per rank (zb-auto: V when `v = 2`).
+    pub fn placement_for(self, v: u32) -> PlacementKind {
+        match (self, v) {
+            (ScheduleKind::ZbAuto, 2) => PlacementKind::V,
+            _ => self.placement(),
         }
     }
 
@@ -113,6 +127,13 @@ impl ScheduleKind {
         match (self, vpp) {
             (_, Some(0)) => Err(Error::invalid("--vpp", 0, ">= 1 stage per rank")),
             (ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs, v) => Ok(v.unwrap_or(2)),
+            (ScheduleKind::ZbAuto, None | Some(1)) => Ok(1),
+            (ScheduleKind::ZbAuto, Some(2)) => Ok(2),
+            (ScheduleKind::ZbAuto, Some(v)) => Err(Error::invalid(
+                "--vpp",
+                v,
+                "1 (loop placement) or 2 (V placement) for zb-auto",
+            )),
             (ScheduleKind::ZbV | ScheduleKind::DualPipeV, None | Some(2)) => Ok(2),
             (ScheduleKind::ZbV | ScheduleKind::DualPipeV, Some(v)) => Err(Error::invalid(
                 "--vpp",
@@ -141,7 +162,7 @@ impl ScheduleKind {
         if want != v
             && !matches!(
                 self,
-                ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs
+                ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs | ScheduleKind::ZbAuto
             )
         {
             return Err(Error::invalid(
@@ -159,6 +180,12 @@ impl ScheduleKind {
             ScheduleKind::ZbH2 => zb_h2(p, m),
             ScheduleKind::ZbV => zb_v(p, m),
             ScheduleKind::DualPipeV => dualpipev(p, m),
+            ScheduleKind::ZbAuto => {
+                // Without a step's costs: unit costs (f = b = w, no transfers) under 1F1B's
+                // memory, p units. With costs, use `zb_auto::zb_auto` directly.
+                let costs = crate::costs::UniformCosts::new(&Default::default(), v);
+                crate::zb_auto::zb_auto(p, v, m, &costs, p as f64)?
+            }
         })
     }
 }

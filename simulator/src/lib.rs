@@ -36,6 +36,7 @@
 pub mod costs;
 pub mod dag;
 mod error;
+pub mod forward_only;
 pub mod gantt;
 pub mod generators;
 pub mod histogram;
@@ -50,6 +51,7 @@ pub mod pytorch_csv;
 pub mod replay;
 pub mod timeline;
 pub mod trace;
+pub mod zb_auto;
 
 pub use costs::{CostModel, MemoryUnit, TableCosts, UniformCostSpec, UniformCosts};
 pub use error::{Error, Result};

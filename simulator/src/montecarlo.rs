@@ -101,6 +101,10 @@ pub struct Combo {
     pub dp: u32,
     /// Recomputation per stage (empty: none).
     pub recompute: Vec<crate::costs::Recompute>,
+    /// zb-auto's per-rank memory limit, bytes: its activations may use this minus the largest
+    /// rank's parameters, gradients and optimizer state (`None`: the hardware's memory minus a
+    /// reserve of 4 GiB, at most 1/8 of it).
+    pub memory_limit_bytes: Option<f64>,
 }
 
 impl Combo {
@@ -120,8 +124,16 @@ impl Combo {
             capacity,
             dp: 1,
             recompute: Vec::new(),
+            memory_limit_bytes: None,
         }
     }
+}
+
+/// The default memory limit of a rank: the hardware's memory minus a reserve (CUDA context,
+/// communication buffers, fragmentation) of 4 GiB, at most an eighth of the memory.
+pub fn default_memory_limit(profile: &Profile) -> f64 {
+    let memory = profile.hardware.memory_bytes as f64;
+    memory - (4.0 * (1u64 << 30) as f64).min(memory / 8.0)
 }
 
 /// Ring all-reduce time of each pipeline rank's gradients over the `dp` replicas, seconds:
@@ -274,7 +286,16 @@ pub fn simulate_replica(
         Capacity::Dynamic => (n, 1),
         Capacity::Fixed(k) => (k, n.div_ceil(k).max(1)),
     };
-    let schedule: Arc<Schedule> = match &combo.source {
+    let auto = combo.source == ScheduleSource::Kind(ScheduleKind::ZbAuto);
+    let mut schedule: Arc<Schedule> = match &combo.source {
+        // Built per round below, from that round's costs.
+        ScheduleSource::Kind(ScheduleKind::ZbAuto) => Arc::new(Schedule {
+            name: "zb-auto".into(),
+            placement: crate::zb_auto::placement(p, combo.v)?,
+            num_microbatches: k,
+            num_fo_microbatches: 0,
+            ranks: Vec::new(),
+        }),
         ScheduleSource::Kind(kind) => cached_schedule(*kind, p, combo.v, k)?,
         ScheduleSource::Given(s) => Arc::new(s.clone()),
     };
@@ -312,6 +333,16 @@ pub fn simulate_replica(
         )?;
         if round + 1 < rounds {
             costs = costs.without_optimizer();
+        }
+        if auto {
+            let static_max = (0..p)
+                .map(|r| costs.static_bytes(Rank(r)))
+                .fold(0.0, f64::max);
+            let limit = combo
+                .memory_limit_bytes
+                .unwrap_or_else(|| default_memory_limit(profile))
+                - static_max;
+            schedule = Arc::new(crate::zb_auto::zb_auto(p, combo.v, k, &costs, limit)?);
         }
         let sim = simulate(&schedule, &costs)?;
         out.step_time_s += sim.metrics.makespan_s;

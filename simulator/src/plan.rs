@@ -260,14 +260,15 @@ impl Plan {
                 format!("must cover all {num_layers} layers"),
             ));
         }
-        if self.placement != self.schedule.placement() {
+        let v = self.schedule.stages_per_rank(self.vpp)?;
+        if self.placement != self.schedule.placement_for(v) {
             return Err(Error::invalid(
                 field("placement"),
                 format!("{:?}", self.placement).to_lowercase(),
                 format!(
                     "schedule {} uses {:?} placement",
                     self.schedule,
-                    self.schedule.placement()
+                    self.schedule.placement_for(v)
                 )
                 .to_lowercase(),
             ));

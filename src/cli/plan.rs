@@ -77,12 +77,8 @@ pub(super) struct PlanArgs {
 /// The memory limit: `--memory-limit` parsed (e.g. `120GiB`, `80GB`, `1.5e11`), or the
 /// hardware's memory minus a 4 GiB reserve.
 pub(super) fn memory_limit(arg: Option<&str>, profile: &Profile) -> Result<f64> {
-    // The reserve: CUDA context, communication buffers, fragmentation; at most an eighth of a
-    // small device (a CPU rank's few GiB).
-    let memory = profile.hardware.memory_bytes as f64;
-    let reserve = (4.0 * (1u64 << 30) as f64).min(memory / 8.0);
     match arg {
-        None => Ok(memory - reserve),
+        None => Ok(montecarlo::default_memory_limit(profile)),
         Some(text) => {
             let bytes = match text.trim().parse::<f64>() {
                 Ok(b) => b,
@@ -266,7 +262,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         dp: Some(best.dp),
         pp: best.pp,
         vpp: Some(best.vpp),
-        placement: best.schedule.placement(),
+        placement: best.schedule.placement_for(best.vpp),
         schedule: best.schedule,
         stages: best
             .partition

@@ -63,8 +63,30 @@ pub(super) struct SimulateArgs {
     histogram: Option<PathBuf>,
     /// Uniform costs instead of a profile and workload: one rank's share of the model per
     /// microbatch in seconds, e.g. f=1,b=1,w=1,comm=0 (keys f, b, w, comm, fb, fo).
-    #[arg(long, conflicts_with_all = ["profile", "model", "hardware", "workload", "plan", "token_budget", "seqs_per_step", "tokens_per_step", "policy", "capacity", "pack_len", "max_seq_len", "keep_prob", "histogram"])]
+    #[arg(long, conflicts_with_all = ["profile", "model", "hardware", "workload", "plan", "token_budget", "seqs_per_step", "tokens_per_step", "policy", "capacity", "pack_len", "max_seq_len", "keep_prob", "histogram", "memory_limit"])]
     costs: Option<String>,
+    /// zb-auto under --costs: the most activation memory a rank may hold, in units (one rank's
+    /// share of one microbatch's activations; default p, 1F1B's memory; 2p behaves like ZB-2p).
+    #[arg(long, requires = "costs")]
+    max_activation_units: Option<f64>,
+    /// zb-auto with a profile: the memory limit per rank (e.g. 120GiB); its activations get this
+    /// minus parameters, gradients and optimizer state. Default: the hardware's memory minus a
+    /// reserve of 4 GiB (at most 1/8).
+    #[arg(long)]
+    memory_limit: Option<String>,
+    /// Forward-only microbatches per step (a frozen reference or teacher model's forward: `Fo`
+    /// actions, no activations kept, no backward), with --costs (their cost: the key fo=,
+    /// default f). Default 0.
+    #[arg(long, requires = "costs")]
+    fo_microbatches: Option<u32>,
+    /// How forward-only work runs: `fused` into the training schedule's bubbles (default) or as
+    /// a `separate` pass before training.
+    #[arg(long, default_value = "fused", value_parser = ["fused", "separate"])]
+    fo_mode: String,
+    /// Training microbatch i's loss needs forward-only microbatch i (reference log-probs in the
+    /// loss: PPO / GRPO with a KL term, DPO, distillation); needs --fo-microbatches >= m.
+    #[arg(long)]
+    fo_loss_dependency: bool,
     /// Seed of the step sampler (default: the workload's, 0). Printed.
     #[arg(long)]
     seed: Option<u64>,
@@ -94,6 +116,22 @@ pub(super) struct Report {
     microbatches: u32,
     #[serde(flatten)]
     metrics: sim::Metrics,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    forward_only: Option<FoReport>,
+}
+
+/// Forward-only work of a `--costs` row (`--fo-microbatches K > 0`).
+#[derive(Debug, Serialize, Clone)]
+pub(super) struct FoReport {
+    fo_microbatches: u32,
+    fo_mode: String,
+    fo_loss_dependency: bool,
+    /// The training schedule alone, seconds.
+    train_only_s: f64,
+    /// The forward-only pass alone, seconds.
+    fo_separate_s: f64,
+    /// `(T_train + T_fo_separate - T_combined) / T_fo_separate`.
+    fo_hidden_fraction: f64,
 }
 
 /// The single-step fields of a profile-driven row (when one step ran as one round).
@@ -234,14 +272,57 @@ pub(super) fn simulate_uniform(
                 .iter()
                 .map(|k| {
                     let v = k.stages_per_rank(a.vpp)?;
-                    Ok((k.name().to_string(), v, k.generate(p, v, m)?))
+                    let s = if *k == ScheduleKind::ZbAuto {
+                        let units = a.max_activation_units.unwrap_or(p as f64);
+                        if !(units.is_finite() && units > 0.0) {
+                            bail!("--max-activation-units = {units} is invalid: > 0 units (1F1B's rank 0 holds p)");
+                        }
+                        sim::zb_auto::zb_auto(p, v, m, &UniformCosts::new(spec, v), units)?
+                    } else {
+                        k.generate(p, v, m)?
+                    };
+                    Ok((k.name().to_string(), v, s))
                 })
                 .collect::<Result<_>>()?
         }
     };
+    let k = a.fo_microbatches.unwrap_or(0);
+    let mode = match a.fo_mode.as_str() {
+        "separate" => sim::forward_only::FoMode::Separate,
+        _ => sim::forward_only::FoMode::Fused,
+    };
     let mut runs = Vec::new();
-    for (name, v, schedule) in built {
-        let sim = sim::simulate(&schedule, &UniformCosts::new(spec, v))?;
+    let mut fo_reports = std::collections::HashMap::new();
+    for (name, v, train) in built {
+        let costs = UniformCosts::new(spec, v);
+        let schedule = if k > 0 {
+            let t_train = sim::simulate(&train, &costs)?.metrics.makespan_s;
+            let pass = sim::forward_only::forward_only_pass(&train, k);
+            let t_fo = sim::simulate(&pass, &costs)?.metrics.makespan_s;
+            let combined = sim::forward_only::with_forward_only(
+                &train,
+                k,
+                mode,
+                a.fo_loss_dependency,
+                &costs,
+            )?;
+            let t = sim::simulate(&combined, &costs)?.metrics.makespan_s;
+            fo_reports.insert(
+                name.clone(),
+                FoReport {
+                    fo_microbatches: k,
+                    fo_mode: a.fo_mode.clone(),
+                    fo_loss_dependency: a.fo_loss_dependency,
+                    train_only_s: t_train,
+                    fo_separate_s: t_fo,
+                    fo_hidden_fraction: (t_train + t_fo - t) / t_fo,
+                },
+            );
+            combined
+        } else {
+            train
+        };
+        let sim = sim::simulate(&schedule, &costs)?;
         runs.push((name, v, schedule, sim));
     }
     runs.sort_by(|x, y| {
@@ -259,6 +340,7 @@ pub(super) fn simulate_uniform(
             vpp: *v,
             microbatches: s.num_microbatches,
             metrics: sim.metrics.clone(),
+            forward_only: fo_reports.get(name).cloned(),
         })
         .collect();
     let charts: Vec<_> = runs
@@ -283,6 +365,23 @@ pub(super) fn simulate_uniform(
         "peak act. (max rank)",
         "peak in-flight",
     ]);
+    if k > 0 {
+        t.set_header([
+            "schedule",
+            "pp",
+            "vpp",
+            "m",
+            "makespan",
+            "bubble",
+            "lower bound",
+            "gap",
+            "peak act. (max rank)",
+            "peak in-flight",
+            "train only",
+            "fo separate",
+            "fo hidden",
+        ]);
+    }
     for r in &reports {
         let m = &r.metrics;
         let inflight = m
@@ -291,7 +390,7 @@ pub(super) fn simulate_uniform(
             .map(|x| x.peak_inflight_microbatches)
             .max()
             .unwrap_or(0);
-        t.add_row([
+        let mut row = vec![
             r.schedule.clone(),
             r.pp.to_string(),
             r.vpp.to_string(),
@@ -302,7 +401,15 @@ pub(super) fn simulate_uniform(
             format!("{:+.1}%", 100.0 * m.gap_to_lower_bound),
             format!("{:.2} units", peak_of(m)),
             inflight.to_string(),
-        ]);
+        ];
+        if let Some(f) = &r.forward_only {
+            row.extend([
+                fmt_s(f.train_only_s),
+                fmt_s(f.fo_separate_s),
+                pct(f.fo_hidden_fraction),
+            ]);
+        }
+        t.add_row(row);
     }
     emit(a.format, &reports, &header, &t, &notes)
 }
@@ -438,6 +545,10 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                 if let Some(pl) = &plan {
                     combo.dp = pl.dp.unwrap_or(1);
                     combo.recompute = pl.recompute.clone();
+                }
+                if let Some(text) = &a.memory_limit {
+                    combo.memory_limit_bytes =
+                        Some(super::plan::memory_limit(Some(text), &profile)?);
                 }
                 combos.push(combo);
             }
