@@ -165,8 +165,69 @@ fn bench_monte_carlo(c: &mut Criterion) {
     g.finish();
 }
 
+/// zb-auto at p = 16, m = 64 (it is rebuilt for every step in the Monte Carlo and the planner):
+/// uniform costs under p and 2p units, and Llama-3.1-8B's profile on one sampled ShareGPT step
+/// cut into 64 microbatches (costs differ by microbatch) under 1F1B's memory.
+fn bench_zb_auto(c: &mut Criterion) {
+    use flatpipe::simulator::zb_auto::{placement, zb_auto};
+    let (p, m) = (16u32, 64u32);
+    let uniform = UniformCosts::new(
+        &UniformCostSpec {
+            f: 1.0,
+            b: 1.0,
+            w: 1.0,
+            comm: 0.05,
+            fb: None,
+            fo: None,
+        },
+        1,
+    );
+    let mut g = c.benchmark_group("zb_auto_p16_m64");
+    g.sample_size(20);
+    for units in [p as f64, 2.0 * p as f64] {
+        g.bench_function(format!("uniform, {units} units"), |b| {
+            b.iter(|| zb_auto(p, 1, m, &uniform, black_box(units)).unwrap())
+        });
+    }
+    let profile = analytic_profile(
+        &builtins::model("llama3.1-8b").unwrap(),
+        &builtins::hardware("h200").unwrap(),
+        &AnalyticOptions::default(),
+    )
+    .unwrap();
+    let w = builtins::workload("sharegpt-v3").unwrap();
+    let seqs = w.sample_step(0, 0, StepSize::Seqs(512));
+    let params = PolicyParams {
+        microbatches: Some(m),
+        ..PolicyParams::default()
+    };
+    let mbs = batch(Policy::FlatBalanced, &seqs, &params, &|t, a| {
+        t as f64 + a as f64 / 4096.0
+    })
+    .unwrap()
+    .microbatches;
+    let pl = placement(p, 1).unwrap();
+    let stages = even_split(profile.layers.len(), p as usize).unwrap();
+    let costs =
+        flatpipe::simulator::TableCosts::from_profile(&profile, &stages, &pl, &mbs, &[]).unwrap();
+    // 1F1B's peak activation memory on this step is the limit.
+    let one = ScheduleKind::OneFOneB.generate(p, 1, m).unwrap();
+    let sim = flatpipe::simulator::simulate(&one, &costs).unwrap();
+    let limit = sim
+        .metrics
+        .ranks
+        .iter()
+        .filter_map(|r| r.peak_activation_bytes)
+        .fold(0.0, f64::max);
+    g.bench_function("llama3.1-8b sharegpt step, 1F1B memory", |b| {
+        b.iter(|| zb_auto(p, 1, m, &costs, black_box(limit)).unwrap())
+    });
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    bench_zb_auto,
     bench_1f1b,
     bench_every_schedule,
     bench_packing,

@@ -17,6 +17,20 @@ pub(super) struct ScheduleArgs {
     /// Microbatches per step.
     #[arg(long)]
     microbatches: u32,
+    /// Add this many forward-only microbatches (`Fo`: a frozen reference or teacher forward),
+    /// placed for unit costs (f = b = w = fo).
+    #[arg(long, default_value_t = 0)]
+    fo_microbatches: u32,
+    /// `fused` into the training schedule's bubbles (default) or a `separate` pass first.
+    #[arg(long, default_value = "fused", value_parser = ["fused", "separate"])]
+    fo_mode: String,
+    /// Training microbatch i's loss needs forward-only microbatch i.
+    #[arg(long)]
+    fo_loss_dependency: bool,
+    /// Write `Fo` actions to the CSV (flatpipe's extension, e.g. `2Fo5`; PyTorch cannot read
+    /// them). Without it a schedule with `Fo` is refused.
+    #[arg(long)]
+    fo_extension: bool,
     /// Write PyTorch's compute-only pipeline-order CSV here (atomically).
     #[arg(short, long)]
     output: Option<PathBuf>,
@@ -28,12 +42,26 @@ pub(super) struct ScheduleArgs {
 pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
     let kind: ScheduleKind = a.schedule.parse()?;
     let v = kind.stages_per_rank(a.vpp)?;
-    let s = kind.generate(a.pp, v, a.microbatches)?;
-    if let Some(path) = &a.output {
-        profiles::write_atomic(
-            path,
-            sim::pytorch_csv::write_pytorch_csv(&s, false)?.as_bytes(),
+    let mut s = kind.generate(a.pp, v, a.microbatches)?;
+    if a.fo_microbatches > 0 {
+        let mode = match a.fo_mode.as_str() {
+            "separate" => sim::forward_only::FoMode::Separate,
+            _ => sim::forward_only::FoMode::Fused,
+        };
+        let costs = UniformCosts::new(&UniformCostSpec::default(), v);
+        s = sim::forward_only::with_forward_only(
+            &s,
+            a.fo_microbatches,
+            mode,
+            a.fo_loss_dependency,
+            &costs,
         )?;
+    }
+    if let Some(path) = &a.output {
+        let csv = sim::pytorch_csv::write_pytorch_csv(&s, a.fo_extension).map_err(|e| {
+            anyhow::anyhow!("{e} (--fo-extension writes them as flatpipe's `2Fo5` cells)")
+        })?;
+        profiles::write_atomic(path, csv.as_bytes())?;
     }
     match a.format {
         Format::Json => {
