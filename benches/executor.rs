@@ -222,6 +222,7 @@ fn bench_interpreter(c: &mut Criterion) {
                         schedule: &s,
                         microbatches: &data,
                         fo_microbatches: &[],
+                        fo_feeds_loss: false,
                     };
                     run_step(&mut ranks, &[rep], &StepOptions::default()).unwrap()
                 })

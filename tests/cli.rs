@@ -1013,3 +1013,120 @@ fn import_trace_reads_a_hand_written_kineto_trace() {
         stderr(&o)
     );
 }
+
+#[test]
+fn zb_auto_and_forward_only_work_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    // 2p units, m >= 2p - 1, b <= 2w, b <= 2f: the lower bound (p - 1) f + m (f + b + w) = 27.
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--costs",
+            "f=1,b=1,w=1,comm=0",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--schedule",
+            "zb-auto",
+            "--max-activation-units",
+            "8",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    assert_eq!(v[0]["schedule"], "zb-auto");
+    assert_eq!(v[0]["makespan_s"].as_f64().unwrap(), 27.0);
+    // Too little memory: a clear error with the numbers.
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--costs",
+            "f=1,b=1,w=1,comm=0",
+            "--schedule",
+            "zb-auto",
+            "--max-activation-units",
+            "0.5",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("0.50 units") && stderr(&o).contains("at least 1.00 units"),
+        "{}",
+        stderr(&o)
+    );
+    // Forward-only work: 1F1B p = 4, m = 8, f = b = w = 1; 4 Fo of 0.5 fit in 1F1B's bubbles.
+    // The separate pass alone: (K + p - 1) fo = 3.5 s.
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--costs",
+            "f=1,b=1,w=1,comm=0,fo=0.5",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--schedule",
+            "1f1b",
+            "--fo-microbatches",
+            "4",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    assert_eq!(v[0]["fo_separate_s"].as_f64().unwrap(), 3.5);
+    assert_eq!(v[0]["train_only_s"].as_f64().unwrap(), 33.0);
+    let hidden = v[0]["fo_hidden_fraction"].as_f64().unwrap();
+    let t = v[0]["makespan_s"].as_f64().unwrap();
+    assert!(
+        (hidden - (33.0 + 3.5 - t) / 3.5).abs() < 1e-12 && hidden > 0.5,
+        "{hidden}"
+    );
+    // Fo is refused in PyTorch's CSV unless asked for.
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--fo-microbatches",
+            "2",
+            "-o",
+            "s.csv",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--fo-extension"), "{}", stderr(&o));
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--fo-microbatches",
+            "2",
+            "--fo-extension",
+            "-o",
+            "s.csv",
+        ],
+    );
+    assert!(o.status.success());
+    assert!(
+        std::fs::read_to_string(dir.path().join("s.csv"))
+            .unwrap()
+            .contains("1Fo1")
+    );
+}

@@ -38,6 +38,9 @@ pub struct Replica<'a> {
     pub microbatches: &'a [MicrobatchData],
     /// Forward-only microbatches `0..m_fo` (evaluation, reference or teacher forwards).
     pub fo_microbatches: &'a [MicrobatchData],
+    /// Training microbatch i's loss (the last stage's F) waits for forward-only microbatch i's
+    /// last-stage result.
+    pub fo_feeds_loss: bool,
 }
 
 /// What the step does after the pipeline.
@@ -238,6 +241,16 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
         match a.kind {
             ActionKind::F | ActionKind::Fo => {
                 let keep = a.kind == ActionKind::F;
+                if keep
+                    && s == last
+                    && self.replica.fo_feeds_loss
+                    && !self.out.fo_losses.iter().any(|(k, _)| *k == mb)
+                {
+                    return Err(Error::Invalid(format!(
+                        "rank {}: {a} computes microbatch {mb}'s loss, which needs forward-only microbatch {mb}'s result ({last}Fo{mb}), not yet run",
+                        self.global
+                    )));
+                }
                 let input = match input {
                     Some(h) => StageInput::Hidden(h),
                     None => StageInput::Tokens,

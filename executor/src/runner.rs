@@ -10,6 +10,8 @@ use crate::worker::{AdamW, StageInput, StageWorker};
 use crate::{Error, Result};
 use flatpipe_profiles::{ModelSpec, StepSize, Workload};
 use flatpipe_simulator::costs::Recompute;
+use flatpipe_simulator::costs::{UniformCostSpec, UniformCosts};
+use flatpipe_simulator::forward_only::{FoMode, with_forward_only};
 use flatpipe_simulator::ir::{Placement, Rank, Schedule};
 use flatpipe_simulator::microbatch::Microbatch;
 use flatpipe_simulator::montecarlo::{ScheduleSource, dp_shares};
@@ -60,6 +62,20 @@ pub struct Setup {
     pub max_grad_norm: Option<f64>,
     /// Cost used to balance microbatches and replicas.
     pub balance: BalanceCost,
+    /// Forward-only work per step (a frozen reference forward over the step's own microbatches;
+    /// here the stages' weights at the step's start, as PPO's old-policy log-probs).
+    pub forward_only: Option<ForwardOnly>,
+}
+
+/// Forward-only microbatches of each step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ForwardOnly {
+    /// Forward-only microbatches per replica: the step's microbatches, cycled to K.
+    pub microbatches: u32,
+    /// Fused into the training schedule's bubbles or a separate pass first.
+    pub mode: FoMode,
+    /// Training microbatch i's loss waits for forward-only microbatch i's last stage.
+    pub loss_dependency: bool,
 }
 
 impl std::fmt::Debug for Setup {
@@ -84,6 +100,8 @@ pub struct PreparedReplica {
     pub lengths: Vec<Microbatch>,
     /// Microbatch data.
     pub microbatches: Vec<MicrobatchData>,
+    /// Forward-only microbatch data (empty without forward-only work).
+    pub fo_microbatches: Vec<MicrobatchData>,
 }
 
 /// A step ready to run: every replica's schedule and data.
@@ -222,10 +240,28 @@ impl Setup {
                         )));
                     }
                 };
+                let (schedule, fo_microbatches) = match self.forward_only {
+                    Some(fo) if fo.microbatches > 0 => {
+                        let costs = UniformCosts::new(&UniformCostSpec::default(), self.v);
+                        let s = with_forward_only(
+                            &schedule,
+                            fo.microbatches,
+                            fo.mode,
+                            fo.loss_dependency,
+                            &costs,
+                        )?;
+                        let data = (0..fo.microbatches as usize)
+                            .map(|k| microbatches[k % microbatches.len()].clone())
+                            .collect();
+                        (s, data)
+                    }
+                    _ => (schedule, Vec::new()),
+                };
                 Ok(PreparedReplica {
                     schedule,
                     lengths,
                     microbatches,
+                    fo_microbatches,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -240,6 +276,7 @@ pub struct Executor<W> {
     pub ranks: Vec<Vec<(u32, W)>>,
     pp: usize,
     steps_done: u64,
+    fo_feeds_loss: bool,
 }
 
 impl Executor<CpuStage> {
@@ -283,6 +320,7 @@ impl<W: StageWorker> Executor<W> {
             ranks,
             pp,
             steps_done: 0,
+            fo_feeds_loss: setup.forward_only.is_some_and(|f| f.loss_dependency),
         })
     }
 
@@ -297,7 +335,8 @@ impl<W: StageWorker> Executor<W> {
             .map(|r| Replica {
                 schedule: &r.schedule,
                 microbatches: &r.microbatches,
-                fo_microbatches: &[],
+                fo_microbatches: &r.fo_microbatches,
+                fo_feeds_loss: self.fo_feeds_loss,
             })
             .collect();
         let opts = StepOptions {
@@ -321,7 +360,8 @@ impl<W: StageWorker> Executor<W> {
             .map(|r| Replica {
                 schedule: &r.schedule,
                 microbatches: &r.microbatches,
-                fo_microbatches: &[],
+                fo_microbatches: &r.fo_microbatches,
+                fo_feeds_loss: self.fo_feeds_loss,
             })
             .collect();
         run_step(&mut self.ranks, &replicas, &StepOptions::default())
@@ -346,6 +386,7 @@ impl<W: StageWorker> Executor<W> {
                 schedule: s,
                 microbatches: &[],
                 fo_microbatches: &r.microbatches,
+                fo_feeds_loss: false,
             })
             .collect();
         run_step(&mut self.ranks, &replicas, &StepOptions::default())

@@ -64,6 +64,7 @@ fn setup(source: ScheduleSource, pp: u32, v: u32, m: u32) -> Setup {
         adamw: AdamW::default(),
         max_grad_norm: Some(1.0),
         balance: Arc::new(|t, a| t as f64 + a as f64 / 64.0),
+        forward_only: None,
     }
 }
 
@@ -305,5 +306,55 @@ proptest::proptest! {
         // The mini model has 8 layers: at most 8 stages.
         proptest::prop_assume!(p * v <= 8);
         check(&setup(ScheduleSource::Kind(kind), p, v, m));
+    }
+}
+
+#[test]
+fn forward_only_work_runs_in_the_interpreter_and_leaves_training_unchanged() {
+    use flatpipe_executor::runner::ForwardOnly;
+    use flatpipe_simulator::forward_only::FoMode;
+    for (kind, mode, dep) in [
+        (ScheduleKind::OneFOneB, FoMode::Fused, true),
+        (ScheduleKind::ZbH1, FoMode::Fused, false),
+        (ScheduleKind::Interleaved1F1B, FoMode::Separate, true),
+        (ScheduleKind::ZbAuto, FoMode::Fused, true),
+    ] {
+        let v = kind.stages_per_rank(None).unwrap();
+        let mut s = setup(ScheduleSource::Kind(kind), 2, v, 4);
+        s.forward_only = Some(ForwardOnly {
+            microbatches: 5,
+            mode,
+            loss_dependency: dep,
+        });
+        let step = s.prepare(0).unwrap();
+        assert_eq!(step.replicas[0].schedule.num_fo_microbatches, 5);
+        let mut exec = Executor::cpu(&s).unwrap();
+        let run = exec.gradients(&step).unwrap();
+        let mut reference = Reference::new(&s).unwrap();
+        let r = reference.step(&s, &step, false).unwrap();
+        assert!((run.loss - r.loss).abs() <= LOSS_RTOL * r.loss);
+        let d = compare(&exec.named_grads(), &reference.named_grads()).unwrap();
+        assert!(d.max_rel <= GRAD_RTOL, "{}: {d:?}", kind.name());
+        // Fo microbatch k is training microbatch k mod 4 with the same weights: same loss sums.
+        let (fo, train) = (&run.fo_losses[0], &run.microbatch_losses[0]);
+        assert_eq!(fo.len(), 5);
+        for (k, l) in fo.iter().enumerate() {
+            let t = train[k % 4];
+            assert!(
+                (l.sum - t.sum).abs() <= 1e-6 * t.sum,
+                "{}: Fo {k}",
+                kind.name()
+            );
+        }
+        // Every Fo ran on every stage.
+        let n_fo: usize = run
+            .timeline
+            .compute
+            .iter()
+            .flatten()
+            .flat_map(|o| o.action.parts())
+            .filter(|a| a.kind == flatpipe_simulator::ActionKind::Fo)
+            .count();
+        assert_eq!(n_fo, 5 * s.stages.len());
     }
 }

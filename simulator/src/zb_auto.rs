@@ -355,12 +355,22 @@ pub fn zb_auto<C: CostModel>(p: u32, v: u32, m: u32, costs: &C, limit: f64) -> R
         crate::costs::MemoryUnit::Bytes => format!("{:.2} GiB", x / (1u64 << 30) as f64),
         crate::costs::MemoryUnit::Units => format!("{x:.2} units"),
     };
+    // The least any schedule needs: one microbatch's activations of the largest stage.
+    let one = (0..placement.rank_of.len() as u32)
+        .flat_map(|s| {
+            (0..m).map(move |mb| {
+                let (a, b) = costs.activation(StageId(s), MicrobatchId(mb));
+                a + b
+            })
+        })
+        .fold(0.0, f64::max);
     best.map(|(_, s)| s).ok_or_else(|| {
         Error::invalid(
             "zb-auto activation memory per rank",
             show(limit),
             format!(
-                "at least {} (the smallest peak of any zb-auto candidate, 1F1B's included); with a profile the activations get the memory limit minus parameters, gradients and optimizer state",
+                "at least {} (one microbatch's activations of the largest stage; the cheapest handcrafted candidate needs {}); with a profile the activations get the memory limit minus parameters, gradients and optimizer state",
+                show(one),
                 show(smallest_peak)
             ),
         )
@@ -423,7 +433,19 @@ mod tests {
     fn too_small_a_limit_is_a_clear_error() {
         let c = uni(1.0, 1.0, 1.0);
         let e = zb_auto(4, 1, 8, &c, 0.5).unwrap_err().to_string();
-        assert!(e.contains("0.50 units") && e.contains("4.00 units"), "{e}");
+        assert!(
+            e.contains("0.50 units") && e.contains("at least 1.00 units"),
+            "{e}"
+        );
+        // One microbatch at a time fits in one unit.
+        let s = zb_auto(4, 1, 8, &c, 1.0).unwrap();
+        let t = replay::replay(&s, &c).unwrap();
+        let peak = metrics::metrics(&s, &c, &t)
+            .ranks
+            .iter()
+            .map(|r| r.peak_activation_units.unwrap())
+            .fold(0.0, f64::max);
+        assert!(peak <= 1.0 + 1e-9);
     }
 }
 

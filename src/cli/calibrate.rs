@@ -203,6 +203,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             adamw: AdamW::default(),
             max_grad_norm: Some(1.0),
             balance: Arc::new(montecarlo::balance_cost(&profile)),
+            forward_only: None,
         };
         let combo = montecarlo::Combo::new(
             setup.source.clone(),

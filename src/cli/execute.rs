@@ -3,9 +3,10 @@
 //! measured on this backend, with the simulator's prediction.
 
 use super::*;
-use flatpipe_executor::runner::{self, Executor, PreparedStep, Reference, Setup};
+use flatpipe_executor::runner::{self, Executor, ForwardOnly, PreparedStep, Reference, Setup};
 use flatpipe_executor::{AdamW, LossReduction};
 use profiles::ProfileSource;
+use sim::forward_only::FoMode;
 use std::sync::Arc;
 
 /// Loss within this relative difference of the single-rank reference (fp32).
@@ -79,6 +80,17 @@ pub(super) struct ExecuteArgs {
     /// Clip the global gradient norm to this value (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     max_grad_norm: f64,
+    /// Forward-only microbatches per step: a frozen forward (`Fo`, nothing kept, no backward) over
+    /// the step's microbatches (cycled), e.g. reference or old-policy log-probs. Default 0.
+    #[arg(long, default_value_t = 0)]
+    fo_microbatches: u32,
+    /// `fused` into the training schedule's bubbles (default) or a `separate` pass first.
+    #[arg(long, default_value = "fused", value_parser = ["fused", "separate"])]
+    fo_mode: String,
+    /// Training microbatch i's loss waits for forward-only microbatch i (needs
+    /// --fo-microbatches >= the step's microbatches).
+    #[arg(long)]
+    fo_loss_dependency: bool,
     /// Also run the single-rank reference on the same steps; print the largest differences of
     /// loss, gradients and parameters, and exit 1 when they exceed the tolerance (loss 1e-5
     /// relative, tensors 1e-4 normwise relative).
@@ -125,6 +137,7 @@ struct VerifyRow {
     param_max_abs_diff: f64,
     param_max_rel_diff: f64,
     grad_norm_rel_diff: f64,
+    fo_loss_rel_diff: f64,
     within_tolerance: bool,
 }
 
@@ -377,6 +390,14 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         },
         max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
         balance: Arc::new(balance),
+        forward_only: (a.fo_microbatches > 0).then_some(ForwardOnly {
+            microbatches: a.fo_microbatches,
+            mode: match a.fo_mode.as_str() {
+                "separate" => FoMode::Separate,
+                _ => FoMode::Fused,
+            },
+            loss_dependency: a.fo_loss_dependency,
+        }),
     };
     let mut exec = match a.backend {
         Backend::Cpu => Executor::cpu(&setup)?,
@@ -417,10 +438,22 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                 let loss_rel = (run.loss - r.loss).abs() / r.loss.abs().max(f64::MIN_POSITIVE);
                 let norm_rel =
                     (run.grad_norm - r.grad_norm).abs() / r.grad_norm.max(f64::MIN_POSITIVE);
+                // Forward-only microbatch k is training microbatch k mod m, run with the same
+                // weights: its loss sums must match the training forward's.
+                let mut fo_rel: f64 = 0.0;
+                for (d, fo) in run.fo_losses.iter().enumerate() {
+                    let train = &run.microbatch_losses[d];
+                    for (k, l) in fo.iter().enumerate() {
+                        let t = &train[k % train.len()];
+                        fo_rel =
+                            fo_rel.max((l.sum - t.sum).abs() / t.sum.abs().max(f64::MIN_POSITIVE));
+                    }
+                }
                 let ok = loss_rel <= VERIFY_LOSS_RTOL
                     && g.max_rel <= VERIFY_RTOL
                     && p.max_rel <= VERIFY_RTOL
-                    && norm_rel <= VERIFY_RTOL;
+                    && norm_rel <= VERIFY_RTOL
+                    && fo_rel <= VERIFY_LOSS_RTOL;
                 failed |= !ok;
                 Some(VerifyRow {
                     reference_loss: r.loss,
@@ -431,6 +464,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                     param_max_abs_diff: p.max_abs,
                     param_max_rel_diff: p.max_rel,
                     grad_norm_rel_diff: norm_rel,
+                    fo_loss_rel_diff: fo_rel,
                     within_tolerance: ok,
                 })
             }
