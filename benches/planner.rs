@@ -140,6 +140,7 @@ fn bench_search(c: &mut Criterion) {
         rank_by: RankBy::Mean,
         keep: 5,
         milp_time_limit_s: None,
+        forward_only: None,
     };
     let mut g = c.benchmark_group("search");
     g.sample_size(10);

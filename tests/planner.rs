@@ -275,6 +275,7 @@ fn default_plan_beats_hand_written_1f1b() {
         rank_by: RankBy::Mean,
         keep: 5,
         milp_time_limit_s: None,
+        forward_only: None,
     };
     let result = search(&prof, &w, &SearchSpace::default_for(8), &config, &|_, _| {}).unwrap();
     let best = result.ranked[0].summary.step_time_s.mean;

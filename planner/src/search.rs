@@ -91,6 +91,8 @@ pub struct SearchConfig {
     /// Time limit of the partition MILP per candidate, seconds; `None` keeps the DP-based
     /// split with its certified gap (fast).
     pub milp_time_limit_s: Option<f64>,
+    /// Forward-only work each step carries (fused or separate), planned with the training.
+    pub forward_only: Option<flatpipe_simulator::montecarlo::ForwardOnlySpec>,
 }
 
 /// One evaluated candidate.
@@ -335,6 +337,7 @@ pub fn search(
         combo.recompute = partition.recompute.clone();
         // zb-auto builds each step's schedule under the same memory limit.
         combo.memory_limit_bytes = Some(config.memory_limit_bytes);
+        combo.forward_only = config.forward_only;
         let params = PolicyParams {
             token_budget: c.budget,
             ..Default::default()

@@ -13,7 +13,7 @@
 //!   launches) and nothing else, and they hold no activations. Only the last round ends with
 //!   the optimizer step. The step time is the sum of the rounds' makespans.
 
-use crate::costs::{CostModel, TableCosts};
+use crate::costs::{CostModel, TableCosts, ns_to_s};
 use crate::generators::ScheduleKind;
 use crate::ir::{Rank, Schedule};
 use crate::microbatch::Microbatch;
@@ -105,6 +105,21 @@ pub struct Combo {
     /// rank's parameters, gradients and optimizer state (`None`: the hardware's memory minus a
     /// reserve of 4 GiB, at most 1/8 of it).
     pub memory_limit_bytes: Option<f64>,
+    /// Forward-only work per replica and step (a frozen reference or teacher forward over the
+    /// step's own microbatches, cycled to K).
+    pub forward_only: Option<ForwardOnlySpec>,
+}
+
+/// Forward-only microbatches of each step (see [`crate::forward_only`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ForwardOnlySpec {
+    /// K forward-only microbatches per replica: the step's microbatches, cycled; `None`: one
+    /// per training microbatch (a reference model over the same batch).
+    pub microbatches: Option<u32>,
+    /// Fused into bubbles or a separate pass.
+    pub mode: crate::forward_only::FoMode,
+    /// Training microbatch i's loss needs forward-only microbatch i.
+    pub loss_dependency: bool,
 }
 
 impl Combo {
@@ -125,6 +140,7 @@ impl Combo {
             dp: 1,
             recompute: Vec::new(),
             memory_limit_bytes: None,
+            forward_only: None,
         }
     }
 }
@@ -231,6 +247,9 @@ pub struct StepOutcome {
     pub microbatches: u32,
     /// Rounds of the schedule (1 unless a fixed capacity overflowed).
     pub rounds: u32,
+    /// With forward-only work: the training schedule alone and the forward-only pass alone,
+    /// seconds (the step time is the combined schedule's).
+    pub fo: Option<(f64, f64)>,
 }
 
 /// Generated schedules by (kind, p, v, m): steps of a Monte Carlo share their microbatch counts,
@@ -313,6 +332,7 @@ pub fn simulate_replica(
         rank_memory_bytes: vec![0.0; p as usize],
         microbatches: n,
         rounds,
+        fo: None,
     };
     let mut single = None;
     for round in 0..rounds {
@@ -323,12 +343,23 @@ pub fn simulate_replica(
             recompute: &combo.recompute,
             first_rank,
         };
+        // Forward-only work rides in the first round.
+        let fo = combo
+            .forward_only
+            .map(|f| (f, f.microbatches.unwrap_or(k)))
+            .filter(|(_, kf)| *kf > 0 && round == 0);
+        let fo_slots: Vec<Microbatch> = match fo {
+            Some((_, kf)) => (0..kf as usize)
+                .map(|i| slots[i % slots.len()].clone())
+                .collect(),
+            None => Vec::new(),
+        };
         let mut costs = TableCosts::with_options(
             profile,
             &combo.stages,
             &schedule.placement,
             &slots,
-            &[],
+            &fo_slots,
             &opts,
         )?;
         if round + 1 < rounds {
@@ -344,7 +375,39 @@ pub fn simulate_replica(
                 - static_max;
             schedule = Arc::new(crate::zb_auto::zb_auto(p, combo.v, k, &costs, limit)?);
         }
-        let sim = simulate(&schedule, &costs)?;
+        let fo_schedule;
+        let run_schedule: &Schedule = match fo {
+            Some((f, kf)) => {
+                let t_train = crate::replay::replay(&schedule, &costs)?.makespan_ns();
+                let pass = crate::forward_only::forward_only_pass(&schedule, kf);
+                // The pass alone has no optimizer step.
+                let t_fo =
+                    crate::replay::replay(&pass, &costs.clone().without_optimizer())?.makespan_ns();
+                out.fo = Some((ns_to_s(t_train), ns_to_s(t_fo)));
+                fo_schedule = crate::forward_only::with_forward_only(
+                    &schedule,
+                    kf,
+                    f.mode,
+                    f.loss_dependency,
+                    &costs,
+                )?;
+                // The frozen model's weights (the profile's dtype) live on every rank.
+                for r in 0..p as usize {
+                    let frozen: f64 = combo
+                        .stages
+                        .iter()
+                        .enumerate()
+                        .filter(|(s, _)| schedule.placement.rank_of[*s].idx() == r)
+                        .flat_map(|(_, l)| profile.layers[l.clone()].iter())
+                        .map(|l| l.param_bytes as f64)
+                        .sum();
+                    out.rank_memory_bytes[r] += frozen;
+                }
+                &fo_schedule
+            }
+            None => &schedule,
+        };
+        let sim = simulate(run_schedule, &costs)?;
         out.step_time_s += sim.metrics.makespan_s;
         out.busy_s += sim.metrics.ranks.iter().map(|r| r.busy_s).sum::<f64>();
         let peak = sim
@@ -362,7 +425,7 @@ pub fn simulate_replica(
             out.rank_memory_bytes[r] = out.rank_memory_bytes[r].max(total);
         }
         if rounds == 1 {
-            single = Some(((*schedule).clone(), sim));
+            single = Some((run_schedule.clone(), sim));
         }
     }
     Ok((out, single))
@@ -387,6 +450,10 @@ fn merge_replicas(a: StepOutcome, b: StepOutcome) -> StepOutcome {
             .collect(),
         microbatches: a.microbatches.max(b.microbatches),
         rounds: a.rounds.max(b.rounds),
+        fo: match (a.fo, b.fo) {
+            (Some(x), Some(y)) => Some((x.0.max(y.0), x.1.max(y.1))),
+            (x, y) => x.or(y),
+        },
     }
 }
 
@@ -440,6 +507,13 @@ pub struct Summary {
     pub static_bytes: f64,
     /// Mean microbatches per step.
     pub microbatches_mean: f64,
+    /// With forward-only work: mean time of the forward-only pass alone, seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fo_separate_s: Option<f64>,
+    /// With forward-only work: `(Σ T_train + Σ T_fo_separate - Σ T_combined) / Σ T_fo_separate`
+    /// over the steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fo_hidden_fraction: Option<f64>,
 }
 
 /// Summarises `outcomes` of one configuration on `p` ranks in all (dp x pp) of `peak_flops`
@@ -472,6 +546,21 @@ pub fn summarize(outcomes: &[StepOutcome], p: u32, peak_flops: f64) -> Summary {
             .fold(0.0, f64::max),
         static_bytes: outcomes.iter().map(|o| o.static_bytes).fold(0.0, f64::max),
         microbatches_mean: outcomes.iter().map(|o| o.microbatches as f64).sum::<f64>() / n,
+        fo_separate_s: outcomes.iter().all(|o| o.fo.is_some()).then(|| {
+            outcomes
+                .iter()
+                .filter_map(|o| o.fo)
+                .map(|f| f.1)
+                .sum::<f64>()
+                / n
+        }),
+        fo_hidden_fraction: outcomes.iter().all(|o| o.fo.is_some()).then(|| {
+            let (tr, fo, comb) = outcomes.iter().fold((0.0, 0.0, 0.0), |acc, o| {
+                let (a, b) = o.fo.unwrap_or((0.0, 0.0));
+                (acc.0 + a, acc.1 + b, acc.2 + o.step_time_s)
+            });
+            (tr + fo - comb) / fo
+        }),
     }
 }
 

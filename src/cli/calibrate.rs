@@ -171,6 +171,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             rank_by: planner::search::RankBy::Mean,
             keep: 1,
             milp_time_limit_s: None,
+            forward_only: None,
         };
         let result = planner::search::search(&profile, &workload, &space, &config, &|_, _| {})?;
         let Some(best) = result.ranked.first() else {

@@ -74,11 +74,12 @@ pub(super) struct SimulateArgs {
     /// reserve of 4 GiB (at most 1/8).
     #[arg(long)]
     memory_limit: Option<String>,
-    /// Forward-only microbatches per step (a frozen reference or teacher model's forward: `Fo`
-    /// actions, no activations kept, no backward), with --costs (their cost: the key fo=,
-    /// default f). Default 0.
-    #[arg(long, requires = "costs")]
-    fo_microbatches: Option<u32>,
+    /// Forward-only microbatches per step: a frozen reference or teacher model's forward (`Fo`
+    /// actions, no activations kept, no backward). A number K, or `same` (with a profile: one per
+    /// training microbatch, over the same sequences). Under --costs their cost is the key fo=
+    /// (default f). Default 0.
+    #[arg(long)]
+    fo_microbatches: Option<String>,
     /// How forward-only work runs: `fused` into the training schedule's bubbles (default) or as
     /// a `separate` pass before training.
     #[arg(long, default_value = "fused", value_parser = ["fused", "separate"])]
@@ -286,7 +287,11 @@ pub(super) fn simulate_uniform(
                 .collect::<Result<_>>()?
         }
     };
-    let k = a.fo_microbatches.unwrap_or(0);
+    let k = match a.fo_microbatches.as_deref() {
+        None => 0,
+        Some("same") => a.microbatches.unwrap_or(a.pp.unwrap_or(4)),
+        Some(x) => parse_fo_count(x)?,
+    };
     let mode = match a.fo_mode.as_str() {
         "separate" => sim::forward_only::FoMode::Separate,
         _ => sim::forward_only::FoMode::Fused,
@@ -546,6 +551,9 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                     combo.dp = pl.dp.unwrap_or(1);
                     combo.recompute = pl.recompute.clone();
                 }
+                if let Some(fo) = fo_spec(a)? {
+                    combo.forward_only = Some(fo);
+                }
                 if let Some(text) = &a.memory_limit {
                     combo.memory_limit_bytes =
                         Some(super::plan::memory_limit(Some(text), &profile)?);
@@ -659,6 +667,18 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             path.display()
         ));
     }
+    for (r, _, _) in &rows {
+        if let (Some(sep), Some(hidden)) = (r.summary.fo_separate_s, r.summary.fo_hidden_fraction) {
+            notes.push(format!(
+                "{} / {}: the forward-only pass alone takes {} per step; {} of it is hidden in the training schedule ({})",
+                r.schedule,
+                r.policy,
+                fmt_s(sep),
+                pct(hidden),
+                a.fo_mode
+            ));
+        }
+    }
     let n0 = mc.sequences_per_step[0];
     let header = format!(
         "{} on {} ({} profile), workload {} seed {seed}: {steps} step(s), {} sequences per step on average (step 0: {n0}), {}",
@@ -762,4 +782,33 @@ pub(super) fn step_size(a: &SimulateArgs, plan: Option<&Plan>, w: &Workload) -> 
         (None, Some(t)) => StepSize::Tokens(t),
         (None, None) => w.default_step_size(),
     })
+}
+
+/// A forward-only microbatch count: a whole number >= 0.
+fn parse_fo_count(x: &str) -> Result<u32> {
+    x.trim().parse::<u32>().map_err(|_| {
+        anyhow::anyhow!(
+            "--fo-microbatches `{x}` is invalid: a number of microbatches >= 0, or `same`"
+        )
+    })
+}
+
+/// The forward-only work `simulate`'s options ask for (profile mode).
+fn fo_spec(a: &SimulateArgs) -> Result<Option<montecarlo::ForwardOnlySpec>> {
+    let microbatches = match a.fo_microbatches.as_deref() {
+        None => return Ok(None),
+        Some("same") => None,
+        Some(x) => match parse_fo_count(x)? {
+            0 => return Ok(None),
+            k => Some(k),
+        },
+    };
+    Ok(Some(montecarlo::ForwardOnlySpec {
+        microbatches,
+        mode: match a.fo_mode.as_str() {
+            "separate" => sim::forward_only::FoMode::Separate,
+            _ => sim::forward_only::FoMode::Fused,
+        },
+        loss_dependency: a.fo_loss_dependency,
+    }))
 }
