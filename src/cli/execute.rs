@@ -30,7 +30,7 @@ pub(super) struct ExecuteArgs {
     #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "dp", "microbatches", "token_budget"])]
     plan: Option<PathBuf>,
     /// Schedule (inline; default 1f1b): gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2,
-    /// zb-v, dualpipev.
+    /// zb-v, dualpipev, zb-auto (for unit costs under 1F1B memory).
     #[arg(long)]
     schedule: Option<String>,
     /// Run a schedule from PyTorch's pipeline-order CSV instead (its rows set pp, its microbatch

@@ -5,7 +5,8 @@ use super::*;
 /// Options of `flatpipe schedule`.
 #[derive(Debug, Args)]
 pub(super) struct ScheduleArgs {
-    /// Schedule kind (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v, dualpipev).
+    /// Schedule kind (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v, dualpipev,
+    /// zb-auto: for unit costs under 1F1B memory).
     #[arg(long)]
     schedule: String,
     /// Pipeline-parallel degree (ranks).

@@ -15,7 +15,7 @@ pub(super) struct SimulateArgs {
     #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "token_budget"])]
     schedule_csv: Option<PathBuf>,
     /// Schedules to compare, comma-separated (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1,
-    /// zb-h2, zb-v, dualpipev) or `all` (the default).
+    /// zb-h2, zb-v, dualpipev, zb-auto) or `all` (the default).
     #[arg(long, value_delimiter = ',')]
     schedule: Vec<String>,
     /// Pipeline-parallel degree (ranks). Default 4.
