@@ -1130,3 +1130,37 @@ fn zb_auto_and_forward_only_work_from_the_command_line() {
             .contains("1Fo1")
     );
 }
+
+#[test]
+fn the_cuda_backend_is_a_clear_error_without_its_stage_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["execute", "--backend", "cuda", "--steps", "1"],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    // Either no device here (CI) or, on a GPU host, the missing stage worker; never a panic.
+    assert!(
+        e.contains("--backend cuda") && !e.contains("panicked"),
+        "{e}"
+    );
+    // auto falls back to the CPU and says why.
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--backend",
+            "auto",
+            "--steps",
+            "1",
+            "--seqs-per-step",
+            "4",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    assert_eq!(v["backend"], "cpu");
+    assert!(stderr(&o).contains("--backend auto"), "{}", stderr(&o));
+}

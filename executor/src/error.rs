@@ -47,6 +47,12 @@ pub enum Error {
         /// Microbatch.
         microbatch: u32,
     },
+    /// No usable GPU: no driver library, no device, or the driver refused (the reason).
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+    /// A CUDA driver or cuBLAS call failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// Another rank failed first; this rank stopped.
     #[error("rank {0} stopped because another rank failed")]
     Aborted(u32),

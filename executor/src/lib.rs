@@ -23,6 +23,8 @@
 #![deny(missing_docs)]
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 mod error;
 pub mod interpreter;

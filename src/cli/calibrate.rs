@@ -84,6 +84,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
+    let backend = a.backend.resolve_for_stages()?;
     let model = builtins::model(&a.model)?;
     let workload = builtins::workload(&a.workload)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
@@ -112,11 +113,11 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
                 &profiles::read_to_string(path)?,
                 &path.display().to_string(),
             )?;
-            if !measured_on(&p, a.backend) {
+            if !measured_on(&p, backend) {
                 bail!(
                     "{}: the profile was not measured on the {} backend (source {:?}, device {}); run without --profile to measure one",
                     path.display(),
-                    a.backend.name(),
+                    backend.name(),
                     p.provenance.source,
                     p.provenance.device
                 );
@@ -213,9 +214,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             Policy::FlatFfd,
             Capacity::Dynamic,
         );
-        let mut exec = match a.backend {
-            Backend::Cpu => Executor::cpu(&setup)?,
-        };
+        let mut exec = Executor::cpu(&setup)?;
         // One warm-up step (allocator, page faults), not measured.
         exec.train_step(&setup, &setup.prepare(steps as u64)?)?;
         let (mut pred, mut meas) = (Vec::new(), Vec::new());

@@ -19,6 +19,10 @@ const VERIFY_RTOL: f64 = 1e-4;
 pub(super) enum Backend {
     /// Threads with single-threaded fp32 kernels (matrixmultiply GEMMs).
     Cpu,
+    /// NVIDIA GPUs through cudarc (device probing and cuBLAS GEMMs so far).
+    Cuda,
+    /// CUDA when a device is present and the CUDA stage worker exists, else CPU.
+    Auto,
 }
 
 /// Options of `flatpipe execute`.
@@ -160,7 +164,50 @@ impl Backend {
     pub(super) fn name(self) -> &'static str {
         match self {
             Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+            Backend::Auto => "auto",
         }
+    }
+
+    /// The backend that will run stages: `cuda` is a clear error until the CUDA stage worker
+    /// exists (naming whether a device was found), `auto` runs on the CPU and says why.
+    pub(super) fn resolve_for_stages(self) -> Result<Backend> {
+        match self {
+            Backend::Cpu => Ok(Backend::Cpu),
+            Backend::Cuda => bail!(
+                "--backend cuda: {}; the CUDA stage worker (NVRTC kernels, a stream per rank) is not implemented yet, so plans run on --backend cpu",
+                cuda_status()
+            ),
+            Backend::Auto => {
+                tracing::warn!(
+                    "--backend auto: {}; running on the CPU backend (the CUDA stage worker is not implemented yet)",
+                    cuda_status()
+                );
+                Ok(Backend::Cpu)
+            }
+        }
+    }
+}
+
+/// Whether this build can use a GPU here, in words.
+pub(super) fn cuda_status() -> String {
+    #[cfg(feature = "cuda")]
+    {
+        match flatpipe_executor::cuda::probe() {
+            Ok(d) => format!(
+                "found {} x {} ({} GiB, compute capability {}.{})",
+                d.count,
+                d.name,
+                d.total_bytes >> 30,
+                d.compute_capability.0,
+                d.compute_capability.1
+            ),
+            Err(e) => e.to_string(),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        "this flatpipe was built without the `cuda` feature".to_string()
     }
 }
 
@@ -204,7 +251,10 @@ pub(super) fn measured_bubbles(t: &sim::Timeline) -> Vec<f64> {
 pub(super) fn measured_on(profile: &Profile, backend: Backend) -> bool {
     profile.provenance.source == ProfileSource::Measured
         && match backend {
-            Backend::Cpu => profile.provenance.device.to_lowercase().contains("cpu"),
+            Backend::Cpu | Backend::Auto => {
+                profile.provenance.device.to_lowercase().contains("cpu")
+            }
+            Backend::Cuda => profile.provenance.device.to_lowercase().contains("cuda"),
         }
 }
 
@@ -399,15 +449,14 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             loss_dependency: a.fo_loss_dependency,
         }),
     };
-    let mut exec = match a.backend {
-        Backend::Cpu => Executor::cpu(&setup)?,
-    };
+    let backend = a.backend.resolve_for_stages()?;
+    let mut exec = Executor::cpu(&setup)?;
     let mut reference = if a.verify {
         Some(Reference::new(&setup)?)
     } else {
         None
     };
-    let predict = measured_on(&profile, a.backend);
+    let predict = measured_on(&profile, backend);
     let combo = {
         let mut c =
             montecarlo::Combo::new(source.clone(), v, stages.clone(), policy, Capacity::Dynamic);
@@ -502,7 +551,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         let title = format!(
             "{} measured on {}: {} dp={dp} pp={pp} v={v} m={}, step {}",
             model.name,
-            a.backend.name(),
+            backend.name(),
             source.name(),
             m.join("/"),
             prepared.step
@@ -531,7 +580,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     } else {
         format!(
             "No profile measured on the {} backend was given (the {} profile of {} on {} is not a measurement), so no predicted vs measured makespan; give --profile FILE with a profile measured on this backend",
-            a.backend.name(),
+            backend.name(),
             format!("{:?}", profile.provenance.source).to_lowercase(),
             profile.model,
             profile.provenance.device
@@ -545,7 +594,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         dp,
         pp,
         vpp: v,
-        backend: a.backend.name().to_string(),
+        backend: backend.name().to_string(),
         steps: rows,
         median_abs_rel_error,
         prediction,

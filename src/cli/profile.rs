@@ -92,8 +92,82 @@ pub(super) fn measure(
     )?)
 }
 
+/// `--backend cuda`: the device and cuBLAS fp32 GEMM rates at Llama-3.1-8B's layer shapes.
+/// The per-layer F / I / W profile on the GPU needs the CUDA stage worker (not implemented yet).
+fn cuda_gemms(a: &ProfileArgs) -> Result<ExitCode> {
+    #[cfg(feature = "cuda")]
+    {
+        use flatpipe_executor::cuda;
+        let dev = cuda::probe()?;
+        #[derive(Serialize)]
+        struct Row {
+            gemm: String,
+            m: usize,
+            k: usize,
+            n: usize,
+            ms: f64,
+            tflops: f64,
+        }
+        let mut rows = Vec::new();
+        for t in [4096usize, 16384] {
+            for (name, k, n) in [
+                ("qkv", 4096, 6144),
+                ("o", 4096, 4096),
+                ("gate+up", 4096, 28672),
+                ("down", 14336, 4096),
+            ] {
+                let g = cuda::time_gemm_f32((t, k, n), 2, 5)?;
+                rows.push(Row {
+                    gemm: format!("{name} T={t}"),
+                    m: t,
+                    k,
+                    n,
+                    ms: g.ms,
+                    tflops: g.tflops,
+                });
+            }
+        }
+        let mut tab = new_table(&["GEMM (fp32)", "m", "k", "n", "time", "TFLOP/s"]);
+        for r in &rows {
+            tab.add_row([
+                r.gemm.clone(),
+                r.m.to_string(),
+                r.k.to_string(),
+                r.n.to_string(),
+                format!("{:.3} ms", r.ms),
+                format!("{:.1}", r.tflops),
+            ]);
+        }
+        let header = format!(
+            "{} x {} ({} GiB): cuBLAS fp32 GEMMs at Llama-3.1-8B layer shapes (CUDA events, median of 5)",
+            dev.count,
+            dev.name,
+            dev.total_bytes >> 30
+        );
+        let notes = vec![format!(
+            "the per-layer F / I / W profile of {} on the GPU needs the CUDA stage worker, not implemented yet",
+            a.model
+        )];
+        emit(a.format, &rows, &header, &tab, &notes)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        bail!(
+            "--backend cuda: {} (profile {})",
+            execute::cuda_status(),
+            a.model
+        )
+    }
+}
+
 pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
-    let execute::Backend::Cpu = a.backend;
+    match a.backend {
+        execute::Backend::Cuda => return cuda_gemms(&a),
+        execute::Backend::Auto => {
+            a.backend.resolve_for_stages()?;
+        }
+        execute::Backend::Cpu => {}
+    }
     let model = builtins::model(&a.model)?;
     let hardware = builtins::hardware(&a.hardware)?;
     if a.concurrency == 0 {
