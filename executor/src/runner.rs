@@ -8,13 +8,16 @@ use crate::data::{LossReduction, MicrobatchData, build_step};
 use crate::interpreter::{Replica, StepOptions, StepRun, forward_only_schedule, run_step};
 use crate::worker::{AdamW, StageInput, StageWorker};
 use crate::{Error, Result};
+use flatpipe_profiles::Profile;
 use flatpipe_profiles::{ModelSpec, StepSize, Workload};
+use flatpipe_simulator::ScheduleKind;
+use flatpipe_simulator::TableCosts;
 use flatpipe_simulator::costs::Recompute;
-use flatpipe_simulator::costs::{UniformCostSpec, UniformCosts};
+use flatpipe_simulator::costs::{CostModel, CostOptions, UniformCostSpec, UniformCosts};
 use flatpipe_simulator::forward_only::{FoMode, with_forward_only};
 use flatpipe_simulator::ir::{Placement, Rank, Schedule};
 use flatpipe_simulator::microbatch::Microbatch;
-use flatpipe_simulator::montecarlo::{ScheduleSource, dp_shares};
+use flatpipe_simulator::montecarlo::{ScheduleSource, default_memory_limit, dp_shares};
 use flatpipe_simulator::policy::{Policy, PolicyParams, batch};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -65,6 +68,13 @@ pub struct Setup {
     /// Forward-only work per step (a frozen reference forward over the step's own microbatches;
     /// here the stages' weights at the step's start, as PPO's old-policy log-probs).
     pub forward_only: Option<ForwardOnly>,
+    /// zb-auto: build each step's schedule from this profile's costs of that step's microbatches
+    /// under `memory_limit_bytes` (as the simulator and planner do); without a profile, zb-auto
+    /// is built for unit costs under 1F1B's memory.
+    pub profile: Option<Arc<Profile>>,
+    /// zb-auto's per-rank memory limit, bytes (default: the profile hardware's memory minus the
+    /// reserve).
+    pub memory_limit_bytes: Option<f64>,
 }
 
 /// Forward-only microbatches of each step.
@@ -230,10 +240,32 @@ impl Setup {
             .zip(data)
             .map(|(lengths, microbatches)| {
                 let m = microbatches.len() as u32;
-                let schedule = match &self.source {
-                    ScheduleSource::Kind(k) => k.generate(self.pp, self.v, m)?,
-                    ScheduleSource::Given(s) if s.num_microbatches == m => s.clone(),
-                    ScheduleSource::Given(s) => {
+                let schedule = match (&self.source, &self.profile) {
+                    (ScheduleSource::Kind(ScheduleKind::ZbAuto), Some(profile)) => {
+                        let placement = flatpipe_simulator::zb_auto::placement(self.pp, self.v)?;
+                        let costs = TableCosts::with_options(
+                            profile,
+                            &self.stages,
+                            &placement,
+                            &lengths,
+                            &[],
+                            &CostOptions {
+                                recompute: &self.recompute,
+                                first_rank: 0,
+                            },
+                        )?;
+                        let static_max = (0..self.pp)
+                            .map(|r| costs.static_bytes(Rank(r)))
+                            .fold(0.0, f64::max);
+                        let limit = self
+                            .memory_limit_bytes
+                            .unwrap_or_else(|| default_memory_limit(profile))
+                            - static_max;
+                        flatpipe_simulator::zb_auto::zb_auto(self.pp, self.v, m, &costs, limit)?
+                    }
+                    (ScheduleSource::Kind(k), _) => k.generate(self.pp, self.v, m)?,
+                    (ScheduleSource::Given(s), _) if s.num_microbatches == m => s.clone(),
+                    (ScheduleSource::Given(s), _) => {
                         return Err(Error::Invalid(format!(
                             "the loaded schedule `{}` has {} microbatches, step {step} has {m}; give --microbatches {}",
                             s.name, s.num_microbatches, s.num_microbatches

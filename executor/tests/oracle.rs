@@ -65,6 +65,8 @@ fn setup(source: ScheduleSource, pp: u32, v: u32, m: u32) -> Setup {
         max_grad_norm: Some(1.0),
         balance: Arc::new(|t, a| t as f64 + a as f64 / 64.0),
         forward_only: None,
+        profile: None,
+        memory_limit_bytes: None,
     }
 }
 

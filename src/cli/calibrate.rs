@@ -206,6 +206,8 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             max_grad_norm: Some(1.0),
             balance: Arc::new(montecarlo::balance_cost(&profile)),
             forward_only: None,
+            profile: Some(Arc::new(profile.clone())),
+            memory_limit_bytes: None,
         };
         let combo = montecarlo::Combo::new(
             setup.source.clone(),

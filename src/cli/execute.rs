@@ -416,6 +416,11 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         );
     }
     let balance = montecarlo::balance_cost(&profile);
+    // zb-auto plans were searched under the plan's memory limit: build their steps under it too.
+    let zb_limit = plan
+        .as_ref()
+        .and_then(|p| p.predicted.as_ref())
+        .map(|p| p.memory_limit_bytes);
     let setup = Setup {
         model: model.clone(),
         stages: stages.clone(),
@@ -448,6 +453,8 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             },
             loss_dependency: a.fo_loss_dependency,
         }),
+        profile: Some(Arc::new(profile.clone())),
+        memory_limit_bytes: zb_limit,
     };
     let backend = a.backend.resolve_for_stages()?;
     let mut exec = Executor::cpu(&setup)?;
@@ -462,6 +469,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             montecarlo::Combo::new(source.clone(), v, stages.clone(), policy, Capacity::Dynamic);
         c.dp = dp;
         c.recompute = recompute.clone();
+        c.memory_limit_bytes = zb_limit;
         c
     };
     let bar = Progress::new(a.steps as u64);
