@@ -1164,3 +1164,65 @@ fn the_cuda_backend_is_a_clear_error_without_its_stage_worker() {
     assert_eq!(v["backend"], "cpu");
     assert!(stderr(&o).contains("--backend auto"), "{}", stderr(&o));
 }
+
+#[test]
+fn more_forward_only_than_training_microbatches_and_bad_options_are_handled() {
+    let dir = tempfile::tempdir().unwrap();
+    // K = 20 forward-only microbatches against 12 training ones (profile mode): no panic.
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--schedule",
+            "1f1b",
+            "--fo-microbatches",
+            "20",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    assert!(v[0]["fo_separate_s"].as_f64().unwrap() > 0.0);
+    for (args, needle) in [
+        (vec!["execute", "--lr", "nan", "--steps", "1"], "--lr"),
+        (
+            vec!["execute", "--max-grad-norm=-1", "--steps", "1"],
+            "--max-grad-norm",
+        ),
+        (
+            vec![
+                "execute",
+                "--vpp",
+                "3",
+                "--schedule",
+                "1f1b",
+                "--steps",
+                "1",
+            ],
+            "--vpp",
+        ),
+        (
+            vec!["execute", "--fo-loss-dependency", "--steps", "1"],
+            "--fo-microbatches",
+        ),
+        (
+            vec!["execute", "--steps", "1", "--gantt", "no/such/dir/g.png"],
+            "does not exist",
+        ),
+        (
+            vec![
+                "simulate",
+                "--schedule",
+                "zb-auto",
+                "--memory-limit",
+                "20GiB",
+            ],
+            "--memory-limit",
+        ),
+    ] {
+        let o = flatpipe(dir.path(), &args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(stderr(&o).contains(needle), "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{args:?}");
+    }
+}

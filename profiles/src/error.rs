@@ -9,12 +9,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     // ---- input / output ----
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// The file.
         path: String,
-        /// The underlying error.
-        source: std::io::Error,
+        /// The underlying error (in the message, not repeated as a source).
+        cause: std::io::Error,
     },
     /// A YAML file did not parse or did not match the expected structure.
     #[error("{path}: invalid YAML: {message}")]

@@ -40,7 +40,7 @@ pub use profile::{
     CostCoeffs, FitQuality, LayerProfile, Phase, Profile, ProfileSource, Provenance,
 };
 pub use workload::{LengthDistribution, StepSize, Workload};
-pub use yaml::{read_to_string, write_atomic};
+pub use yaml::{check_writable, read_to_string, write_atomic};
 
 /// The crate version, recorded in profiles' provenance.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -10,9 +10,9 @@ use std::path::Path;
 /// # Errors
 /// [`Error::Io`] naming the file.
 pub fn read_to_string(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| Error::Io {
+    std::fs::read_to_string(path).map_err(|cause| Error::Io {
         path: path.display().to_string(),
-        source,
+        cause,
     })
 }
 
@@ -32,6 +32,32 @@ pub(crate) fn to_yaml<T: Serialize>(value: &T, origin: &str) -> Result<String> {
     })
 }
 
+/// Checks that `path` can be written later (its directory exists and it is not a directory),
+/// so long work does not end in a failed write.
+///
+/// # Errors
+/// [`Error::Io`] naming the path.
+pub fn check_writable(path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let bad = |msg: String| Error::Io {
+        path: path.display().to_string(),
+        cause: std::io::Error::other(msg),
+    };
+    if !dir.is_dir() {
+        return Err(bad(format!(
+            "the directory {} does not exist",
+            dir.display()
+        )));
+    }
+    if path.is_dir() {
+        return Err(bad("is a directory; give a file name".into()));
+    }
+    Ok(())
+}
+
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed and
 /// then renamed over the target, so a reader never sees a half-written file and a failed write
 /// leaves any previous file intact.
@@ -39,15 +65,36 @@ pub(crate) fn to_yaml<T: Serialize>(value: &T, origin: &str) -> Result<String> {
 /// # Errors
 /// [`Error::Io`] naming the target file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let io = |source| Error::Io {
+    let io = |cause: std::io::Error| Error::Io {
         path: path.display().to_string(),
-        source,
+        // The temporary file's name would only confuse: name the target.
+        cause: match cause.raw_os_error() {
+            Some(code) => std::io::Error::from_raw_os_error(code),
+            None => std::io::Error::new(cause.kind(), cause.kind().to_string()),
+        },
     };
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
+    if !dir.is_dir() {
+        return Err(Error::Io {
+            path: path.display().to_string(),
+            cause: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("the directory {} does not exist", dir.display()),
+            ),
+        });
+    }
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".flatpipe-");
+    // A temporary file is created private (0600); outputs are ordinary files (0644).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o644));
+    }
+    let mut tmp = builder.tempfile_in(dir).map_err(io)?;
     tmp.write_all(bytes)
         .and_then(|()| tmp.as_file().sync_all())
         .map_err(io)?;

@@ -200,6 +200,40 @@ pub fn read_traces(files: &[(String, String)]) -> Result<ImportedTrace> {
             end_ns,
         });
     }
+    // On each rank, a stage's microbatch runs F before I or B, and I before W.
+    for (r, ops) in compute.iter().enumerate() {
+        let mut seen: std::collections::HashSet<(u32, u32, u8)> = std::collections::HashSet::new();
+        for o in ops {
+            for a in o.action.parts() {
+                let key = |k: u8| (a.stage.0, a.microbatch.0, k);
+                let needs = match a.kind {
+                    crate::ir::ActionKind::I | crate::ir::ActionKind::B => Some((0, "F")),
+                    crate::ir::ActionKind::W => Some((1, "I")),
+                    _ => None,
+                };
+                if let Some((k, what)) = needs
+                    && !seen.contains(&key(k))
+                {
+                    return Err(bad(
+                        format!("rank {r}"),
+                        format!("PP:{a}"),
+                        format!(
+                            "runs at {:.1} us before its {what}",
+                            o.start_ns as f64 / 1e3
+                        ),
+                        "each microbatch's F before its I or B, and its I before its W, on a stage",
+                    ));
+                }
+                let k = match a.kind {
+                    crate::ir::ActionKind::F => 0,
+                    crate::ir::ActionKind::I => 1,
+                    crate::ir::ActionKind::B => 1,
+                    _ => 2,
+                };
+                seen.insert(key(k));
+            }
+        }
+    }
     // The ranks' action lists as PyTorch's CSV: the reader infers and checks the placement.
     let csv: String = compute
         .iter()

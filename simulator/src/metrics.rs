@@ -179,12 +179,16 @@ pub fn memory_events<C: CostModel>(
                 }
             }
             for a in op.action.parts() {
+                // Forward-only microbatches have their own ids and keep nothing: never look
+                // them up among the training microbatches.
+                if matches!(a.kind, ActionKind::F | ActionKind::Fo) {
+                    continue;
+                }
                 let (ai, aw) = costs.activation(a.stage, a.microbatch);
                 let freed = match a.kind {
                     ActionKind::I => ai,
                     ActionKind::W => aw,
-                    ActionKind::B => ai + aw,
-                    ActionKind::F | ActionKind::Fo => 0.0,
+                    _ => ai + aw,
                 };
                 if freed > 0.0 {
                     ev.push((op.end_ns, -freed));

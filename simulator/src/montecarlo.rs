@@ -369,10 +369,21 @@ pub fn simulate_replica(
             let static_max = (0..p)
                 .map(|r| costs.static_bytes(Rank(r)))
                 .fold(0.0, f64::max);
-            let limit = combo
+            let total = combo
                 .memory_limit_bytes
-                .unwrap_or_else(|| default_memory_limit(profile))
-                - static_max;
+                .unwrap_or_else(|| default_memory_limit(profile));
+            if total <= static_max {
+                let gib = |b: f64| b / (1u64 << 30) as f64;
+                return Err(Error::invalid(
+                    "--memory-limit",
+                    format!("{:.2} GiB", gib(total)),
+                    format!(
+                        "more than a rank's parameters, gradients and optimizer state ({:.2} GiB), which leave zb-auto no room for activations",
+                        gib(static_max)
+                    ),
+                ));
+            }
+            let limit = total - static_max;
             schedule = Arc::new(crate::zb_auto::zb_auto(p, combo.v, k, &costs, limit)?);
         }
         let fo_schedule;

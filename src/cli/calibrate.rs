@@ -85,6 +85,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     let backend = a.backend.resolve_for_stages()?;
+    if let Some(p) = &a.save_profile {
+        profiles::check_writable(p)?;
+    }
     let model = builtins::model(&a.model)?;
     let workload = builtins::workload(&a.workload)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;

@@ -122,6 +122,10 @@ struct StepRow {
     measured_makespan_s: f64,
     tokens_per_s: f64,
     bubble_ratio: f64,
+    /// Forward-only microbatches of the step (all replicas).
+    fo_microbatches: usize,
+    /// Time the ranks spent on forward-only actions, summed over ranks, seconds.
+    fo_busy_s: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     predicted_makespan_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -319,6 +323,23 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     if a.steps == 0 {
         bail!("--steps = 0 is invalid: >= 1 step");
     }
+    if !(a.lr.is_finite() && a.lr > 0.0) {
+        bail!("--lr = {} is invalid: a finite learning rate > 0", a.lr);
+    }
+    if !(a.max_grad_norm.is_finite() && a.max_grad_norm >= 0.0) {
+        bail!(
+            "--max-grad-norm = {} is invalid: >= 0 (0: no clipping)",
+            a.max_grad_norm
+        );
+    }
+    if a.fo_loss_dependency && a.fo_microbatches == 0 {
+        bail!(
+            "--fo-loss-dependency needs forward-only work: give --fo-microbatches K (>= the step's microbatches)"
+        );
+    }
+    for p in [&a.gantt, &a.trace].into_iter().flatten() {
+        profiles::check_writable(p)?;
+    }
     let reduction = match a.loss_reduction.as_str() {
         "per-sequence" => LossReduction::PerSequence,
         _ => LossReduction::PerToken,
@@ -379,7 +400,15 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                     if pp == 0 {
                         bail!("--pp = 0 is invalid: >= 1 rank");
                     }
-                    (ScheduleSource::Kind(kind), pp, kind.stages_per_rank(a.vpp)?)
+                    let v = kind.stages_per_rank(a.vpp)?;
+                    if let Some(asked) = a.vpp
+                        && asked != v
+                    {
+                        bail!(
+                            "--vpp = {asked} is invalid for {kind}: it runs {v} stage(s) per rank (interleaved-1f1b and looped-bfs take any --vpp, zb-auto 1 or 2)"
+                        );
+                    }
+                    (ScheduleSource::Kind(kind), pp, v)
                 }
             };
             let microbatches = match (&source, a.microbatches, a.token_budget) {
@@ -479,7 +508,23 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     for step in 0..a.steps as u64 {
         let prepared: PreparedStep = setup.prepare(step)?;
         let run = exec.train_step(&setup, &prepared)?;
+        if !run.loss.is_finite() || !run.grad_norm.is_finite() {
+            bail!(
+                "step {step}: the loss ({}) or gradient norm ({}) is not finite: training diverged (--lr {} too large?)",
+                run.loss,
+                run.grad_norm,
+                a.lr
+            );
+        }
         let makespan_s = run.timeline.makespan_ns() as f64 * 1e-9;
+        let fo_s: f64 = run
+            .timeline
+            .compute
+            .iter()
+            .flatten()
+            .filter(|o| o.action.parts().any(|p| p.kind == sim::ActionKind::Fo))
+            .map(|o| (o.end_ns - o.start_ns) as f64 * 1e-9)
+            .sum();
         let n = run.timeline.num_ranks();
         let busy: f64 = (0..n).map(|r| run.timeline.busy_ns(r) as f64 * 1e-9).sum();
         let predicted = if predict {
@@ -541,6 +586,12 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             measured_makespan_s: makespan_s,
             tokens_per_s: tokens as f64 / makespan_s,
             bubble_ratio: 1.0 - busy / (n as f64 * makespan_s),
+            fo_microbatches: prepared
+                .replicas
+                .iter()
+                .map(|r| r.fo_microbatches.len())
+                .sum(),
+            fo_busy_s: fo_s,
             predicted_makespan_s: predicted,
             rel_error: predicted.map(|p| (p - makespan_s) / makespan_s),
             verify,
@@ -631,6 +682,10 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         "tokens/s",
         "bubble",
     ];
+    let with_fo = a.fo_microbatches > 0;
+    if with_fo {
+        cols.extend(["Fo", "Fo busy"]);
+    }
     if predict {
         cols.extend(["predicted", "error"]);
     }
@@ -653,6 +708,9 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             format!("{:.0}", r.tokens_per_s),
             pct(r.bubble_ratio),
         ];
+        if with_fo {
+            row.extend([r.fo_microbatches.to_string(), fmt_s(r.fo_busy_s)]);
+        }
         if let (Some(p), Some(e)) = (r.predicted_makespan_s, r.rel_error) {
             row.extend([fmt_s(p), format!("{:+.1}%", 100.0 * e)]);
         }

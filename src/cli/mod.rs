@@ -106,6 +106,7 @@ pub fn run() -> Result<ExitCode> {
         )
         .with_writer(std::io::stderr)
         .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .without_time()
         .init();
     match cli.command {

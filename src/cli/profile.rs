@@ -168,6 +168,7 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
         }
         execute::Backend::Cpu => {}
     }
+    profiles::check_writable(&a.output)?;
     let model = builtins::model(&a.model)?;
     let hardware = builtins::hardware(&a.hardware)?;
     if a.concurrency == 0 {

@@ -174,6 +174,16 @@ pub(super) fn simulate(a: SimulateArgs) -> Result<ExitCode> {
         }
         None => Schedules::Kinds(parse_kinds(&a.schedule)?),
     };
+    if a.fo_loss_dependency && a.fo_microbatches.as_deref().is_none_or(|k| k.trim() == "0") {
+        bail!("--fo-loss-dependency needs forward-only work: give --fo-microbatches K or `same`");
+    }
+    if (a.max_activation_units.is_some() || a.memory_limit.is_some())
+        && matches!(&schedules, Schedules::Kinds(k) if !k.contains(&ScheduleKind::ZbAuto))
+    {
+        tracing::warn!(
+            "--max-activation-units / --memory-limit bound zb-auto only, which is not among the schedules"
+        );
+    }
     match &a.costs {
         Some(_) if a.steps.is_some_and(|n| n > 1) => {
             bail!(
@@ -666,6 +676,29 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             "Histogram of step times of {best}: {}",
             path.display()
         ));
+    }
+    if let Some(text) = &a.memory_limit {
+        let limit = super::plan::memory_limit(Some(text), &profile)?;
+        let over: Vec<String> = rows
+            .iter()
+            .filter(|(r, _, _)| {
+                r.summary.peak_activation_bytes + r.summary.static_bytes > limit * (1.0 + 1e-9)
+            })
+            .map(|(r, _, _)| {
+                format!(
+                    "{} ({})",
+                    r.schedule,
+                    fmt_bytes(r.summary.peak_activation_bytes + r.summary.static_bytes)
+                )
+            })
+            .collect();
+        if !over.is_empty() {
+            notes.push(format!(
+                "over the --memory-limit of {}: {} (zb-auto is built under the limit; the others are shown as they are)",
+                fmt_bytes(limit),
+                over.join(", ")
+            ));
+        }
     }
     for (r, _, _) in &rows {
         if let (Some(sep), Some(hidden)) = (r.summary.fo_separate_s, r.summary.fo_hidden_fraction) {
