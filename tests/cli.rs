@@ -1226,3 +1226,67 @@ fn more_forward_only_than_training_microbatches_and_bad_options_are_handled() {
         assert!(!stderr(&o).contains("panicked"), "{args:?}");
     }
 }
+
+#[test]
+fn a_plan_carries_its_forward_only_work_to_simulate_and_execute() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--model",
+            "tiny",
+            "--hardware",
+            "cpu",
+            "--workload",
+            "tiny-chat",
+            "--ranks",
+            "2",
+            "--pp",
+            "2",
+            "--recompute",
+            "none",
+            "--token-budgets",
+            "256",
+            "--steps",
+            "4",
+            "--fo-microbatches",
+            "same",
+            "--fo-loss-dependency",
+            "-o",
+            "p.yaml",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(dir.path().join("p.yaml")).unwrap();
+    assert!(
+        text.contains("forward_only") && text.contains("loss_dependency: true"),
+        "{text}"
+    );
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--plan", "p.yaml", "--format", "json"],
+    );
+    let v = json(&o);
+    assert!(v[0]["fo_separate_s"].as_f64().unwrap() > 0.0, "{v}");
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--plan",
+            "p.yaml",
+            "--steps",
+            "1",
+            "--seqs-per-step",
+            "12",
+            "--verify",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    let s = &v["steps"][0];
+    // `same`: one forward-only microbatch per training microbatch.
+    assert_eq!(s["fo_microbatches"], s["microbatches"][0]);
+    assert_eq!(s["verify"]["within_tolerance"], true);
+}

@@ -195,6 +195,7 @@ fn plan(schedule: ScheduleKind, pp: u32, stages: &[std::ops::Range<usize>]) -> P
         tokens_per_step: None,
         policy: None,
         recompute: Vec::new(),
+        forward_only: None,
         seed: 0,
         predicted: None,
         provenance: None,

@@ -80,8 +80,9 @@ pub struct Setup {
 /// Forward-only microbatches of each step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ForwardOnly {
-    /// Forward-only microbatches per replica: the step's microbatches, cycled to K.
-    pub microbatches: u32,
+    /// Forward-only microbatches per replica: the step's microbatches, cycled to K; `None`: one
+    /// per training microbatch.
+    pub microbatches: Option<u32>,
     /// Fused into the training schedule's bubbles or a separate pass first.
     pub mode: FoMode,
     /// Training microbatch i's loss waits for forward-only microbatch i's last stage.
@@ -272,17 +273,21 @@ impl Setup {
                         )));
                     }
                 };
-                let (schedule, fo_microbatches) = match self.forward_only {
-                    Some(fo) if fo.microbatches > 0 => {
+                let fo = self
+                    .forward_only
+                    .map(|f| (f, f.microbatches.unwrap_or(m)))
+                    .filter(|(_, k)| *k > 0);
+                let (schedule, fo_microbatches) = match fo {
+                    Some((fo, k)) => {
                         let costs = UniformCosts::new(&UniformCostSpec::default(), self.v);
                         let s = with_forward_only(
                             &schedule,
-                            fo.microbatches,
+                            k,
                             fo.mode,
                             fo.loss_dependency,
                             &costs,
                         )?;
-                        let data = (0..fo.microbatches as usize)
+                        let data = (0..k as usize)
                             .map(|k| microbatches[k % microbatches.len()].clone())
                             .collect();
                         (s, data)

@@ -324,7 +324,7 @@ fn forward_only_work_runs_in_the_interpreter_and_leaves_training_unchanged() {
         let v = kind.stages_per_rank(None).unwrap();
         let mut s = setup(ScheduleSource::Kind(kind), 2, v, 4);
         s.forward_only = Some(ForwardOnly {
-            microbatches: 5,
+            microbatches: Some(5),
             mode,
             loss_dependency: dep,
         });

@@ -110,15 +110,24 @@ pub struct Combo {
     pub forward_only: Option<ForwardOnlySpec>,
 }
 
-/// Forward-only microbatches of each step (see [`crate::forward_only`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Forward-only microbatches of each step (see [`crate::forward_only`]); in a plan file:
+///
+/// ```yaml
+/// forward_only: {mode: fused, loss_dependency: true}   # microbatches: K, or absent = one per
+///                                                      # training microbatch
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ForwardOnlySpec {
     /// K forward-only microbatches per replica: the step's microbatches, cycled; `None`: one
     /// per training microbatch (a reference model over the same batch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub microbatches: Option<u32>,
     /// Fused into bubbles or a separate pass.
+    #[serde(default)]
     pub mode: crate::forward_only::FoMode,
     /// Training microbatch i's loss needs forward-only microbatch i.
+    #[serde(default)]
     pub loss_dependency: bool,
 }
 

@@ -94,6 +94,10 @@ pub struct Plan {
     /// Activation recomputation per stage (none everywhere when absent).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recompute: Vec<crate::costs::Recompute>,
+    /// Forward-only work each step carries (a frozen reference or teacher forward), planned with
+    /// the training schedule.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forward_only: Option<crate::montecarlo::ForwardOnlySpec>,
     /// Seed of the step sampler.
     #[serde(default)]
     pub seed: u64,

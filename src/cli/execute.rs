@@ -474,14 +474,25 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         },
         max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
         balance: Arc::new(balance),
-        forward_only: (a.fo_microbatches > 0).then_some(ForwardOnly {
-            microbatches: a.fo_microbatches,
-            mode: match a.fo_mode.as_str() {
-                "separate" => FoMode::Separate,
-                _ => FoMode::Fused,
-            },
-            loss_dependency: a.fo_loss_dependency,
-        }),
+        forward_only: if a.fo_microbatches > 0 {
+            Some(ForwardOnly {
+                microbatches: Some(a.fo_microbatches),
+                mode: match a.fo_mode.as_str() {
+                    "separate" => FoMode::Separate,
+                    _ => FoMode::Fused,
+                },
+                loss_dependency: a.fo_loss_dependency,
+            })
+        } else {
+            // The plan's forward-only work (`same`: one per training microbatch).
+            plan.as_ref()
+                .and_then(|p| p.forward_only)
+                .map(|f| ForwardOnly {
+                    microbatches: f.microbatches,
+                    mode: f.mode,
+                    loss_dependency: f.loss_dependency,
+                })
+        },
         profile: Some(Arc::new(profile.clone())),
         memory_limit_bytes: zb_limit,
     };
@@ -682,7 +693,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         "tokens/s",
         "bubble",
     ];
-    let with_fo = a.fo_microbatches > 0;
+    let with_fo = setup.forward_only.is_some();
     if with_fo {
         cols.extend(["Fo", "Fo busy"]);
     }

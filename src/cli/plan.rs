@@ -307,6 +307,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         tokens_per_step: a.tokens_per_step,
         policy: Some(space.policy.to_string()),
         recompute: best.partition.recompute.clone(),
+        forward_only: config.forward_only,
         seed,
         predicted: Some(sim::plan::Predicted {
             step_time_mean_s: best.summary.step_time_s.mean,

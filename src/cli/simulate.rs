@@ -561,8 +561,12 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                     combo.dp = pl.dp.unwrap_or(1);
                     combo.recompute = pl.recompute.clone();
                 }
-                if let Some(fo) = fo_spec(a)? {
-                    combo.forward_only = Some(fo);
+                match fo_spec(a)? {
+                    Some(fo) => combo.forward_only = Some(fo),
+                    None if a.fo_microbatches.is_none() => {
+                        combo.forward_only = plan.as_ref().and_then(|pl| pl.forward_only);
+                    }
+                    None => {}
                 }
                 if let Some(text) = &a.memory_limit {
                     combo.memory_limit_bytes =
