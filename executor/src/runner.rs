@@ -13,11 +13,11 @@ use flatpipe_profiles::{ModelSpec, StepSize, Workload};
 use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::TableCosts;
 use flatpipe_simulator::costs::Recompute;
-use flatpipe_simulator::costs::{CostModel, CostOptions, UniformCostSpec, UniformCosts};
+use flatpipe_simulator::costs::{CostOptions, UniformCostSpec, UniformCosts};
 use flatpipe_simulator::forward_only::{FoMode, with_forward_only};
 use flatpipe_simulator::ir::{Placement, Rank, Schedule};
 use flatpipe_simulator::microbatch::Microbatch;
-use flatpipe_simulator::montecarlo::{ScheduleSource, default_memory_limit, dp_shares};
+use flatpipe_simulator::montecarlo::{ScheduleSource, dp_shares, zb_auto_activation_limit};
 use flatpipe_simulator::policy::{Policy, PolicyParams, batch};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -255,13 +255,12 @@ impl Setup {
                                 first_rank: 0,
                             },
                         )?;
-                        let static_max = (0..self.pp)
-                            .map(|r| costs.static_bytes(Rank(r)))
-                            .fold(0.0, f64::max);
-                        let limit = self
-                            .memory_limit_bytes
-                            .unwrap_or_else(|| default_memory_limit(profile))
-                            - static_max;
+                        let limit = zb_auto_activation_limit(
+                            profile,
+                            self.memory_limit_bytes,
+                            &costs,
+                            self.pp,
+                        )?;
                         flatpipe_simulator::zb_auto::zb_auto(self.pp, self.v, m, &costs, limit)?
                     }
                     (ScheduleSource::Kind(k), _) => k.generate(self.pp, self.v, m)?,

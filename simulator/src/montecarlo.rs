@@ -154,6 +154,35 @@ impl Combo {
     }
 }
 
+/// zb-auto's activation budget per rank, bytes: the memory limit (default
+/// [`default_memory_limit`]) minus the largest rank's parameters, gradients and optimizer state.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `--memory-limit` when that leaves nothing for activations.
+pub fn zb_auto_activation_limit(
+    profile: &Profile,
+    memory_limit_bytes: Option<f64>,
+    costs: &TableCosts,
+    p: u32,
+) -> Result<f64> {
+    let static_max = (0..p)
+        .map(|r| costs.static_bytes(Rank(r)))
+        .fold(0.0, f64::max);
+    let total = memory_limit_bytes.unwrap_or_else(|| default_memory_limit(profile));
+    if total <= static_max {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        return Err(Error::invalid(
+            "--memory-limit",
+            format!("{:.2} GiB", gib(total)),
+            format!(
+                "more than a rank's parameters, gradients and optimizer state ({:.2} GiB), which leave zb-auto no room for activations",
+                gib(static_max)
+            ),
+        ));
+    }
+    Ok(total - static_max)
+}
+
 /// The default memory limit of a rank: the hardware's memory minus a reserve (CUDA context,
 /// communication buffers, fragmentation) of 4 GiB, at most an eighth of the memory.
 pub fn default_memory_limit(profile: &Profile) -> f64 {
@@ -375,24 +404,7 @@ pub fn simulate_replica(
             costs = costs.without_optimizer();
         }
         if auto {
-            let static_max = (0..p)
-                .map(|r| costs.static_bytes(Rank(r)))
-                .fold(0.0, f64::max);
-            let total = combo
-                .memory_limit_bytes
-                .unwrap_or_else(|| default_memory_limit(profile));
-            if total <= static_max {
-                let gib = |b: f64| b / (1u64 << 30) as f64;
-                return Err(Error::invalid(
-                    "--memory-limit",
-                    format!("{:.2} GiB", gib(total)),
-                    format!(
-                        "more than a rank's parameters, gradients and optimizer state ({:.2} GiB), which leave zb-auto no room for activations",
-                        gib(static_max)
-                    ),
-                ));
-            }
-            let limit = total - static_max;
+            let limit = zb_auto_activation_limit(profile, combo.memory_limit_bytes, &costs, p)?;
             schedule = Arc::new(crate::zb_auto::zb_auto(p, combo.v, k, &costs, limit)?);
         }
         let fo_schedule;
