@@ -147,7 +147,7 @@ impl Setup {
     /// Schedule generation errors.
     pub fn placement(&self) -> Result<Placement> {
         Ok(match &self.source {
-            ScheduleSource::Kind(k) => k.generate(self.pp, self.v, 1)?.placement,
+            ScheduleSource::Kind(k) => k.placement_on(self.pp, self.v)?,
             ScheduleSource::Given(s) => s.placement.clone(),
         })
     }

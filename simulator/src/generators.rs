@@ -110,6 +110,27 @@ impl ScheduleKind {
         }
     }
 
+    /// The stage -> rank map this kind uses on `p` ranks with `v` stages per rank (the same as
+    /// its generated schedules', without generating one).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `v` does not fit the kind (see
+    /// [`ScheduleKind::stages_per_rank`]).
+    pub fn placement_on(self, p: u32, v: u32) -> Result<Placement> {
+        let want = self.stages_per_rank(Some(v))?;
+        if want != v {
+            return Err(Error::invalid(
+                "vpp",
+                v,
+                format!("{self} uses {want} stage(s) per rank"),
+            ));
+        }
+        Ok(match self.placement_for(v) {
+            PlacementKind::V => Placement::v_shape(p),
+            _ => Placement::looped(p, v),
+        })
+    }
+
     /// The placement this kind uses with `v` stages per rank (zb-auto: V when `v = 2`).
     pub fn placement_for(self, v: u32) -> PlacementKind {
         match (self, v) {
@@ -648,4 +669,28 @@ pub fn dualpipev(p: u32, m: u32) -> Schedule {
         })
         .collect();
     schedule("dualpipev", Placement::v_shape(p), m, trim(ranks, m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placement_on_is_the_generated_schedules_placement() {
+        for &k in ScheduleKind::ALL {
+            let vs: &[u32] = match k {
+                ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => &[1, 2, 3],
+                ScheduleKind::ZbAuto => &[1, 2],
+                ScheduleKind::ZbV | ScheduleKind::DualPipeV => &[2],
+                _ => &[1],
+            };
+            for &v in vs {
+                for p in [1u32, 3, 4] {
+                    let s = k.generate(p, v, 5).unwrap();
+                    assert_eq!(k.placement_on(p, v).unwrap(), s.placement, "{k} p={p} v={v}");
+                }
+            }
+        }
+        assert!(ScheduleKind::OneFOneB.placement_on(4, 2).is_err());
+    }
 }

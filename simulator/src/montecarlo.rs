@@ -693,7 +693,7 @@ pub fn run(
                 let mut o = total.expect("dp >= 1");
                 if dp > 1 {
                     let placement = match &c.source {
-                        ScheduleSource::Kind(k) => k.generate(p, c.v, 1)?.placement,
+                        ScheduleSource::Kind(k) => k.placement_on(p, c.v)?,
                         ScheduleSource::Given(s) => s.placement.clone(),
                     };
                     o.step_time_s += allreduce_s(profile, &c.stages, &placement, dp);

@@ -35,15 +35,7 @@ use crate::{Error, Result, metrics, replay};
 /// # Errors
 /// [`Error::InvalidArgument`] for another `v`.
 pub fn placement(p: u32, v: u32) -> Result<Placement> {
-    match v {
-        1 => Ok(Placement::looped(p, 1)),
-        2 => Ok(Placement::v_shape(p)),
-        _ => Err(Error::invalid(
-            "--vpp",
-            v,
-            "1 (loop placement) or 2 (V placement) for zb-auto",
-        )),
-    }
+    ScheduleKind::ZbAuto.placement_on(p, v)
 }
 
 /// A priority setting of the greedy.
