@@ -14,10 +14,12 @@ use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::TableCosts;
 use flatpipe_simulator::costs::Recompute;
 use flatpipe_simulator::costs::{CostOptions, UniformCostSpec, UniformCosts};
-use flatpipe_simulator::forward_only::{FoMode, with_forward_only};
+use flatpipe_simulator::forward_only::with_forward_only;
 use flatpipe_simulator::ir::{Placement, Rank, Schedule};
 use flatpipe_simulator::microbatch::Microbatch;
-use flatpipe_simulator::montecarlo::{ScheduleSource, dp_shares, zb_auto_activation_limit};
+use flatpipe_simulator::montecarlo::{
+    ForwardOnlySpec, ScheduleSource, dp_shares, zb_auto_activation_limit,
+};
 use flatpipe_simulator::policy::{Policy, PolicyParams, batch};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -67,7 +69,7 @@ pub struct Setup {
     pub balance: BalanceCost,
     /// Forward-only work per step (a frozen reference forward over the step's own microbatches;
     /// here the stages' weights at the step's start, as PPO's old-policy log-probs).
-    pub forward_only: Option<ForwardOnly>,
+    pub forward_only: Option<ForwardOnlySpec>,
     /// zb-auto: build each step's schedule from this profile's costs of that step's microbatches
     /// under `memory_limit_bytes` (as the simulator and planner do); without a profile, zb-auto
     /// is built for unit costs under 1F1B's memory.
@@ -75,18 +77,6 @@ pub struct Setup {
     /// zb-auto's per-rank memory limit, bytes (default: the profile hardware's memory minus the
     /// reserve).
     pub memory_limit_bytes: Option<f64>,
-}
-
-/// Forward-only microbatches of each step.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ForwardOnly {
-    /// Forward-only microbatches per replica: the step's microbatches, cycled to K; `None`: one
-    /// per training microbatch.
-    pub microbatches: Option<u32>,
-    /// Fused into the training schedule's bubbles or a separate pass first.
-    pub mode: FoMode,
-    /// Training microbatch i's loss waits for forward-only microbatch i's last stage.
-    pub loss_dependency: bool,
 }
 
 impl std::fmt::Debug for Setup {

@@ -313,8 +313,8 @@ proptest::proptest! {
 
 #[test]
 fn forward_only_work_runs_in_the_interpreter_and_leaves_training_unchanged() {
-    use flatpipe_executor::runner::ForwardOnly;
     use flatpipe_simulator::forward_only::FoMode;
+    use flatpipe_simulator::montecarlo::ForwardOnlySpec;
     for (kind, mode, dep) in [
         (ScheduleKind::OneFOneB, FoMode::Fused, true),
         (ScheduleKind::ZbH1, FoMode::Fused, false),
@@ -323,7 +323,7 @@ fn forward_only_work_runs_in_the_interpreter_and_leaves_training_unchanged() {
     ] {
         let v = kind.stages_per_rank(None).unwrap();
         let mut s = setup(ScheduleSource::Kind(kind), 2, v, 4);
-        s.forward_only = Some(ForwardOnly {
+        s.forward_only = Some(ForwardOnlySpec {
             microbatches: Some(5),
             mode,
             loss_dependency: dep,

@@ -38,6 +38,33 @@ pub enum FoMode {
     Fused,
 }
 
+impl FoMode {
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            FoMode::Separate => "separate",
+            FoMode::Fused => "fused",
+        }
+    }
+}
+
+impl std::fmt::Display for FoMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for FoMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "fused" => Ok(FoMode::Fused),
+            "separate" => Ok(FoMode::Separate),
+            other => Err(Error::invalid("--fo-mode", other, "fused or separate")),
+        }
+    }
+}
+
 /// The forward-only pass alone: every rank runs `Fo` of its stages in ascending order, each over
 /// all `k` microbatches.
 pub fn forward_only_pass(train: &Schedule, k: u32) -> Schedule {
@@ -197,14 +224,7 @@ pub fn with_forward_only<C: CostModel>(
         }
     };
     out.num_fo_microbatches = k;
-    out.name = format!(
-        "{}+fo-{}",
-        train.name,
-        match mode {
-            FoMode::Separate => "separate",
-            FoMode::Fused => "fused",
-        }
-    );
+    out.name = format!("{}+fo-{mode}", train.name);
     out.validate()?;
     if mode == FoMode::Fused {
         // Where the training schedule has few bubbles (ZB-H1), running the forward-only pass

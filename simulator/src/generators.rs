@@ -687,7 +687,11 @@ mod tests {
             for &v in vs {
                 for p in [1u32, 3, 4] {
                     let s = k.generate(p, v, 5).unwrap();
-                    assert_eq!(k.placement_on(p, v).unwrap(), s.placement, "{k} p={p} v={v}");
+                    assert_eq!(
+                        k.placement_on(p, v).unwrap(),
+                        s.placement,
+                        "{k} p={p} v={v}"
+                    );
                 }
             }
         }

@@ -3,10 +3,9 @@
 //! measured on this backend, with the simulator's prediction.
 
 use super::*;
-use flatpipe_executor::runner::{self, Executor, ForwardOnly, PreparedStep, Reference, Setup};
+use flatpipe_executor::runner::{self, Executor, PreparedStep, Reference, Setup};
 use flatpipe_executor::{AdamW, LossReduction};
 use profiles::ProfileSource;
-use sim::forward_only::FoMode;
 use std::sync::Arc;
 
 /// Loss within this relative difference of the single-rank reference (fp32).
@@ -84,17 +83,8 @@ pub(super) struct ExecuteArgs {
     /// Clip the global gradient norm to this value (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     max_grad_norm: f64,
-    /// Forward-only microbatches per step: a frozen forward (`Fo`, nothing kept, no backward) over
-    /// the step's microbatches (cycled), e.g. reference or old-policy log-probs. Default 0.
-    #[arg(long, default_value_t = 0)]
-    fo_microbatches: u32,
-    /// `fused` into the training schedule's bubbles (default) or a `separate` pass first.
-    #[arg(long, default_value = "fused", value_parser = ["fused", "separate"])]
-    fo_mode: String,
-    /// Training microbatch i's loss waits for forward-only microbatch i (needs
-    /// --fo-microbatches >= the step's microbatches).
-    #[arg(long)]
-    fo_loss_dependency: bool,
+    #[command(flatten)]
+    fo: FoArgs,
     /// Also run the single-rank reference on the same steps; print the largest differences of
     /// loss, gradients and parameters, and exit 1 when they exceed the tolerance (loss 1e-5
     /// relative, tensors 1e-4 normwise relative).
@@ -332,11 +322,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             a.max_grad_norm
         );
     }
-    if a.fo_loss_dependency && a.fo_microbatches == 0 {
-        bail!(
-            "--fo-loss-dependency needs forward-only work: give --fo-microbatches K (>= the step's microbatches)"
-        );
-    }
+    let fo = a.fo.spec()?;
     for p in [&a.gantt, &a.trace].into_iter().flatten() {
         profiles::check_writable(p)?;
     }
@@ -474,24 +460,10 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         },
         max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
         balance: Arc::new(balance),
-        forward_only: if a.fo_microbatches > 0 {
-            Some(ForwardOnly {
-                microbatches: Some(a.fo_microbatches),
-                mode: match a.fo_mode.as_str() {
-                    "separate" => FoMode::Separate,
-                    _ => FoMode::Fused,
-                },
-                loss_dependency: a.fo_loss_dependency,
-            })
-        } else {
-            // The plan's forward-only work (`same`: one per training microbatch).
-            plan.as_ref()
-                .and_then(|p| p.forward_only)
-                .map(|f| ForwardOnly {
-                    microbatches: f.microbatches,
-                    mode: f.mode,
-                    loss_dependency: f.loss_dependency,
-                })
+        // The options' forward-only work, else the plan's (an explicit 0 drops it).
+        forward_only: match a.fo.fo_microbatches {
+            Some(_) => fo,
+            None => plan.as_ref().and_then(|p| p.forward_only),
         },
         profile: Some(Arc::new(profile.clone())),
         memory_limit_bytes: zb_limit,

@@ -122,6 +122,67 @@ pub fn run() -> Result<ExitCode> {
 }
 
 /// Built-in profile names: `<model>@<hardware>` for every built-in pair.
+/// `--fo-microbatches`: a count, or `same` (one per training microbatch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FoCount {
+    Same,
+    Count(u32),
+}
+
+impl std::str::FromStr for FoCount {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "same" => Ok(FoCount::Same),
+            x => x
+                .parse::<u32>()
+                .map(FoCount::Count)
+                .map_err(|_| format!("`{x}` is not a number of microbatches >= 0 or `same`")),
+        }
+    }
+}
+
+/// Forward-only work in a step (shared by simulate, plan, execute and schedule).
+#[derive(Debug, Args)]
+struct FoArgs {
+    /// Forward-only microbatches per step: a frozen reference or teacher model's forward (`Fo`
+    /// actions, no activations kept, no backward) over the step's microbatches, cycled. A number
+    /// K, or `same` (one per training microbatch). Under --costs their cost is the key fo=
+    /// (default f). Default: none.
+    #[arg(long)]
+    fo_microbatches: Option<FoCount>,
+    /// `fused` into the training schedule's bubbles (default) or a `separate` pass first.
+    #[arg(long, default_value = "fused")]
+    fo_mode: sim::forward_only::FoMode,
+    /// Training microbatch i's loss needs forward-only microbatch i (reference log-probs in the
+    /// loss: PPO / GRPO with a KL term, DPO, distillation); needs as many Fo microbatches as m.
+    #[arg(long)]
+    fo_loss_dependency: bool,
+}
+
+impl FoArgs {
+    /// The forward-only work asked for; `None` without any (`--fo-microbatches 0` or absent).
+    fn spec(&self) -> Result<Option<montecarlo::ForwardOnlySpec>> {
+        let microbatches = match self.fo_microbatches {
+            None | Some(FoCount::Count(0)) => {
+                if self.fo_loss_dependency {
+                    bail!(
+                        "--fo-loss-dependency needs forward-only work: give --fo-microbatches K (>= the step's microbatches) or `same`"
+                    );
+                }
+                return Ok(None);
+            }
+            Some(FoCount::Same) => None,
+            Some(FoCount::Count(k)) => Some(k),
+        };
+        Ok(Some(montecarlo::ForwardOnlySpec {
+            microbatches,
+            mode: self.fo_mode,
+            loss_dependency: self.fo_loss_dependency,
+        }))
+    }
+}
+
 fn builtin_profile_names() -> Vec<String> {
     builtins::MODELS
         .iter()

@@ -56,16 +56,8 @@ pub(super) struct PlanArgs {
     /// (HiGHS, 0.5 s per candidate) instead of keeping the DP-based split and its certified gap.
     #[arg(long)]
     exact_split: bool,
-    /// Forward-only microbatches each step carries (a frozen reference or teacher forward): a
-    /// number K, or `same` (one per training microbatch, over the same sequences). Default 0.
-    #[arg(long)]
-    fo_microbatches: Option<String>,
-    /// `fused` into the training schedule's bubbles (default) or a `separate` pass first.
-    #[arg(long, default_value = "fused", value_parser = ["fused", "separate"])]
-    fo_mode: String,
-    /// Training microbatch i's loss needs forward-only microbatch i.
-    #[arg(long)]
-    fo_loss_dependency: bool,
+    #[command(flatten)]
+    fo: FoArgs,
     /// How many plans to report (the best and its runners-up).
     #[arg(long, default_value_t = 5)]
     keep: usize,
@@ -205,24 +197,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         milp_time_limit_s: a
             .exact_split
             .then_some(planner::partition::MILP_TIME_LIMIT_S),
-        forward_only: match a.fo_microbatches.as_deref() {
-            None | Some("0") => None,
-            Some(x) => Some(montecarlo::ForwardOnlySpec {
-                microbatches: match x {
-                    "same" => None,
-                    _ => Some(x.trim().parse::<u32>().map_err(|_| {
-                        anyhow::anyhow!(
-                            "--fo-microbatches `{x}` is invalid: a number of microbatches >= 0, or `same`"
-                        )
-                    })?),
-                },
-                mode: match a.fo_mode.as_str() {
-                    "separate" => sim::forward_only::FoMode::Separate,
-                    _ => sim::forward_only::FoMode::Fused,
-                },
-                loss_dependency: a.fo_loss_dependency,
-            }),
-        },
+        forward_only: a.fo.spec()?,
     };
     let bar = std::sync::Mutex::new(None::<indicatif::ProgressBar>);
     let start = std::time::Instant::now();

@@ -18,16 +18,9 @@ pub(super) struct ScheduleArgs {
     /// Microbatches per step.
     #[arg(long)]
     microbatches: u32,
-    /// Add this many forward-only microbatches (`Fo`: a frozen reference or teacher forward),
-    /// placed for unit costs (f = b = w = fo).
-    #[arg(long, default_value_t = 0)]
-    fo_microbatches: u32,
-    /// `fused` into the training schedule's bubbles (default) or a `separate` pass first.
-    #[arg(long, default_value = "fused", value_parser = ["fused", "separate"])]
-    fo_mode: String,
-    /// Training microbatch i's loss needs forward-only microbatch i.
-    #[arg(long)]
-    fo_loss_dependency: bool,
+    /// Forward-only work, placed for unit costs (f = b = w = fo).
+    #[command(flatten)]
+    fo: FoArgs,
     /// Write `Fo` actions to the CSV (flatpipe's extension, e.g. `2Fo5`; PyTorch cannot read
     /// them). Without it a schedule with `Fo` is refused.
     #[arg(long)]
@@ -44,19 +37,10 @@ pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
     let kind: ScheduleKind = a.schedule.parse()?;
     let v = kind.stages_per_rank(a.vpp)?;
     let mut s = kind.generate(a.pp, v, a.microbatches)?;
-    if a.fo_microbatches > 0 {
-        let mode = match a.fo_mode.as_str() {
-            "separate" => sim::forward_only::FoMode::Separate,
-            _ => sim::forward_only::FoMode::Fused,
-        };
+    if let Some(fo) = a.fo.spec()? {
         let costs = UniformCosts::new(&UniformCostSpec::default(), v);
-        s = sim::forward_only::with_forward_only(
-            &s,
-            a.fo_microbatches,
-            mode,
-            a.fo_loss_dependency,
-            &costs,
-        )?;
+        let k = fo.microbatches.unwrap_or(a.microbatches);
+        s = sim::forward_only::with_forward_only(&s, k, fo.mode, fo.loss_dependency, &costs)?;
     }
     if let Some(path) = &a.output {
         let csv = sim::pytorch_csv::write_pytorch_csv(&s, a.fo_extension).map_err(|e| {

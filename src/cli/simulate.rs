@@ -74,20 +74,8 @@ pub(super) struct SimulateArgs {
     /// reserve of 4 GiB (at most 1/8).
     #[arg(long)]
     memory_limit: Option<String>,
-    /// Forward-only microbatches per step: a frozen reference or teacher model's forward (`Fo`
-    /// actions, no activations kept, no backward). A number K, or `same` (with a profile: one per
-    /// training microbatch, over the same sequences). Under --costs their cost is the key fo=
-    /// (default f). Default 0.
-    #[arg(long)]
-    fo_microbatches: Option<String>,
-    /// How forward-only work runs: `fused` into the training schedule's bubbles (default) or as
-    /// a `separate` pass before training.
-    #[arg(long, default_value = "fused", value_parser = ["fused", "separate"])]
-    fo_mode: String,
-    /// Training microbatch i's loss needs forward-only microbatch i (reference log-probs in the
-    /// loss: PPO / GRPO with a KL term, DPO, distillation); needs --fo-microbatches >= m.
-    #[arg(long)]
-    fo_loss_dependency: bool,
+    #[command(flatten)]
+    fo: FoArgs,
     /// Seed of the step sampler (default: the workload's, 0). Printed.
     #[arg(long)]
     seed: Option<u64>,
@@ -125,7 +113,7 @@ pub(super) struct Report {
 #[derive(Debug, Serialize, Clone)]
 pub(super) struct FoReport {
     fo_microbatches: u32,
-    fo_mode: String,
+    fo_mode: sim::forward_only::FoMode,
     fo_loss_dependency: bool,
     /// The training schedule alone, seconds.
     train_only_s: f64,
@@ -174,9 +162,8 @@ pub(super) fn simulate(a: SimulateArgs) -> Result<ExitCode> {
         }
         None => Schedules::Kinds(parse_kinds(&a.schedule)?),
     };
-    if a.fo_loss_dependency && a.fo_microbatches.as_deref().is_none_or(|k| k.trim() == "0") {
-        bail!("--fo-loss-dependency needs forward-only work: give --fo-microbatches K or `same`");
-    }
+    // Checks --fo-loss-dependency against the forward-only work up front.
+    a.fo.spec()?;
     if (a.max_activation_units.is_some() || a.memory_limit.is_some())
         && matches!(&schedules, Schedules::Kinds(k) if !k.contains(&ScheduleKind::ZbAuto))
     {
@@ -297,15 +284,8 @@ pub(super) fn simulate_uniform(
                 .collect::<Result<_>>()?
         }
     };
-    let k = match a.fo_microbatches.as_deref() {
-        None => 0,
-        Some("same") => a.microbatches.unwrap_or(a.pp.unwrap_or(4)),
-        Some(x) => parse_fo_count(x)?,
-    };
-    let mode = match a.fo_mode.as_str() {
-        "separate" => sim::forward_only::FoMode::Separate,
-        _ => sim::forward_only::FoMode::Fused,
-    };
+    let m = a.microbatches.unwrap_or(a.pp.unwrap_or(4));
+    let k = a.fo.spec()?.map_or(0, |f| f.microbatches.unwrap_or(m));
     let mut runs = Vec::new();
     let mut fo_reports = std::collections::HashMap::new();
     for (name, v, train) in built {
@@ -317,8 +297,8 @@ pub(super) fn simulate_uniform(
             let combined = sim::forward_only::with_forward_only(
                 &train,
                 k,
-                mode,
-                a.fo_loss_dependency,
+                a.fo.fo_mode,
+                a.fo.fo_loss_dependency,
                 &costs,
             )?;
             let t = sim::simulate(&combined, &costs)?.metrics.makespan_s;
@@ -326,8 +306,8 @@ pub(super) fn simulate_uniform(
                 name.clone(),
                 FoReport {
                     fo_microbatches: k,
-                    fo_mode: a.fo_mode.clone(),
-                    fo_loss_dependency: a.fo_loss_dependency,
+                    fo_mode: a.fo.fo_mode,
+                    fo_loss_dependency: a.fo.fo_loss_dependency,
                     train_only_s: t_train,
                     fo_separate_s: t_fo,
                     fo_hidden_fraction: (t_train + t_fo - t) / t_fo,
@@ -561,13 +541,11 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                     combo.dp = pl.dp.unwrap_or(1);
                     combo.recompute = pl.recompute.clone();
                 }
-                match fo_spec(a)? {
-                    Some(fo) => combo.forward_only = Some(fo),
-                    None if a.fo_microbatches.is_none() => {
-                        combo.forward_only = plan.as_ref().and_then(|pl| pl.forward_only);
-                    }
-                    None => {}
-                }
+                // The options' forward-only work, else the plan's (an explicit 0 drops it).
+                combo.forward_only = match a.fo.fo_microbatches {
+                    Some(_) => a.fo.spec()?,
+                    None => plan.as_ref().and_then(|pl| pl.forward_only),
+                };
                 if let Some(text) = &a.memory_limit {
                     combo.memory_limit_bytes =
                         Some(super::plan::memory_limit(Some(text), &profile)?);
@@ -712,7 +690,10 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                 r.policy,
                 fmt_s(sep),
                 pct(hidden),
-                a.fo_mode
+                combos
+                    .first()
+                    .and_then(|c| c.forward_only)
+                    .map_or(a.fo.fo_mode, |f| f.mode)
             ));
         }
     }
@@ -819,33 +800,4 @@ pub(super) fn step_size(a: &SimulateArgs, plan: Option<&Plan>, w: &Workload) -> 
         (None, Some(t)) => StepSize::Tokens(t),
         (None, None) => w.default_step_size(),
     })
-}
-
-/// A forward-only microbatch count: a whole number >= 0.
-fn parse_fo_count(x: &str) -> Result<u32> {
-    x.trim().parse::<u32>().map_err(|_| {
-        anyhow::anyhow!(
-            "--fo-microbatches `{x}` is invalid: a number of microbatches >= 0, or `same`"
-        )
-    })
-}
-
-/// The forward-only work `simulate`'s options ask for (profile mode).
-fn fo_spec(a: &SimulateArgs) -> Result<Option<montecarlo::ForwardOnlySpec>> {
-    let microbatches = match a.fo_microbatches.as_deref() {
-        None => return Ok(None),
-        Some("same") => None,
-        Some(x) => match parse_fo_count(x)? {
-            0 => return Ok(None),
-            k => Some(k),
-        },
-    };
-    Ok(Some(montecarlo::ForwardOnlySpec {
-        microbatches,
-        mode: match a.fo_mode.as_str() {
-            "separate" => sim::forward_only::FoMode::Separate,
-            _ => sim::forward_only::FoMode::Fused,
-        },
-        loss_dependency: a.fo_loss_dependency,
-    }))
 }
