@@ -114,30 +114,34 @@ enum FCtx {
     Input(Array2<f32>),
 }
 
+/// What a decoder's dgrad keeps for its wgrad: the GEMM inputs (normed inputs, attention
+/// output, activation) and the gradients of the GEMM outputs, all `[T, X]`.
+#[derive(Debug)]
+struct DecoderW {
+    h1: Array2<f32>,
+    xhat1: Array2<f32>,
+    o: Array2<f32>,
+    h2: Array2<f32>,
+    xhat2: Array2<f32>,
+    act: Array2<f32>,
+    dq: Array2<f32>,
+    dk: Array2<f32>,
+    dv: Array2<f32>,
+    da: Array2<f32>,
+    dgate: Array2<f32>,
+    dup: Array2<f32>,
+    dm: Array2<f32>,
+    dh1: Array2<f32>,
+    dh2: Array2<f32>,
+}
+
 /// Per layer, what I keeps until W: the GEMM inputs and output gradients wgrad needs.
-#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum WCtx {
     Embedding {
         dy: Array2<f32>,
     },
-    Decoder {
-        h1: Array2<f32>,
-        xhat1: Array2<f32>,
-        o: Array2<f32>,
-        h2: Array2<f32>,
-        xhat2: Array2<f32>,
-        act: Array2<f32>,
-        dq: Array2<f32>,
-        dk: Array2<f32>,
-        dv: Array2<f32>,
-        da: Array2<f32>,
-        dgate: Array2<f32>,
-        dup: Array2<f32>,
-        dm: Array2<f32>,
-        dh1: Array2<f32>,
-        dh2: Array2<f32>,
-    },
+    Decoder(Box<DecoderW>),
     Head {
         h: Array2<f32>,
         xhat: Array2<f32>,
@@ -183,24 +187,9 @@ impl WCtx {
                 dlogits,
                 dh,
             } => nbytes([h, xhat, dlogits, dh]),
-            WCtx::Decoder {
-                h1,
-                xhat1,
-                o,
-                h2,
-                xhat2,
-                act,
-                dq,
-                dk,
-                dv,
-                da,
-                dgate,
-                dup,
-                dm,
-                dh1,
-                dh2,
-            } => nbytes([
-                h1, xhat1, o, h2, xhat2, act, dq, dk, dv, da, dgate, dup, dm, dh1, dh2,
+            WCtx::Decoder(w) => nbytes([
+                &w.h1, &w.xhat1, &w.o, &w.h2, &w.xhat2, &w.act, &w.dq, &w.dk, &w.dv, &w.da,
+                &w.dgate, &w.dup, &w.dm, &w.dh1, &w.dh2,
             ]),
         }
     }
@@ -275,7 +264,7 @@ fn decoder_dgrad(p: &Decoder, c: DecoderF, dy: Array2<f32>, cu: &[usize]) -> (Ar
         p.attn_norm.row(),
     );
     dx += &dx2;
-    let w = WCtx::Decoder {
+    let w = WCtx::Decoder(Box::new(DecoderW {
         h1: c.h1,
         xhat1: c.xhat1,
         o: c.o,
@@ -291,7 +280,7 @@ fn decoder_dgrad(p: &Decoder, c: DecoderF, dy: Array2<f32>, cu: &[usize]) -> (Ar
         dm: dy,
         dh1,
         dh2,
-    };
+    }));
     (dx, w)
 }
 
@@ -691,36 +680,17 @@ impl StageWorker for CpuStage {
                     wgrad(out, &h, &dlogits);
                     norm_grad(norm, &dh, &xhat);
                 }
-                (
-                    LayerParams::Decoder(d),
-                    WCtx::Decoder {
-                        h1,
-                        xhat1,
-                        o,
-                        h2,
-                        xhat2,
-                        act,
-                        dq,
-                        dk,
-                        dv,
-                        da,
-                        dgate,
-                        dup,
-                        dm,
-                        dh1,
-                        dh2,
-                    },
-                ) => {
+                (LayerParams::Decoder(d), WCtx::Decoder(w)) => {
                     let d = &mut **d;
-                    wgrad(&mut d.wq, &h1, &dq);
-                    wgrad(&mut d.wk, &h1, &dk);
-                    wgrad(&mut d.wv, &h1, &dv);
-                    wgrad(&mut d.wo, &o, &da);
-                    wgrad(&mut d.w1, &h2, &dgate);
-                    wgrad(&mut d.w3, &h2, &dup);
-                    wgrad(&mut d.w2, &act, &dm);
-                    norm_grad(&mut d.attn_norm, &dh1, &xhat1);
-                    norm_grad(&mut d.ffn_norm, &dh2, &xhat2);
+                    wgrad(&mut d.wq, &w.h1, &w.dq);
+                    wgrad(&mut d.wk, &w.h1, &w.dk);
+                    wgrad(&mut d.wv, &w.h1, &w.dv);
+                    wgrad(&mut d.wo, &w.o, &w.da);
+                    wgrad(&mut d.w1, &w.h2, &w.dgate);
+                    wgrad(&mut d.w3, &w.h2, &w.dup);
+                    wgrad(&mut d.w2, &w.act, &w.dm);
+                    norm_grad(&mut d.attn_norm, &w.dh1, &w.xhat1);
+                    norm_grad(&mut d.ffn_norm, &w.dh2, &w.xhat2);
                 }
                 _ => {
                     return Err(Error::Invalid(

@@ -20,9 +20,7 @@
 use crate::data::MicrobatchData;
 use crate::worker::{AdamW, LossSums, StageInput, StageOutput, StageWorker};
 use crate::{Error, Result};
-use flatpipe_simulator::ir::{
-    Action, ActionKind, ComputeAction, MicrobatchId, Rank, Schedule, StageId,
-};
+use flatpipe_simulator::ir::{ActionKind, ComputeAction, Rank, Schedule};
 use flatpipe_simulator::timeline::{TimedOp, TimedTransfer, Timeline};
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -568,44 +566,5 @@ pub fn run_step<W: StageWorker>(
         microbatch_losses,
         fo_losses,
         grad_norm,
-    })
-}
-
-/// A forward-only (evaluation) schedule: every rank runs `Fo` of its stages in ascending stage
-/// order, each over all `m` microbatches (breadth-first, so no rank waits on a later chunk).
-///
-/// # Errors
-/// [`Error::Invalid`] for `m = 0`.
-pub fn forward_only_schedule(train: &Schedule, m: u32) -> Result<Schedule> {
-    if m == 0 {
-        return Err(Error::Invalid(
-            "an evaluation step needs >= 1 microbatch".into(),
-        ));
-    }
-    let p = train.placement.num_ranks;
-    let ranks = (0..p)
-        .map(|r| {
-            let mut stages = train.placement.stages_of(Rank(r));
-            stages.sort();
-            stages
-                .iter()
-                .flat_map(|s| {
-                    (0..m).map(move |mb| {
-                        Action::Compute(ComputeAction {
-                            stage: StageId(s.0),
-                            microbatch: MicrobatchId(mb),
-                            kind: ActionKind::Fo,
-                        })
-                    })
-                })
-                .collect()
-        })
-        .collect();
-    Ok(Schedule {
-        name: format!("{}-forward-only", train.name),
-        placement: train.placement.clone(),
-        num_microbatches: 0,
-        num_fo_microbatches: m,
-        ranks,
     })
 }

@@ -5,7 +5,7 @@
 
 use crate::cpu::CpuStage;
 use crate::data::{LossReduction, MicrobatchData, build_step};
-use crate::interpreter::{Replica, StepOptions, StepRun, forward_only_schedule, run_step};
+use crate::interpreter::{Replica, StepOptions, StepRun, run_step};
 use crate::worker::{AdamW, StageInput, StageWorker};
 use crate::{Error, Result};
 use flatpipe_profiles::Profile;
@@ -14,7 +14,7 @@ use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::TableCosts;
 use flatpipe_simulator::costs::Recompute;
 use flatpipe_simulator::costs::{CostOptions, UniformCostSpec, UniformCosts};
-use flatpipe_simulator::forward_only::with_forward_only;
+use flatpipe_simulator::forward_only::{forward_only_pass, with_forward_only};
 use flatpipe_simulator::ir::{Placement, Rank, Schedule};
 use flatpipe_simulator::microbatch::Microbatch;
 use flatpipe_simulator::montecarlo::{
@@ -350,13 +350,9 @@ impl<W: StageWorker> Executor<W> {
         })
     }
 
-    /// Runs one training step (forward, backward, all-reduce, AdamW).
-    ///
-    /// # Errors
-    /// Any interpreter or backend error.
-    pub fn train_step(&mut self, setup: &Setup, step: &PreparedStep) -> Result<StepRun> {
-        let replicas: Vec<Replica<'_>> = step
-            .replicas
+    /// The interpreter's view of a prepared step's replicas.
+    fn replicas<'a>(&self, step: &'a PreparedStep) -> Vec<Replica<'a>> {
+        step.replicas
             .iter()
             .map(|r| Replica {
                 schedule: &r.schedule,
@@ -364,7 +360,15 @@ impl<W: StageWorker> Executor<W> {
                 fo_microbatches: &r.fo_microbatches,
                 fo_feeds_loss: self.fo_feeds_loss,
             })
-            .collect();
+            .collect()
+    }
+
+    /// Runs one training step (forward, backward, all-reduce, AdamW).
+    ///
+    /// # Errors
+    /// Any interpreter or backend error.
+    pub fn train_step(&mut self, setup: &Setup, step: &PreparedStep) -> Result<StepRun> {
+        let replicas = self.replicas(step);
         let opts = StepOptions {
             optimizer: Some((setup.adamw, self.steps_done + 1)),
             max_grad_norm: setup.max_grad_norm,
@@ -380,16 +384,7 @@ impl<W: StageWorker> Executor<W> {
     /// # Errors
     /// Any interpreter or backend error.
     pub fn gradients(&mut self, step: &PreparedStep) -> Result<StepRun> {
-        let replicas: Vec<Replica<'_>> = step
-            .replicas
-            .iter()
-            .map(|r| Replica {
-                schedule: &r.schedule,
-                microbatches: &r.microbatches,
-                fo_microbatches: &r.fo_microbatches,
-                fo_feeds_loss: self.fo_feeds_loss,
-            })
-            .collect();
+        let replicas = self.replicas(step);
         run_step(&mut self.ranks, &replicas, &StepOptions::default())
     }
 
@@ -399,11 +394,11 @@ impl<W: StageWorker> Executor<W> {
     /// # Errors
     /// Any interpreter or backend error.
     pub fn eval_step(&mut self, step: &PreparedStep) -> Result<StepRun> {
-        let schedules = step
+        let schedules: Vec<Schedule> = step
             .replicas
             .iter()
-            .map(|r| forward_only_schedule(&r.schedule, r.microbatches.len() as u32))
-            .collect::<Result<Vec<_>>>()?;
+            .map(|r| forward_only_pass(&r.schedule, r.microbatches.len() as u32))
+            .collect();
         let replicas: Vec<Replica<'_>> = step
             .replicas
             .iter()

@@ -288,11 +288,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             r.schedule.clone(),
             r.vpp.to_string(),
             r.token_budget.to_string(),
-            r.layers_per_stage
-                .iter()
-                .map(|n| n.to_string())
-                .collect::<Vec<_>>()
-                .join("/"),
+            slash_list(&r.layers_per_stage),
             fmt_s(r.predicted_makespan_s),
             fmt_s(r.measured_makespan_s),
             format!("{:+.1}%", 100.0 * r.rel_error),

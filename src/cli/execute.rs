@@ -253,13 +253,7 @@ pub(super) fn measured_on(profile: &Profile, backend: Backend) -> bool {
 }
 
 pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
-    let plan = match &a.plan {
-        Some(path) => Some(Plan::from_yaml(
-            &profiles::read_to_string(path)?,
-            &path.display().to_string(),
-        )?),
-        None => None,
-    };
+    let plan = read_plan(a.plan.as_deref())?;
     let profile_arg = plan
         .as_ref()
         .and_then(|p| p.profile.clone())
@@ -585,17 +579,13 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     bar.finish();
     let mut notes = Vec::new();
     if let Some((prepared, run)) = &last {
-        let m: Vec<String> = prepared
-            .replicas
-            .iter()
-            .map(|r| r.microbatches.len().to_string())
-            .collect();
+        let m = slash_list(prepared.replicas.iter().map(|r| r.microbatches.len()));
         let title = format!(
             "{} measured on {}: {} dp={dp} pp={pp} v={v} m={}, step {}",
             model.name,
             backend.name(),
             source.name(),
-            m.join("/"),
+            m,
             prepared.step
         );
         if let Some(path) = &a.gantt {
@@ -679,11 +669,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     for r in &report.steps {
         let mut row = vec![
             r.step.to_string(),
-            r.microbatches
-                .iter()
-                .map(|m| m.to_string())
-                .collect::<Vec<_>>()
-                .join("/"),
+            slash_list(&r.microbatches),
             r.tokens.to_string(),
             format!("{:.4}", r.loss),
             format!("{:.3}", r.grad_norm),

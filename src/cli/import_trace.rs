@@ -83,13 +83,7 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
     let mut predicted_bubbles = Vec::new();
     let mut profile_name = None;
     if compare {
-        let plan = match &a.plan {
-            Some(path) => Some(Plan::from_yaml(
-                &profiles::read_to_string(path)?,
-                &path.display().to_string(),
-            )?),
-            None => None,
-        };
+        let plan = read_plan(a.plan.as_deref())?;
         let profile = resolve_profile(
             a.profile
                 .as_deref()

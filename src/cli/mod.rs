@@ -183,6 +183,25 @@ impl FoArgs {
     }
 }
 
+/// Reads a plan file, if one was given.
+fn read_plan(path: Option<&Path>) -> Result<Option<Plan>> {
+    path.map(|p| {
+        Ok(Plan::from_yaml(
+            &profiles::read_to_string(p)?,
+            &p.display().to_string(),
+        )?)
+    })
+    .transpose()
+}
+
+/// `1/2/3`: a list joined with slashes (microbatches per replica, layers per stage).
+fn slash_list<T: ToString>(xs: impl IntoIterator<Item = T>) -> String {
+    xs.into_iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
 fn builtin_profile_names() -> Vec<String> {
     builtins::MODELS
         .iter()

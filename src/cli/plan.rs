@@ -457,12 +457,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             println!(
                 "chosen: {} (layers per stage {}), predicted mean step {} (p90 {})",
                 best.describe(),
-                best.partition
-                    .stages
-                    .iter()
-                    .map(|x| x.len().to_string())
-                    .collect::<Vec<_>>()
-                    .join("/"),
+                slash_list(best.partition.stages.iter().map(|x| x.len())),
                 fmt_s(best.summary.step_time_s.mean),
                 fmt_s(best.summary.step_time_s.p90)
             );

@@ -348,7 +348,7 @@ pub(super) fn simulate_uniform(
         "uniform costs f={} b={} w={} comm={} s (one rank's share per microbatch), {m} microbatches",
         spec.f, spec.b, spec.w, spec.comm
     );
-    let mut t = new_table(&[
+    let mut cols = vec![
         "schedule",
         "pp",
         "vpp",
@@ -359,24 +359,11 @@ pub(super) fn simulate_uniform(
         "gap",
         "peak act. (max rank)",
         "peak in-flight",
-    ]);
+    ];
     if k > 0 {
-        t.set_header([
-            "schedule",
-            "pp",
-            "vpp",
-            "m",
-            "makespan",
-            "bubble",
-            "lower bound",
-            "gap",
-            "peak act. (max rank)",
-            "peak in-flight",
-            "train only",
-            "fo separate",
-            "fo hidden",
-        ]);
+        cols.extend(["train only", "fo separate", "fo hidden"]);
     }
+    let mut t = new_table(&cols);
     for r in &reports {
         let m = &r.metrics;
         let inflight = m
@@ -410,13 +397,7 @@ pub(super) fn simulate_uniform(
 }
 
 pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result<ExitCode> {
-    let plan = match &a.plan {
-        Some(path) => Some(Plan::from_yaml(
-            &profiles::read_to_string(path)?,
-            &path.display().to_string(),
-        )?),
-        None => None,
-    };
+    let plan = read_plan(a.plan.as_deref())?;
     fn pick<'a>(from_plan: Option<&'a String>, from_args: &'a Option<String>) -> Option<&'a str> {
         from_plan.or(from_args.as_ref()).map(String::as_str)
     }
