@@ -16,6 +16,8 @@
 //! as streams with event dependencies, and the GPU profiler.
 #![allow(unsafe_code)]
 
+pub mod launch;
+
 use crate::{Error, Result};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, sys::CUevent_flags};
