@@ -143,12 +143,22 @@ struct RankCtx<'a, W: StageWorker> {
     mailbox: Mailbox<W::Hidden>,
     peers: Vec<Option<Sender<Msg<W::Hidden>>>>,
     t0: Instant,
+    /// Actions are timed with the first stage's device clock (timestamps are stamp indices
+    /// until the end of the rank's run).
+    device: bool,
     out: RankOut,
 }
 
 impl<'a, W: StageWorker> RankCtx<'a, W> {
-    fn now(&self) -> u64 {
-        self.t0.elapsed().as_nanos() as u64
+    /// The time now: host nanoseconds since `t0`, or the index of a stamp recorded on the rank's
+    /// stream when the backend runs asynchronously.
+    fn clock(&mut self) -> Result<u64> {
+        if self.device
+            && let Some(c) = self.stages.first_mut().and_then(|(_, w)| w.device_clock())
+        {
+            return Ok(c.stamp()? as u64);
+        }
+        Ok(self.t0.elapsed().as_nanos() as u64)
     }
 
     fn data(&self, a: &ComputeAction) -> Result<&'a MicrobatchData> {
@@ -193,7 +203,8 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
             self.mailbox.early.insert(key, h);
             return Ok(());
         }
-        let t = self.now();
+        let h = self.stage(from.stage.0)?.export(h)?;
+        let t = self.clock()?;
         self.out.transfers.push(TimedTransfer {
             from: Rank(self.global),
             to: Rank(to),
@@ -266,6 +277,14 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
                             self.out.fo_losses.push((mb, l));
                         }
                     }
+                    // Filled in by `take_losses` at the end of the rank's run.
+                    (StageOutput::LossPending, true) => {
+                        if keep {
+                            self.out.losses.push((mb, LossSums::default()));
+                        } else {
+                            self.out.fo_losses.push((mb, LossSums::default()));
+                        }
+                    }
                     _ => {
                         return Err(Error::Invalid(format!(
                             "stage {s}: only the last stage ({last}) may end in the loss"
@@ -291,6 +310,10 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
     }
 
     fn run(&mut self, r: usize) -> Result<()> {
+        if let Some(c) = self.stages.first_mut().and_then(|(_, w)| w.device_clock()) {
+            c.start()?;
+            self.device = true;
+        }
         let actions = &self.schedule.ranks[r];
         for action in actions {
             let parts: Vec<ComputeAction> = action.parts().collect();
@@ -298,16 +321,53 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
             for a in &parts {
                 inputs.push(self.inputs(a)?);
             }
-            let start = self.now();
+            let start = self.clock()?;
             for (a, input) in parts.iter().zip(inputs) {
                 self.compute(a, input)?;
             }
-            let end = self.now();
+            let end = self.clock()?;
             self.out.ops.push(TimedOp {
                 action: *action,
                 start_ns: start,
                 end_ns: end,
             });
+        }
+        self.finish()
+    }
+
+    /// Resolves device timestamps and losses left on the device, once the rank's actions are
+    /// all enqueued.
+    fn finish(&mut self) -> Result<()> {
+        if self.device
+            && let Some(c) = self.stages.first_mut().and_then(|(_, w)| w.device_clock())
+        {
+            let times = c.finish(self.t0)?;
+            let at = |i: u64| {
+                times
+                    .get(i as usize)
+                    .copied()
+                    .ok_or_else(|| Error::Invalid(format!("the device clock lost timestamp {i}")))
+            };
+            for op in &mut self.out.ops {
+                op.start_ns = at(op.start_ns)?;
+                op.end_ns = at(op.end_ns)?;
+            }
+            for tr in &mut self.out.transfers {
+                tr.start_ns = at(tr.start_ns)?;
+                tr.end_ns = tr.start_ns;
+            }
+        }
+        for (_, w) in self.stages.iter_mut() {
+            for (mb, fo, l) in w.take_losses()? {
+                let list = if fo {
+                    &mut self.out.fo_losses
+                } else {
+                    &mut self.out.losses
+                };
+                if let Some(e) = list.iter_mut().find(|(k, _)| *k == mb) {
+                    e.1 = l;
+                }
+            }
         }
         Ok(())
     }
@@ -415,6 +475,7 @@ pub fn run_step<W: StageWorker>(
                     },
                     peers,
                     t0,
+                    device: false,
                     out: RankOut::default(),
                 };
                 barrier.wait();

@@ -14,7 +14,12 @@
 //! 1974), each by an SVD from `nalgebra`.
 //!
 //! Optionally `concurrency - 1` extra threads run the same layer at the same time, so the
-//! figures hold when p ranks share the machine (caches, memory bandwidth, clocks).
+//! figures hold when p ranks share the machine (caches, memory bandwidth, clocks) or, on a GPU,
+//! its multiprocessors (each extra thread drives its own stream).
+//!
+//! The measurements are generic over the backend ([`Profiled`]): the CPU backend is timed with the
+//! host clock ([`profile_cpu`]), the CUDA backend with CUDA events (`profile_cuda`, feature
+//! `cuda`).
 
 use crate::cpu::CpuStage;
 use crate::data::{LossReduction, MicrobatchData, build_step};
@@ -31,6 +36,46 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
+
+/// What the profiler needs of a backend's stage beyond [`StageWorker`].
+pub trait Profiled: StageWorker + Sized {
+    /// `x [T, H]` as this backend's hidden tensor.
+    ///
+    /// # Errors
+    /// A backend failure.
+    fn hidden_from(&self, x: &Array2<f32>) -> Result<Self::Hidden>;
+    /// Bytes of activations held between F and W.
+    fn saved_bytes(&self) -> usize;
+    /// Parameters of the stage.
+    fn param_count(&self) -> u64;
+    /// Seconds `f` takes on this backend (host clock on the CPU; CUDA events around `f`, then a
+    /// wait for them, on a GPU).
+    ///
+    /// # Errors
+    /// `f`'s error or a backend failure.
+    fn timed(&mut self, f: &mut dyn FnMut(&mut Self) -> Result<()>) -> Result<f64>;
+}
+
+impl Profiled for CpuStage {
+    fn hidden_from(&self, x: &Array2<f32>) -> Result<Array2<f32>> {
+        Ok(x.clone())
+    }
+    fn saved_bytes(&self) -> usize {
+        CpuStage::saved_bytes(self)
+    }
+    fn param_count(&self) -> u64 {
+        crate::cpu::param_count(self)
+    }
+    fn timed(&mut self, f: &mut dyn FnMut(&mut Self) -> Result<()>) -> Result<f64> {
+        let s = Instant::now();
+        f(self)?;
+        Ok(s.elapsed().as_secs_f64())
+    }
+}
+
+/// Builds the stage of layers `range` with weights from `seed` (each call a new stage; on a GPU,
+/// on its own stream).
+pub type StageFactory<W> = Arc<dyn Fn(std::ops::Range<usize>, u64) -> Result<W> + Send + Sync>;
 
 /// Decoder layers timed together per grid point.
 pub const DECODERS_PER_STAGE: usize = 4;
@@ -234,6 +279,8 @@ pub struct Measured {
     pub link: Link,
     /// AdamW step seconds per parameter.
     pub optimizer_s_per_param: f64,
+    /// How the figures were measured (the profile's provenance notes).
+    pub notes: String,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -248,8 +295,8 @@ fn microbatch(seq_lens: Vec<u32>, vocab: u32) -> MicrobatchData {
 }
 
 /// Times F, I, W and Fo of `stage` on `mb`; returns the median seconds of each.
-fn time_phases(
-    stage: &mut CpuStage,
+fn time_phases<W: Profiled>(
+    stage: &mut W,
     mb: &MicrobatchData,
     first: bool,
     last: bool,
@@ -259,31 +306,40 @@ fn time_phases(
     let t = mb.tokens();
     let h = stage.hidden_size();
     let x = Array2::from_shape_fn((t, h), |(i, j)| ((i * 7 + j * 13) % 23) as f32 / 23.0 - 0.5);
-    let input = || {
-        if first {
+    let input = |st: &W| -> Result<StageInput<W::Hidden>> {
+        Ok(if first {
             StageInput::Tokens
         } else {
-            StageInput::Hidden(x.clone())
-        }
+            StageInput::Hidden(st.hidden_from(&x)?)
+        })
     };
-    let grad = || (!last).then(|| x.clone());
     let mut times: [Vec<f64>; 4] = Default::default();
     for round in 0..warmup + reps {
-        let inp = input();
-        let s = Instant::now();
-        stage.forward(0, mb, inp, true)?;
-        let f = s.elapsed().as_secs_f64();
-        let g = grad();
-        let s = Instant::now();
-        stage.backward_input(0, mb, g)?;
-        let i = s.elapsed().as_secs_f64();
-        let s = Instant::now();
-        stage.backward_weight(0, mb)?;
-        let w = s.elapsed().as_secs_f64();
-        let inp = input();
-        let s = Instant::now();
-        stage.forward(1, mb, inp, false)?;
-        let fo = s.elapsed().as_secs_f64();
+        // Inputs are made before the clock starts.
+        let inp = input(stage)?;
+        let mut inp = Some(inp);
+        let f = stage.timed(&mut |st| {
+            let i = inp
+                .take()
+                .ok_or_else(|| Error::Invalid("input used twice".into()))?;
+            st.forward(0, mb, i, true).map(drop)
+        })?;
+        let mut g = if last {
+            None
+        } else {
+            Some(stage.hidden_from(&x)?)
+        };
+        let i = stage.timed(&mut |st| st.backward_input(0, mb, g.take()).map(drop))?;
+        let w = stage.timed(&mut |st| st.backward_weight(0, mb))?;
+        let mut inp = Some(input(stage)?);
+        let fo = stage.timed(&mut |st| {
+            let i = inp
+                .take()
+                .ok_or_else(|| Error::Invalid("input used twice".into()))?;
+            st.forward(1, mb, i, false).map(drop)
+        })?;
+        // Losses a GPU left on the device.
+        stage.take_losses()?;
         if round >= warmup {
             for (k, v) in [f, i, w, fo].into_iter().enumerate() {
                 times[k].push(v);
@@ -326,10 +382,11 @@ impl Drop for Load {
 }
 
 /// Profiles one layer kind of `model` (its first layer of that kind).
-fn profile_kind(
+fn profile_kind<W: Profiled + 'static>(
     model: &ModelSpec,
     kind: LayerKind,
     cfg: &ProfileConfig,
+    make: &StageFactory<W>,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<KindProfile> {
     let layers = model.layers();
@@ -348,13 +405,13 @@ fn profile_kind(
         .min(DECODERS_PER_STAGE);
     let range = layer.index..layer.index + n;
     let (first, last) = (layer.index == 0, range.end == layers.len());
-    let mut stage = CpuStage::new(model, range.clone(), 0, Recompute::None)?;
+    let mut stage = make(range.clone(), 0)?;
     let _load = (cfg.concurrency > 1).then(|| {
-        let model = model.clone();
+        let make = Arc::clone(make);
         let range = range.clone();
         let t = cfg.tokens[cfg.tokens.len() / 2];
         Load::start(cfg.concurrency - 1, move || {
-            if let Ok(mut st) = CpuStage::new(&model, range.clone(), 1, Recompute::None) {
+            if let Ok(mut st) = make(range.clone(), 1) {
                 let mb = microbatch(vec![t as u32], vocab);
                 let _ = time_phases(&mut st, &mb, first, last, 0, 1);
             }
@@ -391,13 +448,19 @@ fn profile_kind(
             let inp = if first {
                 StageInput::Tokens
             } else {
-                StageInput::Hidden(x.clone())
+                StageInput::Hidden(stage.hidden_from(&x)?)
             };
             stage.forward(0, &mb, inp, true)?;
             let after_f = stage.saved_bytes();
-            stage.backward_input(0, &mb, (!last).then_some(x))?;
+            let g = if last {
+                None
+            } else {
+                Some(stage.hidden_from(&x)?)
+            };
+            stage.backward_input(0, &mb, g)?;
             let after_i = stage.saved_bytes();
             stage.backward_weight(0, &mb)?;
+            stage.take_losses()?;
             let per = (t * n) as f64;
             act_w.push(after_i as f64 / per);
             act_i.push((after_f as f64 - after_i as f64).max(0.0) / per);
@@ -413,7 +476,7 @@ fn profile_kind(
         fo: fit(3, has_attn)?,
         act_bytes_per_token_i: median(act_i),
         act_bytes_per_token_w: median(act_w),
-        param_bytes: crate::cpu::param_count(&stage) * 4 / n as u64,
+        param_bytes: stage.param_count() * 4 / n as u64,
         samples,
     })
 }
@@ -501,17 +564,10 @@ pub fn profile_cpu(
     cfg: &ProfileConfig,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<Measured> {
-    if cfg.tokens.is_empty() || cfg.reps == 0 {
-        return Err(Error::Invalid(
-            "the profiler needs at least one token count and one timed round".into(),
-        ));
-    }
-    let mut kinds = Vec::new();
-    for kind in [LayerKind::Embedding, LayerKind::Decoder, LayerKind::Head] {
-        if model.layers().iter().any(|l| l.kind == kind) {
-            kinds.push(profile_kind(model, kind, cfg, progress)?);
-        }
-    }
+    let m = model.clone();
+    let make: StageFactory<CpuStage> =
+        Arc::new(move |range, seed| CpuStage::new(&m, range, seed, Recompute::None));
+    let kinds = profile_kinds(model, cfg, &make, progress)?;
     progress("links");
     let link = profile_link(cfg)?;
     progress("optimizer");
@@ -520,7 +576,32 @@ pub fn profile_cpu(
         kinds,
         link,
         optimizer_s_per_param,
+        notes: "measured by `flatpipe profile` on the CPU backend's kernels (host clock): t = c0 + c_tok * tokens + c_attn * attn_pairs per layer kind and phase, non-negative least squares on relative residuals; activation bytes from the saved tensors (F -> I -> W); link = a buffer moving through a channel between rank threads; optimizer = gradient norm + AdamW over the whole model. FLOPs per token (MFU) are the analytic counts.".into(),
     })
+}
+
+/// Measures every layer kind of `model` on the stages `make` builds.
+///
+/// # Errors
+/// An empty grid; stage construction or fit errors.
+pub fn profile_kinds<W: Profiled + 'static>(
+    model: &ModelSpec,
+    cfg: &ProfileConfig,
+    make: &StageFactory<W>,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Vec<KindProfile>> {
+    if cfg.tokens.is_empty() || cfg.reps == 0 {
+        return Err(Error::Invalid(
+            "the profiler needs at least one token count and one timed round".into(),
+        ));
+    }
+    let mut kinds = Vec::new();
+    for kind in [LayerKind::Embedding, LayerKind::Decoder, LayerKind::Head] {
+        if model.layers().iter().any(|l| l.kind == kind) {
+            kinds.push(profile_kind(model, kind, cfg, make, progress)?);
+        }
+    }
+    Ok(kinds)
 }
 
 /// Number of grid points the profiler times (for progress bars): per kind, every T in two
@@ -593,7 +674,7 @@ pub fn to_profile(
         device: device.to_string(),
         date,
         flatpipe_version: flatpipe_profiles::VERSION.to_string(),
-        notes: "measured by `flatpipe profile` on the executor's own kernels: t = c0 + c_tok * tokens + c_attn * attn_pairs per layer kind and phase, non-negative least squares on relative residuals; activation bytes from the saved tensors (F -> I -> W); link = a buffer moving through a channel between rank threads; optimizer = AdamW on one decoder layer. FLOPs per token (MFU) are the analytic counts.".into(),
+        notes: m.notes.clone(),
         grid: Some(cfg.describe()),
         repetitions: Some(cfg.reps),
         fits,

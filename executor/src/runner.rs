@@ -320,6 +320,43 @@ impl Executor<CpuStage> {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl Executor<crate::cuda::stage::CudaStage> {
+    /// Builds every rank's stages on GPU 0: each rank (of each replica) gets its own streams
+    /// ([`crate::cuda::ops::Gpu`]), shared by its stages; weights are the CPU backend's
+    /// ([`crate::cuda::stage::Init::Exact`]), so `--verify` compares like with like.
+    ///
+    /// # Errors
+    /// [`Setup::check`] errors; [`Error::NoDevice`] without a GPU or NVRTC; stage errors.
+    pub fn cuda(setup: &Setup, precision: crate::cuda::ops::Precision) -> Result<Self> {
+        use crate::cuda::{ops::Gpu, stage};
+        setup.check()?;
+        let placement = setup.placement()?;
+        let ctx = crate::cuda::context()?;
+        let head_dim = stage::CudaStage::head_dim_of(&setup.model)?;
+        let mut gpus: std::collections::HashMap<(usize, usize), Arc<Gpu>> = Default::default();
+        Executor::build_ranked(setup, &placement, |d, r, s| {
+            let gpu = match gpus.get(&(d, r)) {
+                Some(g) => Arc::clone(g),
+                None => {
+                    let g = Arc::new(Gpu::new(&ctx, head_dim, precision)?);
+                    gpus.insert((d, r), Arc::clone(&g));
+                    g
+                }
+            };
+            let mode = setup.recompute.get(s).copied().unwrap_or_default();
+            stage::CudaStage::new(
+                gpu,
+                &setup.model,
+                setup.stages[s].clone(),
+                setup.init_seed,
+                mode,
+                stage::Init::Exact,
+            )
+        })
+    }
+}
+
 impl<W: StageWorker> Executor<W> {
     /// Builds every rank's stages with `make(stage index)`.
     ///
@@ -330,14 +367,26 @@ impl<W: StageWorker> Executor<W> {
         placement: &Placement,
         mut make: impl FnMut(usize) -> Result<W>,
     ) -> Result<Self> {
+        Self::build_ranked(setup, placement, |_, _, s| make(s))
+    }
+
+    /// Builds every rank's stages with `make(replica, pipeline rank, stage index)`.
+    ///
+    /// # Errors
+    /// The first error of `make`.
+    pub fn build_ranked(
+        setup: &Setup,
+        placement: &Placement,
+        mut make: impl FnMut(usize, usize, usize) -> Result<W>,
+    ) -> Result<Self> {
         let pp = setup.pp as usize;
         let mut ranks = Vec::with_capacity(pp * setup.dp as usize);
-        for _ in 0..setup.dp {
+        for d in 0..setup.dp as usize {
             for r in 0..pp {
                 let stages = placement
                     .stages_of(Rank(r as u32))
                     .into_iter()
-                    .map(|s| Ok((s.0, make(s.idx())?)))
+                    .map(|s| Ok((s.0, make(d, r, s.idx())?)))
                     .collect::<Result<Vec<_>>>()?;
                 ranks.push(stages);
             }
@@ -492,8 +541,10 @@ impl Reference {
             let i = i as u32;
             match self.stage.forward(i, mb, StageInput::Tokens, true)? {
                 crate::worker::StageOutput::Loss(l) => loss += l.weighted,
-                crate::worker::StageOutput::Hidden(_) => {
-                    return Err(Error::Invalid("the whole model ends in the loss".into()));
+                crate::worker::StageOutput::Hidden(_) | crate::worker::StageOutput::LossPending => {
+                    return Err(Error::Invalid(
+                        "the CPU reference ends in the loss, computed on the host".into(),
+                    ));
                 }
             }
             self.stage.backward_input(i, mb, None)?;

@@ -24,6 +24,32 @@ pub enum StageOutput<H> {
     Hidden(H),
     /// The last stage's loss sums over the microbatch.
     Loss(LossSums),
+    /// The last stage's loss, still on the device: [`StageWorker::take_losses`] reads it after
+    /// the step (reading it now would make the host wait for the GPU inside the step).
+    LossPending,
+}
+
+/// A clock on the device for backends whose kernels run asynchronously (CUDA): the host's time
+/// when an action is enqueued says nothing of when it runs, so actions are timed with events
+/// recorded on the rank's stream.
+pub trait DeviceClock {
+    /// Waits for the rank's stream to be idle and starts the step's clock.
+    ///
+    /// # Errors
+    /// A backend failure.
+    fn start(&mut self) -> Result<()>;
+    /// Records a timestamp on the rank's stream, after the work enqueued so far; returns its
+    /// index.
+    ///
+    /// # Errors
+    /// A backend failure.
+    fn stamp(&mut self) -> Result<usize>;
+    /// Waits for the rank's stream and returns every stamp's time in nanoseconds after `t0`
+    /// (the interpreter's step start, host clock), in stamp order.
+    ///
+    /// # Errors
+    /// A backend failure.
+    fn finish(&mut self, t0: std::time::Instant) -> Result<Vec<u64>>;
 }
 
 /// Loss sums of one microbatch (f64 accumulations of fp32 token losses).
@@ -161,4 +187,28 @@ pub trait StageWorker: Send {
 
     /// Microbatches whose activations are still held (F done, W not yet), for checks.
     fn held_microbatches(&self) -> usize;
+
+    /// Prepares `h` for another rank (the CPU backend moves the buffer itself; CUDA copies it
+    /// device to device on the rank's copy stream).
+    ///
+    /// # Errors
+    /// A backend failure.
+    fn export(&mut self, h: Self::Hidden) -> Result<Self::Hidden> {
+        Ok(h)
+    }
+
+    /// The losses this stage returned as [`StageOutput::LossPending`] since the last call, as
+    /// `(microbatch, forward-only, sums)`.
+    ///
+    /// # Errors
+    /// A backend failure.
+    fn take_losses(&mut self) -> Result<Vec<(u32, bool, LossSums)>> {
+        Ok(Vec::new())
+    }
+
+    /// The device clock of this stage's rank, for backends that run asynchronously; `None`: the
+    /// host clock times actions exactly.
+    fn device_clock(&mut self) -> Option<&mut dyn DeviceClock> {
+        None
+    }
 }

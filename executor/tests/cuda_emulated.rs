@@ -523,3 +523,21 @@ fn sum_of_squares_and_adamw_match_the_cpu() {
     close("m", &m, &wm, 1e-6);
     close("v", &v, &wv, 1e-6);
 }
+
+#[test]
+fn fast_initialisation_is_uniform_in_its_range() {
+    let Some(emu) = emu() else { return };
+    let n = 4096;
+    let mut x = vec![f32::NAN; n];
+    emu.launch(
+        "init_uniform",
+        launch::elementwise(n),
+        &mut [p(&mut x), l(n), 7, f(0.5)],
+    );
+    assert!(x.iter().all(|v| (-0.5..0.5).contains(v)));
+    // Mean 0 and variance scale^2 / 3 of a uniform distribution, within sampling error.
+    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
+    let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
+    assert!(mean.abs() < 0.02, "{mean}");
+    assert!((var - 0.25 / 3.0).abs() < 0.01, "{var}");
+}

@@ -3,10 +3,9 @@
 //! bubbles with the measured ones.
 
 use super::*;
-use execute::{Backend, measured_bubbles, measured_on, predict_step};
+use execute::{AnyExecutor, Backend, GemmPrecision, measured_bubbles, measured_on, predict_step};
 use flatpipe_executor::AdamW;
-use flatpipe_executor::profiler::ProfileConfig;
-use flatpipe_executor::runner::{Executor, Setup};
+use flatpipe_executor::runner::Setup;
 use std::sync::Arc;
 
 /// Options of `flatpipe calibrate`.
@@ -15,6 +14,9 @@ pub(super) struct CalibrateArgs {
     /// Backend.
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     backend: Backend,
+    /// GEMM arithmetic on --backend cuda (profile and runs alike).
+    #[arg(long, value_enum, default_value_t = GemmPrecision::Fp32)]
+    precision: GemmPrecision,
     /// Model (default tiny).
     #[arg(long, default_value = "tiny")]
     model: String,
@@ -95,7 +97,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     if pp == 0 {
         bail!("--pp = 0 is invalid: >= 1 rank");
     }
-    if pp > cores {
+    if pp > cores && backend == Backend::Cpu {
         tracing::warn!(
             "--pp {pp} on {cores} cores: ranks share cores, so the OS scheduler's time slicing enters the measurement"
         );
@@ -128,15 +130,10 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             (p, path.display().to_string())
         }
         None => {
-            let mut cfg = if a.quick {
-                ProfileConfig::quick()
-            } else {
-                ProfileConfig::full()
-            };
+            let mut cfg = profile::default_config(backend, a.quick);
             // Profile as the plan runs: pp ranks busy at once.
             cfg.concurrency = pp as usize;
-            let hw = builtins::hardware("cpu")?;
-            let p = profile::measure(&model, &hw, &cfg)?;
+            let p = profile::measure(backend, a.precision, &model, None, &cfg)?;
             if let Some(path) = &a.save_profile {
                 profiles::write_atomic(path, p.to_yaml()?.as_bytes())?;
             }
@@ -219,7 +216,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             Policy::FlatFfd,
             Capacity::Dynamic,
         );
-        let mut exec = Executor::cpu(&setup)?;
+        let mut exec = AnyExecutor::new(backend, &setup, a.precision)?;
         // One warm-up step (allocator, page faults), not measured.
         exec.train_step(&setup, &setup.prepare(steps as u64)?)?;
         let (mut pred, mut meas) = (Vec::new(), Vec::new());

@@ -1,11 +1,14 @@
-//! `flatpipe execute`: run a plan (or inline options) for real on the CPU backend, record the
+//! `flatpipe execute`: run a plan (or inline options) for real on the CPU or CUDA backend, record the
 //! measured timeline, compare with the single-rank reference (`--verify`) and, given a profile
 //! measured on this backend, with the simulator's prediction.
 
 use super::*;
+use flatpipe_executor::cpu::CpuStage;
+use flatpipe_executor::interpreter::StepRun;
 use flatpipe_executor::runner::{self, Executor, PreparedStep, Reference, Setup};
 use flatpipe_executor::{AdamW, LossReduction};
 use profiles::ProfileSource;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Loss within this relative difference of the single-rank reference (fp32).
@@ -18,10 +21,92 @@ const VERIFY_RTOL: f64 = 1e-4;
 pub(super) enum Backend {
     /// Threads with single-threaded fp32 kernels (matrixmultiply GEMMs).
     Cpu,
-    /// NVIDIA GPUs through cudarc (device probing and cuBLAS GEMMs so far).
+    /// GPU 0 through cudarc: NVRTC-compiled kernels, cuBLAS GEMMs, each rank its own stream.
     Cuda,
-    /// CUDA when a device is present and the CUDA stage worker exists, else CPU.
+    /// CUDA when a GPU (and NVRTC) is present, else CPU.
     Auto,
+}
+
+/// GEMM arithmetic of the CUDA backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub(super) enum GemmPrecision {
+    /// fp32 (comparable with the CPU reference: what --verify checks).
+    #[default]
+    Fp32,
+    /// bf16 tensor-core math with fp32 accumulation on fp32 tensors (the speed of bf16 GEMMs;
+    /// --verify's fp32 tolerances do not hold).
+    Bf16,
+}
+
+impl GemmPrecision {
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            GemmPrecision::Fp32 => "fp32",
+            GemmPrecision::Bf16 => "bf16",
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(super) fn cuda(self) -> flatpipe_executor::cuda::ops::Precision {
+        match self {
+            GemmPrecision::Fp32 => flatpipe_executor::cuda::ops::Precision::Fp32,
+            GemmPrecision::Bf16 => flatpipe_executor::cuda::ops::Precision::Bf16,
+        }
+    }
+
+    /// `bf16` is an error on the CPU backend.
+    pub(super) fn check(self, backend: Backend) -> Result<()> {
+        if self == GemmPrecision::Bf16 && backend != Backend::Cuda {
+            bail!(
+                "--precision bf16 runs only on --backend cuda (this run is on the {} backend, fp32)",
+                backend.name()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A plan's ranks on the backend that was chosen.
+pub(super) enum AnyExecutor {
+    Cpu(Executor<CpuStage>),
+    #[cfg(feature = "cuda")]
+    Cuda(Executor<flatpipe_executor::cuda::stage::CudaStage>),
+}
+
+impl AnyExecutor {
+    /// Builds the ranks of `setup` on `backend` (a resolved one: cpu or cuda).
+    pub(super) fn new(backend: Backend, setup: &Setup, precision: GemmPrecision) -> Result<Self> {
+        precision.check(backend)?;
+        match backend {
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => Ok(AnyExecutor::Cuda(Executor::cuda(setup, precision.cuda())?)),
+            _ => Ok(AnyExecutor::Cpu(Executor::cpu(setup)?)),
+        }
+    }
+
+    pub(super) fn train_step(&mut self, setup: &Setup, step: &PreparedStep) -> Result<StepRun> {
+        Ok(match self {
+            AnyExecutor::Cpu(e) => e.train_step(setup, step)?,
+            #[cfg(feature = "cuda")]
+            AnyExecutor::Cuda(e) => e.train_step(setup, step)?,
+        })
+    }
+
+    pub(super) fn named_grads(&self) -> BTreeMap<String, Vec<f32>> {
+        match self {
+            AnyExecutor::Cpu(e) => e.named_grads(),
+            #[cfg(feature = "cuda")]
+            AnyExecutor::Cuda(e) => e.named_grads(),
+        }
+    }
+
+    pub(super) fn named_params(&self) -> BTreeMap<String, Vec<f32>> {
+        match self {
+            AnyExecutor::Cpu(e) => e.named_params(),
+            #[cfg(feature = "cuda")]
+            AnyExecutor::Cuda(e) => e.named_params(),
+        }
+    }
 }
 
 /// Options of `flatpipe execute`.
@@ -74,6 +159,9 @@ pub(super) struct ExecuteArgs {
     /// Backend.
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     backend: Backend,
+    /// GEMM arithmetic on --backend cuda.
+    #[arg(long, value_enum, default_value_t = GemmPrecision::Fp32)]
+    precision: GemmPrecision,
     /// Loss reduction: per-token (Σ token losses / step tokens) or per-sequence.
     #[arg(long, default_value = "per-token", value_parser = ["per-token", "per-sequence"])]
     loss_reduction: String,
@@ -163,45 +251,36 @@ impl Backend {
         }
     }
 
-    /// The backend that will run stages: `cuda` is a clear error until the CUDA stage worker
-    /// exists (naming whether a device was found), `auto` runs on the CPU and says why.
+    /// The backend that will run stages: `cuda` when a GPU is usable here, else a clear error
+    /// naming why; `auto` picks CUDA when a GPU is usable, else the CPU (and says why).
     pub(super) fn resolve_for_stages(self) -> Result<Backend> {
         match self {
             Backend::Cpu => Ok(Backend::Cpu),
-            Backend::Cuda => bail!(
-                "--backend cuda: {}; the CUDA stage worker (NVRTC kernels, a stream per rank) is not implemented yet, so plans run on --backend cpu",
-                cuda_status()
-            ),
-            Backend::Auto => {
-                tracing::warn!(
-                    "--backend auto: {}; running on the CPU backend (the CUDA stage worker is not implemented yet)",
-                    cuda_status()
-                );
-                Ok(Backend::Cpu)
-            }
+            Backend::Cuda => match cuda_usable() {
+                Ok(()) => Ok(Backend::Cuda),
+                Err(why) => bail!("--backend cuda: {why}; run on --backend cpu instead"),
+            },
+            Backend::Auto => match cuda_usable() {
+                Ok(()) => Ok(Backend::Cuda),
+                Err(why) => {
+                    tracing::warn!("--backend auto: {why}; running on the CPU backend");
+                    Ok(Backend::Cpu)
+                }
+            },
         }
     }
 }
 
-/// Whether this build can use a GPU here, in words.
-pub(super) fn cuda_status() -> String {
+/// Whether the CUDA backend can run here (a GPU and NVRTC), or why not.
+fn cuda_usable() -> std::result::Result<(), String> {
     #[cfg(feature = "cuda")]
     {
-        match flatpipe_executor::cuda::probe() {
-            Ok(d) => format!(
-                "found {} x {} ({} GiB, compute capability {}.{})",
-                d.count,
-                d.name,
-                d.total_bytes >> 30,
-                d.compute_capability.0,
-                d.compute_capability.1
-            ),
-            Err(e) => e.to_string(),
-        }
+        flatpipe_executor::cuda::probe().map_err(|e| e.to_string())?;
+        flatpipe_executor::cuda::nvrtc_present().map_err(|e| e.to_string())
     }
     #[cfg(not(feature = "cuda"))]
     {
-        "this flatpipe was built without the `cuda` feature".to_string()
+        Err("this flatpipe was built without the `cuda` feature".to_string())
     }
 }
 
@@ -463,7 +542,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         memory_limit_bytes: zb_limit,
     };
     let backend = a.backend.resolve_for_stages()?;
-    let mut exec = Executor::cpu(&setup)?;
+    let mut exec = AnyExecutor::new(backend, &setup, a.precision)?;
     let mut reference = if a.verify {
         Some(Reference::new(&setup)?)
     } else {
@@ -626,7 +705,10 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         dp,
         pp,
         vpp: v,
-        backend: backend.name().to_string(),
+        backend: match backend {
+            Backend::Cuda => format!("cuda ({} GEMMs)", a.precision.name()),
+            _ => backend.name().to_string(),
+        },
         steps: rows,
         median_abs_rel_error,
         prediction,

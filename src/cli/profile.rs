@@ -13,15 +13,19 @@ pub(super) struct ProfileArgs {
     /// Model (YAML file or built-in name). Default tiny.
     #[arg(long, default_value = "tiny")]
     model: String,
+    /// GEMM arithmetic on --backend cuda (bf16: tensor-core math with fp32 accumulation).
+    #[arg(long, value_enum, default_value_t = execute::GemmPrecision::Fp32)]
+    precision: execute::GemmPrecision,
     /// Hardware description to start from (memory, peak FLOP/s); the profile replaces its
-    /// name and links with what was measured. Default cpu.
-    #[arg(long, default_value = "cpu")]
-    hardware: String,
-    /// A coarse grid (T in 128..2048, 3 timed rounds): about 15 s for tiny on 2 cores.
+    /// name and links with what was measured. Default cpu (h200 on --backend cuda).
+    #[arg(long)]
+    hardware: Option<String>,
+    /// A coarse grid (T in 128..2048, 3 timed rounds): about 15 s for tiny on 2 cores. (On a
+    /// GPU the grid is T in {1024, 4096, 16384} either way.)
     #[arg(long)]
     quick: bool,
     /// Threads running the same kernels at once while measuring: the ranks that will share this
-    /// machine (a 2-rank plan on 2 cores: 2). Default 1.
+    /// machine (a 2-rank plan on 2 cores: 2; on a GPU, p ranks as p busy streams). Default 1.
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
     /// Where to write the profile (YAML, atomically).
@@ -59,32 +63,67 @@ pub(super) fn today() -> String {
     time::OffsetDateTime::now_utc().date().to_string()
 }
 
-/// Measures `model` on the CPU backend with `cfg` (progress bar on stderr) and returns the
-/// profile.
+/// The grid for `backend` (already resolved: cpu or cuda): the CPU's quick or full grid, or on a
+/// GPU T in {1024, 4096, 16384}.
+pub(super) fn default_config(backend: execute::Backend, quick: bool) -> ProfileConfig {
+    #[cfg(feature = "cuda")]
+    if backend == execute::Backend::Cuda {
+        return flatpipe_executor::cuda::profile::gpu_config();
+    }
+    let _ = backend;
+    if quick {
+        ProfileConfig::quick()
+    } else {
+        ProfileConfig::full()
+    }
+}
+
+/// Measures `model` on `backend` (resolved: cpu or cuda) with `cfg` (progress bar on stderr)
+/// and returns the profile. `hardware` defaults to the built-in `cpu` or `h200`.
 pub(super) fn measure(
+    backend: execute::Backend,
+    precision: execute::GemmPrecision,
     model: &profiles::ModelSpec,
-    hardware: &profiles::Hardware,
+    hardware: Option<&str>,
     cfg: &ProfileConfig,
 ) -> Result<Profile> {
+    precision.check(backend)?;
     let bar = indicatif::ProgressBar::new(profiler::grid_points(model, cfg));
     if let Ok(style) =
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed} profiling {msg}")
     {
         bar.set_style(style);
     }
-    let measured = profiler::profile_cpu(model, cfg, &|what| {
+    let progress = |what: &str| {
         bar.set_message(what.to_string());
         bar.inc(1);
-    })?;
+    };
+    let (measured, device, hw) = match backend {
+        #[cfg(feature = "cuda")]
+        execute::Backend::Cuda => {
+            use flatpipe_executor::cuda::profile as gpu;
+            let (m, info) = gpu::profile_cuda(model, cfg, precision.cuda(), &progress)?;
+            let mut device = gpu::device_name(&info, precision.cuda());
+            if cfg.concurrency > 1 {
+                device.push_str(&format!(", {} streams busy", cfg.concurrency));
+            }
+            (m, device, hardware.unwrap_or("h200"))
+        }
+        _ => {
+            let m = profiler::profile_cpu(model, cfg, &progress)?;
+            let device = format!(
+                "cpu: {} (1 thread per rank, {} busy)",
+                profiler::cpu_name(),
+                cfg.concurrency
+            );
+            (m, device, hardware.unwrap_or("cpu"))
+        }
+    };
     bar.finish_and_clear();
-    let device = format!(
-        "cpu: {} (1 thread per rank, {} busy)",
-        profiler::cpu_name(),
-        cfg.concurrency
-    );
+    let hardware = builtins::hardware(hw)?;
     Ok(profiler::to_profile(
         model,
-        hardware,
+        &hardware,
         &device,
         Some(today()),
         cfg,
@@ -92,96 +131,47 @@ pub(super) fn measure(
     )?)
 }
 
-/// `--backend cuda`: the device and cuBLAS fp32 GEMM rates at Llama-3.1-8B's layer shapes.
-/// The per-layer F / I / W profile on the GPU needs the CUDA stage worker (not implemented yet).
-fn cuda_gemms(a: &ProfileArgs) -> Result<ExitCode> {
-    #[cfg(feature = "cuda")]
-    {
-        use flatpipe_executor::cuda;
-        let dev = cuda::probe()?;
-        #[derive(Serialize)]
-        struct Row {
-            gemm: String,
-            m: usize,
-            k: usize,
-            n: usize,
-            ms: f64,
-            tflops: f64,
+/// cuBLAS GEMM rates at Llama-3.1-8B's layer shapes (fp32, and bf16 storage with fp32
+/// accumulation), for the report's notes.
+#[cfg(feature = "cuda")]
+fn gemm_rates() -> Result<Vec<String>> {
+    use flatpipe_executor::cuda;
+    let mut lines = Vec::new();
+    for t in [4096usize, 16384] {
+        let mut parts = Vec::new();
+        for (name, k, n) in [
+            ("qkv", 4096, 6144),
+            ("o", 4096, 4096),
+            ("gate+up", 4096, 28672),
+            ("down", 14336, 4096),
+        ] {
+            let f = cuda::time_gemm_f32((t, k, n), 2, 5)?;
+            let b = cuda::time_gemm_bf16((t, k, n), 2, 5)?;
+            parts.push(format!("{name} {:.0}/{:.0}", f.tflops, b.tflops));
         }
-        let mut rows = Vec::new();
-        for t in [4096usize, 16384] {
-            for (name, k, n) in [
-                ("qkv", 4096, 6144),
-                ("o", 4096, 4096),
-                ("gate+up", 4096, 28672),
-                ("down", 14336, 4096),
-            ] {
-                let g = cuda::time_gemm_f32((t, k, n), 2, 5)?;
-                rows.push(Row {
-                    gemm: format!("{name} T={t}"),
-                    m: t,
-                    k,
-                    n,
-                    ms: g.ms,
-                    tflops: g.tflops,
-                });
-            }
-        }
-        let mut tab = new_table(&["GEMM (fp32)", "m", "k", "n", "time", "TFLOP/s"]);
-        for r in &rows {
-            tab.add_row([
-                r.gemm.clone(),
-                r.m.to_string(),
-                r.k.to_string(),
-                r.n.to_string(),
-                format!("{:.3} ms", r.ms),
-                format!("{:.1}", r.tflops),
-            ]);
-        }
-        let header = format!(
-            "{} x {} ({} GiB): cuBLAS fp32 GEMMs at Llama-3.1-8B layer shapes (CUDA events, median of 5)",
-            dev.count,
-            dev.name,
-            dev.total_bytes >> 30
-        );
-        let notes = vec![format!(
-            "the per-layer F / I / W profile of {} on the GPU needs the CUDA stage worker, not implemented yet",
-            a.model
-        )];
-        emit(a.format, &rows, &header, &tab, &notes)
+        lines.push(format!(
+            "cuBLAS TFLOP/s at Llama-3.1-8B shapes, T = {t}, fp32/bf16: {}",
+            parts.join(", ")
+        ));
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        bail!(
-            "--backend cuda: {} (profile {})",
-            execute::cuda_status(),
-            a.model
-        )
-    }
+    Ok(lines)
 }
 
 pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
-    match a.backend {
-        execute::Backend::Cuda => return cuda_gemms(&a),
-        execute::Backend::Auto => {
-            a.backend.resolve_for_stages()?;
-        }
-        execute::Backend::Cpu => {}
-    }
+    let backend = a.backend.resolve_for_stages()?;
+    a.precision.check(backend)?;
     profiles::check_writable(&a.output)?;
     let model = builtins::model(&a.model)?;
-    let hardware = builtins::hardware(&a.hardware)?;
-    if a.concurrency == 0 {
-        bail!("--concurrency = 0 is invalid: >= 1 thread");
+    if let Some(hw) = &a.hardware {
+        builtins::hardware(hw)?;
     }
-    let mut cfg = if a.quick {
-        ProfileConfig::quick()
-    } else {
-        ProfileConfig::full()
-    };
+    if a.concurrency == 0 {
+        bail!("--concurrency = 0 is invalid: >= 1 thread (or stream)");
+    }
+    let mut cfg = default_config(backend, a.quick);
     cfg.concurrency = a.concurrency;
     let start = std::time::Instant::now();
-    let profile = measure(&model, &hardware, &cfg)?;
+    let profile = measure(backend, a.precision, &model, a.hardware.as_deref(), &cfg)?;
     profiles::write_atomic(&a.output, profile.to_yaml()?.as_bytes())?;
     let mut fits = Vec::new();
     for fq in &profile.provenance.fits {
@@ -237,7 +227,8 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
             pct(f.max_rel_residual),
         ]);
     }
-    let notes = vec![
+    #[allow(unused_mut)]
+    let mut notes = vec![
         format!(
             "link: {:.1} us + bytes / {:.3e} B/s; optimizer: {:.2} ns per parameter",
             report.link_alpha_s * 1e6,
@@ -249,5 +240,9 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
             report.output, report.output
         ),
     ];
+    #[cfg(feature = "cuda")]
+    if backend == execute::Backend::Cuda {
+        notes.extend(gemm_rates()?);
+    }
     emit(a.format, &report, &header, &t, &notes)
 }

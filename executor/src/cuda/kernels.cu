@@ -551,3 +551,16 @@ extern "C" __global__ void adamw(float* p, const float* grad, float* m, float* v
         p[i] -= lr * (update + wd * p[i]);
     }
 }
+
+// p[i] = scale * (2 u - 1), u uniform in [0, 1) from splitmix64(seed + i * golden): a fast
+// initialisation of large models for timing (not the CPU backend's weights).
+extern "C" __global__ void init_uniform(float* p, i64 n, unsigned long long seed, float scale) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        float u = (float)(z >> 40) / 16777216.0f;
+        p[i] = scale * (2.0f * u - 1.0f);
+    }
+}

@@ -62,8 +62,14 @@ pub fn norm_dg(t: usize, h: usize) -> Shape {
 /// Attention over `tiles` (a [`tiles`] list, 4 values per tile) and `heads` heads (query heads for
 /// the forward and dq, key/value heads for dk/dv).
 pub fn attention(tiles: &[i32], heads: usize) -> Shape {
+    attention_tiles(tiles.len() / 4, heads)
+}
+
+/// Attention over `count` tiles and `heads` heads (at least one block: an empty tile list is
+/// launched with the one dummy tile `(0, 0, 0, 0)`, which writes nothing).
+pub fn attention_tiles(count: usize, heads: usize) -> Shape {
     Shape {
-        grid: (to_u32((tiles.len() / 4).max(1)), to_u32(heads)),
+        grid: (to_u32(count.max(1)), to_u32(heads)),
         block: NT_ATT,
     }
 }

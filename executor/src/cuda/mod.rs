@@ -1,22 +1,30 @@
-//! The CUDA side (feature `cuda`): finding a device without ever panicking, and cuBLAS GEMMs with
-//! CUDA-event timing — the first pieces of the CUDA backend.
+//! The CUDA backend (feature `cuda`): the executor and the profiler on NVIDIA GPUs.
 //!
-//! cudarc is built with dynamic loading and an explicit CUDA version (13.0, the H200 hosts'), so
-//! this compiles on machines with no toolkit and no GPU. On a machine without the driver,
-//! cudarc's `CudaContext::new` panics ("Unable to dynamically load the cuda shared library"), so
-//! [`probe`] first asks whether the library can be loaded at all and returns
-//! [`Error::NoDevice`] with the reason otherwise.
+//! - [`context`] / [`probe`]: device 0, or why there is none, never a panic. cudarc is built with
+//!   dynamic loading and an explicit CUDA version (13.0, the H200 hosts'), so this compiles on
+//!   machines with no toolkit and no GPU; on a machine without the driver cudarc's
+//!   `CudaContext::new` would panic ("Unable to dynamically load the cuda shared library"), so
+//!   [`context`] first asks whether the library loads and returns [`Error::NoDevice`] otherwise.
+//!   NVRTC is checked the same way ([`nvrtc_present`]).
+//! - `kernels.cu` ([`ops::SOURCE`]): RMSNorm, rotary, SwiGLU, embedding, cross-entropy, varlen
+//!   causal GQA attention forward and backward over `cu_seqlens`, sum of squares and AdamW, as
+//!   CUDA C compiled at run time by NVRTC; [`launch`] has their launch shapes. The same source is
+//!   compiled on the CPU with an emulation header in `tests/cuda_emulated.rs` and checked against
+//!   the CPU backend's kernels, so its logic is tested where there is no GPU.
+//! - [`ops`]: one rank's [`ops::Gpu`] (compute stream, copy stream, cuBLAS handle) and the
+//!   launches; row-major GEMMs through cuBLAS in fp32 or with bf16 tensor-core math.
+//! - [`stage`]: [`stage::CudaStage`], the [`crate::StageWorker`] of the CUDA backend.
+//! - [`profile`]: the profiler on a GPU (CUDA events).
 //!
 //! Layout: flatpipe's tensors are row-major `[rows, cols]`; cuBLAS is column-major. A row-major
 //! `C = A B` (`[m, k] @ [k, n]`) is the column-major `C^T = B^T A^T`, so [`gemm_f32`] calls cuBLAS
 //! with the operands swapped and `(n, m, k)`, no transposition, leading dimensions `n`, `k`, `n`.
-//!
-//! Still to come (see the issue tracker): the CUDA `StageWorker` (NVRTC kernels for RMSNorm,
-//! rotary, SwiGLU, softmax / cross-entropy and varlen attention, the dgrad / wgrad split), ranks
-//! as streams with event dependencies, and the GPU profiler.
 #![allow(unsafe_code)]
 
 pub mod launch;
+pub mod ops;
+pub mod profile;
+pub mod stage;
 
 use crate::{Error, Result};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
@@ -73,6 +81,22 @@ pub fn probe() -> Result<DeviceInfo> {
         total_bytes: ctx.total_mem().map_err(err)?,
         compute_capability: ctx.compute_capability().map_err(err)?,
     })
+}
+
+/// Whether NVRTC (`libnvrtc.so`) can be loaded: the CUDA backend compiles its kernels at run
+/// time.
+///
+/// # Errors
+/// [`Error::NoDevice`] naming the missing library.
+pub fn nvrtc_present() -> Result<()> {
+    // SAFETY: only tries to dlopen libnvrtc and reports whether it loaded.
+    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(no_device(
+            "NVRTC (libnvrtc.so, part of the CUDA toolkit) is not installed: the CUDA backend compiles its kernels at run time",
+        ))
+    }
 }
 
 fn driver(e: cudarc::driver::DriverError) -> Error {
@@ -170,6 +194,80 @@ pub fn time_gemm_f32(
         let start = stream.record_event(flags).map_err(driver)?;
         gemm_f32(&handle, &a, &b, &mut c, (m, k, n))?;
         let end = stream.record_event(flags).map_err(driver)?;
+        times.push(start.elapsed_ms(&end).map_err(driver)? as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    let ms = times[times.len() / 2];
+    Ok(GemmTiming {
+        shape: (m, k, n),
+        ms,
+        tflops: 2.0 * (m * k * n) as f64 / (ms * 1e-3) / 1e12,
+    })
+}
+
+/// Times a GEMM of `(m, k, n)` with bf16 operands and result and fp32 accumulation
+/// (`cublasGemmEx`, `CUDA_R_16BF`, `CUBLAS_COMPUTE_32F`) on device 0 with CUDA events: `warmup`
+/// untimed runs, then the median of `reps`. What a bf16 training run's GEMMs achieve.
+///
+/// # Errors
+/// [`Error::NoDevice`] / [`Error::Cuda`].
+pub fn time_gemm_bf16(
+    (m, k, n): (usize, usize, usize),
+    warmup: u32,
+    reps: u32,
+) -> Result<GemmTiming> {
+    use cudarc::cublas::sys as cs;
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
+    let ctx = context()?;
+    let stream: Arc<CudaStream> = ctx.default_stream();
+    let handle = CudaBlas::new(stream.clone()).map_err(blas)?;
+    // bf16 bit patterns of 0.5 and 0.25.
+    let a = stream.clone_htod(&vec![0x3F00u16; m * k]).map_err(driver)?;
+    let b = stream.clone_htod(&vec![0x3E80u16; k * n]).map_err(driver)?;
+    let mut c = stream.alloc_zeros::<u16>(m * n).map_err(driver)?;
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let mut run = || -> Result<()> {
+        let (bp, _rb) = b.device_ptr(&stream);
+        let (ap, _ra) = a.device_ptr(&stream);
+        let (cp, _rc) = c.device_ptr_mut(&stream);
+        let bf16 = cs::cudaDataType_t::CUDA_R_16BF;
+        // SAFETY: the buffers hold k x n, m x k and m x n bf16 values; column-major
+        // C^T [n, m] = B^T A^T as in `gemm_f32`; all on the handle's stream.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *handle.handle(),
+                cs::cublasOperation_t::CUBLAS_OP_N,
+                cs::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                bp as *const _,
+                bf16,
+                n as i32,
+                ap as *const _,
+                bf16,
+                k as i32,
+                (&beta) as *const f32 as *const _,
+                cp as *mut _,
+                bf16,
+                n as i32,
+                cs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas)
+    };
+    for _ in 0..warmup {
+        run()?;
+    }
+    let mut times = Vec::with_capacity(reps.max(1) as usize);
+    for _ in 0..reps.max(1) {
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = stream.record_event(flags).map_err(driver)?;
+        run()?;
+        let end = stream.record_event(flags).map_err(driver)?;
+        end.synchronize().map_err(driver)?;
         times.push(start.elapsed_ms(&end).map_err(driver)? as f64);
     }
     times.sort_by(f64::total_cmp);

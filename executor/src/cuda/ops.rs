@@ -1,0 +1,775 @@
+//! The kernels of `kernels.cu` compiled with NVRTC and launched on a stream, and row-major GEMMs
+//! through cuBLAS: the building blocks of [`super::stage::CudaStage`].
+//!
+//! Every tensor is an fp32 [`CudaSlice`] holding a row-major `[rows, cols]` matrix. Launches are
+//! asynchronous on the [`Gpu`]'s stream; cudarc records a read and a write event on every slice a
+//! launch touches, so a tensor made on one rank's stream and used on another's makes the second
+//! stream wait on the first's event (no host synchronisation).
+
+use super::launch::{self, Shape};
+use super::{blas, driver};
+use crate::{Error, Result};
+use cudarc::cublas::{CudaBlas, sys as cublas_sys};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The kernels' CUDA C source.
+pub const SOURCE: &str = include_str!("kernels.cu");
+
+/// Every kernel of [`SOURCE`].
+pub const KERNELS: &[&str] = &[
+    "add_inplace",
+    "swiglu_fwd",
+    "swiglu_bwd",
+    "rmsnorm_fwd",
+    "rmsnorm_dx",
+    "rmsnorm_dg",
+    "rope",
+    "embedding_fwd",
+    "embedding_bwd",
+    "cross_entropy_fwd",
+    "loss_sums",
+    "cross_entropy_bwd",
+    "attn_fwd",
+    "attn_bwd_delta",
+    "attn_bwd_dq",
+    "attn_bwd_dkdv",
+    "sum_squares",
+    "adamw",
+    "init_uniform",
+];
+
+/// Compiles [`SOURCE`] to PTX with NVRTC for head dimension `head_dim` and, when given, compute
+/// capability `arch` (`(9, 0)` for an H200). Needs only NVRTC (`libnvrtc.so`), no GPU.
+///
+/// # Errors
+/// [`Error::NoDevice`] when NVRTC is not installed; [`Error::Cuda`] with NVRTC's log on a compile
+/// error; [`Error::Unsupported`] for a head dimension outside `2..=128` or odd.
+pub fn compile(head_dim: usize, arch: Option<(i32, i32)>) -> Result<Ptx> {
+    if !(2..=launch::MAX_HEAD_DIM).contains(&head_dim) || head_dim % 2 != 0 {
+        return Err(Error::Unsupported(format!(
+            "head dimension {head_dim}: the CUDA attention kernels take even head dimensions up to {}",
+            launch::MAX_HEAD_DIM
+        )));
+    }
+    super::nvrtc_present()?;
+    let mut options = vec![format!("-DHEAD_DIM={head_dim}")];
+    if let Some((major, minor)) = arch {
+        options.push(format!("--gpu-architecture=compute_{major}{minor}"));
+    }
+    let opts = CompileOptions {
+        options,
+        name: Some("flatpipe_kernels.cu".into()),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
+        .map_err(|e| Error::Cuda(format!("NVRTC could not compile the kernels: {e:?}")))
+}
+
+/// The compiled kernels of one head dimension, loaded into a context.
+#[derive(Debug)]
+pub struct Kernels {
+    _module: Arc<CudaModule>,
+    fns: HashMap<&'static str, CudaFunction>,
+    /// The head dimension the attention kernels were compiled for.
+    pub head_dim: usize,
+}
+
+impl Kernels {
+    /// The kernels for `head_dim` in `ctx`, compiled once per process and head dimension.
+    ///
+    /// # Errors
+    /// See [`compile`]; [`Error::Cuda`] when the driver cannot load the module.
+    pub fn get(ctx: &Arc<CudaContext>, head_dim: usize) -> Result<Arc<Kernels>> {
+        static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Kernels>>>> = OnceLock::new();
+        let cache = CACHE.get_or_init(Default::default);
+        if let Some(k) = cache.lock().map_err(poisoned)?.get(&head_dim) {
+            return Ok(Arc::clone(k));
+        }
+        let cc = ctx.compute_capability().map_err(driver)?;
+        let module = ctx
+            .load_module(compile(head_dim, Some(cc))?)
+            .map_err(driver)?;
+        let mut fns = HashMap::new();
+        for &name in KERNELS {
+            fns.insert(name, module.load_function(name).map_err(driver)?);
+        }
+        let k = Arc::new(Kernels {
+            _module: module,
+            fns,
+            head_dim,
+        });
+        cache
+            .lock()
+            .map_err(poisoned)?
+            .insert(head_dim, Arc::clone(&k));
+        Ok(k)
+    }
+
+    fn f(&self, name: &str) -> &CudaFunction {
+        // Every name used below is in KERNELS, all loaded in `get`.
+        &self.fns[name]
+    }
+}
+
+fn poisoned<T>(_: T) -> Error {
+    Error::Cuda("a thread panicked while compiling the kernels".into())
+}
+
+fn cfg(s: Shape) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (s.grid.0, s.grid.1, 1),
+        block_dim: (s.block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// GEMM arithmetic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// fp32 in, fp32 math (the correctness path, comparable to the CPU backend).
+    #[default]
+    Fp32,
+    /// fp32 tensors, bf16 tensor-core math with fp32 accumulation
+    /// (`CUBLAS_COMPUTE_32F_FAST_16BF`): the speed of bf16 GEMMs, fp32 storage.
+    Bf16,
+}
+
+/// One rank's stream with its compiled kernels and cuBLAS handle.
+#[derive(Debug)]
+pub struct Gpu {
+    /// The rank's compute stream.
+    pub stream: Arc<CudaStream>,
+    /// The stream transfers out of this rank are copied on.
+    pub copy_stream: Arc<CudaStream>,
+    /// The kernels.
+    pub kernels: Arc<Kernels>,
+    /// cuBLAS bound to `stream`.
+    pub blas: CudaBlas,
+    /// GEMM arithmetic.
+    pub precision: Precision,
+}
+
+/// A device tensor (fp32).
+pub type Buf = CudaSlice<f32>;
+
+impl Gpu {
+    /// A new rank on `ctx`: its own compute and copy streams.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] from the driver, cuBLAS or NVRTC.
+    pub fn new(ctx: &Arc<CudaContext>, head_dim: usize, precision: Precision) -> Result<Self> {
+        let kernels = Kernels::get(ctx, head_dim)?;
+        let stream = ctx.new_stream().map_err(driver)?;
+        let copy_stream = ctx.new_stream().map_err(driver)?;
+        let blas = CudaBlas::new(stream.clone()).map_err(blas)?;
+        Ok(Gpu {
+            stream,
+            copy_stream,
+            kernels,
+            blas,
+            precision,
+        })
+    }
+
+    /// An uninitialised `[n]` tensor (every caller's kernel writes all of it).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] (out of memory).
+    pub fn empty(&self, n: usize) -> Result<Buf> {
+        // SAFETY: the memory is only read after a kernel or copy has written all of it.
+        unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(driver)
+    }
+
+    /// A `[n]` tensor of zeros.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn zeros(&self, n: usize) -> Result<Buf> {
+        self.stream.alloc_zeros::<f32>(n.max(1)).map_err(driver)
+    }
+
+    /// Uploads `v`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(v).map_err(driver)
+    }
+
+    /// Copies `v` into `dst` (`dst.len() >= v.len()`).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn upload_into(&self, v: &[f32], dst: &mut Buf) -> Result<()> {
+        if dst.len() < v.len() {
+            return Err(Error::Invalid(format!(
+                "upload of {} values into a buffer of {}",
+                v.len(),
+                dst.len()
+            )));
+        }
+        self.stream.memcpy_htod(v, dst).map_err(driver)
+    }
+
+    /// Downloads `v` (waits for the stream).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn download<T: cudarc::driver::DeviceRepr>(&self, v: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.stream.clone_dtoh(v).map_err(driver)
+    }
+
+    /// A device-to-device copy of `src` on the copy stream (what a transfer between two ranks on
+    /// one GPU is).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn copy_out(&self, src: &Buf) -> Result<Buf> {
+        // SAFETY: the copy below writes all of it before anyone reads it.
+        let mut dst = unsafe { self.copy_stream.alloc::<f32>(src.len().max(1)) }.map_err(driver)?;
+        self.copy_stream
+            .memcpy_dtod(src, &mut dst)
+            .map_err(driver)?;
+        Ok(dst)
+    }
+
+    /// Row-major `c [m, n] = op(a) op(b) + beta c` with `op(a)` `[m, k]` (`a` stored `[k, m]`
+    /// when `ta`) and `op(b)` `[k, n]` (`b` stored `[n, k]` when `tb`), through cuBLAS's
+    /// column-major GEMM as `c^T = op(b)^T op(a)^T`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when a buffer is smaller than its shape; [`Error::Cuda`] from cuBLAS.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        a: &Buf,
+        ta: bool,
+        b: &Buf,
+        tb: bool,
+        c: &mut Buf,
+        (m, k, n): (usize, usize, usize),
+        beta: f32,
+    ) -> Result<()> {
+        if a.len() < m * k || b.len() < k * n || c.len() < m * n {
+            return Err(Error::Invalid(format!(
+                "gemm [{m}, {k}] @ [{k}, {n}]: buffers of {}, {} and {} values are too small",
+                a.len(),
+                b.len(),
+                c.len()
+            )));
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        let lda = if tb { k } else { n };
+        let ldb = if ta { m } else { k };
+        let compute = match self.precision {
+            Precision::Fp32 => cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            Precision::Bf16 => cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+        };
+        let alpha = 1.0f32;
+        let stream = &self.stream;
+        let (bp, _rb) = b.device_ptr(stream);
+        let (ap, _ra) = a.device_ptr(stream);
+        let (cp, _rc) = c.device_ptr_mut(stream);
+        let f32t = cublas_sys::cudaDataType_t::CUDA_R_32F;
+        // SAFETY: the shapes were checked against the buffers' lengths above; cuBLAS reads
+        // op(b) and op(a) and writes c, all on this stream, whose handle `blas` is; the
+        // SyncOnDrop guards record the accesses after the call is enqueued.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                op(tb),
+                op(ta),
+                n as i32,
+                m as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                bp as *const _,
+                f32t,
+                lda as i32,
+                ap as *const _,
+                f32t,
+                ldb as i32,
+                (&beta) as *const f32 as *const _,
+                cp as *mut _,
+                f32t,
+                n as i32,
+                compute,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas)
+    }
+
+    /// `x [t, din] @ w [din, dout]` -> `[t, dout]` (a linear layer's forward).
+    ///
+    /// # Errors
+    /// As [`Gpu::gemm`].
+    pub fn linear(&self, x: &Buf, w: &Buf, t: usize, din: usize, dout: usize) -> Result<Buf> {
+        let mut y = self.empty(t * dout)?;
+        self.gemm(x, false, w, false, &mut y, (t, din, dout), 0.0)?;
+        Ok(y)
+    }
+
+    /// `dy [t, dout] @ w^T` accumulated into (`beta = 1`) or written to `dx [t, din]` (dgrad).
+    ///
+    /// # Errors
+    /// As [`Gpu::gemm`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_dx(
+        &self,
+        dy: &Buf,
+        w: &Buf,
+        dx: &mut Buf,
+        t: usize,
+        din: usize,
+        dout: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        self.gemm(dy, false, w, true, dx, (t, dout, din), beta)
+    }
+
+    /// `dw [din, dout] += x^T [din, t] @ dy [t, dout]` (wgrad).
+    ///
+    /// # Errors
+    /// As [`Gpu::gemm`].
+    pub fn linear_dw(
+        &self,
+        dw: &mut Buf,
+        x: &Buf,
+        dy: &Buf,
+        t: usize,
+        din: usize,
+        dout: usize,
+    ) -> Result<()> {
+        self.gemm(x, true, dy, false, dw, (din, t, dout), 1.0)
+    }
+
+    /// `y += x` over `n` values.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn add_inplace(&self, y: &mut Buf, x: &Buf, n: usize) -> Result<()> {
+        let n64 = n as i64;
+        let mut b = self.stream.launch_builder(self.kernels.f("add_inplace"));
+        b.arg(y).arg(x).arg(&n64);
+        // SAFETY: `add_inplace(float* y, const float* x, i64 n)`, both of at least n values.
+        unsafe { b.launch(cfg(launch::elementwise(n))) }.map_err(driver)?;
+        Ok(())
+    }
+
+    /// RMSNorm of `x [t, h]` with weight `g [h]`: `(y, xhat, rstd [t])`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn rmsnorm(&self, x: &Buf, g: &Buf, t: usize, h: usize) -> Result<(Buf, Buf, Buf)> {
+        let (mut y, mut xhat, mut rstd) = (self.empty(t * h)?, self.empty(t * h)?, self.empty(t)?);
+        let (ti, hi) = (t as i32, h as i32);
+        let mut b = self.stream.launch_builder(self.kernels.f("rmsnorm_fwd"));
+        b.arg(x)
+            .arg(g)
+            .arg(&mut y)
+            .arg(&mut xhat)
+            .arg(&mut rstd)
+            .arg(&ti)
+            .arg(&hi);
+        // SAFETY: the kernel's signature; every buffer holds t * h (rstd: t) values.
+        unsafe { b.launch(cfg(launch::per_row(t))) }.map_err(driver)?;
+        Ok((y, xhat, rstd))
+    }
+
+    /// RMSNorm dgrad `[t, h]`, plus `residual` when given.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_dx(
+        &self,
+        dy: &Buf,
+        xhat: &Buf,
+        rstd: &Buf,
+        g: &Buf,
+        residual: Option<&Buf>,
+        t: usize,
+        h: usize,
+    ) -> Result<Buf> {
+        let mut dx = self.empty(t * h)?;
+        let (ti, hi) = (t as i32, h as i32);
+        let null = 0u64;
+        let mut b = self.stream.launch_builder(self.kernels.f("rmsnorm_dx"));
+        b.arg(dy).arg(xhat).arg(rstd).arg(g);
+        match residual {
+            Some(r) => b.arg(r),
+            None => b.arg(&null),
+        };
+        b.arg(&mut dx).arg(&ti).arg(&hi);
+        // SAFETY: the kernel's signature (a null residual pointer skips the add).
+        unsafe { b.launch(cfg(launch::per_row(t))) }.map_err(driver)?;
+        Ok(dx)
+    }
+
+    /// RMSNorm wgrad: `dg [h] += Σ_t dy * xhat`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn rmsnorm_dg(&self, dg: &mut Buf, dy: &Buf, xhat: &Buf, t: usize, h: usize) -> Result<()> {
+        let (ti, hi, rows) = (t as i32, h as i32, launch::DG_ROWS as i32);
+        let mut b = self.stream.launch_builder(self.kernels.f("rmsnorm_dg"));
+        b.arg(dg).arg(dy).arg(xhat).arg(&ti).arg(&hi).arg(&rows);
+        // SAFETY: the kernel's signature.
+        unsafe { b.launch(cfg(launch::norm_dg(t, h))) }.map_err(driver)?;
+        Ok(())
+    }
+
+    /// Rotary embedding in place on `x [t, heads * d]`; `pos [t]`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn rope(
+        &self,
+        x: &mut Buf,
+        pos: &CudaSlice<i32>,
+        t: usize,
+        heads: usize,
+        inverse: bool,
+    ) -> Result<()> {
+        let d = self.kernels.head_dim;
+        let (ti, hi, di, inv) = (t as i32, heads as i32, d as i32, inverse as i32);
+        let mut b = self.stream.launch_builder(self.kernels.f("rope"));
+        b.arg(x).arg(pos).arg(&ti).arg(&hi).arg(&di).arg(&inv);
+        // SAFETY: the kernel's signature.
+        unsafe { b.launch(cfg(launch::elementwise(t * heads * d / 2))) }.map_err(driver)?;
+        Ok(())
+    }
+
+    /// `silu(gate) * up` over `n` values.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn swiglu(&self, gate: &Buf, up: &Buf, n: usize) -> Result<Buf> {
+        let mut act = self.empty(n)?;
+        let n64 = n as i64;
+        let mut b = self.stream.launch_builder(self.kernels.f("swiglu_fwd"));
+        b.arg(gate).arg(up).arg(&mut act).arg(&n64);
+        // SAFETY: the kernel's signature.
+        unsafe { b.launch(cfg(launch::elementwise(n))) }.map_err(driver)?;
+        Ok(act)
+    }
+
+    /// SwiGLU backward: `(dgate, dup)`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn swiglu_backward(&self, d: &Buf, gate: &Buf, up: &Buf, n: usize) -> Result<(Buf, Buf)> {
+        let (mut dg, mut du) = (self.empty(n)?, self.empty(n)?);
+        let n64 = n as i64;
+        let mut b = self.stream.launch_builder(self.kernels.f("swiglu_bwd"));
+        b.arg(d)
+            .arg(gate)
+            .arg(up)
+            .arg(&mut dg)
+            .arg(&mut du)
+            .arg(&n64);
+        // SAFETY: the kernel's signature.
+        unsafe { b.launch(cfg(launch::elementwise(n))) }.map_err(driver)?;
+        Ok((dg, du))
+    }
+
+    /// Rows `ids [t]` of `table [V, h]`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn embedding(&self, table: &Buf, ids: &CudaSlice<u32>, t: usize, h: usize) -> Result<Buf> {
+        let mut y = self.empty(t * h)?;
+        let (ti, hi) = (t as i32, h as i32);
+        let mut b = self.stream.launch_builder(self.kernels.f("embedding_fwd"));
+        b.arg(table).arg(ids).arg(&mut y).arg(&ti).arg(&hi);
+        // SAFETY: the kernel's signature; ids < V was checked when the data was built.
+        unsafe { b.launch(cfg(launch::per_row(t))) }.map_err(driver)?;
+        Ok(y)
+    }
+
+    /// `dtable[ids[t]] += dy[t]`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn embedding_backward(
+        &self,
+        dtable: &mut Buf,
+        dy: &Buf,
+        ids: &CudaSlice<u32>,
+        t: usize,
+        h: usize,
+    ) -> Result<()> {
+        let (ti, hi) = (t as i32, h as i32);
+        let mut b = self.stream.launch_builder(self.kernels.f("embedding_bwd"));
+        b.arg(dtable).arg(dy).arg(ids).arg(&ti).arg(&hi);
+        // SAFETY: the kernel's signature.
+        unsafe { b.launch(cfg(launch::per_row(t))) }.map_err(driver)?;
+        Ok(())
+    }
+
+    /// Cross-entropy of `logits [t, v]`: `(lse [t], per-token loss [t], loss sums [2] as
+    /// (Σ w loss, Σ loss) in f64)`; nothing is read back (the sums stay on the device).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn cross_entropy(
+        &self,
+        logits: &Buf,
+        labels: &CudaSlice<u32>,
+        weights: &Buf,
+        t: usize,
+        v: usize,
+    ) -> Result<(Buf, CudaSlice<f64>)> {
+        let (mut lse, mut loss) = (self.empty(t)?, self.empty(t)?);
+        let (ti, vi) = (t as i32, v as i32);
+        let mut b = self
+            .stream
+            .launch_builder(self.kernels.f("cross_entropy_fwd"));
+        b.arg(logits)
+            .arg(labels)
+            .arg(&mut lse)
+            .arg(&mut loss)
+            .arg(&ti)
+            .arg(&vi);
+        // SAFETY: the kernel's signature; labels < V.
+        unsafe { b.launch(cfg(launch::per_row(t))) }.map_err(driver)?;
+        let mut sums = self.stream.alloc_zeros::<f64>(2).map_err(driver)?;
+        let mut b = self.stream.launch_builder(self.kernels.f("loss_sums"));
+        b.arg(&loss).arg(weights).arg(&ti).arg(&mut sums);
+        let one = Shape {
+            grid: (1, 1),
+            block: launch::NT_ROW,
+        };
+        // SAFETY: the kernel's signature; one block.
+        unsafe { b.launch(cfg(one)) }.map_err(driver)?;
+        Ok((lse, sums))
+    }
+
+    /// Cross-entropy dgrad `[t, v]`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_backward(
+        &self,
+        logits: &Buf,
+        lse: &Buf,
+        labels: &CudaSlice<u32>,
+        weights: &Buf,
+        t: usize,
+        v: usize,
+    ) -> Result<Buf> {
+        let mut d = self.empty(t * v)?;
+        let (ti, vi) = (t as i32, v as i32);
+        let mut b = self
+            .stream
+            .launch_builder(self.kernels.f("cross_entropy_bwd"));
+        b.arg(logits)
+            .arg(lse)
+            .arg(labels)
+            .arg(weights)
+            .arg(&mut d)
+            .arg(&ti)
+            .arg(&vi);
+        // SAFETY: the kernel's signature.
+        unsafe { b.launch(cfg(launch::elementwise(t * v))) }.map_err(driver)?;
+        Ok(d)
+    }
+
+    /// Varlen causal GQA attention: `(o [t, heads*d], lse [t, heads])` from `q [t, heads*d]`,
+    /// `k, v [t, kv_heads*d]` and the microbatch's `tiles` ([`launch::tiles`]).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        tiles: &Tiles,
+        t: usize,
+        heads: usize,
+        kv_heads: usize,
+    ) -> Result<(Buf, Buf)> {
+        let d = self.kernels.head_dim;
+        let (mut o, mut lse) = (self.empty(t * heads * d)?, self.empty(t * heads)?);
+        let (hi, kvi, scale) = (heads as i32, kv_heads as i32, 1.0 / (d as f32).sqrt());
+        let mut b = self.stream.launch_builder(self.kernels.f("attn_fwd"));
+        b.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(&mut o)
+            .arg(&mut lse)
+            .arg(&tiles.dev)
+            .arg(&hi)
+            .arg(&kvi)
+            .arg(&scale);
+        // SAFETY: the kernel's signature; tiles cover [0, t) without crossing a sequence.
+        unsafe { b.launch(cfg(tiles.shape(heads))) }.map_err(driver)?;
+        Ok((o, lse))
+    }
+
+    /// Attention backward: `(dq, dk, dv)` (FlashAttention-2's, Dao 2023).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
+        &self,
+        dout: &Buf,
+        (q, k, v, o, lse): (&Buf, &Buf, &Buf, &Buf, &Buf),
+        tiles: &Tiles,
+        t: usize,
+        heads: usize,
+        kv_heads: usize,
+    ) -> Result<(Buf, Buf, Buf)> {
+        let d = self.kernels.head_dim;
+        let (ti, hi, kvi, scale) = (
+            t as i32,
+            heads as i32,
+            kv_heads as i32,
+            1.0 / (d as f32).sqrt(),
+        );
+        let mut delta = self.empty(t * heads)?;
+        let mut b = self.stream.launch_builder(self.kernels.f("attn_bwd_delta"));
+        b.arg(dout).arg(o).arg(&mut delta).arg(&ti).arg(&hi);
+        // SAFETY: the kernel's signature.
+        unsafe { b.launch(cfg(launch::elementwise(t * heads))) }.map_err(driver)?;
+        let mut dq = self.empty(t * heads * d)?;
+        let mut b = self.stream.launch_builder(self.kernels.f("attn_bwd_dq"));
+        b.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(dout)
+            .arg(lse)
+            .arg(&delta)
+            .arg(&mut dq)
+            .arg(&tiles.dev)
+            .arg(&hi)
+            .arg(&kvi)
+            .arg(&scale);
+        // SAFETY: the kernel's signature.
+        unsafe { b.launch(cfg(tiles.shape(heads))) }.map_err(driver)?;
+        let (mut dk, mut dv) = (self.empty(t * kv_heads * d)?, self.empty(t * kv_heads * d)?);
+        let mut b = self.stream.launch_builder(self.kernels.f("attn_bwd_dkdv"));
+        b.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(dout)
+            .arg(lse)
+            .arg(&delta)
+            .arg(&mut dk)
+            .arg(&mut dv)
+            .arg(&tiles.dev)
+            .arg(&hi)
+            .arg(&kvi)
+            .arg(&scale);
+        // SAFETY: the kernel's signature.
+        unsafe { b.launch(cfg(tiles.shape(kv_heads))) }.map_err(driver)?;
+        Ok((dq, dk, dv))
+    }
+
+    /// `Σ x²` in f64 (reads the partial sums back: synchronises this stream).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn sum_squares(&self, x: &Buf) -> Result<f64> {
+        let mut partial = self
+            .stream
+            .alloc_zeros::<f64>(launch::SUM_BLOCKS as usize)
+            .map_err(driver)?;
+        let n = x.len() as i64;
+        let mut b = self.stream.launch_builder(self.kernels.f("sum_squares"));
+        b.arg(x).arg(&n).arg(&mut partial);
+        // SAFETY: the kernel's signature; SUM_BLOCKS partial sums.
+        unsafe { b.launch(cfg(launch::sum_squares())) }.map_err(driver)?;
+        Ok(self.download(&partial)?.iter().sum())
+    }
+
+    /// One AdamW update of `p` (see [`crate::AdamW::update`]).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn adamw(
+        &self,
+        (p, grad, m, v): (&mut Buf, &Buf, &mut Buf, &mut Buf),
+        opt: &crate::AdamW,
+        t: u64,
+        grad_scale: f32,
+    ) -> Result<()> {
+        let n = p.len();
+        let n64 = n as i64;
+        let bc1 = 1.0 - opt.beta1.powi(t as i32);
+        let bc2 = 1.0 - opt.beta2.powi(t as i32);
+        let mut b = self.stream.launch_builder(self.kernels.f("adamw"));
+        b.arg(p)
+            .arg(grad)
+            .arg(m)
+            .arg(v)
+            .arg(&n64)
+            .arg(&opt.lr)
+            .arg(&opt.beta1)
+            .arg(&opt.beta2)
+            .arg(&opt.eps)
+            .arg(&opt.weight_decay)
+            .arg(&bc1)
+            .arg(&bc2)
+            .arg(&grad_scale);
+        // SAFETY: the kernel's signature; the four buffers have the same length n.
+        unsafe { b.launch(cfg(launch::elementwise(n))) }.map_err(driver)?;
+        Ok(())
+    }
+
+    /// Fills `p` with values uniform in `[-scale, scale)` from a hash of `(seed, index)` (fast
+    /// initialisation of large models for timing; not the CPU backend's weights).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn init_uniform(&self, p: &mut Buf, seed: u64, scale: f32) -> Result<()> {
+        let n = p.len();
+        let n64 = n as i64;
+        let mut b = self.stream.launch_builder(self.kernels.f("init_uniform"));
+        b.arg(p).arg(&n64).arg(&seed).arg(&scale);
+        // SAFETY: the kernel's signature.
+        unsafe { b.launch(cfg(launch::elementwise(n))) }.map_err(driver)?;
+        Ok(())
+    }
+}
+
+/// A microbatch's attention tiles on the device ([`launch::tiles`]).
+#[derive(Debug)]
+pub struct Tiles {
+    dev: CudaSlice<i32>,
+    count: usize,
+}
+
+impl Tiles {
+    /// Uploads the tiles of `cu_seqlens`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn new(gpu: &Gpu, cu_seqlens: &[usize]) -> Result<Self> {
+        let host = launch::tiles(cu_seqlens);
+        Ok(Tiles {
+            count: host.len() / 4,
+            dev: gpu.upload(if host.is_empty() { &[0; 4] } else { &host })?,
+        })
+    }
+
+    fn shape(&self, heads: usize) -> Shape {
+        launch::attention_tiles(self.count, heads)
+    }
+}

@@ -1,0 +1,192 @@
+//! The profiler on a GPU: the CUDA stage worker's F / I / W / Fo per layer kind timed with CUDA
+//! events over the token grid, the copy link between two ranks' streams, and AdamW.
+
+use super::ops::{Gpu, Precision};
+use super::stage::{CudaStage, Init};
+use super::{DeviceInfo, context, driver, probe};
+use crate::profiler::{
+    DECODERS_PER_STAGE, Measured, ProfileConfig, Profiled, Sample, StageFactory, nnls_fit,
+    profile_kinds,
+};
+use crate::worker::{AdamW, StageWorker};
+use crate::{Error, Result};
+use cudarc::driver::sys::CUevent_flags;
+use flatpipe_profiles::{LayerKind, Link, ModelSpec};
+use flatpipe_simulator::costs::Recompute;
+use ndarray::Array2;
+use std::sync::Arc;
+use std::time::Instant;
+
+impl Profiled for CudaStage {
+    fn hidden_from(&self, x: &Array2<f32>) -> Result<Self::Hidden> {
+        let v: Vec<f32> = x.iter().copied().collect();
+        self.upload_hidden(&v)
+    }
+
+    fn saved_bytes(&self) -> usize {
+        CudaStage::saved_bytes(self)
+    }
+
+    fn param_count(&self) -> u64 {
+        CudaStage::param_count(self)
+    }
+
+    fn timed(&mut self, f: &mut dyn FnMut(&mut Self) -> Result<()>) -> Result<f64> {
+        self.synchronize()?;
+        let stream = Arc::clone(&self.gpu().stream);
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = stream.record_event(flags).map_err(driver)?;
+        f(self)?;
+        let end = stream.record_event(flags).map_err(driver)?;
+        end.synchronize().map_err(driver)?;
+        Ok(start.elapsed_ms(&end).map_err(driver)? as f64 * 1e-3)
+    }
+}
+
+/// The grid for a GPU: T in {1024, 4096, 16384}, short sequences of 512 tokens, 1 warm-up and
+/// 3 timed rounds, links 64 KiB to 256 MiB.
+pub fn gpu_config() -> ProfileConfig {
+    ProfileConfig {
+        tokens: vec![1024, 4096, 16384],
+        short_seq: 512,
+        warmup: 1,
+        reps: 3,
+        link_sizes: (16..=28).step_by(2).map(|k| 1usize << k).collect(),
+        concurrency: 1,
+    }
+}
+
+/// The device's name as a profile records it: `NVIDIA H200 (CUDA, cc 9.0, bf16 GEMMs)`.
+pub fn device_name(info: &DeviceInfo, precision: Precision) -> String {
+    format!(
+        "{} (CUDA, cc {}.{}, {} GEMMs)",
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        match precision {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+        }
+    )
+}
+
+/// Measures every layer kind of `model` on GPU 0 (weights drawn on the device, [`Init::Fast`]),
+/// the copy link between two ranks' streams, and the gradient norm + AdamW per parameter.
+/// `progress` is called before each measurement.
+///
+/// # Errors
+/// [`Error::NoDevice`] without a GPU or NVRTC; [`Error::Cuda`] (out of memory: use a smaller grid
+/// or model); fit errors.
+pub fn profile_cuda(
+    model: &ModelSpec,
+    cfg: &ProfileConfig,
+    precision: Precision,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<(Measured, DeviceInfo)> {
+    let info = probe()?;
+    let ctx = context()?;
+    let head_dim = CudaStage::head_dim_of(model)?;
+    let m = model.clone();
+    let c = Arc::clone(&ctx);
+    let make: StageFactory<CudaStage> = Arc::new(move |range, seed| {
+        let gpu = Arc::new(Gpu::new(&c, head_dim, precision)?);
+        CudaStage::new(gpu, &m, range, seed, Recompute::None, Init::Fast)
+    });
+    let kinds = profile_kinds(model, cfg, &make, progress)?;
+    progress("links");
+    let gpu = Gpu::new(&ctx, head_dim, precision)?;
+    let link = profile_copy_link(&gpu, cfg)?;
+    progress("optimizer");
+    let optimizer_s_per_param = profile_optimizer(model, cfg.reps, &make)?;
+    let notes = format!(
+        "measured by `flatpipe profile --backend cuda` on the CUDA backend's kernels (NVRTC-compiled CUDA C, cuBLAS {} GEMMs), timed with CUDA events: t = c0 + c_tok * tokens + c_attn * attn_pairs per layer kind and phase, non-negative least squares on relative residuals; weights drawn on the device; activation bytes from the saved device tensors (F -> I -> W, fp32); link = a device-to-device copy on a rank's copy stream (ranks as streams of one GPU); optimizer = gradient norm + AdamW over {} decoder layers. FLOPs per token (MFU) are the analytic counts.",
+        match precision {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16-math (CUBLAS_COMPUTE_32F_FAST_16BF)",
+        },
+        DECODERS_PER_STAGE
+    );
+    Ok((
+        Measured {
+            kinds,
+            link,
+            optimizer_s_per_param,
+            notes,
+        },
+        info,
+    ))
+}
+
+/// Times [`Gpu::copy_out`] for each size with events on the copy stream; fits
+/// `alpha + bytes / beta`.
+fn profile_copy_link(gpu: &Gpu, cfg: &ProfileConfig) -> Result<Link> {
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let mut samples = Vec::new();
+    for &bytes in &cfg.link_sizes {
+        let src = gpu.zeros(bytes / 4)?;
+        gpu.stream.synchronize().map_err(driver)?;
+        let mut times = Vec::new();
+        for round in 0..cfg.warmup + cfg.reps.max(5) {
+            let start = gpu.copy_stream.record_event(flags).map_err(driver)?;
+            let dst = gpu.copy_out(&src)?;
+            let end = gpu.copy_stream.record_event(flags).map_err(driver)?;
+            end.synchronize().map_err(driver)?;
+            drop(dst);
+            if round >= cfg.warmup {
+                times.push(start.elapsed_ms(&end).map_err(driver)? as f64 * 1e-3);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        samples.push(Sample {
+            tokens: bytes as f64,
+            pairs: 0.0,
+            seconds: times[times.len() / 2].max(1e-9),
+        });
+    }
+    let fit = nnls_fit(&samples, false)?;
+    Ok(Link {
+        name: "device-to-device copy between two ranks' streams on one GPU".into(),
+        alpha_s: fit.coeffs.c0_s,
+        beta_bytes_per_s: if fit.coeffs.c_tok_s > 1e-15 {
+            1.0 / fit.coeffs.c_tok_s
+        } else {
+            1e15
+        },
+    })
+}
+
+/// Seconds per parameter of the gradient norm and AdamW over a stage of the first decoders
+/// (memory-bound: the weights, gradients and both moments stream through once).
+fn profile_optimizer(model: &ModelSpec, reps: u32, make: &StageFactory<CudaStage>) -> Result<f64> {
+    let layers = model.layers();
+    let first = layers
+        .iter()
+        .position(|l| l.kind == LayerKind::Decoder)
+        .unwrap_or(0);
+    let n = layers[first..]
+        .iter()
+        .take_while(|l| l.kind == layers[first].kind)
+        .count()
+        .clamp(1, DECODERS_PER_STAGE);
+    let mut stage = make(first..first + n, 0)?;
+    let params = stage.param_count() as f64;
+    if params == 0.0 {
+        return Err(Error::Invalid(
+            "the optimizer profile found no parameters".into(),
+        ));
+    }
+    let opt = AdamW::default();
+    let mut times = Vec::new();
+    for t in 1..=reps.max(3) as u64 + 1 {
+        stage.synchronize()?;
+        let s = Instant::now();
+        let norm = stage.grad_sq_norm();
+        stage.optimizer_step(&opt, t, (1.0 / (1.0 + norm)) as f32);
+        stage.synchronize()?;
+        if t > 1 {
+            times.push(s.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2] / params)
+}
