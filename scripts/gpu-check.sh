@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
-# GPU check: run on a host with an NVIDIA GPU and binaries built elsewhere (the GPU host may have
-# no Rust toolchain and no internet). Build them on a Linux x86-64 machine first:
+# GPU check: one command, run on a host with an NVIDIA GPU and binaries built elsewhere (the GPU
+# host may have no Rust toolchain and no internet). Build them on a Linux x86-64 machine first:
 #
-#   cargo build --release                                   # target/release/flatpipe
-#   cargo test --release -p flatpipe-executor --features cuda --test gpu --no-run   # target/release/deps/gpu-<hash>
+#   cargo build --release                                    # target/release/flatpipe
+#   cargo test --release -p flatpipe-executor --features cuda --test gpu --no-run
+#                                                            # target/release/deps/gpu-<hash>
 #
 # then copy the working tree with those two files and run, from the repository root:
 #
 #   scripts/gpu-check.sh [OUT_DIR]
 #
-# It runs the GPU tests with FLATPIPE_REQUIRE_GPU=1 (a missing device fails them), times cuBLAS
-# GEMMs at Llama-3.1-8B's layer shapes, and runs the CPU example as a sanity check of the binary,
-# writing everything to OUT_DIR (default gpu-check-out). Still owed until the CUDA stage worker
-# exists: the per-layer Llama-3.1-8B profile and the 4-rank 1F1B / ZB-H1 runs on real input.
+# It needs the NVIDIA driver (libcuda.so) and NVRTC and cuBLAS (libnvrtc.so, libcublas.so: the
+# CUDA toolkit, or PyTorch's nvidia-* wheels on LD_LIBRARY_PATH). Steps, each writing to OUT_DIR
+# (default gpu-check-out):
+#   1. the GPU tests with FLATPIPE_REQUIRE_GPU=1 (a missing device or NVRTC fails them): NVRTC
+#      compiles the kernels, a CUDA stage equals the CPU stage in F / I / W, and pipelined CUDA
+#      steps (1F1B, ZB-H1, GPipe, ZB-V) equal the single-rank CPU reference;
+#   2. the profile of Llama-3.1-8B's layers (examples/gpu/llama3.1-8b-8layers.yaml, bf16 GEMM
+#      math) with 4 streams busy, as the 4-rank runs will be, and cuBLAS GEMM TFLOP/s;
+#   3. 4-rank 1F1B and ZB-H1 runs of that model on ShareGPT lengths, predicted against measured,
+#      with Gantt charts and Chrome traces of the measured timelines;
+#   4. a small run checked against the CPU reference (--verify) on the GPU.
+# About 3 to 5 minutes on an H200.
 set -euo pipefail
 
 out=${1:-gpu-check-out}
 bin=${FLATPIPE_BIN:-target/release/flatpipe}
+model=examples/gpu/llama3.1-8b-8layers.yaml
 mkdir -p "$out"
 
 if [ ! -x "$bin" ]; then
@@ -30,12 +40,28 @@ if [ -z "$gpu_test" ]; then
 fi
 
 (nvidia-smi || true) > "$out/nvidia-smi.txt" 2>&1
-echo "GPU tests ($gpu_test)"
-FLATPIPE_REQUIRE_GPU=1 "$gpu_test" --nocapture 2>&1 | tee "$out/gpu-tests.txt"
-echo "cuBLAS GEMMs at Llama-3.1-8B layer shapes"
-"$bin" profile --backend cuda | tee "$out/gemms.txt"
-"$bin" profile --backend cuda --format json > "$out/gemms.json" 2>/dev/null
-echo "CPU example (sanity check of the binary)"
-"$bin" execute --plan examples/cpu-tiny/plan.yaml --steps 1 --seqs-per-step 8 --verify \
-    --gantt "$out/cpu-tiny.png" | tee "$out/cpu-execute.txt"
-echo "results in $out/"
+status=0
+
+echo "== 1. GPU tests ($gpu_test)"
+FLATPIPE_REQUIRE_GPU=1 "$gpu_test" --nocapture --test-threads 1 2>&1 | tee "$out/gpu-tests.txt" || status=1
+
+echo "== 2. profile of Llama-3.1-8B layers (bf16 GEMM math, 4 streams busy)"
+"$bin" profile --backend cuda --precision bf16 --model "$model" --concurrency 4 \
+    -o "$out/h200-llama3.1-8b-profile.yaml" 2>&1 | tee "$out/profile.txt" || status=1
+
+echo "== 3. 4-rank 1F1B and ZB-H1 on ShareGPT lengths, predicted vs measured"
+if [ -f "$out/h200-llama3.1-8b-profile.yaml" ]; then
+    for s in 1f1b zb-h1; do
+        "$bin" execute --backend cuda --precision bf16 --init-on-device \
+            --model "$model" --workload sharegpt-v3 --profile "$out/h200-llama3.1-8b-profile.yaml" \
+            --pp 4 --schedule "$s" --token-budget 8192 --tokens-per-step 65536 --steps 3 \
+            --gantt "$out/gantt-$s.png" --trace "$out/trace-$s.json" 2>&1 | tee "$out/execute-$s.txt" || status=1
+    done
+fi
+
+echo "== 4. the CPU example on the GPU, checked against the CPU reference"
+"$bin" execute --backend cuda --plan examples/cpu-tiny/plan.yaml --steps 2 --seqs-per-step 8 --verify \
+    --gantt "$out/cpu-tiny-on-gpu.png" 2>&1 | tee "$out/verify.txt" || status=1
+
+echo "results in $out/ (exit $status)"
+exit $status

@@ -323,12 +323,17 @@ impl Executor<CpuStage> {
 #[cfg(feature = "cuda")]
 impl Executor<crate::cuda::stage::CudaStage> {
     /// Builds every rank's stages on GPU 0: each rank (of each replica) gets its own streams
-    /// ([`crate::cuda::ops::Gpu`]), shared by its stages; weights are the CPU backend's
-    /// ([`crate::cuda::stage::Init::Exact`]), so `--verify` compares like with like.
+    /// ([`crate::cuda::ops::Gpu`]), shared by its stages. With
+    /// [`crate::cuda::stage::Init::Exact`] the weights are the CPU backend's, so a comparison with
+    /// the CPU reference compares like with like.
     ///
     /// # Errors
     /// [`Setup::check`] errors; [`Error::NoDevice`] without a GPU or NVRTC; stage errors.
-    pub fn cuda(setup: &Setup, precision: crate::cuda::ops::Precision) -> Result<Self> {
+    pub fn cuda(
+        setup: &Setup,
+        precision: crate::cuda::ops::Precision,
+        init: crate::cuda::stage::Init,
+    ) -> Result<Self> {
         use crate::cuda::{ops::Gpu, stage};
         setup.check()?;
         let placement = setup.placement()?;
@@ -351,7 +356,7 @@ impl Executor<crate::cuda::stage::CudaStage> {
                 setup.stages[s].clone(),
                 setup.init_seed,
                 mode,
-                stage::Init::Exact,
+                init,
             )
         })
     }

@@ -245,7 +245,7 @@ fn pipelined_cuda_steps_match_the_cpu_reference() {
     ] {
         let s = setup(kind, pp, v, 5);
         let step = s.prepare(0).unwrap();
-        let mut exec = Executor::cuda(&s, Precision::Fp32).unwrap();
+        let mut exec = Executor::cuda(&s, Precision::Fp32, Init::Exact).unwrap();
         let mut reference = Reference::new(&s).unwrap();
         let run = exec.train_step(&s, &step).unwrap();
         let r = reference.step(&s, &step, true).unwrap();

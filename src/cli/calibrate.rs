@@ -216,7 +216,8 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             Policy::FlatFfd,
             Capacity::Dynamic,
         );
-        let mut exec = AnyExecutor::new(backend, &setup, a.precision)?;
+        // Timing only: on a GPU the weights are drawn on the device.
+        let mut exec = AnyExecutor::new(backend, &setup, a.precision, backend == Backend::Cuda)?;
         // One warm-up step (allocator, page faults), not measured.
         exec.train_step(&setup, &setup.prepare(steps as u64)?)?;
         let (mut pred, mut meas) = (Vec::new(), Vec::new());

@@ -74,13 +74,32 @@ pub(super) enum AnyExecutor {
 }
 
 impl AnyExecutor {
-    /// Builds the ranks of `setup` on `backend` (a resolved one: cpu or cuda).
-    pub(super) fn new(backend: Backend, setup: &Setup, precision: GemmPrecision) -> Result<Self> {
+    /// Builds the ranks of `setup` on `backend` (a resolved one: cpu or cuda); on CUDA with
+    /// the CPU backend's weights, or with weights drawn on the device when `on_device`.
+    pub(super) fn new(
+        backend: Backend,
+        setup: &Setup,
+        precision: GemmPrecision,
+        on_device: bool,
+    ) -> Result<Self> {
         precision.check(backend)?;
         match backend {
             #[cfg(feature = "cuda")]
-            Backend::Cuda => Ok(AnyExecutor::Cuda(Executor::cuda(setup, precision.cuda())?)),
-            _ => Ok(AnyExecutor::Cpu(Executor::cpu(setup)?)),
+            Backend::Cuda => {
+                use flatpipe_executor::cuda::stage::Init;
+                let init = if on_device { Init::Fast } else { Init::Exact };
+                Ok(AnyExecutor::Cuda(Executor::cuda(
+                    setup,
+                    precision.cuda(),
+                    init,
+                )?))
+            }
+            _ => {
+                if on_device {
+                    bail!("--init-on-device needs --backend cuda");
+                }
+                Ok(AnyExecutor::Cpu(Executor::cpu(setup)?))
+            }
         }
     }
 
@@ -162,6 +181,11 @@ pub(super) struct ExecuteArgs {
     /// GEMM arithmetic on --backend cuda.
     #[arg(long, value_enum, default_value_t = GemmPrecision::Fp32)]
     precision: GemmPrecision,
+    /// On --backend cuda, draw the weights on the GPU (uniform, the same standard deviations)
+    /// instead of uploading the CPU backend's: seconds instead of minutes for billions of
+    /// parameters, but not the CPU reference's weights, so --verify refuses it.
+    #[arg(long, conflicts_with = "verify")]
+    init_on_device: bool,
     /// Loss reduction: per-token (Σ token losses / step tokens) or per-sequence.
     #[arg(long, default_value = "per-token", value_parser = ["per-token", "per-sequence"])]
     loss_reduction: String,
@@ -496,8 +520,10 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     if dp == 0 {
         bail!("--dp = 0 is invalid: >= 1 replica");
     }
+    let backend = a.backend.resolve_for_stages()?;
+    a.precision.check(backend)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if (dp * pp) as usize > cores {
+    if backend == Backend::Cpu && (dp * pp) as usize > cores {
         tracing::warn!(
             "{} ranks on {cores} cores: ranks will share cores, so measured times include the OS scheduler's time slicing",
             dp * pp
@@ -541,8 +567,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         profile: Some(Arc::new(profile.clone())),
         memory_limit_bytes: zb_limit,
     };
-    let backend = a.backend.resolve_for_stages()?;
-    let mut exec = AnyExecutor::new(backend, &setup, a.precision)?;
+    let mut exec = AnyExecutor::new(backend, &setup, a.precision, a.init_on_device)?;
     let mut reference = if a.verify {
         Some(Reference::new(&setup)?)
     } else {
@@ -684,7 +709,11 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     let median_abs_rel_error = (!errors.is_empty()).then(|| montecarlo::Quantiles::of(&errors).p50);
     let prediction = if predict {
         format!(
-            "predicted with the profile measured on {} ({})",
+            "predicted with the profile {}measured on {} ({})",
+            profile_arg
+                .as_deref()
+                .map(|p| format!("{p} "))
+                .unwrap_or_default(),
             profile.provenance.device,
             profile.provenance.date.as_deref().unwrap_or("undated")
         )

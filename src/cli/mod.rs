@@ -51,7 +51,7 @@ enum Command {
     /// Choose the fastest plan (dp x pp, v, schedule, token budget, layer split, recomputation)
     /// that fits the memory limit, and export it.
     Plan(Box<PlanArgs>),
-    /// Run a plan for real (CPU backend): a real transformer's F / I / W on the workload's
+    /// Run a plan for real (CPU or CUDA backend): a real transformer's F / I / W on the workload's
     /// sequences, the measured timeline, and with --verify a check against a single-rank run.
     Execute(Box<ExecuteArgs>),
     /// Measure the executor's kernels (F, I, W, Fo per layer kind over a token grid), links and

@@ -81,14 +81,17 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// The kernels for `head_dim` in `ctx`, compiled once per process and head dimension.
+    /// The kernels for `head_dim` in `ctx`, compiled once per process, device and head
+    /// dimension.
     ///
     /// # Errors
     /// See [`compile`]; [`Error::Cuda`] when the driver cannot load the module.
     pub fn get(ctx: &Arc<CudaContext>, head_dim: usize) -> Result<Arc<Kernels>> {
-        static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Kernels>>>> = OnceLock::new();
+        // Keyed by device and head dimension: a module belongs to its device's context.
+        static CACHE: OnceLock<Mutex<ModuleCache>> = OnceLock::new();
         let cache = CACHE.get_or_init(Default::default);
-        if let Some(k) = cache.lock().map_err(poisoned)?.get(&head_dim) {
+        let key = (ctx.ordinal(), head_dim);
+        if let Some(k) = cache.lock().map_err(poisoned)?.get(&key) {
             return Ok(Arc::clone(k));
         }
         let cc = ctx.compute_capability().map_err(driver)?;
@@ -104,10 +107,7 @@ impl Kernels {
             fns,
             head_dim,
         });
-        cache
-            .lock()
-            .map_err(poisoned)?
-            .insert(head_dim, Arc::clone(&k));
+        cache.lock().map_err(poisoned)?.insert(key, Arc::clone(&k));
         Ok(k)
     }
 
@@ -116,6 +116,9 @@ impl Kernels {
         &self.fns[name]
     }
 }
+
+/// Loaded kernels by (device ordinal, head dimension).
+type ModuleCache = HashMap<(usize, usize), Arc<Kernels>>;
 
 fn poisoned<T>(_: T) -> Error {
     Error::Cuda("a thread panicked while compiling the kernels".into())
