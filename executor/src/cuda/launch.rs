@@ -105,9 +105,101 @@ pub fn positions(cu_seqlens: &[usize]) -> Vec<i32> {
         .collect()
 }
 
+/// cuBLAS's (column-major) arguments for the row-major `c [m, n] = op(a) [m, k] op(b) [k, n]`
+/// (`a` stored `[k, m]` when `ta`, `b` stored `[n, k]` when `tb`): a row-major matrix is its
+/// transpose in column-major order, so cuBLAS computes `c^T = op(b)^T op(a)^T`: its first
+/// operand is `b`, its second `a`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ColumnMajorGemm {
+    /// Transpose cuBLAS's first operand (`b`).
+    pub trans_first: bool,
+    /// Transpose cuBLAS's second operand (`a`).
+    pub trans_second: bool,
+    /// cuBLAS's m: rows of `c^T` = n.
+    pub m: usize,
+    /// cuBLAS's n: columns of `c^T` = m.
+    pub n: usize,
+    /// The inner dimension k.
+    pub k: usize,
+    /// Leading dimension of `b` as stored.
+    pub ld_first: usize,
+    /// Leading dimension of `a` as stored.
+    pub ld_second: usize,
+    /// Leading dimension of `c` (n).
+    pub ldc: usize,
+}
+
+/// See [`ColumnMajorGemm`].
+pub fn row_major_gemm(ta: bool, tb: bool, (m, k, n): (usize, usize, usize)) -> ColumnMajorGemm {
+    ColumnMajorGemm {
+        trans_first: tb,
+        trans_second: ta,
+        m: n,
+        n: m,
+        k,
+        ld_first: if tb { k } else { n },
+        ld_second: if ta { m } else { k },
+        ldc: n,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The reference BLAS GEMM (column-major, `C = op(A) op(B)`, `beta = 0`), as cuBLAS defines it.
+    #[allow(clippy::too_many_arguments)]
+    fn sgemm_col_major(
+        (ta, tb): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        ldb: usize,
+        c: &mut [f32],
+        ldc: usize,
+    ) {
+        let at = |i: usize, p: usize| if ta { a[p + i * lda] } else { a[i + p * lda] };
+        let bt = |p: usize, j: usize| if tb { b[j + p * ldb] } else { b[p + j * ldb] };
+        for j in 0..n {
+            for i in 0..m {
+                c[i + j * ldc] = (0..k).map(|p| at(i, p) * bt(p, j)).sum();
+            }
+        }
+    }
+
+    #[test]
+    fn the_column_major_arguments_compute_the_row_major_product() {
+        let (m, k, n) = (3, 4, 5);
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            // Row-major storage of a ([m, k], or [k, m] when ta) and b ([k, n], or [n, k]).
+            let a: Vec<f32> = (0..m * k).map(|x| (x as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..k * n).map(|x| (x as f32 * 0.53).cos()).collect();
+            let a_at = |i: usize, p: usize| if ta { a[p * m + i] } else { a[i * k + p] };
+            let b_at = |p: usize, j: usize| if tb { b[j * k + p] } else { b[p * n + j] };
+            let g = row_major_gemm(ta, tb, (m, k, n));
+            let mut c = vec![0.0f32; m * n];
+            sgemm_col_major(
+                (g.trans_first, g.trans_second),
+                (g.m, g.n, g.k),
+                &b,
+                g.ld_first,
+                &a,
+                g.ld_second,
+                &mut c,
+                g.ldc,
+            );
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f32 = (0..k).map(|p| a_at(i, p) * b_at(p, j)).sum();
+                    assert!(
+                        (c[i * n + j] - want).abs() < 1e-5,
+                        "ta {ta} tb {tb} ({i}, {j})"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn tiles_never_cross_a_sequence_and_cover_every_token() {

@@ -244,7 +244,8 @@ impl Gpu {
 
     /// Row-major `c [m, n] = op(a) op(b) + beta c` with `op(a)` `[m, k]` (`a` stored `[k, m]`
     /// when `ta`) and `op(b)` `[k, n]` (`b` stored `[n, k]` when `tb`), through cuBLAS's
-    /// column-major GEMM as `c^T = op(b)^T op(a)^T`.
+    /// column-major GEMM as `c^T = op(b)^T op(a)^T` ([`launch::row_major_gemm`], tested against
+    /// the reference BLAS definition).
     ///
     /// # Errors
     /// [`Error::Invalid`] when a buffer is smaller than its shape; [`Error::Cuda`] from cuBLAS.
@@ -272,8 +273,7 @@ impl Gpu {
         }
         use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
-        let lda = if tb { k } else { n };
-        let ldb = if ta { m } else { k };
+        let g = launch::row_major_gemm(ta, tb, (m, k, n));
         let compute = match self.precision {
             Precision::Fp32 => cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             Precision::Bf16 => cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
@@ -290,22 +290,22 @@ impl Gpu {
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
-                op(tb),
-                op(ta),
-                n as i32,
-                m as i32,
-                k as i32,
+                op(g.trans_first),
+                op(g.trans_second),
+                g.m as i32,
+                g.n as i32,
+                g.k as i32,
                 (&alpha) as *const f32 as *const _,
                 bp as *const _,
                 f32t,
-                lda as i32,
+                g.ld_first as i32,
                 ap as *const _,
                 f32t,
-                ldb as i32,
+                g.ld_second as i32,
                 (&beta) as *const f32 as *const _,
                 cp as *mut _,
                 f32t,
-                n as i32,
+                g.ldc as i32,
                 compute,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
