@@ -702,32 +702,35 @@ impl StageWorker for CpuStage {
         Ok(())
     }
 
-    fn zero_grads(&mut self) {
+    fn zero_grads(&mut self) -> Result<()> {
         for (_, l) in &mut self.layers {
             for p in l.params_mut() {
                 p.grad.fill(0.0);
             }
         }
+        Ok(())
     }
 
-    fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) {
+    fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
         for (_, l) in &mut self.layers {
             for p in l.params_mut() {
                 f(p.grad.as_slice_mut().expect("standard layout"));
             }
         }
+        Ok(())
     }
 
-    fn grad_sq_norm(&self) -> f64 {
-        self.layers
+    fn grad_sq_norm(&self) -> Result<f64> {
+        Ok(self
+            .layers
             .iter()
             .flat_map(|(_, l)| l.params())
             .flat_map(|p| p.grad.iter())
             .map(|&g| g as f64 * g as f64)
-            .sum()
+            .sum())
     }
 
-    fn optimizer_step(&mut self, opt: &AdamW, t: u64, grad_scale: f32) {
+    fn optimizer_step(&mut self, opt: &AdamW, t: u64, grad_scale: f32) -> Result<()> {
         for (_, l) in &mut self.layers {
             for p in l.params_mut() {
                 let Param {
@@ -743,6 +746,7 @@ impl StageWorker for CpuStage {
                 );
             }
         }
+        Ok(())
     }
 
     fn named_params(&self) -> Vec<(String, Vec<f32>)> {

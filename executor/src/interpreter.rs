@@ -88,8 +88,15 @@ impl Dir {
 
 type Key = (Dir, u32, u32);
 
+/// A tensor in flight: the sending rank and action, and the tensor.
+struct Sent<H> {
+    from: u32,
+    action: ComputeAction,
+    h: H,
+}
+
 enum Msg<H> {
-    Data(Key, H),
+    Data(Key, Sent<H>),
     Abort,
 }
 
@@ -97,11 +104,11 @@ enum Msg<H> {
 struct Mailbox<H> {
     rank: u32,
     rx: Receiver<Msg<H>>,
-    early: HashMap<Key, H>,
+    early: HashMap<Key, Sent<H>>,
 }
 
 impl<H> Mailbox<H> {
-    fn take(&mut self, key: Key) -> Result<H> {
+    fn take(&mut self, key: Key) -> Result<Sent<H>> {
         if let Some(h) = self.early.remove(&key) {
             return Ok(h);
         }
@@ -177,7 +184,7 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
     }
 
     fn recv(&mut self, dir: Dir, a: &ComputeAction) -> Result<W::Hidden> {
-        let h = self.mailbox.take((dir, a.stage.0, a.microbatch.0))?;
+        let Sent { from, action, h } = self.mailbox.take((dir, a.stage.0, a.microbatch.0))?;
         let tokens = self.data(a)?.tokens();
         let hidden = self.stage(a.stage.0)?.hidden_size();
         let got = W::hidden_len(&h);
@@ -193,31 +200,55 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
                 expected: tokens * hidden,
             });
         }
+        if from == self.global {
+            // A hand-off between two stages of this rank (V placement): no transfer.
+            return Ok(h);
+        }
+        let (h, stamps) = self.stage(a.stage.0)?.import(h)?;
+        if let Some((start, end)) = stamps {
+            // The copy timed on this rank's device clock (the sender recorded nothing).
+            self.out.transfers.push(TimedTransfer {
+                from: Rank(from),
+                to: Rank(self.global),
+                stage: action.stage,
+                microbatch: action.microbatch,
+                kind: action.kind,
+                start_ns: start as u64,
+                end_ns: end as u64,
+            });
+        }
         Ok(h)
     }
 
     fn send(&mut self, dir: Dir, from: &ComputeAction, to_stage: u32, h: W::Hidden) -> Result<()> {
         let to = self.schedule.placement.rank_of[to_stage as usize].0 + self.first_rank;
         let key = (dir, to_stage, from.microbatch.0);
+        let sent = Sent {
+            from: self.global,
+            action: *from,
+            h,
+        };
         if to == self.global {
-            self.mailbox.early.insert(key, h);
+            self.mailbox.early.insert(key, sent);
             return Ok(());
         }
-        let h = self.stage(from.stage.0)?.export(h)?;
-        let t = self.clock()?;
-        self.out.transfers.push(TimedTransfer {
-            from: Rank(self.global),
-            to: Rank(to),
-            stage: from.stage,
-            microbatch: from.microbatch,
-            kind: from.kind,
-            start_ns: t,
-            end_ns: t,
-        });
+        if !self.device {
+            // Host clock: the hand-off itself (the receiver times a device copy instead).
+            let t = self.clock()?;
+            self.out.transfers.push(TimedTransfer {
+                from: Rank(self.global),
+                to: Rank(to),
+                stage: from.stage,
+                microbatch: from.microbatch,
+                kind: from.kind,
+                start_ns: t,
+                end_ns: t,
+            });
+        }
         let peer = self.peers[to as usize]
             .as_ref()
             .ok_or_else(|| Error::Invalid(format!("rank {to} is not a peer")))?;
-        peer.send(Msg::Data(key, h))
+        peer.send(Msg::Data(key, sent))
             .map_err(|_| Error::Aborted(self.global))
     }
 
@@ -310,6 +341,10 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
     }
 
     fn run(&mut self, r: usize) -> Result<()> {
+        let (train, fo) = (self.replica.microbatches, self.replica.fo_microbatches);
+        for (_, w) in self.stages.iter_mut() {
+            w.prepare_step(train, fo)?;
+        }
         if let Some(c) = self.stages.first_mut().and_then(|(_, w)| w.device_clock()) {
             c.start()?;
             self.device = true;
@@ -354,7 +389,7 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
             }
             for tr in &mut self.out.transfers {
                 tr.start_ns = at(tr.start_ns)?;
-                tr.end_ns = tr.start_ns;
+                tr.end_ns = at(tr.end_ns)?;
             }
         }
         for (_, w) in self.stages.iter_mut() {
@@ -436,7 +471,7 @@ pub fn run_step<W: StageWorker>(
     }
     for rank in ranks.iter_mut() {
         for (_, w) in rank.iter_mut() {
-            w.zero_grads();
+            w.zero_grads()?;
         }
     }
 
@@ -527,54 +562,66 @@ pub fn run_step<W: StageWorker>(
                     w.visit_grads(&mut |g| {
                         if d == 0 {
                             sum.push(g.to_vec());
-                        } else {
-                            for (a, b) in sum[k].iter_mut().zip(g.iter()) {
+                        } else if let Some(s) = sum.get_mut(k) {
+                            for (a, b) in s.iter_mut().zip(g.iter()) {
                                 *a += *b;
                             }
                         }
                         k += 1;
-                    });
+                    })?;
                 }
             }
             for d in 0..dp {
                 let mut k = 0;
                 for (_, w) in ranks[d * pp + r].iter_mut() {
                     w.visit_grads(&mut |g| {
-                        g.copy_from_slice(&sum[k]);
+                        if let Some(s) = sum.get(k).filter(|s| s.len() == g.len()) {
+                            g.copy_from_slice(s);
+                        }
                         k += 1;
-                    });
+                    })?;
                 }
             }
         }
     }
-    let grad_norm = ranks[..pp]
-        .iter()
-        .flat_map(|r| r.iter().map(|(_, w)| w.grad_sq_norm()))
-        .sum::<f64>()
-        .sqrt();
+    let mut grad_sq = 0.0;
+    for r in &ranks[..pp] {
+        for (_, w) in r {
+            grad_sq += w.grad_sq_norm()?;
+        }
+    }
+    let grad_norm = grad_sq.sqrt();
     let mut optimizer = vec![None; n];
     if let Some((adamw, t)) = opts.optimizer {
         let scale = match opts.max_grad_norm {
             Some(c) if grad_norm > c => (c / (grad_norm + 1e-6)) as f32,
             _ => 1.0,
         };
-        optimizer = std::thread::scope(|scope| {
+        let results: Vec<Result<(u64, u64)>> = std::thread::scope(|scope| {
             let hs: Vec<_> = ranks
                 .iter_mut()
                 .map(|rank| {
-                    scope.spawn(move || {
+                    scope.spawn(move || -> Result<(u64, u64)> {
                         let a = t0.elapsed().as_nanos() as u64;
                         for (_, w) in rank.iter_mut() {
-                            w.optimizer_step(&adamw, t, scale);
+                            w.optimizer_step(&adamw, t, scale)?;
                         }
-                        (a, t0.elapsed().as_nanos() as u64)
+                        Ok((a, t0.elapsed().as_nanos() as u64))
                     })
                 })
                 .collect();
             hs.into_iter()
-                .map(|h| h.join().ok().map(|(a, b)| (a.min(opt_start), b)))
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Invalid("a rank's optimizer thread panicked".into()))
+                    })
+                })
                 .collect()
         });
+        optimizer = results
+            .into_iter()
+            .map(|r| r.map(|(a, b)| Some((a.min(opt_start), b))))
+            .collect::<Result<Vec<_>>>()?;
     }
 
     let mut timeline = Timeline {

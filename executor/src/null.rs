@@ -86,15 +86,21 @@ impl StageWorker for NullStage {
         Ok(())
     }
 
-    fn zero_grads(&mut self) {}
-
-    fn visit_grads(&mut self, _f: &mut dyn FnMut(&mut [f32])) {}
-
-    fn grad_sq_norm(&self) -> f64 {
-        0.0
+    fn zero_grads(&mut self) -> Result<()> {
+        Ok(())
     }
 
-    fn optimizer_step(&mut self, _opt: &AdamW, _t: u64, _grad_scale: f32) {}
+    fn visit_grads(&mut self, _f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+        Ok(())
+    }
+
+    fn grad_sq_norm(&self) -> Result<f64> {
+        Ok(0.0)
+    }
+
+    fn optimizer_step(&mut self, _opt: &AdamW, _t: u64, _grad_scale: f32) -> Result<()> {
+        Ok(())
+    }
 
     fn named_params(&self) -> Vec<(String, Vec<f32>)> {
         Vec::new()

@@ -545,8 +545,8 @@ fn profile_optimizer(model: &ModelSpec, reps: u32) -> Result<f64> {
     for t in 1..=reps.max(3) as u64 + 1 {
         let s = Instant::now();
         // What the executor does after the pipeline: the global gradient norm, then AdamW.
-        let norm = stage.grad_sq_norm();
-        stage.optimizer_step(&opt, t, (1.0 / (1.0 + norm)) as f32);
+        let norm = stage.grad_sq_norm()?;
+        stage.optimizer_step(&opt, t, (1.0 / (1.0 + norm)) as f32)?;
         if t > 1 {
             times.push(s.elapsed().as_secs_f64());
         }

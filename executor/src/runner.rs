@@ -540,7 +540,7 @@ impl Reference {
         step: &PreparedStep,
         optimize: bool,
     ) -> Result<ReferenceStep> {
-        self.stage.zero_grads();
+        self.stage.zero_grads()?;
         let mut loss = 0.0;
         for (i, mb) in step.all_microbatches().enumerate() {
             let i = i as u32;
@@ -555,7 +555,7 @@ impl Reference {
             self.stage.backward_input(i, mb, None)?;
             self.stage.backward_weight(i, mb)?;
         }
-        let grad_norm = self.stage.grad_sq_norm().sqrt();
+        let grad_norm = self.stage.grad_sq_norm()?.sqrt();
         if optimize {
             self.steps_done += 1;
             let scale = match setup.max_grad_norm {
@@ -563,7 +563,7 @@ impl Reference {
                 _ => 1.0,
             };
             self.stage
-                .optimizer_step(&setup.adamw, self.steps_done, scale);
+                .optimizer_step(&setup.adamw, self.steps_done, scale)?;
         }
         Ok(ReferenceStep { loss, grad_norm })
     }
@@ -591,7 +591,8 @@ pub struct Diff {
     pub worst: String,
 }
 
-/// Compares `a` against the reference `b`, tensor by tensor.
+/// Compares `a` against the reference `b`, tensor by tensor; a tensor holding a value that is
+/// not finite differs infinitely.
 ///
 /// # Errors
 /// [`Error::Invalid`] when the names or sizes differ.
@@ -612,13 +613,22 @@ pub fn compare(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -
                 y.len()
             )));
         }
+        // A value that is not finite makes the difference infinite: NaN must not compare as
+        // equal (f64::max would drop it).
+        let finite = x.iter().chain(y).all(|v| v.is_finite());
         let abs = x
             .iter()
             .zip(y)
             .map(|(p, q)| (*p as f64 - *q as f64).abs())
             .fold(0.0, f64::max);
         let scale = y.iter().map(|q| (*q as f64).abs()).fold(0.0, f64::max);
-        let rel = if scale > 0.0 { abs / scale } else { abs };
+        let (abs, rel) = if !finite {
+            (f64::INFINITY, f64::INFINITY)
+        } else if scale > 0.0 {
+            (abs, abs / scale)
+        } else {
+            (abs, abs)
+        };
         d.max_abs = d.max_abs.max(abs);
         if rel > d.max_rel || d.worst.is_empty() {
             d.max_rel = d.max_rel.max(rel);
@@ -626,4 +636,28 @@ pub fn compare(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -
         }
     }
     Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compare_reports_the_largest_normwise_difference_and_never_hides_a_nan() {
+        let a: BTreeMap<String, Vec<f32>> = [
+            ("w".to_string(), vec![1.0, 2.0]),
+            ("v".to_string(), vec![4.0]),
+        ]
+        .into();
+        let mut b = a.clone();
+        b.get_mut("w").unwrap()[1] = 2.5;
+        let d = compare(&b, &a).unwrap();
+        // |2.5 - 2| / max(|1|, |2|) = 0.25, on w.
+        assert_eq!((d.max_abs, d.max_rel, d.worst.as_str()), (0.5, 0.25, "w"));
+        b.get_mut("v").unwrap()[0] = f32::NAN;
+        let d = compare(&b, &a).unwrap();
+        assert!(d.max_rel.is_infinite() && d.worst == "v", "{d:?}");
+        b.remove("v");
+        assert!(compare(&b, &a).is_err());
+    }
 }

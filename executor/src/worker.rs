@@ -29,6 +29,9 @@ pub enum StageOutput<H> {
     LossPending,
 }
 
+/// The `(start, end)` [`DeviceClock`] stamps of a copy between ranks, when the backend timed it.
+pub type CopyStamps = Option<(usize, usize)>;
+
 /// A clock on the device for backends whose kernels run asynchronously (CUDA): the host's time
 /// when an action is enqueued says nothing of when it runs, so actions are timed with events
 /// recorded on the rank's stream.
@@ -167,17 +170,29 @@ pub trait StageWorker: Send {
     fn backward_weight(&mut self, mb: u32, data: &MicrobatchData) -> Result<()>;
 
     /// Sets every gradient to zero (start of a step).
-    fn zero_grads(&mut self);
+    ///
+    /// # Errors
+    /// A backend failure (the gradients would otherwise carry the last step's).
+    fn zero_grads(&mut self) -> Result<()>;
 
     /// Calls `f` on every gradient buffer, in a fixed order (for the data-parallel all-reduce).
-    fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32]));
+    ///
+    /// # Errors
+    /// A backend failure reading or writing a gradient.
+    fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) -> Result<()>;
 
     /// `Σ g²` over this stage's gradients, in f64.
-    fn grad_sq_norm(&self) -> f64;
+    ///
+    /// # Errors
+    /// A backend failure.
+    fn grad_sq_norm(&self) -> Result<f64>;
 
     /// One optimizer step at step number `t >= 1` with gradients scaled by `grad_scale`
-    /// (clipping).
-    fn optimizer_step(&mut self, opt: &AdamW, t: u64, grad_scale: f32);
+    /// (clipping); done when it returns (a GPU waits for it).
+    ///
+    /// # Errors
+    /// A backend failure.
+    fn optimizer_step(&mut self, opt: &AdamW, t: u64, grad_scale: f32) -> Result<()>;
 
     /// `(name, values)` of every parameter, names as torchtitan's (`layers.3.attention.wq.weight`).
     fn named_params(&self) -> Vec<(String, Vec<f32>)>;
@@ -188,13 +203,29 @@ pub trait StageWorker: Send {
     /// Microbatches whose activations are still held (F done, W not yet), for checks.
     fn held_microbatches(&self) -> usize;
 
-    /// Prepares `h` for another rank (the CPU backend moves the buffer itself; CUDA copies it
-    /// device to device on the rank's copy stream).
+    /// Called once per step before the rank's first action, with the step's training and
+    /// forward-only microbatches: a GPU uploads their token ids, labels and weights here, so no
+    /// host-to-device copy runs inside the step.
     ///
     /// # Errors
     /// A backend failure.
-    fn export(&mut self, h: Self::Hidden) -> Result<Self::Hidden> {
-        Ok(h)
+    fn prepare_step(
+        &mut self,
+        _train: &[MicrobatchData],
+        _forward_only: &[MicrobatchData],
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// Takes a tensor another rank sent, before the action that reads it starts. The CPU
+    /// backend uses the sender's buffer itself (threads share memory); CUDA copies it device to
+    /// device on this rank's copy stream, makes the compute stream wait for the copy, and
+    /// returns the copy's start and end [`DeviceClock`] stamps.
+    ///
+    /// # Errors
+    /// A backend failure.
+    fn import(&mut self, h: Self::Hidden) -> Result<(Self::Hidden, CopyStamps)> {
+        Ok((h, None))
     }
 
     /// The losses this stage returned as [`StageOutput::LossPending`] since the last call, as

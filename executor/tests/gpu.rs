@@ -107,7 +107,13 @@ fn small_model() -> ModelSpec {
     .unwrap()
 }
 
+/// `max |a - b| / max |b|`; infinite when a value is not finite (a NaN must not compare as
+/// equal).
 fn rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    if a.iter().chain(b).any(|x| !x.is_finite()) {
+        return f32::INFINITY;
+    }
     let scale = b.iter().fold(1e-12f32, |m, x| m.max(x.abs()));
     a.iter()
         .zip(b)
@@ -153,7 +159,8 @@ fn a_cuda_stage_matches_the_cpu_stage_in_f_i_w() {
         let go = g.forward(0, data, gi, true).unwrap();
         match (co, go) {
             (StageOutput::Hidden(a), StageOutput::Hidden(b)) => {
-                let b = gpu.download(&b).unwrap();
+                let b = gpu.download(&b.buf).unwrap();
+                assert_eq!(b.len(), t * 64);
                 let e = rel(&b, a.as_slice().unwrap());
                 assert!(e < 1e-4, "{range:?} forward: {e}");
             }
@@ -180,7 +187,8 @@ fn a_cuda_stage_matches_the_cpu_stage_in_f_i_w() {
         let cdx = c.backward_input(0, data, cg).unwrap();
         let gdx = g.backward_input(0, data, gg).unwrap();
         if let (Some(a), Some(b)) = (cdx, gdx) {
-            let b = gpu.download(&b).unwrap();
+            let b = gpu.download(&b.buf).unwrap();
+            assert_eq!(b.len(), t * 64);
             let e = rel(&b, a.as_slice().unwrap());
             assert!(e < 1e-4, "{range:?} dgrad: {e}");
         }

@@ -11,12 +11,13 @@ use super::{blas, driver};
 use crate::{Error, Result};
 use cudarc::cublas::{CudaBlas, sys as cublas_sys};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut, LaunchConfig, PushKernelArg, sys::CUevent_flags,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
 
 /// The kernels' CUDA C source.
 pub const SOURCE: &str = include_str!("kernels.cu");
@@ -143,12 +144,13 @@ pub enum Precision {
     Bf16,
 }
 
-/// One rank's stream with its compiled kernels and cuBLAS handle.
+/// One rank: its streams, compiled kernels, cuBLAS handle, device clock and the transfer
+/// buffers it holds until the step ends.
 #[derive(Debug)]
 pub struct Gpu {
     /// The rank's compute stream.
     pub stream: Arc<CudaStream>,
-    /// The stream transfers out of this rank are copied on.
+    /// The stream transfers into this rank are copied on.
     pub copy_stream: Arc<CudaStream>,
     /// The kernels.
     pub kernels: Arc<Kernels>,
@@ -156,10 +158,46 @@ pub struct Gpu {
     pub blas: CudaBlas,
     /// GEMM arithmetic.
     pub precision: Precision,
+    clock: Mutex<EventClock>,
+    parked: Mutex<Vec<Shared>>,
 }
 
 /// A device tensor (fp32).
 pub type Buf = CudaSlice<f32>;
+
+/// A tensor that crosses stages: the buffer and its logical length (`T x H`; the buffer holds
+/// at least one value, so a microbatch of 0 tokens still has one).
+#[derive(Debug)]
+pub struct Activation {
+    /// The device buffer.
+    pub buf: Buf,
+    /// Values in use.
+    pub len: usize,
+}
+
+/// An [`Activation`] shared between a stage and its rank's list of transfer buffers.
+pub type Shared = Arc<Activation>;
+
+impl Activation {
+    /// `buf` holding `len` values.
+    pub fn shared(buf: Buf, len: usize) -> Shared {
+        Arc::new(Activation { buf, len })
+    }
+}
+
+/// Device timestamps of one rank: an anchor event recorded when the rank's streams were idle,
+/// at a known host instant, then one event per stamp (on the compute or the copy stream; events
+/// of one context share a clock).
+#[derive(Debug, Default)]
+struct EventClock {
+    anchor: Option<(CudaEvent, Instant)>,
+    events: Vec<CudaEvent>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
+    m.lock()
+        .map_err(|_| Error::Cuda("a rank's thread panicked while holding its GPU state".into()))
+}
 
 impl Gpu {
     /// A new rank on `ctx`: its own compute and copy streams.
@@ -177,7 +215,105 @@ impl Gpu {
             kernels,
             blas,
             precision,
+            clock: Mutex::new(EventClock::default()),
+            parked: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Waits for both streams and reports any error cudarc stored from calls that could not
+    /// return one (event records and frees on drop).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver)?;
+        self.copy_stream.synchronize().map_err(driver)?;
+        self.stream.context().check_err().map_err(driver)
+    }
+
+    /// Starts the step's device clock: waits for both streams, records the anchor and frees the
+    /// last step's transfer buffers.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn clock_start(&self) -> Result<()> {
+        self.synchronize()?;
+        locked(&self.parked)?.clear();
+        let ev = self
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver)?;
+        ev.synchronize().map_err(driver)?;
+        let mut c = locked(&self.clock)?;
+        c.anchor = Some((ev, Instant::now()));
+        c.events.clear();
+        Ok(())
+    }
+
+    /// Records a stamp on `on` (this rank's compute or copy stream); returns its index.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn stamp(&self, on: &Arc<CudaStream>) -> Result<usize> {
+        let ev = on
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver)?;
+        let mut c = locked(&self.clock)?;
+        c.events.push(ev);
+        Ok(c.events.len() - 1)
+    }
+
+    /// Waits for both streams, then returns every stamp in nanoseconds after `t0` (host clock)
+    /// and frees the step's transfer buffers.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]; [`Error::Invalid`] when the clock was not started.
+    pub fn clock_finish(&self, t0: Instant) -> Result<Vec<u64>> {
+        self.synchronize()?;
+        locked(&self.parked)?.clear();
+        let c = locked(&self.clock)?;
+        let (anchor, at) = c
+            .anchor
+            .as_ref()
+            .ok_or_else(|| Error::Invalid("the device clock was not started".into()))?;
+        let base = at.saturating_duration_since(t0).as_nanos() as f64;
+        c.events
+            .iter()
+            .map(|e| {
+                let ms = anchor.elapsed_ms(e).map_err(driver)? as f64;
+                Ok((base + ms * 1e6).max(0.0) as u64)
+            })
+            .collect()
+    }
+
+    /// Receives `src` from another rank: a device-to-device copy on this rank's copy stream
+    /// (after the sender's write of `src`), timed by two stamps on the copy stream; this rank's
+    /// compute stream then waits for the copy. Both buffers are kept until the step ends
+    /// ([`Gpu::clock_finish`]), so freeing them never makes one rank's stream wait for
+    /// another's. Returns the copy and the `(start, end)` stamps.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn import(&self, src: Shared) -> Result<(Shared, (usize, usize))> {
+        let cs = &self.copy_stream;
+        // SAFETY: the copy below writes all of it before anyone reads it.
+        let mut dst = unsafe { cs.alloc::<f32>(src.buf.len()) }.map_err(driver)?;
+        {
+            // The copy stream waits for the sender's write before the start stamp.
+            let (_ptr, _record) = src.buf.device_ptr(cs);
+        }
+        let start = self.stamp(cs)?;
+        cs.memcpy_dtod(&src.buf, &mut dst).map_err(driver)?;
+        let end = self.stamp(cs)?;
+        {
+            // The compute stream waits for the copy before this rank's next stamp.
+            let (_ptr, _record) = dst.device_ptr(&self.stream);
+        }
+        let dst = Activation::shared(dst, src.len);
+        let mut parked = locked(&self.parked)?;
+        parked.push(src);
+        parked.push(Arc::clone(&dst));
+        Ok((dst, (start, end)))
     }
 
     /// An uninitialised `[n]` tensor (every caller's kernel writes all of it).
@@ -228,8 +364,8 @@ impl Gpu {
         self.stream.clone_dtoh(v).map_err(driver)
     }
 
-    /// A device-to-device copy of `src` on the copy stream (what a transfer between two ranks on
-    /// one GPU is).
+    /// A device-to-device copy of `src` on the copy stream, allocated there (the link
+    /// profiler's transfer).
     ///
     /// # Errors
     /// [`Error::Cuda`].

@@ -180,8 +180,8 @@ fn profile_optimizer(model: &ModelSpec, reps: u32, make: &StageFactory<CudaStage
     for t in 1..=reps.max(3) as u64 + 1 {
         stage.synchronize()?;
         let s = Instant::now();
-        let norm = stage.grad_sq_norm();
-        stage.optimizer_step(&opt, t, (1.0 / (1.0 + norm)) as f32);
+        let norm = stage.grad_sq_norm()?;
+        stage.optimizer_step(&opt, t, (1.0 / (1.0 + norm)) as f32)?;
         stage.synchronize()?;
         if t > 1 {
             times.push(s.elapsed().as_secs_f64());

@@ -2,24 +2,27 @@
 //! with the same F / I / W split, so every schedule runs on it through the same interpreter.
 //!
 //! A rank is a [`Gpu`]: its own compute stream (every kernel and GEMM of its stages), its own
-//! copy stream (transfers out), and its own memory accounting ([`CudaStage::saved_bytes`]).
-//! Stages on the same rank (V placement) share its `Gpu`. Nothing in a step waits on the host:
-//! a tensor that crosses ranks carries cudarc's events, so the receiving stream waits for the
-//! sender's copy on the device; losses stay on the device until the step ends
-//! ([`StageOutput::LossPending`]); actions are timed by events on the rank's stream
-//! ([`DeviceClock`]).
+//! copy stream (transfers in, [`Gpu::import`]), and its own memory accounting
+//! ([`CudaStage::saved_bytes`]). Stages on the same rank (V placement) share its `Gpu`. Nothing
+//! in a step waits on the host: microbatch data is uploaded before the step
+//! ([`StageWorker::prepare_step`]); a tensor that crosses ranks is copied after the sender's
+//! event and the receiving stream waits on the copy's event; losses stay on the device until the
+//! step ends ([`StageOutput::LossPending`]); actions and copies are timed by events on the rank's
+//! streams ([`DeviceClock`]).
 //!
 //! Weights: [`Init::Exact`] uploads the CPU backend's weights (same seed, same values: `--verify`
 //! compares against the CPU reference); [`Init::Fast`] fills them on the device (for timing
 //! large models, where drawing billions of normal samples on the host would take minutes).
 
-use super::ops::{Buf, Gpu, Tiles};
+use super::ops::{Activation, Buf, Gpu, Shared, Tiles};
 use super::{driver, launch};
 use crate::cpu::CpuStage;
 use crate::kernels::AttnDims;
-use crate::worker::{AdamW, DeviceClock, LossSums, StageInput, StageOutput, StageWorker};
+use crate::worker::{
+    AdamW, CopyStamps, DeviceClock, LossSums, StageInput, StageOutput, StageWorker,
+};
 use crate::{Error, MicrobatchData, Result};
-use cudarc::driver::{CudaEvent, CudaSlice, sys::CUevent_flags};
+use cudarc::driver::CudaSlice;
 use flatpipe_profiles::{LayerKind, ModelSpec};
 use flatpipe_simulator::costs::Recompute;
 use std::collections::HashMap;
@@ -202,7 +205,7 @@ enum FCtx {
     Decoder(Box<DecoderF>),
     Head(Box<HeadF>),
     /// Full recomputation: the layer's input only.
-    Input(Buf),
+    Input(Shared),
 }
 
 /// What a decoder's dgrad keeps for its wgrad (the CPU backend's `DecoderW`).
@@ -220,15 +223,17 @@ struct DecoderW {
     da: Buf,
     dgate: Buf,
     dup: Buf,
-    dm: Buf,
+    dm: Shared,
     dh1: Buf,
     dh2: Buf,
 }
 
+// A few buffer handles per variant: boxing the head's buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum WCtx {
     Embedding {
-        dy: Buf,
+        dy: Shared,
     },
     Decoder(Box<DecoderW>),
     Head {
@@ -247,7 +252,7 @@ impl FCtx {
     fn bytes(&self) -> usize {
         match self {
             FCtx::Embedding => 0,
-            FCtx::Input(x) => bytes(&[x]),
+            FCtx::Input(x) => x.len * 4,
             FCtx::Head(c) => bytes(&[&c.h, &c.xhat, &c.rstd, &c.logits, &c.lse]),
             FCtx::Decoder(c) => bytes(&[
                 &c.h1, &c.xhat1, &c.rstd1, &c.q, &c.k, &c.v, &c.o, &c.lse, &c.h2, &c.xhat2,
@@ -260,7 +265,7 @@ impl FCtx {
 impl WCtx {
     fn bytes(&self) -> usize {
         match self {
-            WCtx::Embedding { dy } => bytes(&[dy]),
+            WCtx::Embedding { dy } => dy.len * 4,
             WCtx::Head {
                 h,
                 xhat,
@@ -269,7 +274,7 @@ impl WCtx {
             } => bytes(&[h, xhat, dlogits, dh]),
             WCtx::Decoder(w) => bytes(&[
                 &w.h1, &w.xhat1, &w.o, &w.h2, &w.xhat2, &w.act, &w.dq, &w.dk, &w.dv, &w.da,
-                &w.dgate, &w.dup, &w.dm, &w.dh1, &w.dh2,
+                &w.dgate, &w.dup, &w.dm.buf, &w.dh1, &w.dh2,
             ]),
         }
     }
@@ -277,7 +282,7 @@ impl WCtx {
 
 enum Flow {
     Tokens,
-    Hidden(Buf),
+    Hidden(Shared),
     Loss(CudaSlice<f64>),
 }
 
@@ -320,17 +325,24 @@ fn decoder_forward(g: &Gpu, p: &Decoder, x: &Buf, data: &Data) -> Result<(Buf, D
     ))
 }
 
-fn decoder_dgrad(g: &Gpu, p: &Decoder, c: DecoderF, dy: Buf, data: &Data) -> Result<(Buf, WCtx)> {
+fn decoder_dgrad(
+    g: &Gpu,
+    p: &Decoder,
+    c: DecoderF,
+    dy_shared: Shared,
+    data: &Data,
+) -> Result<(Buf, WCtx)> {
     let (t, h, f, kv) = (data.t, p.hidden, p.ffn, p.kv());
     let (heads, kvh) = (p.dims.heads, p.dims.kv_heads);
+    let dy = &dy_shared.buf;
     // MLP: y = x2 + act W2
     let mut dact = g.empty(t * f)?;
-    g.linear_dx(&dy, &p.w2.value, &mut dact, t, f, h, false)?;
+    g.linear_dx(dy, &p.w2.value, &mut dact, t, f, h, false)?;
     let (dgate, dup) = g.swiglu_backward(&dact, &c.gate, &c.up, t * f)?;
     let mut dh2 = g.empty(t * h)?;
     g.linear_dx(&dgate, &p.w1.value, &mut dh2, t, h, f, false)?;
     g.linear_dx(&dup, &p.w3.value, &mut dh2, t, h, f, true)?;
-    let dx2 = g.rmsnorm_dx(&dh2, &c.xhat2, &c.rstd2, &p.ffn_norm.value, Some(&dy), t, h)?;
+    let dx2 = g.rmsnorm_dx(&dh2, &c.xhat2, &c.rstd2, &p.ffn_norm.value, Some(dy), t, h)?;
     // Attention: x2 = x + o Wo
     let mut dout = g.empty(t * h)?;
     g.linear_dx(&dx2, &p.wo.value, &mut dout, t, h, h, false)?;
@@ -370,7 +382,7 @@ fn decoder_dgrad(g: &Gpu, p: &Decoder, c: DecoderF, dy: Buf, data: &Data) -> Res
         da: dx2,
         dgate,
         dup,
-        dm: dy,
+        dm: dy_shared,
         dh1,
         dh2,
     }));
@@ -424,14 +436,6 @@ fn head_dgrad(
     ))
 }
 
-/// Device timestamps of one rank: an anchor event recorded when the stream was idle at a known
-/// host instant, then one event per stamp.
-#[derive(Debug)]
-struct EventClock {
-    anchor: Option<(CudaEvent, Instant)>,
-    events: Vec<CudaEvent>,
-}
-
 /// One pipeline stage on a GPU: layers `[start, end)` of a model.
 #[derive(Debug)]
 pub struct CudaStage {
@@ -442,7 +446,8 @@ pub struct CudaStage {
     fctx: HashMap<u32, (Data, Vec<FCtx>)>,
     wctx: HashMap<u32, (Data, Vec<WCtx>)>,
     pending: Vec<(u32, bool, u64, CudaSlice<f64>)>,
-    clock: EventClock,
+    /// Microbatch data uploaded before the step, by (microbatch, forward-only).
+    staged: HashMap<(u32, bool), Data>,
     peak_saved: usize,
 }
 
@@ -577,10 +582,7 @@ impl CudaStage {
             fctx: HashMap::new(),
             wctx: HashMap::new(),
             pending: Vec::new(),
-            clock: EventClock {
-                anchor: None,
-                events: Vec::new(),
-            },
+            staged: HashMap::new(),
             peak_saved: 0,
         })
     }
@@ -649,16 +651,16 @@ impl CudaStage {
     ///
     /// # Errors
     /// [`Error::Cuda`].
-    pub fn upload_hidden(&self, x: &[f32]) -> Result<Buf> {
-        self.gpu.upload(x)
+    pub fn upload_hidden(&self, x: &[f32]) -> Result<Shared> {
+        Ok(Activation::shared(self.gpu.upload(x)?, x.len()))
     }
 
-    /// Waits until this rank's stream has finished everything enqueued.
+    /// Waits until this rank's streams have finished everything enqueued.
     ///
     /// # Errors
-    /// [`Error::Cuda`].
+    /// [`Error::Cuda`], including errors cudarc stored from calls that could not return one.
     pub fn synchronize(&self) -> Result<()> {
-        self.gpu.stream.synchronize().map_err(driver)
+        self.gpu.synchronize()
     }
 
     fn note_peak(&mut self) {
@@ -675,17 +677,20 @@ impl CudaStage {
     ) -> Result<(Flow, Option<FCtx>)> {
         Ok(match (layer, flow) {
             (Layer::Embedding { table, hidden }, Flow::Tokens) => (
-                Flow::Hidden(g.embedding(&table.value, &data.ids, data.t, *hidden)?),
+                Flow::Hidden(Activation::shared(
+                    g.embedding(&table.value, &data.ids, data.t, *hidden)?,
+                    data.t * hidden,
+                )),
                 keep.then_some(FCtx::Embedding),
             ),
             (Layer::Decoder(d), Flow::Hidden(x)) => {
-                let (y, c) = decoder_forward(g, d, &x, data)?;
+                let (y, c) = decoder_forward(g, d, &x.buf, data)?;
                 let ctx = match (keep, recompute) {
                     (false, _) => None,
                     (true, Recompute::Full) => Some(FCtx::Input(x)),
                     (true, _) => Some(FCtx::Decoder(Box::new(c))),
                 };
-                (Flow::Hidden(y), ctx)
+                (Flow::Hidden(Activation::shared(y, data.t * d.hidden)), ctx)
             }
             (
                 Layer::Head {
@@ -696,7 +701,7 @@ impl CudaStage {
                 },
                 Flow::Hidden(x),
             ) => {
-                let (sums, c) = head_forward(g, (norm, out), (*hidden, *vocab), &x, data)?;
+                let (sums, c) = head_forward(g, (norm, out), (*hidden, *vocab), &x.buf, data)?;
                 let ctx = match (keep, recompute) {
                     (false, _) => None,
                     (true, Recompute::Full) => Some(FCtx::Input(x)),
@@ -722,24 +727,27 @@ impl CudaStage {
 }
 
 impl StageWorker for CudaStage {
-    type Hidden = Buf;
+    type Hidden = Shared;
 
     fn hidden_size(&self) -> usize {
         self.hidden
     }
 
-    fn hidden_len(h: &Buf) -> usize {
-        h.len()
+    fn hidden_len(h: &Shared) -> usize {
+        h.len
     }
 
     fn forward(
         &mut self,
         mb: u32,
         data: &MicrobatchData,
-        input: StageInput<Buf>,
+        input: StageInput<Shared>,
         keep: bool,
-    ) -> Result<StageOutput<Buf>> {
-        let dev = Data::new(&self.gpu, data)?;
+    ) -> Result<StageOutput<Shared>> {
+        let dev = match self.staged.remove(&(mb, !keep)) {
+            Some(d) => d,
+            None => Data::new(&self.gpu, data)?,
+        };
         let mut flow = match input {
             StageInput::Tokens => Flow::Tokens,
             StageInput::Hidden(h) => Flow::Hidden(h),
@@ -774,8 +782,8 @@ impl StageWorker for CudaStage {
         &mut self,
         mb: u32,
         _data: &MicrobatchData,
-        grad: Option<Buf>,
-    ) -> Result<Option<Buf>> {
+        grad: Option<Shared>,
+    ) -> Result<Option<Shared>> {
         let (dev, ctxs) = self
             .fctx
             .remove(&mb)
@@ -788,7 +796,7 @@ impl StageWorker for CudaStage {
             let ctx = match ctx {
                 FCtx::Input(x) => match layer {
                     Layer::Decoder(d) => {
-                        FCtx::Decoder(Box::new(decoder_forward(g, d, &x, &dev)?.1))
+                        FCtx::Decoder(Box::new(decoder_forward(g, d, &x.buf, &dev)?.1))
                     }
                     Layer::Head {
                         norm,
@@ -796,7 +804,7 @@ impl StageWorker for CudaStage {
                         hidden,
                         vocab,
                     } => FCtx::Head(Box::new(
-                        head_forward(g, (norm, out), (*hidden, *vocab), &x, &dev)?.1,
+                        head_forward(g, (norm, out), (*hidden, *vocab), &x.buf, &dev)?.1,
                     )),
                     Layer::Embedding { .. } => FCtx::Embedding,
                 },
@@ -814,12 +822,12 @@ impl StageWorker for CudaStage {
                     FCtx::Head(c),
                 ) => {
                     let (dx, w) = head_dgrad(g, (norm, out), (*hidden, *vocab), *c, &dev)?;
-                    (Some(dx), w)
+                    (Some(Activation::shared(dx, dev.t * hidden)), w)
                 }
                 (Layer::Decoder(d), FCtx::Decoder(c)) => {
                     let dy = dy.take().ok_or_else(no_grad)?;
                     let (dx, w) = decoder_dgrad(g, d, *c, dy, &dev)?;
-                    (Some(dx), w)
+                    (Some(Activation::shared(dx, dev.t * d.hidden)), w)
                 }
                 (Layer::Embedding { .. }, FCtx::Embedding) => {
                     let dy = dy.take().ok_or_else(no_grad)?;
@@ -850,7 +858,7 @@ impl StageWorker for CudaStage {
         for ((_, layer), w) in self.layers.iter_mut().zip(wctxs) {
             match (layer, w) {
                 (Layer::Embedding { table, hidden }, WCtx::Embedding { dy }) => {
-                    g.embedding_backward(&mut table.grad, &dy, &dev.ids, t, *hidden)?;
+                    g.embedding_backward(&mut table.grad, &dy.buf, &dev.ids, t, *hidden)?;
                 }
                 (
                     Layer::Head {
@@ -878,7 +886,7 @@ impl StageWorker for CudaStage {
                     g.linear_dw(&mut d.wo.grad, &w.o, &w.da, t, h, h)?;
                     g.linear_dw(&mut d.w1.grad, &w.h2, &w.dgate, t, h, f)?;
                     g.linear_dw(&mut d.w3.grad, &w.h2, &w.dup, t, h, f)?;
-                    g.linear_dw(&mut d.w2.grad, &w.act, &w.dm, t, f, h)?;
+                    g.linear_dw(&mut d.w2.grad, &w.act, &w.dm.buf, t, f, h)?;
                     g.rmsnorm_dg(&mut d.attn_norm.grad, &w.dh1, &w.xhat1, t, h)?;
                     g.rmsnorm_dg(&mut d.ffn_norm.grad, &w.dh2, &w.xhat2, t, h)?;
                 }
@@ -892,49 +900,50 @@ impl StageWorker for CudaStage {
         Ok(())
     }
 
-    fn zero_grads(&mut self) {
+    fn zero_grads(&mut self) -> Result<()> {
         let stream = self.gpu.stream.clone();
         for (_, l) in &mut self.layers {
             for p in l.params_mut() {
-                // An error here (a dead context) surfaces at the next launch or read.
-                let _ = stream.memset_zeros(&mut p.grad);
+                stream.memset_zeros(&mut p.grad).map_err(driver)?;
             }
         }
+        Ok(())
     }
 
-    fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) {
+    fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
         // The data-parallel all-reduce through the host (NCCL is not wired yet): download,
-        // visit, upload. Errors leave the gradient as it was.
+        // visit, upload.
         let gpu = Arc::clone(&self.gpu);
         for (_, l) in &mut self.layers {
             for p in l.params_mut() {
-                if let Ok(mut host) = gpu.download(&p.grad) {
-                    f(&mut host);
-                    let _ = gpu.upload_into(&host, &mut p.grad);
-                }
+                let mut host = gpu.download(&p.grad)?;
+                f(&mut host);
+                gpu.upload_into(&host, &mut p.grad)?;
             }
         }
+        gpu.synchronize()
     }
 
-    fn grad_sq_norm(&self) -> f64 {
-        self.layers
-            .iter()
-            .flat_map(|(_, l)| l.params())
-            .map(|p| self.gpu.sum_squares(&p.grad).unwrap_or(f64::NAN))
-            .sum()
+    fn grad_sq_norm(&self) -> Result<f64> {
+        let mut sum = 0.0;
+        for p in self.layers.iter().flat_map(|(_, l)| l.params()) {
+            sum += self.gpu.sum_squares(&p.grad)?;
+        }
+        Ok(sum)
     }
 
-    fn optimizer_step(&mut self, opt: &AdamW, t: u64, grad_scale: f32) {
+    fn optimizer_step(&mut self, opt: &AdamW, t: u64, grad_scale: f32) -> Result<()> {
         let gpu = Arc::clone(&self.gpu);
         for (_, l) in &mut self.layers {
             for p in l.params_mut() {
                 let Param {
                     value, grad, m, v, ..
                 } = p;
-                // A failed launch shows in the next read (named_params, the next step).
-                let _ = gpu.adamw((value, grad, m, v), opt, t, grad_scale);
+                gpu.adamw((value, grad, m, v), opt, t, grad_scale)?;
             }
         }
+        // Done when this returns: the step's optimizer time is the GPU's.
+        gpu.synchronize()
     }
 
     fn named_params(&self) -> Vec<(String, Vec<f32>)> {
@@ -963,8 +972,23 @@ impl StageWorker for CudaStage {
         self.fctx.len() + self.wctx.len()
     }
 
-    fn export(&mut self, h: Buf) -> Result<Buf> {
-        self.gpu.copy_out(&h)
+    fn prepare_step(
+        &mut self,
+        train: &[MicrobatchData],
+        forward_only: &[MicrobatchData],
+    ) -> Result<()> {
+        self.staged.clear();
+        for (fo, list) in [(false, train), (true, forward_only)] {
+            for (i, d) in list.iter().enumerate() {
+                self.staged.insert((i as u32, fo), Data::new(&self.gpu, d)?);
+            }
+        }
+        Ok(())
+    }
+
+    fn import(&mut self, h: Shared) -> Result<(Shared, CopyStamps)> {
+        let (h, stamps) = self.gpu.import(h)?;
+        Ok((h, Some(stamps)))
     }
 
     fn take_losses(&mut self) -> Result<Vec<(u32, bool, LossSums)>> {
@@ -992,43 +1016,14 @@ impl StageWorker for CudaStage {
 
 impl DeviceClock for CudaStage {
     fn start(&mut self) -> Result<()> {
-        self.synchronize()?;
-        let ev = self
-            .gpu
-            .stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(driver)?;
-        ev.synchronize().map_err(driver)?;
-        self.clock.anchor = Some((ev, Instant::now()));
-        self.clock.events.clear();
-        Ok(())
+        self.gpu.clock_start()
     }
 
     fn stamp(&mut self) -> Result<usize> {
-        let ev = self
-            .gpu
-            .stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(driver)?;
-        self.clock.events.push(ev);
-        Ok(self.clock.events.len() - 1)
+        self.gpu.stamp(&self.gpu.stream)
     }
 
     fn finish(&mut self, t0: Instant) -> Result<Vec<u64>> {
-        self.synchronize()?;
-        let (anchor, at) = self
-            .clock
-            .anchor
-            .as_ref()
-            .ok_or_else(|| Error::Invalid("the device clock was not started".into()))?;
-        let base = at.saturating_duration_since(t0).as_nanos() as f64;
-        self.clock
-            .events
-            .iter()
-            .map(|e| {
-                let ms = anchor.elapsed_ms(e).map_err(driver)? as f64;
-                Ok((base + ms * 1e6).max(0.0) as u64)
-            })
-            .collect()
+        self.gpu.clock_finish(t0)
     }
 }
