@@ -1193,6 +1193,14 @@ fn the_cuda_backend_without_a_gpu_is_a_clear_error_and_auto_falls_back() {
             vec!["profile", "--precision", "bf16", "--quick"],
             "--precision bf16 runs only on --backend cuda",
         ),
+        (
+            vec!["execute", "--gpus", "2", "--steps", "1"],
+            "--gpus 2 needs --backend cuda",
+        ),
+        (
+            vec!["execute", "--backend", "cuda", "--gpus", "0"],
+            "--gpus",
+        ),
     ] {
         let o = flatpipe(dir.path(), &args);
         assert_eq!(o.status.code(), Some(2), "{args:?}");

@@ -322,29 +322,39 @@ impl Executor<CpuStage> {
 
 #[cfg(feature = "cuda")]
 impl Executor<crate::cuda::stage::CudaStage> {
-    /// Builds every rank's stages on GPU 0: each rank (of each replica) gets its own streams
-    /// ([`crate::cuda::ops::Gpu`]), shared by its stages. With
-    /// [`crate::cuda::stage::Init::Exact`] the weights are the CPU backend's, so a comparison with
-    /// the CPU reference compares like with like.
+    /// Builds every rank's stages on `devices` GPUs: rank `g` (replica-major, `d * pp + r`)
+    /// runs on GPU `g mod devices` with its own streams ([`crate::cuda::ops::Gpu`]), shared by
+    /// its stages; with one device every rank is a stream of GPU 0, with one per rank every
+    /// transfer is a peer copy. With [`crate::cuda::stage::Init::Exact`] the weights are the CPU
+    /// backend's, so a comparison with the CPU reference compares like with like.
     ///
     /// # Errors
-    /// [`Setup::check`] errors; [`Error::NoDevice`] without a GPU or NVRTC; stage errors.
+    /// [`Setup::check`] errors; [`Error::NoDevice`] without a GPU or NVRTC, or with fewer GPUs
+    /// than `devices`; [`Error::Invalid`] for `devices = 0`; stage errors.
     pub fn cuda(
         setup: &Setup,
         precision: crate::cuda::ops::Precision,
         init: crate::cuda::stage::Init,
+        devices: usize,
     ) -> Result<Self> {
         use crate::cuda::{ops::Gpu, stage};
         setup.check()?;
+        if devices == 0 {
+            return Err(Error::Invalid("GPUs = 0: use at least 1".into()));
+        }
         let placement = setup.placement()?;
-        let ctx = crate::cuda::context()?;
+        let contexts = (0..devices)
+            .map(crate::cuda::context_on)
+            .collect::<Result<Vec<_>>>()?;
         let head_dim = stage::CudaStage::head_dim_of(&setup.model)?;
+        let pp = setup.pp as usize;
         let mut gpus: std::collections::HashMap<(usize, usize), Arc<Gpu>> = Default::default();
         Executor::build_ranked(setup, &placement, |d, r, s| {
             let gpu = match gpus.get(&(d, r)) {
                 Some(g) => Arc::clone(g),
                 None => {
-                    let g = Arc::new(Gpu::new(&ctx, head_dim, precision)?);
+                    let ctx = &contexts[(d * pp + r) % devices];
+                    let g = Arc::new(Gpu::new(ctx, head_dim, precision)?);
                     gpus.insert((d, r), Arc::clone(&g));
                     g
                 }

@@ -241,9 +241,15 @@ fn setup(kind: ScheduleKind, pp: u32, v: u32, m: u32) -> Setup {
 
 #[test]
 fn pipelined_cuda_steps_match_the_cpu_reference() {
-    if device().is_none() {
-        return;
+    let Some(dev) = device() else { return };
+    // Ranks as streams of GPU 0; with two GPUs also one GPU per rank (peer copies).
+    let device_counts: &[usize] = if dev.count >= 2 { &[1, 2] } else { &[1] };
+    for &devices in device_counts {
+        pipelined_steps_on(devices);
     }
+}
+
+fn pipelined_steps_on(devices: usize) {
     // ZB-V: two stages per rank (V placement) sharing the rank's streams.
     for (kind, pp, v) in [
         (ScheduleKind::OneFOneB, 3, 1),
@@ -253,20 +259,26 @@ fn pipelined_cuda_steps_match_the_cpu_reference() {
     ] {
         let s = setup(kind, pp, v, 5);
         let step = s.prepare(0).unwrap();
-        let mut exec = Executor::cuda(&s, Precision::Fp32, Init::Exact).unwrap();
+        let mut exec = Executor::cuda(&s, Precision::Fp32, Init::Exact, devices).unwrap();
         let mut reference = Reference::new(&s).unwrap();
         let run = exec.train_step(&s, &step).unwrap();
         let r = reference.step(&s, &step, true).unwrap();
         assert!(
             (run.loss - r.loss).abs() <= 1e-5 * r.loss.abs(),
-            "{kind:?}: loss {} vs {}",
+            "{kind:?} on {devices} GPU(s): loss {} vs {}",
             run.loss,
             r.loss
         );
         let g = compare(&exec.named_grads(), &reference.named_grads()).unwrap();
-        assert!(g.max_rel <= 1e-4, "{kind:?}: gradients {g:?}");
+        assert!(
+            g.max_rel <= 1e-4,
+            "{kind:?} on {devices} GPU(s): gradients {g:?}"
+        );
         let p = compare(&exec.named_params(), &reference.named_params()).unwrap();
-        assert!(p.max_rel <= 1e-4, "{kind:?}: parameters {p:?}");
+        assert!(
+            p.max_rel <= 1e-4,
+            "{kind:?} on {devices} GPU(s): parameters {p:?}"
+        );
         // Timed by events: every action has a non-negative duration and ranks overlap in time.
         for ops in &run.timeline.compute {
             for o in ops {
@@ -274,5 +286,10 @@ fn pipelined_cuda_steps_match_the_cpu_reference() {
             }
         }
         assert!(run.timeline.makespan_ns() > 0);
+        // Every transfer between ranks is a copy timed on the receiver's copy stream.
+        assert!(!run.timeline.transfers.is_empty(), "{kind:?}: no transfers");
+        for t in &run.timeline.transfers {
+            assert!(t.end_ns >= t.start_ns && t.from != t.to, "{kind:?}: {t:?}");
+        }
     }
 }

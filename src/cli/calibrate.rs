@@ -17,6 +17,10 @@ pub(super) struct CalibrateArgs {
     /// GEMM arithmetic on --backend cuda (profile and runs alike).
     #[arg(long, value_enum, default_value_t = GemmPrecision::Fp32)]
     precision: GemmPrecision,
+    /// On --backend cuda, spread the ranks over this many GPUs (see execute --gpus); the
+    /// profile then measures the peer link. Default 1.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    gpus: u32,
     /// Model (default tiny).
     #[arg(long, default_value = "tiny")]
     model: String,
@@ -133,7 +137,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             let mut cfg = profile::default_config(backend, a.quick);
             // Profile as the plan runs: pp ranks busy at once.
             cfg.concurrency = pp as usize;
-            let p = profile::measure(backend, a.precision, &model, None, &cfg)?;
+            let p = profile::measure(backend, a.precision, a.gpus as usize, &model, None, &cfg)?;
             if let Some(path) = &a.save_profile {
                 profiles::write_atomic(path, p.to_yaml()?.as_bytes())?;
             }
@@ -217,7 +221,13 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             Capacity::Dynamic,
         );
         // Timing only: on a GPU the weights are drawn on the device.
-        let mut exec = AnyExecutor::new(backend, &setup, a.precision, backend == Backend::Cuda)?;
+        let mut exec = AnyExecutor::new(
+            backend,
+            &setup,
+            a.precision,
+            backend == Backend::Cuda,
+            a.gpus as usize,
+        )?;
         // One warm-up step (allocator, page faults), not measured.
         exec.train_step(&setup, &setup.prepare(steps as u64)?)?;
         let (mut pred, mut meas) = (Vec::new(), Vec::new());

@@ -74,15 +74,20 @@ pub(super) enum AnyExecutor {
 }
 
 impl AnyExecutor {
-    /// Builds the ranks of `setup` on `backend` (a resolved one: cpu or cuda); on CUDA with
-    /// the CPU backend's weights, or with weights drawn on the device when `on_device`.
+    /// Builds the ranks of `setup` on `backend` (a resolved one: cpu or cuda); on CUDA over
+    /// `gpus` devices, with the CPU backend's weights, or with weights drawn on the device when
+    /// `on_device`.
     pub(super) fn new(
         backend: Backend,
         setup: &Setup,
         precision: GemmPrecision,
         on_device: bool,
+        gpus: usize,
     ) -> Result<Self> {
         precision.check(backend)?;
+        if gpus != 1 && backend != Backend::Cuda {
+            bail!("--gpus {gpus} needs --backend cuda");
+        }
         match backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda => {
@@ -92,6 +97,7 @@ impl AnyExecutor {
                     setup,
                     precision.cuda(),
                     init,
+                    gpus,
                 )?))
             }
             _ => {
@@ -186,6 +192,10 @@ pub(super) struct ExecuteArgs {
     /// parameters, but not the CPU reference's weights, so --verify refuses it.
     #[arg(long, conflicts_with = "verify")]
     init_on_device: bool,
+    /// On --backend cuda, spread the ranks over this many GPUs (rank g on GPU g mod N; one per
+    /// rank: every transfer a peer copy). Default 1: every rank a stream of GPU 0.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    gpus: u32,
     /// Loss reduction: per-token (Σ token losses / step tokens) or per-sequence.
     #[arg(long, default_value = "per-token", value_parser = ["per-token", "per-sequence"])]
     loss_reduction: String,
@@ -567,7 +577,13 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         profile: Some(Arc::new(profile.clone())),
         memory_limit_bytes: zb_limit,
     };
-    let mut exec = AnyExecutor::new(backend, &setup, a.precision, a.init_on_device)?;
+    let mut exec = AnyExecutor::new(
+        backend,
+        &setup,
+        a.precision,
+        a.init_on_device,
+        a.gpus as usize,
+    )?;
     let mut reference = if a.verify {
         Some(Reference::new(&setup)?)
     } else {

@@ -16,6 +16,10 @@ pub(super) struct ProfileArgs {
     /// GEMM arithmetic on --backend cuda (bf16: tensor-core math with fp32 accumulation).
     #[arg(long, value_enum, default_value_t = execute::GemmPrecision::Fp32)]
     precision: execute::GemmPrecision,
+    /// On --backend cuda: 1 (default) measures the link between two streams of GPU 0, as
+    /// ranks sharing a GPU run; 2 or more a peer copy from GPU 1 to GPU 0 (one GPU per rank).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    gpus: u32,
     /// Hardware description to start from (memory, peak FLOP/s); the profile replaces its
     /// name and links with what was measured. Default cpu (h200 on --backend cuda).
     #[arg(long)]
@@ -79,10 +83,12 @@ pub(super) fn default_config(backend: execute::Backend, quick: bool) -> ProfileC
 }
 
 /// Measures `model` on `backend` (resolved: cpu or cuda) with `cfg` (progress bar on stderr)
-/// and returns the profile. `hardware` defaults to the built-in `cpu` or `h200`.
+/// and returns the profile; on CUDA with `gpus > 1` the link is a peer copy between two GPUs.
+/// `hardware` defaults to the built-in `cpu` or `h200`.
 pub(super) fn measure(
     backend: execute::Backend,
     precision: execute::GemmPrecision,
+    gpus: usize,
     model: &profiles::ModelSpec,
     hardware: Option<&str>,
     cfg: &ProfileConfig,
@@ -102,7 +108,7 @@ pub(super) fn measure(
         #[cfg(feature = "cuda")]
         execute::Backend::Cuda => {
             use flatpipe_executor::cuda::profile as gpu;
-            let (m, info) = gpu::profile_cuda(model, cfg, precision.cuda(), &progress)?;
+            let (m, info) = gpu::profile_cuda(model, cfg, precision.cuda(), gpus, &progress)?;
             let mut device = gpu::device_name(&info, precision.cuda());
             if cfg.concurrency > 1 {
                 device.push_str(&format!(", {} streams busy", cfg.concurrency));
@@ -110,6 +116,9 @@ pub(super) fn measure(
             (m, device, hardware.unwrap_or("h200"))
         }
         _ => {
+            if gpus != 1 {
+                bail!("--gpus {gpus} needs --backend cuda");
+            }
             let m = profiler::profile_cpu(model, cfg, &progress)?;
             let device = format!(
                 "cpu: {} (1 thread per rank, {} busy)",
@@ -171,7 +180,14 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
     let mut cfg = default_config(backend, a.quick);
     cfg.concurrency = a.concurrency;
     let start = std::time::Instant::now();
-    let profile = measure(backend, a.precision, &model, a.hardware.as_deref(), &cfg)?;
+    let profile = measure(
+        backend,
+        a.precision,
+        a.gpus as usize,
+        &model,
+        a.hardware.as_deref(),
+        &cfg,
+    )?;
     profiles::write_atomic(&a.output, profile.to_yaml()?.as_bytes())?;
     let mut fits = Vec::new();
     for fq in &profile.provenance.fits {

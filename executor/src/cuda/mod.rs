@@ -53,6 +53,15 @@ fn no_device(reason: impl Into<String>) -> Error {
 /// # Errors
 /// [`Error::NoDevice`] naming the reason; never panics.
 pub fn context() -> Result<Arc<CudaContext>> {
+    context_on(0)
+}
+
+/// Device `ordinal`'s context, or why there is none.
+///
+/// # Errors
+/// [`Error::NoDevice`] naming the reason (also when `ordinal` is not below the device count);
+/// never panics.
+pub fn context_on(ordinal: usize) -> Result<Arc<CudaContext>> {
     // SAFETY: `is_culib_present` only tries to dlopen the driver library and reports whether it
     // loaded; it dereferences nothing of ours.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -65,7 +74,13 @@ pub fn context() -> Result<Arc<CudaContext>> {
     if count < 1 {
         return Err(no_device("the CUDA driver sees no GPU"));
     }
-    CudaContext::new(0).map_err(|e| no_device(format!("cannot open GPU 0: {e:?}")))
+    if ordinal >= count as usize {
+        return Err(no_device(format!(
+            "GPU {ordinal} was asked for; the CUDA driver sees {count} (0 to {})",
+            count - 1
+        )));
+    }
+    CudaContext::new(ordinal).map_err(|e| no_device(format!("cannot open GPU {ordinal}: {e:?}")))
 }
 
 /// Finds device 0 and describes it.

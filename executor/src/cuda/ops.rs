@@ -286,8 +286,9 @@ impl Gpu {
             .collect()
     }
 
-    /// Receives `src` from another rank: a device-to-device copy on this rank's copy stream
-    /// (after the sender's write of `src`), timed by two stamps on the copy stream; this rank's
+    /// Receives `src` from another rank: a device-to-device copy (a peer copy when `src` is on
+    /// another GPU) on this rank's copy stream (after the sender's write of `src`), timed by two
+    /// stamps on the copy stream; this rank's
     /// compute stream then waits for the copy. Both buffers are kept until the step ends
     /// ([`Gpu::clock_finish`]), so freeing them never makes one rank's stream wait for
     /// another's. Returns the copy and the `(start, end)` stamps.
@@ -298,9 +299,14 @@ impl Gpu {
         let cs = &self.copy_stream;
         // SAFETY: the copy below writes all of it before anyone reads it.
         let mut dst = unsafe { cs.alloc::<f32>(src.buf.len()) }.map_err(driver)?;
-        {
+        if src.buf.stream().context() == cs.context() {
             // The copy stream waits for the sender's write before the start stamp.
             let (_ptr, _record) = src.buf.device_ptr(cs);
+        } else {
+            // Another GPU (a peer copy): an event may not be recorded on a stream of another
+            // context, but one may be waited on. The sender's stream has enqueued the write.
+            let ev = src.buf.stream().record_event(None).map_err(driver)?;
+            cs.wait(&ev).map_err(driver)?;
         }
         let start = self.stamp(cs)?;
         cs.memcpy_dtod(&src.buf, &mut dst).map_err(driver)?;
@@ -362,20 +368,6 @@ impl Gpu {
     /// [`Error::Cuda`].
     pub fn download<T: cudarc::driver::DeviceRepr>(&self, v: &CudaSlice<T>) -> Result<Vec<T>> {
         self.stream.clone_dtoh(v).map_err(driver)
-    }
-
-    /// A device-to-device copy of `src` on the copy stream, allocated there (the link
-    /// profiler's transfer).
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
-    pub fn copy_out(&self, src: &Buf) -> Result<Buf> {
-        // SAFETY: the copy below writes all of it before anyone reads it.
-        let mut dst = unsafe { self.copy_stream.alloc::<f32>(src.len().max(1)) }.map_err(driver)?;
-        self.copy_stream
-            .memcpy_dtod(src, &mut dst)
-            .map_err(driver)?;
-        Ok(dst)
     }
 
     /// Row-major `c [m, n] = op(a) op(b) + beta c` with `op(a)` `[m, k]` (`a` stored `[k, m]`

@@ -3,7 +3,7 @@
 
 use super::ops::{Gpu, Precision};
 use super::stage::{CudaStage, Init};
-use super::{DeviceInfo, context, driver, probe};
+use super::{DeviceInfo, context, context_on, driver, probe};
 use crate::profiler::{
     DECODERS_PER_STAGE, Measured, ProfileConfig, Profiled, Sample, StageFactory, nnls_fit,
     profile_kinds,
@@ -71,8 +71,9 @@ pub fn device_name(info: &DeviceInfo, precision: Precision) -> String {
 }
 
 /// Measures every layer kind of `model` on GPU 0 (weights drawn on the device, [`Init::Fast`]),
-/// the copy link between two ranks' streams, and the gradient norm + AdamW per parameter.
-/// `progress` is called before each measurement.
+/// the link between two ranks (with `devices > 1` a peer copy from GPU 1 to GPU 0, else a copy
+/// between two streams of GPU 0), and the gradient norm + AdamW per parameter. `progress` is
+/// called before each measurement.
 ///
 /// # Errors
 /// [`Error::NoDevice`] without a GPU or NVRTC; [`Error::Cuda`] (out of memory: use a smaller grid
@@ -81,6 +82,7 @@ pub fn profile_cuda(
     model: &ModelSpec,
     cfg: &ProfileConfig,
     precision: Precision,
+    devices: usize,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<(Measured, DeviceInfo)> {
     let info = probe()?;
@@ -95,15 +97,32 @@ pub fn profile_cuda(
     let kinds = profile_kinds(model, cfg, &make, progress)?;
     progress("links");
     let gpu = Gpu::new(&ctx, head_dim, precision)?;
-    let link = profile_copy_link(&gpu, cfg)?;
+    let link = if devices > 1 {
+        let peer = Gpu::new(&context_on(1)?, head_dim, precision)?;
+        profile_copy_link(
+            &gpu,
+            &peer,
+            "peer copy from GPU 1 to GPU 0 (one GPU per rank)".into(),
+            cfg,
+        )?
+    } else {
+        let other = Gpu::new(&ctx, head_dim, precision)?;
+        profile_copy_link(
+            &gpu,
+            &other,
+            "device-to-device copy between two ranks' streams on one GPU".into(),
+            cfg,
+        )?
+    };
     progress("optimizer");
     let optimizer_s_per_param = profile_optimizer(model, cfg.reps, &make)?;
     let notes = format!(
-        "measured by `flatpipe profile --backend cuda` on the CUDA backend's kernels (NVRTC-compiled CUDA C, cuBLAS {} GEMMs), timed with CUDA events: t = c0 + c_tok * tokens + c_attn * attn_pairs per layer kind and phase, non-negative least squares on relative residuals; weights drawn on the device; activation bytes from the saved device tensors (F -> I -> W, fp32); link = a device-to-device copy on a rank's copy stream (ranks as streams of one GPU); optimizer = gradient norm + AdamW over {} decoder layers. FLOPs per token (MFU) are the analytic counts.",
+        "measured by `flatpipe profile --backend cuda` on the CUDA backend's kernels (NVRTC-compiled CUDA C, cuBLAS {} GEMMs), timed with CUDA events: t = c0 + c_tok * tokens + c_attn * attn_pairs per layer kind and phase, non-negative least squares on relative residuals; weights drawn on the device; activation bytes from the saved device tensors (F -> I -> W, fp32); link = {}; optimizer = gradient norm + AdamW over {} decoder layers. FLOPs per token (MFU) are the analytic counts.",
         match precision {
             Precision::Fp32 => "fp32",
             Precision::Bf16 => "bf16-math (CUBLAS_COMPUTE_32F_FAST_16BF)",
         },
+        link.name,
         DECODERS_PER_STAGE
     );
     Ok((
@@ -117,21 +136,24 @@ pub fn profile_cuda(
     ))
 }
 
-/// Times [`Gpu::copy_out`] for each size with events on the copy stream; fits
-/// `alpha + bytes / beta`.
-fn profile_copy_link(gpu: &Gpu, cfg: &ProfileConfig) -> Result<Link> {
+/// Times a device-to-device copy from a buffer on `src` into one on `dst` (a peer copy when
+/// they are different GPUs) on `dst`'s copy stream, as a transfer between ranks runs, with events
+/// around the copy alone; fits `alpha + bytes / beta`.
+fn profile_copy_link(dst: &Gpu, src: &Gpu, name: String, cfg: &ProfileConfig) -> Result<Link> {
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let cs = &dst.copy_stream;
     let mut samples = Vec::new();
     for &bytes in &cfg.link_sizes {
-        let src = gpu.zeros(bytes / 4)?;
-        gpu.stream.synchronize().map_err(driver)?;
+        let from = src.zeros(bytes / 4)?;
+        src.synchronize()?;
         let mut times = Vec::new();
         for round in 0..cfg.warmup + cfg.reps.max(5) {
-            let start = gpu.copy_stream.record_event(flags).map_err(driver)?;
-            let dst = gpu.copy_out(&src)?;
-            let end = gpu.copy_stream.record_event(flags).map_err(driver)?;
+            let mut to = cs.alloc_zeros::<f32>(from.len()).map_err(driver)?;
+            cs.synchronize().map_err(driver)?;
+            let start = cs.record_event(flags).map_err(driver)?;
+            cs.memcpy_dtod(&from, &mut to).map_err(driver)?;
+            let end = cs.record_event(flags).map_err(driver)?;
             end.synchronize().map_err(driver)?;
-            drop(dst);
             if round >= cfg.warmup {
                 times.push(start.elapsed_ms(&end).map_err(driver)? as f64 * 1e-3);
             }
@@ -145,7 +167,7 @@ fn profile_copy_link(gpu: &Gpu, cfg: &ProfileConfig) -> Result<Link> {
     }
     let fit = nnls_fit(&samples, false)?;
     Ok(Link {
-        name: "device-to-device copy between two ranks' streams on one GPU".into(),
+        name,
         alpha_s: fit.coeffs.c0_s,
         beta_bytes_per_s: if fit.coeffs.c_tok_s > 1e-15 {
             1.0 / fit.coeffs.c_tok_s

@@ -39,14 +39,14 @@ pub enum Init {
     Fast,
 }
 
-/// A parameter on the device with its gradient and AdamW moments, `[rows, cols]`.
+/// A parameter on the device with its gradient and AdamW moments, `[rows, cols]`. The moments
+/// are allocated at the first optimizer step (a stage that is only timed never needs them).
 #[derive(Debug)]
 struct Param {
     name: String,
     value: Buf,
     grad: Buf,
-    m: Buf,
-    v: Buf,
+    moments: Option<(Buf, Buf)>,
 }
 
 impl Param {
@@ -56,8 +56,7 @@ impl Param {
             name,
             value,
             grad: gpu.zeros(n)?,
-            m: gpu.zeros(n)?,
-            v: gpu.zeros(n)?,
+            moments: None,
         })
     }
 }
@@ -936,9 +935,19 @@ impl StageWorker for CudaStage {
         let gpu = Arc::clone(&self.gpu);
         for (_, l) in &mut self.layers {
             for p in l.params_mut() {
+                if p.moments.is_none() {
+                    let n = p.value.len();
+                    p.moments = Some((gpu.zeros(n)?, gpu.zeros(n)?));
+                }
                 let Param {
-                    value, grad, m, v, ..
-                } = p;
+                    value,
+                    grad,
+                    moments: Some((m, v)),
+                    ..
+                } = p
+                else {
+                    continue;
+                };
                 gpu.adamw((value, grad, m, v), opt, t, grad_scale)?;
             }
         }
