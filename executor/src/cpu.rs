@@ -702,6 +702,13 @@ impl StageWorker for CpuStage {
         Ok(())
     }
 
+    fn prepare_step(&mut self, _train: &[MicrobatchData], _fo: &[MicrobatchData]) -> Result<()> {
+        // What a failed step may have left behind.
+        self.fctx.clear();
+        self.wctx.clear();
+        Ok(())
+    }
+
     fn zero_grads(&mut self) -> Result<()> {
         for (_, l) in &mut self.layers {
             for p in l.params_mut() {

@@ -17,7 +17,9 @@
 //! - [`data`]: token ids, labels and loss weights; the explicit loss reduction.
 //! - [`worker`]: the [`StageWorker`] trait a backend implements, and [`AdamW`].
 //! - [`cpu`]: the CPU backend; [`null`]: a backend whose kernels do nothing (measures the
-//!   interpreter's own overhead).
+//!   interpreter's own overhead); `cuda` (feature `cuda`): the CUDA backend (NVRTC-compiled
+//!   kernels, cuBLAS GEMMs, each rank its own streams, transfers as device copies timed by
+//!   events).
 //! - [`runner`]: a plan's steps end to end, and the single-rank reference run that `--verify`
 //!   and the tests compare against.
 #![deny(missing_docs)]

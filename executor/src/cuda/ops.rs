@@ -159,7 +159,21 @@ pub struct Gpu {
     /// GEMM arithmetic.
     pub precision: Precision,
     clock: Mutex<EventClock>,
-    parked: Mutex<Vec<Shared>>,
+    /// Tensors other ranks sent, kept until their copy here has finished (the event), so their
+    /// free on the sender's stream never waits.
+    parked: Mutex<Vec<(Shared, CudaEvent)>>,
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // A copy may still read a parked tensor (after a failed step): wait for the streams
+        // before the tensors are freed. Errors here have nowhere to go.
+        let _ = self.copy_stream.synchronize();
+        let _ = self.stream.synchronize();
+        if let Ok(mut p) = self.parked.lock() {
+            p.clear();
+        }
+    }
 }
 
 /// A device tensor (fp32).
@@ -173,6 +187,9 @@ pub struct Activation {
     pub buf: Buf,
     /// Values in use.
     pub len: usize,
+    /// An event recorded on the producing stream right after the tensor was written (a stage's
+    /// output): a copy to another GPU waits on it, not on everything the sender has queued since.
+    pub ready: Option<CudaEvent>,
 }
 
 /// An [`Activation`] shared between a stage and its rank's list of transfer buffers.
@@ -181,7 +198,11 @@ pub type Shared = Arc<Activation>;
 impl Activation {
     /// `buf` holding `len` values.
     pub fn shared(buf: Buf, len: usize) -> Shared {
-        Arc::new(Activation { buf, len })
+        Arc::new(Activation {
+            buf,
+            len,
+            ready: None,
+        })
     }
 }
 
@@ -209,6 +230,7 @@ impl Gpu {
         let stream = ctx.new_stream().map_err(driver)?;
         let copy_stream = ctx.new_stream().map_err(driver)?;
         let blas = CudaBlas::new(stream.clone()).map_err(blas)?;
+        no_cross_stream_reuse(ctx)?;
         Ok(Gpu {
             stream,
             copy_stream,
@@ -218,6 +240,21 @@ impl Gpu {
             clock: Mutex::new(EventClock::default()),
             parked: Mutex::new(Vec::new()),
         })
+    }
+
+    /// `h` with a ready event recorded on this rank's stream now (after the kernels that wrote
+    /// it); `h` itself when it is shared (then a copy waits on the sender's stream instead).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn mark_ready(&self, h: Shared) -> Result<Shared> {
+        match Arc::try_unwrap(h) {
+            Ok(a) => Ok(Arc::new(Activation {
+                ready: Some(self.stream.record_event(None).map_err(driver)?),
+                ..a
+            })),
+            Err(h) => Ok(h),
+        }
     }
 
     /// Waits for both streams and reports any error cudarc stored from calls that could not
@@ -288,10 +325,9 @@ impl Gpu {
 
     /// Receives `src` from another rank: a device-to-device copy (a peer copy when `src` is on
     /// another GPU) on this rank's copy stream (after the sender's write of `src`), timed by two
-    /// stamps on the copy stream; this rank's
-    /// compute stream then waits for the copy. Both buffers are kept until the step ends
-    /// ([`Gpu::clock_finish`]), so freeing them never makes one rank's stream wait for
-    /// another's. Returns the copy and the `(start, end)` stamps.
+    /// stamps on the copy stream; this rank's compute stream then waits for the copy. `src` is
+    /// kept until the copy has finished, so its free on the sender's stream never waits for this
+    /// rank. Returns the copy and the `(start, end)` stamps.
     ///
     /// # Errors
     /// [`Error::Cuda`].
@@ -299,27 +335,60 @@ impl Gpu {
         let cs = &self.copy_stream;
         // SAFETY: the copy below writes all of it before anyone reads it.
         let mut dst = unsafe { cs.alloc::<f32>(src.buf.len()) }.map_err(driver)?;
+        let (start, end);
         if src.buf.stream().context() == cs.context() {
-            // The copy stream waits for the sender's write before the start stamp.
-            let (_ptr, _record) = src.buf.device_ptr(cs);
+            {
+                // The copy stream waits for the sender's write before the start stamp.
+                let (_ptr, _record) = src.buf.device_ptr(cs);
+            }
+            start = self.stamp(cs)?;
+            cs.memcpy_dtod(&src.buf, &mut dst).map_err(driver)?;
+            end = self.stamp(cs)?;
         } else {
-            // Another GPU (a peer copy): an event may not be recorded on a stream of another
-            // context, but one may be waited on. The sender's stream has enqueued the write.
-            let ev = src.buf.stream().record_event(None).map_err(driver)?;
-            cs.wait(&ev).map_err(driver)?;
+            // Another GPU: a peer copy. An event may not be recorded on a stream of another
+            // context, but one may be waited on: the tensor's ready event, else one recorded on
+            // the sender's stream now (which also waits for what the sender queued since).
+            match &src.ready {
+                Some(ev) => cs.wait(ev).map_err(driver)?,
+                None => {
+                    let ev = src.buf.stream().record_event(None).map_err(driver)?;
+                    cs.wait(&ev).map_err(driver)?;
+                }
+            }
+            start = self.stamp(cs)?;
+            {
+                let src_ctx = src.buf.stream().context().cu_ctx();
+                let (sp, _rs) = src.buf.device_ptr(src.buf.stream());
+                let (dp, _rd) = dst.device_ptr_mut(cs);
+                cs.context().bind_to_thread().map_err(driver)?;
+                // SAFETY: both buffers hold src.buf.len() values (dst was allocated with that
+                // length); the copy is ordered on `cs` after the sender's ready event; `src` stays
+                // alive (parked) until the copy has finished.
+                unsafe {
+                    cudarc::driver::result::memcpy_peer_async(
+                        cs.context().cu_ctx(),
+                        dp,
+                        src_ctx,
+                        sp,
+                        src.buf.num_bytes(),
+                        cs.cu_stream(),
+                    )
+                }
+                .map_err(driver)?;
+            }
+            end = self.stamp(cs)?;
         }
-        let start = self.stamp(cs)?;
-        cs.memcpy_dtod(&src.buf, &mut dst).map_err(driver)?;
-        let end = self.stamp(cs)?;
         {
             // The compute stream waits for the copy before this rank's next stamp.
             let (_ptr, _record) = dst.device_ptr(&self.stream);
         }
-        let dst = Activation::shared(dst, src.len);
+        let done = cs.record_event(None).map_err(driver)?;
+        let len = src.len;
         let mut parked = locked(&self.parked)?;
-        parked.push(src);
-        parked.push(Arc::clone(&dst));
-        Ok((dst, (start, end)))
+        // Tensors whose copy has finished can go now (their free waits on nothing).
+        parked.retain(|(_, ev)| !matches!(ev.try_is_complete(), Ok(true)));
+        parked.push((src, done));
+        Ok((Activation::shared(dst, len), (start, end)))
     }
 
     /// An uninitialised `[n]` tensor (every caller's kernel writes all of it).
@@ -408,6 +477,9 @@ impl Gpu {
         };
         let alpha = 1.0f32;
         let stream = &self.stream;
+        // cuBLAS runs on the device current to this thread: after a peer copy that can be the
+        // sender's.
+        stream.context().bind_to_thread().map_err(driver)?;
         let (bp, _rb) = b.device_ptr(stream);
         let (ap, _ra) = a.device_ptr(stream);
         let (cp, _rc) = c.device_ptr_mut(stream);
@@ -902,5 +974,36 @@ impl Tiles {
 
     fn shape(&self, heads: usize) -> Shape {
         launch::attention_tiles(self.count, heads)
+    }
+}
+
+/// Makes `ctx`'s device's default memory pool never insert waits on other streams to reuse
+/// memory they freed (`CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES = 0`): ranks sharing a
+/// GPU allocate from one pool, and such a hidden wait would make one rank's stream wait for
+/// another's.
+fn no_cross_stream_reuse(ctx: &Arc<CudaContext>) -> Result<()> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread().map_err(driver)?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut zero: i32 = 0;
+    // SAFETY: `pool` receives the device's default pool handle; the attribute takes an int.
+    let r = unsafe {
+        let r = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
+        if r != sys::CUresult::CUDA_SUCCESS {
+            r
+        } else {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                (&mut zero) as *mut i32 as *mut std::ffi::c_void,
+            )
+        }
+    };
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda(format!(
+            "cannot configure the device's memory pool: {r:?}"
+        )))
     }
 }

@@ -662,6 +662,15 @@ impl CudaStage {
         self.gpu.synchronize()
     }
 
+    /// `buf` on the host; on a CUDA error, NaN of the same length (a comparison then fails on
+    /// this tensor instead of silently passing) and the error in the log.
+    fn download_or_nan(&self, name: &str, buf: &Buf) -> Vec<f32> {
+        self.gpu.download(buf).unwrap_or_else(|e| {
+            tracing::error!("cannot read {name} from the GPU: {e}");
+            vec![f32::NAN; buf.len()]
+        })
+    }
+
     fn note_peak(&mut self) {
         self.peak_saved = self.peak_saved.max(self.saved_bytes());
     }
@@ -768,7 +777,7 @@ impl StageWorker for CudaStage {
             self.note_peak();
         }
         match flow {
-            Flow::Hidden(h) => Ok(StageOutput::Hidden(h)),
+            Flow::Hidden(h) => Ok(StageOutput::Hidden(self.gpu.mark_ready(h)?)),
             Flow::Loss(sums) => {
                 self.pending.push((mb, !keep, tokens, sums));
                 Ok(StageOutput::LossPending)
@@ -844,7 +853,7 @@ impl StageWorker for CudaStage {
         wctxs.reverse();
         self.wctx.insert(mb, (dev, wctxs));
         self.note_peak();
-        Ok(dy)
+        dy.map(|h| self.gpu.mark_ready(h)).transpose()
     }
 
     fn backward_weight(&mut self, mb: u32, _data: &MicrobatchData) -> Result<()> {
@@ -960,7 +969,7 @@ impl StageWorker for CudaStage {
             .iter()
             .flat_map(|(_, l)| l.params())
             .map(|p| {
-                let v = self.gpu.download(&p.value).unwrap_or_default();
+                let v = self.download_or_nan(&p.name, &p.value);
                 (p.name.clone(), v)
             })
             .collect()
@@ -971,7 +980,7 @@ impl StageWorker for CudaStage {
             .iter()
             .flat_map(|(_, l)| l.params())
             .map(|p| {
-                let v = self.gpu.download(&p.grad).unwrap_or_default();
+                let v = self.download_or_nan(&p.name, &p.grad);
                 (p.name.clone(), v)
             })
             .collect()
@@ -986,6 +995,10 @@ impl StageWorker for CudaStage {
         train: &[MicrobatchData],
         forward_only: &[MicrobatchData],
     ) -> Result<()> {
+        // What a failed step may have left behind.
+        self.fctx.clear();
+        self.wctx.clear();
+        self.pending.clear();
         self.staged.clear();
         for (fo, list) in [(false, train), (true, forward_only)] {
             for (i, d) in list.iter().enumerate() {
