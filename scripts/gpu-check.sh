@@ -33,12 +33,24 @@ if [ ! -x "$bin" ]; then
     echo "no flatpipe binary at $bin: build it with cargo build --release (or set FLATPIPE_BIN)" >&2
     exit 2
 fi
-gpu_test=$(find target/release/deps -maxdepth 1 -type f -name 'gpu-*' ! -name '*.d' -perm -u+x | head -n 1)
+# The newest build of the GPU tests (older builds keep their own hashes).
+gpu_test=$(find target/release/deps -maxdepth 1 -type f -name 'gpu-*' ! -name '*.d' -perm -u+x -printf '%T@ %p\n' \
+    | sort -rn | head -n 1 | cut -d' ' -f2-)
 if [ -z "$gpu_test" ]; then
     echo "no GPU test binary in target/release/deps: cargo test --release -p flatpipe-executor --features cuda --test gpu --no-run" >&2
     exit 2
 fi
 
+# NVRTC and cuBLAS: the CUDA toolkit's libraries, or the nvidia-* wheels of a Python install
+# (PyTorch's), when they are not on the loader's path already.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c 'import glob, os, nvidia; print(" ".join(d for p in nvidia.__path__ for d in glob.glob(os.path.join(p, "*", "lib"))))' 2>/dev/null); do
+    if [ -d "$d" ]; then
+        LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+done
+export LD_LIBRARY_PATH
+echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" > "$out/environment.txt"
 (nvidia-smi || true) > "$out/nvidia-smi.txt" 2>&1
 status=0
 
