@@ -253,6 +253,18 @@ extern "C" __global__ void cross_entropy_bwd(const float* logits, const float* l
 // first token of its sequence, end token of its sequence) of the i-th block of at most BQ (= BK)
 // rows, never crossing a sequence.
 
+// Loads keys and values [k0, k0 + kn) of key/value head g into shared tiles (zeros past kn).
+__device__ void load_kv(float (*Ks)[HEAD_DIM], float (*Vs)[HEAD_DIM], const float* k,
+                        const float* v, int k0, int kn, int g, int kv_heads) {
+    const int D = HEAD_DIM;
+    i64 ldk = (i64)kv_heads * D;
+    for (int e = threadIdx.x; e < BK * D; e += NT_ATT) {
+        int j = e / D, c = e % D;
+        Ks[j][c] = j < kn ? k[(k0 + j) * ldk + g * D + c] : 0.0f;
+        Vs[j][c] = j < kn ? v[(k0 + j) * ldk + g * D + c] : 0.0f;
+    }
+}
+
 // o [T, heads * d] and lse [T, heads]. Grid (tiles, heads).
 extern "C" __global__ void attn_fwd(const float* q, const float* k, const float* v, float* o,
                                     float* lse, const int* tiles, int heads, int kv_heads,
@@ -270,7 +282,7 @@ extern "C" __global__ void attn_fwd(const float* q, const float* k, const float*
     int h = blockIdx.y;
     int g = h / (heads / kv_heads);
     int rows = q1 - q0;
-    i64 ldq = (i64)heads * D, ldk = (i64)kv_heads * D;
+    i64 ldq = (i64)heads * D;
     for (int e = tid; e < BQ * D; e += NT_ATT) {
         int i = e / D, c = e % D;
         Qs[i][c] = i < rows ? q[(q0 + i) * ldq + h * D + c] : 0.0f;
@@ -284,11 +296,7 @@ extern "C" __global__ void attn_fwd(const float* q, const float* k, const float*
     __syncthreads();
     for (int k0 = a; k0 < q1; k0 += BK) {
         int kn = min(BK, q1 - k0);
-        for (int e = tid; e < BK * D; e += NT_ATT) {
-            int j = e / D, c = e % D;
-            Ks[j][c] = j < kn ? k[(k0 + j) * ldk + g * D + c] : 0.0f;
-            Vs[j][c] = j < kn ? v[(k0 + j) * ldk + g * D + c] : 0.0f;
-        }
+        load_kv(Ks, Vs, k, v, k0, kn, g, kv_heads);
         __syncthreads();
         for (int e = tid; e < BQ * BK; e += NT_ATT) {
             int i = e / BK, j = e % BK;
@@ -391,17 +399,6 @@ __device__ void probs_and_dscores(float (*P)[BK], float (*dS)[BK], float (*Qs)[H
         }
         P[i][j] = p;
         dS[i][j] = ds;
-    }
-}
-
-__device__ void load_kv(float (*Ks)[HEAD_DIM], float (*Vs)[HEAD_DIM], const float* k,
-                        const float* v, int k0, int kn, int g, int kv_heads) {
-    const int D = HEAD_DIM;
-    i64 ldk = (i64)kv_heads * D;
-    for (int e = threadIdx.x; e < BK * D; e += NT_ATT) {
-        int j = e / D, c = e % D;
-        Ks[j][c] = j < kn ? k[(k0 + j) * ldk + g * D + c] : 0.0f;
-        Vs[j][c] = j < kn ? v[(k0 + j) * ldk + g * D + c] : 0.0f;
     }
 }
 

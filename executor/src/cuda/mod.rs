@@ -133,14 +133,7 @@ pub fn gemm_f32(
     c: &mut CudaSlice<f32>,
     (m, k, n): (usize, usize, usize),
 ) -> Result<()> {
-    if a.len() < m * k || b.len() < k * n || c.len() < m * n {
-        return Err(Error::Invalid(format!(
-            "gemm [{m}, {k}] @ [{k}, {n}]: buffers of {}, {} and {} values are too small",
-            a.len(),
-            b.len(),
-            c.len()
-        )));
-    }
+    check_gemm((a.len(), b.len(), c.len()), (m, k, n))?;
     let cfg = GemmConfig {
         transa: cublasOperation_t::CUBLAS_OP_N,
         transb: cublasOperation_t::CUBLAS_OP_N,
@@ -156,6 +149,47 @@ pub fn gemm_f32(
     // SAFETY: the shapes were checked against the buffers' lengths above; cuBLAS reads
     // `k x n` of `b` and `m x k` of `a` and writes `m x n` of `c`, all on the handle's stream.
     unsafe { blas_handle.gemm(cfg, b, a, c) }.map_err(blas)
+}
+
+/// Checks that buffers of `lens` values hold a GEMM of `(m, k, n)`.
+///
+/// # Errors
+/// [`Error::Invalid`] naming the shapes and sizes.
+pub(crate) fn check_gemm(
+    lens: (usize, usize, usize),
+    (m, k, n): (usize, usize, usize),
+) -> Result<()> {
+    if lens.0 < m * k || lens.1 < k * n || lens.2 < m * n {
+        return Err(Error::Invalid(format!(
+            "gemm [{m}, {k}] @ [{k}, {n}]: buffers of {}, {} and {} values are too small",
+            lens.0, lens.1, lens.2
+        )));
+    }
+    Ok(())
+}
+
+/// The median milliseconds of `reps` runs of `run` on `stream` (CUDA events), after `warmup`
+/// untimed runs.
+fn median_ms(
+    stream: &Arc<CudaStream>,
+    warmup: u32,
+    reps: u32,
+    mut run: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    for _ in 0..warmup {
+        run()?;
+    }
+    let mut times = Vec::with_capacity(reps.max(1) as usize);
+    for _ in 0..reps.max(1) {
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = stream.record_event(flags).map_err(driver)?;
+        run()?;
+        let end = stream.record_event(flags).map_err(driver)?;
+        end.synchronize().map_err(driver)?;
+        times.push(start.elapsed_ms(&end).map_err(driver)? as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
 }
 
 /// A GEMM measured on the GPU.
@@ -200,19 +234,9 @@ pub fn time_gemm_f32(
     let a = stream.clone_htod(&vec![0.5f32; m * k]).map_err(driver)?;
     let b = stream.clone_htod(&vec![0.25f32; k * n]).map_err(driver)?;
     let mut c = stream.alloc_zeros::<f32>(m * n).map_err(driver)?;
-    for _ in 0..warmup {
-        gemm_f32(&handle, &a, &b, &mut c, (m, k, n))?;
-    }
-    let mut times = Vec::with_capacity(reps.max(1) as usize);
-    for _ in 0..reps.max(1) {
-        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let start = stream.record_event(flags).map_err(driver)?;
-        gemm_f32(&handle, &a, &b, &mut c, (m, k, n))?;
-        let end = stream.record_event(flags).map_err(driver)?;
-        times.push(start.elapsed_ms(&end).map_err(driver)? as f64);
-    }
-    times.sort_by(f64::total_cmp);
-    let ms = times[times.len() / 2];
+    let ms = median_ms(&stream, warmup, reps, || {
+        gemm_f32(&handle, &a, &b, &mut c, (m, k, n))
+    })?;
     Ok(GemmTiming {
         shape: (m, k, n),
         ms,
@@ -241,7 +265,7 @@ pub fn time_gemm_bf16(
     let b = stream.clone_htod(&vec![0x3E80u16; k * n]).map_err(driver)?;
     let mut c = stream.alloc_zeros::<u16>(m * n).map_err(driver)?;
     let (alpha, beta) = (1.0f32, 0.0f32);
-    let mut run = || -> Result<()> {
+    let run = || -> Result<()> {
         let (bp, _rb) = b.device_ptr(&stream);
         let (ap, _ra) = a.device_ptr(&stream);
         let (cp, _rc) = c.device_ptr_mut(&stream);
@@ -273,20 +297,7 @@ pub fn time_gemm_bf16(
         }
         .map_err(blas)
     };
-    for _ in 0..warmup {
-        run()?;
-    }
-    let mut times = Vec::with_capacity(reps.max(1) as usize);
-    for _ in 0..reps.max(1) {
-        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let start = stream.record_event(flags).map_err(driver)?;
-        run()?;
-        let end = stream.record_event(flags).map_err(driver)?;
-        end.synchronize().map_err(driver)?;
-        times.push(start.elapsed_ms(&end).map_err(driver)? as f64);
-    }
-    times.sort_by(f64::total_cmp);
-    let ms = times[times.len() / 2];
+    let ms = median_ms(&stream, warmup, reps, run)?;
     Ok(GemmTiming {
         shape: (m, k, n),
         ms,

@@ -457,14 +457,7 @@ impl Gpu {
         (m, k, n): (usize, usize, usize),
         beta: f32,
     ) -> Result<()> {
-        if a.len() < m * k || b.len() < k * n || c.len() < m * n {
-            return Err(Error::Invalid(format!(
-                "gemm [{m}, {k}] @ [{k}, {n}]: buffers of {}, {} and {} values are too small",
-                a.len(),
-                b.len(),
-                c.len()
-            )));
-        }
+        super::check_gemm((a.len(), b.len(), c.len()), (m, k, n))?;
         if m == 0 || n == 0 {
             return Ok(());
         }
