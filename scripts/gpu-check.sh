@@ -50,7 +50,12 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
     fi
 done
 export LD_LIBRARY_PATH
-echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" > "$out/environment.txt"
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "flatpipe: $("$bin" --version 2>&1)"
+    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+    echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+} > "$out/environment.txt"
 (nvidia-smi || true) > "$out/nvidia-smi.txt" 2>&1
 status=0
 
@@ -69,6 +74,9 @@ if [ -f "$out/h200-llama3.1-8b-profile.yaml" ]; then
             --pp 4 --schedule "$s" --token-budget 8192 --tokens-per-step 65536 --steps 3 \
             --gantt "$out/gantt-$s.png" --trace "$out/trace-$s.json" 2>&1 | tee "$out/execute-$s.txt" || status=1
     done
+else
+    echo "skipped: step 2 wrote no profile (see $out/profile.txt)" | tee "$out/execute-skipped.txt"
+    status=1
 fi
 
 echo "== 4. the CPU example on the GPU, checked against the CPU reference"

@@ -1153,7 +1153,7 @@ fn the_cuda_backend_without_a_gpu_is_a_clear_error_and_auto_falls_back() {
         // No driver, no device or no NVRTC here (CI): the reason, and what to use instead.
         assert_eq!(o.status.code(), Some(2));
         assert!(
-            e.contains("--backend cuda: no CUDA device") && e.contains("--backend cpu"),
+            e.contains("--backend cuda: CUDA is not usable here") && e.contains("--backend cpu"),
             "{e}"
         );
     }
@@ -1332,4 +1332,43 @@ fn a_plan_carries_its_forward_only_work_to_simulate_and_execute() {
     // `same`: one forward-only microbatch per training microbatch.
     assert_eq!(s["fo_microbatches"], s["microbatches"][0]);
     assert_eq!(s["verify"]["within_tolerance"], true);
+}
+
+#[test]
+fn model_with_profile_must_be_the_profiles_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let ok = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--profile",
+            "llama3.1-8b@h200",
+            "--model",
+            "llama3.1-8b",
+            "--schedule",
+            "1f1b",
+            "--format",
+            "json",
+        ],
+    );
+    assert!(ok.status.success(), "{}", stderr(&ok));
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--profile",
+            "llama3.1-8b@h200",
+            "--model",
+            "tiny",
+            "--schedule",
+            "1f1b",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(
+        e.contains("--model tiny is model tiny with 10 layers")
+            && e.contains("is of model llama3.1-8b with 34 layers"),
+        "{e}"
+    );
 }

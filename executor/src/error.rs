@@ -47,8 +47,9 @@ pub enum Error {
         /// Microbatch.
         microbatch: u32,
     },
-    /// No usable GPU: no driver library, no device, or the driver refused (the reason).
-    #[error("no CUDA device: {0}")]
+    /// No usable GPU: no driver library (or one too old), no device, no NVRTC or cuBLAS, or the
+    /// driver refused (the reason).
+    #[error("CUDA is not usable here: {0}")]
     NoDevice(String),
     /// A CUDA driver or cuBLAS call failed.
     #[error("CUDA: {0}")]

@@ -21,20 +21,21 @@ const VERIFY_RTOL: f64 = 1e-4;
 pub(super) enum Backend {
     /// Threads with single-threaded fp32 kernels (matrixmultiply GEMMs).
     Cpu,
-    /// GPU 0 through cudarc: NVRTC-compiled kernels, cuBLAS GEMMs, each rank its own stream.
+    /// NVIDIA GPUs through cudarc: NVRTC-compiled kernels, cuBLAS GEMMs, each rank its own
+    /// streams (see --gpus).
     Cuda,
-    /// CUDA when a GPU (and NVRTC) is present, else CPU.
+    /// CUDA when a GPU with a CUDA 13 driver, NVRTC and cuBLAS is usable here, else CPU.
     Auto,
 }
 
 /// GEMM arithmetic of the CUDA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
 pub(super) enum GemmPrecision {
-    /// fp32 (comparable with the CPU reference: what --verify checks).
+    /// fp32 (the correctness path, comparable with the CPU backend).
     #[default]
     Fp32,
     /// bf16 tensor-core math with fp32 accumulation on fp32 tensors (the speed of bf16 GEMMs;
-    /// --verify's fp32 tolerances do not hold).
+    /// fp32 tolerances against the CPU do not hold).
     Bf16,
 }
 
@@ -305,12 +306,14 @@ impl Backend {
     }
 }
 
-/// Whether the CUDA backend can run here (a GPU and NVRTC), or why not.
+/// Whether the CUDA backend can run here (a GPU with a CUDA 13 driver, NVRTC and cuBLAS), or
+/// why not.
 fn cuda_usable() -> std::result::Result<(), String> {
     #[cfg(feature = "cuda")]
     {
-        flatpipe_executor::cuda::probe().map_err(|e| e.to_string())?;
-        flatpipe_executor::cuda::nvrtc_present().map_err(|e| e.to_string())
+        flatpipe_executor::cuda::usable()
+            .map(drop)
+            .map_err(|e| e.to_string())
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -380,9 +383,13 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         .as_ref()
         .and_then(|p| p.model.clone())
         .or_else(|| a.inputs.model.clone());
+    // With a profile, --model (if any) must be its model; without, the default is tiny.
     let profile = resolve_profile(
         profile_arg.as_deref(),
-        Some(model_arg.as_deref().unwrap_or("tiny")),
+        match profile_arg {
+            Some(_) => model_arg.as_deref(),
+            None => Some(model_arg.as_deref().unwrap_or("tiny")),
+        },
         Some(&hardware),
     )?;
     // The architecture: the plan's or --model, else the profile's model (a built-in name).
@@ -532,6 +539,11 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     }
     let backend = a.backend.resolve_for_stages()?;
     a.precision.check(backend)?;
+    if a.verify && a.precision == GemmPrecision::Bf16 {
+        bail!(
+            "--verify checks against the fp32 CPU reference at fp32 tolerances (loss 1e-5, tensors 1e-4), which bf16 GEMM math does not meet: verify with --precision fp32"
+        );
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if backend == Backend::Cpu && (dp * pp) as usize > cores {
         tracing::warn!(
@@ -734,12 +746,22 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             profile.provenance.date.as_deref().unwrap_or("undated")
         )
     } else {
+        let what = if profile.provenance.source == ProfileSource::Measured {
+            format!(
+                "the profile of {} was measured on {}, not on this backend",
+                profile.model, profile.provenance.device
+            )
+        } else {
+            format!(
+                "the {} profile of {} on {} is not a measurement",
+                format!("{:?}", profile.provenance.source).to_lowercase(),
+                profile.model,
+                profile.provenance.device
+            )
+        };
         format!(
-            "No profile measured on the {} backend was given (the {} profile of {} on {} is not a measurement), so no predicted vs measured makespan; give --profile FILE with a profile measured on this backend",
+            "No profile measured on the {} backend was given ({what}), so no predicted vs measured makespan; give --profile FILE with a profile measured on this backend",
             backend.name(),
-            format!("{:?}", profile.provenance.source).to_lowercase(),
-            profile.model,
-            profile.provenance.device
         )
     };
     notes.push(prediction.clone());

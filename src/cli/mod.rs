@@ -79,9 +79,11 @@ enum Format {
 #[derive(Debug, Args)]
 struct Inputs {
     /// Cost profile: a YAML file or a built-in name such as llama3.1-8b@h200.
-    #[arg(long, conflicts_with_all = ["model", "hardware"])]
+    #[arg(long, conflicts_with = "hardware")]
     profile: Option<String>,
-    /// Model (YAML file or built-in name); its analytic profile on --hardware is used.
+    /// Model (YAML file or built-in name); its analytic profile on --hardware is used. With
+    /// --profile it names the profile's model (its architecture, for execute, when the model is
+    /// not a built-in) and must be the model the profile was made for.
     #[arg(long)]
     model: Option<String>,
     /// Hardware (YAML file or built-in name).
@@ -221,16 +223,29 @@ fn resolve_profile(
 ) -> Result<Profile> {
     if let Some(p) = profile {
         let path = Path::new(p);
-        if path.is_file() {
-            return Ok(Profile::from_yaml(&profiles::read_to_string(path)?, p)?);
+        let prof = if path.is_file() {
+            Profile::from_yaml(&profiles::read_to_string(path)?, p)?
+        } else if let Some((m, h)) = p.split_once('@') {
+            analytic(m, h)?
+        } else {
+            bail!(
+                "unknown profile `{p}`: no such file and no such built-in (built-ins: {})",
+                builtin_profile_names().join(", ")
+            );
+        };
+        if let Some(m) = model {
+            let spec = builtins::model(m)?;
+            if spec.name != prof.model || spec.layers().len() != prof.layers.len() {
+                bail!(
+                    "--model {m} is model {} with {} layers; the profile {p} is of model {} with {} layers: give the model the profile was made for, or leave out --model",
+                    spec.name,
+                    spec.layers().len(),
+                    prof.model,
+                    prof.layers.len()
+                );
+            }
         }
-        if let Some((m, h)) = p.split_once('@') {
-            return analytic(m, h);
-        }
-        bail!(
-            "unknown profile `{p}`: no such file and no such built-in (built-ins: {})",
-            builtin_profile_names().join(", ")
-        );
+        return Ok(prof);
     }
     analytic(
         model.unwrap_or(builtins::DEFAULT_MODEL),

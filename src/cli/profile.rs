@@ -24,8 +24,8 @@ pub(super) struct ProfileArgs {
     /// name and links with what was measured. Default cpu (h200 on --backend cuda).
     #[arg(long)]
     hardware: Option<String>,
-    /// A coarse grid (T in 128..2048, 3 timed rounds): about 15 s for tiny on 2 cores. (On a
-    /// GPU the grid is T in {1024, 4096, 16384} either way.)
+    /// A coarse grid (T in {32, 128, 512, 1024, 2048}, 3 timed rounds): about 25 s for tiny on
+    /// 2 cores. (On a GPU the grid is T in {1024, 4096, 16384} either way.)
     #[arg(long)]
     quick: bool,
     /// Threads running the same kernels at once while measuring: the ranks that will share this

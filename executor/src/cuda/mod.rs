@@ -69,7 +69,25 @@ pub fn context_on(ordinal: usize) -> Result<Arc<CudaContext>> {
             "the NVIDIA driver library (libcuda.so) is not installed on this machine",
         ));
     }
-    let count = CudaContext::device_count()
+    // cudarc panics when the library lacks a function it looks up (an old or partial driver):
+    // the first calls run under a guard that turns such a panic into an error.
+    let version = guarded("the NVIDIA driver library", || {
+        let mut v = 0i32;
+        // SAFETY: cuDriverGetVersion writes one int.
+        let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+        (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some(v)
+    })?
+    .ok_or_else(|| no_device("the NVIDIA driver does not report its version"))?;
+    if version < MIN_DRIVER_API {
+        return Err(no_device(format!(
+            "the NVIDIA driver supports CUDA {}.{}; this flatpipe is built against the CUDA {}.{} API (cudarc's cuda-13000): update the driver",
+            version / 1000,
+            version % 1000 / 10,
+            MIN_DRIVER_API / 1000,
+            MIN_DRIVER_API % 1000 / 10
+        )));
+    }
+    let count = guarded("the NVIDIA driver library", CudaContext::device_count)?
         .map_err(|e| no_device(format!("the CUDA driver reports an error: {e:?}")))?;
     if count < 1 {
         return Err(no_device("the CUDA driver sees no GPU"));
@@ -80,7 +98,58 @@ pub fn context_on(ordinal: usize) -> Result<Arc<CudaContext>> {
             count - 1
         )));
     }
-    CudaContext::new(ordinal).map_err(|e| no_device(format!("cannot open GPU {ordinal}: {e:?}")))
+    guarded("the NVIDIA driver library", || CudaContext::new(ordinal))?
+        .map_err(|e| no_device(format!("cannot open GPU {ordinal}: {e:?}")))
+}
+
+/// The CUDA API version the build is bound to (cudarc's `cuda-13000`): drivers older than this
+/// lack functions it calls.
+const MIN_DRIVER_API: i32 = 13000;
+
+/// Runs `f`, turning a panic (cudarc's "Missing symbol ...: dlsym failed" from a library that
+/// lacks a function) into [`Error::NoDevice`] naming `what`; the panic message is not printed.
+fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    r.map_err(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic".into());
+        no_device(format!(
+            "{what} lacks what this build needs (the CUDA 13.0 API): {msg}"
+        ))
+    })
+}
+
+/// Whether the CUDA backend can run here: a GPU with a CUDA 13 driver, NVRTC and cuBLAS.
+/// Returns device 0's description.
+///
+/// # Errors
+/// [`Error::NoDevice`] naming the first thing missing; never panics.
+pub fn usable() -> Result<DeviceInfo> {
+    let info = probe()?;
+    nvrtc_present()?;
+    cublas_present()?;
+    Ok(info)
+}
+
+/// Whether cuBLAS (`libcublas.so`) can be loaded.
+///
+/// # Errors
+/// [`Error::NoDevice`] naming the missing library.
+pub fn cublas_present() -> Result<()> {
+    // SAFETY: only tries to dlopen libcublas and reports whether it loaded.
+    if unsafe { cudarc::cublas::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(no_device(
+            "cuBLAS (libcublas.so, part of the CUDA toolkit) is not installed: the CUDA backend's GEMMs need it",
+        ))
+    }
 }
 
 /// Finds device 0 and describes it.
@@ -90,12 +159,14 @@ pub fn context_on(ordinal: usize) -> Result<Arc<CudaContext>> {
 pub fn probe() -> Result<DeviceInfo> {
     let ctx = context()?;
     let err = |e: cudarc::driver::DriverError| no_device(format!("{e:?}"));
-    Ok(DeviceInfo {
-        name: ctx.name().map_err(err)?,
-        count: CudaContext::device_count().map_err(err)?,
-        total_bytes: ctx.total_mem().map_err(err)?,
-        compute_capability: ctx.compute_capability().map_err(err)?,
-    })
+    guarded("the NVIDIA driver library", || {
+        Ok(DeviceInfo {
+            name: ctx.name().map_err(err)?,
+            count: CudaContext::device_count().map_err(err)?,
+            total_bytes: ctx.total_mem().map_err(err)?,
+            compute_capability: ctx.compute_capability().map_err(err)?,
+        })
+    })?
 }
 
 /// Whether NVRTC (`libnvrtc.so`) can be loaded: the CUDA backend compiles its kernels at run
