@@ -182,22 +182,36 @@ fn draw<DB: DrawingBackend>(
         ))
         .map_err(e)?;
     }
-    let legend = [
-        ("F", color(ActionKind::F)),
-        ("I", color(ActionKind::I)),
-        ("W", color(ActionKind::W)),
-        ("B", color(ActionKind::B)),
-        ("Fo", color(ActionKind::Fo)),
-        ("opt", RGBColor(176, 176, 176)),
-    ];
+    // The legend lists what the chart shows, on the caption's row at the right (below it, it
+    // would cover rank 0's bars).
+    let shown = |k: ActionKind| {
+        t.compute
+            .iter()
+            .flatten()
+            .any(|o| o.action.parts().any(|a| a.kind == k))
+    };
+    let mut legend: Vec<(&str, RGBColor)> = [
+        ("F", ActionKind::F),
+        ("I", ActionKind::I),
+        ("W", ActionKind::W),
+        ("B", ActionKind::B),
+        ("Fo", ActionKind::Fo),
+    ]
+    .into_iter()
+    .filter(|(_, k)| shown(*k))
+    .map(|(n, k)| (n, color(k)))
+    .collect();
+    if t.optimizer.iter().any(Option::is_some) {
+        legend.push(("opt", RGBColor(176, 176, 176)));
+    }
     let (w, _) = root.dim_in_pixel();
     let mut x = w as i32 - 24 - 56 * legend.len() as i32;
     for (name, c) in legend {
-        root.draw(&Rectangle::new([(x, 36), (x + 14, 50)], c.filled()))
+        root.draw(&Rectangle::new([(x, 12), (x + 14, 26)], c.filled()))
             .map_err(e)?;
         root.draw(&Text::new(
             name,
-            (x + 18, 43),
+            (x + 18, 19),
             ("sans-serif", 13)
                 .into_font()
                 .color(&BLACK)

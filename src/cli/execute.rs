@@ -633,7 +633,8 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             .flatten()
             .filter(|o| o.action.parts().any(|p| p.kind == sim::ActionKind::Fo))
             .map(|o| (o.end_ns - o.start_ns) as f64 * 1e-9)
-            .sum();
+            .sum::<f64>()
+            + 0.0; // an empty sum is -0.0
         let n = run.timeline.num_ranks();
         let busy: f64 = (0..n).map(|r| run.timeline.busy_ns(r) as f64 * 1e-9).sum();
         let predicted = if predict {

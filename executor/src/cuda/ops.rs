@@ -976,6 +976,10 @@ impl Tiles {
 /// another's.
 fn no_cross_stream_reuse(ctx: &Arc<CudaContext>) -> Result<()> {
     use cudarc::driver::sys;
+    if !ctx.has_async_alloc() {
+        // No stream-ordered pool on this device: cudarc allocates synchronously.
+        return Ok(());
+    }
     ctx.bind_to_thread().map_err(driver)?;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     let mut zero: i32 = 0;
