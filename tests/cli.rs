@@ -1372,3 +1372,37 @@ fn model_with_profile_must_be_the_profiles_model() {
         "{e}"
     );
 }
+
+#[test]
+fn warmup_steps_run_before_the_reported_ones_and_are_not_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |warmup: &str| {
+        let o = flatpipe(
+            dir.path(),
+            &[
+                "execute",
+                "--steps",
+                "1",
+                "--warmup-steps",
+                warmup,
+                "--seqs-per-step",
+                "4",
+                "--verify",
+                "--format",
+                "json",
+            ],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        json(&o)
+    };
+    let (cold, warm) = (run("0"), run("1"));
+    for v in [&cold, &warm] {
+        assert_eq!(v["steps"].as_array().unwrap().len(), 1);
+        assert_eq!(v["steps"][0]["step"], 0);
+    }
+    // The same step 0 (same tokens), after one AdamW update of the weights: another loss, and
+    // the reference still agrees.
+    assert_eq!(cold["steps"][0]["tokens"], warm["steps"][0]["tokens"]);
+    assert_ne!(cold["steps"][0]["loss"], warm["steps"][0]["loss"]);
+    assert_eq!(warm["steps"][0]["verify"]["within_tolerance"], true);
+}

@@ -293,3 +293,32 @@ fn pipelined_steps_on(devices: usize) {
         }
     }
 }
+
+#[test]
+fn profiling_a_small_model_on_the_gpu_fits_its_phases() {
+    if device().is_none() {
+        return;
+    }
+    let cfg = flatpipe_executor::profiler::ProfileConfig {
+        tokens: vec![256, 1024, 4096],
+        short_seq: 64,
+        warmup: 1,
+        reps: 3,
+        link_sizes: vec![1 << 16, 1 << 20, 1 << 24],
+        concurrency: 2,
+    };
+    let (m, info) =
+        cuda::profile::profile_cuda(&small_model(), &cfg, Precision::Fp32, 1, &|_| {}).unwrap();
+    assert!(!info.name.is_empty());
+    assert_eq!(m.kinds.len(), 3);
+    for k in &m.kinds {
+        assert!(
+            k.f.coeffs.c_tok_s > 0.0 || k.f.coeffs.c0_s > 0.0,
+            "{:?}",
+            k.kind
+        );
+        assert!(k.act_bytes_per_token_w > 0.0, "{:?}", k.kind);
+    }
+    assert!(m.link.beta_bytes_per_s > 1e9, "{:?}", m.link);
+    assert!(m.optimizer_s_per_param > 0.0);
+}

@@ -176,6 +176,10 @@ pub(super) struct ExecuteArgs {
     /// Training steps to run. Default 3.
     #[arg(long, default_value_t = 3)]
     steps: u32,
+    /// Untimed training steps before them (first-touch memory, a GPU's library warm-up), run
+    /// and verified like the others but not reported. Default 0.
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: u32,
     /// Seed of the step sampler and the token ids (default: the plan's or workload's).
     #[arg(long)]
     seed: Option<u64>,
@@ -614,6 +618,15 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     let mut rows = Vec::with_capacity(a.steps as usize);
     let mut last = None;
     let mut failed = false;
+    // Warm-up steps draw their data after the reported ones' (step ids steps.., so the reported
+    // steps are the same with or without them).
+    for w in 0..a.warmup_steps as u64 {
+        let prepared = setup.prepare(a.steps as u64 + w)?;
+        exec.train_step(&setup, &prepared)?;
+        if let Some(re) = &mut reference {
+            re.step(&setup, &prepared, true)?;
+        }
+    }
     for step in 0..a.steps as u64 {
         let prepared: PreparedStep = setup.prepare(step)?;
         let run = exec.train_step(&setup, &prepared)?;
