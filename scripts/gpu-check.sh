@@ -71,7 +71,7 @@ if [ -f "$out/h200-llama3.1-8b-profile.yaml" ]; then
     for s in 1f1b zb-h1; do
         "$bin" execute --backend cuda --precision bf16 --init-on-device \
             --model "$model" --workload sharegpt-v3 --profile "$out/h200-llama3.1-8b-profile.yaml" \
-            --pp 4 --schedule "$s" --token-budget 8192 --tokens-per-step 65536 --warmup-steps 1 --steps 3 \
+            --pp 4 --schedule "$s" --token-budget 4096 --tokens-per-step 32768 --warmup-steps 1 --steps 3 \
             --gantt "$out/gantt-$s.png" --trace "$out/trace-$s.json" 2>&1 | tee "$out/execute-$s.txt" || status=1
     done
 else
