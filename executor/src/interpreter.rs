@@ -13,6 +13,12 @@
 //! `cu_seqlens`) before the step starts, so a receiver knows that microbatch k's activations are
 //! `T_k x H`; a transfer of any other size is [`Error::TransferMismatch`], never truncated.
 //!
+//! Asynchronous backends (CUDA) plug in through three hooks of the worker: `prepare_step`
+//! (uploads the step's data before the clock starts), `import` (the receiver copies a tensor from
+//! another rank and times the copy), and a `DeviceClock` (actions are stamped with events on the
+//! rank's stream and resolved to nanoseconds when the rank's last action has been enqueued;
+//! losses left on the device are read then too). The host clock times the CPU backend.
+//!
 //! After the last action of every rank, the step ends with the data-parallel gradient all-reduce
 //! (a sum over replicas of each pipeline rank's gradients), the global gradient norm over all
 //! stages (what clipping needs), and the optimizer step on every rank in parallel.
