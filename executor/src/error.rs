@@ -65,5 +65,5 @@ pub enum Error {
     Profiles(#[from] flatpipe_profiles::Error),
 }
 
-/// Result with [`Error`].
+/// Result with [`enum@Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
