@@ -10,6 +10,8 @@
 #![cfg(feature = "cuda")]
 #![allow(unsafe_code)]
 
+mod common;
+
 use flatpipe_executor::cuda::launch::{self, Shape};
 use flatpipe_executor::kernels::{self as k, AttnDims};
 use flatpipe_executor::worker::AdamW;
@@ -104,22 +106,8 @@ fn randn(rng: &mut ChaCha8Rng, shape: (usize, usize)) -> Array2<f32> {
     Array2::from_shape_fn(shape, |_| rng.random::<f32>() * 2.0 - 1.0)
 }
 
-/// `max |a - b| / max(max |b|, 1e-3)`; infinite when a value is not finite (a NaN must not
-/// compare as equal).
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    if a.iter().chain(b).any(|x| !x.is_finite()) {
-        return f32::INFINITY;
-    }
-    let scale = b.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
-}
-
 fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    let e = rel(got, want);
+    let e = common::rel(got, want, 1e-3);
     assert!(e <= tol, "{what}: max relative difference {e:e} > {tol:e}");
 }
 

@@ -4,6 +4,9 @@
 //! CUDA steps against the single-rank CPU reference, at the oracle's fp32 tolerances.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use flatpipe_executor::cpu::CpuStage;
 use flatpipe_executor::cuda;
 use flatpipe_executor::cuda::ops::{self, Gpu, Precision};
 use flatpipe_executor::cuda::stage::{CudaStage, Init};
@@ -11,13 +14,10 @@ use flatpipe_executor::data::{LossReduction, build_step};
 use flatpipe_executor::kernels::matmul;
 use flatpipe_executor::runner::{Executor, Reference, Setup, compare};
 use flatpipe_executor::worker::{StageInput, StageOutput, StageWorker};
-use flatpipe_executor::{AdamW, cpu::CpuStage};
-use flatpipe_profiles::{LengthDistribution, ModelSpec, StepSize, Workload};
+use flatpipe_profiles::ModelSpec;
 use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::costs::Recompute;
 use flatpipe_simulator::montecarlo::ScheduleSource;
-use flatpipe_simulator::plan::even_split;
-use flatpipe_simulator::policy::{Policy, PolicyParams};
 use ndarray::Array2;
 use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
 use std::sync::Arc;
@@ -107,20 +107,6 @@ fn small_model() -> ModelSpec {
     .unwrap()
 }
 
-/// `max |a - b| / max |b|`; infinite when a value is not finite (a NaN must not compare as
-/// equal).
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    if a.iter().chain(b).any(|x| !x.is_finite()) {
-        return f32::INFINITY;
-    }
-    let scale = b.iter().fold(1e-12f32, |m, x| m.max(x.abs()));
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
-}
-
 #[test]
 fn a_cuda_stage_matches_the_cpu_stage_in_f_i_w() {
     if device().is_none() {
@@ -161,7 +147,7 @@ fn a_cuda_stage_matches_the_cpu_stage_in_f_i_w() {
             (StageOutput::Hidden(a), StageOutput::Hidden(b)) => {
                 let b = gpu.download(&b.buf).unwrap();
                 assert_eq!(b.len(), t * 64);
-                let e = rel(&b, a.as_slice().unwrap());
+                let e = common::rel(&b, a.as_slice().unwrap(), 1e-12);
                 assert!(e < 1e-4, "{range:?} forward: {e}");
             }
             (StageOutput::Loss(a), StageOutput::LossPending) => {
@@ -189,13 +175,13 @@ fn a_cuda_stage_matches_the_cpu_stage_in_f_i_w() {
         if let (Some(a), Some(b)) = (cdx, gdx) {
             let b = gpu.download(&b.buf).unwrap();
             assert_eq!(b.len(), t * 64);
-            let e = rel(&b, a.as_slice().unwrap());
+            let e = common::rel(&b, a.as_slice().unwrap(), 1e-12);
             assert!(e < 1e-4, "{range:?} dgrad: {e}");
         }
         c.backward_weight(0, data).unwrap();
         g.backward_weight(0, data).unwrap();
         for ((n, a), (_, b)) in c.named_grads().iter().zip(g.named_grads()) {
-            let e = rel(&b, a);
+            let e = common::rel(&b, a, 1e-12);
             assert!(e < 1e-4, "{range:?} {n}: {e}");
         }
         assert_eq!(g.held_microbatches(), 0);
@@ -203,40 +189,12 @@ fn a_cuda_stage_matches_the_cpu_stage_in_f_i_w() {
 }
 
 fn setup(kind: ScheduleKind, pp: u32, v: u32, m: u32) -> Setup {
-    let model = small_model();
-    let stages = even_split(model.layers().len(), (pp * v) as usize).unwrap();
-    let mut w = Workload::empirical("t".into(), "t".into(), vec![1]);
-    w.lengths = LengthDistribution::Lognormal {
-        median: 24.0,
-        sigma: 0.8,
-        min: 1,
-        max: 96,
-    };
-    Setup {
-        model,
-        stages,
-        source: ScheduleSource::Kind(kind),
-        pp,
-        v,
-        dp: 1,
-        recompute: Vec::new(),
-        policy: Policy::FlatBalanced,
-        params: PolicyParams {
-            microbatches: Some(m),
-            ..PolicyParams::default()
-        },
-        workload: w,
-        step_size: StepSize::Seqs(3 * m),
-        seed: 11,
-        init_seed: 5,
-        reduction: LossReduction::PerToken,
-        adamw: AdamW::default(),
-        max_grad_norm: Some(1.0),
-        balance: Arc::new(|t, a| t as f64 + a as f64 / 64.0),
-        forward_only: None,
-        profile: None,
-        memory_limit_bytes: None,
-    }
+    common::setup(
+        small_model(),
+        common::workload(24.0, 96),
+        ScheduleSource::Kind(kind),
+        (pp, v, m),
+    )
 }
 
 #[test]

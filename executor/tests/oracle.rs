@@ -6,16 +6,15 @@
 //! arithmetic per microbatch; they differ only in the order the wgrad GEMMs accumulate the
 //! microbatches' contributions, which moves the last bits.
 
+mod common;
+
+use flatpipe_executor::Error;
 use flatpipe_executor::data::LossReduction;
 use flatpipe_executor::runner::{Executor, Reference, Setup, compare};
-use flatpipe_executor::{AdamW, Error};
-use flatpipe_profiles::{LengthDistribution, ModelSpec, StepSize, Workload};
+use flatpipe_profiles::{ModelSpec, StepSize};
 use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::costs::Recompute;
 use flatpipe_simulator::montecarlo::ScheduleSource;
-use flatpipe_simulator::plan::even_split;
-use flatpipe_simulator::policy::{Policy, PolicyParams};
-use std::sync::Arc;
 
 const LOSS_RTOL: f64 = 1e-5;
 const GRAD_RTOL: f64 = 1e-4;
@@ -29,45 +28,8 @@ fn model() -> ModelSpec {
     .unwrap()
 }
 
-fn workload() -> Workload {
-    let mut w = Workload::empirical("t".into(), "t".into(), vec![1]);
-    w.lengths = LengthDistribution::Lognormal {
-        median: 12.0,
-        sigma: 0.8,
-        min: 1,
-        max: 64,
-    };
-    w
-}
-
 fn setup(source: ScheduleSource, pp: u32, v: u32, m: u32) -> Setup {
-    let model = model();
-    let stages = even_split(model.layers().len(), (pp * v) as usize).unwrap();
-    Setup {
-        model,
-        stages,
-        source,
-        pp,
-        v,
-        dp: 1,
-        recompute: Vec::new(),
-        policy: Policy::FlatBalanced,
-        params: PolicyParams {
-            microbatches: Some(m),
-            ..PolicyParams::default()
-        },
-        workload: workload(),
-        step_size: StepSize::Seqs(3 * m),
-        seed: 11,
-        init_seed: 5,
-        reduction: LossReduction::PerToken,
-        adamw: AdamW::default(),
-        max_grad_norm: Some(1.0),
-        balance: Arc::new(|t, a| t as f64 + a as f64 / 64.0),
-        forward_only: None,
-        profile: None,
-        memory_limit_bytes: None,
-    }
+    common::setup(model(), common::workload(12.0, 64), source, (pp, v, m))
 }
 
 /// Runs one step pipelined and on one rank; checks loss, gradients, grad norm, and then the
