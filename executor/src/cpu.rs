@@ -10,7 +10,7 @@
 //! torchtitan's Llama (`layers.N.attention.wq.weight`, `layers.N.feed_forward.w1.weight`, ...).
 
 use crate::kernels::{self as k, AttnDims};
-use crate::worker::{AdamW, LossSums, StageInput, StageOutput, StageWorker};
+use crate::worker::{AdamW, LossSums, Misuse, StageInput, StageOutput, StageWorker};
 use crate::{Error, MicrobatchData, Result};
 use flatpipe_profiles::{Layer, LayerKind, ModelSpec};
 use flatpipe_simulator::costs::Recompute;
@@ -543,17 +543,13 @@ impl CpuStage {
                 (Flow::Loss(loss), ctx)
             }
             (LayerParams::Embedding { .. }, _) => {
-                return Err(Error::Invalid("the embedding takes token ids".into()));
+                return Err(Misuse::EmbeddingWantsTokens.into());
             }
             (_, Flow::Tokens) => {
-                return Err(Error::Invalid(
-                    "token ids go only into the stage holding the embedding (layer 0)".into(),
-                ));
+                return Err(Misuse::TokensOnlyIntoEmbedding.into());
             }
             (_, Flow::Loss(_)) => {
-                return Err(Error::Invalid(
-                    "nothing follows the head (the last layer)".into(),
-                ));
+                return Err(Misuse::NothingAfterHead.into());
             }
         })
     }
@@ -588,14 +584,12 @@ impl StageWorker for CpuStage {
             ctxs.extend(ctx);
         }
         if keep && self.fctx.insert(mb, ctxs).is_some() {
-            return Err(Error::Invalid(format!(
-                "microbatch {mb} ran F twice on the same stage before its backward"
-            )));
+            return Err(Misuse::ForwardTwice(mb).into());
         }
         match flow {
             Flow::Hidden(h) => Ok(StageOutput::Hidden(h)),
             Flow::Loss(l) => Ok(StageOutput::Loss(l)),
-            Flow::Tokens => Err(Error::Invalid("a stage has no layers".into())),
+            Flow::Tokens => Err(Misuse::NoLayers.into()),
         }
     }
 
@@ -608,7 +602,7 @@ impl StageWorker for CpuStage {
         let ctxs = self
             .fctx
             .remove(&mb)
-            .ok_or_else(|| Error::Invalid(format!("I of microbatch {mb} before its F")))?;
+            .ok_or(Misuse::DgradBeforeForward(mb))?;
         let cu = &data.cu_seqlens;
         let mut dy = grad;
         let mut wctxs = Vec::with_capacity(ctxs.len());
@@ -632,22 +626,16 @@ impl StageWorker for CpuStage {
                     (Some(dx), w)
                 }
                 (LayerParams::Decoder(d), FCtx::Decoder(c)) => {
-                    let dy = dy.take().ok_or_else(|| {
-                        Error::Invalid(format!("I of microbatch {mb}: no output gradient"))
-                    })?;
+                    let dy = dy.take().ok_or(Misuse::NoOutputGradient(mb))?;
                     let (dx, w) = decoder_dgrad(d, *c, dy, cu);
                     (Some(dx), w)
                 }
                 (LayerParams::Embedding { .. }, FCtx::Embedding) => {
-                    let dy = dy.take().ok_or_else(|| {
-                        Error::Invalid(format!("I of microbatch {mb}: no output gradient"))
-                    })?;
+                    let dy = dy.take().ok_or(Misuse::NoOutputGradient(mb))?;
                     (None, WCtx::Embedding { dy })
                 }
                 _ => {
-                    return Err(Error::Invalid(
-                        "saved activations of another layer kind".into(),
-                    ));
+                    return Err(Misuse::ActivationsOfAnotherKind.into());
                 }
             };
             dy = dx;
@@ -659,10 +647,7 @@ impl StageWorker for CpuStage {
     }
 
     fn backward_weight(&mut self, mb: u32, data: &MicrobatchData) -> Result<()> {
-        let wctxs = self
-            .wctx
-            .remove(&mb)
-            .ok_or_else(|| Error::Invalid(format!("W of microbatch {mb} before its I")))?;
+        let wctxs = self.wctx.remove(&mb).ok_or(Misuse::WgradBeforeDgrad(mb))?;
         for ((_, p), w) in self.layers.iter_mut().zip(wctxs) {
             match (p, w) {
                 (LayerParams::Embedding { table }, WCtx::Embedding { dy }) => {
@@ -693,9 +678,7 @@ impl StageWorker for CpuStage {
                     norm_grad(&mut d.ffn_norm, &w.dh2, &w.xhat2);
                 }
                 _ => {
-                    return Err(Error::Invalid(
-                        "saved gradients of another layer kind".into(),
-                    ));
+                    return Err(Misuse::GradientsOfAnotherKind.into());
                 }
             }
         }

@@ -53,7 +53,7 @@ pub trait Profiled: StageWorker + Sized {
     ///
     /// # Errors
     /// `f`'s error or a backend failure.
-    fn timed(&mut self, f: &mut dyn FnMut(&mut Self) -> Result<()>) -> Result<f64>;
+    fn timed(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<f64>;
 }
 
 impl Profiled for CpuStage {
@@ -66,7 +66,7 @@ impl Profiled for CpuStage {
     fn param_count(&self) -> u64 {
         crate::cpu::param_count(self)
     }
-    fn timed(&mut self, f: &mut dyn FnMut(&mut Self) -> Result<()>) -> Result<f64> {
+    fn timed(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<f64> {
         let s = Instant::now();
         f(self)?;
         Ok(s.elapsed().as_secs_f64())
@@ -283,7 +283,8 @@ pub struct Measured {
     pub notes: String,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of `v` (the upper of the two middle values for an even count); `v` is not empty.
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -317,27 +318,16 @@ fn time_phases<W: Profiled>(
     for round in 0..warmup + reps {
         // Inputs are made before the clock starts.
         let inp = input(stage)?;
-        let mut inp = Some(inp);
-        let f = stage.timed(&mut |st| {
-            let i = inp
-                .take()
-                .ok_or_else(|| Error::Invalid("input used twice".into()))?;
-            st.forward(0, mb, i, true).map(drop)
-        })?;
-        let mut g = if last {
+        let f = stage.timed(|st| st.forward(0, mb, inp, true).map(drop))?;
+        let g = if last {
             None
         } else {
             Some(stage.hidden_from(&x)?)
         };
-        let i = stage.timed(&mut |st| st.backward_input(0, mb, g.take()).map(drop))?;
-        let w = stage.timed(&mut |st| st.backward_weight(0, mb))?;
-        let mut inp = Some(input(stage)?);
-        let fo = stage.timed(&mut |st| {
-            let i = inp
-                .take()
-                .ok_or_else(|| Error::Invalid("input used twice".into()))?;
-            st.forward(1, mb, i, false).map(drop)
-        })?;
+        let i = stage.timed(|st| st.backward_input(0, mb, g).map(drop))?;
+        let w = stage.timed(|st| st.backward_weight(0, mb))?;
+        let inp = input(stage)?;
+        let fo = stage.timed(|st| st.forward(1, mb, inp, false).map(drop))?;
         // Losses a GPU left on the device.
         stage.take_losses()?;
         if round >= warmup {

@@ -5,8 +5,40 @@
 //! states `[T, H]` between stages ([`StageInput::Hidden`] / [`StageOutput::Hidden`]), and loss
 //! sums out of the last ([`StageOutput::Loss`]).
 
-use crate::Result;
 use crate::data::MicrobatchData;
+use crate::{Error, Result};
+
+/// A stage worker used out of order or with the wrong input: one wording for every backend,
+/// reported as [`Error::Invalid`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Misuse {
+    #[error("the embedding takes token ids")]
+    EmbeddingWantsTokens,
+    #[error("token ids go only into the stage holding the embedding (layer 0)")]
+    TokensOnlyIntoEmbedding,
+    #[error("nothing follows the head (the last layer)")]
+    NothingAfterHead,
+    #[error("microbatch {0} ran F twice on the same stage before its backward")]
+    ForwardTwice(u32),
+    #[error("I of microbatch {0} before its F")]
+    DgradBeforeForward(u32),
+    #[error("I of microbatch {0}: no output gradient")]
+    NoOutputGradient(u32),
+    #[error("W of microbatch {0} before its I")]
+    WgradBeforeDgrad(u32),
+    #[error("saved activations of another layer kind")]
+    ActivationsOfAnotherKind,
+    #[error("saved gradients of another layer kind")]
+    GradientsOfAnotherKind,
+    #[error("a stage has no layers")]
+    NoLayers,
+}
+
+impl From<Misuse> for Error {
+    fn from(m: Misuse) -> Self {
+        Error::Invalid(m.to_string())
+    }
+}
 
 /// What a stage's forward takes.
 #[derive(Debug)]

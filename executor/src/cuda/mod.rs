@@ -259,8 +259,7 @@ fn median_ms(
         end.synchronize().map_err(driver)?;
         times.push(start.elapsed_ms(&end).map_err(driver)? as f64);
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok(crate::profiler::median(times))
 }
 
 /// A GEMM measured on the GPU.
@@ -299,19 +298,8 @@ pub fn time_gemm_f32(
     warmup: u32,
     reps: u32,
 ) -> Result<GemmTiming> {
-    let ctx = context()?;
-    let stream: Arc<CudaStream> = ctx.default_stream();
-    let handle = CudaBlas::new(stream.clone()).map_err(blas)?;
-    let a = stream.clone_htod(&vec![0.5f32; m * k]).map_err(driver)?;
-    let b = stream.clone_htod(&vec![0.25f32; k * n]).map_err(driver)?;
-    let mut c = stream.alloc_zeros::<f32>(m * n).map_err(driver)?;
-    let ms = median_ms(&stream, warmup, reps, || {
-        gemm_f32(&handle, &a, &b, &mut c, (m, k, n))
-    })?;
-    Ok(GemmTiming {
-        shape: (m, k, n),
-        ms,
-        tflops: 2.0 * (m * k * n) as f64 / (ms * 1e-3) / 1e12,
+    time_gemm((m, k, n), (0.5f32, 0.25f32), warmup, reps, |h, a, b, c| {
+        gemm_f32(h, a, b, c, (m, k, n))
     })
 }
 
@@ -328,47 +316,66 @@ pub fn time_gemm_bf16(
 ) -> Result<GemmTiming> {
     use cudarc::cublas::sys as cs;
     use cudarc::driver::{DevicePtr, DevicePtrMut};
+    // bf16 bit patterns of 0.5 and 0.25.
+    time_gemm(
+        (m, k, n),
+        (0x3F00u16, 0x3E80u16),
+        warmup,
+        reps,
+        |h, a, b, c| {
+            let stream = a.stream();
+            let (bp, _rb) = b.device_ptr(stream);
+            let (ap, _ra) = a.device_ptr(stream);
+            let (cp, _rc) = c.device_ptr_mut(stream);
+            let bf16 = cs::cudaDataType_t::CUDA_R_16BF;
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            // SAFETY: the buffers hold k x n, m x k and m x n bf16 values; column-major
+            // C^T [n, m] = B^T A^T as in `gemm_f32`; all on the handle's stream.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *h.handle(),
+                    cs::cublasOperation_t::CUBLAS_OP_N,
+                    cs::cublasOperation_t::CUBLAS_OP_N,
+                    n as i32,
+                    m as i32,
+                    k as i32,
+                    (&alpha) as *const f32 as *const _,
+                    bp as *const _,
+                    bf16,
+                    n as i32,
+                    ap as *const _,
+                    bf16,
+                    k as i32,
+                    (&beta) as *const f32 as *const _,
+                    cp as *mut _,
+                    bf16,
+                    n as i32,
+                    cs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(blas)
+        },
+    )
+}
+
+/// The GEMM timers' common part: device 0's default stream and a cuBLAS handle on it, `a [m, k]`
+/// and `b [k, n]` filled with `fill` and `c [m, n]`, then [`median_ms`] of `run` and the rate
+/// `2 m k n / time`.
+fn time_gemm<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
+    (m, k, n): (usize, usize, usize),
+    fill: (T, T),
+    warmup: u32,
+    reps: u32,
+    mut run: impl FnMut(&CudaBlas, &CudaSlice<T>, &CudaSlice<T>, &mut CudaSlice<T>) -> Result<()>,
+) -> Result<GemmTiming> {
     let ctx = context()?;
     let stream: Arc<CudaStream> = ctx.default_stream();
     let handle = CudaBlas::new(stream.clone()).map_err(blas)?;
-    // bf16 bit patterns of 0.5 and 0.25.
-    let a = stream.clone_htod(&vec![0x3F00u16; m * k]).map_err(driver)?;
-    let b = stream.clone_htod(&vec![0x3E80u16; k * n]).map_err(driver)?;
-    let mut c = stream.alloc_zeros::<u16>(m * n).map_err(driver)?;
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let run = || -> Result<()> {
-        let (bp, _rb) = b.device_ptr(&stream);
-        let (ap, _ra) = a.device_ptr(&stream);
-        let (cp, _rc) = c.device_ptr_mut(&stream);
-        let bf16 = cs::cudaDataType_t::CUDA_R_16BF;
-        // SAFETY: the buffers hold k x n, m x k and m x n bf16 values; column-major
-        // C^T [n, m] = B^T A^T as in `gemm_f32`; all on the handle's stream.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *handle.handle(),
-                cs::cublasOperation_t::CUBLAS_OP_N,
-                cs::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                m as i32,
-                k as i32,
-                (&alpha) as *const f32 as *const _,
-                bp as *const _,
-                bf16,
-                n as i32,
-                ap as *const _,
-                bf16,
-                k as i32,
-                (&beta) as *const f32 as *const _,
-                cp as *mut _,
-                bf16,
-                n as i32,
-                cs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(blas)
-    };
-    let ms = median_ms(&stream, warmup, reps, run)?;
+    let a = stream.clone_htod(&vec![fill.0; m * k]).map_err(driver)?;
+    let b = stream.clone_htod(&vec![fill.1; k * n]).map_err(driver)?;
+    let mut c = stream.alloc_zeros::<T>(m * n).map_err(driver)?;
+    let ms = median_ms(&stream, warmup, reps, || run(&handle, &a, &b, &mut c))?;
     Ok(GemmTiming {
         shape: (m, k, n),
         ms,

@@ -5,7 +5,7 @@ use super::ops::{Gpu, Precision};
 use super::stage::{CudaStage, Init};
 use super::{DeviceInfo, context, context_on, driver, probe};
 use crate::profiler::{
-    DECODERS_PER_STAGE, Measured, ProfileConfig, Profiled, Sample, StageFactory, nnls_fit,
+    DECODERS_PER_STAGE, Measured, ProfileConfig, Profiled, Sample, StageFactory, median, nnls_fit,
     profile_kinds,
 };
 use crate::worker::{AdamW, StageWorker};
@@ -31,7 +31,7 @@ impl Profiled for CudaStage {
         CudaStage::param_count(self)
     }
 
-    fn timed(&mut self, f: &mut dyn FnMut(&mut Self) -> Result<()>) -> Result<f64> {
+    fn timed(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<f64> {
         self.synchronize()?;
         let stream = Arc::clone(&self.gpu().stream);
         let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
@@ -158,11 +158,10 @@ fn profile_copy_link(dst: &Gpu, src: &Gpu, name: String, cfg: &ProfileConfig) ->
                 times.push(start.elapsed_ms(&end).map_err(driver)? as f64 * 1e-3);
             }
         }
-        times.sort_by(f64::total_cmp);
         samples.push(Sample {
             tokens: bytes as f64,
             pairs: 0.0,
-            seconds: times[times.len() / 2].max(1e-9),
+            seconds: median(times).max(1e-9),
         });
     }
     let fit = nnls_fit(&samples, false)?;
@@ -209,6 +208,5 @@ fn profile_optimizer(model: &ModelSpec, reps: u32, make: &StageFactory<CudaStage
             times.push(s.elapsed().as_secs_f64());
         }
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2] / params)
+    Ok(median(times) / params)
 }

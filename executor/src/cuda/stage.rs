@@ -19,7 +19,7 @@ use super::{driver, launch};
 use crate::cpu::CpuStage;
 use crate::kernels::AttnDims;
 use crate::worker::{
-    AdamW, CopyStamps, DeviceClock, LossSums, StageInput, StageOutput, StageWorker,
+    AdamW, CopyStamps, DeviceClock, LossSums, Misuse, StageInput, StageOutput, StageWorker,
 };
 use crate::{Error, MicrobatchData, Result};
 use cudarc::driver::CudaSlice;
@@ -662,6 +662,15 @@ impl CudaStage {
         self.gpu.synchronize()
     }
 
+    /// `(name, values)` of `pick(parameter)` for every parameter, read back from the GPU.
+    fn named(&self, pick: impl Fn(&Param) -> &Buf) -> Vec<(String, Vec<f32>)> {
+        self.layers
+            .iter()
+            .flat_map(|(_, l)| l.params())
+            .map(|p| (p.name.clone(), self.download_or_nan(&p.name, pick(p))))
+            .collect()
+    }
+
     /// `buf` on the host; on a CUDA error, NaN of the same length (a comparison then fails on
     /// this tensor instead of silently passing) and the error in the log.
     fn download_or_nan(&self, name: &str, buf: &Buf) -> Vec<f32> {
@@ -718,17 +727,13 @@ impl CudaStage {
                 (Flow::Loss(sums), ctx)
             }
             (Layer::Embedding { .. }, _) => {
-                return Err(Error::Invalid("the embedding takes token ids".into()));
+                return Err(Misuse::EmbeddingWantsTokens.into());
             }
             (_, Flow::Tokens) => {
-                return Err(Error::Invalid(
-                    "token ids go only into the stage holding the embedding (layer 0)".into(),
-                ));
+                return Err(Misuse::TokensOnlyIntoEmbedding.into());
             }
             (_, Flow::Loss(_)) => {
-                return Err(Error::Invalid(
-                    "nothing follows the head (the last layer)".into(),
-                ));
+                return Err(Misuse::NothingAfterHead.into());
             }
         })
     }
@@ -769,9 +774,7 @@ impl StageWorker for CudaStage {
         let tokens = dev.t as u64;
         if keep {
             if self.fctx.contains_key(&mb) {
-                return Err(Error::Invalid(format!(
-                    "microbatch {mb} ran F twice on the same stage before its backward"
-                )));
+                return Err(Misuse::ForwardTwice(mb).into());
             }
             self.fctx.insert(mb, (dev, ctxs));
             self.note_peak();
@@ -782,7 +785,7 @@ impl StageWorker for CudaStage {
                 self.pending.push((mb, !keep, tokens, sums));
                 Ok(StageOutput::LossPending)
             }
-            Flow::Tokens => Err(Error::Invalid("a stage has no layers".into())),
+            Flow::Tokens => Err(Misuse::NoLayers.into()),
         }
     }
 
@@ -795,7 +798,7 @@ impl StageWorker for CudaStage {
         let (dev, ctxs) = self
             .fctx
             .remove(&mb)
-            .ok_or_else(|| Error::Invalid(format!("I of microbatch {mb} before its F")))?;
+            .ok_or(Misuse::DgradBeforeForward(mb))?;
         let g = &*self.gpu;
         let mut dy = grad;
         let mut wctxs = Vec::with_capacity(ctxs.len());
@@ -818,7 +821,6 @@ impl StageWorker for CudaStage {
                 },
                 c => c,
             };
-            let no_grad = || Error::Invalid(format!("I of microbatch {mb}: no output gradient"));
             let (dx, w) = match (layer, ctx) {
                 (
                     Layer::Head {
@@ -833,18 +835,16 @@ impl StageWorker for CudaStage {
                     (Some(Activation::shared(dx, dev.t * hidden)), w)
                 }
                 (Layer::Decoder(d), FCtx::Decoder(c)) => {
-                    let dy = dy.take().ok_or_else(no_grad)?;
+                    let dy = dy.take().ok_or(Misuse::NoOutputGradient(mb))?;
                     let (dx, w) = decoder_dgrad(g, d, *c, dy, &dev)?;
                     (Some(Activation::shared(dx, dev.t * d.hidden)), w)
                 }
                 (Layer::Embedding { .. }, FCtx::Embedding) => {
-                    let dy = dy.take().ok_or_else(no_grad)?;
+                    let dy = dy.take().ok_or(Misuse::NoOutputGradient(mb))?;
                     (None, WCtx::Embedding { dy })
                 }
                 _ => {
-                    return Err(Error::Invalid(
-                        "saved activations of another layer kind".into(),
-                    ));
+                    return Err(Misuse::ActivationsOfAnotherKind.into());
                 }
             };
             dy = dx;
@@ -857,10 +857,7 @@ impl StageWorker for CudaStage {
     }
 
     fn backward_weight(&mut self, mb: u32, _data: &MicrobatchData) -> Result<()> {
-        let (dev, wctxs) = self
-            .wctx
-            .remove(&mb)
-            .ok_or_else(|| Error::Invalid(format!("W of microbatch {mb} before its I")))?;
+        let (dev, wctxs) = self.wctx.remove(&mb).ok_or(Misuse::WgradBeforeDgrad(mb))?;
         let g = &*self.gpu;
         let t = dev.t;
         for ((_, layer), w) in self.layers.iter_mut().zip(wctxs) {
@@ -899,9 +896,7 @@ impl StageWorker for CudaStage {
                     g.rmsnorm_dg(&mut d.ffn_norm.grad, &w.dh2, &w.xhat2, t, h)?;
                 }
                 _ => {
-                    return Err(Error::Invalid(
-                        "saved gradients of another layer kind".into(),
-                    ));
+                    return Err(Misuse::GradientsOfAnotherKind.into());
                 }
             }
         }
@@ -965,25 +960,11 @@ impl StageWorker for CudaStage {
     }
 
     fn named_params(&self) -> Vec<(String, Vec<f32>)> {
-        self.layers
-            .iter()
-            .flat_map(|(_, l)| l.params())
-            .map(|p| {
-                let v = self.download_or_nan(&p.name, &p.value);
-                (p.name.clone(), v)
-            })
-            .collect()
+        self.named(|p| &p.value)
     }
 
     fn named_grads(&self) -> Vec<(String, Vec<f32>)> {
-        self.layers
-            .iter()
-            .flat_map(|(_, l)| l.params())
-            .map(|p| {
-                let v = self.download_or_nan(&p.name, &p.grad);
-                (p.name.clone(), v)
-            })
-            .collect()
+        self.named(|p| &p.grad)
     }
 
     fn held_microbatches(&self) -> usize {
