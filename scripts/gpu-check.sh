@@ -21,7 +21,7 @@
 #   3. 4-rank 1F1B and ZB-H1 runs of that model on ShareGPT lengths, predicted against measured,
 #      with Gantt charts and Chrome traces of the measured timelines;
 #   4. a small run checked against the CPU reference (--verify) on the GPU.
-# About 3 to 5 minutes on an H200.
+# Expected to take a few minutes on an H200 (an estimate: it has not yet run on one).
 set -euo pipefail
 
 out=${1:-gpu-check-out}
