@@ -139,7 +139,7 @@ fn bench_search(c: &mut Criterion) {
         static_bytes: StaticBytes::default(),
         rank_by: RankBy::Mean,
         keep: 5,
-        milp_time_limit_s: None,
+        exact_split: flatpipe::planner::partition::ExactSplit::Off,
         forward_only: None,
     };
     let mut g = c.benchmark_group("search");

@@ -106,12 +106,52 @@ proptest! {
             Ok(m) => prop_assert!((m.bottleneck_s - best).abs() < 1e-6, "milp {} brute {}", m.bottleneck_s, best),
             Err(_) => prop_assert!(best.is_infinite()),
         }
+        // `solve` (the default branch and bound) finds the brute-force optimum and proves it.
         if let Ok(s) = solve(&pr) {
             prop_assert!(s.rank_memory_bytes.iter().all(|&m| m <= limit + 1e-9));
-            prop_assert!(s.bottleneck_s >= best - 1e-9);
+            prop_assert!((s.bottleneck_s - best).abs() < 1e-9, "solve {} ({}) brute {}", s.bottleneck_s, s.solver, best);
+            prop_assert!(s.optimal, "{}", s.solver);
             prop_assert!(s.lower_bound_s <= best + 1e-9);
         } else {
             prop_assert!(best.is_infinite());
+        }
+    }
+
+    /// On larger problems (up to 14 layers, 2-3 ranks, 2-3 stages per rank, looped and V
+    /// placements, per-layer parameters and activations), the branch and bound and the MILP
+    /// (good_lp's microlp, an independent formulation) reach the same optimal bottleneck.
+    #[test]
+    fn branch_and_bound_equals_milp(
+        times in prop::collection::vec(1u32..30, 14),
+        params in prop::collection::vec(0u64..6, 14),
+        acts in prop::collection::vec(1u32..8, 14),
+        n in 8usize..15,
+        p in 2u32..4,
+        v in 2u32..4,
+        v_shape in any::<bool>(),
+        tightness in 0.3f64..1.0,
+    ) {
+        let placement = if v_shape { Placement::v_shape(p) } else { Placement::looped(p, v) };
+        let s = placement.num_stages() as usize;
+        prop_assume!(n >= s);
+        let t: Vec<f64> = times[..n].iter().map(|&x| x as f64).collect();
+        let act: Vec<f64> = acts[..n].iter().map(|&x| x as f64).collect();
+        let modes = Recompute::ALL.to_vec();
+        let mut pr = problem(layers(&t, &params[..n], &act), placement, f64::INFINITY, modes);
+        pr.inflight = (0..s).map(|i| (s - i) as f64).collect();
+        // A limit between the leanest spread and the memory-free optimum's heaviest rank.
+        let free = solve_dp(&pr, true).unwrap();
+        let heaviest = free.rank_memory_bytes.iter().copied().fold(0.0, f64::max);
+        pr.memory_limit_bytes = heaviest * tightness;
+        let milp = solve_milp(&pr);
+        match (solve(&pr), milp) {
+            (Ok(b), Ok(m)) => {
+                prop_assert!(b.optimal, "{}", b.solver);
+                prop_assert!((b.bottleneck_s - m.bottleneck_s).abs() < 1e-6, "bnb {} milp {}", b.bottleneck_s, m.bottleneck_s);
+                prop_assert!(b.rank_memory_bytes.iter().all(|&x| x <= pr.memory_limit_bytes));
+            }
+            (Err(_), Err(_)) => {}
+            (b, m) => prop_assert!(false, "bnb {:?} milp {:?}", b.map(|x| x.bottleneck_s), m.map(|x| x.bottleneck_s)),
         }
     }
 }
@@ -275,7 +315,7 @@ fn default_plan_beats_hand_written_1f1b() {
         static_bytes: StaticBytes::default(),
         rank_by: RankBy::Mean,
         keep: 5,
-        milp_time_limit_s: None,
+        exact_split: flatpipe::planner::partition::ExactSplit::Off,
         forward_only: None,
     };
     let result = search(&prof, &w, &SearchSpace::default_for(8), &config, &|_, _| {}).unwrap();

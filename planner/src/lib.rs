@@ -5,7 +5,8 @@
 //! recompute activations, under a per-rank memory limit, for a model, a hardware and an
 //! input-length distribution.
 //!
-//! - [`partition`]: the contiguous layer split as an exact DP and a MILP (good_lp).
+//! - [`partition`]: the contiguous layer split: an exact DP, a branch and bound ([`bnb`]) and
+//!   a MILP (good_lp; HiGHS with the `highs` feature).
 //! - [`search`]: the enumeration of candidates, each evaluated with the simulator's Monte
 //!   Carlo over sampled steps, pruned by lower bounds.
 //! - [`export`]: torchtitan, Megatron-LM and PyTorch pipeline-order CSV exports.
@@ -13,10 +14,14 @@
 //! The planner never executes anything.
 #![deny(missing_docs)]
 
+pub mod bnb;
 mod error;
 pub mod export;
 pub mod partition;
 pub mod search;
 
 pub use error::{Error, Result};
+
+/// Whether HiGHS (the `highs` feature) is built in.
+pub const HIGHS: bool = cfg!(feature = "highs");
 pub use flatpipe_simulator;

@@ -7,16 +7,20 @@
 //! `Σ_{s on r} Σ_{l in s} (static_l + k_s * act_l(mode_s))`, with `k_s` the stage's peak
 //! in-flight microbatches from the simulator's replay of the schedule.
 //!
-//! Two exact solvers:
+//! Three exact solvers:
 //! - [`solve_dp`]: dynamic program over (stage, last layer), `O(S L² modes)`, exact when every
 //!   rank holds one stage (then memory is per stage) or no memory limit binds.
-//! - [`solve_milp`]: a MILP (good_lp; HiGHS, or pure-Rust microlp without the `highs`
-//!   feature) in the cumulative formulation: `u[l][s] = 1` iff layer l is in a stage `<= s`;
+//! - branch and bound ([`crate::bnb`], the default for several stages per rank under a binding
+//!   limit): a binary search over candidate bottlenecks with a depth-first feasibility search,
+//!   pure Rust, deterministic node budget.
+//! - [`solve_milp`]: a MILP (good_lp; HiGHS with the `highs` feature, which needs cmake and
+//!   libclang to build; otherwise the pure-Rust microlp, for small instances only) in the
+//!   cumulative formulation: `u[l][s] = 1` iff layer l is in a stage `<= s`;
 //!   `x[l][s] = u[l][s] - u[l][s-1]` is membership, contiguity is `u[l+1][s] <= u[l][s]`, and the
 //!   order of stages leaves no symmetry to break. Modes use `z[l][s][m] = x[l][s] AND r[s][m]`.
 //!
 //! [`solve`] runs the DP without memory limits first: its optimum is a lower bound on every
-//! split; when it fits every rank it is optimal and the MILP is skipped.
+//! split; when it fits every rank it is optimal and nothing else runs.
 
 use crate::{Error, Result};
 use flatpipe_simulator::Placement;
@@ -104,7 +108,7 @@ pub struct Partition {
     pub optimal: bool,
 }
 
-fn mode_index(m: Recompute) -> usize {
+pub(crate) fn mode_index(m: Recompute) -> usize {
     Recompute::ALL
         .iter()
         .position(|x| *x == m)
@@ -608,11 +612,38 @@ where
     })
 }
 
-/// Time limit of the MILP inside [`solve`], seconds.
+/// Time limit of the HiGHS MILP ([`ExactSplit::Highs`]), seconds.
 pub const MILP_TIME_LIMIT_S: f64 = 0.5;
 
-/// Certified gap below which [`solve`] keeps the fast split without running the MILP.
+/// Certified gap below which [`ExactSplit::Highs`] keeps the fast split without the MILP.
 pub const ACCEPT_GAP: f64 = 0.02;
+
+/// How [`solve_with`] improves on the fast split when memory forces a split away from the
+/// fastest one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExactSplit {
+    /// Keep the DP-based split with its certified gap; search only when the DP finds none.
+    Off,
+    /// Branch and bound ([`crate::bnb`]), pure Rust, `node_budget` search nodes per
+    /// feasibility question (deterministic).
+    BranchAndBound {
+        /// Search nodes per feasibility question.
+        node_budget: u64,
+    },
+    /// HiGHS's MILP within a time limit, stopping at a 1% gap. Needs the `highs` feature
+    /// (cmake and libclang to build); without it [`solve_with`] returns [`Error::Solver`].
+    Highs {
+        /// Time limit, seconds.
+        time_limit_s: f64,
+    },
+}
+
+impl ExactSplit {
+    /// Branch and bound with the default budget ([`crate::bnb::NODE_BUDGET`]).
+    pub const DEFAULT: ExactSplit = ExactSplit::BranchAndBound {
+        node_budget: crate::bnb::NODE_BUDGET,
+    };
+}
 
 /// The best partition:
 /// 1. one stage per rank: the DP, exact;
@@ -621,22 +652,22 @@ pub const ACCEPT_GAP: f64 = 0.02;
 /// 3. if even a perfect spread of the leanest memory over the ranks exceeds the limit, no
 ///    split fits;
 /// 4. otherwise a feasible split from the DP with per-stage shares of each rank's limit; if it
-///    is within [`ACCEPT_GAP`] of the lower bound it is kept, else the MILP (HiGHS,
-///    [`MILP_TIME_LIMIT_S`], stopping at a 1% gap) looks for a better or proven-optimal one.
+///    reaches the lower bound it is optimal, else the branch and bound
+///    ([`ExactSplit::DEFAULT`]) looks for a better or proven-optimal one.
 ///    The result carries the lower bound, so its gap to optimal is certified either way.
 ///
 /// # Errors
-/// As [`solve_dp`] and [`solve_milp`].
+/// As [`solve_dp`]; [`Error::InfeasibleMemory`] when no split fits.
 pub fn solve(problem: &PartitionProblem) -> Result<Partition> {
-    solve_with(problem, Some(MILP_TIME_LIMIT_S))
+    solve_with(problem, ExactSplit::DEFAULT)
 }
 
-/// [`solve`] with the MILP's time limit, or `None` to skip the MILP (the fast split is then
-/// returned with its certified gap).
+/// [`solve`] with the choice of exact search (see [`ExactSplit`]).
 ///
 /// # Errors
-/// As [`solve`].
-pub fn solve_with(problem: &PartitionProblem, milp_time_limit_s: Option<f64>) -> Result<Partition> {
+/// As [`solve`]; [`Error::Solver`] for [`ExactSplit::Highs`] without the `highs` feature or
+/// on a HiGHS failure.
+pub fn solve_with(problem: &PartitionProblem, exact: ExactSplit) -> Result<Partition> {
     problem.check()?;
     let one_stage_per_rank = problem.s_count() == problem.placement.num_ranks as usize;
     if one_stage_per_rank {
@@ -681,73 +712,142 @@ pub fn solve_with(problem: &PartitionProblem, milp_time_limit_s: Option<f64>) ->
             problem.memory_limit_bytes / on_rank
         })
         .collect();
-    let heuristic = dp_with_stage_limits(problem, &shares).ok();
-    if let Some(h) = &heuristic
-        && (h.bottleneck_s <= lb * (1.0 + ACCEPT_GAP) || milp_time_limit_s.is_none())
-    {
-        let optimal = h.bottleneck_s <= lb * (1.0 + 1e-9);
-        return Ok(Partition {
+    let heuristic = dp_with_stage_limits(problem, &shares)
+        .ok()
+        .map(|h| Partition {
             solver: "dp (per-stage memory shares)",
             lower_bound_s: lb,
-            optimal,
-            ..h.clone()
+            optimal: h.bottleneck_s <= lb * (1.0 + 1e-9),
+            ..h
         });
+    // The fast split is kept when it is proven optimal, when no search is asked for, or, for
+    // the (slower) HiGHS, within ACCEPT_GAP of the bound.
+    if let Some(h) = &heuristic
+        && (h.optimal
+            || exact == ExactSplit::Off
+            || (matches!(exact, ExactSplit::Highs { .. })
+                && h.bottleneck_s <= lb * (1.0 + ACCEPT_GAP)))
+    {
+        return Ok(h.clone());
     }
     let t0 = std::time::Instant::now();
-    // Without a split from the DP, the MILP runs even when not asked for, within the default
-    // limit, so that a search never waits on it.
-    let limit = milp_time_limit_s.unwrap_or(MILP_TIME_LIMIT_S);
-    let milp = solve_milp_within(problem, Some(limit));
+    let result = match exact {
+        ExactSplit::Highs { time_limit_s } => {
+            highs_or_heuristic(problem, lb, time_limit_s, heuristic.clone())
+        }
+        // Without a split from the DP, the search runs even when not asked for.
+        ExactSplit::Off => {
+            branch_and_bound(problem, lb, heuristic.as_ref(), crate::bnb::NODE_BUDGET)
+        }
+        ExactSplit::BranchAndBound { node_budget } => {
+            branch_and_bound(problem, lb, heuristic.as_ref(), node_budget)
+        }
+    };
     tracing::debug!(
-        "partition MILP: {} layers, {} stages, {:.3} s, heuristic {:?}, result {:?}",
+        "partition {exact:?}: {} layers, {} stages, {:.3} s, heuristic {:?}, result {:?}",
         problem.layers.len(),
         problem.s_count(),
         t0.elapsed().as_secs_f64(),
         heuristic.as_ref().map(|h| h.bottleneck_s / lb),
-        milp.as_ref().map(|m| (m.bottleneck_s / lb, m.optimal))
+        result
+            .as_ref()
+            .map(|m| (m.bottleneck_s / lb, m.optimal, m.solver))
     );
-    let best = match (milp, heuristic) {
-        (Ok(m), Some(h)) => {
-            if m.optimal || m.bottleneck_s <= h.bottleneck_s {
-                m
-            } else {
-                Partition {
-                    solver: "dp (per-stage memory shares)",
-                    optimal: false,
-                    ..h
+    result
+}
+
+/// The branch and bound from the heuristic split (if any) down to the lower bound `lb`.
+fn branch_and_bound(
+    problem: &PartitionProblem,
+    lb: f64,
+    heuristic: Option<&Partition>,
+    node_budget: u64,
+) -> Result<Partition> {
+    let out = crate::bnb::solve(
+        problem,
+        lb,
+        heuristic.map(|h| (h.stages.as_slice(), h.recompute.as_slice())),
+        node_budget,
+    );
+    let Some((stages, recompute)) = out.split else {
+        let mut err = infeasible(problem);
+        if !out.decided
+            && let Error::InfeasibleMemory { explanation, .. } = &mut err
+        {
+            explanation.push_str(&format!(
+                " (no split found by the DP with per-stage shares of the limit, nor by the branch and bound within {node_budget} nodes per question)"
+            ));
+        }
+        return Err(err);
+    };
+    let rank_memory_bytes = problem.rank_memory(&stages, &recompute);
+    let optimal = out.bottleneck_s <= out.lower_bound_s * (1.0 + 1e-12);
+    let from_heuristic = heuristic.is_some_and(|h| h.stages == stages && h.recompute == recompute);
+    Ok(Partition {
+        stages,
+        recompute,
+        bottleneck_s: out.bottleneck_s,
+        rank_memory_bytes,
+        solver: match (from_heuristic, optimal) {
+            (true, true) => "dp (per-stage memory shares), proven optimal by branch and bound",
+            (true, false) => "dp (per-stage memory shares)",
+            (false, true) => "branch and bound",
+            (false, false) => "branch and bound (node budget)",
+        },
+        lower_bound_s: out.lower_bound_s.max(lb),
+        optimal,
+    })
+}
+
+/// HiGHS within `time_limit_s`, or the heuristic split when HiGHS does no better.
+fn highs_or_heuristic(
+    problem: &PartitionProblem,
+    lb: f64,
+    time_limit_s: f64,
+    heuristic: Option<Partition>,
+) -> Result<Partition> {
+    #[cfg(not(feature = "highs"))]
+    {
+        let _ = (problem, lb, time_limit_s, heuristic);
+        Err(Error::Solver(
+            "HiGHS is not built in: rebuild with `--features highs` (needs cmake and libclang), or use the default branch and bound".into(),
+        ))
+    }
+    #[cfg(feature = "highs")]
+    {
+        let milp = solve_milp_within(problem, Some(time_limit_s));
+        let best = match (milp, heuristic) {
+            (Ok(m), Some(h)) => {
+                if m.optimal || m.bottleneck_s <= h.bottleneck_s {
+                    m
+                } else {
+                    Partition {
+                        optimal: false,
+                        ..h
+                    }
                 }
             }
-        }
-        (Ok(m), None) => m,
-        (Err(Error::InfeasibleMemory { .. }), _) => return Err(infeasible(problem)),
-        (Err(_), Some(h)) => Partition {
-            solver: "dp (per-stage memory shares)",
-            optimal: false,
-            ..h
-        },
-        (Err(_), None) => {
-            return Err(match infeasible(problem) {
-                Error::InfeasibleMemory {
-                    layers,
-                    stages,
-                    limit_gib,
-                    explanation,
-                } => Error::InfeasibleMemory {
-                    layers,
-                    stages,
-                    limit_gib,
-                    explanation: format!(
-                        "{explanation} (no split found by the DP with per-stage shares of the limit, nor by the MILP within {limit} s)"
-                    ),
-                },
-                other => other,
-            });
-        }
-    };
-    Ok(Partition {
-        lower_bound_s: lb,
-        ..best
-    })
+            (Ok(m), None) => m,
+            (Err(Error::InfeasibleMemory { .. }), _) => return Err(infeasible(problem)),
+            (Err(_), Some(h)) => Partition {
+                optimal: false,
+                ..h
+            },
+            (Err(_), None) => {
+                let mut err = infeasible(problem);
+                if let Error::InfeasibleMemory { explanation, .. } = &mut err {
+                    explanation.push_str(&format!(
+                        " (no split found by the DP with per-stage shares of the limit, nor by the MILP within {time_limit_s} s)"
+                    ));
+                }
+                return Err(err);
+            }
+        };
+        Ok(Partition {
+            lower_bound_s: lb,
+            ..best
+        })
+    }
 }
 
 #[cfg(test)]

@@ -15,7 +15,9 @@
 //! 5. Evaluation: the Monte Carlo on the same sampled steps; the simulated peak memory of every
 //!    rank (static + activations, largest over steps) must fit the limit.
 
-use crate::partition::{LayerCost, Partition, PartitionProblem, StaticBytes, solve_with};
+use crate::partition::{
+    ExactSplit, LayerCost, Partition, PartitionProblem, StaticBytes, solve_with,
+};
 use crate::{Error, Result};
 use flatpipe_profiles::{Profile, StepSize, Workload};
 use flatpipe_simulator::costs::{Recompute, UniformCostSpec, UniformCosts, recompute_effect};
@@ -88,9 +90,9 @@ pub struct SearchConfig {
     pub rank_by: RankBy,
     /// How many evaluated candidates to keep (best and runners-up); pruning keeps this many.
     pub keep: usize,
-    /// Time limit of the partition MILP per candidate, seconds; `None` keeps the DP-based
-    /// split with its certified gap (fast).
-    pub milp_time_limit_s: Option<f64>,
+    /// The exact split search per candidate where memory forces a split away from the fastest
+    /// one; [`ExactSplit::Off`] keeps the DP-based split with its certified gap.
+    pub exact_split: ExactSplit,
     /// Forward-only work each step carries (fused or separate), planned with the training.
     pub forward_only: Option<flatpipe_simulator::montecarlo::ForwardOnlySpec>,
 }
@@ -517,5 +519,5 @@ fn plan_candidate(
             ),
         });
     }
-    solve_with(&problem, config.milp_time_limit_s)
+    solve_with(&problem, config.exact_split)
 }

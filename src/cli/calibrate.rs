@@ -175,7 +175,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             },
             rank_by: planner::search::RankBy::Mean,
             keep: 1,
-            milp_time_limit_s: None,
+            exact_split: planner::partition::ExactSplit::Off,
             forward_only: None,
         };
         let result = planner::search::search(&profile, &workload, &space, &config, &|_, _| {})?;

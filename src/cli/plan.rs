@@ -52,10 +52,12 @@ pub(super) struct PlanArgs {
     /// Rank candidates by mean or p90 step time.
     #[arg(long, default_value = "mean", value_parser = ["mean", "p90"])]
     rank_by: String,
-    /// Where memory forces a split away from the fastest one, also run the partition MILP
-    /// (HiGHS, 0.5 s per candidate) instead of keeping the DP-based split and its certified gap.
-    #[arg(long)]
-    exact_split: bool,
+    /// Where memory forces a split away from the fastest one: `bnb` searches the optimal split
+    /// by branch and bound (built in, milliseconds per candidate); `highs` by HiGHS's MILP
+    /// (0.5 s per candidate, needs a build with `--features highs`); `dp` keeps the DP split
+    /// with per-stage shares of each rank's limit and its certified gap.
+    #[arg(long, default_value = "bnb", value_parser = ["bnb", "highs", "dp"])]
+    split_solver: String,
     #[command(flatten)]
     fo: FoArgs,
     /// How many plans to report (the best and its runners-up).
@@ -194,9 +196,20 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             RankBy::Mean
         },
         keep: a.keep,
-        milp_time_limit_s: a
-            .exact_split
-            .then_some(planner::partition::MILP_TIME_LIMIT_S),
+        exact_split: match a.split_solver.as_str() {
+            "dp" => planner::partition::ExactSplit::Off,
+            "highs" => {
+                if !planner::HIGHS {
+                    bail!(
+                        "--split-solver highs: this flatpipe was built without HiGHS; rebuild with `cargo build --release --features highs` (needs cmake and libclang), or use the built-in `bnb`"
+                    );
+                }
+                planner::partition::ExactSplit::Highs {
+                    time_limit_s: planner::partition::MILP_TIME_LIMIT_S,
+                }
+            }
+            _ => planner::partition::ExactSplit::DEFAULT,
+        },
         forward_only: a.fo.spec()?,
     };
     let bar = std::sync::Mutex::new(None::<indicatif::ProgressBar>);
