@@ -1,9 +1,11 @@
 //! Planner speed: the layer partition at 128 layers x 16 stages under per-rank memory limits,
-//! the MILP on an interleaved split, and the whole plan search for Llama-3.1-70B on 16 ranks.
+//! the exact split of an interleaved placement under a binding limit (branch and bound; HiGHS
+//! with `--features highs`), and the whole plan search for Llama-3.1-70B on 16 ranks (both
+//! split solvers).
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use flatpipe::planner::partition::{
-    LayerCost, PartitionProblem, StaticBytes, solve, solve_dp, solve_milp,
+    ExactSplit, LayerCost, PartitionProblem, StaticBytes, solve, solve_dp, solve_with,
 };
 use flatpipe::planner::search::{RankBy, SearchConfig, SearchSpace, search};
 use flatpipe::profiles::{
@@ -107,19 +109,36 @@ fn bench_partition(c: &mut Criterion) {
     g.bench_function("128_layers_16_stages_memory_limited_dp", |b| {
         b.iter(|| solve(black_box(&problem)).unwrap())
     });
-    // The MILP on an interleaved placement (2 stages per rank), plain min-max: 32 layers x 8.
-    let milp_problem = PartitionProblem {
-        layers: layer_costs(30),
-        placement: Placement::looped(4, 2),
-        inflight: vec![4.0; 8],
+    // The exact split on an interleaved placement under a binding limit: 32 decoders +
+    // embedding + head into 8 ranks x 4 stages (looped BFS in-flight counts: every stage holds
+    // all 32 microbatches), where the DP with per-stage shares of the limit is far from optimal.
+    let mut interleaved = PartitionProblem {
+        layers: layer_costs(32),
+        placement: Placement::looped(8, 4),
+        inflight: vec![8.0; 32],
         memory_limit_bytes: f64::INFINITY,
         static_bytes: StaticBytes::default(),
-        modes: vec![Recompute::None],
+        modes: Recompute::ALL.to_vec(),
     };
-    g.sample_size(10);
-    g.bench_function("32_layers_8_stages_milp_highs", |b| {
-        b.iter(|| solve_milp(black_box(&milp_problem)).unwrap())
+    let free = solve_dp(&interleaved, true).unwrap();
+    interleaved.memory_limit_bytes =
+        0.95 * free.rank_memory_bytes.iter().copied().fold(0.0, f64::max);
+    let fast = solve_with(&interleaved, ExactSplit::Off).unwrap();
+    let bnb = solve_with(&interleaved, ExactSplit::DEFAULT).unwrap();
+    assert!(bnb.optimal && bnb.bottleneck_s < fast.bottleneck_s);
+    g.sample_size(20);
+    g.bench_function("34_layers_32_stages_memory_limited_bnb", |b| {
+        b.iter(|| solve_with(black_box(&interleaved), ExactSplit::DEFAULT).unwrap())
     });
+    #[cfg(feature = "highs")]
+    {
+        let highs = ExactSplit::Highs { time_limit_s: 60.0 };
+        let m = solve_with(&interleaved, highs).unwrap();
+        assert!(m.bottleneck_s <= bnb.bottleneck_s * 1.01);
+        g.bench_function("34_layers_32_stages_memory_limited_highs", |b| {
+            b.iter(|| solve_with(black_box(&interleaved), highs).unwrap())
+        });
+    }
     g.finish();
 }
 
@@ -144,9 +163,24 @@ fn bench_search(c: &mut Criterion) {
     };
     let mut g = c.benchmark_group("search");
     g.sample_size(10);
-    g.bench_function("llama3.1-70b_16_ranks_64_steps", |b| {
-        b.iter(|| search(&profile, &w, &space, &config, &|_, _| {}).unwrap())
-    });
+    let mut solvers = vec![("bnb", ExactSplit::DEFAULT), ("dp", ExactSplit::Off)];
+    if cfg!(feature = "highs") {
+        solvers.push((
+            "highs",
+            ExactSplit::Highs {
+                time_limit_s: flatpipe::planner::partition::MILP_TIME_LIMIT_S,
+            },
+        ));
+    }
+    for (name, exact) in solvers {
+        let config = SearchConfig {
+            exact_split: exact,
+            ..config.clone()
+        };
+        g.bench_function(format!("llama3.1-70b_16_ranks_64_steps_{name}"), |b| {
+            b.iter(|| search(&profile, &w, &space, &config, &|_, _| {}).unwrap())
+        });
+    }
     g.finish();
 }
 

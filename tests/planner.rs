@@ -315,7 +315,7 @@ fn default_plan_beats_hand_written_1f1b() {
         static_bytes: StaticBytes::default(),
         rank_by: RankBy::Mean,
         keep: 5,
-        exact_split: flatpipe::planner::partition::ExactSplit::Off,
+        exact_split: flatpipe::planner::partition::ExactSplit::DEFAULT,
         forward_only: None,
     };
     let result = search(&prof, &w, &SearchSpace::default_for(8), &config, &|_, _| {}).unwrap();
@@ -346,5 +346,53 @@ fn default_plan_beats_hand_written_1f1b() {
             .step_time_s
             .mean;
         assert!(best <= hand, "chosen {best} s vs 1f1b pp={pp}: {hand} s");
+    }
+}
+
+/// The README's main job (Llama-3.1-8B, 8 H200, sharegpt-v3, 64 steps): the default split
+/// solver (branch and bound) chooses the same plan as HiGHS's MILP, and on every candidate
+/// where both ran to a proof they agree on the bottleneck (HiGHS stops at a 1% gap).
+#[cfg(feature = "highs")]
+#[test]
+fn branch_and_bound_chooses_the_plan_highs_chooses() {
+    use flatpipe::planner::partition::{ExactSplit, MILP_TIME_LIMIT_S};
+    let prof = profile();
+    let w = builtins::workload("sharegpt-v3").unwrap();
+    let limit = prof.hardware.memory_bytes as f64 - 4.0 * (1u64 << 30) as f64;
+    let run = |exact| {
+        let config = SearchConfig {
+            steps: 64,
+            seed: 0,
+            size: StepSize::Seqs(128),
+            memory_limit_bytes: limit,
+            static_bytes: StaticBytes::default(),
+            rank_by: RankBy::Mean,
+            keep: 5,
+            exact_split: exact,
+            forward_only: None,
+        };
+        search(&prof, &w, &SearchSpace::default_for(8), &config, &|_, _| {}).unwrap()
+    };
+    let bnb = run(ExactSplit::DEFAULT);
+    let highs = run(ExactSplit::Highs {
+        time_limit_s: MILP_TIME_LIMIT_S,
+    });
+    let key = |c: &flatpipe::planner::search::Candidate| {
+        (
+            c.schedule,
+            c.dp,
+            c.pp,
+            c.vpp,
+            c.token_budget,
+            c.partition.stages.clone(),
+            c.partition.recompute.clone(),
+        )
+    };
+    assert_eq!(key(&bnb.ranked[0]), key(&highs.ranked[0]));
+    for (b, h) in bnb.ranked.iter().zip(&highs.ranked) {
+        if b.partition.optimal && h.partition.optimal {
+            assert!(b.partition.bottleneck_s <= h.partition.bottleneck_s * (1.0 + 1e-9));
+            assert!(h.partition.bottleneck_s <= b.partition.bottleneck_s * 1.01);
+        }
     }
 }

@@ -12,9 +12,12 @@
 //!   (greedy farthest-reach cover, optimal for contiguous ranges with monotone times) and with
 //!   at least one layer each;
 //! - **memory**: a stage's memory only grows with its end layer, so its rank's limit caps the
-//!   end; and the layers left need at least their static bytes plus the smallest in-flight
-//!   count times their leanest activations, which must fit the room left on the ranks that
-//!   still have stages;
+//!   end; the layers left need at least their static bytes plus the smallest in-flight count
+//!   times their leanest activations, which must fit the room left on the ranks that still
+//!   have stages; and, layers being indivisible, a rank with room `R` takes at most as many of
+//!   the layers left as the smallest of them fit in `R`, so these counts over the ranks must
+//!   reach the number of layers left (the bound that proves, at the root, that Llama-3.1-70B's
+//!   82 layers of ~13 GiB do not fit 8 ranks of 136 GiB, though their average does);
 //! - **dominance**: a (stage, first layer) state that failed with rank memories `m` fails
 //!   with any `m' >= m` (componentwise, over the ranks that still have stages), so failed
 //!   memory vectors are remembered per state.
@@ -36,6 +39,11 @@ use std::ops::Range;
 
 /// Default node budget of one feasibility question.
 pub const NODE_BUDGET: u64 = 200_000;
+
+/// Questions' budgets one search may spend in all: undecided questions stop the search once
+/// `TOTAL_BUDGETS x budget` nodes are spent (bounding the time per problem; ~0.1 s per
+/// budget of 200,000 nodes on one core).
+pub const TOTAL_BUDGETS: u64 = 4;
 
 /// What the search found.
 #[derive(Debug, Clone, PartialEq)]
@@ -114,6 +122,10 @@ struct Search<'a> {
     live_ranks: Vec<Vec<usize>>,
     /// Smallest in-flight count of the stages `>= s` (length S + 1).
     k_min: Vec<f64>,
+    /// `counts[k_slot[s]][e]`: ascending prefix sums of the least memory of each layer of
+    /// `e..L` (static bytes + `k_min[s]` x leanest activations), for the layer-count bound.
+    counts: Vec<Vec<Vec<f64>>>,
+    k_slot: Vec<usize>,
     // Per question:
     t: f64,
     max_end: Vec<usize>,
@@ -145,12 +157,46 @@ impl<'a> Search<'a> {
             live_ranks[s] = (0..p).filter(|&r| live[r]).collect();
             k_min[s] = k_min[s + 1].min(problem.inflight[s]);
         }
+        let l_count = problem.layers.len();
+        let mut slots: Vec<f64> = Vec::new();
+        let mut counts = Vec::new();
+        let k_slot = k_min
+            .iter()
+            .map(|&k| {
+                let k = if k.is_finite() { k } else { 0.0 };
+                if let Some(i) = slots.iter().position(|&x| x == k) {
+                    return i;
+                }
+                slots.push(k);
+                let least: Vec<f64> = (0..l_count)
+                    .map(|i| (pre.stat[i + 1] - pre.stat[i]) + k * (pre.lean[i + 1] - pre.lean[i]))
+                    .collect();
+                counts.push(
+                    (0..=l_count)
+                        .map(|e| {
+                            let mut v = least[e..].to_vec();
+                            v.sort_by(f64::total_cmp);
+                            let mut acc = 0.0;
+                            std::iter::once(0.0)
+                                .chain(v.iter().map(|x| {
+                                    acc += x;
+                                    acc
+                                }))
+                                .collect()
+                        })
+                        .collect(),
+                );
+                slots.len() - 1
+            })
+            .collect();
         Search {
             problem,
             pre,
             modes,
             live_ranks,
             k_min,
+            counts,
+            k_slot,
             t: 0.0,
             max_end: Vec::new(),
             need: Vec::new(),
@@ -212,14 +258,14 @@ impl<'a> Search<'a> {
                 self.need[j] = self.need[e].saturating_add(1).min(NEVER);
             }
         }
-        if self.need[0] > s_count {
+        self.mem.iter_mut().for_each(|m| *m = 0.0);
+        if self.need[0] > s_count || !self.enough_room(0, 0) {
             return Answer::No;
         }
         self.failed = vec![Vec::new(); s_count * (l_count + 1)];
         self.nodes = 0;
         self.budget = budget;
         self.out_of_budget = false;
-        self.mem.iter_mut().for_each(|m| *m = 0.0);
         if self.dfs(0, 0) {
             let mut ends = self.ends.clone();
             ends.truncate(s_count);
@@ -229,6 +275,24 @@ impl<'a> Search<'a> {
         } else {
             Answer::No
         }
+    }
+
+    /// The layer-count bound: can the ranks that hold stages `>= s` take the layers `e..L` at
+    /// all, given that a rank with room `R` takes at most the number of the smallest of them
+    /// whose memory sums to `R`?
+    fn enough_room(&self, s: usize, e: usize) -> bool {
+        let sums = &self.counts[self.k_slot[s]][e];
+        let remaining = sums.len() - 1;
+        let limit = self.problem.memory_limit_bytes;
+        let mut fit = 0;
+        for &r in &self.live_ranks[s] {
+            let room = limit - self.mem[r];
+            fit += sums.partition_point(|&x| x <= room).saturating_sub(1);
+            if fit >= remaining {
+                return true;
+            }
+        }
+        fit >= remaining
     }
 
     fn dominated(&self, s: usize, j: usize) -> bool {
@@ -290,7 +354,7 @@ impl<'a> Search<'a> {
                     .iter()
                     .map(|&r| limit - self.mem[r])
                     .sum();
-                if rest <= room || left == 0 {
+                if left == 0 || (rest <= room && self.enough_room(s + 1, end)) {
                     self.ends[s] = end;
                     self.chosen[s] = mode;
                     if self.dfs(s + 1, end) {
@@ -360,7 +424,24 @@ pub(crate) fn solve(
     let (mut certified_lo, mut search_lo) = (0usize, 0usize);
     let mut decided = true;
     let mut nodes = 0;
-    while search_lo < hi {
+    // Without a known split, the loosest question first: if even the largest candidate has
+    // no split (or cannot be decided), no smaller one is worth asking.
+    if best.is_none() && !cands.is_empty() {
+        let top = cands.len() - 1;
+        match search.ask(cands[top], budget) {
+            Answer::Yes(..) => {}
+            Answer::No => {
+                search_lo = cands.len();
+                certified_lo = cands.len();
+            }
+            Answer::Undecided => {
+                decided = false;
+                search_lo = cands.len();
+            }
+        }
+        nodes += search.nodes;
+    }
+    while search_lo < hi && nodes < TOTAL_BUDGETS * budget {
         let mid = search_lo + (hi - search_lo) / 2;
         let answer = search.ask(cands[mid], budget);
         nodes += search.nodes;
@@ -395,6 +476,10 @@ pub(crate) fn solve(
             }
         }
     }
+    if search_lo < hi {
+        // Stopped by the total budget.
+        decided = false;
+    }
     // No candidate in range: the certificate is the bound itself, or infinity when even the
     // largest candidate has no split.
     let lower = if best.is_none() && decided {
@@ -410,5 +495,75 @@ pub(crate) fn solve(
         lower_bound_s: lower.min(best_t),
         decided,
         nodes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::partition::{LayerCost, StaticBytes};
+    use flatpipe_simulator::Placement;
+
+    /// `n` layers of time 1 whose memory is `bytes` static bytes each (no activations).
+    fn uniform(n: usize, bytes: u64, p: u32, v: u32, limit: f64) -> PartitionProblem {
+        PartitionProblem {
+            layers: (0..n)
+                .map(|_| LayerCost {
+                    time_s: [1.0; 3],
+                    act_bytes: [0.0; 3],
+                    params: bytes,
+                })
+                .collect(),
+            placement: Placement::looped(p, v),
+            inflight: vec![1.0; (p * v) as usize],
+            memory_limit_bytes: limit,
+            static_bytes: StaticBytes {
+                params: 1.0,
+                grads: 0.0,
+                optimizer: 0.0,
+            },
+            modes: vec![Recompute::None],
+        }
+    }
+
+    #[test]
+    fn indivisible_layers_are_refused_at_the_root() {
+        // 10 layers of 10 bytes on 3 ranks with 35 bytes each: the average (33.3) fits, but a
+        // rank holds at most 3 layers (30 bytes), 9 < 10 layers: no split, proven without
+        // search.
+        let pr = uniform(10, 10, 3, 2, 35.0);
+        let out = solve(&pr, 2.0, None, 1);
+        assert!(out.split.is_none() && out.decided, "{out:?}");
+        assert_eq!(out.nodes, 0);
+        // With 40 bytes a rank holds 4 layers; 6 stages of at most 2 layers (10 / 6 rounded
+        // up) is the optimum: bottleneck 2.
+        let pr = uniform(10, 10, 3, 2, 40.0);
+        let out = solve(&pr, 2.0, None, 10_000);
+        assert!(out.decided);
+        assert_eq!(out.bottleneck_s, 2.0);
+        let (stages, _) = out.split.unwrap();
+        let mut per_rank = [0usize; 3];
+        for (s, r) in stages.iter().enumerate() {
+            per_rank[s % 3] += r.len();
+        }
+        assert!(per_rank.iter().all(|&n| n <= 4), "{per_rank:?}");
+    }
+
+    #[test]
+    fn a_spent_budget_keeps_the_certificate() {
+        // 12 layers, 2 ranks x 3 stages, 70 bytes per rank: a rank holds at most 7 layers.
+        // The optimum is 2 (six stages of two layers, 6 layers per rank); with a budget of one
+        // node no question is decided, so the known split stays and the bound stays at the
+        // bound given.
+        let pr = uniform(12, 10, 2, 3, 70.0);
+        let upper: Vec<Range<usize>> = vec![0..3, 3..6, 6..8, 8..10, 10..11, 11..12];
+        let modes = vec![Recompute::None; 6];
+        let out = solve(&pr, 2.0, Some((&upper, &modes)), 1);
+        assert!(!out.decided);
+        assert_eq!(out.lower_bound_s, 2.0);
+        assert!(out.bottleneck_s <= 3.0);
+        let out = solve(&pr, 2.0, Some((&upper, &modes)), 10_000);
+        assert!(out.decided);
+        assert_eq!((out.bottleneck_s, out.lower_bound_s), (2.0, 2.0));
     }
 }

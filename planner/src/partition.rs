@@ -648,7 +648,8 @@ impl ExactSplit {
 /// The best partition:
 /// 1. one stage per rank: the DP, exact;
 /// 2. otherwise the DP without memory limits gives a certified lower bound; when its split
-///    fits every rank it is optimal;
+///    fits every rank it is optimal; a DP where each stage may use the rank's limit less one
+///    layer's memory for each other stage of its rank (a relaxation) tightens the bound;
 /// 3. if even a perfect spread of the leanest memory over the ranks exceeds the limit, no
 ///    split fits;
 /// 4. otherwise a feasible split from the DP with per-stage shares of each rank's limit; if it
@@ -703,6 +704,42 @@ pub fn solve_with(problem: &PartitionProblem, exact: ExactSplit) -> Result<Parti
     if lean / problem.placement.num_ranks as f64 > problem.memory_limit_bytes {
         return Err(infeasible(problem));
     }
+    // A tighter certified bound: every other stage of a rank holds at least one layer, so stage
+    // s may use at most the limit minus the least one-layer memory of each of them. The DP
+    // with those per-stage limits is a relaxation of the real problem: its optimum bounds
+    // every feasible split from below, and when it has no split, nothing fits.
+    let one_layer = |s: usize| {
+        problem
+            .layers
+            .iter()
+            .map(|l| {
+                l.params as f64 * problem.static_bytes.total()
+                    + problem.inflight[s]
+                        * problem
+                            .modes
+                            .iter()
+                            .map(|&m| l.act_bytes[mode_index(m)])
+                            .fold(f64::INFINITY, f64::min)
+            })
+            .fold(f64::INFINITY, f64::min)
+    };
+    let relaxed: Vec<f64> = (0..problem.s_count())
+        .map(|s| {
+            let others: f64 = problem
+                .placement
+                .stages_of(problem.placement.rank_of[s])
+                .iter()
+                .filter(|o| o.idx() != s)
+                .map(|o| one_layer(o.idx()))
+                .sum();
+            problem.memory_limit_bytes - others
+        })
+        .collect();
+    let lb = match dp_with_stage_limits(problem, &relaxed) {
+        Ok(r) => lb.max(r.bottleneck_s),
+        Err(Error::InfeasibleMemory { .. }) => return Err(infeasible(problem)),
+        Err(e) => return Err(e),
+    };
     let shares: Vec<f64> = (0..problem.s_count())
         .map(|s| {
             let on_rank = problem
