@@ -38,7 +38,7 @@ use flatpipe_simulator::costs::Recompute;
 use std::ops::Range;
 
 /// Default node budget of one feasibility question.
-pub const NODE_BUDGET: u64 = 200_000;
+pub const NODE_BUDGET: u64 = 50_000;
 
 /// Questions' budgets one search may spend in all: undecided questions stop the search once
 /// `TOTAL_BUDGETS x budget` nodes are spent (bounding the time per problem; ~0.1 s per
