@@ -266,11 +266,9 @@ fn megatron_layout_round_trips() {
             (false, 1, true)
         ]
     );
-    assert!(
-        megatron(&p, &prof)
-            .unwrap()
-            .contains("--num-virtual-stages-per-pipeline-rank 2")
-    );
+    // The layout alone carries the virtual stages (Megatron refuses it with a second one).
+    let args = megatron(&p, &prof).unwrap();
+    megatron_rules(&args, 4).unwrap_or_else(|e| panic!("{e}\n{args}"));
     // V placements cannot be expressed; ZB warns.
     let v = plan(ScheduleKind::ZbV, 4, &stages);
     assert!(
@@ -393,6 +391,143 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
         if b.partition.optimal && h.partition.optimal {
             assert!(b.partition.bottleneck_s <= h.partition.bottleneck_s * (1.0 + 1e-9));
             assert!(h.partition.bottleneck_s <= b.partition.bottleneck_s * 1.01);
+        }
+    }
+}
+
+/// The rules Megatron-LM's own argument checks enforce on the arguments flatpipe exports,
+/// parsed from the exported text (`megatron-core` does not ship `arguments.py`, so they are
+/// encoded here, each with its source, Megatron-LM at d98e8a6, 2026-08-22):
+/// - `megatron/training/arguments.py`, `validate_args`: at most one of
+///   `--num-layers-per-virtual-pipeline-stage`, `--num-virtual-stages-per-pipeline-rank`,
+///   `--pipeline-model-parallel-layout`; the layout's stage count divisible by
+///   `--pipeline-model-parallel-size`; `selective` granularity takes no `--recompute-method`;
+/// - `megatron/core/transformer/transformer_config.py`, `TransformerConfig.__post_init__`:
+///   granularity `full` or `selective`; method `block` or `uniform`, required unless
+///   `selective`; `--recompute-num-layers` required unless `selective`, and absent with it.
+fn megatron_rules(text: &str, pp: u32) -> Result<(), String> {
+    let mut args: std::collections::HashMap<String, Option<String>> = Default::default();
+    let flat: String = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.trim_end_matches('\\').trim())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut words = flat.split_whitespace().peekable();
+    while let Some(w) = words.next() {
+        let name = w.to_string();
+        if !name.starts_with("--") {
+            return Err(format!("stray word `{name}`"));
+        }
+        let value = match words.peek() {
+            Some(v) if !v.starts_with("--") => {
+                Some(words.next().unwrap().trim_matches('"').to_string())
+            }
+            _ => None,
+        };
+        if args.insert(name.clone(), value).is_some() {
+            return Err(format!("{name} given twice"));
+        }
+    }
+    let vpp_args = [
+        "--num-layers-per-virtual-pipeline-stage",
+        "--num-virtual-stages-per-pipeline-rank",
+        "--pipeline-model-parallel-layout",
+    ];
+    if vpp_args.iter().filter(|a| args.contains_key(**a)).count() > 1 {
+        return Err("more than one of the virtual-pipeline arguments".into());
+    }
+    if args.get("--pipeline-model-parallel-size") != Some(&Some(pp.to_string())) {
+        return Err(format!("--pipeline-model-parallel-size is not {pp}"));
+    }
+    if let Some(Some(layout)) = args.get("--pipeline-model-parallel-layout") {
+        let stages = parse_megatron_layout(layout)
+            .map_err(|e| e.to_string())?
+            .len();
+        if stages % pp as usize != 0 {
+            return Err(format!("{stages} layout stages, not a multiple of pp {pp}"));
+        }
+    }
+    let gran = args.get("--recompute-granularity").cloned().flatten();
+    let method = args.get("--recompute-method").cloned().flatten();
+    let layers = args.get("--recompute-num-layers").cloned().flatten();
+    match gran.as_deref() {
+        None => {
+            if method.is_some() || layers.is_some() {
+                return Err("recompute method or layers without a granularity".into());
+            }
+        }
+        Some("selective") => {
+            if method.is_some() || layers.is_some() {
+                return Err(
+                    "selective takes no --recompute-method / --recompute-num-layers".into(),
+                );
+            }
+        }
+        Some("full") => {
+            if !matches!(method.as_deref(), Some("block" | "uniform")) {
+                return Err(format!(
+                    "full needs --recompute-method block|uniform, got {method:?}"
+                ));
+            }
+            match layers.as_deref().map(str::parse::<u32>) {
+                Some(Ok(n)) if n >= 1 => {}
+                other => {
+                    return Err(format!(
+                        "full needs --recompute-num-layers >= 1, got {other:?}"
+                    ));
+                }
+            }
+        }
+        Some(g) => return Err(format!("granularity {g}")),
+    }
+    Ok(())
+}
+
+/// Every loop-placed schedule, v in {1, 2, 4}, and every pattern of per-stage recomputation
+/// exports Megatron-LM arguments that pass Megatron's own rules, with a warning wherever
+/// Megatron runs another schedule or recomputes differently from the plan.
+#[test]
+fn megatron_exports_pass_megatrons_argument_checks() {
+    let prof = profile();
+    let modes = [Recompute::None, Recompute::Selective, Recompute::Full];
+    for kind in ScheduleKind::ALL.iter().copied() {
+        for v in [1u32, 2, 4] {
+            if kind.placement_for(v) == PlacementKind::V {
+                continue;
+            }
+            let stages = even_split(34, (4 * v) as usize).unwrap();
+            for pattern in 0..5usize {
+                let mut p = plan(kind, 4, &stages);
+                p.vpp = Some(v);
+                p.recompute = (0..stages.len())
+                    .map(|s| match pattern {
+                        0..=2 => modes[pattern],
+                        3 => modes[s % 2], // none / selective mixed
+                        _ => modes[s % 3], // all three mixed
+                    })
+                    .collect();
+                let args = megatron(&p, &prof).unwrap();
+                megatron_rules(&args, 4)
+                    .unwrap_or_else(|e| panic!("{kind} v={v} pattern {pattern}: {e}\n{args}"));
+                let same_schedule = kind == ScheduleKind::OneFOneB && v == 1
+                    || kind == ScheduleKind::Interleaved1F1B;
+                assert_eq!(
+                    args.contains("has no"),
+                    !same_schedule,
+                    "{kind} v={v}\n{args}"
+                );
+                // Exact only when every stage has the same mode (and full is flatpipe's full).
+                let warned = args.contains("cannot recompute per stage");
+                assert_eq!(
+                    warned,
+                    pattern >= 3,
+                    "{kind} v={v} pattern {pattern}\n{args}"
+                );
+                if pattern == 1 {
+                    assert!(args.contains("core_attn"), "{args}");
+                }
+            }
         }
     }
 }

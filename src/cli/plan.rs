@@ -322,12 +322,38 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         ));
     }
     let m_typical = best.summary.microbatches_mean.round().max(1.0) as u32;
+    let mut extra_files: Vec<(std::path::PathBuf, String)> = Vec::new();
     let export_text = match a.export {
         None => None,
-        Some(ExportFormat::Torchtitan) => Some((
-            "torchtitan.toml",
-            planner::export::torchtitan(&plan, &profile, m_typical, Some("schedule.csv"))?,
-        )),
+        Some(ExportFormat::Torchtitan) => {
+            // A schedule without a torchtitan name runs from a CSV written next to the TOML.
+            let csv = if planner::export::torchtitan_needs_csv(&plan) {
+                let Some(path) = &a.output else {
+                    bail!(
+                        "--export torchtitan: {} has no torchtitan name, so the configuration references a schedule CSV; give -o PLAN.yaml to write plan.torchtitan.toml and plan.torchtitan.csv next to it",
+                        plan.schedule
+                    );
+                };
+                let csv_path = path.with_extension("torchtitan.csv");
+                let s = best.schedule.generate(best.pp, best.vpp, m_typical)?;
+                extra_files.push((
+                    csv_path.clone(),
+                    sim::pytorch_csv::write_pytorch_csv(&s, false)?,
+                ));
+                Some(
+                    csv_path
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                )
+            } else {
+                None
+            };
+            Some((
+                "torchtitan.toml",
+                planner::export::torchtitan(&plan, &profile, m_typical, csv.as_deref())?,
+            ))
+        }
         Some(ExportFormat::Megatron) => {
             Some(("megatron.txt", planner::export::megatron(&plan, &profile)?))
         }
@@ -343,6 +369,10 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     if let Some((ext, text)) = &export_text {
         match &a.output {
             Some(path) => {
+                for (p, body) in &extra_files {
+                    profiles::write_atomic(p, body.as_bytes())?;
+                    notes.push(format!("Export written to {}", p.display()));
+                }
                 let p = path.with_extension(ext);
                 profiles::write_atomic(&p, text.as_bytes())?;
                 notes.push(format!("Export written to {}", p.display()));
