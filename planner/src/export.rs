@@ -20,8 +20,9 @@ pub fn torchtitan_needs_csv(plan: &Plan) -> bool {
 /// exported yet): `[parallelism]` with the degree, the schedule name or, for schedules
 /// torchtitan has no name for, `pipeline_parallel_schedule_csv = csv_path` (the caller writes
 /// that CSV, compute-only, for `microbatches` microbatches, next to the TOML),
-/// `module_fqns_per_model_part` with torchtitan's Llama module names, `num_pp_microbatches`;
-/// `[training] num_tokens_per_microbatch_per_dp_rank` (the token budget); and
+/// `module_fqns_per_model_part` with torchtitan's Llama module names and
+/// `pipeline_parallel_microbatch_size = 1`; `[training] local_batch_size = microbatches` and
+/// `seq_len` = the token budget (one packed row of the budget per microbatch); and
 /// `[activation_checkpoint]` ([`torchtitan_activation_checkpoint`]). Comment lines say which
 /// microbatch count the CSV is for, and warn where torchtitan runs something else than the
 /// plan.
@@ -91,8 +92,8 @@ pub fn torchtitan(
         head.push_str(&format!(
             "# {} has no torchtitan name: {path} holds its compute-only action order for {microbatches} microbatches (the path is\n\
              # relative to the directory torchtitan runs in).\n\
-             # torchtitan runs that one fixed schedule every step with num_pp_microbatches = {microbatches}; it cuts every\n\
-             # step into that many microbatches, so a step with another microbatch count needs another CSV.\n",
+             # torchtitan runs that one fixed schedule every step: local_batch_size = {microbatches} rows of seq_len tokens,\n\
+             # one row per microbatch; a step with another microbatch count needs another CSV.\n",
             plan.schedule
         ));
         out.push_str(&format!("pipeline_parallel_schedule_csv = \"{path}\"\n"));
@@ -103,11 +104,13 @@ pub fn torchtitan(
         "module_fqns_per_model_part = [{}]\n",
         parts.join(", ")
     ));
-    out.push_str(&format!("num_pp_microbatches = {microbatches}\n"));
+    // torchtitan 0.2.x cuts a data-parallel rank's batch of `local_batch_size` rows of
+    // `seq_len` tokens into microbatches of `pipeline_parallel_microbatch_size` rows: one row
+    // of the token budget per microbatch (its data loader packs documents into rows).
+    out.push_str("pipeline_parallel_microbatch_size = 1\n");
+    out.push_str(&format!("\n[training]\nlocal_batch_size = {microbatches}\n"));
     if let Some(t) = plan.token_budget {
-        out.push_str(&format!(
-            "\n[training]\nnum_tokens_per_microbatch_per_dp_rank = {t}\n"
-        ));
+        out.push_str(&format!("seq_len = {t}\n"));
     }
     let (ac, warnings) = torchtitan_activation_checkpoint(plan, profile);
     for w in warnings {

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Exports plans to torchtitan and loads them with torchtitan's own configuration parser
+# (torchtitan 0.2.2, torch 2.15 from PyPI, in a virtual environment at .venv-interop, created
+# or reused: about 6 GB and 3 minutes the first time). Run by .ci/run; needs python3 with venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv-interop
+if [[ ! -x $venv/bin/python ]] || ! $venv/bin/python -c "import torchtitan, torch, yaml" 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q "torch==2.15.0" "torchtitan==0.2.2" tomli tyro pyyaml
+fi
+# The test profile's binary (cargo test has built it already in CI).
+cargo build --quiet
+bin=target/debug/flatpipe
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+# The default plan (named schedule, selective recomputation), a CSV schedule (zb-h1), a V
+# schedule (zb-v) and interleaved 1F1B with full recomputation only.
+"$bin" plan -o "$out/default.yaml" --export torchtitan --gantt "$out/g.png" >/dev/null
+"$bin" plan -o "$out/zbh1.yaml" --export torchtitan --schedule zb-h1 --gantt "$out/g.png" >/dev/null
+"$bin" plan -o "$out/zbv.yaml" --export torchtitan --schedule zb-v --gantt "$out/g.png" >/dev/null
+"$bin" plan -o "$out/interleaved.yaml" --export torchtitan --schedule interleaved-1f1b \
+    --recompute full --gantt "$out/g.png" >/dev/null
+(cd "$out" && "$OLDPWD/$venv/bin/python" "$OLDPWD/scripts/interop/torchtitan_check.py" .)

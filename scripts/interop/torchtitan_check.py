@@ -1,0 +1,71 @@
+"""Loads flatpipe's torchtitan exports with torchtitan's own configuration parser.
+
+Usage: python torchtitan_check.py DIR...   (each DIR holds plan.yaml and its exports)
+
+For every `*.torchtitan.toml` in the directories: torchtitan 0.2.x's `ConfigManager` parses it
+the way `run_train.sh --job.config_file` does (unknown fields and bad values are refused there),
+and the parsed values are checked against the plan file next to it: the pipeline degree, the
+schedule (a name torch's `get_schedule_class` knows, or a CSV whose every action torch's
+`_Action.from_str` parses, with one row per rank), one model part per stage, one packed row of
+the token budget per microbatch, and the activation checkpointing mode. Exits 1 on the first
+mismatch. Written for flatpipe's .ci/run (scripts/interop-check.sh).
+"""
+
+import csv
+import os
+import sys
+
+import yaml
+from torch.distributed.pipelining.schedules import _Action, get_schedule_class
+from torchtitan.config import ConfigManager
+
+
+def check(toml_path: str) -> None:
+    base = toml_path[: -len(".torchtitan.toml")]
+    with open(base + ".yaml") as f:
+        plan = yaml.safe_load(f)
+    cfg = ConfigManager().parse_args(["--job.config_file", toml_path])
+    par = cfg.parallelism
+    assert par.pipeline_parallel_degree == plan["pp"], (par.pipeline_parallel_degree, plan["pp"])
+    assert len(par.module_fqns_per_model_part) == len(plan["stages"])
+    assert par.pipeline_parallel_microbatch_size == 1
+    assert cfg.training.seq_len == plan["token_budget"]
+    if par.pipeline_parallel_schedule_csv:
+        path = os.path.join(os.path.dirname(toml_path), par.pipeline_parallel_schedule_csv)
+        with open(path, newline="") as f:
+            rows = [r for r in csv.reader(f) if r]
+        assert len(rows) == plan["pp"], (len(rows), plan["pp"])
+        for row in rows:
+            for cell in row:
+                if cell.strip():
+                    _Action.from_str(cell.strip())
+        schedule = f"CSV {os.path.basename(path)}"
+    else:
+        get_schedule_class(par.pipeline_parallel_schedule)
+        schedule = par.pipeline_parallel_schedule
+    modes = set(plan.get("recompute") or ["none"])
+    expected = "full" if "full" in modes else "selective" if "selective" in modes else "none"
+    assert cfg.activation_checkpoint.mode == expected, (cfg.activation_checkpoint.mode, expected)
+    print(
+        f"ok: {toml_path}: pp {par.pipeline_parallel_degree}, {schedule}, "
+        f"{len(par.module_fqns_per_model_part)} parts, {cfg.training.local_batch_size} microbatches "
+        f"of {cfg.training.seq_len} tokens, activation checkpoint {cfg.activation_checkpoint.mode}"
+    )
+
+
+def main() -> int:
+    found = 0
+    for d in sys.argv[1:]:
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".torchtitan.toml"):
+                check(os.path.join(d, name))
+                found += 1
+    if found == 0:
+        print("no torchtitan exports found", file=sys.stderr)
+        return 1
+    print(f"{found} torchtitan configurations parsed by torchtitan")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
