@@ -1406,3 +1406,40 @@ fn warmup_steps_run_before_the_reported_ones_and_are_not_reported() {
     assert_ne!(cold["steps"][0]["loss"], warm["steps"][0]["loss"]);
     assert_eq!(warm["steps"][0]["verify"]["within_tolerance"], true);
 }
+
+/// A reader that stops early (`flatpipe schedule --format json | head -1`) ends the command
+/// quietly with exit 0, not a panic (exit 101) on the closed pipe.
+#[test]
+fn closed_stdout_is_not_a_panic() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    // Far more than a pipe's 64 KiB buffer.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_flatpipe"))
+        .args([
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "8",
+            "--microbatches",
+            "2048",
+            "--format",
+            "json",
+        ])
+        .current_dir(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with('{'), "{first}");
+    // The read end is dropped here: the rest of the output meets a closed pipe.
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+}

@@ -293,7 +293,10 @@ fn megatron_layout_round_trips() {
             && tt.contains("pipeline_parallel_schedule_csv = \"s.csv\""),
         "{tt}"
     );
-    assert!(tt.contains("seq_len = 16384") && tt.contains("local_batch_size = 12"), "{tt}");
+    assert!(
+        tt.contains("seq_len = 16384") && tt.contains("local_batch_size = 12"),
+        "{tt}"
+    );
     assert_eq!(PlacementKind::V, v.placement);
 }
 

@@ -108,7 +108,9 @@ pub fn torchtitan(
     // `seq_len` tokens into microbatches of `pipeline_parallel_microbatch_size` rows: one row
     // of the token budget per microbatch (its data loader packs documents into rows).
     out.push_str("pipeline_parallel_microbatch_size = 1\n");
-    out.push_str(&format!("\n[training]\nlocal_batch_size = {microbatches}\n"));
+    out.push_str(&format!(
+        "\n[training]\nlocal_batch_size = {microbatches}\n"
+    ));
     if let Some(t) = plan.token_budget {
         out.push_str(&format!("seq_len = {t}\n"));
     }

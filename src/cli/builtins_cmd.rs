@@ -86,7 +86,7 @@ pub(super) fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
         });
     }
     match a.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
+        Format::Json => outln!("{}", serde_json::to_string_pretty(&out)?),
         Format::Table => {
             let mut t = Table::new();
             t.load_preset(UTF8_BORDERS_ONLY);
@@ -94,7 +94,7 @@ pub(super) fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
             for e in out {
                 t.add_row([e.kind.to_string(), e.name, e.description]);
             }
-            println!("{t}");
+            outln!("{t}");
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -1,5 +1,22 @@
 //! Command-line parsing and the subcommands (one module each).
 
+/// `println!` for command output: a closed stdout (`| head`) ends the command quietly through
+/// [`StdoutClosed`] instead of panicking; other write errors are errors.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*).map_err($crate::cli::stdout_error)?
+    }};
+}
+
+/// `print!` for command output (see [`outln!`]).
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout().lock(), $($arg)*).map_err($crate::cli::stdout_error)?
+    }};
+}
+
 mod builtins_cmd;
 mod calibrate;
 mod execute;
@@ -95,6 +112,20 @@ struct Inputs {
 }
 
 /// Parses the command line and runs the subcommand.
+/// The reader of stdout went away (a pipe into `head`): not an error of the command.
+#[derive(Debug, thiserror::Error)]
+#[error("stdout was closed by its reader")]
+pub struct StdoutClosed;
+
+/// Maps a stdout write error: a broken pipe becomes [`StdoutClosed`].
+pub(crate) fn stdout_error(e: std::io::Error) -> anyhow::Error {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        anyhow::Error::new(StdoutClosed)
+    } else {
+        anyhow::Error::new(e).context("writing to stdout")
+    }
+}
+
 pub fn run() -> Result<ExitCode> {
     let cli = Cli::parse();
     let level = match cli.verbose {
@@ -286,17 +317,17 @@ fn emit<T: Serialize>(
 ) -> Result<ExitCode> {
     match format {
         Format::Json => {
-            println!("{}", serde_json::to_string_pretty(reports)?);
+            outln!("{}", serde_json::to_string_pretty(reports)?);
             eprintln!("{header}");
             for n in notes {
                 eprintln!("{n}");
             }
         }
         Format::Table => {
-            println!("{header}");
-            println!("{table}");
+            outln!("{header}");
+            outln!("{table}");
             for n in notes {
-                println!("{n}");
+                outln!("{n}");
             }
         }
     }

@@ -442,14 +442,14 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
                 "rejected": result.rejected.iter().map(|(w, r)| serde_json::json!({"candidate": w, "reason": r})).collect::<Vec<_>>(),
                 "export": export_inline,
             });
-            println!("{}", serde_json::to_string_pretty(&doc)?);
+            outln!("{}", serde_json::to_string_pretty(&doc)?);
             eprintln!("{header}");
             for n in &notes {
                 eprintln!("{n}");
             }
         }
         Format::Table => {
-            println!("{header}");
+            outln!("{header}");
             let mut t = new_table(&[
                 "#",
                 "schedule",
@@ -496,8 +496,8 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
                     rec,
                 ]);
             }
-            println!("{t}");
-            println!(
+            outln!("{t}");
+            outln!(
                 "chosen: {} (layers per stage {}), predicted mean step {} (p90 {})",
                 best.describe(),
                 slash_list(best.partition.stages.iter().map(|x| x.len())),
@@ -505,10 +505,10 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
                 fmt_s(best.summary.step_time_s.p90)
             );
             if let Some(text) = &export_inline {
-                println!("{text}");
+                outln!("{text}");
             }
             for n in &notes {
-                println!("{n}");
+                outln!("{n}");
             }
         }
     }

@@ -59,14 +59,16 @@ pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
                 "schedule": kind.name(), "pp": a.pp, "vpp": v, "microbatches": a.microbatches,
                 "placement": format!("{:?}", s.placement.kind).to_lowercase(), "ranks": ranks,
             });
-            println!("{}", serde_json::to_string_pretty(&doc)?);
+            outln!("{}", serde_json::to_string_pretty(&doc)?);
         }
         Format::Table => {
-            println!(
+            outln!(
                 "{kind}: p={} v={v} m={} ({:?} placement)",
-                a.pp, a.microbatches, s.placement.kind
+                a.pp,
+                a.microbatches,
+                s.placement.kind
             );
-            print!("{}", s.grid());
+            out!("{}", s.grid());
         }
     }
     if let Some(path) = &a.output {
