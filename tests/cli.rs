@@ -1443,3 +1443,41 @@ fn closed_stdout_is_not_a_panic() {
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(out.status.code(), Some(0), "{err}");
 }
+
+/// `simulate` checks every row against the per-rank memory (the hardware's memory less its
+/// reserve by default): on the default step GPipe and looped BFS keep all 12 microbatches'
+/// activations on rank 0 (they exceed an H200), 1F1B at most p = 4 (it fits); the table marks
+/// the rows that do not fit and by how much, and the JSON says `fits`.
+#[test]
+fn simulate_marks_rows_that_do_not_fit_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--format", "json", "--gantt", "g.png"],
+    );
+    let rows = json(&o);
+    let rows = rows.as_array().expect("rows");
+    let row = |name: &str| {
+        rows.iter()
+            .find(|r| r["schedule"] == name)
+            .unwrap_or_else(|| panic!("no {name} row"))
+    };
+    let limit = row("gpipe")["memory_limit_bytes"].as_f64().unwrap();
+    // 143,771 MiB less 4 GiB, the H200 default.
+    assert_eq!(limit, 143_771.0 * 1024.0 * 1024.0 - 4.0 * 1024f64.powi(3));
+    for r in rows {
+        let need = r["peak_memory_bytes"].as_f64().unwrap();
+        let stat = r["static_bytes"].as_f64().unwrap();
+        let act = r["peak_activation_bytes"].as_f64().unwrap();
+        // One rank's total: at least its largest part, at most the two largest added.
+        assert!(need >= stat.max(act) && need <= stat + act + 1.0, "{r}");
+        assert_eq!(r["fits"].as_bool().unwrap(), need <= limit, "{r}");
+    }
+    assert!(!row("gpipe")["fits"].as_bool().unwrap());
+    assert!(row("1f1b")["fits"].as_bool().unwrap());
+    let table = flatpipe(dir.path(), &["simulate", "--gantt", "g.png"]);
+    let out = String::from_utf8_lossy(&table.stdout);
+    let gpipe = out.lines().find(|l| l.contains(" gpipe ")).unwrap();
+    assert!(gpipe.contains("OVER by"), "{gpipe}");
+    assert!(out.contains("does not fit 136.40 GiB per rank"), "{out}");
+}

@@ -537,6 +537,9 @@ pub struct Summary {
     pub peak_activation_bytes: f64,
     /// Largest parameters + gradients + optimizer state of a rank, bytes.
     pub static_bytes: f64,
+    /// Largest per-rank total, parameters + gradients + optimizer state + peak activations of
+    /// the same rank, over the steps, bytes (what must fit the rank's memory).
+    pub peak_memory_bytes: f64,
     /// Mean microbatches per step.
     pub microbatches_mean: f64,
     /// With forward-only work: mean time of the forward-only pass alone, seconds.
@@ -577,6 +580,10 @@ pub fn summarize(outcomes: &[StepOutcome], p: u32, peak_flops: f64) -> Summary {
             .map(|o| o.peak_activation_bytes)
             .fold(0.0, f64::max),
         static_bytes: outcomes.iter().map(|o| o.static_bytes).fold(0.0, f64::max),
+        peak_memory_bytes: outcomes
+            .iter()
+            .flat_map(|o| o.rank_memory_bytes.iter().copied())
+            .fold(0.0, f64::max),
         microbatches_mean: outcomes.iter().map(|o| o.microbatches as f64).sum::<f64>() / n,
         fo_separate_s: outcomes.iter().all(|o| o.fo.is_some()).then(|| {
             outcomes

@@ -143,6 +143,10 @@ pub(super) struct McReport {
     summary: montecarlo::Summary,
     #[serde(flatten)]
     single: Option<SingleStep>,
+    /// The per-rank memory limit the row is checked against, bytes.
+    memory_limit_bytes: f64,
+    /// Whether the largest per-rank total (`peak_memory_bytes`) fits the limit.
+    fits: bool,
 }
 
 /// The schedules a `simulate` call compares: generated kinds, or one loaded from a CSV file.
@@ -560,6 +564,9 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             mc.truncated_tokens
         );
     }
+    // Every row is checked against the per-rank memory: --memory-limit, or the hardware's memory
+    // less its reserve.
+    let limit = super::plan::memory_limit(a.memory_limit.as_deref(), &profile)?;
     type Row = (McReport, Option<(sim::Schedule, Simulation)>, u32);
     let mut rows: Vec<Row> = combos
         .iter()
@@ -577,17 +584,17 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                 ScheduleSource::Given(s) => s.num_microbatches.to_string(),
                 ScheduleSource::Kind(_) => c.capacity.to_string(),
             };
+            let summary =
+                montecarlo::summarize(outcomes, p * c.dp.max(1), profile.hardware.peak_flops);
             let report = McReport {
                 schedule: c.source.name(),
                 policy: c.policy.to_string(),
                 capacity,
                 pp: p,
                 vpp: c.v,
-                summary: montecarlo::summarize(
-                    outcomes,
-                    p * c.dp.max(1),
-                    profile.hardware.peak_flops,
-                ),
+                fits: summary.peak_memory_bytes <= limit * (1.0 + 1e-9),
+                memory_limit_bytes: limit,
+                summary,
                 single,
             };
             (report, first, c.v)
@@ -640,28 +647,32 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             path.display()
         ));
     }
-    if let Some(text) = &a.memory_limit {
-        let limit = super::plan::memory_limit(Some(text), &profile)?;
-        let over: Vec<String> = rows
-            .iter()
-            .filter(|(r, _, _)| {
-                r.summary.peak_activation_bytes + r.summary.static_bytes > limit * (1.0 + 1e-9)
-            })
-            .map(|(r, _, _)| {
+    let over: Vec<String> = rows
+        .iter()
+        .filter(|(r, _, _)| !r.fits)
+        .map(|(r, _, _)| {
+            format!(
+                "{} needs {} (+{})",
+                r.schedule,
+                fmt_bytes(r.summary.peak_memory_bytes),
+                fmt_bytes(r.summary.peak_memory_bytes - limit)
+            )
+        })
+        .collect();
+    if !over.is_empty() {
+        notes.push(format!(
+            "does not fit {} per rank ({}): {} (zb-auto is built under the limit; the others are shown as they are)",
+            fmt_bytes(limit),
+            if a.memory_limit.is_some() {
+                "--memory-limit".to_string()
+            } else {
                 format!(
-                    "{} ({})",
-                    r.schedule,
-                    fmt_bytes(r.summary.peak_activation_bytes + r.summary.static_bytes)
+                    "{}'s memory less its reserve; --memory-limit to change",
+                    profile.hardware.name
                 )
-            })
-            .collect();
-        if !over.is_empty() {
-            notes.push(format!(
-                "over the --memory-limit of {}: {} (zb-auto is built under the limit; the others are shown as they are)",
-                fmt_bytes(limit),
-                over.join(", ")
-            ));
-        }
+            },
+            over.join(", ")
+        ));
     }
     for (r, _, _) in &rows {
         if let (Some(sep), Some(hidden)) = (r.summary.fo_separate_s, r.summary.fo_hidden_fraction) {
@@ -704,6 +715,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             "gap",
             "peak act.",
             "params+opt",
+            "memory (max rank)",
             "tokens/s",
             "MFU",
         ]);
@@ -727,6 +739,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                 gap,
                 fmt_bytes(s.peak_activation_bytes),
                 fmt_bytes(s.static_bytes),
+                memory_cell(r),
                 format!("{:.0}", s.tokens_per_s),
                 pct(s.mfu),
             ]);
@@ -746,6 +759,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             "padding",
             "MFU",
             "peak act.",
+            "memory (max rank)",
             "mean m",
         ]);
         for r in &reports {
@@ -763,12 +777,27 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                 pct(s.padding_fraction),
                 pct(s.mfu),
                 fmt_bytes(s.peak_activation_bytes),
+                memory_cell(r),
                 format!("{:.1}", s.microbatches_mean),
             ]);
         }
         t
     };
     emit(a.format, &reports, &header, &table, &notes)
+}
+
+/// The memory cell of a row: the largest per-rank total, and by how much it exceeds the limit.
+fn memory_cell(r: &McReport) -> String {
+    let need = r.summary.peak_memory_bytes;
+    if r.fits {
+        fmt_bytes(need)
+    } else {
+        format!(
+            "{} OVER by {}",
+            fmt_bytes(need),
+            fmt_bytes(need - r.memory_limit_bytes)
+        )
+    }
 }
 
 pub(super) fn step_size(a: &SimulateArgs, plan: Option<&Plan>, w: &Workload) -> Result<StepSize> {
