@@ -1481,3 +1481,37 @@ fn simulate_marks_rows_that_do_not_fit_memory() {
     assert!(gpipe.contains("OVER by"), "{gpipe}");
     assert!(out.contains("does not fit 136.40 GiB per rank"), "{out}");
 }
+
+/// Llama-3.1-70B on 4 H200: a rank's parameters, gradients and optimizer state (270.66 GiB)
+/// exceed the 136.40 GiB per rank, so zb-auto cannot be built; the comparison still shows every
+/// other schedule (each marked as not fitting) and says why zb-auto is missing, without
+/// blaming a --memory-limit the user never set.
+#[test]
+fn a_schedule_that_cannot_be_built_does_not_abort_the_comparison() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--model",
+            "llama3.1-70b",
+            "--workload",
+            "sharegpt-v3-merged",
+            "--seed",
+            "3",
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}\n{out}", stderr(&o));
+    assert!(
+        out.contains("zb-auto not built") && out.contains("memory less its reserve"),
+        "{out}"
+    );
+    for kind in ["1f1b", "gpipe", "zb-h1", "zb-v", "dualpipev"] {
+        let row = out
+            .lines()
+            .find(|l| l.contains(&format!(" {kind} ")))
+            .unwrap_or_else(|| panic!("{kind}: {out}"));
+        assert!(row.contains("OVER by"), "{row}");
+    }
+}

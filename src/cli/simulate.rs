@@ -540,17 +540,36 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         }
     }
     let bar = Progress::new(steps as u64);
-    let mc = montecarlo::run(
-        &profile,
-        &workload,
-        seed,
-        size,
-        steps,
-        p,
-        &params,
-        &combos,
-        &|| bar.inc(),
-    )?;
+    let run = |combos: &[montecarlo::Combo]| {
+        montecarlo::run(
+            &profile,
+            &workload,
+            seed,
+            size,
+            steps,
+            p,
+            &params,
+            combos,
+            &|| bar.inc(),
+        )
+    };
+    // zb-auto is built under the memory limit; when a rank's static state alone exceeds it, the
+    // comparison goes on without zb-auto and says why.
+    let mut dropped = None;
+    let mc = match run(&combos) {
+        Err(sim::Error::InvalidArgument { field, allowed, .. })
+            if field == "--memory-limit"
+                && combos.len() > 1
+                && combos
+                    .iter()
+                    .any(|c| matches!(c.source, ScheduleSource::Kind(ScheduleKind::ZbAuto))) =>
+        {
+            combos.retain(|c| !matches!(c.source, ScheduleSource::Kind(ScheduleKind::ZbAuto)));
+            dropped = Some(allowed);
+            run(&combos)?
+        }
+        other => other?,
+    };
     bar.finish();
     if mc.oversize_sequences > 0 {
         tracing::warn!(
@@ -624,6 +643,17 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         })
         .collect();
     let mut notes = write_charts(a, &charts)?;
+    if let Some(why) = dropped {
+        notes.push(format!(
+            "zb-auto not built: the per-rank memory must be {why}; it is {} ({})",
+            fmt_bytes(limit),
+            if a.memory_limit.is_some() {
+                "--memory-limit".to_string()
+            } else {
+                format!("{}'s memory less its reserve", profile.hardware.name)
+            }
+        ));
+    }
     if let Some(path) = &a.histogram {
         let best = &rows[0].0.schedule;
         let series: Vec<(String, Vec<f64>)> = combos
