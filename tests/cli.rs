@@ -1515,3 +1515,50 @@ fn a_schedule_that_cannot_be_built_does_not_abort_the_comparison() {
         assert!(row.contains("OVER by"), "{row}");
     }
 }
+
+/// A request whose schedules cannot fit in memory is refused before anything is allocated,
+/// with the estimate: 4,000,000,000 microbatches on 4 ranks are 1.6e10 (stage, microbatch)
+/// pairs for 1F1B alone, terabytes at ~1.2 kB each.
+#[test]
+fn schedules_too_large_for_memory_are_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    for args in [
+        &[
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "4",
+            "--microbatches",
+            "4000000000",
+        ][..],
+        &[
+            "simulate",
+            "--costs",
+            "f=1,b=2",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "4",
+            "--microbatches",
+            "4000000000",
+        ][..],
+        &[
+            "simulate",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "4",
+            "--microbatches",
+            "4000000000",
+        ][..],
+    ] {
+        let o = flatpipe(dir.path(), args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("too large") && err.contains("16000000000 (stage, microbatch) pairs"),
+            "{args:?}: {err}"
+        );
+    }
+}

@@ -126,6 +126,40 @@ pub(crate) fn stdout_error(e: std::io::Error) -> anyhow::Error {
     }
 }
 
+/// Memory one (stage, microbatch) pair of one schedule costs a simulation: its F / I / W
+/// actions, their transfers, the replay's state, the metrics and the Gantt chart's boxes,
+/// bytes. Measured with `/usr/bin/time -f %M` on `simulate --costs f=1,b=2 --schedule 1f1b --pp
+/// 64 --microbatches 4096` (273.5 MB peak resident for 262,144 pairs: ~1,070 bytes each) and
+/// rounded up.
+const BYTES_PER_STAGE_MICROBATCH: f64 = 1_200.0;
+
+/// Memory this machine has available now (`MemAvailable` of /proc/meminfo), bytes; `None` where
+/// it cannot be read.
+fn available_memory_bytes() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024.0)
+}
+
+/// Refuses, before anything is allocated, a request whose schedules would not fit in the
+/// memory available: `pairs` (stage, microbatch) pairs over all the schedules built, each
+/// [`BYTES_PER_STAGE_MICROBATCH`]. `what` names the request (e.g. `--microbatches 10000000
+/// with --pp 4`).
+fn check_schedule_memory(what: &str, pairs: f64) -> Result<()> {
+    let need = pairs * BYTES_PER_STAGE_MICROBATCH;
+    if let Some(have) = available_memory_bytes()
+        && need > have
+    {
+        bail!(
+            "{what} is too large: its schedules hold {pairs:.0} (stage, microbatch) pairs, about {} at ~{BYTES_PER_STAGE_MICROBATCH:.0} bytes each, more than the {} of memory available; use fewer microbatches, ranks or schedules",
+            fmt_bytes(need),
+            fmt_bytes(have)
+        );
+    }
+    Ok(())
+}
+
 pub fn run() -> Result<ExitCode> {
     let cli = Cli::parse();
     let level = match cli.verbose {

@@ -36,6 +36,13 @@ pub(super) struct ScheduleArgs {
 pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
     let kind: ScheduleKind = a.schedule.parse()?;
     let v = kind.stages_per_rank(a.vpp)?;
+    check_schedule_memory(
+        &format!(
+            "--microbatches {} with --pp {} and v = {v}",
+            a.microbatches, a.pp
+        ),
+        f64::from(a.pp) * f64::from(v) * f64::from(a.microbatches),
+    )?;
     let mut s = kind.generate(a.pp, v, a.microbatches)?;
     if let Some(fo) = a.fo.spec()? {
         let costs = UniformCosts::new(&UniformCostSpec::default(), v);

@@ -270,6 +270,17 @@ pub(super) fn simulate_uniform(
         Schedules::Kinds(kinds) => {
             let p = a.pp.unwrap_or(4);
             let m = a.microbatches.unwrap_or(p);
+            let pairs: f64 = kinds
+                .iter()
+                .map(|k| Ok(f64::from(p) * f64::from(k.stages_per_rank(a.vpp)?) * f64::from(m)))
+                .sum::<Result<f64>>()?;
+            super::check_schedule_memory(
+                &format!(
+                    "--microbatches {m} with --pp {p} and {} schedule(s)",
+                    kinds.len()
+                ),
+                pairs,
+            )?;
             kinds
                 .iter()
                 .map(|k| {
@@ -538,6 +549,19 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                 combos.push(combo);
             }
         }
+    }
+    if let Some(m) = microbatches {
+        let pairs: f64 = combos
+            .iter()
+            .map(|c| f64::from(p) * f64::from(c.v) * f64::from(m))
+            .sum();
+        super::check_schedule_memory(
+            &format!(
+                "--microbatches {m} with --pp {p} and {} schedule(s)",
+                combos.len()
+            ),
+            pairs,
+        )?;
     }
     let bar = Progress::new(steps as u64);
     let run = |combos: &[montecarlo::Combo]| {
