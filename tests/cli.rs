@@ -1562,3 +1562,33 @@ fn schedules_too_large_for_memory_are_refused_up_front() {
         );
     }
 }
+
+/// A bad output path is refused before the work starts (no plan half-written, exit 2 naming
+/// the path); `--gantt none` switches the chart off.
+#[test]
+fn output_paths_are_checked_first_and_charts_can_be_switched_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--gantt",
+            "missing/g.png",
+            "-o",
+            "plan.yaml",
+            "--steps",
+            "4",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("missing/g.png"), "{}", stderr(&o));
+    assert!(!dir.path().join("plan.yaml").exists());
+    assert!(o.stdout.is_empty());
+    let o = flatpipe(dir.path(), &["simulate", "--gantt", "none"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!dir.path().join("flatpipe-gantt.png").exists());
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("Gantt chart"));
+    let o = flatpipe(dir.path(), &["plan", "--gantt", "none", "--steps", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!dir.path().join("flatpipe-plan.png").exists());
+}

@@ -160,6 +160,25 @@ fn check_schedule_memory(what: &str, pairs: f64) -> Result<()> {
     Ok(())
 }
 
+/// The chart path of `--gantt`: the given path, `default` without one, `None` for `none`
+/// (the chart switched off).
+fn chart_path(arg: &Option<PathBuf>, default: &str) -> Option<PathBuf> {
+    match arg {
+        Some(p) if p.as_os_str() == "none" => None,
+        Some(p) => Some(p.clone()),
+        None => Some(PathBuf::from(default)),
+    }
+}
+
+/// Checks, before any work, that every output path can be written (its directory exists and
+/// it is not a directory), so that a bad path does not lose the results at the end.
+fn check_outputs<'a>(paths: impl IntoIterator<Item = &'a PathBuf>) -> Result<()> {
+    for p in paths {
+        profiles::check_writable(p)?;
+    }
+    Ok(())
+}
+
 pub fn run() -> Result<ExitCode> {
     let cli = Cli::parse();
     let level = match cli.verbose {

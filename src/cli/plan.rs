@@ -70,7 +70,8 @@ pub(super) struct PlanArgs {
     /// plan.megatron.txt, plan.pytorch.csv).
     #[arg(long, value_enum)]
     export: Option<ExportFormat>,
-    /// Write the Gantt chart of the chosen plan's first step here (default flatpipe-plan.png).
+    /// Write the Gantt chart of the chosen plan's first step here (default flatpipe-plan.png;
+    /// `none` writes no chart).
     #[arg(long)]
     gantt: Option<PathBuf>,
     /// Output format.
@@ -131,6 +132,12 @@ pub(super) struct PlanRow {
 
 pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     use planner::search::{RankBy, SearchConfig, SearchSpace};
+    // A bad output path is found before the search, not after it.
+    super::check_outputs(
+        super::chart_path(&a.gantt, "flatpipe-plan.png")
+            .iter()
+            .chain(&a.output),
+    )?;
     let profile = resolve_profile(
         a.inputs.profile.as_deref(),
         a.inputs.model.as_deref(),
@@ -405,11 +412,9 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         &[combo],
         &|| {},
     )?;
-    if let Some((s, simulation)) = &first.first[0] {
-        let gantt = a
-            .gantt
-            .clone()
-            .unwrap_or_else(|| PathBuf::from("flatpipe-plan.png"));
+    if let Some((s, simulation)) = &first.first[0]
+        && let Some(gantt) = super::chart_path(&a.gantt, "flatpipe-plan.png")
+    {
         let title = format!(
             "chosen plan: {} dp={} (step 0, replica 0)",
             gantt_title(best.schedule.name(), s, best.vpp, &simulation.metrics),

@@ -80,7 +80,8 @@ pub(super) struct SimulateArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// Write the Gantt chart of the best schedule here (.svg or .png); with several schedules,
-    /// each one's also goes to <stem>-<schedule>.<ext>. Default flatpipe-gantt.png.
+    /// each one's also goes to <stem>-<schedule>.<ext>. Default flatpipe-gantt.png; `none`
+    /// writes no chart.
     #[arg(long)]
     gantt: Option<PathBuf>,
     /// Write the best schedule's activation memory per rank over the step here (CSV: rank,
@@ -156,6 +157,15 @@ pub(super) enum Schedules {
 }
 
 pub(super) fn simulate(a: SimulateArgs) -> Result<ExitCode> {
+    // A bad output path is found before the work, not after it.
+    let gantt = super::chart_path(&a.gantt, "flatpipe-gantt.png");
+    super::check_outputs(
+        gantt
+            .iter()
+            .chain(&a.trace)
+            .chain(&a.memory)
+            .chain(&a.histogram),
+    )?;
     let schedules = match &a.schedule_csv {
         Some(path) => {
             let text = profiles::read_to_string(path)?;
@@ -196,17 +206,15 @@ pub(super) fn write_charts(
         return Ok(notes);
     };
     let best = &best_sim.timeline;
-    let gantt = a
-        .gantt
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("flatpipe-gantt.png"));
-    sim::gantt::write_gantt(&gantt, best_title, best)?;
-    notes.push(format!("Gantt chart of {best_name}: {}", gantt.display()));
-    if a.gantt.is_some() && runs.len() > 1 {
-        for (name, title, s) in runs {
-            let path = sibling(&gantt, &sanitize(name));
-            sim::gantt::write_gantt(&path, title, &s.timeline)?;
-            notes.push(format!("Gantt chart of {name}: {}", path.display()));
+    if let Some(gantt) = super::chart_path(&a.gantt, "flatpipe-gantt.png") {
+        sim::gantt::write_gantt(&gantt, best_title, best)?;
+        notes.push(format!("Gantt chart of {best_name}: {}", gantt.display()));
+        if a.gantt.is_some() && runs.len() > 1 {
+            for (name, title, s) in runs {
+                let path = sibling(&gantt, &sanitize(name));
+                sim::gantt::write_gantt(&path, title, &s.timeline)?;
+                notes.push(format!("Gantt chart of {name}: {}", path.display()));
+            }
         }
     }
     if let Some(path) = &a.trace {
