@@ -1592,3 +1592,39 @@ fn output_paths_are_checked_first_and_charts_can_be_switched_off() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(!dir.path().join("flatpipe-plan.png").exists());
 }
+
+/// `plan` says when sequences are longer than the chosen token budget: with every sequence
+/// 5,000 tokens and budgets of 4,096 only, all 4 steps x 16 sequences are.
+#[test]
+fn plan_says_when_sequences_exceed_the_token_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("w.yaml"),
+        "name: long\nlengths: {kind: fixed, tokens: 5000}\nseqs_per_step: 16\n",
+    )
+    .unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--workload",
+            "w.yaml",
+            "--token-budgets",
+            "4096",
+            "--steps",
+            "4",
+            "--pp",
+            "2",
+            "--gantt",
+            "none",
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains(
+            "64 of the 64 sampled sequences are longer than the chosen token budget of 4096"
+        ),
+        "{out}"
+    );
+}

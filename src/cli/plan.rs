@@ -320,6 +320,22 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         }),
     };
     let mut notes = Vec::new();
+    // Sequences longer than the chosen token budget get a microbatch of their own.
+    let (mut longer, mut total) = (0usize, 0usize);
+    for step in 0..u64::from(a.steps) {
+        let seqs = workload.sample_step(seed, step, size);
+        total += seqs.len();
+        longer += seqs
+            .iter()
+            .filter(|&&s| u64::from(s) > best.token_budget)
+            .count();
+    }
+    if longer > 0 {
+        notes.push(format!(
+            "{longer} of the {total} sampled sequences are longer than the chosen token budget of {} tokens: each gets a microbatch of its own",
+            best.token_budget
+        ));
+    }
     if let Some(path) = &a.output {
         profiles::write_atomic(path, plan.to_yaml()?.as_bytes())?;
         notes.push(format!(
