@@ -1628,3 +1628,38 @@ fn plan_says_when_sequences_exceed_the_token_budget() {
         "{out}"
     );
 }
+
+/// pp = 1 is one candidate, "no pipeline", not one row per pipeline schedule with equal times.
+#[test]
+fn plan_counts_pp_1_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "plan",
+        "--model",
+        "tiny",
+        "--hardware",
+        "cpu",
+        "--workload",
+        "tiny-chat",
+        "--ranks",
+        "2",
+        "--pp",
+        "1",
+        "--token-budgets",
+        "4096",
+        "--steps",
+        "4",
+        "--keep",
+        "20",
+        "--gantt",
+        "none",
+    ];
+    let mut json_args = args.to_vec();
+    json_args.extend(["--format", "json"]);
+    let doc = json(&flatpipe(dir.path(), &json_args));
+    let plans = doc["plans"].as_array().unwrap();
+    assert_eq!(plans.len(), 1, "{doc}");
+    assert_eq!(plans[0]["pp"], 1);
+    let table = flatpipe(dir.path(), &args);
+    assert!(String::from_utf8_lossy(&table.stdout).contains("no pipeline"));
+}

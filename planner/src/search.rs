@@ -266,8 +266,16 @@ pub fn search(
                 / pp as f64;
             all_stats.push(stats);
             let stats_idx = all_stats.len() - 1;
-            for &kind in &space.kinds {
+            // pp = 1 is no pipeline: one rank runs F then B of each microbatch in turn
+            // (gradient accumulation), whatever the schedule; one candidate, as 1F1B on one stage.
+            let kinds: Vec<ScheduleKind> = if pp == 1 {
+                vec![ScheduleKind::OneFOneB]
+            } else {
+                space.kinds.clone()
+            };
+            for &kind in &kinds {
                 let vs: Vec<u32> = match kind {
+                    _ if pp == 1 => vec![1],
                     ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => {
                         space.vpp.iter().copied().filter(|v| *v >= 2).collect()
                     }

@@ -498,7 +498,11 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
                 let rec = recompute_summary(&c.partition.recompute);
                 t.add_row([
                     r.rank.to_string(),
-                    c.schedule.to_string(),
+                    if c.pp == 1 {
+                        "no pipeline".to_string()
+                    } else {
+                        c.schedule.to_string()
+                    },
                     c.dp.to_string(),
                     c.pp.to_string(),
                     c.vpp.to_string(),
