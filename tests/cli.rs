@@ -1663,3 +1663,36 @@ fn plan_counts_pp_1_once() {
     let table = flatpipe(dir.path(), &args);
     assert!(String::from_utf8_lossy(&table.stdout).contains("no pipeline"));
 }
+
+/// A data-parallel degree larger than a step's sequence count drops only those candidates,
+/// with the reason: 3 sequences per step on 4 ranks leave dp = 4 (pp = 1) replicas empty.
+#[test]
+fn plan_drops_replicas_without_sequences() {
+    let dir = tempfile::tempdir().unwrap();
+    let doc = json(&flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--ranks",
+            "4",
+            "--seqs-per-step",
+            "3",
+            "--steps",
+            "4",
+            "--gantt",
+            "none",
+            "--format",
+            "json",
+        ],
+    ));
+    let rejected = doc["rejected"].as_array().unwrap();
+    let r = rejected
+        .iter()
+        .find(|r| r["candidate"] == "dp=4 pp=1")
+        .unwrap_or_else(|| panic!("{doc}"));
+    assert!(
+        r["reason"].as_str().unwrap().contains("only 3 sequence(s)"),
+        "{r}"
+    );
+    assert!(doc["chosen"]["dp"].as_u64().unwrap() <= 3, "{doc}");
+}

@@ -255,8 +255,18 @@ pub fn search(
     let mut pending = Vec::new();
     let mut all_stats = Vec::new();
     let total_params: f64 = profile.layers.iter().map(|l| l.param_count as f64).sum();
+    let fewest_seqs = steps.iter().map(Vec::len).min().unwrap_or(0);
     for &pp in &space.pp {
         let dp = space.ranks / pp;
+        if fewest_seqs < dp as usize {
+            rejected.push((
+                format!("dp={dp} pp={pp}"),
+                format!(
+                    "{dp} replicas, but a sampled step has only {fewest_seqs} sequence(s): a replica would get none"
+                ),
+            ));
+            continue;
+        }
         // All-reduce lower bound: the slowest pipeline rank holds at least 1/pp of the gradients.
         let ar_lb = allreduce_lb(profile, total_params / pp as f64, dp, pp);
         for &budget in &space.token_budgets {
