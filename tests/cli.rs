@@ -1696,3 +1696,181 @@ fn plan_drops_replicas_without_sequences() {
     );
     assert!(doc["chosen"]["dp"].as_u64().unwrap() <= 3, "{doc}");
 }
+
+/// `execute` refuses, before allocating, a model the host cannot hold, with the numbers: a
+/// 70.6-billion-parameter model needs 16 bytes per parameter (fp32 weights, gradients, AdamW's
+/// two moments) = 1,051 GiB before any activation, more than any test machine has.
+#[test]
+fn execute_refuses_a_model_the_host_cannot_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let started = std::time::Instant::now();
+    let o = flatpipe(
+        dir.path(),
+        &["execute", "--model", "llama3.1-70b", "--steps", "1"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    let state_gib = 70_553_706_496f64 * 16.0 / (1u64 << 30) as f64;
+    assert!(
+        err.contains(&format!("{state_gib:.2} GiB of fp32 weights")),
+        "{err}"
+    );
+    assert!(err.contains("available"), "{err}");
+    // Refused before building the stages (which would take minutes and the machine's memory).
+    assert!(started.elapsed().as_secs() < 60);
+}
+
+/// One default microbatch count, p·v, for every multi-stage schedule: interleaved-1f1b at pp 4
+/// (v = 2) runs 8 microbatches; fewer than p warns with 1F1B's bubble bound
+/// (p - 1)/(m + p - 1) = 3/5 at p = 4, m = 2.
+#[test]
+fn default_microbatches_fill_every_stage_and_fewer_warn() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = [
+        "simulate",
+        "--costs",
+        "f=1,b=2",
+        "--schedule",
+        "interleaved-1f1b",
+        "--pp",
+        "4",
+        "--gantt",
+        "none",
+        "--format",
+        "json",
+    ];
+    let doc = json(&flatpipe(dir.path(), &base));
+    assert_eq!(doc[0]["microbatches"], 8, "{doc}");
+    let mut args = base.to_vec();
+    args.extend(["--microbatches", "2"]);
+    let o = flatpipe(dir.path(), &args);
+    assert!(o.status.success());
+    assert!(stderr(&o).contains("= 60%"), "{}", stderr(&o));
+    args.pop();
+    args.push("6");
+    let o = flatpipe(dir.path(), &args);
+    assert!(stderr(&o).contains("< p·v = 8 stages"), "{}", stderr(&o));
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "4",
+            "--microbatches",
+            "3",
+        ],
+    );
+    assert!(stderr(&o).contains("< pp = 4 ranks"), "{}", stderr(&o));
+}
+
+/// `execute` says when sequences are longer than the token budget (each runs alone).
+#[test]
+fn execute_notes_sequences_longer_than_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--token-budget",
+            "64",
+            "--steps",
+            "1",
+            "--pp",
+            "2",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let line = out
+        .lines()
+        .find(|l| l.contains("longer than the token budget of 64 tokens"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let longest: u64 = line
+        .split("the longest ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(longest > 64, "{line}");
+}
+
+/// A step that runs several rounds of a fixed-capacity schedule gets a chart of all its rounds,
+/// and the command says so (it used to skip the chart without a word).
+#[test]
+fn multi_round_steps_are_charted_and_said() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--steps",
+            "1",
+            "--schedule",
+            "1f1b",
+            "--capacity",
+            "4",
+            "--gantt",
+            "g.svg",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("rounds of its fixed-capacity schedule"),
+        "{out}"
+    );
+    let svg = std::fs::read_to_string(dir.path().join("g.svg")).unwrap();
+    assert!(svg.contains("rounds of the 4-microbatch schedule"));
+}
+
+/// A zb-auto that cannot be built for one sampled step (a microbatch whose activations exceed
+/// what the memory limit leaves) drops zb-auto from the comparison with the reason; the other
+/// schedules are still shown. 3,000 steps of the default workload reach such a step.
+#[test]
+fn a_zb_auto_step_that_cannot_be_built_does_not_abort_the_comparison() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--steps", "3000", "--gantt", "none"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("zb-auto not built"), "{out}");
+    assert!(out.contains("activation memory per rank"), "{out}");
+    assert!(out.contains("1f1b"), "{out}");
+}
+
+/// On a terminal, work longer than a second shows a progress bar on stderr; into a pipe, none.
+/// The terminal is a pseudo-terminal from util-linux's `script` (on every Debian machine);
+/// where `script` is missing the test says so and returns.
+#[test]
+fn progress_bars_show_on_a_terminal_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = env!("CARGO_BIN_EXE_flatpipe");
+    let cmd = format!("{bin} simulate --steps 20000 --gantt none");
+    let Ok(o) = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .current_dir(dir.path())
+        .output()
+    else {
+        eprintln!("skipped: util-linux `script` (a pseudo-terminal) is not installed");
+        return;
+    };
+    let tty = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        tty.contains("/20000 steps"),
+        "no progress bar on the terminal: {tty}"
+    );
+    let piped = flatpipe(
+        dir.path(),
+        &["simulate", "--steps", "20000", "--gantt", "none"],
+    );
+    assert!(piped.status.success());
+    assert!(
+        !stderr(&piped).contains("/20000 steps"),
+        "{}",
+        stderr(&piped)
+    );
+}

@@ -760,6 +760,50 @@ impl StageWorker for CpuStage {
     }
 }
 
+/// What the CPU backend must hold at the least to train `model`, bytes, counted from the tensors
+/// it allocates: [`MemoryFloor::state`] (fp32 weights, gradients and AdamW's two moments: 16 bytes
+/// per parameter, [`ModelSpec::param_count`]) and [`MemoryFloor::activations`] (what forward keeps
+/// until backward for one microbatch of `microbatch_tokens` tokens in every layer at once, as at
+/// the peak of a full pipeline: per decoder token `4H` (both RMSNorms' inputs and outputs) + `2H`
+/// (Q, attention output) + `2·kv_dim` (K, V) + `3·FFN` (gate, up, SwiGLU), per head token `2H +
+/// V` (norm input, output and logits), fp32; see [`DecoderF`] and [`HeadF`]). A floor, not a
+/// peak: schedules that keep several microbatches in flight per stage hold more.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryFloor {
+    /// Weights, gradients and optimizer state, bytes.
+    pub state: f64,
+    /// Saved activations, bytes.
+    pub activations: f64,
+}
+
+impl MemoryFloor {
+    /// The floor of `model` for microbatches of `microbatch_tokens` tokens.
+    pub fn of(model: &ModelSpec, microbatch_tokens: u64) -> Self {
+        const F32: f64 = 4.0;
+        let t = microbatch_tokens as f64;
+        let activations: f64 = model
+            .layers()
+            .iter()
+            .map(|l| {
+                let (h, ffn) = (l.hidden as f64, l.ffn as f64);
+                let per_token = match l.kind {
+                    LayerKind::Embedding => 0.0,
+                    LayerKind::Head => 2.0 * h + l.vocab as f64,
+                    LayerKind::Decoder => {
+                        let kv_dim = h / l.heads.max(1) as f64 * l.kv_heads as f64;
+                        6.0 * h + 2.0 * kv_dim + 3.0 * ffn
+                    }
+                };
+                per_token * t * F32
+            })
+            .sum();
+        MemoryFloor {
+            state: model.param_count() as f64 * 4.0 * F32,
+            activations,
+        }
+    }
+}
+
 /// Sum of a stage's parameter counts (for checks against the profile's).
 pub fn param_count(stage: &CpuStage) -> u64 {
     stage
@@ -922,6 +966,26 @@ mod tests {
             CpuStage::new(&model, 0..10, 7, Recompute::Selective),
             Err(Error::Unsupported(_))
         ));
+    }
+
+    /// The floor counts what forward really keeps: one microbatch through every layer of the
+    /// tiny model holds, in real tensors, between the floor and 5% more (the per-row norms and
+    /// log-sum-exps the floor leaves out).
+    #[test]
+    fn memory_floor_matches_the_tensors_forward_keeps() {
+        let model = builtins::model("tiny").unwrap();
+        let n = model.layers().len();
+        let data = &build_step(&[vec![vec![40, 24]]], 4096, 0, 0, LossReduction::PerToken)[0][0];
+        let mut st = CpuStage::new(&model, 0..n, 7, Recompute::None).unwrap();
+        st.forward(0, data, StageInput::Tokens, true).unwrap();
+        let floor = MemoryFloor::of(&model, 64);
+        let held = st.saved_bytes() as f64;
+        assert!(
+            held >= floor.activations && held <= 1.05 * floor.activations,
+            "held {held} B, floor {} B",
+            floor.activations
+        );
+        assert_eq!(floor.state, 16.0 * model.param_count() as f64);
     }
 
     #[test]

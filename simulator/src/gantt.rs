@@ -2,8 +2,9 @@
 //!
 //! One row per rank, top to bottom; F blue, I orange, W green, B purple, Fo grey-blue, an
 //! overlapped pair split in two halves (forward above, backward below), the optimizer step
-//! light grey; a rank's later stages (chunks) darker; the microbatch number on every box wide
-//! enough to hold it. Idle time is the
+//! light grey; a rank's later stages (chunks) darker, named in the legend; the microbatch number
+//! on every box wide enough to hold it (the width grows with the busiest rank's action count, up
+//! to 8,000 px). Idle time is the
 //! pale row background left uncovered.
 
 use crate::ir::{Action, ActionKind};
@@ -169,11 +170,19 @@ fn draw<DB: DrawingBackend>(
     chart.draw_series(boxes).map_err(e)?;
     chart.draw_series(labels).map_err(e)?;
     // Rank names left of the rows, and a legend under the caption.
-    let name_style = ("sans-serif", 14)
+    let row_px = {
+        let (_, a) = chart.backend_coord(&(0.0, 0.0));
+        let (_, b) = chart.backend_coord(&(0.0, 1.0));
+        (a - b).abs().max(1)
+    };
+    let font_px = row_px.clamp(9, 14);
+    // With rows thinner than the font, name every k-th rank (and the last).
+    let every = (font_px as usize + 2).div_ceil(row_px as usize).max(1);
+    let name_style = ("sans-serif", font_px)
         .into_font()
         .color(&BLACK)
         .pos(Pos::new(HPos::Right, VPos::Center));
-    for r in 0..p {
+    for r in (0..p).filter(|r| r % every == 0 || *r == p - 1) {
         let (x, y) = chart.backend_coord(&(0.0, row(r) + 0.5));
         root.draw(&Text::new(
             format!("rank {r}"),
@@ -201,11 +210,34 @@ fn draw<DB: DrawingBackend>(
     .filter(|(_, k)| shown(*k))
     .map(|(n, k)| (n, color(k)))
     .collect();
+    // Ranks with several stages (interleaved, V) draw later stages darker: name the shades.
+    let max_chunks = t
+        .compute
+        .iter()
+        .map(|ops| {
+            let mut s: Vec<u32> = ops
+                .iter()
+                .flat_map(|o| o.action.parts())
+                .map(|a| a.stage.0)
+                .collect();
+            s.sort_unstable();
+            s.dedup();
+            s.len()
+        })
+        .max()
+        .unwrap_or(1);
+    if max_chunks > 1 {
+        legend.push(("F, rank's 2nd stage", chunk_color(ActionKind::F, 1)));
+    }
+    if max_chunks > 2 {
+        legend.push(("3rd", chunk_color(ActionKind::F, 2)));
+    }
     if t.optimizer.iter().any(Option::is_some) {
         legend.push(("opt", RGBColor(176, 176, 176)));
     }
     let (w, _) = root.dim_in_pixel();
-    let mut x = w as i32 - 24 - 56 * legend.len() as i32;
+    let slot = |name: &str| 30 + 8 * name.chars().count() as i32;
+    let mut x = w as i32 - 24 - legend.iter().map(|(n, _)| slot(n)).sum::<i32>();
     for (name, c) in legend {
         root.draw(&Rectangle::new([(x, 12), (x + 14, 26)], c.filled()))
             .map_err(e)?;
@@ -218,7 +250,7 @@ fn draw<DB: DrawingBackend>(
                 .pos(Pos::new(HPos::Left, VPos::Center)),
         ))
         .map_err(e)?;
-        x += 56;
+        x += slot(name);
     }
     root.present().map_err(e)?;
     Ok(())
@@ -235,6 +267,16 @@ pub(crate) trait Chart {
     ) -> std::result::Result<(), String>;
 }
 
+/// Pixel size of a Gantt chart: 12 px per action of the busiest rank (so one-digit microbatch
+/// labels fit in a box of a step with no bubbles), at least 1,600 and at most 8,000 wide; rows
+/// 44 px high up to 64 ranks, then the height stays at 64 ranks' (2,956 px) and rows thin.
+fn gantt_size(t: &Timeline) -> (u32, u32) {
+    let rows = t.num_ranks().max(1) as u32;
+    let actions = t.compute.iter().map(Vec::len).max().unwrap_or(0) as u32;
+    let width = (200 + 12 * actions).clamp(1600, 8000);
+    (width, 110 + 44 * rows.min(64) + 30)
+}
+
 struct Gantt<'a> {
     title: &'a str,
     timeline: &'a Timeline,
@@ -242,8 +284,7 @@ struct Gantt<'a> {
 
 impl Chart for Gantt<'_> {
     fn size(&self) -> (u32, u32) {
-        let rows = self.timeline.num_ranks().max(1) as u32;
-        (1600, 110 + 44 * rows.min(64) + 30)
+        gantt_size(self.timeline)
     }
     fn draw<DB: DrawingBackend>(
         &self,
@@ -281,8 +322,16 @@ pub(crate) fn render(path: &Path, chart: &impl Chart) -> Result<()> {
                 Some(d) if !d.as_os_str().is_empty() => d,
                 _ => Path::new("."),
             };
-            let tmp = tempfile::Builder::new()
-                .suffix(".png")
+            let mut builder = tempfile::Builder::new();
+            builder.prefix(".flatpipe-").suffix(".png");
+            // A temporary file is created private (0600); charts are ordinary files (0644),
+            // like `write_atomic`'s outputs.
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                builder.permissions(std::fs::Permissions::from_mode(0o644));
+            }
+            let tmp = builder
                 .tempfile_in(dir)
                 .map_err(|e| plot_err(e.to_string()))?;
             {
@@ -308,4 +357,57 @@ pub(crate) fn render(path: &Path, chart: &impl Chart) -> Result<()> {
 /// [`Error::Plot`] if the extension is neither svg nor png or drawing / writing fails.
 pub fn write_gantt(path: &Path, title: &str, timeline: &Timeline) -> Result<()> {
     render(path, &Gantt { title, timeline })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ScheduleKind;
+    use crate::costs::{UniformCostSpec, UniformCosts};
+
+    fn timeline(kind: ScheduleKind, p: u32, v: u32, m: u32) -> Timeline {
+        let s = kind.generate(p, v, m).unwrap();
+        crate::simulate(&s, &UniformCosts::new(&UniformCostSpec::default(), v))
+            .unwrap()
+            .timeline
+    }
+
+    /// The width follows the busiest rank's action count (1F1B: 2m actions per rank, each 12
+    /// px, plus 200 px of margins), between 1,600 and 8,000 px.
+    #[test]
+    fn width_grows_with_the_actions_up_to_a_cap() {
+        assert_eq!(
+            gantt_size(&timeline(ScheduleKind::OneFOneB, 4, 1, 8)).0,
+            1600
+        );
+        assert_eq!(
+            gantt_size(&timeline(ScheduleKind::OneFOneB, 4, 1, 200)).0,
+            200 + 12 * 400
+        );
+        assert_eq!(
+            gantt_size(&timeline(ScheduleKind::OneFOneB, 2, 1, 1000)).0,
+            8000
+        );
+    }
+
+    /// Interleaved charts name the darker shade of a rank's later stages in the legend; a PNG is
+    /// an ordinary 0644 file like every other output (not a temporary file's 0600).
+    #[test]
+    fn legend_names_later_stages_and_png_is_0644() {
+        let dir = tempfile::tempdir().unwrap();
+        let svg = dir.path().join("g.svg");
+        write_gantt(&svg, "t", &timeline(ScheduleKind::Interleaved1F1B, 2, 2, 4)).unwrap();
+        assert!(std::fs::read_to_string(&svg).unwrap().contains("2nd stage"));
+        let one = dir.path().join("one.svg");
+        write_gantt(&one, "t", &timeline(ScheduleKind::OneFOneB, 2, 1, 4)).unwrap();
+        assert!(!std::fs::read_to_string(&one).unwrap().contains("2nd stage"));
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let png = dir.path().join("g.png");
+            write_gantt(&png, "t", &timeline(ScheduleKind::OneFOneB, 2, 1, 4)).unwrap();
+            let mode = std::fs::metadata(&png).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o644, "{mode:o}");
+        }
+    }
 }

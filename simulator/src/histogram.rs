@@ -19,6 +19,71 @@ const PALETTE: [RGBColor; 10] = [
     RGBColor(205, 220, 57),
 ];
 
+/// Equal-width bins over all series' values. When the largest value lies further above the
+/// pooled 99th percentile than the whole range below it (one step 100x the median), the bins
+/// span `[min, p99]` and one more bin at the end counts every value above (`overflow_from`), so
+/// a single outlier does not squeeze every series into the first bin.
+#[derive(Debug, Clone, PartialEq)]
+struct Bins {
+    /// Left edge of the first bin, seconds.
+    lo: f64,
+    /// Bin width, seconds.
+    width: f64,
+    /// Per series, the count of each bin (the overflow bin last, when there is one).
+    counts: Vec<Vec<u32>>,
+    /// Values above this went into the last bin.
+    overflow_from: Option<f64>,
+}
+
+impl Bins {
+    fn of(series: &[(String, Vec<f64>)], bins: usize) -> Self {
+        let mut all: Vec<f64> = series
+            .iter()
+            .flat_map(|(_, v)| v.iter().copied())
+            .filter(|x| x.is_finite())
+            .collect();
+        all.sort_by(f64::total_cmp);
+        let (lo, max) = match (all.first(), all.last()) {
+            (Some(&a), Some(&b)) => (a, b),
+            _ => (0.0, 1.0),
+        };
+        let p99 = all
+            .get(((all.len() as f64 - 1.0) * 0.99).round() as usize)
+            .copied()
+            .unwrap_or(max);
+        let clip = p99 > lo && max - p99 > p99 - lo;
+        let hi = if clip { p99 } else { max };
+        let (lo, hi) = if lo >= hi {
+            (lo - 0.5, lo + 0.5)
+        } else {
+            (lo, hi)
+        };
+        let width = (hi - lo) / bins as f64;
+        let total = bins + usize::from(clip);
+        let counts = series
+            .iter()
+            .map(|(_, v)| {
+                let mut c = vec![0u32; total];
+                for &x in v.iter().filter(|x| x.is_finite()) {
+                    let b = if clip && x > hi {
+                        bins
+                    } else {
+                        (((x - lo) / width).max(0.0) as usize).min(bins - 1)
+                    };
+                    c[b] += 1;
+                }
+                c
+            })
+            .collect();
+        Bins {
+            lo,
+            width,
+            counts,
+            overflow_from: clip.then_some(hi),
+        }
+    }
+}
+
 struct Histogram<'a> {
     title: &'a str,
     series: &'a [(String, Vec<f64>)],
@@ -35,26 +100,10 @@ impl Chart for Histogram<'_> {
     ) -> std::result::Result<(), String> {
         let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
         root.fill(&WHITE).map_err(e)?;
-        let all = self.series.iter().flat_map(|(_, v)| v.iter().copied());
-        let (lo, hi) = all.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
-        let (lo, hi) = if lo >= hi {
-            (lo - 0.5, lo + 0.5)
-        } else {
-            (lo, hi)
-        };
-        let bins = 40usize;
-        let width = (hi - lo) / bins as f64;
-        let counts: Vec<Vec<u32>> = self
-            .series
-            .iter()
-            .map(|(_, v)| {
-                let mut c = vec![0u32; bins];
-                for &x in v {
-                    c[(((x - lo) / width) as usize).min(bins - 1)] += 1;
-                }
-                c
-            })
-            .collect();
+        let bins = Bins::of(self.series, 40);
+        let (lo, width) = (bins.lo, bins.width);
+        let counts = &bins.counts;
+        let hi = lo + width * bins.counts.first().map_or(1, Vec::len) as f64;
         let ymax = counts.iter().flatten().copied().max().unwrap_or(1).max(1);
         let mut chart = ChartBuilder::on(root)
             .caption(self.title, ("sans-serif", 22))
@@ -65,12 +114,17 @@ impl Chart for Histogram<'_> {
             .map_err(e)?;
         chart
             .configure_mesh()
-            .x_desc("step time (s)")
+            .x_desc(match bins.overflow_from {
+                Some(x) => format!(
+                    "step time (s); axis clipped at the 99th percentile: the last bin counts the steps over {x:.4} s"
+                ),
+                None => "step time (s)".into(),
+            })
             .y_desc("steps")
             .label_style(("sans-serif", 14))
             .draw()
             .map_err(e)?;
-        for (i, ((name, _), c)) in self.series.iter().zip(&counts).enumerate() {
+        for (i, ((name, _), c)) in self.series.iter().zip(counts).enumerate() {
             let color = PALETTE[i % PALETTE.len()];
             // A step outline per series, so overlapping distributions stay readable.
             let mut outline = vec![(lo, 0u32)];
@@ -126,4 +180,31 @@ pub fn write_histogram(path: &Path, title: &str, series: &[(String, Vec<f64>)]) 
         });
     }
     render(path, &Histogram { title, series })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 999 steps spread over [1, 2) s and one of 100 s (the 3,300 s outlier case): the bins
+    /// span the 999 and the outlier sits alone in the overflow bin; without an outlier there
+    /// is no overflow bin.
+    #[test]
+    fn one_outlier_goes_to_an_overflow_bin() {
+        let mut v: Vec<f64> = (0..999).map(|i| 1.0 + i as f64 / 999.0).collect();
+        v.push(100.0);
+        let b = Bins::of(&[("a".into(), v.clone())], 40);
+        let c = &b.counts[0];
+        assert_eq!(c.len(), 41);
+        assert!(c[40] >= 1 && c[40] <= 11, "{c:?}");
+        assert_eq!(c.iter().sum::<u32>(), 1000);
+        // The 999 regular steps are spread over the 40 bins, ~25 each.
+        assert!(c[..40].iter().all(|&n| (15..=35).contains(&n)), "{c:?}");
+        let hi = b.overflow_from.unwrap();
+        assert!((1.98..=2.0).contains(&hi), "{hi}");
+        v.pop();
+        let b = Bins::of(&[("a".into(), v)], 40);
+        assert_eq!(b.counts[0].len(), 40);
+        assert_eq!(b.overflow_from, None);
+    }
 }

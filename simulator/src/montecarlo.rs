@@ -373,6 +373,7 @@ pub fn simulate_replica(
         fo: None,
     };
     let mut single = None;
+    let mut round_sims = Vec::new();
     for round in 0..rounds {
         let start = (round * k) as usize;
         let mut slots: Vec<Microbatch> = mbs[start..(start + k as usize).min(mbs.len())].to_vec();
@@ -458,9 +459,89 @@ pub fn simulate_replica(
         }
         if rounds == 1 {
             single = Some((run_schedule.clone(), sim));
+        } else {
+            round_sims.push(sim);
+            if round + 1 == rounds {
+                single = Some((run_schedule.clone(), concat_rounds(round_sims, k)));
+                break;
+            }
         }
     }
     Ok((out, single))
+}
+
+/// The rounds of one step under a fixed capacity `k`, one after the other as they run (each
+/// starts when the previous one has flushed): round `r`'s times shift by the makespans of the
+/// rounds before it and its microbatch ids by `r·k` (ids `>= n` are the empty slots of the last
+/// round). Makespan and busy times add up, lower bounds too (every round ends with a flush);
+/// memory peaks are the largest round's.
+pub fn concat_rounds(rounds: Vec<Simulation>, k: u32) -> Simulation {
+    use crate::ir::{Action, ComputeAction, MicrobatchId};
+    let mut it = rounds.into_iter();
+    let Some(mut all) = it.next() else {
+        unreachable!("concat_rounds of no rounds")
+    };
+    let p = all.timeline.num_ranks();
+    let mut offset = all.timeline.makespan_ns();
+    let mut lower_bound_s = all.metrics.lower_bound_s;
+    for (r, sim) in it.enumerate() {
+        let shift_mb = |a: ComputeAction| ComputeAction {
+            microbatch: MicrobatchId(a.microbatch.0 + (r as u32 + 1) * k),
+            ..a
+        };
+        for (rank, ops) in sim.timeline.compute.into_iter().enumerate() {
+            all.timeline.compute[rank].extend(ops.into_iter().map(|mut o| {
+                o.action = match o.action {
+                    Action::Compute(a) => Action::Compute(shift_mb(a)),
+                    Action::Overlap(f, b) => Action::Overlap(shift_mb(f), shift_mb(b)),
+                };
+                o.start_ns += offset;
+                o.end_ns += offset;
+                o
+            }));
+        }
+        all.timeline
+            .transfers
+            .extend(sim.timeline.transfers.into_iter().map(|mut t| {
+                t.microbatch = MicrobatchId(t.microbatch.0 + (r as u32 + 1) * k);
+                t.start_ns += offset;
+                t.end_ns += offset;
+                t
+            }));
+        // Only the last round has the optimizer step.
+        for (rank, o) in sim.timeline.optimizer.into_iter().enumerate() {
+            if let Some((a, b)) = o {
+                all.timeline.optimizer[rank] = Some((a + offset, b + offset));
+            }
+        }
+        for (rank, events) in sim.memory.into_iter().enumerate() {
+            all.memory[rank].extend(events.into_iter().map(|(t, l)| (t + offset, l)));
+        }
+        for (a, b) in all.metrics.ranks.iter_mut().zip(&sim.metrics.ranks) {
+            a.busy_s += b.busy_s;
+            let max = |x: Option<f64>, y: Option<f64>| match (x, y) {
+                (Some(x), Some(y)) => Some(x.max(y)),
+                (x, y) => x.or(y),
+            };
+            a.peak_activation_bytes = max(a.peak_activation_bytes, b.peak_activation_bytes);
+            a.peak_activation_units = max(a.peak_activation_units, b.peak_activation_units);
+            a.peak_inflight_microbatches = a
+                .peak_inflight_microbatches
+                .max(b.peak_inflight_microbatches);
+        }
+        lower_bound_s += sim.metrics.lower_bound_s;
+        offset = all.timeline.makespan_ns();
+    }
+    let makespan_s = ns_to_s(offset);
+    let m = &mut all.metrics;
+    m.makespan_s = makespan_s;
+    for r in &mut m.ranks {
+        r.bubble_ratio = 1.0 - r.busy_s / makespan_s;
+    }
+    m.bubble_ratio = 1.0 - m.ranks.iter().map(|r| r.busy_s).sum::<f64>() / (p as f64 * makespan_s);
+    m.lower_bound_s = lower_bound_s;
+    m.gap_to_lower_bound = makespan_s / lower_bound_s - 1.0;
+    all
 }
 
 /// Combines two replicas' outcomes of one step: the step ends with the slower replica; tokens,

@@ -156,6 +156,10 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     let mut rows = Vec::new();
     let bar = Progress::new(kinds.len() as u64);
     for kind in kinds {
+        tracing::info!(
+            "calibrate: {}: plan on the measured profile, execute, compare",
+            kind.name()
+        );
         // Plan this schedule on the measured profile: the layer split and token budget.
         let mut space = planner::search::SearchSpace::default_for(pp);
         space.pp = vec![pp];

@@ -160,7 +160,7 @@ pub(super) struct ExecuteArgs {
     /// Data-parallel replicas (inline; default 1).
     #[arg(long)]
     dp: Option<u32>,
-    /// Exactly this many microbatches per replica and step (inline; default 2 x pp x vpp
+    /// Exactly this many microbatches per replica and step (inline; default pp x vpp, one per stage,
     /// unless --token-budget is given).
     #[arg(long, conflicts_with = "token_budget")]
     microbatches: Option<u32>,
@@ -372,6 +372,41 @@ pub(super) fn measured_on(profile: &Profile, backend: Backend) -> bool {
         }
 }
 
+/// Refuses, before anything is allocated, a CPU run whose floor
+/// ([`flatpipe_executor::cpu::MemoryFloor`]: fp32 weights, gradients and AdamW state, plus one
+/// microbatch of `microbatch_tokens` tokens in every layer; twice the state with `--verify`'s
+/// single-rank reference) exceeds `available` bytes (the host's available memory; `None`: not
+/// known, no check).
+fn check_host_memory(
+    model: &flatpipe_profiles::ModelSpec,
+    microbatch_tokens: u64,
+    verify: bool,
+    available: Option<f64>,
+) -> Result<()> {
+    let floor = flatpipe_executor::cpu::MemoryFloor::of(model, microbatch_tokens);
+    let copies = if verify { 2.0 } else { 1.0 };
+    let need = floor.state * copies + floor.activations;
+    if let Some(have) = available
+        && need > have
+    {
+        bail!(
+            "{} on the CPU backend needs at least {}: {} of fp32 weights, gradients and AdamW state ({} parameters x 16 bytes{}) and {} of activations (one microbatch of {microbatch_tokens} tokens in every layer); this machine has {} available. Execute a smaller model (e.g. --model tiny or small), or simulate this one",
+            model.name,
+            fmt_bytes(need),
+            fmt_bytes(floor.state * copies),
+            model.param_count(),
+            if verify {
+                ", twice: --verify's single-rank reference holds its own copy"
+            } else {
+                ""
+            },
+            fmt_bytes(floor.activations),
+            fmt_bytes(have)
+        );
+    }
+    Ok(())
+}
+
 pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     let plan = read_plan(a.plan.as_deref())?;
     let profile_arg = plan
@@ -519,7 +554,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                 (ScheduleSource::Given(s), _, _) => Some(s.num_microbatches),
                 (_, Some(m), _) => Some(m),
                 (_, None, Some(_)) => None,
-                (_, None, None) => Some(2 * pp * v),
+                (_, None, None) => Some(default_microbatches(pp, v)),
             };
             let stages = even_split(num_layers, (pp * v) as usize)?;
             (
@@ -540,6 +575,9 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     };
     if dp == 0 {
         bail!("--dp = 0 is invalid: >= 1 replica");
+    }
+    if let Some(m) = params.microbatches {
+        warn_underfilled(&source.name(), m, pp, v);
     }
     let backend = a.backend.resolve_for_stages()?;
     a.precision.check(backend)?;
@@ -593,6 +631,24 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         profile: Some(Arc::new(profile.clone())),
         memory_limit_bytes: zb_limit,
     };
+    // Refuse, before allocating the stages, a run this host cannot hold.
+    let first = setup.prepare(0)?;
+    if backend == Backend::Cpu {
+        let largest = first
+            .all_microbatches()
+            .map(|m| m.tokens() as u64)
+            .max()
+            .unwrap_or(0);
+        check_host_memory(&model, largest, a.verify, available_memory_bytes())?;
+    }
+    let mut first = Some(first);
+    tracing::info!(
+        "execute: building {} stage(s) of {} on {} rank(s) ({} backend)",
+        stages.len(),
+        model.name,
+        dp * pp,
+        backend.name()
+    );
     let mut exec = AnyExecutor::new(
         backend,
         &setup,
@@ -618,6 +674,13 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     let mut rows = Vec::with_capacity(a.steps as usize);
     let mut last = None;
     let mut failed = false;
+    // Sequences longer than the token budget (each gets a microbatch of its own).
+    let budget = setup
+        .params
+        .microbatches
+        .is_none()
+        .then_some(setup.params.token_budget);
+    let (mut over_budget, mut longest) = (0usize, 0u64);
     // Warm-up steps draw their data after the reported ones' (step ids steps.., so the reported
     // steps are the same with or without them).
     for w in 0..a.warmup_steps as u64 {
@@ -628,8 +691,24 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         }
     }
     for step in 0..a.steps as u64 {
-        let prepared: PreparedStep = setup.prepare(step)?;
+        let prepared: PreparedStep = match first.take() {
+            Some(p) if step == 0 => p,
+            _ => setup.prepare(step)?,
+        };
         let run = exec.train_step(&setup, &prepared)?;
+        if let Some(b) = budget {
+            for len in prepared
+                .replicas
+                .iter()
+                .flat_map(|r| &r.lengths)
+                .flat_map(|m| &m.seq_lens)
+                .map(|&l| u64::from(l))
+                .filter(|&l| l > b)
+            {
+                over_budget += 1;
+                longest = longest.max(len);
+            }
+        }
         if !run.loss.is_finite() || !run.grad_norm.is_finite() {
             bail!(
                 "step {step}: the loss ({}) or gradient norm ({}) is not finite: training diverged (--lr {} too large?)",
@@ -639,6 +718,12 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             );
         }
         let makespan_s = run.timeline.makespan_ns() as f64 * 1e-9;
+        tracing::info!(
+            "execute: step {step}: {} tokens, loss {:.4}, measured makespan {:.4} s",
+            prepared.tokens(),
+            run.loss,
+            makespan_s
+        );
         let fo_s: f64 = run
             .timeline
             .compute
@@ -724,6 +809,12 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     }
     bar.finish();
     let mut notes = Vec::new();
+    if over_budget > 0 {
+        notes.push(format!(
+            "{over_budget} sequence(s) longer than the token budget of {} tokens (the longest {longest}) ran as microbatches of their own",
+            setup.params.token_budget
+        ));
+    }
     if let Some((prepared, run)) = &last {
         let m = slash_list(prepared.replicas.iter().map(|r| r.microbatches.len()));
         let title = format!(

@@ -160,6 +160,38 @@ fn check_schedule_memory(what: &str, pairs: f64) -> Result<()> {
     Ok(())
 }
 
+/// The default microbatch count of a schedule with `p` ranks and `v` stages per rank: `p·v`,
+/// one microbatch per stage, the fewest that fill the pipeline (torchtitan's
+/// `pipeline_parallel_microbatch_size` warns below the stage count, pytorch/torchtitan PR #781).
+/// Used by `simulate --costs` and inline `execute`.
+fn default_microbatches(p: u32, v: u32) -> u32 {
+    p.saturating_mul(v).max(1)
+}
+
+/// Warns when `m` microbatches leave a `p`-rank, `v`-stages-per-rank pipeline under-filled:
+/// `m < p` (some ranks never have two microbatches in flight; the bubble ratio of 1F1B is at
+/// least `(p - 1) / (m + p - 1)`), or `m < p·v` (an interleaved schedule runs no better than
+/// its looped form). `what` names the schedule. Returns the warning (for tests and notes).
+fn warn_underfilled(what: &str, m: u32, p: u32, v: u32) -> Option<String> {
+    let stages = p.saturating_mul(v);
+    let msg = if m < p && p > 1 {
+        Some(format!(
+            "{what}: m = {m} microbatches < pp = {p} ranks: the pipeline never fills, and the bubble ratio is at least (p - 1)/(m + p - 1) = {:.0}%; use m >= {stages} (p·v)",
+            100.0 * f64::from(p - 1) / f64::from(m + p - 1)
+        ))
+    } else if m < stages && v > 1 {
+        Some(format!(
+            "{what}: m = {m} microbatches < p·v = {stages} stages: the pipeline is under-filled and the interleaving gains little; use m >= {stages}"
+        ))
+    } else {
+        None
+    };
+    if let Some(w) = &msg {
+        tracing::warn!("{w}");
+    }
+    msg
+}
+
 /// The chart path of `--gantt`: the given path, `default` without one, `None` for `none`
 /// (the chart switched off).
 fn chart_path(arg: &Option<PathBuf>, default: &str) -> Option<PathBuf> {

@@ -236,7 +236,22 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             pb.set_position(done as u64);
         }
     };
+    tracing::info!(
+        "plan: searching pp {:?}, token budgets {:?}, {} schedule(s) on {} ranks over {} sampled steps",
+        space.pp,
+        space.token_budgets,
+        space.kinds.len(),
+        space.ranks,
+        config.steps
+    );
+    let search_start = std::time::Instant::now();
     let result = planner::search::search(&profile, &workload, &space, &config, &progress)?;
+    tracing::info!(
+        "plan: {} candidate(s) ranked, {} rejected, in {:.2} s",
+        result.ranked.len(),
+        result.rejected.len(),
+        search_start.elapsed().as_secs_f64()
+    );
     if let Some(pb) = bar.lock().expect("progress lock").take() {
         pb.finish_and_clear();
     }

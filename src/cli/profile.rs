@@ -101,6 +101,7 @@ pub(super) fn measure(
         bar.set_style(style);
     }
     let progress = |what: &str| {
+        tracing::info!("profile: {what}");
         bar.set_message(what.to_string());
         bar.inc(1);
     };

@@ -43,6 +43,7 @@ pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
         ),
         f64::from(a.pp) * f64::from(v) * f64::from(a.microbatches),
     )?;
+    warn_underfilled(kind.name(), a.microbatches, a.pp, v);
     let mut s = kind.generate(a.pp, v, a.microbatches)?;
     if let Some(fo) = a.fo.spec()? {
         let costs = UniformCosts::new(&UniformCostSpec::default(), v);

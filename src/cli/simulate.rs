@@ -277,7 +277,15 @@ pub(super) fn simulate_uniform(
         Schedules::Csv(s) => vec![(s.name.clone(), s.num_stages() / s.placement.num_ranks, s)],
         Schedules::Kinds(kinds) => {
             let p = a.pp.unwrap_or(4);
-            let m = a.microbatches.unwrap_or(p);
+            // One count for the whole comparison: the deepest interleaving's p·v.
+            let v_max = kinds
+                .iter()
+                .map(|k| k.stages_per_rank(a.vpp))
+                .collect::<std::result::Result<Vec<_>, _>>()?
+                .into_iter()
+                .max()
+                .unwrap_or(1);
+            let m = a.microbatches.unwrap_or(default_microbatches(p, v_max));
             let pairs: f64 = kinds
                 .iter()
                 .map(|k| Ok(f64::from(p) * f64::from(k.stages_per_rank(a.vpp)?) * f64::from(m)))
@@ -293,6 +301,7 @@ pub(super) fn simulate_uniform(
                 .iter()
                 .map(|k| {
                     let v = k.stages_per_rank(a.vpp)?;
+                    warn_underfilled(k.name(), m, p, v);
                     let s = if *k == ScheduleKind::ZbAuto {
                         let units = a.max_activation_units.unwrap_or(p as f64);
                         if !(units.is_finite() && units > 0.0) {
@@ -307,7 +316,10 @@ pub(super) fn simulate_uniform(
                 .collect::<Result<_>>()?
         }
     };
-    let m = a.microbatches.unwrap_or(a.pp.unwrap_or(4));
+    let m = match &built[..] {
+        [(_, _, s), ..] => s.num_microbatches,
+        [] => 0,
+    };
     let k = a.fo.spec()?.map_or(0, |f| f.microbatches.unwrap_or(m));
     let mut runs = Vec::new();
     let mut fo_reports = std::collections::HashMap::new();
@@ -571,6 +583,13 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             pairs,
         )?;
     }
+    tracing::info!(
+        "Monte Carlo: {steps} sampled steps x {} (schedule, policy, capacity) combinations of {} on {}",
+        combos.len(),
+        profile.model,
+        profile.hardware.name
+    );
+    let mc_start = std::time::Instant::now();
     let bar = Progress::new(steps as u64);
     let run = |combos: &[montecarlo::Combo]| {
         montecarlo::run(
@@ -589,20 +608,25 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     // comparison goes on without zb-auto and says why.
     let mut dropped = None;
     let mc = match run(&combos) {
-        Err(sim::Error::InvalidArgument { field, allowed, .. })
-            if field == "--memory-limit"
+        Err(err @ sim::Error::InvalidArgument { .. })
+            if matches!(&err, sim::Error::InvalidArgument { field, .. }
+                if field == "--memory-limit" || field.starts_with("zb-auto"))
                 && combos.len() > 1
                 && combos
                     .iter()
                     .any(|c| matches!(c.source, ScheduleSource::Kind(ScheduleKind::ZbAuto))) =>
         {
             combos.retain(|c| !matches!(c.source, ScheduleSource::Kind(ScheduleKind::ZbAuto)));
-            dropped = Some(allowed);
+            dropped = Some(err);
             run(&combos)?
         }
         other => other?,
     };
     bar.finish();
+    tracing::info!(
+        "Monte Carlo: done in {:.2} s",
+        mc_start.elapsed().as_secs_f64()
+    );
     if mc.oversize_sequences > 0 {
         tracing::warn!(
             "{} sequence(s) longer than the token budget {token_budget} got a microbatch of their own",
@@ -618,12 +642,13 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     // Every row is checked against the per-rank memory: --memory-limit, or the hardware's memory
     // less its reserve.
     let limit = super::plan::memory_limit(a.memory_limit.as_deref(), &profile)?;
-    type Row = (McReport, Option<(sim::Schedule, Simulation)>, u32);
+    type Row = (McReport, Option<(sim::Schedule, Simulation)>, u32, u32);
     let mut rows: Vec<Row> = combos
         .iter()
         .zip(mc.outcomes.iter().zip(mc.first))
         .map(|(c, (outcomes, first))| {
-            let single = if steps == 1 {
+            let first_rounds = outcomes.first().map_or(1, |o| o.rounds);
+            let single = if steps == 1 && first_rounds == 1 {
                 first.as_ref().map(|(s, sim)| SingleStep {
                     microbatches: s.num_microbatches,
                     metrics: sim.metrics.clone(),
@@ -648,7 +673,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                 summary,
                 single,
             };
-            (report, first, c.v)
+            (report, first, c.v, first_rounds)
         })
         .collect();
     rows.sort_by(|x, y| {
@@ -661,7 +686,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     });
     let charts: Vec<_> = rows
         .iter()
-        .filter_map(|(r, first, v)| {
+        .filter_map(|(r, first, v, rounds)| {
             first.as_ref().map(|(s, sim)| {
                 let name = format!("{}-{}-{}", r.schedule, r.policy, r.capacity);
                 let name =
@@ -670,14 +695,29 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                     } else {
                         name
                     };
-                (name.clone(), gantt_title(&name, s, *v, &sim.metrics), sim)
+                let mut title = gantt_title(&name, s, *v, &sim.metrics);
+                if *rounds > 1 {
+                    title.push_str(&format!(
+                        "  ({rounds} rounds of the {}-microbatch schedule)",
+                        s.num_microbatches
+                    ));
+                }
+                (name.clone(), title, sim)
             })
         })
         .collect();
     let mut notes = write_charts(a, &charts)?;
+    if !charts.is_empty() && super::chart_path(&a.gantt, "").is_some() {
+        for (r, _, _, rounds) in rows.iter().filter(|x| x.3 > 1 && x.1.is_some()) {
+            notes.push(format!(
+                "{} / capacity {}: the first step runs {rounds} rounds of its fixed-capacity schedule, each ending in a flush; its chart draws them one after the other (microbatch ids from the step's count on are the last round's empty slots)",
+                r.schedule, r.capacity
+            ));
+        }
+    }
     if let Some(why) = dropped {
         notes.push(format!(
-            "zb-auto not built: the per-rank memory must be {why}; it is {} ({})",
+            "zb-auto not built for every sampled step, so not compared: {why}; the per-rank memory is {} ({})",
             fmt_bytes(limit),
             if a.memory_limit.is_some() {
                 "--memory-limit".to_string()
@@ -711,8 +751,8 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     }
     let over: Vec<String> = rows
         .iter()
-        .filter(|(r, _, _)| !r.fits)
-        .map(|(r, _, _)| {
+        .filter(|(r, _, _, _)| !r.fits)
+        .map(|(r, _, _, _)| {
             format!(
                 "{} needs {} (+{})",
                 r.schedule,
@@ -736,7 +776,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             over.join(", ")
         ));
     }
-    for (r, _, _) in &rows {
+    for (r, _, _, _) in &rows {
         if let (Some(sep), Some(hidden)) = (r.summary.fo_separate_s, r.summary.fo_hidden_fraction) {
             notes.push(format!(
                 "{} / {}: the forward-only pass alone takes {} per step; {} of it is hidden in the training schedule ({})",
