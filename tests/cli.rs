@@ -1874,3 +1874,34 @@ fn progress_bars_show_on_a_terminal_only() {
         stderr(&piped)
     );
 }
+
+/// Absurd sequence lengths are refused at the workload, naming the field and the range (a
+/// 4e9-token sequence used to run, wrapping the attention-pair sums and printing nonsense
+/// MFU); 2^24 tokens is the cap.
+#[test]
+fn absurd_sequence_lengths_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("huge.yaml"),
+        "name: huge\nlengths:\n  kind: fixed\n  tokens: 4000000000\nseqs_per_step: 4\n",
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("huge.csv"), "tokens\n12\n16777217\n").unwrap();
+    for (file, field) in [("huge.yaml", "lengths.tokens"), ("huge.csv", "row 3")] {
+        let o = flatpipe(
+            dir.path(),
+            &[
+                "simulate",
+                "--workload",
+                file,
+                "--steps",
+                "2",
+                "--gantt",
+                "none",
+            ],
+        );
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        let err = stderr(&o);
+        assert!(err.contains(field) && err.contains("16777216"), "{err}");
+    }
+}

@@ -7,6 +7,12 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
 
+/// The longest sequence a workload may hold, tokens: 2^24 = 16,777,216, 16 times the longest
+/// context of today's open models (1M tokens). Beyond it a step's attention pairs
+/// (`s(s+1)/2` per sequence, summed in `u64`) and FLOP counts leave the range in which the cost
+/// model and MFU mean anything.
+pub const MAX_SEQ_LEN: u32 = 1 << 24;
+
 /// How long one sequence is, in tokens.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
@@ -136,10 +142,10 @@ pub(crate) fn parse_tokens_csv(text: &str, origin: &str) -> Result<Vec<u32>> {
             path: origin.into(),
             message: format!("row {row}, column tokens: `{cell}` is not a whole number of tokens in 1..=4294967295"),
         })?;
-        if v == 0 {
+        if v == 0 || v > MAX_SEQ_LEN {
             return Err(Error::Csv {
                 path: origin.into(),
-                message: format!("row {row}, column tokens: 0 (must be >= 1)"),
+                message: format!("row {row}, column tokens: {v} (must be in 1..={MAX_SEQ_LEN})"),
             });
         }
         out.push(v);
@@ -247,8 +253,13 @@ impl Workload {
     /// [`Error::Invalid`] naming the field.
     pub fn validate(&self, origin: &str) -> Result<()> {
         match &self.lengths {
-            LengthDistribution::Fixed { tokens } if *tokens == 0 => {
-                return Err(Error::invalid(origin, "lengths.tokens", 0, ">= 1 token"));
+            LengthDistribution::Fixed { tokens } if *tokens == 0 || *tokens > MAX_SEQ_LEN => {
+                return Err(Error::invalid(
+                    origin,
+                    "lengths.tokens",
+                    tokens,
+                    format!("in 1..={MAX_SEQ_LEN} tokens"),
+                ));
             }
             LengthDistribution::Lognormal {
                 median,
@@ -256,6 +267,14 @@ impl Workload {
                 min,
                 max,
             } => {
+                if *max > MAX_SEQ_LEN {
+                    return Err(Error::invalid(
+                        origin,
+                        "lengths.max",
+                        max,
+                        format!("<= {MAX_SEQ_LEN} tokens"),
+                    ));
+                }
                 if !(median.is_finite() && *median >= 1.0) {
                     return Err(Error::invalid(
                         origin,
@@ -277,6 +296,14 @@ impl Workload {
                 }
             }
             LengthDistribution::Pareto { scale, alpha, max } => {
+                if *max > MAX_SEQ_LEN {
+                    return Err(Error::invalid(
+                        origin,
+                        "lengths.max",
+                        max,
+                        format!("<= {MAX_SEQ_LEN} tokens"),
+                    ));
+                }
                 if !(scale.is_finite() && *scale >= 1.0) {
                     return Err(Error::invalid(origin, "lengths.scale", scale, ">= 1 token"));
                 }

@@ -64,7 +64,7 @@ impl Microbatch {
         self.seq_lens
             .iter()
             .map(|&s| s as u64 * (s as u64 + 1) / 2)
-            .sum()
+            .fold(0, u64::saturating_add)
     }
 
     /// Tokens the kernels process: true tokens plus padding.
