@@ -755,7 +755,11 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         .map(|(r, _, _, _)| {
             format!(
                 "{} needs {} (+{})",
-                r.schedule,
+                if policies.len() > 1 || capacities.len() > 1 {
+                    format!("{} / {} / {}", r.schedule, r.policy, r.capacity)
+                } else {
+                    r.schedule.clone()
+                },
                 fmt_bytes(r.summary.peak_memory_bytes),
                 fmt_bytes(r.summary.peak_memory_bytes - limit)
             )
