@@ -130,6 +130,62 @@ impl PreparedStep {
     }
 }
 
+/// The simulator's prediction of a prepared step: the replay of the schedules that run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    /// The slowest replica's makespan plus the data-parallel all-reduce
+    /// ([`flatpipe_simulator::montecarlo::allreduce_s`]), seconds.
+    pub makespan_s: f64,
+    /// Replica 0's bubble ratio per rank, `1 - busy / makespan`.
+    pub bubbles: Vec<f64>,
+}
+
+impl PreparedStep {
+    /// Predicts this step on `profile` by replaying each replica's schedule, the very one the
+    /// interpreter runs (forward-only work included), under the profile's costs of that
+    /// replica's microbatches (forward-only microbatch k is training microbatch k mod m).
+    ///
+    /// # Errors
+    /// Cost-table or replay errors (a profile whose layers do not match the stages).
+    pub fn predict(&self, setup: &Setup, profile: &Profile) -> Result<Prediction> {
+        let mut worst: f64 = 0.0;
+        let mut bubbles = Vec::new();
+        for (d, r) in self.replicas.iter().enumerate() {
+            let k = r.schedule.num_fo_microbatches as usize;
+            let fo: Vec<Microbatch> = (0..k)
+                .map(|i| r.lengths[i % r.lengths.len()].clone())
+                .collect();
+            let costs = TableCosts::with_options(
+                profile,
+                &setup.stages,
+                &r.schedule.placement,
+                &r.lengths,
+                &fo,
+                &CostOptions {
+                    recompute: &setup.recompute,
+                    first_rank: d * setup.pp as usize,
+                },
+            )?;
+            let sim = flatpipe_simulator::simulate(&r.schedule, &costs)?;
+            worst = worst.max(sim.metrics.makespan_s);
+            if d == 0 {
+                bubbles = sim.metrics.ranks.iter().map(|m| m.bubble_ratio).collect();
+            }
+        }
+        let placement = setup.placement()?;
+        Ok(Prediction {
+            makespan_s: worst
+                + flatpipe_simulator::montecarlo::allreduce_s(
+                    profile,
+                    &setup.stages,
+                    &placement,
+                    setup.dp,
+                ),
+            bubbles,
+        })
+    }
+}
+
 impl Setup {
     /// The stage -> rank placement (the same for every step).
     ///
@@ -229,7 +285,8 @@ impl Setup {
         let replicas = lengths
             .into_iter()
             .zip(data)
-            .map(|(lengths, microbatches)| {
+            .enumerate()
+            .map(|(d, (lengths, microbatches))| {
                 let m = microbatches.len() as u32;
                 let schedule = match (&self.source, &self.profile) {
                     (ScheduleSource::Kind(ScheduleKind::ZbAuto), Some(profile)) => {
@@ -268,14 +325,42 @@ impl Setup {
                     .filter(|(_, k)| *k > 0);
                 let (schedule, fo_microbatches) = match fo {
                     Some((fo, k)) => {
-                        let costs = UniformCosts::new(&UniformCostSpec::default(), self.v);
-                        let s = with_forward_only(
-                            &schedule,
-                            k,
-                            fo.mode,
-                            fo.loss_dependency,
-                            &costs,
-                        )?;
+                        // Fused by the same costs the simulator's prediction uses (the
+                        // profile's for this step's microbatches, as `simulate_replica`), so the
+                        // schedule that runs is the one predicted; uniform costs without a
+                        // profile.
+                        let s = match &self.profile {
+                            Some(profile) => {
+                                let fo_lengths: Vec<Microbatch> = (0..k as usize)
+                                    .map(|i| lengths[i % lengths.len()].clone())
+                                    .collect();
+                                let costs = TableCosts::with_options(
+                                    profile,
+                                    &self.stages,
+                                    &schedule.placement,
+                                    &lengths,
+                                    &fo_lengths,
+                                    &CostOptions {
+                                        recompute: &self.recompute,
+                                        first_rank: d * self.pp as usize,
+                                    },
+                                )?;
+                                with_forward_only(
+                                    &schedule,
+                                    k,
+                                    fo.mode,
+                                    fo.loss_dependency,
+                                    &costs,
+                                )?
+                            }
+                            None => with_forward_only(
+                                &schedule,
+                                k,
+                                fo.mode,
+                                fo.loss_dependency,
+                                &UniformCosts::new(&UniformCostSpec::default(), self.v),
+                            )?,
+                        };
                         let data = (0..k as usize)
                             .map(|k| microbatches[k % microbatches.len()].clone())
                             .collect();

@@ -1,7 +1,8 @@
 //! The schedule `execute` runs is the schedule the simulator predicts for the same step: with a
 //! profile, forward-only work is fused into the bubbles by the profile's costs in both (it used
 //! to be fused with uniform costs in the executor and the profile's in the Monte Carlo, so the
-//! executed and the predicted schedules differed).
+//! executed and the predicted schedules differed), and `execute`'s prediction is the replay of
+//! the schedule that runs, forward-only work included.
 
 mod common;
 
@@ -56,5 +57,21 @@ fn executed_and_predicted_schedules_are_the_same_with_forward_only_work() {
             "{}: the executed schedule differs from the predicted one",
             kind.name()
         );
+        // `execute`'s prediction replays that schedule: the Monte Carlo's step time with the
+        // forward-only work (dp = 1: no all-reduce), more than without it (what `execute`
+        // used to predict, its Combo having no forward-only part).
+        let p = step.predict(&s, &profile).unwrap();
+        let (with_fo, _) = simulate_replica(&profile, 2, &combo, &r.lengths, 0).unwrap();
+        combo.forward_only = None;
+        let (without, _) = simulate_replica(&profile, 2, &combo, &r.lengths, 0).unwrap();
+        assert!(
+            (p.makespan_s - with_fo.step_time_s).abs() <= 1e-9 * with_fo.step_time_s,
+            "{}: predicted {} vs {}",
+            kind.name(),
+            p.makespan_s,
+            with_fo.step_time_s
+        );
+        assert!(p.makespan_s > without.step_time_s, "{}", kind.name());
+        assert_eq!(p.bubbles.len(), 2);
     }
 }

@@ -217,13 +217,6 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             profile: Some(Arc::new(profile.clone())),
             memory_limit_bytes: None,
         };
-        let combo = montecarlo::Combo::new(
-            setup.source.clone(),
-            setup.v,
-            setup.stages.clone(),
-            Policy::FlatFfd,
-            Capacity::Dynamic,
-        );
         // Timing only: on a GPU the weights are drawn on the device.
         let mut exec = AnyExecutor::new(
             backend,
@@ -239,7 +232,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
         for step in 0..steps as u64 {
             let prepared = setup.prepare(step)?;
             let run = exec.train_step(&setup, &prepared)?;
-            let (p, bubbles) = predict_step(&profile, &setup, &combo, &prepared)?;
+            let (p, bubbles) = predict_step(&profile, &setup, &prepared)?;
             pred.push(p);
             meas.push(run.timeline.makespan_ns() as f64 * 1e-9);
             pb.push(bubbles);

@@ -326,31 +326,15 @@ fn cuda_usable() -> std::result::Result<(), String> {
 }
 
 /// The simulator's prediction of a prepared step on `profile`: the slowest replica's makespan
-/// plus the data-parallel all-reduce (seconds), and replica 0's per-rank bubble ratios.
+/// plus the data-parallel all-reduce (seconds), and replica 0's per-rank bubble ratios; the
+/// replay of the schedules that run ([`PreparedStep::predict`]).
 pub(super) fn predict_step(
     profile: &Profile,
     setup: &Setup,
-    combo: &montecarlo::Combo,
     prepared: &PreparedStep,
 ) -> Result<(f64, Vec<f64>)> {
-    let pp = setup.pp;
-    let mut worst: f64 = 0.0;
-    let mut bubbles = Vec::new();
-    for (d, r) in prepared.replicas.iter().enumerate() {
-        let (o, sim) =
-            montecarlo::simulate_replica(profile, pp, combo, &r.lengths, d * pp as usize)?;
-        worst = worst.max(o.step_time_s);
-        if d == 0
-            && let Some((_, sim)) = sim
-        {
-            bubbles = sim.metrics.ranks.iter().map(|m| m.bubble_ratio).collect();
-        }
-    }
-    let placement = setup.placement()?;
-    Ok((
-        worst + montecarlo::allreduce_s(profile, &setup.stages, &placement, setup.dp),
-        bubbles,
-    ))
+    let p = prepared.predict(setup, profile)?;
+    Ok((p.makespan_s, p.bubbles))
 }
 
 /// Measured bubble ratio of every rank: `1 - busy / makespan`.
@@ -662,14 +646,6 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         None
     };
     let predict = measured_on(&profile, backend);
-    let combo = {
-        let mut c =
-            montecarlo::Combo::new(source.clone(), v, stages.clone(), policy, Capacity::Dynamic);
-        c.dp = dp;
-        c.recompute = recompute.clone();
-        c.memory_limit_bytes = zb_limit;
-        c
-    };
     let bar = Progress::new(a.steps as u64);
     let mut rows = Vec::with_capacity(a.steps as usize);
     let mut last = None;
@@ -736,7 +712,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         let n = run.timeline.num_ranks();
         let busy: f64 = (0..n).map(|r| run.timeline.busy_ns(r) as f64 * 1e-9).sum();
         let predicted = if predict {
-            Some(predict_step(&profile, &setup, &combo, &prepared)?.0)
+            Some(predict_step(&profile, &setup, &prepared)?.0)
         } else {
             None
         };
