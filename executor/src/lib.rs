@@ -40,5 +40,4 @@ pub mod worker;
 
 pub use data::{LossReduction, MicrobatchData};
 pub use error::{Error, Result};
-pub use flatpipe_planner;
 pub use worker::{AdamW, StageWorker};
