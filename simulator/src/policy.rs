@@ -90,10 +90,15 @@ pub struct PolicyParams {
     pub max_seq_len: Option<u32>,
 }
 
+/// The default token budget of a flat microbatch, tokens: 16,384, decided here once for
+/// `simulate`, `execute` and [`PolicyParams::default`] (the planner searches 4,096 to 131,072
+/// around it).
+pub const DEFAULT_TOKEN_BUDGET: u64 = 16_384;
+
 impl Default for PolicyParams {
     fn default() -> Self {
         PolicyParams {
-            token_budget: 16_384,
+            token_budget: DEFAULT_TOKEN_BUDGET,
             microbatches: None,
             pack_len: 4096,
             max_seq_len: None,

@@ -482,7 +482,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         Some(pl) => {
             let v = pl.schedule.stages_per_rank(pl.vpp)?;
             let (microbatches, token_budget) = match pl.microbatching()? {
-                Microbatching::Microbatches(m) => (Some(m), 16_384),
+                Microbatching::Microbatches(m) => (Some(m), sim::policy::DEFAULT_TOKEN_BUDGET),
                 Microbatching::TokenBudget(t) => (None, t),
             };
             let policy: Policy = match &pl.policy {
@@ -550,7 +550,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                 Vec::new(),
                 Policy::FlatBalanced,
                 PolicyParams {
-                    token_budget: a.token_budget.unwrap_or(16_384),
+                    token_budget: a.token_budget.unwrap_or(sim::policy::DEFAULT_TOKEN_BUDGET),
                     microbatches,
                     ..PolicyParams::default()
                 },

@@ -484,10 +484,13 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     }
     let (microbatches, token_budget) = match &plan {
         Some(pl) => match pl.microbatching()? {
-            Microbatching::Microbatches(m) => (Some(m), 16_384),
+            Microbatching::Microbatches(m) => (Some(m), sim::policy::DEFAULT_TOKEN_BUDGET),
             Microbatching::TokenBudget(t) => (None, t),
         },
-        None => (a.microbatches.or(csv_m), a.token_budget.unwrap_or(16_384)),
+        None => (
+            a.microbatches.or(csv_m),
+            a.token_budget.unwrap_or(sim::policy::DEFAULT_TOKEN_BUDGET),
+        ),
     };
     let params = PolicyParams {
         token_budget,
