@@ -1905,3 +1905,42 @@ fn absurd_sequence_lengths_are_refused() {
         assert!(err.contains(field) && err.contains("16777216"), "{err}");
     }
 }
+
+/// A bad chart format is found before the work: nothing is written (plan used to write the plan
+/// and its exports, then fail on the chart's extension).
+#[test]
+fn a_bad_chart_format_fails_before_any_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "-o",
+            "p.yaml",
+            "--export",
+            "torchtitan",
+            "--gantt",
+            "g.jpg",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("jpg"), "{}", stderr(&o));
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--gantt",
+            "g.png",
+            "--memory",
+            "m.csv",
+            "--histogram",
+            "noext",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none());
+    let o = flatpipe(dir.path(), &["plan", "--vpp", "0"]);
+    assert_eq!(o.status.code(), Some(2));
+}

@@ -73,6 +73,28 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
             None => std::io::Error::new(cause.kind(), cause.kind().to_string()),
         },
     };
+    // A symbolic link is written through (its target replaced atomically, the link kept);
+    // a path that exists and is not a regular file (a device such as /dev/stdout or /dev/full,
+    // a pipe) is written in place, so that its errors (no space left) are reported and the
+    // device is never replaced by a file.
+    let resolved;
+    let path = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            resolved = std::fs::canonicalize(path).map_err(io)?;
+            resolved.as_path()
+        }
+        _ => path,
+    };
+    if let Ok(m) = std::fs::metadata(path)
+        && !m.is_file()
+        && !m.is_dir()
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(io)?;
+        return f.write_all(bytes).and_then(|()| f.flush()).map_err(io);
+    }
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -100,4 +122,49 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(io)?;
     tmp.persist(path).map_err(|e| io(e.error))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A symbolic link is written through: the link stays, its target gets the bytes (the link
+    /// used to be replaced by a plain file and the target left stale).
+    #[cfg(unix)]
+    #[test]
+    fn writes_through_symbolic_links() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("real")).unwrap();
+        let target = dir.path().join("real/target.csv");
+        std::fs::write(&target, "old").unwrap();
+        let link = dir.path().join("link.csv");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        write_atomic(&link, b"new").unwrap();
+        assert!(
+            std::fs::symlink_metadata(&link)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "new");
+    }
+
+    /// A device is written in place and its errors reported: /dev/full says no space left (it
+    /// used to be replaced by a regular file, silently, when run as root).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn devices_are_written_in_place_and_their_errors_reported() {
+        let full = Path::new("/dev/full");
+        let Ok(m) = std::fs::metadata(full) else {
+            eprintln!("skipped: no /dev/full here");
+            return;
+        };
+        if m.is_file() {
+            eprintln!("skipped: /dev/full is a regular file on this machine");
+            return;
+        }
+        let err = write_atomic(full, b"x").unwrap_err().to_string();
+        assert!(err.contains("/dev/full") && err.contains("space"), "{err}");
+        assert!(!std::fs::metadata(full).unwrap().is_file());
+    }
 }

@@ -256,6 +256,26 @@ fn draw<DB: DrawingBackend>(
     Ok(())
 }
 
+/// Checks that `path` names a chart format (`.svg` or `.png`), before any work is done.
+///
+/// # Errors
+/// [`Error::Plot`] naming the path and the formats.
+pub fn check_chart_path(path: &Path) -> Result<()> {
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase)
+        .unwrap_or_default();
+    if ext == "svg" || ext == "png" {
+        Ok(())
+    } else {
+        Err(Error::Plot {
+            path: path.display().to_string(),
+            message: format!("unknown chart format `{ext}`: use a .svg or .png file name"),
+        })
+    }
+}
+
 /// Something drawable on any plotters backend.
 pub(crate) trait Chart {
     /// Size in pixels.
@@ -338,8 +358,9 @@ pub(crate) fn render(path: &Path, chart: &impl Chart) -> Result<()> {
                 let root = BitMapBackend::new(tmp.path(), size).into_drawing_area();
                 chart.draw(&root).map_err(plot_err)?;
             }
-            tmp.persist(path)
-                .map_err(|e| plot_err(e.error.to_string()))?;
+            // Through `write_atomic`, which writes symbolic links' targets and devices in place.
+            let bytes = std::fs::read(tmp.path()).map_err(|e| plot_err(e.to_string()))?;
+            flatpipe_profiles::write_atomic(path, &bytes)?;
         }
         other => {
             return Err(plot_err(format!(

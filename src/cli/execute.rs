@@ -374,7 +374,7 @@ fn check_host_memory(
         && need > have
     {
         bail!(
-            "{} on the CPU backend needs at least {}: {} of fp32 weights, gradients and AdamW state ({} parameters x 16 bytes{}) and {} of activations (one microbatch of {microbatch_tokens} tokens in every layer); this machine has {} available. Execute a smaller model (e.g. --model tiny or small), or simulate this one",
+            "{} on the CPU backend needs at least {}: {} of fp32 weights, gradients and AdamW state ({} parameters x 16 bytes{}) and {} of activations (one microbatch of {microbatch_tokens} tokens in every layer); this machine has {} available. {}",
             model.name,
             fmt_bytes(need),
             fmt_bytes(floor.state * copies),
@@ -385,7 +385,12 @@ fn check_host_memory(
                 ""
             },
             fmt_bytes(floor.activations),
-            fmt_bytes(have)
+            fmt_bytes(have),
+            if floor.state * copies > have {
+                "Execute a smaller model (--model tiny), or simulate this one"
+            } else {
+                "Use fewer tokens per microbatch (--token-budget or more --microbatches) or fewer sequences per step"
+            }
         );
     }
     Ok(())
@@ -462,6 +467,9 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     let fo = a.fo.spec()?;
     for p in [&a.gantt, &a.trace].into_iter().flatten() {
         profiles::check_writable(p)?;
+    }
+    if let Some(c) = &a.gantt {
+        sim::gantt::check_chart_path(c)?;
     }
     let reduction = match a.loss_reduction.as_str() {
         "per-sequence" => LossReduction::PerSequence,

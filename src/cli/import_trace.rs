@@ -67,6 +67,12 @@ struct TraceReport {
 }
 
 pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
+    // `--gantt none`: no chart, as in simulate and plan.
+    let chart = a.gantt.as_ref().filter(|p| p.as_os_str() != "none");
+    if let Some(c) = chart {
+        super::check_outputs([c])?;
+        sim::gantt::check_chart_path(c)?;
+    }
     let mut files = Vec::with_capacity(a.traces.len());
     for p in &a.traces {
         files.push((p.display().to_string(), profiles::read_to_string(p)?));
@@ -161,7 +167,7 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
         per_rank,
     };
     let mut notes = Vec::new();
-    if let Some(path) = &a.gantt {
+    if let Some(path) = chart {
         let title = format!(
             "imported trace: {} ranks, {} stages, m={}",
             report.ranks, report.stages, report.microbatches

@@ -26,7 +26,7 @@ pub(super) struct PlanArgs {
     #[arg(long, value_delimiter = ',')]
     pp: Vec<u32>,
     /// Stages per rank to try for interleaved schedules (default 2,4).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
     vpp: Vec<u32>,
     /// Schedules to try (default: every handcrafted schedule).
     #[arg(long, value_delimiter = ',')]
@@ -133,11 +133,11 @@ pub(super) struct PlanRow {
 pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     use planner::search::{RankBy, SearchConfig, SearchSpace};
     // A bad output path is found before the search, not after it.
-    super::check_outputs(
-        super::chart_path(&a.gantt, "flatpipe-plan.png")
-            .iter()
-            .chain(&a.output),
-    )?;
+    let chart = super::chart_path(&a.gantt, "flatpipe-plan.png");
+    super::check_outputs(chart.iter().chain(&a.output))?;
+    if let Some(c) = &chart {
+        sim::gantt::check_chart_path(c)?;
+    }
     let profile = resolve_profile(
         a.inputs.profile.as_deref(),
         a.inputs.model.as_deref(),

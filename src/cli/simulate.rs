@@ -52,7 +52,7 @@ pub(super) struct SimulateArgs {
     #[arg(long)]
     pack_len: Option<u32>,
     /// Cap on the padded policy's sequence length S (longer sequences are truncated).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     max_seq_len: Option<u32>,
     /// Keep each sampled sequence with this probability (an RL filter), so the sequence count
     /// per step varies.
@@ -166,6 +166,9 @@ pub(super) fn simulate(a: SimulateArgs) -> Result<ExitCode> {
             .chain(&a.memory)
             .chain(&a.histogram),
     )?;
+    for c in gantt.iter().chain(&a.histogram) {
+        sim::gantt::check_chart_path(c)?;
+    }
     let schedules = match &a.schedule_csv {
         Some(path) => {
             let text = profiles::read_to_string(path)?;
