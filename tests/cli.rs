@@ -1710,7 +1710,12 @@ fn execute_refuses_a_model_the_host_cannot_hold() {
     );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let err = stderr(&o);
-    let state_gib = 70_553_706_496f64 * 16.0 / (1u64 << 30) as f64;
+    // Llama-3.1-70B's parameters from its architecture (Meta's config: 80 layers, hidden 8192,
+    // FFN 28672, 64 query and 8 KV heads of 128, vocabulary 128256, untied embedding and head).
+    let (h, ffn, kv, vocab) = (8192f64, 28672f64, 1024f64, 128256f64);
+    let per_layer = h * (h + 2.0 * kv) + h * h + 3.0 * h * ffn + 2.0 * h;
+    let params = 2.0 * vocab * h + h + 80.0 * per_layer;
+    let state_gib = params * 16.0 / (1u64 << 30) as f64;
     assert!(
         err.contains(&format!("{state_gib:.2} GiB of fp32 weights")),
         "{err}"

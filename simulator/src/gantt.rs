@@ -50,6 +50,18 @@ fn chunk_color(kind: ActionKind, chunk: usize) -> RGBColor {
     RGBColor(d(r), d(g), d(b))
 }
 
+/// The stage ids a rank's ops run, ascending: its chunks, first to last.
+fn rank_stages(ops: &[crate::timeline::TimedOp]) -> Vec<u32> {
+    let mut stages: Vec<u32> = ops
+        .iter()
+        .flat_map(|o| o.action.parts())
+        .map(|a| a.stage.0)
+        .collect();
+    stages.sort_unstable();
+    stages.dedup();
+    stages
+}
+
 fn time_unit(makespan_s: f64) -> (f64, &'static str) {
     if makespan_s >= 1.0 {
         (1.0, "s")
@@ -110,13 +122,7 @@ fn draw<DB: DrawingBackend>(
     let mut labels = Vec::new();
     for (r, ops) in t.compute.iter().enumerate() {
         let (y0, y1) = (row(r) + pad, row(r) + 1.0 - pad);
-        let mut stages: Vec<u32> = ops
-            .iter()
-            .flat_map(|o| o.action.parts())
-            .map(|a| a.stage.0)
-            .collect();
-        stages.sort_unstable();
-        stages.dedup();
+        let stages = rank_stages(ops);
         let chunk = |s: u32| stages.binary_search(&s).unwrap_or(0);
         for op in ops {
             let x0 = op.start_ns as f64 * 1e-9 * scale;
@@ -214,16 +220,7 @@ fn draw<DB: DrawingBackend>(
     let max_chunks = t
         .compute
         .iter()
-        .map(|ops| {
-            let mut s: Vec<u32> = ops
-                .iter()
-                .flat_map(|o| o.action.parts())
-                .map(|a| a.stage.0)
-                .collect();
-            s.sort_unstable();
-            s.dedup();
-            s.len()
-        })
+        .map(|ops| rank_stages(ops).len())
         .max()
         .unwrap_or(1);
     if max_chunks > 1 {

@@ -721,15 +721,17 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             ));
         }
     }
+    // Where the per-rank memory limit comes from, for the notes.
+    let limit_source = if a.memory_limit.is_some() {
+        "--memory-limit".to_string()
+    } else {
+        format!("{}'s memory less its reserve", profile.hardware.name)
+    };
     if let Some(why) = dropped {
         notes.push(format!(
             "zb-auto not built for every sampled step, so not compared: {why}; the per-rank memory is {} ({})",
             fmt_bytes(limit),
-            if a.memory_limit.is_some() {
-                "--memory-limit".to_string()
-            } else {
-                format!("{}'s memory less its reserve", profile.hardware.name)
-            }
+            limit_source
         ));
     }
     if let Some(path) = &a.histogram {
@@ -776,12 +778,9 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             "does not fit {} per rank ({}): {} (zb-auto is built under the limit; the others are shown as they are)",
             fmt_bytes(limit),
             if a.memory_limit.is_some() {
-                "--memory-limit".to_string()
+                limit_source.clone()
             } else {
-                format!(
-                    "{}'s memory less its reserve; --memory-limit to change",
-                    profile.hardware.name
-                )
+                format!("{limit_source}; --memory-limit to change")
             },
             over.join(", ")
         ));
