@@ -1507,6 +1507,10 @@ fn a_schedule_that_cannot_be_built_does_not_abort_the_comparison() {
         out.contains("zb-auto not built") && out.contains("memory less its reserve"),
         "{out}"
     );
+    // The flag the user never typed is not named as the culprit, and the note on the rows
+    // over the limit does not claim that the missing zb-auto was built under it.
+    assert!(!out.contains("--memory-limit ="), "{out}");
+    assert!(!out.contains("zb-auto is built under the limit"), "{out}");
     for kind in ["1f1b", "gpipe", "zb-h1", "zb-v", "dualpipev"] {
         let row = out
             .lines()
@@ -1558,6 +1562,52 @@ fn schedules_too_large_for_memory_are_refused_up_front() {
         assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
         assert!(
             err.contains("too large") && err.contains("16000000000 (stage, microbatch) pairs"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+/// A Monte Carlo or plan search too large for memory is refused before it samples anything,
+/// with an estimate no smaller than a closed-form floor: 4e9 steps of 9 schedules on 4 ranks
+/// keep at least 4e9 x 9 x 4 x 8 bytes of per-rank memory figures (1,073 GiB); the planner
+/// keeps 4e9 sampled steps of 128 four-byte lengths (1,907 GiB); one step of 4e9 sequences
+/// holds at least its 4e9 four-byte lengths (14.9 GiB). Each ran until killed before.
+#[test]
+fn monte_carlo_runs_too_large_for_memory_are_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, floor_gib) in [
+        (
+            &["simulate", "--steps", "4000000000", "--gantt", "none"][..],
+            4e9 * 9.0 * 4.0 * 8.0 / 2f64.powi(30),
+        ),
+        (
+            &["plan", "--steps", "4000000000", "--gantt", "none"][..],
+            4e9 * 128.0 * 4.0 / 2f64.powi(30),
+        ),
+        (
+            &[
+                "simulate",
+                "--seqs-per-step",
+                "4000000000",
+                "--steps",
+                "1",
+                "--gantt",
+                "none",
+            ][..],
+            4e9 * 4.0 / 2f64.powi(30),
+        ),
+    ] {
+        let o = flatpipe(dir.path(), args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        let gib: f64 = err
+            .split("estimated to hold ")
+            .nth(1)
+            .and_then(|t| t.split(" GiB").next())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("{args:?}: {err}"));
+        assert!(
+            err.contains("too large") && gib >= floor_gib,
             "{args:?}: {err}"
         );
     }
@@ -1661,7 +1711,10 @@ fn plan_counts_pp_1_once() {
     assert_eq!(plans.len(), 1, "{doc}");
     assert_eq!(plans[0]["pp"], 1);
     let table = flatpipe(dir.path(), &args);
-    assert!(String::from_utf8_lossy(&table.stdout).contains("no pipeline"));
+    let out = String::from_utf8_lossy(&table.stdout);
+    assert!(out.contains("no pipeline"), "{out}");
+    // The chosen line says the same as its row (it said "chosen: 1f1b").
+    assert!(out.contains("chosen: no pipeline dp=2 pp=1"), "{out}");
 }
 
 /// A data-parallel degree larger than a step's sequence count drops only those candidates,
@@ -1843,7 +1896,10 @@ fn a_zb_auto_step_that_cannot_be_built_does_not_abort_the_comparison() {
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("zb-auto not built"), "{out}");
-    assert!(out.contains("activation memory per rank"), "{out}");
+    assert!(
+        out.contains("GiB of activations") && out.contains("one microbatch's activations"),
+        "{out}"
+    );
     assert!(out.contains("1f1b"), "{out}");
 }
 
@@ -1948,4 +2004,67 @@ fn a_bad_chart_format_fails_before_any_output() {
     assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none());
     let o = flatpipe(dir.path(), &["plan", "--vpp", "0"]);
     assert_eq!(o.status.code(), Some(2));
+}
+
+/// The README's first two outputs are what `plan` and `simulate` print on the embedded
+/// defaults, line for line (the chart lines aside): plain columns a user can copy, no box
+/// borders (the commands drew them, the README did not).
+#[test]
+fn the_readme_shows_what_plan_and_simulate_print() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    let mut blocks = readme.split("```text\n").skip(1).map(|b| {
+        b.split("\n```")
+            .next()
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.starts_with("Gantt chart"))
+            .map(|l| l.trim_end().to_string())
+            .collect::<Vec<_>>()
+    });
+    let dir = tempfile::tempdir().unwrap();
+    for cmd in ["plan", "simulate"] {
+        let want = blocks.next().expect("a text block per command");
+        let o = flatpipe(dir.path(), &[cmd, "--gantt", "none"]);
+        assert!(o.status.success(), "{cmd}: {}", stderr(&o));
+        let got: Vec<String> = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| l.trim_end().to_string())
+            .collect();
+        assert_eq!(got, want, "{cmd}");
+    }
+}
+
+/// `execute --gantt none` means no chart, as in the other commands (it was taken for a file
+/// name without an extension and refused); a step too small for the default microbatch count
+/// says that the count is the default p·v and what to give instead (it named a
+/// `--microbatches = 2` the user never typed).
+#[test]
+fn execute_takes_gantt_none_and_explains_its_default_microbatches() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = [
+        "execute",
+        "--model",
+        "tiny",
+        "--hardware",
+        "cpu",
+        "--workload",
+        "tiny-chat",
+        "--steps",
+        "1",
+        "--gantt",
+        "none",
+    ];
+    let o = flatpipe(dir.path(), &base);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!dir.path().join("none").exists());
+    let mut args = base.to_vec();
+    args.extend(["--tokens-per-step", "1"]);
+    let o = flatpipe(dir.path(), &args);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(
+        err.contains("default of pp x vpp = 2 microbatches") && err.contains("--token-budget"),
+        "{err}"
+    );
 }

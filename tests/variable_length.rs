@@ -231,3 +231,40 @@ fn monte_carlo_is_deterministic() {
     };
     assert_eq!(run(1).outcomes, run(2).outcomes);
 }
+
+/// A sequence longer than the token budget is counted once per step, however many flat
+/// policies and data-parallel degrees the comparison holds (it was counted once per policy and
+/// per dp degree: a comparison of two flat policies over dp 1 and 2 reported it four times).
+#[test]
+fn oversize_sequences_counted_once_per_step() {
+    let prof = profile();
+    let w = builtins::workload("sharegpt-v3-merged").unwrap();
+    let budget = 2048;
+    let steps = 5;
+    let size = StepSize::Seqs(64);
+    let mut c = combos(
+        2,
+        &[Policy::FlatFfd, Policy::FlatBalanced],
+        &[Capacity::Dynamic],
+        ScheduleKind::OneFOneB,
+    );
+    for mut extra in c.clone() {
+        extra.dp = 2;
+        c.push(extra);
+    }
+    let params = PolicyParams {
+        token_budget: budget,
+        ..PolicyParams::default()
+    };
+    let mc = montecarlo::run(&prof, &w, 7, size, steps, 2, &params, &c, &|| {}).unwrap();
+    let want: usize = (0..steps)
+        .map(|i| {
+            w.sample_step(7, i as u64, size)
+                .iter()
+                .filter(|&&l| l as u64 > budget)
+                .count()
+        })
+        .sum();
+    assert!(want > 0, "the sample has no sequence over {budget} tokens");
+    assert_eq!(mc.oversize_sequences, want);
+}

@@ -134,8 +134,22 @@ impl Candidate {
     pub fn describe(&self) -> String {
         format!(
             "{} dp={} pp={} v={} budget={}",
-            self.schedule, self.dp, self.pp, self.vpp, self.token_budget
+            self.schedule_name(),
+            self.dp,
+            self.pp,
+            self.vpp,
+            self.token_budget
         )
+    }
+
+    /// The schedule's name, or `no pipeline` for pp = 1 (one rank runs F then B of each
+    /// microbatch in turn, whatever the schedule kind says).
+    pub fn schedule_name(&self) -> String {
+        if self.pp == 1 {
+            "no pipeline".into()
+        } else {
+            self.schedule.to_string()
+        }
     }
 }
 

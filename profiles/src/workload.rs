@@ -84,6 +84,16 @@ pub enum StepSize {
     Tokens(u64),
 }
 
+impl std::fmt::Display for StepSize {
+    /// `128 sequences per step` or `65536 tokens per step`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StepSize::Seqs(n) => write!(f, "{n} sequences per step"),
+            StepSize::Tokens(t) => write!(f, "{t} tokens per step"),
+        }
+    }
+}
+
 /// A workload file (YAML): a length distribution, a default step size and a default seed.
 ///
 /// ```yaml
@@ -140,7 +150,7 @@ pub(crate) fn parse_tokens_csv(text: &str, origin: &str) -> Result<Vec<u32>> {
         let cell = rec.get(col).unwrap_or("").trim();
         let v: u32 = cell.parse().map_err(|_| Error::Csv {
             path: origin.into(),
-            message: format!("row {row}, column tokens: `{cell}` is not a whole number of tokens in 1..=4294967295"),
+            message: format!("row {row}, column tokens: `{cell}` is not a whole number of tokens in 1..={MAX_SEQ_LEN}"),
         })?;
         if v == 0 || v > MAX_SEQ_LEN {
             return Err(Error::Csv {
@@ -225,7 +235,22 @@ impl Workload {
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
         Workload::from_yaml(&text, &origin, |csv| {
             let p = dir.join(csv);
-            Ok((yaml::read_to_string(&p)?, p.display().to_string()))
+            match yaml::read_to_string(&p) {
+                Ok(text) => Ok((text, p.display().to_string())),
+                // A file that is not there: the workload's field that names it is the mistake.
+                Err(Error::Io { cause, .. }) if cause.kind() == std::io::ErrorKind::NotFound => {
+                    Err(Error::invalid(
+                        &origin,
+                        "lengths.csv",
+                        csv,
+                        format!(
+                            "a CSV file with a `tokens` column, relative to the workload file ({} does not exist)",
+                            p.display()
+                        ),
+                    ))
+                }
+                Err(e) => Err(e),
+            }
         })
     }
 
@@ -409,6 +434,38 @@ impl Workload {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_csv_names_the_workload_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.yaml");
+        std::fs::write(
+            &path,
+            "name: w\nlengths: {kind: empirical, csv: nowhere.csv}\n",
+        )
+        .unwrap();
+        let e = Workload::from_file(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("w.yaml") && e.contains("lengths.csv") && e.contains("nowhere.csv"),
+            "{e}"
+        );
+    }
+
+    /// Both ways a cell can be out of range state the same range.
+    #[test]
+    fn csv_token_range_is_stated_once() {
+        let big = parse_tokens_csv("tokens\n99999999999\n", "w.csv")
+            .unwrap_err()
+            .to_string();
+        let over = parse_tokens_csv(&format!("tokens\n{}\n", MAX_SEQ_LEN + 1), "w.csv")
+            .unwrap_err()
+            .to_string();
+        let range = format!("1..={MAX_SEQ_LEN}");
+        assert!(
+            big.contains(&range) && over.contains(&range),
+            "{big}\n{over}"
+        );
+    }
 
     #[test]
     fn csv_errors_name_row_and_column() {

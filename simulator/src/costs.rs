@@ -107,6 +107,7 @@ impl FromStr for UniformCostSpec {
     /// f = b = w = 1, comm = 0).
     fn from_str(s: &str) -> Result<Self> {
         let mut spec = UniformCostSpec::default();
+        let mut seen: Vec<&str> = Vec::new();
         for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
             let (k, v) = item.split_once('=').ok_or_else(|| {
                 Error::invalid(
@@ -126,7 +127,16 @@ impl FromStr for UniformCostSpec {
                     "a finite number of seconds >= 0",
                 ));
             }
-            match k.trim() {
+            let key = k.trim();
+            if seen.contains(&key) {
+                return Err(Error::invalid(
+                    "--costs",
+                    s,
+                    format!("each key at most once ({key} is given twice)"),
+                ));
+            }
+            seen.push(key);
+            match key {
                 "f" => spec.f = x,
                 "b" => spec.b = x,
                 "w" => spec.w = x,
@@ -519,5 +529,11 @@ mod tests {
         assert!(e.contains(">= 0") && e.contains("--costs f"), "{e}");
         assert!("x=1".parse::<UniformCostSpec>().is_err());
         assert!("f".parse::<UniformCostSpec>().is_err());
+        // A repeated key was silently the last one given.
+        let e = "f=1,b=2,f=3"
+            .parse::<UniformCostSpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("f is given twice"), "{e}");
     }
 }

@@ -21,6 +21,18 @@ pub enum Error {
         allowed: String,
     },
 
+    /// A schedule cannot be built within the per-rank memory limit (zb-auto, which is built
+    /// under it). The caller says where the limit came from.
+    #[error("{schedule} cannot be built within the per-rank memory limit of {limit}: {reason}")]
+    MemoryLimit {
+        /// The schedule.
+        schedule: String,
+        /// The limit, with its unit (e.g. `136.40 GiB`).
+        limit: String,
+        /// What needs more, with the numbers.
+        reason: String,
+    },
+
     // ---- schedules ----
     /// An action string such as `0F1` does not parse.
     #[error(

@@ -297,7 +297,7 @@ pub fn one_f_one_b(p: u32, m: u32) -> Schedule {
 /// `min(p - r - 1, m)`), then one forward and one backward alternately, then the remaining
 /// backwards. Some `(p, v, m)` deadlock with the default `g` when the last group is short (e.g.
 /// `p = 5, v = 2, m = 7`); then, and when `g` is not given, the smallest deadlock-free `g <= m`
-/// is used (and logged). Returns the schedule and the group size used.
+/// is used (and logged at `-v`). Returns the schedule and the group size used.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for a zero argument or a given `g` outside `1..=m`;
@@ -330,7 +330,7 @@ pub fn interleaved_1f1b(p: u32, v: u32, m: u32, g: Option<u32>) -> Result<(Sched
     for g in 1..=m {
         let s = interleaved_with_group(p, v, m, g);
         if crate::replay::is_deadlock_free(&s) {
-            tracing::debug!(
+            tracing::info!(
                 "interleaved-1f1b with p = {p}, v = {v}, m = {m} deadlocks with the default microbatch group size {default} \
                  (the last group is short); using the smallest deadlock-free group size {g}"
             );

@@ -158,7 +158,7 @@ impl Combo {
 /// [`default_memory_limit`]) minus the largest rank's parameters, gradients and optimizer state.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] naming `--memory-limit` when that leaves nothing for activations.
+/// [`Error::MemoryLimit`] when the limit leaves nothing for activations.
 pub fn zb_auto_activation_limit(
     profile: &Profile,
     memory_limit_bytes: Option<f64>,
@@ -171,14 +171,14 @@ pub fn zb_auto_activation_limit(
     let total = memory_limit_bytes.unwrap_or_else(|| default_memory_limit(profile));
     if total <= static_max {
         let gib = |b: f64| b / (1u64 << 30) as f64;
-        return Err(Error::invalid(
-            "--memory-limit",
-            format!("{:.2} GiB", gib(total)),
-            format!(
-                "more than a rank's parameters, gradients and optimizer state ({:.2} GiB), which leave zb-auto no room for activations",
+        return Err(Error::MemoryLimit {
+            schedule: "zb-auto".into(),
+            limit: format!("{:.2} GiB", gib(total)),
+            reason: format!(
+                "a rank's parameters, gradients and optimizer state alone need {:.2} GiB, which leaves no room for activations",
                 gib(static_max)
             ),
-        ));
+        });
     }
     Ok(total - static_max)
 }
@@ -684,6 +684,79 @@ pub fn summarize(outcomes: &[StepOutcome], p: u32, peak_flops: f64) -> Summary {
     }
 }
 
+/// Memory one (stage, microbatch) pair of one schedule costs a simulation: its F / I / W
+/// actions, their transfers, the replay's state, the metrics and the Gantt chart's boxes,
+/// bytes. Measured with `/usr/bin/time -f %M` on `flatpipe simulate --costs f=1,b=2 --schedule
+/// 1f1b --pp 64 --microbatches 4096` (273.5 MB peak resident for 262,144 pairs: ~1,070 bytes
+/// each) and rounded up.
+pub const BYTES_PER_STAGE_MICROBATCH: f64 = 1_200.0;
+
+/// Sequences drawn (from the step id `u64::MAX`, which no run samples) to estimate a
+/// workload's mean and longest length for [`estimated_memory_bytes`].
+const ESTIMATE_DRAWS: u32 = 4096;
+
+/// A step's expected size under `size`, from [`ESTIMATE_DRAWS`] draws of `workload`:
+/// (sequences, mean length in tokens, longest length drawn in tokens).
+pub fn estimated_step(workload: &Workload, seed: u64, size: StepSize) -> (f64, f64, f64) {
+    let draws = workload.sample_step(seed, u64::MAX, StepSize::Seqs(ESTIMATE_DRAWS));
+    let mean = draws.iter().map(|&l| f64::from(l)).sum::<f64>() / draws.len().max(1) as f64;
+    let longest = f64::from(draws.iter().copied().max().unwrap_or(1));
+    let seqs = match size {
+        StepSize::Seqs(n) => f64::from(n),
+        StepSize::Tokens(t) => t as f64 / mean.max(1.0) + 1.0,
+    };
+    (seqs, mean, longest)
+}
+
+/// Memory [`run`] is expected to hold, bytes, so that a request too large for the machine is
+/// refused before anything is allocated:
+///
+/// - the outcomes it keeps, twice (the per-step rows and the per-combo columns exist together
+///   for a moment): `steps x combos` [`StepOutcome`]s with one `f64` per rank;
+/// - step 0's schedule and simulation of every combo (kept for the charts);
+/// - on each of rayon's worker threads, one step in flight: its sequence lengths (once, and once per
+///   (policy, dp) cut) and the largest combo's schedule.
+///
+/// A schedule costs [`BYTES_PER_STAGE_MICROBATCH`] per (stage, microbatch) pair. A step's size
+/// and microbatch count are estimated from [`ESTIMATE_DRAWS`] draws of the workload: its
+/// sequences (given, or the token target over the mean length), its tokens over the token
+/// budget (flat and packed policies), its sequences over the rows of the longest draw that fit
+/// the budget (padded), or the given microbatch count.
+///
+/// An upper bound, not a prediction: against the peak resident set of `flatpipe simulate
+/// --gantt none` (default llama3.1-8b on 4 H200, 9 schedules) it was 1.0x (20,000 steps: 0.13
+/// GiB vs 0.13 GiB), 3.5x (one step of 200,000 sequences: 1.31 vs 0.37 GiB) and 2.8x (4 padded
+/// steps of 20,000 sequences: 1.52 vs 0.54 GiB).
+#[allow(clippy::too_many_arguments)]
+pub fn estimated_memory_bytes(
+    workload: &Workload,
+    seed: u64,
+    size: StepSize,
+    steps: u32,
+    p: u32,
+    params: &PolicyParams,
+    combos: &[Combo],
+) -> f64 {
+    let (seqs, mean, longest) = estimated_step(workload, seed, size);
+    let budget = params.token_budget.max(1) as f64;
+    let microbatches = |policy: Policy| match params.microbatches {
+        Some(m) => f64::from(m),
+        None if policy == Policy::Padded => (seqs / (budget / longest).floor().max(1.0)).ceil(),
+        None => (seqs * mean / budget).ceil() + 1.0,
+    };
+    let pairs = |c: &Combo| f64::from(p) * f64::from(c.v.max(1)) * microbatches(c.policy);
+    let outcome = (std::mem::size_of::<(StepOutcome, Option<(Schedule, Simulation)>)>()
+        + 8 * p as usize) as f64;
+    let kept = 2.0 * f64::from(steps) * combos.len() as f64 * outcome;
+    let first: f64 = combos.iter().map(pairs).sum::<f64>() * BYTES_PER_STAGE_MICROBATCH;
+    let mut cuts: Vec<(u32, Policy)> = combos.iter().map(|c| (c.dp.max(1), c.policy)).collect();
+    cuts.sort();
+    cuts.dedup();
+    let in_flight = seqs * 4.0 * (1.0 + cuts.len() as f64)
+        + combos.iter().map(pairs).fold(0.0, f64::max) * BYTES_PER_STAGE_MICROBATCH;
+    kept + first + rayon::current_num_threads().max(1) as f64 * in_flight
+}
+
 /// What a Monte Carlo run produced.
 #[derive(Debug, Clone)]
 pub struct MonteCarlo {
@@ -691,7 +764,8 @@ pub struct MonteCarlo {
     pub outcomes: Vec<Vec<StepOutcome>>,
     /// For each combo, step 0's schedule and simulation when it ran as one round.
     pub first: Vec<Option<(Schedule, Simulation)>>,
-    /// Sequences longer than the token budget, over all steps and policies.
+    /// Sequences longer than the token budget, over all steps (each counted once, whatever the
+    /// number of flat policies and data-parallel degrees compared).
     pub oversize_sequences: usize,
     /// Tokens cut by the padded policy's `max_seq_len`, over all steps.
     pub truncated_tokens: u64,
@@ -747,16 +821,18 @@ pub fn run(
                     batched.push(((dp, pol), b));
                 }
             }
+            // Every (dp, policy) pair sees the same sequences: count them once, as the most
+            // any one pair flagged (the replicas of one pair partition the step).
             let oversize = batched
                 .iter()
-                .flat_map(|(_, b)| b)
-                .map(|b| b.oversize.len())
-                .sum();
+                .map(|(_, b)| b.iter().map(|r| r.oversize.len()).sum::<usize>())
+                .max()
+                .unwrap_or(0);
             let truncated = batched
                 .iter()
-                .flat_map(|(_, b)| b)
-                .map(|b| b.truncated_tokens)
-                .sum();
+                .map(|(_, b)| b.iter().map(|r| r.truncated_tokens).sum::<u64>())
+                .max()
+                .unwrap_or(0);
             let mut row = Vec::with_capacity(combos.len());
             for c in combos {
                 let dp = c.dp.max(1);

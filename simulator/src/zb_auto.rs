@@ -261,8 +261,8 @@ fn greedy<C: CostModel>(
 /// costs where 1F1B's rank 0 holds p).
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for `p`, `m` or `v` out of range or a limit too small for any
-/// schedule (naming the limit and the smallest peak found).
+/// [`Error::InvalidArgument`] for `p`, `m` or `v` out of range; [`Error::MemoryLimit`] for a
+/// limit too small for any schedule (naming the limit and the smallest peak found).
 pub fn zb_auto<C: CostModel>(p: u32, v: u32, m: u32, costs: &C, limit: f64) -> Result<Schedule> {
     if p == 0 {
         return Err(Error::invalid("--pp", 0, ">= 1 rank"));
@@ -357,15 +357,15 @@ pub fn zb_auto<C: CostModel>(p: u32, v: u32, m: u32, costs: &C, limit: f64) -> R
         })
         .fold(0.0, f64::max);
     best.map(|(_, s)| s).ok_or_else(|| {
-        Error::invalid(
-            "zb-auto activation memory per rank",
-            show(limit),
-            format!(
-                "at least {} (one microbatch's activations of the largest stage; the cheapest handcrafted candidate needs {}); with a profile the activations get the memory limit minus parameters, gradients and optimizer state",
+        Error::MemoryLimit {
+            schedule: "zb-auto".into(),
+            limit: format!("{} of activations", show(limit)),
+            reason: format!(
+                "it needs at least {} (one microbatch's activations of the largest stage; the cheapest handcrafted candidate needs {}); with a profile the activations get the memory limit minus parameters, gradients and optimizer state",
                 show(one),
                 show(smallest_peak)
             ),
-        )
+        }
     })
 }
 

@@ -88,9 +88,7 @@ pub(super) fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
     match a.format {
         Format::Json => outln!("{}", serde_json::to_string_pretty(&out)?),
         Format::Table => {
-            let mut t = Table::new();
-            t.load_preset(UTF8_BORDERS_ONLY);
-            t.set_header(["kind", "name", "description"]);
+            let mut t = super::new_table(&["kind", "name", "description"]);
             for e in out {
                 t.add_row([e.kind.to_string(), e.name, e.description]);
             }

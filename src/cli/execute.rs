@@ -217,7 +217,8 @@ pub(super) struct ExecuteArgs {
     /// relative, tensors 1e-4 normwise relative).
     #[arg(long)]
     verify: bool,
-    /// Write the Gantt chart of the last step's measured timeline here (.svg or .png).
+    /// Write the Gantt chart of the last step's measured timeline here (.svg or .png; `none`, as
+    /// without the option: no chart).
     #[arg(long)]
     gantt: Option<PathBuf>,
     /// Write a Chrome trace (Perfetto) of the last step's measured timeline here.
@@ -465,10 +466,15 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         );
     }
     let fo = a.fo.spec()?;
-    for p in [&a.gantt, &a.trace].into_iter().flatten() {
+    // No chart unless asked for; `--gantt none` as in the other commands.
+    let gantt = a
+        .gantt
+        .clone()
+        .and_then(|p| super::chart_path(&Some(p), ""));
+    for p in gantt.iter().chain(&a.trace) {
         profiles::check_writable(p)?;
     }
-    if let Some(c) = &a.gantt {
+    if let Some(c) = &gantt {
         sim::gantt::check_chart_path(c)?;
     }
     let reduction = match a.loss_reduction.as_str() {
@@ -624,7 +630,24 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         memory_limit_bytes: zb_limit,
     };
     // Refuse, before allocating the stages, a run this host cannot hold.
-    let first = setup.prepare(0)?;
+    // The microbatch count the user did not give: say where it came from when a step cannot
+    // be cut into it.
+    let defaulted_m = a.plan.is_none()
+        && a.microbatches.is_none()
+        && a.token_budget.is_none()
+        && !matches!(source, ScheduleSource::Given(_));
+    let with_default = |e: flatpipe_executor::Error| {
+        let e = anyhow::Error::new(e);
+        if defaulted_m {
+            e.context(format!(
+                "the default of pp x vpp = {} microbatches per replica and step does not fit this workload; give --microbatches or --token-budget",
+                default_microbatches(pp, v)
+            ))
+        } else {
+            e
+        }
+    };
+    let first = setup.prepare(0).map_err(with_default)?;
     if backend == Backend::Cpu {
         let largest = first
             .all_microbatches()
@@ -654,7 +677,8 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         None
     };
     let predict = measured_on(&profile, backend);
-    let bar = Progress::new(a.steps as u64);
+    // Warm-up steps count on the bar: a long warm-up is work the user waits for.
+    let bar = Progress::new(u64::from(a.steps) + u64::from(a.warmup_steps));
     let mut rows = Vec::with_capacity(a.steps as usize);
     let mut last = None;
     let mut failed = false;
@@ -668,16 +692,17 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     // Warm-up steps draw their data after the reported ones' (step ids steps.., so the reported
     // steps are the same with or without them).
     for w in 0..a.warmup_steps as u64 {
-        let prepared = setup.prepare(a.steps as u64 + w)?;
+        let prepared = setup.prepare(a.steps as u64 + w).map_err(with_default)?;
         exec.train_step(&setup, &prepared)?;
         if let Some(re) = &mut reference {
             re.step(&setup, &prepared, true)?;
         }
+        bar.inc();
     }
     for step in 0..a.steps as u64 {
         let prepared: PreparedStep = match first.take() {
             Some(p) if step == 0 => p,
-            _ => setup.prepare(step)?,
+            _ => setup.prepare(step).map_err(with_default)?,
         };
         let run = exec.train_step(&setup, &prepared)?;
         if let Some(b) = budget {
@@ -809,7 +834,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             m,
             prepared.step
         );
-        if let Some(path) = &a.gantt {
+        if let Some(path) = &gantt {
             sim::gantt::write_gantt(path, &title, &run.timeline)?;
             notes.push(format!("Gantt chart of the last step: {}", path.display()));
         }
@@ -870,7 +895,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         prediction,
     };
     let header = format!(
-        "{} on the {} backend: {} dp={dp} pp={pp} v={v}, workload {} ({} steps; {} stages, layers {})",
+        "{} on the {} backend: {} dp={dp} pp={pp} v={v}, workload {} ({} step(s); {} stages, layers {})",
         model.name,
         report.backend,
         report.schedule,

@@ -37,7 +37,7 @@ use simulate::{SimulateArgs, simulate};
 
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
+use comfy_table::{Table, presets::NOTHING};
 use flatpipe_planner as planner;
 use flatpipe_profiles::{self as profiles, AnalyticOptions, Profile, StepSize, Workload, builtins};
 use flatpipe_simulator::{
@@ -126,13 +126,6 @@ pub(crate) fn stdout_error(e: std::io::Error) -> anyhow::Error {
     }
 }
 
-/// Memory one (stage, microbatch) pair of one schedule costs a simulation: its F / I / W
-/// actions, their transfers, the replay's state, the metrics and the Gantt chart's boxes,
-/// bytes. Measured with `/usr/bin/time -f %M` on `simulate --costs f=1,b=2 --schedule 1f1b --pp
-/// 64 --microbatches 4096` (273.5 MB peak resident for 262,144 pairs: ~1,070 bytes each) and
-/// rounded up.
-const BYTES_PER_STAGE_MICROBATCH: f64 = 1_200.0;
-
 /// Memory this machine has available now (`MemAvailable` of /proc/meminfo), bytes; `None` where
 /// it cannot be read.
 fn available_memory_bytes() -> Option<f64> {
@@ -144,20 +137,67 @@ fn available_memory_bytes() -> Option<f64> {
 
 /// Refuses, before anything is allocated, a request whose schedules would not fit in the
 /// memory available: `pairs` (stage, microbatch) pairs over all the schedules built, each
-/// [`BYTES_PER_STAGE_MICROBATCH`]. `what` names the request (e.g. `--microbatches 10000000
-/// with --pp 4`).
+/// [`montecarlo::BYTES_PER_STAGE_MICROBATCH`]. `what` names the request (e.g. `--microbatches
+/// 10000000 with --pp 4`).
 fn check_schedule_memory(what: &str, pairs: f64) -> Result<()> {
-    let need = pairs * BYTES_PER_STAGE_MICROBATCH;
+    let need = pairs * montecarlo::BYTES_PER_STAGE_MICROBATCH;
+    check_memory(
+        what,
+        need,
+        &format!(
+            "its schedules hold {pairs:.0} (stage, microbatch) pairs, about {} at ~{:.0} bytes each",
+            fmt_bytes(need),
+            montecarlo::BYTES_PER_STAGE_MICROBATCH
+        ),
+        "use fewer microbatches, ranks or schedules",
+    )
+}
+
+/// Refuses, before anything is allocated, a request estimated to need `need` bytes when this
+/// machine has less available; `why` says how the estimate was made and `help` what reduces
+/// it.
+fn check_memory(what: &str, need: f64, why: &str, help: &str) -> Result<()> {
     if let Some(have) = available_memory_bytes()
         && need > have
     {
         bail!(
-            "{what} is too large: its schedules hold {pairs:.0} (stage, microbatch) pairs, about {} at ~{BYTES_PER_STAGE_MICROBATCH:.0} bytes each, more than the {} of memory available; use fewer microbatches, ranks or schedules",
-            fmt_bytes(need),
+            "{what} is too large: {why}, more than the {} of memory available; {help}",
             fmt_bytes(have)
         );
     }
     Ok(())
+}
+
+/// Refuses, before anything is allocated, a Monte Carlo run estimated
+/// ([`montecarlo::estimated_memory_bytes`]) not to fit in the memory available, with
+/// `kept_steps` sampled steps held besides (the planner samples every step up front).
+#[allow(clippy::too_many_arguments)]
+fn check_monte_carlo_memory(
+    what: &str,
+    workload: &Workload,
+    seed: u64,
+    size: StepSize,
+    steps: u32,
+    kept_steps: u32,
+    p: u32,
+    params: &PolicyParams,
+    combos: &[montecarlo::Combo],
+) -> Result<()> {
+    let (seqs, _, _) = montecarlo::estimated_step(workload, seed, size);
+    let kept = f64::from(kept_steps) * (seqs * 4.0 + 24.0);
+    let need =
+        kept + montecarlo::estimated_memory_bytes(workload, seed, size, steps, p, params, combos);
+    tracing::info!("{what}: estimated to hold {}", fmt_bytes(need));
+    check_memory(
+        what,
+        need,
+        &format!(
+            "{steps} step(s) of {size} over {} schedule(s) are estimated to hold {}",
+            combos.len(),
+            fmt_bytes(need)
+        ),
+        "use fewer steps, sequences per step or schedules, or a larger token budget",
+    )
 }
 
 /// The default microbatch count of a schedule with `p` ranks and `v` stages per rank: `p·v`,
@@ -419,10 +459,16 @@ fn emit<T: Serialize>(
     Ok(ExitCode::SUCCESS)
 }
 
+/// A results table: plain columns three spaces apart, no borders (copied into a document or a
+/// spreadsheet as it is, and what the README shows).
 fn new_table(header: &[&str]) -> Table {
     let mut t = Table::new();
-    t.load_preset(UTF8_BORDERS_ONLY);
+    t.load_preset(NOTHING);
     t.set_header(header.to_vec());
+    let last = header.len().saturating_sub(1);
+    for (i, c) in t.column_iter_mut().enumerate() {
+        c.set_padding((0, if i == last { 0 } else { 3 }));
+    }
     t
 }
 

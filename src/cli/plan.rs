@@ -219,6 +219,29 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         },
         forward_only: a.fo.spec()?,
     };
+    // The search keeps every sampled step and runs one Monte Carlo per candidate: the largest
+    // candidate (most ranks per pipeline, most stages per rank, smallest budget) sets the peak.
+    let widest = montecarlo::Combo::new(
+        ScheduleSource::Kind(ScheduleKind::OneFOneB),
+        space.vpp.iter().copied().max().unwrap_or(1).max(2),
+        Vec::new(),
+        space.policy,
+        Capacity::Dynamic,
+    );
+    super::check_monte_carlo_memory(
+        "the plan search",
+        &workload,
+        seed,
+        size,
+        a.steps,
+        a.steps,
+        space.pp.iter().copied().max().unwrap_or(1),
+        &PolicyParams {
+            token_budget: space.token_budgets.iter().copied().min().unwrap_or(1),
+            ..PolicyParams::default()
+        },
+        &[widest],
+    )?;
     let bar = std::sync::Mutex::new(None::<indicatif::ProgressBar>);
     let start = std::time::Instant::now();
     let progress = |done: usize, total: usize| {
@@ -513,11 +536,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
                 let rec = recompute_summary(&c.partition.recompute);
                 t.add_row([
                     r.rank.to_string(),
-                    if c.pp == 1 {
-                        "no pipeline".to_string()
-                    } else {
-                        c.schedule.to_string()
-                    },
+                    c.schedule_name(),
                     c.dp.to_string(),
                     c.pp.to_string(),
                     c.vpp.to_string(),

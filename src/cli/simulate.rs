@@ -589,6 +589,17 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             pairs,
         )?;
     }
+    super::check_monte_carlo_memory(
+        "the Monte Carlo",
+        &workload,
+        seed,
+        size,
+        steps,
+        0,
+        p,
+        &params,
+        &combos,
+    )?;
     tracing::info!(
         "Monte Carlo: {steps} sampled steps x {} (schedule, policy, capacity) combinations of {} on {}",
         combos.len(),
@@ -614,10 +625,8 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     // comparison goes on without zb-auto and says why.
     let mut dropped = None;
     let mc = match run(&combos) {
-        Err(err @ sim::Error::InvalidArgument { .. })
-            if matches!(&err, sim::Error::InvalidArgument { field, .. }
-                if field == "--memory-limit" || field.starts_with("zb-auto"))
-                && combos.len() > 1
+        Err(err @ sim::Error::MemoryLimit { .. })
+            if combos.len() > 1
                 && combos
                     .iter()
                     .any(|c| matches!(c.source, ScheduleSource::Kind(ScheduleKind::ZbAuto))) =>
@@ -625,6 +634,12 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             combos.retain(|c| !matches!(c.source, ScheduleSource::Kind(ScheduleKind::ZbAuto)));
             dropped = Some(err);
             run(&combos)?
+        }
+        Err(err @ sim::Error::MemoryLimit { .. }) => {
+            return Err(anyhow::Error::new(err).context(format!(
+                "the per-rank memory limit is {}",
+                limit_source(a.memory_limit.as_deref(), &profile)
+            )));
         }
         other => other?,
     };
@@ -721,12 +736,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             ));
         }
     }
-    // Where the per-rank memory limit comes from, for the notes.
-    let limit_source = if a.memory_limit.is_some() {
-        "--memory-limit".to_string()
-    } else {
-        format!("{}'s memory less its reserve", profile.hardware.name)
-    };
+    let limit_source = limit_source(a.memory_limit.as_deref(), &profile);
     if let Some(why) = dropped {
         notes.push(format!(
             "zb-auto not built for every sampled step, so not compared: {why}; the per-rank memory is {} ({})",
@@ -775,14 +785,22 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         .collect();
     if !over.is_empty() {
         notes.push(format!(
-            "does not fit {} per rank ({}): {} (zb-auto is built under the limit; the others are shown as they are)",
+            "does not fit {} per rank ({}): {} ({}shown as they are)",
             fmt_bytes(limit),
             if a.memory_limit.is_some() {
                 limit_source.clone()
             } else {
                 format!("{limit_source}; --memory-limit to change")
             },
-            over.join(", ")
+            over.join(", "),
+            if combos
+                .iter()
+                .any(|c| matches!(c.source, ScheduleSource::Kind(ScheduleKind::ZbAuto)))
+            {
+                "zb-auto is built under the limit; the others are "
+            } else {
+                ""
+            }
         ));
     }
     for (r, _, _, _) in &rows {
@@ -921,4 +939,13 @@ pub(super) fn step_size(a: &SimulateArgs, plan: Option<&Plan>, w: &Workload) -> 
         (None, Some(t)) => StepSize::Tokens(t),
         (None, None) => w.default_step_size(),
     })
+}
+
+/// Where the per-rank memory limit comes from, in the user's words: `--memory-limit 20GiB`, or
+/// the hardware's memory less its reserve.
+fn limit_source(memory_limit: Option<&str>, profile: &profiles::Profile) -> String {
+    match memory_limit {
+        Some(text) => format!("--memory-limit {text}"),
+        None => format!("{}'s memory less its reserve", profile.hardware.name),
+    }
 }
