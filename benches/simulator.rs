@@ -3,7 +3,7 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
-use flatpipe::simulator::montecarlo::{self, Capacity, Combo, ScheduleSource};
+use flatpipe::simulator::montecarlo::{self, Capacity, RunConfig, ScheduleSource};
 use flatpipe::simulator::plan::even_split;
 use flatpipe::simulator::policy::{Policy, PolicyParams, batch};
 use flatpipe::simulator::{ScheduleKind, UniformCostSpec, UniformCosts, metrics, replay};
@@ -114,13 +114,14 @@ fn bench_monte_carlo(c: &mut Criterion) {
     let profile = profile();
     let w = builtins::workload("sharegpt-v3").unwrap();
     let p = 8;
-    let combos: Vec<Combo> = ScheduleKind::ALL
+    let combos: Vec<RunConfig> = ScheduleKind::ALL
         .iter()
         .map(|&k| {
             let v = k.stages_per_rank(None).unwrap();
             let stages = even_split(profile.layers.len(), (p * v) as usize).unwrap();
-            Combo::new(
+            RunConfig::new(
                 ScheduleSource::Kind(k),
+                p,
                 v,
                 stages,
                 Policy::FlatFfd,
@@ -132,18 +133,7 @@ fn bench_monte_carlo(c: &mut Criterion) {
     g.sample_size(10);
     g.bench_function("every_schedule", |b| {
         b.iter(|| {
-            montecarlo::run(
-                &profile,
-                &w,
-                0,
-                StepSize::Seqs(128),
-                1000,
-                p,
-                &PolicyParams::default(),
-                &combos,
-                &|| {},
-            )
-            .unwrap()
+            montecarlo::run(&profile, &w, 0, StepSize::Seqs(128), 1000, &combos, &|| {}).unwrap()
         })
     });
     g.bench_function("1f1b", |b| {
@@ -154,8 +144,6 @@ fn bench_monte_carlo(c: &mut Criterion) {
                 0,
                 StepSize::Seqs(128),
                 1000,
-                p,
-                &PolicyParams::default(),
                 &combos[1..2],
                 &|| {},
             )

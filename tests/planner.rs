@@ -8,9 +8,9 @@ use flatpipe::planner::partition::{
 use flatpipe::planner::search::{RankBy, SearchConfig, SearchSpace, search};
 use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
 use flatpipe::simulator::costs::Recompute;
-use flatpipe::simulator::montecarlo::{self, Capacity, Combo, ScheduleSource};
+use flatpipe::simulator::montecarlo::{self, Capacity, RunConfig, ScheduleSource};
 use flatpipe::simulator::plan::{StageLayers, even_split};
-use flatpipe::simulator::policy::{Policy, PolicyParams};
+use flatpipe::simulator::policy::Policy;
 use flatpipe::simulator::{Placement, PlacementKind, Plan, ScheduleKind};
 use proptest::prelude::*;
 
@@ -323,26 +323,16 @@ fn default_plan_beats_hand_written_1f1b() {
     let best = result.ranked[0].summary.step_time_s.mean;
     for pp in [2u32, 4, 8] {
         let stages = even_split(prof.layers.len(), pp as usize).unwrap();
-        let mut combo = Combo::new(
+        let mut combo = RunConfig::new(
             ScheduleSource::Kind(ScheduleKind::OneFOneB),
+            pp,
             1,
             stages,
             Policy::FlatFfd,
             Capacity::Dynamic,
         );
         combo.dp = 8 / pp;
-        let mc = montecarlo::run(
-            &prof,
-            &w,
-            0,
-            StepSize::Seqs(128),
-            64,
-            pp,
-            &PolicyParams::default(),
-            &[combo],
-            &|| {},
-        )
-        .unwrap();
+        let mc = montecarlo::run(&prof, &w, 0, StepSize::Seqs(128), 64, &[combo], &|| {}).unwrap();
         let hand = montecarlo::summarize(&mc.outcomes[0], 8, prof.hardware.peak_flops)
             .step_time_s
             .mean;

@@ -1,7 +1,7 @@
 //! Variable-length workloads: policies, capacity, Monte Carlo, accounting.
 
 use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
-use flatpipe::simulator::montecarlo::{self, Capacity, Combo, Quantiles, ScheduleSource};
+use flatpipe::simulator::montecarlo::{self, Capacity, Quantiles, RunConfig, ScheduleSource};
 use flatpipe::simulator::plan::even_split;
 use flatpipe::simulator::policy::{Policy, PolicyParams};
 use flatpipe::simulator::{
@@ -60,15 +60,21 @@ fn padded_costs_count_padding() {
     assert_eq!(f, (want * 1e9).round() as u64);
 }
 
-fn combos(p: u32, policies: &[Policy], capacities: &[Capacity], kind: ScheduleKind) -> Vec<Combo> {
+fn combos(
+    p: u32,
+    policies: &[Policy],
+    capacities: &[Capacity],
+    kind: ScheduleKind,
+) -> Vec<RunConfig> {
     let prof = profile();
     let v = kind.stages_per_rank(None).unwrap();
     let stages = even_split(prof.layers.len(), (p * v) as usize).unwrap();
     let mut out = Vec::new();
     for &policy in policies {
         for &capacity in capacities {
-            out.push(Combo::new(
+            out.push(RunConfig::new(
                 ScheduleSource::Kind(kind),
+                p,
                 v,
                 stages.clone(),
                 policy,
@@ -92,18 +98,7 @@ fn flat_balanced_beats_padded_on_sharegpt() {
             &[Capacity::Dynamic],
             ScheduleKind::OneFOneB,
         );
-        let mc = montecarlo::run(
-            &prof,
-            &w,
-            0,
-            StepSize::Seqs(128),
-            60,
-            4,
-            &PolicyParams::default(),
-            &c,
-            &|| {},
-        )
-        .unwrap();
+        let mc = montecarlo::run(&prof, &w, 0, StepSize::Seqs(128), 60, &c, &|| {}).unwrap();
         let mean = |i: usize| {
             montecarlo::summarize(&mc.outcomes[i], 4, prof.hardware.peak_flops)
                 .step_time_s
@@ -144,18 +139,7 @@ fn dynamic_capacity_never_slower_than_fixed() {
             Capacity::Fixed(24),
         ];
         let c = combos(4, &[Policy::FlatFfd], &caps, kind);
-        let mc = montecarlo::run(
-            &prof,
-            &w,
-            1,
-            StepSize::Seqs(128),
-            40,
-            4,
-            &PolicyParams::default(),
-            &c,
-            &|| {},
-        )
-        .unwrap();
+        let mc = montecarlo::run(&prof, &w, 1, StepSize::Seqs(128), 40, &c, &|| {}).unwrap();
         for (cap, outcomes) in caps.iter().zip(&mc.outcomes).skip(1) {
             for (step, (dynamic, fixed)) in mc.outcomes[0].iter().zip(outcomes).enumerate() {
                 assert!(
@@ -182,8 +166,8 @@ fn overflow_runs_extra_rounds() {
         ScheduleKind::OneFOneB,
     );
     let mbs = vec![Microbatch::flat(vec![512]); 3];
-    let (two, _) = montecarlo::simulate_step(&prof, 2, &c[0], &mbs).unwrap();
-    let (three, single) = montecarlo::simulate_step(&prof, 2, &c[1], &mbs).unwrap();
+    let (two, _) = montecarlo::simulate_step(&prof, &c[0], &mbs).unwrap();
+    let (three, single) = montecarlo::simulate_step(&prof, &c[1], &mbs).unwrap();
     assert_eq!((two.rounds, three.rounds), (2, 1));
     assert!(single.is_some());
     assert!(two.step_time_s > three.step_time_s);
@@ -214,20 +198,7 @@ fn monte_carlo_is_deterministic() {
             .num_threads(threads)
             .build()
             .unwrap();
-        pool.install(|| {
-            montecarlo::run(
-                &prof,
-                &w,
-                9,
-                StepSize::Seqs(64),
-                30,
-                4,
-                &PolicyParams::default(),
-                &c,
-                &|| {},
-            )
-            .unwrap()
-        })
+        pool.install(|| montecarlo::run(&prof, &w, 9, StepSize::Seqs(64), 30, &c, &|| {}).unwrap())
     };
     assert_eq!(run(1).outcomes, run(2).outcomes);
 }
@@ -252,11 +223,13 @@ fn oversize_sequences_counted_once_per_step() {
         extra.dp = 2;
         c.push(extra);
     }
-    let params = PolicyParams {
-        token_budget: budget,
-        ..PolicyParams::default()
-    };
-    let mc = montecarlo::run(&prof, &w, 7, size, steps, 2, &params, &c, &|| {}).unwrap();
+    for config in &mut c {
+        config.params = PolicyParams {
+            token_budget: budget,
+            ..PolicyParams::default()
+        };
+    }
+    let mc = montecarlo::run(&prof, &w, 7, size, steps, &c, &|| {}).unwrap();
     let want: usize = (0..steps)
         .map(|i| {
             w.sample_step(7, i as u64, size)

@@ -10,47 +10,29 @@ use crate::worker::{AdamW, StageInput, StageWorker};
 use crate::{Error, Result};
 use flatpipe_profiles::Profile;
 use flatpipe_profiles::{ModelSpec, StepSize, Workload};
-use flatpipe_simulator::ScheduleKind;
-use flatpipe_simulator::TableCosts;
 use flatpipe_simulator::costs::Recompute;
-use flatpipe_simulator::costs::{CostOptions, UniformCostSpec, UniformCosts};
-use flatpipe_simulator::forward_only::{forward_only_pass, with_forward_only};
 use flatpipe_simulator::ir::{Placement, Rank, Schedule};
 use flatpipe_simulator::microbatch::Microbatch;
-use flatpipe_simulator::montecarlo::{
-    ForwardOnlySpec, ScheduleSource, dp_shares, zb_auto_activation_limit,
-};
-use flatpipe_simulator::policy::{Policy, PolicyParams, batch};
+use flatpipe_simulator::montecarlo::{Capacity, ScheduleSource};
+use flatpipe_simulator::policy::Policy;
+use flatpipe_simulator::step::{RunConfig, StepPlan, cut_step, plan_step};
 use std::collections::BTreeMap;
-use std::ops::Range;
 use std::sync::Arc;
 
 /// Predicted cost of a flat microbatch `(tokens, attention pairs)`, any unit: balances
 /// microbatches (`flat-balanced`, exact counts) and data-parallel shares.
 pub type BalanceCost = Arc<dyn Fn(u64, u64) -> f64 + Send + Sync>;
 
-/// Everything a run needs besides the backend.
+/// Everything a run needs besides the backend: the run's [`RunConfig`] (the one the simulator
+/// and the planner use) and what only a real run has (the model's weights, data, optimizer).
 #[derive(Clone)]
 pub struct Setup {
     /// The model (the stages are built from its layer list).
     pub model: ModelSpec,
-    /// Layer range of every stage, in stage order.
-    pub stages: Vec<Range<usize>>,
-    /// Schedule family (generated per step for its microbatch count) or a given schedule
-    /// (fixed microbatch count).
-    pub source: ScheduleSource,
-    /// Ranks per replica.
-    pub pp: u32,
-    /// Stages per rank.
-    pub v: u32,
-    /// Data-parallel replicas.
-    pub dp: u32,
-    /// Recomputation per stage (empty: none).
-    pub recompute: Vec<Recompute>,
-    /// Microbatching policy (flat policies only).
-    pub policy: Policy,
-    /// Token budget / microbatch count.
-    pub params: PolicyParams,
+    /// What runs: schedule, pp, v, dp, layer split, recomputation, microbatching, forward-only
+    /// work, zb-auto's memory limit. The executor runs flat policies with dynamic capacity (a
+    /// given schedule: steps of exactly its microbatch count).
+    pub config: RunConfig,
     /// Where the step's sequence lengths come from.
     pub workload: Workload,
     /// Sequences or tokens per step.
@@ -67,27 +49,23 @@ pub struct Setup {
     pub max_grad_norm: Option<f64>,
     /// Cost used to balance microbatches and replicas.
     pub balance: BalanceCost,
-    /// Forward-only work per step (a frozen reference forward over the step's own microbatches;
-    /// here the stages' weights at the step's start, as PPO's old-policy log-probs).
-    pub forward_only: Option<ForwardOnlySpec>,
-    /// zb-auto: build each step's schedule from this profile's costs of that step's microbatches
-    /// under `memory_limit_bytes` (as the simulator and planner do); without a profile, zb-auto
-    /// is built for unit costs under 1F1B's memory.
+    /// The profile each step is planned with ([`flatpipe_simulator::step::plan_step`]): zb-auto
+    /// is built from its costs of the step's microbatches under the config's memory limit, the
+    /// forward-only work fused by them, and the step predicted. Without one, zb-auto is built
+    /// for unit costs under 1F1B's memory, forward-only work fused by unit costs, and nothing
+    /// is predicted.
     pub profile: Option<Arc<Profile>>,
-    /// zb-auto's per-rank memory limit, bytes (default: the profile hardware's memory minus the
-    /// reserve).
-    pub memory_limit_bytes: Option<f64>,
 }
 
 impl std::fmt::Debug for Setup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Setup")
             .field("model", &self.model.name)
-            .field("stages", &self.stages)
-            .field("schedule", &self.source.name())
-            .field("pp", &self.pp)
-            .field("v", &self.v)
-            .field("dp", &self.dp)
+            .field("stages", &self.config.stages)
+            .field("schedule", &self.config.source.name())
+            .field("pp", &self.config.pp)
+            .field("v", &self.config.v)
+            .field("dp", &self.config.dp)
             .finish_non_exhaustive()
     }
 }
@@ -105,12 +83,14 @@ pub struct PreparedReplica {
     pub fo_microbatches: Vec<MicrobatchData>,
 }
 
-/// A step ready to run: every replica's schedule and data.
+/// A step ready to run: its [`StepPlan`] and every replica's schedule and data.
 #[derive(Debug, Clone)]
 pub struct PreparedStep {
     /// Step number.
     pub step: u64,
-    /// Replicas in order.
+    /// The step as planned (schedules and, with a profile, their predicted timelines).
+    pub plan: StepPlan,
+    /// Replicas in order: the plan's schedule with the tensors attached.
     pub replicas: Vec<PreparedReplica>,
 }
 
@@ -141,46 +121,45 @@ pub struct Prediction {
 }
 
 impl PreparedStep {
-    /// Predicts this step on `profile` by replaying each replica's schedule, the very one the
+    /// Predicts this step on `profile`: the replay of each replica's schedule, the very one the
     /// interpreter runs (forward-only work included), under the profile's costs of that
-    /// replica's microbatches (forward-only microbatch k is training microbatch k mod m).
+    /// replica's microbatches. A step planned with this profile ([`Setup::profile`]) carries
+    /// its prediction already; on another profile the same schedules are replayed
+    /// ([`StepPlan::replayed_on`]).
     ///
     /// # Errors
     /// Cost-table or replay errors (a profile whose layers do not match the stages).
     pub fn predict(&self, setup: &Setup, profile: &Profile) -> Result<Prediction> {
-        let mut worst: f64 = 0.0;
-        let mut bubbles = Vec::new();
-        for (d, r) in self.replicas.iter().enumerate() {
-            let k = r.schedule.num_fo_microbatches as usize;
-            let fo: Vec<Microbatch> = (0..k)
-                .map(|i| r.lengths[i % r.lengths.len()].clone())
-                .collect();
-            let costs = TableCosts::with_options(
-                profile,
-                &setup.stages,
-                &r.schedule.placement,
-                &r.lengths,
-                &fo,
-                &CostOptions {
-                    recompute: &setup.recompute,
-                    first_rank: d * setup.pp as usize,
-                },
-            )?;
-            let sim = flatpipe_simulator::simulate(&r.schedule, &costs)?;
-            worst = worst.max(sim.metrics.makespan_s);
-            if d == 0 {
-                bubbles = sim.metrics.ranks.iter().map(|m| m.bubble_ratio).collect();
-            }
-        }
-        let placement = setup.placement()?;
+        let same = setup
+            .profile
+            .as_deref()
+            .is_some_and(|p| std::ptr::eq(p, profile));
+        let replayed;
+        let plan = if same {
+            &self.plan
+        } else {
+            replayed = self.plan.replayed_on(&setup.config, profile)?;
+            &replayed
+        };
+        let outcome = plan
+            .outcome(&setup.config, profile)
+            .ok_or_else(|| Error::Invalid("the step has no prediction".into()))?;
+        let bubbles = plan
+            .replicas
+            .first()
+            .and_then(|r| r.rounds.first())
+            .and_then(|r| r.prediction.as_ref())
+            .map(|p| {
+                p.simulation
+                    .metrics
+                    .ranks
+                    .iter()
+                    .map(|m| m.bubble_ratio)
+                    .collect()
+            })
+            .unwrap_or_default();
         Ok(Prediction {
-            makespan_s: worst
-                + flatpipe_simulator::montecarlo::allreduce_s(
-                    profile,
-                    &setup.stages,
-                    &placement,
-                    setup.dp,
-                ),
+            makespan_s: outcome.step_time_s,
             bubbles,
         })
     }
@@ -192,10 +171,7 @@ impl Setup {
     /// # Errors
     /// Schedule generation errors.
     pub fn placement(&self) -> Result<Placement> {
-        Ok(match &self.source {
-            ScheduleSource::Kind(k) => k.placement_on(self.pp, self.v)?,
-            ScheduleSource::Given(s) => s.placement.clone(),
-        })
+        Ok(self.config.placement()?)
     }
 
     /// Checks that the setup can run: flat policy, stage count, recomputation list.
@@ -203,26 +179,33 @@ impl Setup {
     /// # Errors
     /// [`Error::Invalid`] / [`Error::Unsupported`] naming what is wrong.
     pub fn check(&self) -> Result<()> {
-        if !matches!(self.policy, Policy::FlatFfd | Policy::FlatBalanced) {
+        let c = &self.config;
+        if !matches!(c.policy, Policy::FlatFfd | Policy::FlatBalanced) {
             return Err(Error::Unsupported(format!(
                 "policy {}: the executor runs flat [T] microbatches with cu_seqlens (flat-ffd or flat-balanced); padded and packed are simulated baselines",
-                self.policy
+                c.policy
             )));
         }
-        if self.dp == 0 || self.pp == 0 {
+        if c.capacity != Capacity::Dynamic {
+            return Err(Error::Unsupported(format!(
+                "capacity {}: the executor builds each step's schedule for its microbatch count (dynamic capacity); fixed capacities are simulated baselines",
+                c.capacity
+            )));
+        }
+        if c.dp == 0 || c.pp == 0 {
             return Err(Error::Invalid("dp and pp must be >= 1".into()));
         }
         let placement = self.placement()?;
-        if placement.rank_of.len() != self.stages.len() {
+        if placement.rank_of.len() != c.stages.len() {
             return Err(Error::Invalid(format!(
                 "the schedule has {} stages, the plan lists {} layer ranges",
                 placement.rank_of.len(),
-                self.stages.len()
+                c.stages.len()
             )));
         }
         let n = self.model.layers().len();
         let mut next = 0;
-        for (s, r) in self.stages.iter().enumerate() {
+        for (s, r) in c.stages.iter().enumerate() {
             if r.start != next || r.end <= r.start || r.end > n {
                 return Err(Error::Invalid(format!(
                     "stage {s} covers layers [{}, {}): stages must cover 0..{n} in order, each non-empty",
@@ -236,14 +219,14 @@ impl Setup {
                 "the stages end at layer {next}, the model has {n} layers"
             )));
         }
-        if !self.recompute.is_empty() && self.recompute.len() != self.stages.len() {
+        if !c.recompute.is_empty() && c.recompute.len() != c.stages.len() {
             return Err(Error::Invalid(format!(
                 "recompute lists {} modes for {} stages",
-                self.recompute.len(),
-                self.stages.len()
+                c.recompute.len(),
+                c.stages.len()
             )));
         }
-        if self.recompute.contains(&Recompute::Selective) {
+        if c.recompute.contains(&Recompute::Selective) {
             return Err(Error::Unsupported(
                 "selective recomputation is not implemented by the CPU executor; plan with recompute none or full".into(),
             ));
@@ -251,7 +234,9 @@ impl Setup {
         Ok(())
     }
 
-    /// Samples step `step` and builds every replica's microbatches, data and schedule.
+    /// Samples step `step`, plans it ([`cut_step`], [`plan_step`]: the same functions the
+    /// simulator's Monte Carlo uses) and attaches every replica's data to the plan's
+    /// schedule.
     ///
     /// # Errors
     /// Microbatching and schedule generation errors; a given schedule whose microbatch count
@@ -259,21 +244,36 @@ impl Setup {
     pub fn prepare(&self, step: u64) -> Result<PreparedStep> {
         let seqs = self.workload.sample_step(self.seed, step, self.step_size);
         let cost = |t: u64, a: u64| (self.balance)(t, a);
-        let shares = dp_shares(&seqs, self.dp, &cost);
-        let mut lengths = Vec::with_capacity(shares.len());
-        for (d, share) in shares.iter().enumerate() {
-            if share.is_empty() {
-                return Err(Error::Invalid(format!(
-                    "step {step} has {} sequences, too few for dp = {} replicas (replica {d} gets none)",
+        let cut = cut_step(&self.config, &seqs, &cost).map_err(|e| match e {
+            flatpipe_simulator::Error::InvalidArgument { field, .. }
+                if field == "data-parallel degree" =>
+            {
+                Error::Invalid(format!(
+                    "step {step} has {} sequences, too few for dp = {} replicas (a replica gets none)",
                     seqs.len(),
-                    self.dp
-                )));
+                    self.config.dp
+                ))
             }
-            lengths.push(batch(self.policy, share, &self.params, &cost)?.microbatches);
+            e => e.into(),
+        })?;
+        if let ScheduleSource::Given(s) = &self.config.source
+            && let Some(b) = cut
+                .iter()
+                .find(|b| b.microbatches.len() as u32 != s.num_microbatches)
+        {
+            return Err(Error::Invalid(format!(
+                "the loaded schedule `{}` has {} microbatches, step {step} has {}; give --microbatches {}",
+                s.name,
+                s.num_microbatches,
+                b.microbatches.len(),
+                s.num_microbatches
+            )));
         }
-        let seq_lens: Vec<Vec<Vec<u32>>> = lengths
+        let plan = plan_step(&self.config, self.profile.as_deref(), step, &cut)?;
+        let seq_lens: Vec<Vec<Vec<u32>>> = plan
+            .replicas
             .iter()
-            .map(|mbs| mbs.iter().map(|m| m.seq_lens.clone()).collect())
+            .map(|r| r.microbatches.iter().map(|m| m.seq_lens.clone()).collect())
             .collect();
         let vocab = self
             .model
@@ -282,101 +282,29 @@ impl Setup {
             .map(|l| l.vocab as u32)
             .unwrap_or(1);
         let data = build_step(&seq_lens, vocab, self.seed, step, self.reduction);
-        let replicas = lengths
-            .into_iter()
+        let replicas = plan
+            .replicas
+            .iter()
             .zip(data)
-            .enumerate()
-            .map(|(d, (lengths, microbatches))| {
-                let m = microbatches.len() as u32;
-                let schedule = match (&self.source, &self.profile) {
-                    (ScheduleSource::Kind(ScheduleKind::ZbAuto), Some(profile)) => {
-                        let placement = flatpipe_simulator::zb_auto::placement(self.pp, self.v)?;
-                        let costs = TableCosts::with_options(
-                            profile,
-                            &self.stages,
-                            &placement,
-                            &lengths,
-                            &[],
-                            &CostOptions {
-                                recompute: &self.recompute,
-                                first_rank: 0,
-                            },
-                        )?;
-                        let limit = zb_auto_activation_limit(
-                            profile,
-                            self.memory_limit_bytes,
-                            &costs,
-                            self.pp,
-                        )?;
-                        flatpipe_simulator::zb_auto::zb_auto(self.pp, self.v, m, &costs, limit)?
-                    }
-                    (ScheduleSource::Kind(k), _) => k.generate(self.pp, self.v, m)?,
-                    (ScheduleSource::Given(s), _) if s.num_microbatches == m => s.clone(),
-                    (ScheduleSource::Given(s), _) => {
-                        return Err(Error::Invalid(format!(
-                            "the loaded schedule `{}` has {} microbatches, step {step} has {m}; give --microbatches {}",
-                            s.name, s.num_microbatches, s.num_microbatches
-                        )));
-                    }
-                };
-                let fo = self
-                    .forward_only
-                    .map(|f| (f, f.microbatches.unwrap_or(m)))
-                    .filter(|(_, k)| *k > 0);
-                let (schedule, fo_microbatches) = match fo {
-                    Some((fo, k)) => {
-                        // Fused by the same costs the simulator's prediction uses (the
-                        // profile's for this step's microbatches, as `simulate_replica`), so the
-                        // schedule that runs is the one predicted; uniform costs without a
-                        // profile.
-                        let s = match &self.profile {
-                            Some(profile) => {
-                                let fo_lengths: Vec<Microbatch> = (0..k as usize)
-                                    .map(|i| lengths[i % lengths.len()].clone())
-                                    .collect();
-                                let costs = TableCosts::with_options(
-                                    profile,
-                                    &self.stages,
-                                    &schedule.placement,
-                                    &lengths,
-                                    &fo_lengths,
-                                    &CostOptions {
-                                        recompute: &self.recompute,
-                                        first_rank: d * self.pp as usize,
-                                    },
-                                )?;
-                                with_forward_only(
-                                    &schedule,
-                                    k,
-                                    fo.mode,
-                                    fo.loss_dependency,
-                                    &costs,
-                                )?
-                            }
-                            None => with_forward_only(
-                                &schedule,
-                                k,
-                                fo.mode,
-                                fo.loss_dependency,
-                                &UniformCosts::new(&UniformCostSpec::default(), self.v),
-                            )?,
-                        };
-                        let data = (0..k as usize)
-                            .map(|k| microbatches[k % microbatches.len()].clone())
-                            .collect();
-                        (s, data)
-                    }
-                    _ => (schedule, Vec::new()),
-                };
-                Ok(PreparedReplica {
-                    schedule,
-                    lengths,
+            .map(|(r, microbatches)| {
+                // Dynamic capacity (checked): one round, the step's own microbatches.
+                let round = &r.rounds[0];
+                let fo_microbatches = (0..round.fo.len())
+                    .map(|k| microbatches[k % microbatches.len()].clone())
+                    .collect();
+                PreparedReplica {
+                    schedule: (*round.schedule).clone(),
+                    lengths: r.microbatches.clone(),
                     microbatches,
                     fo_microbatches,
-                })
+                }
             })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(PreparedStep { step, replicas })
+            .collect();
+        Ok(PreparedStep {
+            step,
+            plan,
+            replicas,
+        })
     }
 }
 
@@ -399,8 +327,13 @@ impl Executor<CpuStage> {
         setup.check()?;
         let placement = setup.placement()?;
         Executor::build(setup, &placement, |s| {
-            let mode = setup.recompute.get(s).copied().unwrap_or_default();
-            CpuStage::new(&setup.model, setup.stages[s].clone(), setup.init_seed, mode)
+            let mode = setup.config.recompute.get(s).copied().unwrap_or_default();
+            CpuStage::new(
+                &setup.model,
+                setup.config.stages[s].clone(),
+                setup.init_seed,
+                mode,
+            )
         })
     }
 }
@@ -432,7 +365,7 @@ impl Executor<crate::cuda::stage::CudaStage> {
             .map(crate::cuda::context_on)
             .collect::<Result<Vec<_>>>()?;
         let head_dim = stage::CudaStage::head_dim_of(&setup.model)?;
-        let pp = setup.pp as usize;
+        let pp = setup.config.pp as usize;
         let mut gpus: std::collections::HashMap<(usize, usize), Arc<Gpu>> = Default::default();
         Executor::build_ranked(setup, &placement, |d, r, s| {
             let gpu = match gpus.get(&(d, r)) {
@@ -444,11 +377,11 @@ impl Executor<crate::cuda::stage::CudaStage> {
                     g
                 }
             };
-            let mode = setup.recompute.get(s).copied().unwrap_or_default();
+            let mode = setup.config.recompute.get(s).copied().unwrap_or_default();
             stage::CudaStage::new(
                 gpu,
                 &setup.model,
-                setup.stages[s].clone(),
+                setup.config.stages[s].clone(),
                 setup.init_seed,
                 mode,
                 init,
@@ -479,9 +412,9 @@ impl<W: StageWorker> Executor<W> {
         placement: &Placement,
         mut make: impl FnMut(usize, usize, usize) -> Result<W>,
     ) -> Result<Self> {
-        let pp = setup.pp as usize;
-        let mut ranks = Vec::with_capacity(pp * setup.dp as usize);
-        for d in 0..setup.dp as usize {
+        let pp = setup.config.pp as usize;
+        let mut ranks = Vec::with_capacity(pp * setup.config.dp as usize);
+        for d in 0..setup.config.dp as usize {
             for r in 0..pp {
                 let stages = placement
                     .stages_of(Rank(r as u32))
@@ -495,7 +428,7 @@ impl<W: StageWorker> Executor<W> {
             ranks,
             pp,
             steps_done: 0,
-            fo_feeds_loss: setup.forward_only.is_some_and(|f| f.loss_dependency),
+            fo_feeds_loss: setup.config.forward_only.is_some_and(|f| f.loss_dependency),
         })
     }
 
@@ -546,7 +479,12 @@ impl<W: StageWorker> Executor<W> {
         let schedules: Vec<Schedule> = step
             .replicas
             .iter()
-            .map(|r| forward_only_pass(&r.schedule, r.microbatches.len() as u32))
+            .map(|r| {
+                flatpipe_simulator::forward_only::forward_only_pass(
+                    &r.schedule,
+                    r.microbatches.len() as u32,
+                )
+            })
             .collect();
         let replicas: Vec<Replica<'_>> = step
             .replicas

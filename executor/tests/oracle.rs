@@ -37,10 +37,10 @@ fn setup(source: ScheduleSource, pp: u32, v: u32, m: u32) -> Setup {
 fn check(s: &Setup) {
     let name = format!(
         "{} p={} v={} m={:?}",
-        s.source.name(),
-        s.pp,
-        s.v,
-        s.params.microbatches
+        s.config.source.name(),
+        s.config.pp,
+        s.config.v,
+        s.config.params.microbatches
     );
     let step = s.prepare(0).unwrap();
     let mut exec = Executor::cpu(s).unwrap();
@@ -189,7 +189,7 @@ fn more_microbatches_or_pipelining_leave_loss_and_gradients_unchanged() {
 #[test]
 fn data_parallel_replicas_all_reduce_to_the_single_rank_gradient() {
     let mut s = setup(ScheduleSource::Kind(ScheduleKind::OneFOneB), 2, 1, 2);
-    s.dp = 2;
+    s.config.dp = 2;
     s.step_size = StepSize::Seqs(16);
     let step = s.prepare(0).unwrap();
     assert_eq!(step.replicas.len(), 2);
@@ -212,9 +212,9 @@ fn data_parallel_replicas_all_reduce_to_the_single_rank_gradient() {
 #[test]
 fn full_recomputation_runs_as_planned_and_selective_is_refused() {
     let mut s = setup(ScheduleSource::Kind(ScheduleKind::OneFOneB), 2, 1, 3);
-    s.recompute = vec![Recompute::Full, Recompute::None];
+    s.config.recompute = vec![Recompute::Full, Recompute::None];
     check(&s);
-    s.recompute = vec![Recompute::Selective, Recompute::None];
+    s.config.recompute = vec![Recompute::Selective, Recompute::None];
     let e = Executor::cpu(&s).unwrap_err();
     assert!(matches!(e, Error::Unsupported(_)), "{e}");
 }
@@ -285,7 +285,7 @@ fn forward_only_work_runs_in_the_interpreter_and_leaves_training_unchanged() {
     ] {
         let v = kind.stages_per_rank(None).unwrap();
         let mut s = setup(ScheduleSource::Kind(kind), 2, v, 4);
-        s.forward_only = Some(ForwardOnlySpec {
+        s.config.forward_only = Some(ForwardOnlySpec {
             microbatches: Some(5),
             mode,
             loss_dependency: dep,
@@ -319,6 +319,6 @@ fn forward_only_work_runs_in_the_interpreter_and_leaves_training_unchanged() {
             .flat_map(|o| o.action.parts())
             .filter(|a| a.kind == flatpipe_simulator::ActionKind::Fo)
             .count();
-        assert_eq!(n_fo, 5 * s.stages.len());
+        assert_eq!(n_fo, 5 * s.config.stages.len());
     }
 }

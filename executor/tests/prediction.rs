@@ -9,69 +9,70 @@ mod common;
 use flatpipe_profiles::{AnalyticOptions, analytic_profile, builtins};
 use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::forward_only::FoMode;
-use flatpipe_simulator::montecarlo::{
-    Capacity, Combo, ForwardOnlySpec, ScheduleSource, simulate_replica,
-};
+use flatpipe_simulator::montecarlo::{ForwardOnlySpec, ScheduleSource, simulate_replica};
 use std::sync::Arc;
 
+/// For every schedule kind, with and without forward-only work, the schedule `execute` runs
+/// and the one the simulator predicts for the same step are the same (both come from one
+/// `StepPlan`), and the predicted makespan is the replay of that schedule, whether the step
+/// carries its prediction (planned with this profile) or is replayed on an equal profile.
 #[test]
 fn executed_and_predicted_schedules_are_the_same_with_forward_only_work() {
     let model = builtins::model("tiny").unwrap();
     let hw = builtins::hardware("h200").unwrap();
     let profile = analytic_profile(&model, &hw, &AnalyticOptions::default()).unwrap();
-    for kind in [
-        ScheduleKind::OneFOneB,
-        ScheduleKind::ZbH1,
-        ScheduleKind::Interleaved1F1B,
-        ScheduleKind::ZbV,
-    ] {
-        let v = kind.stages_per_rank(None).unwrap();
-        let mut s = common::setup(
-            model.clone(),
-            common::workload(200.0, 2048),
-            ScheduleSource::Kind(kind),
-            (2, v, 6),
-        );
-        let fo = ForwardOnlySpec {
-            microbatches: Some(6),
-            mode: FoMode::Fused,
-            loss_dependency: false,
-        };
-        s.forward_only = Some(fo);
-        s.profile = Some(Arc::new(profile.clone()));
-        let step = s.prepare(0).unwrap();
-        let r = &step.replicas[0];
-        let mut combo = Combo::new(
-            s.source.clone(),
-            v,
-            s.stages.clone(),
-            s.policy,
-            Capacity::Dynamic,
-        );
-        combo.forward_only = Some(fo);
-        let (_, sim) = simulate_replica(&profile, 2, &combo, &r.lengths, 0).unwrap();
-        let (predicted, _) = sim.unwrap();
-        assert_eq!(
-            r.schedule.ranks,
-            predicted.ranks,
-            "{}: the executed schedule differs from the predicted one",
-            kind.name()
-        );
-        // `execute`'s prediction replays that schedule: the Monte Carlo's step time with the
-        // forward-only work (dp = 1: no all-reduce), more than without it (what `execute`
-        // used to predict, its Combo having no forward-only part).
-        let p = step.predict(&s, &profile).unwrap();
-        let (with_fo, _) = simulate_replica(&profile, 2, &combo, &r.lengths, 0).unwrap();
-        combo.forward_only = None;
-        let (without, _) = simulate_replica(&profile, 2, &combo, &r.lengths, 0).unwrap();
-        assert!(
-            (p.makespan_s - with_fo.step_time_s).abs() <= 1e-9 * with_fo.step_time_s,
-            "{}: predicted {} vs {}",
-            kind.name(),
-            p.makespan_s,
-            with_fo.step_time_s
-        );
-        assert!(p.makespan_s > without.step_time_s, "{}", kind.name());
-        assert_eq!(p.bubbles.len(), 2);
+    for &kind in ScheduleKind::ALL {
+        for with_fo in [false, true] {
+            let v = kind.stages_per_rank(None).unwrap();
+            let mut s = common::setup(
+                model.clone(),
+                common::workload(200.0, 2048),
+                ScheduleSource::Kind(kind),
+                (2, v, 6),
+            );
+            let fo = ForwardOnlySpec {
+                microbatches: Some(6),
+                mode: FoMode::Fused,
+                loss_dependency: false,
+            };
+            s.config.forward_only = with_fo.then_some(fo);
+            s.profile = Some(Arc::new(profile.clone()));
+            let name = format!("{} fo={with_fo}", kind.name());
+            let step = s.prepare(0).unwrap();
+            let r = &step.replicas[0];
+            // The Monte Carlo's path for the same configuration and microbatches.
+            let (mc, sim) = simulate_replica(&profile, &s.config, &r.lengths, 0).unwrap();
+            let (predicted, _) = sim.unwrap();
+            assert_eq!(
+                r.schedule.ranks, predicted.ranks,
+                "{name}: the executed schedule differs from the predicted one"
+            );
+            assert_eq!(
+                r.schedule.num_fo_microbatches,
+                if with_fo { 6 } else { 0 },
+                "{name}"
+            );
+            // `execute`'s prediction replays that schedule: the Monte Carlo's step time (dp =
+            // 1: no all-reduce), carried by the step or replayed on a copy of the profile.
+            let carried = step.predict(&s, s.profile.as_deref().unwrap()).unwrap();
+            let replayed = step.predict(&s, &profile).unwrap();
+            for p in [&carried, &replayed] {
+                assert!(
+                    (p.makespan_s - mc.step_time_s).abs() <= 1e-9 * mc.step_time_s,
+                    "{name}: predicted {} vs {}",
+                    p.makespan_s,
+                    mc.step_time_s
+                );
+                assert_eq!(p.bubbles.len(), 2, "{name}");
+            }
+            assert_eq!(carried.bubbles, replayed.bubbles, "{name}");
+            if with_fo {
+                // More than without the forward-only work (what `execute` used to predict).
+                let mut train_only = s.config.clone();
+                train_only.forward_only = None;
+                let (without, _) = simulate_replica(&profile, &train_only, &r.lengths, 0).unwrap();
+                assert!(mc.step_time_s > without.step_time_s, "{name}");
+            }
+        }
     }
 }

@@ -23,7 +23,7 @@ use flatpipe_profiles::{Profile, StepSize, Workload};
 use flatpipe_simulator::costs::{Recompute, UniformCostSpec, UniformCosts, recompute_effect};
 use flatpipe_simulator::metrics::stage_inflight_peaks;
 use flatpipe_simulator::montecarlo::{
-    self, Capacity, Combo, ScheduleSource, Summary, allreduce_s, dp_shares,
+    self, Capacity, RunConfig, ScheduleSource, Summary, allreduce_s, dp_shares,
 };
 use flatpipe_simulator::policy::{Policy, PolicyParams, batch};
 use flatpipe_simulator::{ScheduleKind, replay};
@@ -360,19 +360,20 @@ pub fn search(
             Err(e) => return Err(e),
         };
         evaluated += 1;
-        let mut combo = Combo::new(
+        let mut run = RunConfig::new(
             ScheduleSource::Kind(c.kind),
+            c.pp,
             c.v,
             partition.stages.clone(),
             space.policy,
             Capacity::Dynamic,
         );
-        combo.dp = c.dp;
-        combo.recompute = partition.recompute.clone();
+        run.dp = c.dp;
+        run.recompute = partition.recompute.clone();
         // zb-auto builds each step's schedule under the same memory limit.
-        combo.memory_limit_bytes = Some(config.memory_limit_bytes);
-        combo.forward_only = config.forward_only;
-        let params = PolicyParams {
+        run.memory_limit_bytes = Some(config.memory_limit_bytes);
+        run.forward_only = config.forward_only;
+        run.params = PolicyParams {
             token_budget: c.budget,
             ..Default::default()
         };
@@ -382,9 +383,7 @@ pub fn search(
             config.seed,
             config.size,
             config.steps,
-            c.pp,
-            &params,
-            &[combo],
+            &[run],
             &|| {},
         ) {
             Ok(mc) => mc,

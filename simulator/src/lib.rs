@@ -21,6 +21,8 @@
 //!   rank, and the lower bound.
 //! - [`gantt`], [`trace`]: charts and Perfetto traces of a [`Timeline`].
 //! - [`plan`]: the [`Plan`] file.
+//! - [`step`]: one step planned once ([`step::RunConfig`] -> [`step::StepPlan`]): what the
+//!   Monte Carlo, the planner, `execute` and `calibrate` consume.
 //!
 //! ```
 //! use flatpipe_simulator::{ScheduleKind, UniformCostSpec, UniformCosts, simulate};
@@ -49,6 +51,7 @@ pub mod plan;
 pub mod policy;
 pub mod pytorch_csv;
 pub mod replay;
+pub mod step;
 pub mod timeline;
 pub mod trace;
 pub mod zb_auto;

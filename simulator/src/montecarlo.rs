@@ -17,8 +17,9 @@ use crate::costs::{CostModel, TableCosts, ns_to_s};
 use crate::generators::ScheduleKind;
 use crate::ir::{Rank, Schedule};
 use crate::microbatch::Microbatch;
-use crate::policy::{Batched, Policy, PolicyParams, batch};
-use crate::{Error, Result, Simulation, simulate};
+use crate::policy::{Batched, Policy, PolicyParams};
+pub use crate::step::RunConfig;
+use crate::{Error, Result, Simulation};
 use flatpipe_profiles::{Profile, StepSize, Workload};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -83,33 +84,6 @@ impl ScheduleSource {
     }
 }
 
-/// One configuration to evaluate on every sampled step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Combo {
-    /// Schedule family or given schedule.
-    pub source: ScheduleSource,
-    /// Stages per rank.
-    pub v: u32,
-    /// Layer range of every stage.
-    pub stages: Vec<Range<usize>>,
-    /// Microbatching policy.
-    pub policy: Policy,
-    /// Schedule capacity (a given schedule always has the fixed capacity of its microbatch
-    /// count).
-    pub capacity: Capacity,
-    /// Data-parallel replicas (each runs the pipeline on its share of the step).
-    pub dp: u32,
-    /// Recomputation per stage (empty: none).
-    pub recompute: Vec<crate::costs::Recompute>,
-    /// zb-auto's per-rank memory limit, bytes: its activations may use this minus the largest
-    /// rank's parameters, gradients and optimizer state (`None`: the hardware's memory minus a
-    /// reserve of 4 GiB, at most 1/8 of it).
-    pub memory_limit_bytes: Option<f64>,
-    /// Forward-only work per replica and step (a frozen reference or teacher forward over the
-    /// step's own microbatches, cycled to K).
-    pub forward_only: Option<ForwardOnlySpec>,
-}
-
 /// Forward-only microbatches of each step (see [`crate::forward_only`]); in a plan file:
 ///
 /// ```yaml
@@ -129,29 +103,6 @@ pub struct ForwardOnlySpec {
     /// Training microbatch i's loss needs forward-only microbatch i.
     #[serde(default)]
     pub loss_dependency: bool,
-}
-
-impl Combo {
-    /// A combo with one replica and no recomputation.
-    pub fn new(
-        source: ScheduleSource,
-        v: u32,
-        stages: Vec<Range<usize>>,
-        policy: Policy,
-        capacity: Capacity,
-    ) -> Self {
-        Combo {
-            source,
-            v,
-            stages,
-            policy,
-            capacity,
-            dp: 1,
-            recompute: Vec::new(),
-            memory_limit_bytes: None,
-            forward_only: None,
-        }
-    }
 }
 
 /// zb-auto's activation budget per rank, bytes: the memory limit (default
@@ -292,7 +243,7 @@ pub struct StepOutcome {
 
 /// Generated schedules by (kind, p, v, m): steps of a Monte Carlo share their microbatch counts,
 /// and interleaved 1F1B's deadlock-free group size search is worth doing once.
-fn cached_schedule(kind: ScheduleKind, p: u32, v: u32, m: u32) -> Result<Arc<Schedule>> {
+pub(crate) fn cached_schedule(kind: ScheduleKind, p: u32, v: u32, m: u32) -> Result<Arc<Schedule>> {
     type Cache = Mutex<HashMap<(ScheduleKind, u32, u32, u32), Arc<Schedule>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
@@ -309,165 +260,35 @@ fn cached_schedule(kind: ScheduleKind, p: u32, v: u32, m: u32) -> Result<Arc<Sch
     Ok(s)
 }
 
-/// Simulates one step of `mbs` under `combo` on `p` ranks. Returns the outcome and, when the
-/// step ran as one round, its schedule and simulation.
+/// Simulates one step of `mbs` under `config` (one replica). Returns the outcome and the
+/// schedule that ran with its simulation (several rounds drawn one after the other).
 ///
 /// # Errors
 /// Generation, cost or simulation errors.
 pub fn simulate_step(
     profile: &Profile,
-    p: u32,
-    combo: &Combo,
+    config: &RunConfig,
     mbs: &[Microbatch],
 ) -> Result<(StepOutcome, Option<(Schedule, Simulation)>)> {
-    simulate_replica(profile, p, combo, mbs, 0)
+    simulate_replica(profile, config, mbs, 0)
 }
 
-/// [`simulate_step`] for the replica whose pipeline rank 0 is global rank `first_rank`.
+/// [`simulate_step`] for the replica whose pipeline rank 0 is global rank `first_rank`: the
+/// replica's [`crate::step::plan_replica`] and its predicted outcome.
 ///
 /// # Errors
 /// Generation, cost or simulation errors.
 pub fn simulate_replica(
     profile: &Profile,
-    p: u32,
-    combo: &Combo,
+    config: &RunConfig,
     mbs: &[Microbatch],
     first_rank: usize,
 ) -> Result<(StepOutcome, Option<(Schedule, Simulation)>)> {
-    let n = mbs.len() as u32;
-    let capacity = match &combo.source {
-        ScheduleSource::Given(s) => Capacity::Fixed(s.num_microbatches),
-        ScheduleSource::Kind(_) => combo.capacity,
-    };
-    let (k, rounds) = match capacity {
-        Capacity::Dynamic => (n, 1),
-        Capacity::Fixed(k) => (k, n.div_ceil(k).max(1)),
-    };
-    let auto = combo.source == ScheduleSource::Kind(ScheduleKind::ZbAuto);
-    let mut schedule: Arc<Schedule> = match &combo.source {
-        // Built per round below, from that round's costs.
-        ScheduleSource::Kind(ScheduleKind::ZbAuto) => Arc::new(Schedule {
-            name: "zb-auto".into(),
-            placement: crate::zb_auto::placement(p, combo.v)?,
-            num_microbatches: k,
-            num_fo_microbatches: 0,
-            ranks: Vec::new(),
-        }),
-        ScheduleSource::Kind(kind) => cached_schedule(*kind, p, combo.v, k)?,
-        ScheduleSource::Given(s) => Arc::new(s.clone()),
-    };
-    let mut out = StepOutcome {
-        step_time_s: 0.0,
-        busy_s: 0.0,
-        true_tokens: mbs.iter().map(Microbatch::tokens).sum(),
-        computed_tokens: mbs.iter().map(Microbatch::computed_tokens).sum(),
-        model_flops: mbs
-            .iter()
-            .map(|m| profile.model_flops(m.tokens() as f64, m.attn_pairs() as f64))
-            .sum(),
-        peak_activation_bytes: 0.0,
-        static_bytes: 0.0,
-        rank_memory_bytes: vec![0.0; p as usize],
-        microbatches: n,
-        rounds,
-        fo: None,
-    };
-    let mut single = None;
-    let mut round_sims = Vec::new();
-    for round in 0..rounds {
-        let start = (round * k) as usize;
-        let mut slots: Vec<Microbatch> = mbs[start..(start + k as usize).min(mbs.len())].to_vec();
-        slots.resize(k as usize, Microbatch::default());
-        let opts = crate::costs::CostOptions {
-            recompute: &combo.recompute,
-            first_rank,
-        };
-        // Forward-only work rides in the first round.
-        let fo = combo
-            .forward_only
-            .map(|f| (f, f.microbatches.unwrap_or(k)))
-            .filter(|(_, kf)| *kf > 0 && round == 0);
-        let fo_slots: Vec<Microbatch> = match fo {
-            Some((_, kf)) => (0..kf as usize)
-                .map(|i| slots[i % slots.len()].clone())
-                .collect(),
-            None => Vec::new(),
-        };
-        let mut costs = TableCosts::with_options(
-            profile,
-            &combo.stages,
-            &schedule.placement,
-            &slots,
-            &fo_slots,
-            &opts,
-        )?;
-        if round + 1 < rounds {
-            costs = costs.without_optimizer();
-        }
-        if auto {
-            let limit = zb_auto_activation_limit(profile, combo.memory_limit_bytes, &costs, p)?;
-            schedule = Arc::new(crate::zb_auto::zb_auto(p, combo.v, k, &costs, limit)?);
-        }
-        let fo_schedule;
-        let run_schedule: &Schedule = match fo {
-            Some((f, kf)) => {
-                let t_train = crate::replay::replay(&schedule, &costs)?.makespan_ns();
-                let pass = crate::forward_only::forward_only_pass(&schedule, kf);
-                // The pass alone has no optimizer step.
-                let t_fo =
-                    crate::replay::replay(&pass, &costs.clone().without_optimizer())?.makespan_ns();
-                out.fo = Some((ns_to_s(t_train), ns_to_s(t_fo)));
-                fo_schedule = crate::forward_only::with_forward_only(
-                    &schedule,
-                    kf,
-                    f.mode,
-                    f.loss_dependency,
-                    &costs,
-                )?;
-                // The frozen model's weights (the profile's dtype) live on every rank.
-                for r in 0..p as usize {
-                    let frozen: f64 = combo
-                        .stages
-                        .iter()
-                        .enumerate()
-                        .filter(|(s, _)| schedule.placement.rank_of[*s].idx() == r)
-                        .flat_map(|(_, l)| profile.layers[l.clone()].iter())
-                        .map(|l| l.param_bytes as f64)
-                        .sum();
-                    out.rank_memory_bytes[r] += frozen;
-                }
-                &fo_schedule
-            }
-            None => &schedule,
-        };
-        let sim = simulate(run_schedule, &costs)?;
-        out.step_time_s += sim.metrics.makespan_s;
-        out.busy_s += sim.metrics.ranks.iter().map(|r| r.busy_s).sum::<f64>();
-        let peak = sim
-            .metrics
-            .ranks
-            .iter()
-            .filter_map(|r| r.peak_activation_bytes)
-            .fold(0.0, f64::max);
-        out.peak_activation_bytes = out.peak_activation_bytes.max(peak);
-        out.static_bytes = (0..p)
-            .map(|r| costs.static_bytes(Rank(r)))
-            .fold(0.0, f64::max);
-        for (r, m) in sim.metrics.ranks.iter().enumerate() {
-            let total = costs.static_bytes(Rank(r as u32)) + m.peak_activation_bytes.unwrap_or(0.0);
-            out.rank_memory_bytes[r] = out.rank_memory_bytes[r].max(total);
-        }
-        if rounds == 1 {
-            single = Some((run_schedule.clone(), sim));
-        } else {
-            round_sims.push(sim);
-            if round + 1 == rounds {
-                single = Some((run_schedule.clone(), concat_rounds(round_sims, k)));
-                break;
-            }
-        }
-    }
-    Ok((out, single))
+    let plan = crate::step::plan_replica(config, Some(profile), mbs.to_vec(), first_rank)?;
+    let outcome = plan
+        .outcome(config, profile)
+        .expect("a replica planned with a profile is predicted");
+    Ok((outcome, plan.chart()))
 }
 
 /// The rounds of one step under a fixed capacity `k`, one after the other as they run (each
@@ -546,7 +367,7 @@ pub fn concat_rounds(rounds: Vec<Simulation>, k: u32) -> Simulation {
 
 /// Combines two replicas' outcomes of one step: the step ends with the slower replica; tokens,
 /// FLOPs and busy time add up; memory is the larger.
-fn merge_replicas(a: StepOutcome, b: StepOutcome) -> StepOutcome {
+pub(crate) fn merge_replicas(a: StepOutcome, b: StepOutcome) -> StepOutcome {
     StepOutcome {
         step_time_s: a.step_time_s.max(b.step_time_s),
         busy_s: a.busy_s + b.busy_s,
@@ -712,10 +533,10 @@ pub fn estimated_step(workload: &Workload, seed: u64, size: StepSize) -> (f64, f
 /// refused before anything is allocated:
 ///
 /// - the outcomes it keeps, twice (the per-step rows and the per-combo columns exist together
-///   for a moment): `steps x combos` [`StepOutcome`]s with one `f64` per rank;
-/// - step 0's schedule and simulation of every combo (kept for the charts);
+///   for a moment): `steps x configurations` [`StepOutcome`]s with one `f64` per rank;
+/// - step 0's schedule and simulation of every configuration (kept for the charts);
 /// - on each of rayon's worker threads, one step in flight: its sequence lengths (once, and once per
-///   (policy, dp) cut) and the largest combo's schedule.
+///   (policy, dp) cut) and the largest configuration's schedule.
 ///
 /// A schedule costs [`BYTES_PER_STAGE_MICROBATCH`] per (stage, microbatch) pair. A step's size
 /// and microbatch count are estimated from [`ESTIMATE_DRAWS`] draws of the workload: its
@@ -727,42 +548,49 @@ pub fn estimated_step(workload: &Workload, seed: u64, size: StepSize) -> (f64, f
 /// --gantt none` (default llama3.1-8b on 4 H200, 9 schedules) it was 1.0x (20,000 steps: 0.13
 /// GiB vs 0.13 GiB), 3.5x (one step of 200,000 sequences: 1.31 vs 0.37 GiB) and 2.8x (4 padded
 /// steps of 20,000 sequences: 1.52 vs 0.54 GiB).
-#[allow(clippy::too_many_arguments)]
 pub fn estimated_memory_bytes(
     workload: &Workload,
     seed: u64,
     size: StepSize,
     steps: u32,
-    p: u32,
-    params: &PolicyParams,
-    combos: &[Combo],
+    configs: &[RunConfig],
 ) -> f64 {
     let (seqs, mean, longest) = estimated_step(workload, seed, size);
-    let budget = params.token_budget.max(1) as f64;
-    let microbatches = |policy: Policy| match params.microbatches {
-        Some(m) => f64::from(m),
-        None if policy == Policy::Padded => (seqs / (budget / longest).floor().max(1.0)).ceil(),
-        None => (seqs * mean / budget).ceil() + 1.0,
+    let microbatches = |c: &RunConfig| {
+        let budget = c.params.token_budget.max(1) as f64;
+        match c.params.microbatches {
+            Some(m) => f64::from(m),
+            None if c.policy == Policy::Padded => {
+                (seqs / (budget / longest).floor().max(1.0)).ceil()
+            }
+            None => (seqs * mean / budget).ceil() + 1.0,
+        }
     };
-    let pairs = |c: &Combo| f64::from(p) * f64::from(c.v.max(1)) * microbatches(c.policy);
-    let outcome = (std::mem::size_of::<(StepOutcome, Option<(Schedule, Simulation)>)>()
-        + 8 * p as usize) as f64;
-    let kept = 2.0 * f64::from(steps) * combos.len() as f64 * outcome;
-    let first: f64 = combos.iter().map(pairs).sum::<f64>() * BYTES_PER_STAGE_MICROBATCH;
-    let mut cuts: Vec<(u32, Policy)> = combos.iter().map(|c| (c.dp.max(1), c.policy)).collect();
-    cuts.sort();
-    cuts.dedup();
+    let pairs = |c: &RunConfig| f64::from(c.pp) * f64::from(c.v.max(1)) * microbatches(c);
+    let ranks = configs.iter().map(|c| c.pp as usize).max().unwrap_or(1);
+    let outcome =
+        (std::mem::size_of::<(StepOutcome, Option<(Schedule, Simulation)>)>() + 8 * ranks) as f64;
+    let kept = 2.0 * f64::from(steps) * configs.len() as f64 * outcome;
+    let first: f64 = configs.iter().map(pairs).sum::<f64>() * BYTES_PER_STAGE_MICROBATCH;
+    let mut cuts: Vec<(u32, Policy, PolicyParams)> = Vec::new();
+    for c in configs {
+        let key = (c.dp.max(1), c.policy, c.params);
+        if !cuts.contains(&key) {
+            cuts.push(key);
+        }
+    }
     let in_flight = seqs * 4.0 * (1.0 + cuts.len() as f64)
-        + combos.iter().map(pairs).fold(0.0, f64::max) * BYTES_PER_STAGE_MICROBATCH;
+        + configs.iter().map(pairs).fold(0.0, f64::max) * BYTES_PER_STAGE_MICROBATCH;
     kept + first + rayon::current_num_threads().max(1) as f64 * in_flight
 }
 
 /// What a Monte Carlo run produced.
 #[derive(Debug, Clone)]
 pub struct MonteCarlo {
-    /// `outcomes[c][i]`: combo `c` on step `i`.
+    /// `outcomes[c][i]`: configuration `c` on step `i`.
     pub outcomes: Vec<Vec<StepOutcome>>,
-    /// For each combo, step 0's schedule and simulation when it ran as one round.
+    /// For each configuration, step 0's schedule and simulation of replica 0 (several rounds
+    /// drawn one after the other).
     pub first: Vec<Option<(Schedule, Simulation)>>,
     /// Sequences longer than the token budget, over all steps (each counted once, whatever the
     /// number of flat policies and data-parallel degrees compared).
@@ -773,29 +601,24 @@ pub struct MonteCarlo {
     pub sequences_per_step: Vec<usize>,
 }
 
-/// Samples `steps` steps of `workload` (step `i` from `(seed, i)`), cuts each into microbatches
-/// under every policy the combos use, and simulates every combo on every step in parallel
-/// (rayon). `progress` is called once per finished step. Results are independent of the
-/// thread count.
+/// Samples `steps` steps of `workload` (step `i` from `(seed, i)`), cuts each for every
+/// distinct (dp, policy, policy parameters) of the configurations ([`crate::step::cut_step`]),
+/// plans every configuration on every step ([`crate::step::plan_step`]) and keeps its
+/// predicted outcome, in parallel (rayon). `progress` is called once per finished step. Results
+/// are independent of the thread count.
 ///
 /// # Errors
 /// The first batching, generation or simulation error.
-#[allow(clippy::too_many_arguments)]
 pub fn run(
     profile: &Profile,
     workload: &Workload,
     seed: u64,
     size: StepSize,
     steps: u32,
-    p: u32,
-    params: &PolicyParams,
-    combos: &[Combo],
+    configs: &[RunConfig],
     progress: &(dyn Fn() + Sync),
 ) -> Result<MonteCarlo> {
     let cost = balance_cost(profile);
-    let mut policies: Vec<Policy> = combos.iter().map(|c| c.policy).collect();
-    policies.sort();
-    policies.dedup();
     type StepResult = (
         Vec<(StepOutcome, Option<(Schedule, Simulation)>)>,
         usize,
@@ -806,71 +629,52 @@ pub fn run(
         .into_par_iter()
         .map(|i| -> Result<StepResult> {
             let seqs = workload.sample_step(seed, i as u64, size);
-            let mut dps: Vec<u32> = combos.iter().map(|c| c.dp.max(1)).collect();
-            dps.sort_unstable();
-            dps.dedup();
-            // (dp, policy) -> each replica's microbatches.
-            let mut batched: Vec<((u32, Policy), Vec<Batched>)> = Vec::new();
-            for &dp in &dps {
-                let shares = dp_shares(&seqs, dp, &cost);
-                for &pol in &policies {
-                    let b = shares
-                        .iter()
-                        .map(|share| batch(pol, share, params, &cost))
-                        .collect::<Result<Vec<_>>>()?;
-                    batched.push(((dp, pol), b));
+            // (dp, policy, parameters) -> each replica's microbatches, cut once per step.
+            let mut cuts: Vec<((u32, Policy, PolicyParams), Vec<Batched>)> = Vec::new();
+            for c in configs {
+                let key = (c.dp.max(1), c.policy, c.params);
+                if !cuts.iter().any(|(k, _)| *k == key) {
+                    cuts.push((key, crate::step::cut_step(c, &seqs, &cost)?));
                 }
             }
-            // Every (dp, policy) pair sees the same sequences: count them once, as the most
-            // any one pair flagged (the replicas of one pair partition the step).
-            let oversize = batched
+            // Every cut sees the same sequences: count them once, as the most any one cut
+            // flagged (the replicas of one cut partition the step).
+            let oversize = cuts
                 .iter()
                 .map(|(_, b)| b.iter().map(|r| r.oversize.len()).sum::<usize>())
                 .max()
                 .unwrap_or(0);
-            let truncated = batched
+            let truncated = cuts
                 .iter()
                 .map(|(_, b)| b.iter().map(|r| r.truncated_tokens).sum::<u64>())
                 .max()
                 .unwrap_or(0);
-            let mut row = Vec::with_capacity(combos.len());
-            for c in combos {
-                let dp = c.dp.max(1);
-                let replicas = &batched
+            let mut row = Vec::with_capacity(configs.len());
+            for c in configs {
+                let key = (c.dp.max(1), c.policy, c.params);
+                let cut = &cuts
                     .iter()
-                    .find(|(k, _)| *k == (dp, c.policy))
-                    .expect("every (dp, policy) batched")
+                    .find(|(k, _)| *k == key)
+                    .expect("every configuration's cut is made")
                     .1;
-                let mut total: Option<StepOutcome> = None;
-                let mut first_sim = None;
-                for (d, b) in replicas.iter().enumerate() {
-                    let (o, sim) =
-                        simulate_replica(profile, p, c, &b.microbatches, d * p as usize)?;
-                    if d == 0 {
-                        first_sim = sim;
-                    }
-                    total = Some(match total {
-                        None => o,
-                        Some(t) => merge_replicas(t, o),
-                    });
-                }
-                let mut o = total.expect("dp >= 1");
-                if dp > 1 {
-                    let placement = match &c.source {
-                        ScheduleSource::Kind(k) => k.placement_on(p, c.v)?,
-                        ScheduleSource::Given(s) => s.placement.clone(),
-                    };
-                    o.step_time_s += allreduce_s(profile, &c.stages, &placement, dp);
-                }
-                row.push((o, if i == 0 { first_sim } else { None }));
+                let plan = crate::step::plan_step(c, Some(profile), i as u64, cut)?;
+                let o = plan
+                    .outcome(c, profile)
+                    .expect("a step planned with a profile is predicted");
+                let chart = if i == 0 {
+                    plan.replicas.first().and_then(|r| r.chart())
+                } else {
+                    None
+                };
+                row.push((o, chart));
             }
             progress();
             Ok((row, oversize, truncated, seqs.len()))
         })
         .collect::<Result<_>>()?;
     let mut mc = MonteCarlo {
-        outcomes: vec![Vec::with_capacity(steps as usize); combos.len()],
-        first: vec![None; combos.len()],
+        outcomes: vec![Vec::with_capacity(steps as usize); configs.len()],
+        first: vec![None; configs.len()],
         oversize_sequences: 0,
         truncated_tokens: 0,
         sequences_per_step: Vec::with_capacity(steps as usize),

@@ -192,19 +192,18 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             tracing::warn!("{}: no plan ({why})", kind.name());
             continue;
         };
+        let mut config = montecarlo::RunConfig::new(
+            ScheduleSource::Kind(kind),
+            pp,
+            best.vpp,
+            best.partition.stages.clone(),
+            Policy::FlatFfd,
+            montecarlo::Capacity::Dynamic,
+        );
+        config.params.token_budget = best.token_budget;
         let setup = Setup {
             model: model.clone(),
-            stages: best.partition.stages.clone(),
-            source: ScheduleSource::Kind(kind),
-            pp,
-            v: best.vpp,
-            dp: 1,
-            recompute: Vec::new(),
-            policy: Policy::FlatFfd,
-            params: PolicyParams {
-                token_budget: best.token_budget,
-                ..PolicyParams::default()
-            },
+            config,
             workload: workload.clone(),
             step_size: size,
             seed: workload.seed,
@@ -213,9 +212,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             adamw: AdamW::default(),
             max_grad_norm: Some(1.0),
             balance: Arc::new(montecarlo::balance_cost(&profile)),
-            forward_only: None,
             profile: Some(Arc::new(profile.clone())),
-            memory_limit_bytes: None,
         };
         // Timing only: on a GPU the weights are drawn on the device.
         let mut exec = AnyExecutor::new(
@@ -247,9 +244,9 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
         rows.push(Row {
             schedule: kind.name().to_string(),
             pp,
-            vpp: setup.v,
+            vpp: setup.config.v,
             token_budget: best.token_budget,
-            layers_per_stage: setup.stages.iter().map(|r| r.len()).collect(),
+            layers_per_stage: setup.config.stages.iter().map(|r| r.len()).collect(),
             predicted_makespan_s: p,
             measured_makespan_s: m,
             rel_error: (p - m) / m,

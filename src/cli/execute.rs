@@ -326,7 +326,8 @@ fn cuda_usable() -> std::result::Result<(), String> {
     }
 }
 
-/// The simulator's prediction of a prepared step on `profile`: the slowest replica's makespan
+/// The simulator's prediction of a prepared step on the setup's profile (the one the step was
+/// planned with; `profile` without one): the slowest replica's makespan
 /// plus the data-parallel all-reduce (seconds), and replica 0's per-rank bubble ratios; the
 /// replay of the schedules that run ([`PreparedStep::predict`]).
 pub(super) fn predict_step(
@@ -334,7 +335,8 @@ pub(super) fn predict_step(
     setup: &Setup,
     prepared: &PreparedStep,
 ) -> Result<(f64, Vec<f64>)> {
-    let p = prepared.predict(setup, profile)?;
+    // The setup's profile is this profile (an Arc of it): the step carries its prediction.
+    let p = prepared.predict(setup, setup.profile.as_deref().unwrap_or(profile))?;
     Ok((p.makespan_s, p.bubbles))
 }
 
@@ -597,16 +599,26 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         .as_ref()
         .and_then(|p| p.predicted.as_ref())
         .map(|p| p.memory_limit_bytes);
-    let setup = Setup {
-        model: model.clone(),
-        stages: stages.clone(),
-        source: source.clone(),
+    let mut config = montecarlo::RunConfig::new(
+        source.clone(),
         pp,
         v,
-        dp,
-        recompute: recompute.clone(),
+        stages.clone(),
         policy,
-        params,
+        Capacity::Dynamic,
+    );
+    config.dp = dp;
+    config.recompute = recompute.clone();
+    config.params = params;
+    // The options' forward-only work, else the plan's (an explicit 0 drops it).
+    config.forward_only = match a.fo.fo_microbatches {
+        Some(_) => fo,
+        None => plan.as_ref().and_then(|p| p.forward_only),
+    };
+    config.memory_limit_bytes = zb_limit;
+    let setup = Setup {
+        model: model.clone(),
+        config,
         workload: workload.clone(),
         step_size,
         seed: a
@@ -621,15 +633,8 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         },
         max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
         balance: Arc::new(balance),
-        // The options' forward-only work, else the plan's (an explicit 0 drops it).
-        forward_only: match a.fo.fo_microbatches {
-            Some(_) => fo,
-            None => plan.as_ref().and_then(|p| p.forward_only),
-        },
         profile: Some(Arc::new(profile.clone())),
-        memory_limit_bytes: zb_limit,
     };
-    // Refuse, before allocating the stages, a run this host cannot hold.
     // The microbatch count the user did not give: say where it came from when a step cannot
     // be cut into it.
     let defaulted_m = a.plan.is_none()
@@ -648,6 +653,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         }
     };
     let first = setup.prepare(0).map_err(with_default)?;
+    // Refuse, before allocating the stages, a run this host cannot hold.
     if backend == Backend::Cpu {
         let largest = first
             .all_microbatches()
@@ -684,10 +690,11 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     let mut failed = false;
     // Sequences longer than the token budget (each gets a microbatch of its own).
     let budget = setup
+        .config
         .params
         .microbatches
         .is_none()
-        .then_some(setup.params.token_budget);
+        .then_some(setup.config.params.token_budget);
     let (mut over_budget, mut longest) = (0usize, 0u64);
     // Warm-up steps draw their data after the reported ones' (step ids steps.., so the reported
     // steps are the same with or without them).
@@ -821,7 +828,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     if over_budget > 0 {
         notes.push(format!(
             "{over_budget} sequence(s) longer than the token budget of {} tokens (the longest {longest}) ran as microbatches of their own",
-            setup.params.token_budget
+            setup.config.params.token_budget
         ));
     }
     if let Some((prepared, run)) = &last {
@@ -918,7 +925,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         "tokens/s",
         "bubble",
     ];
-    let with_fo = setup.forward_only.is_some();
+    let with_fo = setup.config.forward_only.is_some();
     if with_fo {
         cols.extend(["Fo", "Fo busy"]);
     }

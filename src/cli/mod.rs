@@ -179,21 +179,18 @@ fn check_monte_carlo_memory(
     size: StepSize,
     steps: u32,
     kept_steps: u32,
-    p: u32,
-    params: &PolicyParams,
-    combos: &[montecarlo::Combo],
+    configs: &[montecarlo::RunConfig],
 ) -> Result<()> {
     let (seqs, _, _) = montecarlo::estimated_step(workload, seed, size);
     let kept = f64::from(kept_steps) * (seqs * 4.0 + 24.0);
-    let need =
-        kept + montecarlo::estimated_memory_bytes(workload, seed, size, steps, p, params, combos);
+    let need = kept + montecarlo::estimated_memory_bytes(workload, seed, size, steps, configs);
     tracing::info!("{what}: estimated to hold {}", fmt_bytes(need));
     check_memory(
         what,
         need,
         &format!(
             "{steps} step(s) of {size} over {} schedule(s) are estimated to hold {}",
-            combos.len(),
+            configs.len(),
             fmt_bytes(need)
         ),
         "use fewer steps, sequences per step or schedules, or a larger token budget",

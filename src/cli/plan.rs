@@ -221,13 +221,15 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     };
     // The search keeps every sampled step and runs one Monte Carlo per candidate: the largest
     // candidate (most ranks per pipeline, most stages per rank, smallest budget) sets the peak.
-    let widest = montecarlo::Combo::new(
+    let mut widest = montecarlo::RunConfig::new(
         ScheduleSource::Kind(ScheduleKind::OneFOneB),
+        space.pp.iter().copied().max().unwrap_or(1),
         space.vpp.iter().copied().max().unwrap_or(1).max(2),
         Vec::new(),
         space.policy,
         Capacity::Dynamic,
     );
+    widest.params.token_budget = space.token_budgets.iter().copied().min().unwrap_or(1);
     super::check_monte_carlo_memory(
         "the plan search",
         &workload,
@@ -235,11 +237,6 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         size,
         a.steps,
         a.steps,
-        space.pp.iter().copied().max().unwrap_or(1),
-        &PolicyParams {
-            token_budget: space.token_budgets.iter().copied().min().unwrap_or(1),
-            ..PolicyParams::default()
-        },
         &[widest],
     )?;
     let bar = std::sync::Mutex::new(None::<indicatif::ProgressBar>);
@@ -442,30 +439,21 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         }
     }
     // Gantt of the chosen plan's first step (replica 0).
-    let mut combo = montecarlo::Combo::new(
+    let mut chosen = montecarlo::RunConfig::new(
         ScheduleSource::Kind(best.schedule),
+        best.pp,
         best.vpp,
         best.partition.stages.clone(),
         space.policy,
         Capacity::Dynamic,
     );
-    combo.dp = best.dp;
-    combo.recompute = best.partition.recompute.clone();
-    let params = PolicyParams {
+    chosen.dp = best.dp;
+    chosen.recompute = best.partition.recompute.clone();
+    chosen.params = PolicyParams {
         token_budget: best.token_budget,
         ..Default::default()
     };
-    let first = montecarlo::run(
-        &profile,
-        &workload,
-        seed,
-        size,
-        1,
-        best.pp,
-        &params,
-        &[combo],
-        &|| {},
-    )?;
+    let first = montecarlo::run(&profile, &workload, seed, size, 1, &[chosen], &|| {})?;
     if let Some((s, simulation)) = &first.first[0]
         && let Some(gantt) = super::chart_path(&a.gantt, "flatpipe-plan.png")
     {

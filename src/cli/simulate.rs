@@ -557,8 +557,15 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         };
         for &policy in &policies {
             for &capacity in &capacities {
-                let mut combo =
-                    montecarlo::Combo::new(source.clone(), v, stages.clone(), policy, capacity);
+                let mut combo = montecarlo::RunConfig::new(
+                    source.clone(),
+                    p,
+                    v,
+                    stages.clone(),
+                    policy,
+                    capacity,
+                );
+                combo.params = params;
                 if let Some(pl) = &plan {
                     combo.dp = pl.dp.unwrap_or(1);
                     combo.recompute = pl.recompute.clone();
@@ -589,17 +596,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             pairs,
         )?;
     }
-    super::check_monte_carlo_memory(
-        "the Monte Carlo",
-        &workload,
-        seed,
-        size,
-        steps,
-        0,
-        p,
-        &params,
-        &combos,
-    )?;
+    super::check_monte_carlo_memory("the Monte Carlo", &workload, seed, size, steps, 0, &combos)?;
     tracing::info!(
         "Monte Carlo: {steps} sampled steps x {} (schedule, policy, capacity) combinations of {} on {}",
         combos.len(),
@@ -608,18 +605,10 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     );
     let mc_start = std::time::Instant::now();
     let bar = Progress::new(steps as u64);
-    let run = |combos: &[montecarlo::Combo]| {
-        montecarlo::run(
-            &profile,
-            &workload,
-            seed,
-            size,
-            steps,
-            p,
-            &params,
-            combos,
-            &|| bar.inc(),
-        )
+    let run = |combos: &[montecarlo::RunConfig]| {
+        montecarlo::run(&profile, &workload, seed, size, steps, combos, &|| {
+            bar.inc()
+        })
     };
     // zb-auto is built under the memory limit; when a rank's static state alone exceeds it, the
     // comparison goes on without zb-auto and says why.

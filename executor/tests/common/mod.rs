@@ -6,7 +6,7 @@ use flatpipe_executor::AdamW;
 use flatpipe_executor::data::LossReduction;
 use flatpipe_executor::runner::Setup;
 use flatpipe_profiles::{LengthDistribution, ModelSpec, StepSize, Workload};
-use flatpipe_simulator::montecarlo::ScheduleSource;
+use flatpipe_simulator::montecarlo::{Capacity, RunConfig, ScheduleSource};
 use flatpipe_simulator::plan::even_split;
 use flatpipe_simulator::policy::{Policy, PolicyParams};
 use std::sync::Arc;
@@ -32,19 +32,21 @@ pub fn setup(
     (pp, v, m): (u32, u32, u32),
 ) -> Setup {
     let stages = even_split(model.layers().len(), (pp * v) as usize).unwrap();
-    Setup {
-        model,
-        stages,
+    let mut config = RunConfig::new(
         source,
         pp,
         v,
-        dp: 1,
-        recompute: Vec::new(),
-        policy: Policy::FlatBalanced,
-        params: PolicyParams {
-            microbatches: Some(m),
-            ..PolicyParams::default()
-        },
+        stages,
+        Policy::FlatBalanced,
+        Capacity::Dynamic,
+    );
+    config.params = PolicyParams {
+        microbatches: Some(m),
+        ..PolicyParams::default()
+    };
+    Setup {
+        model,
+        config,
         workload,
         step_size: StepSize::Seqs(3 * m),
         seed: 11,
@@ -53,9 +55,7 @@ pub fn setup(
         adamw: AdamW::default(),
         max_grad_norm: Some(1.0),
         balance: Arc::new(|t, a| t as f64 + a as f64 / 64.0),
-        forward_only: None,
         profile: None,
-        memory_limit_bytes: None,
     }
 }
 

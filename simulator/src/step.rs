@@ -1,0 +1,522 @@
+//! One training step, planned once: the object that the Monte Carlo, the planner's evaluation,
+//! `execute`, `calibrate` and the prediction of an executed step all consume.
+//!
+//! ```text
+//! RunConfig + the step's sequence lengths
+//!   --cut_step-->   per replica its microbatches (dp shares, then the policy; flat [T] + cu_seqlens)
+//!   --plan_step-->  StepPlan: per replica, per round: the slots, the forward-only microbatches,
+//!                   the schedule that runs (forward-only work fused or appended) and, with a
+//!                   profile, its predicted timeline and memory (the replay of that schedule)
+//! ```
+//!
+//! Sampling the lengths from a workload and a seed is separate
+//! ([`flatpipe_profiles::Workload::sample_step`]): the executor samples, cuts, plans and attaches
+//! tensors to the [`StepPlan`]; it never derives a schedule of its own, so a prediction is the
+//! replay of the schedule that ran.
+
+use crate::costs::{CostModel, CostOptions, Recompute, TableCosts, UniformCostSpec, UniformCosts};
+use crate::forward_only::{forward_only_pass, with_forward_only};
+use crate::generators::ScheduleKind;
+use crate::ir::{Placement, Rank, Schedule};
+use crate::microbatch::Microbatch;
+use crate::montecarlo::{
+    Capacity, ForwardOnlySpec, ScheduleSource, StepOutcome, allreduce_s, cached_schedule,
+    concat_rounds, dp_shares, merge_replicas, zb_auto_activation_limit,
+};
+use crate::policy::{Batched, Policy, PolicyParams, batch};
+use crate::{Error, Result, Simulation, replay, simulate};
+use flatpipe_profiles::Profile;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// What a run is, once: the fields a plan file, a Monte Carlo configuration and the executor
+/// share. The planner's candidates, `simulate`'s comparison rows and `execute`'s run are each
+/// one `RunConfig`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunConfig {
+    /// Schedule family or given schedule.
+    pub source: ScheduleSource,
+    /// Ranks per pipeline (pipeline-parallel degree), >= 1.
+    pub pp: u32,
+    /// Stages per rank (virtual stages), >= 1.
+    pub v: u32,
+    /// Layer range of every stage, in stage order (`pp * v` of them).
+    pub stages: Vec<Range<usize>>,
+    /// Microbatching policy.
+    pub policy: Policy,
+    /// Token budget or exact microbatch count, and the padded / packed policies' parameters.
+    pub params: PolicyParams,
+    /// Schedule capacity (a given schedule always has the fixed capacity of its microbatch
+    /// count).
+    pub capacity: Capacity,
+    /// Data-parallel replicas (each runs the pipeline on its share of the step), >= 1.
+    pub dp: u32,
+    /// Recomputation per stage (empty: none).
+    pub recompute: Vec<Recompute>,
+    /// zb-auto's per-rank memory limit, bytes: its activations may use this minus the largest
+    /// rank's parameters, gradients and optimizer state (`None`: the hardware's memory minus a
+    /// reserve of 4 GiB, at most 1/8 of it).
+    pub memory_limit_bytes: Option<f64>,
+    /// Forward-only work per replica and step (a frozen reference or teacher forward over the
+    /// step's own microbatches, cycled to K).
+    pub forward_only: Option<ForwardOnlySpec>,
+}
+
+impl RunConfig {
+    /// A configuration with one replica, no recomputation, no forward-only work and the default
+    /// policy parameters.
+    pub fn new(
+        source: ScheduleSource,
+        pp: u32,
+        v: u32,
+        stages: Vec<Range<usize>>,
+        policy: Policy,
+        capacity: Capacity,
+    ) -> Self {
+        RunConfig {
+            source,
+            pp,
+            v,
+            stages,
+            policy,
+            params: PolicyParams::default(),
+            capacity,
+            dp: 1,
+            recompute: Vec::new(),
+            memory_limit_bytes: None,
+            forward_only: None,
+        }
+    }
+
+    /// The stage -> rank placement (the same for every step).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a kind that does not run `v` stages per rank.
+    pub fn placement(&self) -> Result<Placement> {
+        match &self.source {
+            ScheduleSource::Kind(k) => k.placement_on(self.pp, self.v),
+            ScheduleSource::Given(s) => Ok(s.placement.clone()),
+        }
+    }
+
+    /// The capacity the schedule is built for: a given schedule's is its microbatch count.
+    pub fn effective_capacity(&self) -> Capacity {
+        match &self.source {
+            ScheduleSource::Given(s) => Capacity::Fixed(s.num_microbatches),
+            ScheduleSource::Kind(_) => self.capacity,
+        }
+    }
+}
+
+/// One round of a replica's step: the schedule that runs and what it runs on.
+#[derive(Debug, Clone)]
+pub struct RoundPlan {
+    /// The round's microbatches: the step's, or under a fixed capacity K exactly K slots, those
+    /// past the step's last being empty (zero tokens).
+    pub slots: Vec<Microbatch>,
+    /// Forward-only microbatches (first round only): the slots cycled to K.
+    pub fo: Vec<Microbatch>,
+    /// The training schedule alone (without the forward-only work).
+    pub train: Arc<Schedule>,
+    /// The schedule that runs: the training schedule with the forward-only work fused into its
+    /// bubbles or appended as a separate pass.
+    pub schedule: Arc<Schedule>,
+    /// With a profile: the replay of `schedule` under the profile's costs of these slots.
+    pub prediction: Option<RoundPrediction>,
+}
+
+/// The predicted timeline and memory of one round.
+#[derive(Debug, Clone)]
+pub struct RoundPrediction {
+    /// The replay of the round's schedule: timeline and metrics.
+    pub simulation: Simulation,
+    /// Parameters, gradients and optimizer state per pipeline rank, bytes.
+    pub static_bytes: Vec<f64>,
+    /// With forward-only work: the training schedule alone and the forward-only pass alone,
+    /// seconds.
+    pub fo_alone_s: Option<(f64, f64)>,
+}
+
+/// One data-parallel replica's share of a planned step.
+#[derive(Debug, Clone)]
+pub struct ReplicaPlan {
+    /// Global rank of the replica's pipeline rank 0 (`replica * pp`).
+    pub first_rank: usize,
+    /// The replica's microbatches, in order (flat `[T]` with `cu_seqlens`).
+    pub microbatches: Vec<Microbatch>,
+    /// The rounds, in order (one unless a fixed capacity overflowed).
+    pub rounds: Vec<RoundPlan>,
+}
+
+/// One step, planned: what every replica runs and, with a profile, what it is predicted to
+/// cost.
+#[derive(Debug, Clone)]
+pub struct StepPlan {
+    /// Step number (the sampler's step id).
+    pub step: u64,
+    /// Replicas in order.
+    pub replicas: Vec<ReplicaPlan>,
+}
+
+/// Cuts a step's sequence lengths (tokens) for `config`: `dp` shares balanced by `cost`
+/// (LPT), then each share into microbatches under the config's policy.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when a replica gets no sequence (fewer sequences than `dp`) and
+/// the policy's errors ([`batch`]).
+pub fn cut_step(
+    config: &RunConfig,
+    seqs: &[u32],
+    cost: &dyn Fn(u64, u64) -> f64,
+) -> Result<Vec<Batched>> {
+    let dp = config.dp.max(1);
+    let shares = dp_shares(seqs, dp, cost);
+    if let Some(d) = shares.iter().position(Vec::is_empty) {
+        return Err(Error::invalid(
+            "data-parallel degree",
+            dp,
+            format!(
+                "at most the step's {} sequences (replica {d} gets none)",
+                seqs.len()
+            ),
+        ));
+    }
+    shares
+        .iter()
+        .map(|share| batch(config.policy, share, &config.params, cost))
+        .collect()
+}
+
+/// Plans step `step` from its cut ([`cut_step`]): every replica's rounds and schedules and,
+/// with `profile`, their predicted timelines.
+///
+/// # Errors
+/// [`plan_replica`]'s.
+pub fn plan_step(
+    config: &RunConfig,
+    profile: Option<&Profile>,
+    step: u64,
+    cut: &[Batched],
+) -> Result<StepPlan> {
+    let replicas = cut
+        .iter()
+        .enumerate()
+        .map(|(d, b)| {
+            plan_replica(
+                config,
+                profile,
+                b.microbatches.clone(),
+                d * config.pp as usize,
+            )
+        })
+        .collect::<Result<_>>()?;
+    Ok(StepPlan { step, replicas })
+}
+
+/// Builds the training schedule of one round: every kind from the same inputs (placement,
+/// microbatch count, costs, memory limit). zb-auto is built from the round's costs under the
+/// memory limit (with a profile), or from unit costs under 1F1B's memory (without one); the
+/// other kinds depend on the count only (cached).
+fn training_schedule(
+    config: &RunConfig,
+    profile: Option<&Profile>,
+    k: u32,
+    costs: Option<&TableCosts>,
+) -> Result<Arc<Schedule>> {
+    match (&config.source, profile, costs) {
+        (ScheduleSource::Kind(ScheduleKind::ZbAuto), Some(profile), Some(costs)) => {
+            let limit =
+                zb_auto_activation_limit(profile, config.memory_limit_bytes, costs, config.pp)?;
+            Ok(Arc::new(crate::zb_auto::zb_auto(
+                config.pp, config.v, k, costs, limit,
+            )?))
+        }
+        (ScheduleSource::Kind(kind), _, _) => cached_schedule(*kind, config.pp, config.v, k),
+        (ScheduleSource::Given(s), _, _) => Ok(Arc::new(s.clone())),
+    }
+}
+
+/// Plans one replica's share of a step: its rounds (one per `K` microbatches under a fixed
+/// capacity K, empty slots filling the last), each round's training schedule, its forward-only
+/// work (first round, fused by the same costs that predict it), and with `profile` the replay
+/// under the profile's costs of the round's slots (only the last round carries the optimizer
+/// step). `first_rank` is the global rank of the replica's pipeline rank 0.
+///
+/// # Errors
+/// Generation, cost-table, forward-only and replay errors; [`Error::MemoryLimit`] when zb-auto
+/// finds no schedule under the memory limit.
+pub fn plan_replica(
+    config: &RunConfig,
+    profile: Option<&Profile>,
+    microbatches: Vec<Microbatch>,
+    first_rank: usize,
+) -> Result<ReplicaPlan> {
+    let p = config.pp;
+    let n = microbatches.len() as u32;
+    let (k, rounds) = match config.effective_capacity() {
+        Capacity::Dynamic => (n, 1),
+        Capacity::Fixed(k) => (k, n.div_ceil(k).max(1)),
+    };
+    let zb_auto = config.source == ScheduleSource::Kind(ScheduleKind::ZbAuto);
+    // Every round but zb-auto's (built from each round's costs) shares one schedule.
+    let shared = if zb_auto && profile.is_some() {
+        None
+    } else {
+        Some(training_schedule(config, profile, k, None)?)
+    };
+    let placement = match &shared {
+        Some(s) => s.placement.clone(),
+        None => crate::zb_auto::placement(p, config.v)?,
+    };
+    let mut out = Vec::with_capacity(rounds as usize);
+    for round in 0..rounds {
+        let start = (round * k) as usize;
+        let mut slots: Vec<Microbatch> =
+            microbatches[start..(start + k as usize).min(microbatches.len())].to_vec();
+        slots.resize(k as usize, Microbatch::default());
+        // Forward-only work rides in the first round.
+        let fo_spec = config
+            .forward_only
+            .map(|f| (f, f.microbatches.unwrap_or(k)))
+            .filter(|(_, kf)| *kf > 0 && round == 0);
+        let fo: Vec<Microbatch> = match fo_spec {
+            Some((_, kf)) => (0..kf as usize)
+                .map(|i| slots[i % slots.len()].clone())
+                .collect(),
+            None => Vec::new(),
+        };
+        let costs = match profile {
+            Some(profile) => Some(round_costs(
+                config,
+                profile,
+                &placement,
+                (&slots, &fo),
+                first_rank,
+                round + 1 == rounds,
+            )?),
+            None => None,
+        };
+        let train = match &shared {
+            Some(s) => Arc::clone(s),
+            None => training_schedule(config, profile, k, costs.as_ref())?,
+        };
+        let schedule = match fo_spec {
+            Some((f, kf)) => Arc::new(match &costs {
+                Some(costs) => with_forward_only(&train, kf, f.mode, f.loss_dependency, costs)?,
+                None => with_forward_only(
+                    &train,
+                    kf,
+                    f.mode,
+                    f.loss_dependency,
+                    &UniformCosts::new(&UniformCostSpec::default(), config.v),
+                )?,
+            }),
+            None => Arc::clone(&train),
+        };
+        let prediction = match &costs {
+            Some(costs) => Some(predict_round(costs, &train, &schedule, fo.len() as u32)?),
+            None => None,
+        };
+        out.push(RoundPlan {
+            slots,
+            fo,
+            train,
+            schedule,
+            prediction,
+        });
+    }
+    Ok(ReplicaPlan {
+        first_rank,
+        microbatches,
+        rounds: out,
+    })
+}
+
+/// The profile's costs of one round: its slots and forward-only microbatches on the
+/// replica whose pipeline rank 0 is global rank `first_rank`; only the `last` round carries the
+/// optimizer step.
+fn round_costs(
+    config: &RunConfig,
+    profile: &Profile,
+    placement: &Placement,
+    (slots, fo): (&[Microbatch], &[Microbatch]),
+    first_rank: usize,
+    last: bool,
+) -> Result<TableCosts> {
+    let c = TableCosts::with_options(
+        profile,
+        &config.stages,
+        placement,
+        slots,
+        fo,
+        &CostOptions {
+            recompute: &config.recompute,
+            first_rank,
+        },
+    )?;
+    Ok(if last { c } else { c.without_optimizer() })
+}
+
+/// The replay of a round's `schedule` under `costs`, and with `k_fo` forward-only microbatches
+/// the training schedule alone and the forward-only pass alone (no optimizer step) for
+/// comparison.
+fn predict_round(
+    costs: &TableCosts,
+    train: &Schedule,
+    schedule: &Schedule,
+    k_fo: u32,
+) -> Result<RoundPrediction> {
+    let fo_alone_s = if k_fo > 0 {
+        let t_train = replay::replay(train, costs)?.makespan_ns();
+        let pass = forward_only_pass(train, k_fo);
+        let t_fo = replay::replay(&pass, &costs.clone().without_optimizer())?.makespan_ns();
+        Some((crate::costs::ns_to_s(t_train), crate::costs::ns_to_s(t_fo)))
+    } else {
+        None
+    };
+    Ok(RoundPrediction {
+        simulation: simulate(schedule, costs)?,
+        static_bytes: (0..schedule.placement.num_ranks)
+            .map(|r| costs.static_bytes(Rank(r)))
+            .collect(),
+        fo_alone_s,
+    })
+}
+
+impl StepPlan {
+    /// This plan with every round's prediction replayed under `profile`: the schedules stay
+    /// the ones planned (the ones that ran, for an executed step), only their costs change.
+    ///
+    /// # Errors
+    /// Cost-table or replay errors (a profile whose layers do not match the stages).
+    pub fn replayed_on(&self, config: &RunConfig, profile: &Profile) -> Result<StepPlan> {
+        let mut plan = self.clone();
+        for r in &mut plan.replicas {
+            let n = r.rounds.len();
+            for (i, round) in r.rounds.iter_mut().enumerate() {
+                let costs = round_costs(
+                    config,
+                    profile,
+                    &round.schedule.placement,
+                    (&round.slots, &round.fo),
+                    r.first_rank,
+                    i + 1 == n,
+                )?;
+                round.prediction = Some(predict_round(
+                    &costs,
+                    &round.train,
+                    &round.schedule,
+                    round.fo.len() as u32,
+                )?);
+            }
+        }
+        Ok(plan)
+    }
+}
+
+impl ReplicaPlan {
+    /// The replica's predicted outcome, its rounds one after the other. `None` without a
+    /// prediction (planned without a profile).
+    pub fn outcome(&self, config: &RunConfig, profile: &Profile) -> Option<StepOutcome> {
+        let p = config.pp as usize;
+        let mbs = &self.microbatches;
+        let mut out = StepOutcome {
+            step_time_s: 0.0,
+            busy_s: 0.0,
+            true_tokens: mbs.iter().map(Microbatch::tokens).sum(),
+            computed_tokens: mbs.iter().map(Microbatch::computed_tokens).sum(),
+            model_flops: mbs
+                .iter()
+                .map(|m| profile.model_flops(m.tokens() as f64, m.attn_pairs() as f64))
+                .sum(),
+            peak_activation_bytes: 0.0,
+            static_bytes: 0.0,
+            rank_memory_bytes: vec![0.0; p],
+            microbatches: mbs.len() as u32,
+            rounds: self.rounds.len() as u32,
+            fo: None,
+        };
+        for round in &self.rounds {
+            let pred = round.prediction.as_ref()?;
+            let sim = &pred.simulation;
+            out.step_time_s += sim.metrics.makespan_s;
+            out.busy_s += sim.metrics.ranks.iter().map(|r| r.busy_s).sum::<f64>();
+            let peak = sim
+                .metrics
+                .ranks
+                .iter()
+                .filter_map(|r| r.peak_activation_bytes)
+                .fold(0.0, f64::max);
+            out.peak_activation_bytes = out.peak_activation_bytes.max(peak);
+            out.static_bytes = pred.static_bytes.iter().copied().fold(0.0, f64::max);
+            for (r, m) in sim.metrics.ranks.iter().enumerate() {
+                let total = pred.static_bytes[r] + m.peak_activation_bytes.unwrap_or(0.0);
+                out.rank_memory_bytes[r] = out.rank_memory_bytes[r].max(total);
+            }
+            if pred.fo_alone_s.is_some() {
+                out.fo = pred.fo_alone_s;
+            }
+        }
+        if out.fo.is_some() {
+            // The frozen model's weights (the profile's dtype) live on every rank for the whole
+            // step, besides its own state and activations.
+            let placement = &self.rounds.first()?.schedule.placement;
+            for (r, mem) in out.rank_memory_bytes.iter_mut().enumerate() {
+                *mem += frozen_bytes(config, profile, placement, r);
+            }
+        }
+        Some(out)
+    }
+
+    /// The schedule that ran and its predicted simulation, for a chart: several rounds drawn
+    /// one after the other ([`concat_rounds`]). `None` without a prediction.
+    pub fn chart(&self) -> Option<(Schedule, Simulation)> {
+        let sims = self
+            .rounds
+            .iter()
+            .map(|r| r.prediction.as_ref().map(|p| p.simulation.clone()))
+            .collect::<Option<Vec<_>>>()?;
+        let last = self.rounds.last()?;
+        let sim = if sims.len() == 1 {
+            sims.into_iter().next()?
+        } else {
+            concat_rounds(sims, last.schedule.num_microbatches)
+        };
+        Some(((*last.schedule).clone(), sim))
+    }
+}
+
+impl StepPlan {
+    /// The step's predicted outcome: the slower replica's step time plus the data-parallel
+    /// all-reduce ([`crate::montecarlo::allreduce_s`]), tokens, FLOPs and busy time summed,
+    /// memory the larger. `None` without a prediction (planned without a profile).
+    pub fn outcome(&self, config: &RunConfig, profile: &Profile) -> Option<StepOutcome> {
+        let mut total: Option<StepOutcome> = None;
+        for r in &self.replicas {
+            let o = r.outcome(config, profile)?;
+            total = Some(match total {
+                None => o,
+                Some(t) => merge_replicas(t, o),
+            });
+        }
+        let mut o = total?;
+        if config.dp > 1 {
+            let placement = &self.replicas.first()?.rounds.first()?.schedule.placement;
+            o.step_time_s += allreduce_s(profile, &config.stages, placement, config.dp);
+        }
+        Some(o)
+    }
+}
+
+/// The frozen model's weights on pipeline rank `r`, bytes (the forward-only work's model, in
+/// the profile's dtype).
+fn frozen_bytes(config: &RunConfig, profile: &Profile, placement: &Placement, r: usize) -> f64 {
+    config
+        .stages
+        .iter()
+        .enumerate()
+        .filter(|(s, _)| placement.rank_of[*s].idx() == r)
+        .flat_map(|(_, l)| profile.layers[l.clone()].iter())
+        .map(|l| l.param_bytes as f64)
+        .sum()
+}
