@@ -241,3 +241,38 @@ fn oversize_sequences_counted_once_per_step() {
     assert!(want > 0, "the sample has no sequence over {budget} tokens");
     assert_eq!(mc.oversize_sequences, want);
 }
+
+/// Forward-only work keeps a frozen copy of each rank's stages (a reference or teacher model)
+/// resident for the whole step: a rank's memory with it is at least its memory without it plus
+/// those weights (they were compared with, not added to, the rank's other memory).
+#[test]
+fn frozen_forward_only_weights_add_to_a_ranks_memory() {
+    let prof = profile();
+    let mut c = combos(
+        2,
+        &[Policy::FlatFfd],
+        &[Capacity::Dynamic],
+        ScheduleKind::OneFOneB,
+    );
+    let mbs = vec![Microbatch::flat(vec![2048]); 4];
+    let (without, _) = montecarlo::simulate_step(&prof, &c[0], &mbs).unwrap();
+    c[0].forward_only = Some(montecarlo::ForwardOnlySpec {
+        microbatches: None,
+        mode: flatpipe::simulator::forward_only::FoMode::Fused,
+        loss_dependency: false,
+    });
+    let (with, _) = montecarlo::simulate_step(&prof, &c[0], &mbs).unwrap();
+    for (r, stages) in c[0].stages.iter().enumerate() {
+        let frozen: f64 = prof.layers[stages.clone()]
+            .iter()
+            .map(|l| l.param_bytes as f64)
+            .sum();
+        assert!(frozen > 0.0);
+        assert!(
+            with.rank_memory_bytes[r] >= without.rank_memory_bytes[r] + frozen - 1.0,
+            "rank {r}: {} with forward-only work, {} without, {frozen} of frozen weights",
+            with.rank_memory_bytes[r],
+            without.rank_memory_bytes[r]
+        );
+    }
+}
