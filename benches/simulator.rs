@@ -157,7 +157,7 @@ fn bench_monte_carlo(c: &mut Criterion) {
 /// uniform costs under p and 2p units, and Llama-3.1-8B's profile on one sampled ShareGPT step
 /// cut into 64 microbatches (costs differ by microbatch) under 1F1B's memory.
 fn bench_zb_auto(c: &mut Criterion) {
-    use flatpipe::simulator::zb_auto::{placement, zb_auto};
+    use flatpipe::simulator::zb_auto::placement;
     let (p, m) = (16u32, 64u32);
     let uniform = UniformCosts::new(
         &UniformCostSpec {
@@ -174,7 +174,11 @@ fn bench_zb_auto(c: &mut Criterion) {
     g.sample_size(20);
     for units in [p as f64, 2.0 * p as f64] {
         g.bench_function(format!("uniform, {units} units"), |b| {
-            b.iter(|| zb_auto(p, 1, m, &uniform, black_box(units)).unwrap())
+            b.iter(|| {
+                ScheduleKind::ZbAuto
+                    .build(p, 1, m, &uniform, black_box(units))
+                    .unwrap()
+            })
         });
     }
     let profile = analytic_profile(
@@ -208,7 +212,11 @@ fn bench_zb_auto(c: &mut Criterion) {
         .filter_map(|r| r.peak_activation_bytes)
         .fold(0.0, f64::max);
     g.bench_function("llama3.1-8b sharegpt step, 1F1B memory", |b| {
-        b.iter(|| zb_auto(p, 1, m, &costs, black_box(limit)).unwrap())
+        b.iter(|| {
+            ScheduleKind::ZbAuto
+                .build(p, 1, m, &costs, black_box(limit))
+                .unwrap()
+        })
     });
     g.finish();
 }

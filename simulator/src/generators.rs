@@ -203,11 +203,47 @@ impl ScheduleKind {
             ScheduleKind::DualPipeV => dualpipev(p, m),
             ScheduleKind::ZbAuto => {
                 // Without a step's costs: unit costs (f = b = w, no transfers) under 1F1B's
-                // memory, p units. With costs, use `zb_auto::zb_auto` directly.
+                // memory, p units. With costs, `build`.
                 let costs = crate::costs::UniformCosts::new(&Default::default(), v);
-                crate::zb_auto::zb_auto(p, v, m, &costs, p as f64)?
+                return self.build(p, v, m, &costs, p as f64);
             }
         })
+    }
+
+    /// The schedule-building contract every kind implements with the same inputs: `p` ranks,
+    /// `v` stages per rank, `m` microbatches, the step's `costs` (built for
+    /// [`ScheduleKind::placement_on`]`(p, v)`) and each rank's activation memory limit (in the
+    /// cost model's unit). The handcrafted kinds are fixed orders and use neither costs nor
+    /// limit ([`ScheduleKind::generate`]); zb-auto searches for the fastest schedule under the
+    /// limit ([`crate::zb_auto::zb_auto`], the handcrafted zero-bubble schedules competing).
+    ///
+    /// # Errors
+    /// [`ScheduleKind::generate`]'s; for zb-auto [`Error::MemoryLimit`] when nothing fits.
+    pub fn build<C: crate::costs::CostModel>(
+        self,
+        p: u32,
+        v: u32,
+        m: u32,
+        costs: &C,
+        activation_limit: f64,
+    ) -> Result<Schedule> {
+        if self != ScheduleKind::ZbAuto {
+            return self.generate(p, v, m);
+        }
+        let handcrafted: &[ScheduleKind] = if v == 2 {
+            &[ScheduleKind::ZbV]
+        } else {
+            &[
+                ScheduleKind::OneFOneB,
+                ScheduleKind::ZbH1,
+                ScheduleKind::ZbH2,
+            ]
+        };
+        let candidates = handcrafted
+            .iter()
+            .filter_map(|k| k.generate(p, v, m).ok())
+            .collect();
+        crate::zb_auto::zb_auto(p, v, m, costs, activation_limit, candidates)
     }
 }
 

@@ -227,9 +227,9 @@ fn training_schedule(
         (ScheduleSource::Kind(ScheduleKind::ZbAuto), Some(profile), Some(costs)) => {
             let limit =
                 zb_auto_activation_limit(profile, config.memory_limit_bytes, costs, config.pp)?;
-            Ok(Arc::new(crate::zb_auto::zb_auto(
-                config.pp, config.v, k, costs, limit,
-            )?))
+            Ok(Arc::new(
+                ScheduleKind::ZbAuto.build(config.pp, config.v, k, costs, limit)?,
+            ))
         }
         (ScheduleSource::Kind(kind), _, _) => cached_schedule(*kind, config.pp, config.v, k),
         (ScheduleSource::Given(s), _, _) => Ok(Arc::new(s.clone())),

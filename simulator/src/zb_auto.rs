@@ -26,7 +26,6 @@
 //! units it is no worse than ZB-H1 (Qi et al. 2024, Table 1's ZB-1p and ZB-2p).
 
 use crate::costs::CostModel;
-use crate::generators::ScheduleKind;
 use crate::ir::{Action, ActionKind, ComputeAction, MicrobatchId, Placement, Schedule, StageId};
 use crate::{Error, Result, metrics, replay};
 
@@ -35,7 +34,15 @@ use crate::{Error, Result, metrics, replay};
 /// # Errors
 /// [`Error::InvalidArgument`] for another `v`.
 pub fn placement(p: u32, v: u32) -> Result<Placement> {
-    ScheduleKind::ZbAuto.placement_on(p, v)
+    match v {
+        1 => Ok(Placement::looped(p, 1)),
+        2 => Ok(Placement::v_shape(p)),
+        _ => Err(Error::invalid(
+            "vpp",
+            v,
+            "1 (loop) or 2 (V) stages per rank for zb-auto",
+        )),
+    }
 }
 
 /// A priority setting of the greedy.
@@ -258,12 +265,22 @@ fn greedy<C: CostModel>(
 /// Builds the zb-auto schedule for `p` ranks, `v` stages per rank (1: loop, 2: V placement) and
 /// `m` microbatches under `costs` (built for [`placement`]`(p, v)`), keeping every rank's peak
 /// activation memory at most `limit` (in the cost model's unit: bytes, or units under uniform
-/// costs where 1F1B's rank 0 holds p).
+/// costs where 1F1B's rank 0 holds p). `handcrafted` are schedules of the same `(p, v, m)`
+/// that compete with the list schedules (the handcrafted zero-bubble schedules; the caller
+/// generates them, so this module does not depend on the generators). Called through
+/// [`crate::ScheduleKind::build`].
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for `p`, `m` or `v` out of range; [`Error::MemoryLimit`] for a
 /// limit too small for any schedule (naming the limit and the smallest peak found).
-pub fn zb_auto<C: CostModel>(p: u32, v: u32, m: u32, costs: &C, limit: f64) -> Result<Schedule> {
+pub fn zb_auto<C: CostModel>(
+    p: u32,
+    v: u32,
+    m: u32,
+    costs: &C,
+    limit: f64,
+    handcrafted: Vec<Schedule>,
+) -> Result<Schedule> {
     if p == 0 {
         return Err(Error::invalid("--pp", 0, ">= 1 rank"));
     }
@@ -328,20 +345,12 @@ pub fn zb_auto<C: CostModel>(p: u32, v: u32, m: u32, costs: &C, limit: f64) -> R
             }
         }
     }
-    let handcrafted: &[ScheduleKind] = if v == 2 {
-        &[ScheduleKind::ZbV]
-    } else {
-        &[
-            ScheduleKind::OneFOneB,
-            ScheduleKind::ZbH1,
-            ScheduleKind::ZbH2,
-        ]
-    };
-    for k in handcrafted {
-        if let Ok(mut s) = k.generate(p, v, m) {
-            s.name = "zb-auto".into();
-            consider(s, &mut best);
+    for mut s in handcrafted {
+        if s.placement != placement || s.num_microbatches != m {
+            continue;
         }
+        s.name = "zb-auto".into();
+        consider(s, &mut best);
     }
     let show = |x: f64| match costs.memory_unit() {
         crate::costs::MemoryUnit::Bytes => format!("{:.2} GiB", x / (1u64 << 30) as f64),
@@ -372,6 +381,12 @@ pub fn zb_auto<C: CostModel>(p: u32, v: u32, m: u32, costs: &C, limit: f64) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::generators::ScheduleKind;
+
+    /// zb-auto as every caller builds it: through the schedule-building contract.
+    fn zb_auto<C: CostModel>(p: u32, v: u32, m: u32, costs: &C, limit: f64) -> Result<Schedule> {
+        ScheduleKind::ZbAuto.build(p, v, m, costs, limit)
+    }
     use crate::costs::{UniformCostSpec, UniformCosts};
 
     fn uni(f: f64, b: f64, w: f64) -> UniformCosts {
@@ -445,6 +460,11 @@ mod tests {
 mod props {
     use super::*;
     use crate::costs::MemoryUnit;
+    use crate::generators::ScheduleKind;
+
+    fn zb_auto<C: CostModel>(p: u32, v: u32, m: u32, costs: &C, limit: f64) -> Result<Schedule> {
+        ScheduleKind::ZbAuto.build(p, v, m, costs, limit)
+    }
     use crate::ir::Rank;
     use proptest::prelude::*;
 

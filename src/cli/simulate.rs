@@ -305,15 +305,13 @@ pub(super) fn simulate_uniform(
                 .map(|k| {
                     let v = k.stages_per_rank(a.vpp)?;
                     warn_underfilled(k.name(), m, p, v);
-                    let s = if *k == ScheduleKind::ZbAuto {
-                        let units = a.max_activation_units.unwrap_or(p as f64);
-                        if !(units.is_finite() && units > 0.0) {
-                            bail!("--max-activation-units = {units} is invalid: > 0 units (1F1B's rank 0 holds p)");
-                        }
-                        sim::zb_auto::zb_auto(p, v, m, &UniformCosts::new(spec, v), units)?
-                    } else {
-                        k.generate(p, v, m)?
-                    };
+                    // Every kind through the one building contract; only zb-auto reads the
+                    // costs and the activation limit.
+                    let units = a.max_activation_units.unwrap_or(p as f64);
+                    if !(units.is_finite() && units > 0.0) {
+                        bail!("--max-activation-units = {units} is invalid: > 0 units (1F1B's rank 0 holds p)");
+                    }
+                    let s = k.build(p, v, m, &UniformCosts::new(spec, v), units)?;
                     Ok((k.name().to_string(), v, s))
                 })
                 .collect::<Result<_>>()?
