@@ -17,7 +17,7 @@ fn main() -> ExitCode {
         // `flatpipe ... | head`: the reader has all it wanted.
         Err(e) if e.downcast_ref::<cli::StdoutClosed>().is_some() => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", cli::render_error(&e));
             ExitCode::from(2)
         }
     }

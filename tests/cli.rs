@@ -2071,3 +2071,48 @@ fn execute_takes_gantt_none_and_explains_its_default_microbatches() {
         "{err}"
     );
 }
+
+/// The libraries name what they check in their own words (a plan file's keys, such as
+/// `token_budget`), never a command-line flag a plan file's user never typed; the command line
+/// maps those fields to its flags when it prints an error (`--token-budget = 0 is invalid`).
+#[test]
+fn library_errors_name_fields_and_the_command_line_names_flags() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    for dir in [
+        "simulator/src",
+        "planner/src",
+        "executor/src",
+        "profiles/src",
+    ] {
+        for entry in std::fs::read_dir(format!("{root}/{dir}")).unwrap() {
+            let path = entry.unwrap().path();
+            // Megatron's flags are the subject of the Megatron export, not ours.
+            if path.extension().is_none_or(|e| e != "rs") || path.ends_with("export.rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                let l = line.trim_start();
+                assert!(
+                    !(l.contains("invalid(\"--") || l.starts_with("\"--") && !l.starts_with("///")),
+                    "{}:{}: a library error names a flag: {line}",
+                    path.display(),
+                    i + 1
+                );
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(dir.path(), &["simulate", "--token-budget", "0"]);
+    assert!(
+        stderr(&o).contains("--token-budget = 0 is invalid"),
+        "{}",
+        stderr(&o)
+    );
+    let o = flatpipe(dir.path(), &["simulate", "--costs", "f=1,b=x"]);
+    assert!(
+        stderr(&o).contains("--costs b = x is invalid"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -249,17 +249,17 @@ pub fn search(
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<SearchResult> {
     if space.ranks == 0 {
-        return Err(Error::invalid("--ranks", 0, ">= 1"));
+        return Err(Error::invalid("ranks", 0, ">= 1"));
     }
     if let Some(p) = space.pp.iter().find(|p| **p == 0 || space.ranks % **p != 0) {
         return Err(Error::invalid(
-            "--pp",
+            "pp",
             p,
             format!("a divisor of --ranks {}", space.ranks),
         ));
     }
     if config.steps == 0 {
-        return Err(Error::invalid("--steps", 0, ">= 1"));
+        return Err(Error::invalid("steps", 0, ">= 1"));
     }
     let steps: Vec<Vec<u32>> = (0..config.steps)
         .map(|i| workload.sample_step(config.seed, i as u64, config.size))

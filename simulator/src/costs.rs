@@ -111,7 +111,7 @@ impl FromStr for UniformCostSpec {
         for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
             let (k, v) = item.split_once('=').ok_or_else(|| {
                 Error::invalid(
-                    "--costs",
+                    "costs",
                     item,
                     "key=seconds pairs such as f=1,b=1,w=1,comm=0",
                 )
@@ -119,10 +119,10 @@ impl FromStr for UniformCostSpec {
             let x: f64 = v
                 .trim()
                 .parse()
-                .map_err(|_| Error::invalid(format!("--costs {k}"), v, "a number of seconds"))?;
+                .map_err(|_| Error::invalid(format!("costs {k}"), v, "a number of seconds"))?;
             if !(x.is_finite() && x >= 0.0) {
                 return Err(Error::invalid(
-                    format!("--costs {k}"),
+                    format!("costs {k}"),
                     v,
                     "a finite number of seconds >= 0",
                 ));
@@ -130,7 +130,7 @@ impl FromStr for UniformCostSpec {
             let key = k.trim();
             if seen.contains(&key) {
                 return Err(Error::invalid(
-                    "--costs",
+                    "costs",
                     s,
                     format!("each key at most once ({key} is given twice)"),
                 ));
@@ -145,7 +145,7 @@ impl FromStr for UniformCostSpec {
                 "fo" => spec.fo = Some(x),
                 other => {
                     return Err(Error::invalid(
-                        "--costs",
+                        "costs",
                         other,
                         "keys are f, b, w, comm, fb, fo",
                     ));
@@ -526,7 +526,7 @@ mod tests {
         let c: UniformCostSpec = "f=1,b=2,w=0.5,comm=0.1".parse().unwrap();
         assert_eq!((c.f, c.b, c.w, c.comm), (1.0, 2.0, 0.5, 0.1));
         let e = "f=-1".parse::<UniformCostSpec>().unwrap_err().to_string();
-        assert!(e.contains(">= 0") && e.contains("--costs f"), "{e}");
+        assert!(e.contains(">= 0") && e.contains("costs f"), "{e}");
         assert!("x=1".parse::<UniformCostSpec>().is_err());
         assert!("f".parse::<UniformCostSpec>().is_err());
         // A repeated key was silently the last one given.

@@ -60,7 +60,11 @@ impl std::str::FromStr for FoMode {
         match s.trim() {
             "fused" => Ok(FoMode::Fused),
             "separate" => Ok(FoMode::Separate),
-            other => Err(Error::invalid("--fo-mode", other, "fused or separate")),
+            other => Err(Error::invalid(
+                "forward_only.mode",
+                other,
+                "fused or separate",
+            )),
         }
     }
 }
@@ -109,7 +113,7 @@ pub fn with_forward_only<C: CostModel>(
     }
     if loss_dependency && k < train.num_microbatches {
         return Err(Error::invalid(
-            "--fo-microbatches",
+            "forward_only.microbatches",
             k,
             format!(
                 ">= the {} training microbatches when their loss needs the forward-only results",
@@ -383,6 +387,6 @@ mod tests {
         }
         let train = ScheduleKind::OneFOneB.generate(3, 1, 6).unwrap();
         let e = with_forward_only(&train, 2, FoMode::Fused, true, &c).unwrap_err();
-        assert!(e.to_string().contains("--fo-microbatches"), "{e}");
+        assert!(e.to_string().contains("forward_only.microbatches"), "{e}");
     }
 }

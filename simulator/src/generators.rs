@@ -146,18 +146,18 @@ impl ScheduleKind {
     /// [`Error::InvalidArgument`] when `vpp` is 0, or a V schedule is given `vpp != 2`.
     pub fn stages_per_rank(self, vpp: Option<u32>) -> Result<u32> {
         match (self, vpp) {
-            (_, Some(0)) => Err(Error::invalid("--vpp", 0, ">= 1 stage per rank")),
+            (_, Some(0)) => Err(Error::invalid("vpp", 0, ">= 1 stage per rank")),
             (ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs, v) => Ok(v.unwrap_or(2)),
             (ScheduleKind::ZbAuto, None | Some(1)) => Ok(1),
             (ScheduleKind::ZbAuto, Some(2)) => Ok(2),
             (ScheduleKind::ZbAuto, Some(v)) => Err(Error::invalid(
-                "--vpp",
+                "vpp",
                 v,
                 "1 (loop placement) or 2 (V placement) for zb-auto",
             )),
             (ScheduleKind::ZbV | ScheduleKind::DualPipeV, None | Some(2)) => Ok(2),
             (ScheduleKind::ZbV | ScheduleKind::DualPipeV, Some(v)) => Err(Error::invalid(
-                "--vpp",
+                "vpp",
                 v,
                 format!(
                     "{self} uses the V placement: exactly 2 stages per rank (r and 2p - 1 - r)"
@@ -266,11 +266,7 @@ impl FromStr for ScheduleKind {
             })
             .ok_or_else(|| {
                 let names: Vec<_> = ScheduleKind::ALL.iter().map(|k| k.name()).collect();
-                Error::invalid(
-                    "--schedule",
-                    s,
-                    format!("one of {} or all", names.join(", ")),
-                )
+                Error::invalid("schedule", s, format!("one of {} or all", names.join(", ")))
             })
     }
 }

@@ -135,7 +135,7 @@ pub struct Oversize {
 /// [`Error::InvalidArgument`] if `budget` is 0 or the step is empty.
 pub fn pack_token_budget(seqs: &[u32], budget: u64) -> Result<(Vec<Microbatch>, Vec<Oversize>)> {
     if budget == 0 {
-        return Err(Error::invalid("--token-budget", 0, ">= 1 token"));
+        return Err(Error::invalid("token_budget", 0, ">= 1 token"));
     }
     if seqs.is_empty() {
         return Err(Error::invalid("sequences per step", 0, ">= 1"));
@@ -179,7 +179,7 @@ pub fn split_balanced(
 ) -> Result<Vec<Microbatch>> {
     if m == 0 || m > seqs.len() {
         return Err(Error::invalid(
-            "--microbatches",
+            "microbatches",
             m,
             format!(
                 "in 1..={} (each microbatch needs at least one of the step's {} sequences)",

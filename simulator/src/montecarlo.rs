@@ -57,7 +57,7 @@ impl FromStr for Capacity {
         match t.parse::<u32>() {
             Ok(k) if k >= 1 => Ok(Capacity::Fixed(k)),
             _ => Err(Error::invalid(
-                "--capacity",
+                "capacity",
                 s,
                 "`dynamic` or a number of microbatches >= 1",
             )),

@@ -69,7 +69,7 @@ impl FromStr for Policy {
             .find(|p| p.name() == s.trim())
             .ok_or_else(|| {
                 Error::invalid(
-                    "--policy",
+                    "policy",
                     s,
                     "one of padded, packed, flat-ffd, flat-balanced",
                 )
@@ -133,10 +133,10 @@ pub fn batch(
         return Err(Error::invalid("sequences per step", 0, ">= 1"));
     }
     if params.token_budget == 0 {
-        return Err(Error::invalid("--token-budget", 0, ">= 1 token"));
+        return Err(Error::invalid("token_budget", 0, ">= 1 token"));
     }
     if params.microbatches == Some(0) {
-        return Err(Error::invalid("--microbatches", 0, ">= 1"));
+        return Err(Error::invalid("microbatches", 0, ">= 1"));
     }
     let plain = |microbatches| Batched {
         microbatches,
@@ -195,7 +195,7 @@ fn padded(seqs: &[u32], params: &PolicyParams) -> Batched {
 fn packed(seqs: &[u32], params: &PolicyParams) -> Result<Vec<Microbatch>> {
     let m_len = params.pack_len;
     if m_len == 0 {
-        return Err(Error::invalid("--pack-len", 0, ">= 1 token"));
+        return Err(Error::invalid("pack_len", 0, ">= 1 token"));
     }
     // Greedy in dataset order: a sequence that does not fit the current row starts a new one;
     // one longer than a row gets a row of its own length.
@@ -217,7 +217,7 @@ fn packed(seqs: &[u32], params: &PolicyParams) -> Result<Vec<Microbatch>> {
     let per_mb = match params.microbatches {
         Some(m) if m as usize > rows.len() => {
             return Err(Error::invalid(
-                "--microbatches",
+                "microbatches",
                 m,
                 format!(
                     "at most the step's {} packed rows of {m_len} tokens",

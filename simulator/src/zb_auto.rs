@@ -282,10 +282,10 @@ pub fn zb_auto<C: CostModel>(
     handcrafted: Vec<Schedule>,
 ) -> Result<Schedule> {
     if p == 0 {
-        return Err(Error::invalid("--pp", 0, ">= 1 rank"));
+        return Err(Error::invalid("pp", 0, ">= 1 rank"));
     }
     if m == 0 {
-        return Err(Error::invalid("--microbatches", 0, ">= 1"));
+        return Err(Error::invalid("microbatches", 0, ">= 1"));
     }
     let placement = placement(p, v)?;
     let mut best: Option<((u64, f64), Schedule)> = None;

@@ -308,7 +308,7 @@ pub(super) fn simulate_uniform(
                     // Every kind through the one building contract; only zb-auto reads the
                     // costs and the activation limit.
                     let units = a.max_activation_units.unwrap_or(p as f64);
-                    if !(units.is_finite() && units > 0.0) {
+                    if a.max_activation_units.is_some() && !(units.is_finite() && units > 0.0) {
                         bail!("--max-activation-units = {units} is invalid: > 0 units (1F1B's rank 0 holds p)");
                     }
                     let s = k.build(p, v, m, &UniformCosts::new(spec, v), units)?;
