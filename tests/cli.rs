@@ -120,7 +120,7 @@ fn costs_refuse_workload_options() {
 fn bad_input_is_a_clear_error_with_exit_code_2() {
     let dir = tempfile::tempdir().unwrap();
     let cases: &[(&[&str], &str)] = &[
-        (&["simulate", "--costs", "f=-1"], ">= 0"),
+        (&["simulate", "--costs", "f=-1"], "0 or 1e-9"),
         (&["simulate", "--costs", "f=1", "--pp", "0"], "pp"),
         (&["simulate", "--pp", "0"], ">= 1 rank"),
         (&["simulate", "--pp", "40"], "34 layers"),
@@ -2115,4 +2115,69 @@ fn library_errors_name_fields_and_the_command_line_names_flags() {
         "{}",
         stderr(&o)
     );
+}
+
+/// Found by a fresh user's try-out: a message that lists `all` while refusing it; `--costs`
+/// values whose nanoseconds overflow (f = 1e10 s gave a 98.9% bubble) or round to zero; an
+/// `execute` of a billion sequences per step that sampled until it ran out of memory.
+#[test]
+fn try_out_findings_are_refused_with_the_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &[
+                "schedule",
+                "--schedule",
+                "all",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+            ],
+            &["one of gpipe"],
+        ),
+        (
+            &[
+                "simulate",
+                "--costs",
+                "f=1e10,b=1e10,w=1e10",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+                "--schedule",
+                "1f1b",
+            ],
+            &["--costs f", "1e10", "1000000"],
+        ),
+        (
+            &["simulate", "--costs", "f=1e-10", "--schedule", "1f1b"],
+            &["--costs f", "1 ns"],
+        ),
+        (
+            &[
+                "execute",
+                "--model",
+                "tiny",
+                "--hardware",
+                "cpu",
+                "--workload",
+                "tiny-chat",
+                "--seqs-per-step",
+                "4000000000",
+                "--steps",
+                "1",
+            ],
+            &["too large", "GiB"],
+        ),
+    ];
+    for (args, needles) in cases {
+        let o = flatpipe(dir.path(), args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        for n in *needles {
+            assert!(err.contains(n), "{args:?}: {err}");
+        }
+        assert!(!err.contains("or all"), "{args:?}: {err}");
+    }
 }

@@ -101,6 +101,11 @@ impl Default for UniformCostSpec {
     }
 }
 
+/// The least non-zero `--costs` value, seconds: 1 ns, the simulator's time unit.
+pub const MIN_COST_S: f64 = 1e-9;
+/// The largest `--costs` value, seconds (11.6 days per action).
+pub const MAX_COST_S: f64 = 1e6;
+
 impl FromStr for UniformCostSpec {
     type Err = Error;
     /// Parses `f=1,b=1,w=1,comm=0` (any subset, in any order; missing keys keep the defaults
@@ -120,11 +125,15 @@ impl FromStr for UniformCostSpec {
                 .trim()
                 .parse()
                 .map_err(|_| Error::invalid(format!("costs {k}"), v, "a number of seconds"))?;
-            if !(x.is_finite() && x >= 0.0) {
+            // Time is integer nanoseconds (u64): a cost must not round to 0 ns unless it is 0,
+            // and a step of many such actions must stay far below 2^64 ns (584 years).
+            if !(x.is_finite() && (x == 0.0 || (MIN_COST_S..=MAX_COST_S).contains(&x))) {
                 return Err(Error::invalid(
                     format!("costs {k}"),
                     v,
-                    "a finite number of seconds >= 0",
+                    format!(
+                        "0 or {MIN_COST_S:e} to {MAX_COST_S} seconds (time is counted in whole ns: 1 ns is the least, and 1000000 s per action keeps a step's makespan in range)"
+                    ),
                 ));
             }
             let key = k.trim();
@@ -526,7 +535,7 @@ mod tests {
         let c: UniformCostSpec = "f=1,b=2,w=0.5,comm=0.1".parse().unwrap();
         assert_eq!((c.f, c.b, c.w, c.comm), (1.0, 2.0, 0.5, 0.1));
         let e = "f=-1".parse::<UniformCostSpec>().unwrap_err().to_string();
-        assert!(e.contains(">= 0") && e.contains("costs f"), "{e}");
+        assert!(e.contains("0 or 1e-9") && e.contains("costs f"), "{e}");
         assert!("x=1".parse::<UniformCostSpec>().is_err());
         assert!("f".parse::<UniformCostSpec>().is_err());
         // A repeated key was silently the last one given.

@@ -266,7 +266,7 @@ impl FromStr for ScheduleKind {
             })
             .ok_or_else(|| {
                 let names: Vec<_> = ScheduleKind::ALL.iter().map(|k| k.name()).collect();
-                Error::invalid("schedule", s, format!("one of {} or all", names.join(", ")))
+                Error::invalid("schedule", s, format!("one of {}", names.join(", ")))
             })
     }
 }

@@ -494,6 +494,23 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             _ => workload.default_step_size(),
         },
     };
+    // A step's data is drawn before anything else: refuse a step too large for this host
+    // before sampling it. Its lengths (4 bytes each, sampled and cut), and per token an id, a
+    // label and a loss weight (12 bytes), twice with --verify's reference.
+    {
+        let (seqs, mean, _) = montecarlo::estimated_step(&workload, 0, step_size);
+        let need = seqs * 8.0 + seqs * mean * 12.0 * if a.verify { 2.0 } else { 1.0 };
+        super::check_memory(
+            "the step",
+            need,
+            &format!(
+                "{step_size} of {} (mean {mean:.0} tokens) hold about {} of lengths and token data",
+                workload.name,
+                fmt_bytes(need)
+            ),
+            "use fewer sequences or tokens per step",
+        )?;
+    }
     let (source, pp, v, dp, stages, recompute, policy, params) = match &plan {
         Some(pl) => {
             let v = pl.schedule.stages_per_rank(pl.vpp)?;

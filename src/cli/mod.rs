@@ -495,7 +495,13 @@ fn parse_kinds(names: &[String]) -> Result<Vec<ScheduleKind>> {
     }
     let mut kinds = Vec::new();
     for n in names {
-        let k: ScheduleKind = n.parse()?;
+        // These commands also take `all`.
+        let k: ScheduleKind = n.parse().map_err(|e| match e {
+            sim::Error::InvalidArgument { value, allowed, .. } => {
+                anyhow::anyhow!("--schedule = {value} is invalid: {allowed}, or all")
+            }
+            e => e.into(),
+        })?;
         if !kinds.contains(&k) {
             kinds.push(k);
         }
