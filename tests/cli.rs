@@ -2030,10 +2030,12 @@ fn the_readme_shows_what_plan_and_simulate_print() {
         let want = blocks.next().expect("a text block per command");
         let o = flatpipe(dir.path(), &[cmd, "--gantt", "none"]);
         assert!(o.status.success(), "{cmd}: {}", stderr(&o));
-        let got: Vec<String> = String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .map(|l| l.trim_end().to_string())
-            .collect();
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            !stdout.lines().any(|l| l.ends_with(' ')),
+            "{cmd}: trailing spaces"
+        );
+        let got: Vec<String> = stdout.lines().map(str::to_string).collect();
         assert_eq!(got, want, "{cmd}");
     }
 }
@@ -2180,4 +2182,71 @@ fn try_out_findings_are_refused_with_the_numbers() {
         }
         assert!(!err.contains("or all"), "{args:?}: {err}");
     }
+}
+
+/// `plan --export pytorch-csv > schedule.csv` without `-o` is a usable file: the export alone
+/// on stdout, the table and notes on stderr (they were mixed, and `simulate --schedule-csv`
+/// refused the table's first line as an action).
+#[test]
+fn an_export_without_output_file_is_alone_on_stdout() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--pp",
+            "4",
+            "--schedule",
+            "1f1b",
+            "--steps",
+            "2",
+            "--export",
+            "pytorch-csv",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("chosen: 1f1b"), "{}", stderr(&o));
+    let csv = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(!csv.contains("chosen"), "{csv}");
+    std::fs::write(dir.path().join("s.csv"), &csv).unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--schedule-csv",
+            "s.csv",
+            "--costs",
+            "f=1,b=1,w=1",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(o.status.success(), "{}\n{csv}", stderr(&o));
+}
+
+/// With a profile too, `simulate` says when the steps leave the pipeline under-filled (it only
+/// did with --costs): two microbatches on four ranks.
+#[test]
+fn simulate_warns_of_an_underfilled_pipeline_with_a_profile() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--microbatches",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("m = 2 microbatches < pp = 4 ranks"),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -159,13 +159,13 @@ pub fn torchtitan_activation_checkpoint(plan: &Plan, profile: &Profile) -> (Stri
         .collect();
     if !differ.is_empty() {
         warnings.push(format!(
-            "torchtitan cannot checkpoint per stage: mode {} applies to every layer, also on stages {} that the plan recomputes less (slower than predicted)",
+            "torchtitan cannot checkpoint per stage: mode {} applies to every layer, also on {} that the plan recomputes less (slower than predicted)",
             match chosen {
                 Recompute::None => "none",
                 Recompute::Selective => "selective",
                 Recompute::Full => "full",
             },
-            differ.join(", ")
+            stage_list(&differ)
         ));
     }
     let text = match chosen {
@@ -310,8 +310,8 @@ pub fn megatron_recompute(plan: &Plan, profile: &Profile) -> (Vec<String>, Vec<S
         let mut warnings = vec![selective_note.to_string()];
         if selective < n {
             warnings.push(format!(
-                "Megatron-LM cannot recompute per stage: selective recomputation applies to every layer, also on stages {} that the plan keeps without recomputation (slower than predicted)",
-                list(&|_, m| m == Recompute::None)
+                "Megatron-LM cannot recompute per stage: selective recomputation applies to every layer, also on {} that the plan keeps without recomputation (slower than predicted)",
+                stage_list(&[list(&|_, m| m == Recompute::None)])
             ));
         }
         return (vec!["--recompute-granularity selective".into()], warnings);
@@ -425,4 +425,14 @@ pub fn parse_megatron_layout(layout: &str) -> Result<Vec<(bool, usize, bool)>> {
             Ok((e, t, l))
         })
         .collect()
+}
+
+/// `stage 7` or `stages 5, 7` (`ids` already formatted; one entry may hold a list).
+fn stage_list(ids: &[String]) -> String {
+    let joined = ids.join(", ");
+    if joined.contains(',') {
+        format!("stages {joined}")
+    } else {
+        format!("stage {joined}")
+    }
 }

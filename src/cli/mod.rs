@@ -513,7 +513,7 @@ fn emit<T: Serialize>(
     format: Format,
     reports: &T,
     header: &str,
-    table: &Table,
+    table: &PlainTable,
     notes: &[String],
 ) -> Result<ExitCode> {
     match format {
@@ -535,17 +535,39 @@ fn emit<T: Serialize>(
     Ok(ExitCode::SUCCESS)
 }
 
-/// A results table: plain columns three spaces apart, no borders (copied into a document or a
-/// spreadsheet as it is, and what the README shows).
-fn new_table(header: &[&str]) -> Table {
+/// A results table: plain columns three spaces apart, no borders and no trailing spaces
+/// (copied into a document or a spreadsheet as it is, and what the README shows).
+struct PlainTable(Table);
+
+impl std::ops::Deref for PlainTable {
+    type Target = Table;
+    fn deref(&self) -> &Table {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for PlainTable {
+    fn deref_mut(&mut self) -> &mut Table {
+        &mut self.0
+    }
+}
+
+impl std::fmt::Display for PlainTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = self.0.to_string();
+        let lines: Vec<&str> = text.lines().map(str::trim_end).collect();
+        f.write_str(&lines.join("\n"))
+    }
+}
+
+fn new_table(header: &[&str]) -> PlainTable {
     let mut t = Table::new();
     t.load_preset(NOTHING);
     t.set_header(header.to_vec());
-    let last = header.len().saturating_sub(1);
-    for (i, c) in t.column_iter_mut().enumerate() {
-        c.set_padding((0, if i == last { 0 } else { 3 }));
+    for c in t.column_iter_mut() {
+        c.set_padding((0, 3));
     }
-    t
+    PlainTable(t)
 }
 
 fn pct(x: f64) -> String {

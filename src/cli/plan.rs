@@ -496,7 +496,18 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             }
         }
         Format::Table => {
-            outln!("{header}");
+            // An export without -o is printed alone on stdout (`plan --export pytorch-csv >
+            // schedule.csv` is a usable file); the table and notes go to stderr then.
+            let alone = export_inline.is_some();
+            let say = |line: &dyn std::fmt::Display| -> Result<()> {
+                if alone {
+                    eprintln!("{line}");
+                } else {
+                    outln!("{line}");
+                }
+                Ok(())
+            };
+            say(&header)?;
             let mut t = new_table(&[
                 "#",
                 "schedule",
@@ -543,19 +554,19 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
                     rec,
                 ]);
             }
-            outln!("{t}");
-            outln!(
+            say(&t)?;
+            say(&format!(
                 "chosen: {} (layers per stage {}), predicted mean step {} (p90 {})",
                 best.describe(),
                 slash_list(best.partition.stages.iter().map(|x| x.len())),
                 fmt_s(best.summary.step_time_s.mean),
                 fmt_s(best.summary.step_time_s.p90)
-            );
-            if let Some(text) = &export_inline {
-                outln!("{text}");
-            }
+            ))?;
             for n in &notes {
-                outln!("{n}");
+                say(n)?;
+            }
+            if let Some(text) = &export_inline {
+                out!("{text}");
             }
         }
     }

@@ -694,6 +694,21 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             (report, first, c.v, first_rounds)
         })
         .collect();
+    // An under-filled pipeline is said whatever made m small (the workload, the budget or
+    // --microbatches), once per number of stages per rank.
+    let mut warned = Vec::new();
+    for (r, _, v, _) in &rows {
+        let m = r.summary.microbatches_mean.floor() as u32;
+        if !warned.contains(v) && m < p * v {
+            warned.push(*v);
+            let what = if *v == 1 {
+                "the steps (mean microbatch count)".to_string()
+            } else {
+                format!("the steps of {v}-stage-per-rank schedules (mean microbatch count)")
+            };
+            warn_underfilled(&what, m, p, *v);
+        }
+    }
     rows.sort_by(|x, y| {
         let (a, b) = (&x.0.summary, &y.0.summary);
         a.step_time_s
