@@ -213,6 +213,18 @@ impl Plan {
                 },
                 other => other,
             })?;
+        if let Some(asked) = self.vpp
+            && asked != v
+        {
+            return Err(Error::invalid(
+                field("vpp"),
+                asked,
+                format!(
+                    "{v}: schedule {} runs {v} stage(s) per rank (interleaved-1f1b and looped-bfs take any vpp, zb-auto 1 or 2)",
+                    self.schedule
+                ),
+            ));
+        }
         let want = v * self.pp;
         if self.stages.len() != want as usize {
             return Err(Error::invalid(
@@ -246,12 +258,21 @@ impl Plan {
         }
         let mut next = 0;
         for (i, s) in self.stages.iter().enumerate() {
-            if s.start != next || s.end <= s.start || s.end > num_layers {
+            let why = if s.start != next {
+                format!("this one must start at {next}, where the previous one ends")
+            } else if s.end <= s.start {
+                format!("this one is empty: its end must be more than its start {}", s.start)
+            } else if s.end > num_layers {
+                format!("its end must be at most {num_layers}, the model's layer count")
+            } else {
+                String::new()
+            };
+            if !why.is_empty() {
                 return Err(Error::invalid(
                     field(&format!("stages[{i}]")),
                     format!("{{start: {}, end: {}}}", s.start, s.end),
                     format!(
-                        "stages must cover layers 0..{num_layers} in order, each non-empty; this one must start at {next}"
+                        "stages must cover layers 0..{num_layers} in order, each non-empty; {why}"
                     ),
                 ));
             }
@@ -336,5 +357,50 @@ mod tests {
         assert_eq!(even_split(10, 3).unwrap(), vec![0..4, 4..7, 7..10]);
         let e = even_split(34, 35).unwrap_err().to_string();
         assert!(e.contains("35") && e.contains("34 layers"), "{e}");
+    }
+
+    fn plan(stages: &[(usize, usize)], vpp: Option<u32>) -> Plan {
+        Plan {
+            model: None,
+            hardware: None,
+            profile: None,
+            workload: "w".into(),
+            dp: None,
+            pp: 2,
+            vpp,
+            placement: PlacementKind::Loop,
+            schedule: ScheduleKind::OneFOneB,
+            stages: stages
+                .iter()
+                .map(|&(start, end)| StageLayers { start, end })
+                .collect(),
+            microbatches: None,
+            token_budget: Some(1024),
+            seqs_per_step: None,
+            tokens_per_step: None,
+            policy: None,
+            recompute: Vec::new(),
+            forward_only: None,
+            seed: 0,
+            predicted: None,
+            provenance: None,
+        }
+    }
+
+    /// Each way a hand-edited stage list goes wrong is named as it is (every one was reported
+    /// as "must start at N" even when it did start there); a vpp the schedule does not run is
+    /// refused instead of ignored.
+    #[test]
+    fn a_bad_stage_list_says_what_is_wrong() {
+        let e = |p: Plan| p.validate("p.yaml", 10).unwrap_err().to_string();
+        let past = e(plan(&[(0, 5), (5, 11)], None));
+        assert!(past.contains("at most 10") && !past.contains("must start"), "{past}");
+        let empty = e(plan(&[(0, 5), (5, 5)], None));
+        assert!(empty.contains("empty") && !empty.contains("must start"), "{empty}");
+        let gap = e(plan(&[(0, 5), (6, 10)], None));
+        assert!(gap.contains("must start at 5"), "{gap}");
+        let vpp = e(plan(&[(0, 5), (5, 10)], Some(2)));
+        assert!(vpp.contains("vpp") && vpp.contains("1 stage(s) per rank"), "{vpp}");
+        plan(&[(0, 5), (5, 10)], Some(1)).validate("p.yaml", 10).unwrap();
     }
 }
