@@ -2250,3 +2250,58 @@ fn simulate_warns_of_an_underfilled_pipeline_with_a_profile() {
         stderr(&o)
     );
 }
+
+/// When no plan fits because the static state alone cannot fit even over the most pipeline
+/// ranks, that leads the message, with the closed form: Llama-3.1-70B's parameters (counted
+/// from the architecture) x 16 bytes / 2 ranks.
+#[test]
+fn no_plan_fits_leads_with_the_static_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--model",
+            "llama3.1-70b",
+            "--ranks",
+            "2",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    let m = flatpipe::profiles::builtins::model("llama3.1-70b").unwrap();
+    let params: f64 = m.layers().iter().map(|l| l.param_count() as f64).sum();
+    let want = format!("{:.1} GiB", params * 16.0 / 2.0 / 2f64.powi(30));
+    assert!(
+        err.contains("no plan fits: parameters, gradients and optimizer state alone need at least")
+            && err.contains(&want),
+        "{want}: {err}"
+    );
+}
+
+/// A memory limit above the device's memory is accepted (a what-if) but said.
+#[test]
+fn a_memory_limit_above_the_device_is_said() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--memory-limit",
+            "10TB",
+            "--steps",
+            "1",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert_eq!(
+        err.matches("is more than NVIDIA H200 SXM's").count(),
+        1,
+        "{err}"
+    );
+}

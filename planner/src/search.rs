@@ -445,6 +445,23 @@ pub fn search(
         if rejected.len() > 6 {
             reasons.push(format!("... and {} more", rejected.len() - 6));
         }
+        // When the static state alone cannot fit even split over the most pipeline ranks
+        // searched, that is the reason, before any candidate's details.
+        let max_pp = space.pp.iter().copied().max().unwrap_or(1).max(1);
+        let static_floor = total_params * config.static_bytes.total() / f64::from(max_pp);
+        if static_floor > config.memory_limit_bytes {
+            let gib = |b: f64| b / (1u64 << 30) as f64;
+            reasons.insert(
+                0,
+                format!(
+                    "parameters, gradients and optimizer state alone need at least {:.1} GiB per rank even at pp = {max_pp} ({:.0} bytes per parameter, {:.2e} parameters), above the {:.1} GiB limit: more ranks or a larger memory limit",
+                    gib(static_floor),
+                    config.static_bytes.total(),
+                    total_params,
+                    gib(config.memory_limit_bytes)
+                ),
+            );
+        }
         return Err(Error::NoFeasiblePlan(reasons.join("; ")));
     }
     Ok(SearchResult {

@@ -261,7 +261,10 @@ impl Plan {
             let why = if s.start != next {
                 format!("this one must start at {next}, where the previous one ends")
             } else if s.end <= s.start {
-                format!("this one is empty: its end must be more than its start {}", s.start)
+                format!(
+                    "this one is empty: its end must be more than its start {}",
+                    s.start
+                )
             } else if s.end > num_layers {
                 format!("its end must be at most {num_layers}, the model's layer count")
             } else {
@@ -394,13 +397,24 @@ mod tests {
     fn a_bad_stage_list_says_what_is_wrong() {
         let e = |p: Plan| p.validate("p.yaml", 10).unwrap_err().to_string();
         let past = e(plan(&[(0, 5), (5, 11)], None));
-        assert!(past.contains("at most 10") && !past.contains("must start"), "{past}");
+        assert!(
+            past.contains("at most 10") && !past.contains("must start"),
+            "{past}"
+        );
         let empty = e(plan(&[(0, 5), (5, 5)], None));
-        assert!(empty.contains("empty") && !empty.contains("must start"), "{empty}");
+        assert!(
+            empty.contains("empty") && !empty.contains("must start"),
+            "{empty}"
+        );
         let gap = e(plan(&[(0, 5), (6, 10)], None));
         assert!(gap.contains("must start at 5"), "{gap}");
         let vpp = e(plan(&[(0, 5), (5, 10)], Some(2)));
-        assert!(vpp.contains("vpp") && vpp.contains("1 stage(s) per rank"), "{vpp}");
-        plan(&[(0, 5), (5, 10)], Some(1)).validate("p.yaml", 10).unwrap();
+        assert!(
+            vpp.contains("vpp") && vpp.contains("1 stage(s) per rank"),
+            "{vpp}"
+        );
+        plan(&[(0, 5), (5, 10)], Some(1))
+            .validate("p.yaml", 10)
+            .unwrap();
     }
 }

@@ -96,6 +96,18 @@ pub(super) fn memory_limit(arg: Option<&str>, profile: &Profile) -> Result<f64> 
             if !(bytes.is_finite() && bytes > 0.0) {
                 bail!("--memory-limit `{text}` is invalid: a positive amount of memory");
             }
+            let device = profile.hardware.memory_bytes as f64;
+            if bytes > device {
+                // Said once per run (several configurations resolve the same limit).
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        "--memory-limit {text} is more than {}'s {} of memory: plans under it may not fit the device",
+                        profile.hardware.name,
+                        fmt_bytes(device)
+                    )
+                });
+            }
             Ok(bytes)
         }
     }

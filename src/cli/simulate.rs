@@ -743,8 +743,8 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     if !charts.is_empty() && super::chart_path(&a.gantt, "").is_some() {
         for (r, _, _, rounds) in rows.iter().filter(|x| x.3 > 1 && x.1.is_some()) {
             notes.push(format!(
-                "{} / capacity {}: the first step runs {rounds} rounds of its fixed-capacity schedule, each ending in a flush; its chart draws them one after the other (microbatch ids from the step's count on are the last round's empty slots)",
-                r.schedule, r.capacity
+                "{} / {} / capacity {}: the first step runs {rounds} rounds of its fixed-capacity schedule, each ending in a flush; its chart draws them one after the other (microbatch ids from the step's count on are the last round's empty slots)",
+                r.schedule, r.policy, r.capacity
             ));
         }
     }
@@ -839,7 +839,9 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         workload.name,
         mc.sequences_per_step.iter().sum::<usize>() as f64 / steps as f64,
         match microbatches {
-            Some(m) => format!("{m} microbatches balanced by cost"),
+            Some(m) => format!(
+                "exactly {m} microbatches per step (the flat policies balance them by predicted cost)"
+            ),
             None => format!("token budget {token_budget}"),
         }
     );
