@@ -132,6 +132,8 @@ fn bad_input_is_a_clear_error_with_exit_code_2() {
         (&["simulate", "--token-budget", "0"], "--token-budget"),
         (&["simulate", "--microbatches", "500"], "in 1..=128"),
         (&["simulate", "--gantt", "chart.jpg"], "svg or .png"),
+        // A directory given for a file: said as such (it was "no such file").
+        (&["simulate", "--workload", "."], "Is a directory"),
     ];
     for (args, needle) in cases {
         let o = flatpipe(dir.path(), args);
@@ -2302,6 +2304,55 @@ fn a_memory_limit_above_the_device_is_said() {
     assert_eq!(
         err.matches("is more than NVIDIA H200 SXM's").count(),
         1,
+        "{err}"
+    );
+}
+
+/// `simulate --plan` compares its run with what the plan file predicted (the same steps give
+/// the same mean, +0.0%) and says when the plan was made on another profile (its SHA-256
+/// differs): before, an edited plan ran silently.
+#[test]
+fn simulate_plan_compares_with_the_prediction_and_checks_provenance() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = [
+        "--model",
+        "tiny",
+        "--hardware",
+        "cpu",
+        "--workload",
+        "tiny-chat",
+    ];
+    let mut args = vec!["plan", "--ranks", "2", "--steps", "4", "--gantt", "none"];
+    args.extend(base);
+    args.extend(["-o", "p.yaml"]);
+    let o = flatpipe(dir.path(), &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let run = |plan: &str| {
+        let o = flatpipe(
+            dir.path(),
+            &[
+                "simulate", "--plan", plan, "--steps", "4", "--gantt", "none",
+            ],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        (String::from_utf8_lossy(&o.stdout).into_owned(), stderr(&o))
+    };
+    let (out, err) = run("p.yaml");
+    assert!(
+        out.contains("the plan predicted a mean step of") && out.contains("(+0.0%)"),
+        "{out}"
+    );
+    assert!(!err.contains("another profile"), "{err}");
+    let text = std::fs::read_to_string(dir.path().join("p.yaml")).unwrap();
+    assert!(text.contains("hardware: cpu"), "{text}");
+    std::fs::write(
+        dir.path().join("q.yaml"),
+        text.replace("hardware: cpu", "hardware: h200"),
+    )
+    .unwrap();
+    let (_, err) = run("q.yaml");
+    assert!(
+        err.contains("the plan was made on another profile"),
         "{err}"
     );
 }

@@ -79,6 +79,8 @@ fn resolve<T>(
     }
     match lookup(table, arg) {
         Some(text) => from_builtin(text, &format!("built-in {what} `{arg}`")),
+        // A directory is not a file: reading it says so, naming the path.
+        None if path.is_dir() => from_file(path),
         None => Err(Error::Unknown {
             what,
             name: arg.into(),

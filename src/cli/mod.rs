@@ -262,11 +262,12 @@ fn check_monte_carlo_memory(
         what,
         need,
         &format!(
-            "{steps} step(s) of {size} over {} schedule(s) are estimated to hold {}",
+            "{steps} step(s) of {size} for {} configuration(s) of up to pp = {} are estimated to hold {}",
             configs.len(),
+            configs.iter().map(|c| c.pp).max().unwrap_or(1),
             fmt_bytes(need)
         ),
-        "use fewer steps, sequences per step or schedules, or a larger token budget",
+        "use fewer steps, sequences per step, ranks or schedules, or a larger token budget",
     )
 }
 

@@ -740,6 +740,11 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         })
         .collect();
     let mut notes = write_charts(a, &charts)?;
+    // A plan file carries what the planner predicted and the hashes of what it was planned
+    // on: say how this run compares, and when the inputs differ.
+    if let Some(pl) = &plan {
+        notes.extend(plan_comparison(pl, &profile, &workload, steps, &rows[0].0)?);
+    }
     if !charts.is_empty() && super::chart_path(&a.gantt, "").is_some() {
         for (r, _, _, rounds) in rows.iter().filter(|x| x.3 > 1 && x.1.is_some()) {
             notes.push(format!(
@@ -962,4 +967,56 @@ fn limit_source(memory_limit: Option<&str>, profile: &profiles::Profile) -> Stri
         Some(text) => format!("--memory-limit {text}"),
         None => format!("{}'s memory less its reserve", profile.hardware.name),
     }
+}
+
+/// The notes on a plan file's run: its inputs' hashes against this run's (a changed profile or
+/// workload), and its predicted mean step time and bubble against this run's.
+fn plan_comparison(
+    pl: &Plan,
+    profile: &Profile,
+    workload: &Workload,
+    steps: u32,
+    run: &McReport,
+) -> Result<Vec<String>> {
+    let mut notes = Vec::new();
+    if let Some(prov) = &pl.provenance {
+        let profile_now = super::plan::sha256_hex(profile.to_yaml()?.as_bytes());
+        if prov.profile_sha256 != profile_now {
+            let w = format!(
+                "the plan was made on another profile (SHA-256 {}..., this run's {}...): its prediction is not this run's",
+                &prov.profile_sha256[..12.min(prov.profile_sha256.len())],
+                &profile_now[..12]
+            );
+            tracing::warn!("{w}");
+            notes.push(w);
+        }
+        let workload_now = super::plan::workload_hash(workload)?;
+        if prov.workload_sha256 != workload_now {
+            let w = format!(
+                "the plan was made on another workload (SHA-256 {}..., this run's {}...)",
+                &prov.workload_sha256[..12.min(prov.workload_sha256.len())],
+                &workload_now[..12]
+            );
+            tracing::warn!("{w}");
+            notes.push(w);
+        }
+    }
+    if let Some(pred) = &pl.predicted {
+        let now = run.summary.step_time_s.mean;
+        notes.push(format!(
+            "the plan predicted a mean step of {} and a bubble of {} over {} sampled step(s); this run: {} and {} over {steps} ({:+.1}%){}",
+            fmt_s(pred.step_time_mean_s),
+            pct(pred.bubble_ratio),
+            pred.steps,
+            fmt_s(now),
+            pct(run.summary.bubble_ratio_mean),
+            100.0 * (now / pred.step_time_mean_s - 1.0),
+            if steps != pred.steps {
+                format!("; --steps {} samples the same steps", pred.steps)
+            } else {
+                String::new()
+            }
+        ));
+    }
+    Ok(notes)
 }
