@@ -83,8 +83,19 @@ fn draw<DB: DrawingBackend>(
     let makespan_s = (t.makespan_ns() as f64 * 1e-9).max(1e-12);
     let (scale, unit) = time_unit(makespan_s);
     let x_max = makespan_s * scale;
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, ("sans-serif", 22))
+    // The title and, on its own line below it, the legend: neither covers the other nor a bar.
+    let (w, _) = root.dim_in_pixel();
+    let (_, body) = root.split_vertically(LEGEND_BAND_PX);
+    root.draw(&Text::new(
+        title,
+        (w as i32 / 2, 20),
+        ("sans-serif", 22)
+            .into_font()
+            .color(&BLACK)
+            .pos(Pos::new(HPos::Center, VPos::Center)),
+    ))
+    .map_err(e)?;
+    let mut chart = ChartBuilder::on(&body)
         .margin(12)
         .margin_left(80)
         .x_label_area_size(40)
@@ -197,8 +208,7 @@ fn draw<DB: DrawingBackend>(
         ))
         .map_err(e)?;
     }
-    // The legend lists what the chart shows, on the caption's row at the right (below it, it
-    // would cover rank 0's bars).
+    // The legend lists what the chart shows, centred on its own line under the title.
     let shown = |k: ActionKind| {
         t.compute
             .iter()
@@ -232,15 +242,14 @@ fn draw<DB: DrawingBackend>(
     if t.optimizer.iter().any(Option::is_some) {
         legend.push(("opt", RGBColor(176, 176, 176)));
     }
-    let (w, _) = root.dim_in_pixel();
-    let slot = |name: &str| 30 + 8 * name.chars().count() as i32;
-    let mut x = w as i32 - 24 - legend.iter().map(|(n, _)| slot(n)).sum::<i32>();
+    let slot = |name: &str| 34 + 8 * name.chars().count() as i32;
+    let mut x = (w as i32 - legend.iter().map(|(n, _)| slot(n)).sum::<i32>()) / 2;
     for (name, c) in legend {
-        root.draw(&Rectangle::new([(x, 12), (x + 14, 26)], c.filled()))
+        root.draw(&Rectangle::new([(x, 40), (x + 14, 54)], c.filled()))
             .map_err(e)?;
         root.draw(&Text::new(
             name,
-            (x + 18, 19),
+            (x + 18, 47),
             ("sans-serif", 13)
                 .into_font()
                 .color(&BLACK)
@@ -286,13 +295,16 @@ pub(crate) trait Chart {
 
 /// Pixel size of a Gantt chart: 12 px per action of the busiest rank (so one-digit microbatch
 /// labels fit in a box of a step with no bubbles), at least 1,600 and at most 8,000 wide; rows
-/// 44 px high up to 64 ranks, then the height stays at 64 ranks' (2,956 px) and rows thin.
+/// 44 px high up to 64 ranks, then the height stays at 64 ranks' (2,990 px) and rows thin.
 fn gantt_size(t: &Timeline) -> (u32, u32) {
     let rows = t.num_ranks().max(1) as u32;
     let actions = t.compute.iter().map(Vec::len).max().unwrap_or(0) as u32;
     let width = (200 + 12 * actions).clamp(1600, 8000);
-    (width, 110 + 44 * rows.min(64) + 30)
+    (width, 80 + LEGEND_BAND_PX + 44 * rows.min(64) + 30)
 }
+
+/// Height of the band above the chart that holds the title and the legend, px.
+const LEGEND_BAND_PX: u32 = 64;
 
 struct Gantt<'a> {
     title: &'a str,

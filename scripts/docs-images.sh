@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Regenerates the README's images in docs/ with the release binary, from the commands the README
+# shows next to each image. The measured chart (execute on the CPU) differs from run to run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release
+f=target/release/flatpipe
+$f plan --gantt docs/gantt-plan.png > /dev/null
+$f simulate --schedule zb-v --gantt docs/gantt-default.png > /dev/null
+$f simulate --schedule dualpipev --gantt docs/gantt-dualpipev.png > /dev/null
+$f simulate --costs f=1,b=1,w=1 --schedule 1f1b --pp 4 --microbatches 8 \
+    --gantt docs/gantt-uniform-1f1b.png > /dev/null
+$f simulate --schedule 1f1b --policy padded,packed,flat-ffd,flat-balanced --steps 1000 \
+    --capacity dynamic,12 --gantt none --histogram docs/histogram-sharegpt-v3.png > /dev/null
+$f execute --plan examples/cpu-tiny/plan.yaml --gantt docs/gantt-execute-zb-h2.png > /dev/null
+echo "regenerated: $(ls docs/*.png | tr '\n' ' ')"
