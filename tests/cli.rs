@@ -2356,3 +2356,44 @@ fn simulate_plan_compares_with_the_prediction_and_checks_provenance() {
         "{err}"
     );
 }
+
+/// A chosen plan within 2% of the memory limit on the sampled steps says so (zb-auto fills the
+/// limit by construction); the default plan (89% of the limit) does not. The note's figures
+/// are the table's.
+#[test]
+fn plan_notes_a_chosen_plan_without_memory_margin() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["plan", "--schedule", "zb-auto", "--gantt", "none"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("the chosen plan's busiest rank needs"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let num = |t: &str| -> f64 {
+        t.trim_matches(|c: char| !c.is_ascii_digit() && c != '.')
+            .parse()
+            .unwrap()
+    };
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let (need, limit) = (num(words[6]), num(words[10]));
+    let pct = num(words[13]);
+    assert!(
+        (pct - 100.0 * need / limit).abs() < 0.06 && pct > 98.0,
+        "{line}"
+    );
+    // The table's first row: "135.0 / 136.4 GiB".
+    let row = out.lines().find(|l| l.starts_with("1 ")).unwrap();
+    let (before, after) = row.split_once(" / ").unwrap();
+    let table_need = num(before.split_whitespace().last().unwrap());
+    let table_limit = num(after.split_whitespace().next().unwrap());
+    assert!(
+        (need - table_need).abs() < 0.06 && (limit - table_limit).abs() < 0.06,
+        "{line} / {row}"
+    );
+    let o = flatpipe(dir.path(), &["plan", "--gantt", "none"]);
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("busiest rank needs"));
+}

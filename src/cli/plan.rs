@@ -81,6 +81,9 @@ pub(super) struct PlanArgs {
 
 /// The memory limit: `--memory-limit` parsed (e.g. `120GiB`, `80GB`, `1.5e11`), or the
 /// hardware's memory minus a 4 GiB reserve.
+/// Above this fraction of the memory limit, `plan` notes that the chosen plan has little margin.
+const MARGIN_NOTE_FRACTION: f64 = 0.98;
+
 pub(super) fn memory_limit(arg: Option<&str>, profile: &Profile) -> Result<f64> {
     match arg {
         None => Ok(montecarlo::default_memory_limit(profile)),
@@ -381,6 +384,17 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         notes.push(format!(
             "{longer} of the {total} sampled sequences are longer than the chosen token budget of {} tokens: each gets a microbatch of its own",
             best.token_budget
+        ));
+    }
+    // The sampled steps' peak is not every step's: say when the chosen plan leaves little room.
+    let peak = best.peak_memory_bytes.iter().copied().fold(0.0, f64::max);
+    if peak > MARGIN_NOTE_FRACTION * limit {
+        notes.push(format!(
+            "the chosen plan's busiest rank needs {} of the {} limit ({:.1}%) on the {} sampled steps; a rarer, longer step may need more: a lower --memory-limit keeps a margin",
+            fmt_bytes(peak),
+            fmt_bytes(limit),
+            100.0 * peak / limit,
+            a.steps
         ));
     }
     if let Some(path) = &a.output {
