@@ -8,9 +8,9 @@
 //! go through channels and are checked against the step's microbatch plan (no shape handshake).
 //!
 //! ```text
-//! Plan / inline options --> Setup --> per step: sequences -> dp shares -> microbatches
-//!   -> MicrobatchData (ids, labels, loss weights) -> Schedule (IR, generated for this m)
-//!   -> interpreter: thread per rank, F / I / W / B / Fo -> loss, gradients, measured Timeline
+//! Plan / inline options --> Setup --> per step: sequences -> simulator's cut_step / plan_step
+//!   (StepPlan: microbatches, the schedule for this m) -> MicrobatchData (ids, labels, loss
+//!   weights) attached to the plan's schedules -> interpreter: thread per rank, F / I / W / B / Fo -> loss, gradients, measured Timeline
 //!   -> all-reduce over dp, global grad norm, AdamW
 //! ```
 //!
@@ -21,7 +21,7 @@
 //!   kernels, cuBLAS GEMMs, each rank its own streams, transfers as device copies timed by
 //!   events).
 //! - [`runner`]: a plan's steps end to end, and the single-rank reference run that `--verify`
-//!   and the tests compare against.
+//!   and the tests compare against; [`verify`]: that comparison and its tolerances.
 #![deny(missing_docs)]
 
 pub mod cpu;
@@ -35,6 +35,7 @@ pub mod kernels;
 pub mod null;
 pub mod profiler;
 pub mod runner;
+pub mod verify;
 
 pub mod worker;
 

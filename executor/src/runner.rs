@@ -613,7 +613,7 @@ impl Reference {
 }
 
 /// The largest difference between two sets of named tensors.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
 pub struct Diff {
     /// `max |a - b|` over every element.
     pub max_abs: f64,

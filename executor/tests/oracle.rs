@@ -16,8 +16,7 @@ use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::costs::Recompute;
 use flatpipe_simulator::montecarlo::ScheduleSource;
 
-const LOSS_RTOL: f64 = 1e-5;
-const GRAD_RTOL: f64 = 1e-4;
+use flatpipe_executor::verify::{LOSS_RTOL, TENSOR_RTOL as GRAD_RTOL, verify_step};
 
 /// A 6-decoder model small enough for many configurations in a debug test run.
 fn model() -> ModelSpec {
@@ -43,24 +42,19 @@ fn check(s: &Setup) {
         s.config.params.microbatches
     );
     let step = s.prepare(0).unwrap();
+    // Gradients of one step (no optimizer), through the library's --verify.
     let mut exec = Executor::cpu(s).unwrap();
     let mut reference = Reference::new(s).unwrap();
     let run = exec.gradients(&step).unwrap();
-    let r = reference.step(s, &step, false).unwrap();
+    let v = verify_step(&run, &exec.named_grads(), None, &mut reference, s, &step).unwrap();
+    assert!(v.within_tolerance, "{name}: {v:?}");
+    // The tolerances themselves, stated: loss, gradients, grad norm.
+    assert!(v.loss_rel_diff <= LOSS_RTOL, "{name}: loss {v:?}");
     assert!(
-        (run.loss - r.loss).abs() <= LOSS_RTOL * r.loss.abs(),
-        "{name}: loss {} vs {}",
-        run.loss,
-        r.loss
+        v.grads.max_rel <= GRAD_RTOL,
+        "{name}: gradients differ: {v:?}"
     );
-    let d = compare(&exec.named_grads(), &reference.named_grads()).unwrap();
-    assert!(d.max_rel <= GRAD_RTOL, "{name}: gradients differ: {d:?}");
-    assert!(
-        (run.grad_norm - r.grad_norm).abs() <= GRAD_RTOL * r.grad_norm,
-        "{name}: grad norm {} vs {}",
-        run.grad_norm,
-        r.grad_norm
-    );
+    assert!(v.grad_norm_rel_diff <= GRAD_RTOL, "{name}: grad norm {v:?}");
     // Every microbatch ran once on every stage, and nothing is left held.
     for rank in &exec.ranks {
         for (_, w) in rank {
@@ -75,12 +69,20 @@ fn check(s: &Setup) {
     // One optimizer step on both: parameters agree.
     let mut exec = Executor::cpu(s).unwrap();
     let mut reference = Reference::new(s).unwrap();
-    exec.train_step(s, &step).unwrap();
-    reference.step(s, &step, true).unwrap();
-    let d = compare(&exec.named_params(), &reference.named_params()).unwrap();
+    let run = exec.train_step(s, &step).unwrap();
+    let v = verify_step(
+        &run,
+        &exec.named_grads(),
+        Some(&exec.named_params()),
+        &mut reference,
+        s,
+        &step,
+    )
+    .unwrap();
+    let p = v.params.as_ref().unwrap();
     assert!(
-        d.max_rel <= GRAD_RTOL,
-        "{name}: parameters after AdamW differ: {d:?}"
+        p.max_rel <= GRAD_RTOL && v.within_tolerance,
+        "{name}: parameters after AdamW differ: {v:?}"
     );
 }
 

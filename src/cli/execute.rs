@@ -5,16 +5,14 @@
 use super::*;
 use flatpipe_executor::cpu::CpuStage;
 use flatpipe_executor::interpreter::StepRun;
-use flatpipe_executor::runner::{self, Executor, PreparedStep, Reference, Setup};
+use flatpipe_executor::runner::{Executor, PreparedStep, Reference, Setup};
 use flatpipe_executor::{AdamW, LossReduction};
 use profiles::ProfileSource;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// Loss within this relative difference of the single-rank reference (fp32).
-const VERIFY_LOSS_RTOL: f64 = 1e-5;
-/// Every gradient and parameter tensor within this normwise relative difference.
-const VERIFY_RTOL: f64 = 1e-4;
+// --verify's tolerances are the library's (the oracle tests use the same).
+use flatpipe_executor::verify::{LOSS_RTOL as VERIFY_LOSS_RTOL, TENSOR_RTOL as VERIFY_RTOL};
 
 /// The backend that runs the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -775,40 +773,27 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         };
         let verify = match &mut reference {
             Some(re) => {
-                let r = re.step(&setup, &prepared, true)?;
-                let g = runner::compare(&exec.named_grads(), &re.named_grads())?;
-                let p = runner::compare(&exec.named_params(), &re.named_params())?;
-                let loss_rel = (run.loss - r.loss).abs() / r.loss.abs().max(f64::MIN_POSITIVE);
-                let norm_rel =
-                    (run.grad_norm - r.grad_norm).abs() / r.grad_norm.max(f64::MIN_POSITIVE);
-                // Forward-only microbatch k is training microbatch k mod m, run with the same
-                // weights: its loss sums must match the training forward's.
-                let mut fo_rel: f64 = 0.0;
-                for (d, fo) in run.fo_losses.iter().enumerate() {
-                    let train = &run.microbatch_losses[d];
-                    for (k, l) in fo.iter().enumerate() {
-                        let t = &train[k % train.len()];
-                        fo_rel =
-                            fo_rel.max((l.sum - t.sum).abs() / t.sum.abs().max(f64::MIN_POSITIVE));
-                    }
-                }
-                let ok = loss_rel <= VERIFY_LOSS_RTOL
-                    && g.max_rel <= VERIFY_RTOL
-                    && p.max_rel <= VERIFY_RTOL
-                    && norm_rel <= VERIFY_RTOL
-                    && fo_rel <= VERIFY_LOSS_RTOL;
-                failed |= !ok;
+                let v = flatpipe_executor::verify::verify_step(
+                    &run,
+                    &exec.named_grads(),
+                    Some(&exec.named_params()),
+                    re,
+                    &setup,
+                    &prepared,
+                )?;
+                failed |= !v.within_tolerance;
+                let p = v.params.clone().unwrap_or_default();
                 Some(VerifyRow {
-                    reference_loss: r.loss,
-                    loss_rel_diff: loss_rel,
-                    grad_max_abs_diff: g.max_abs,
-                    grad_max_rel_diff: g.max_rel,
-                    grad_worst: g.worst,
+                    reference_loss: v.reference_loss,
+                    loss_rel_diff: v.loss_rel_diff,
+                    grad_max_abs_diff: v.grads.max_abs,
+                    grad_max_rel_diff: v.grads.max_rel,
+                    grad_worst: v.grads.worst,
                     param_max_abs_diff: p.max_abs,
                     param_max_rel_diff: p.max_rel,
-                    grad_norm_rel_diff: norm_rel,
-                    fo_loss_rel_diff: fo_rel,
-                    within_tolerance: ok,
+                    grad_norm_rel_diff: v.grad_norm_rel_diff,
+                    fo_loss_rel_diff: v.fo_loss_rel_diff,
+                    within_tolerance: v.within_tolerance,
                 })
             }
             None => None,
