@@ -3,7 +3,7 @@
 //! bubbles with the measured ones.
 
 use super::*;
-use execute::{AnyExecutor, Backend, GemmPrecision, measured_bubbles, measured_on, predict_step};
+use backend::{AnyExecutor, measured_bubbles, measured_on, predict_step};
 use flatpipe_executor::AdamW;
 use flatpipe_executor::runner::Setup;
 use std::sync::Arc;
@@ -134,10 +134,10 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             (p, path.display().to_string())
         }
         None => {
-            let mut cfg = profile::default_config(backend, a.quick);
+            let mut cfg = backend::default_config(backend, a.quick);
             // Profile as the plan runs: pp ranks busy at once.
             cfg.concurrency = pp as usize;
-            let p = profile::measure(backend, a.precision, a.gpus as usize, &model, None, &cfg)?;
+            let p = backend::measure(backend, a.precision, a.gpus as usize, &model, None, &cfg)?;
             if let Some(path) = &a.save_profile {
                 profiles::write_atomic(path, p.to_yaml()?.as_bytes())?;
             }

@@ -17,21 +17,25 @@ macro_rules! out {
     }};
 }
 
+mod backend;
 mod builtins_cmd;
 mod calibrate;
 mod execute;
 mod import_trace;
 mod plan;
 mod profile;
+mod resolve;
 mod schedule;
 mod simulate;
 
+use backend::{Backend, GemmPrecision};
 use builtins_cmd::{BuiltinsArgs, list_builtins};
 use calibrate::{CalibrateArgs, calibrate};
 use execute::{ExecuteArgs, execute};
 use import_trace::{ImportTraceArgs, import_trace};
 use plan::{PlanArgs, plan_cmd};
 use profile::{ProfileArgs, profile_cmd};
+use resolve::memory_limit;
 use schedule::{ScheduleArgs, schedule_cmd};
 use simulate::{SimulateArgs, simulate};
 

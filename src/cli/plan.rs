@@ -1,6 +1,7 @@
 //! `flatpipe plan`: search dp x pp, v, schedule, token budget and split; write and export the plan.
 
 use super::*;
+use resolve::{sha256_hex, workload_hash};
 
 /// What `plan --export` writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -83,56 +84,6 @@ pub(super) struct PlanArgs {
 /// hardware's memory minus a 4 GiB reserve.
 /// Above this fraction of the memory limit, `plan` notes that the chosen plan has little margin.
 const MARGIN_NOTE_FRACTION: f64 = 0.98;
-
-pub(super) fn memory_limit(arg: Option<&str>, profile: &Profile) -> Result<f64> {
-    match arg {
-        None => Ok(montecarlo::default_memory_limit(profile)),
-        Some(text) => {
-            let bytes = match text.trim().parse::<f64>() {
-                Ok(b) => b,
-                Err(_) => text
-                    .trim()
-                    .parse::<bytesize::ByteSize>()
-                    .map_err(|e| anyhow::anyhow!("--memory-limit `{text}` is invalid: {e} (e.g. 120GiB, 80GB or a number of bytes)"))?
-                    .as_u64() as f64,
-            };
-            if !(bytes.is_finite() && bytes > 0.0) {
-                bail!("--memory-limit `{text}` is invalid: a positive amount of memory");
-            }
-            let device = profile.hardware.memory_bytes as f64;
-            if bytes > device {
-                // Said once per run (several configurations resolve the same limit).
-                static WARNED: std::sync::Once = std::sync::Once::new();
-                WARNED.call_once(|| {
-                    tracing::warn!(
-                        "--memory-limit {text} is more than {}'s {} of memory: plans under it may not fit the device",
-                        profile.hardware.name,
-                        fmt_bytes(device)
-                    )
-                });
-            }
-            Ok(bytes)
-        }
-    }
-}
-
-pub(super) fn sha256_hex(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-pub(super) fn workload_hash(w: &Workload) -> Result<String> {
-    let mut bytes = serde_yaml::to_string(w)?.into_bytes();
-    if let profiles::LengthDistribution::Empirical { samples, .. } = &w.lengths {
-        for s in samples.iter() {
-            bytes.extend_from_slice(&s.to_le_bytes());
-        }
-    }
-    Ok(sha256_hex(&bytes))
-}
 
 /// One row of `plan`'s output.
 #[derive(Debug, Serialize)]

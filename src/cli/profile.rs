@@ -2,20 +2,20 @@
 //! write a measured profile.
 
 use super::*;
-use flatpipe_executor::profiler::{self, ProfileConfig};
+use backend::{default_config, gemm_rates, measure};
 
 /// Options of `flatpipe profile`.
 #[derive(Debug, Args)]
 pub(super) struct ProfileArgs {
     /// Backend whose kernels are measured.
-    #[arg(long, value_enum, default_value_t = execute::Backend::Cpu)]
-    backend: execute::Backend,
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    backend: Backend,
     /// Model (YAML file or built-in name). Default tiny.
     #[arg(long, default_value = "tiny")]
     model: String,
     /// GEMM arithmetic on --backend cuda (bf16: tensor-core math with fp32 accumulation).
-    #[arg(long, value_enum, default_value_t = execute::GemmPrecision::Fp32)]
-    precision: execute::GemmPrecision,
+    #[arg(long, value_enum, default_value_t = GemmPrecision::Fp32)]
+    precision: GemmPrecision,
     /// On --backend cuda: 1 (default) measures the link between two streams of GPU 0, as
     /// ranks sharing a GPU run; 2 or more a peer copy from GPU 1 to GPU 0 (one GPU per rank).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
@@ -60,111 +60,6 @@ struct ProfileReport {
     link_beta_bytes_per_s: f64,
     optimizer_s_per_param: f64,
     seconds: f64,
-}
-
-/// Today's date (UTC) as ISO 8601.
-pub(super) fn today() -> String {
-    time::OffsetDateTime::now_utc().date().to_string()
-}
-
-/// The grid for `backend` (already resolved: cpu or cuda): the CPU's quick or full grid, or on a
-/// GPU T in {1024, 4096, 16384}.
-pub(super) fn default_config(backend: execute::Backend, quick: bool) -> ProfileConfig {
-    #[cfg(feature = "cuda")]
-    if backend == execute::Backend::Cuda {
-        return flatpipe_executor::cuda::profile::gpu_config();
-    }
-    let _ = backend;
-    if quick {
-        ProfileConfig::quick()
-    } else {
-        ProfileConfig::full()
-    }
-}
-
-/// Measures `model` on `backend` (resolved: cpu or cuda) with `cfg` (progress bar on stderr)
-/// and returns the profile; on CUDA with `gpus > 1` the link is a peer copy between two GPUs.
-/// `hardware` defaults to the built-in `cpu` or `h200`.
-pub(super) fn measure(
-    backend: execute::Backend,
-    precision: execute::GemmPrecision,
-    gpus: usize,
-    model: &profiles::ModelSpec,
-    hardware: Option<&str>,
-    cfg: &ProfileConfig,
-) -> Result<Profile> {
-    precision.check(backend)?;
-    let bar = indicatif::ProgressBar::new(profiler::grid_points(model, cfg));
-    if let Ok(style) =
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed} profiling {msg}")
-    {
-        bar.set_style(style);
-    }
-    let progress = |what: &str| {
-        tracing::info!("profile: {what}");
-        bar.set_message(what.to_string());
-        bar.inc(1);
-    };
-    let (measured, device, hw) = match backend {
-        #[cfg(feature = "cuda")]
-        execute::Backend::Cuda => {
-            use flatpipe_executor::cuda::profile as gpu;
-            let (m, info) = gpu::profile_cuda(model, cfg, precision.cuda(), gpus, &progress)?;
-            let mut device = gpu::device_name(&info, precision.cuda());
-            if cfg.concurrency > 1 {
-                device.push_str(&format!(", {} streams busy", cfg.concurrency));
-            }
-            (m, device, hardware.unwrap_or("h200"))
-        }
-        _ => {
-            if gpus != 1 {
-                bail!("--gpus {gpus} needs --backend cuda");
-            }
-            let m = profiler::profile_cpu(model, cfg, &progress)?;
-            let device = format!(
-                "cpu: {} (1 thread per rank, {} busy)",
-                profiler::cpu_name(),
-                cfg.concurrency
-            );
-            (m, device, hardware.unwrap_or("cpu"))
-        }
-    };
-    bar.finish_and_clear();
-    let hardware = builtins::hardware(hw)?;
-    Ok(profiler::to_profile(
-        model,
-        &hardware,
-        &device,
-        Some(today()),
-        cfg,
-        &measured,
-    )?)
-}
-
-/// cuBLAS GEMM rates at Llama-3.1-8B's layer shapes (fp32, and bf16 storage with fp32
-/// accumulation), for the report's notes.
-#[cfg(feature = "cuda")]
-fn gemm_rates() -> Result<Vec<String>> {
-    use flatpipe_executor::cuda;
-    let mut lines = Vec::new();
-    for t in [4096usize, 16384] {
-        let mut parts = Vec::new();
-        for (name, k, n) in [
-            ("qkv", 4096, 6144),
-            ("o", 4096, 4096),
-            ("gate+up", 4096, 28672),
-            ("down", 14336, 4096),
-        ] {
-            let f = cuda::time_gemm_f32((t, k, n), 2, 5)?;
-            let b = cuda::time_gemm_bf16((t, k, n), 2, 5)?;
-            parts.push(format!("{name} {:.0}/{:.0}", f.tflops, b.tflops));
-        }
-        lines.push(format!(
-            "cuBLAS TFLOP/s at Llama-3.1-8B shapes, T = {t}, fp32/bf16: {}",
-            parts.join(", ")
-        ));
-    }
-    Ok(lines)
 }
 
 pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
@@ -258,7 +153,7 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
         ),
     ];
     #[cfg(feature = "cuda")]
-    if backend == execute::Backend::Cuda {
+    if backend == Backend::Cuda {
         notes.extend(gemm_rates()?);
     }
     emit(a.format, &report, &header, &t, &notes)

@@ -584,8 +584,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
                     None => plan.as_ref().and_then(|pl| pl.forward_only),
                 };
                 if let Some(text) = &a.memory_limit {
-                    combo.memory_limit_bytes =
-                        Some(super::plan::memory_limit(Some(text), &profile)?);
+                    combo.memory_limit_bytes = Some(memory_limit(Some(text), &profile)?);
                 }
                 combos.push(combo);
             }
@@ -659,7 +658,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     }
     // Every row is checked against the per-rank memory: --memory-limit, or the hardware's memory
     // less its reserve.
-    let limit = super::plan::memory_limit(a.memory_limit.as_deref(), &profile)?;
+    let limit = memory_limit(a.memory_limit.as_deref(), &profile)?;
     type Row = (McReport, Option<(sim::Schedule, Simulation)>, u32, u32);
     let mut rows: Vec<Row> = combos
         .iter()
@@ -980,7 +979,7 @@ fn plan_comparison(
 ) -> Result<Vec<String>> {
     let mut notes = Vec::new();
     if let Some(prov) = &pl.provenance {
-        let profile_now = super::plan::sha256_hex(profile.to_yaml()?.as_bytes());
+        let profile_now = resolve::sha256_hex(profile.to_yaml()?.as_bytes());
         if prov.profile_sha256 != profile_now {
             let w = format!(
                 "the plan was made on another profile (SHA-256 {}..., this run's {}...): its prediction is not this run's",
@@ -990,7 +989,7 @@ fn plan_comparison(
             tracing::warn!("{w}");
             notes.push(w);
         }
-        let workload_now = super::plan::workload_hash(workload)?;
+        let workload_now = resolve::workload_hash(workload)?;
         if prov.workload_sha256 != workload_now {
             let w = format!(
                 "the plan was made on another workload (SHA-256 {}..., this run's {}...)",
