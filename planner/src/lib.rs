@@ -18,6 +18,7 @@ pub mod bnb;
 mod error;
 pub mod export;
 pub mod partition;
+pub mod plan_file;
 pub mod search;
 
 pub use error::{Error, Result};

@@ -1,7 +1,6 @@
 //! `flatpipe plan`: search dp x pp, v, schedule, token budget and split; write and export the plan.
 
 use super::*;
-use resolve::{sha256_hex, workload_hash};
 
 /// What `plan --export` writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -278,48 +277,22 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             ),
         ),
     };
-    let plan = Plan {
-        model: model_ref,
-        hardware: hardware_ref,
-        profile: a.inputs.profile.clone(),
-        workload: workload_name.clone(),
-        dp: Some(best.dp),
-        pp: best.pp,
-        vpp: Some(best.vpp),
-        placement: best.schedule.placement_for(best.vpp),
-        schedule: best.schedule,
-        stages: best
-            .partition
-            .stages
-            .iter()
-            .map(|r| sim::plan::StageLayers {
-                start: r.start,
-                end: r.end,
-            })
-            .collect(),
-        microbatches: None,
-        token_budget: Some(best.token_budget),
-        seqs_per_step: a.seqs_per_step,
-        tokens_per_step: a.tokens_per_step,
-        policy: Some(space.policy.to_string()),
-        recompute: best.partition.recompute.clone(),
-        forward_only: config.forward_only,
-        seed,
-        predicted: Some(sim::plan::Predicted {
-            step_time_mean_s: best.summary.step_time_s.mean,
-            step_time_p90_s: best.summary.step_time_s.p90,
-            bubble_ratio: best.summary.bubble_ratio_mean,
-            lower_bound_s: best.lower_bound_s,
-            peak_memory_bytes: best.peak_memory_bytes.clone(),
-            memory_limit_bytes: limit,
-            steps: a.steps,
-        }),
-        provenance: Some(sim::plan::PlanProvenance {
-            profile_sha256: sha256_hex(profile.to_yaml()?.as_bytes()),
-            workload_sha256: workload_hash(&workload)?,
-            flatpipe_version: env!("CARGO_PKG_VERSION").to_string(),
-        }),
-    };
+    let plan = planner::plan_file::candidate_plan(
+        best,
+        &planner::plan_file::PlanInputs {
+            model: model_ref,
+            hardware: hardware_ref,
+            profile: a.inputs.profile.clone(),
+            workload: workload_name.clone(),
+            seqs_per_step: a.seqs_per_step,
+            tokens_per_step: a.tokens_per_step,
+            seed,
+        },
+        &profile,
+        &workload,
+        &config,
+        space.policy,
+    )?;
     let mut notes = Vec::new();
     // Sequences longer than the chosen token budget get a microbatch of their own.
     let (mut longer, mut total) = (0usize, 0usize);

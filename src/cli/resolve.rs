@@ -1,6 +1,5 @@
 //! The resolution layer shared by the subcommands (not a subcommand): what the user's flags and
-//! files mean, decided once: the per-rank memory limit, and the hashes a plan's provenance
-//! records.
+//! files mean, decided once (the per-rank memory limit).
 
 use super::*;
 
@@ -40,24 +39,4 @@ pub(super) fn memory_limit(arg: Option<&str>, profile: &Profile) -> Result<f64> 
             Ok(bytes)
         }
     }
-}
-
-/// SHA-256 of `bytes`, lower-case hex.
-pub(super) fn sha256_hex(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-/// SHA-256 of a workload's definition and samples (a plan's provenance).
-pub(super) fn workload_hash(w: &Workload) -> Result<String> {
-    let mut bytes = serde_yaml::to_string(w)?.into_bytes();
-    if let profiles::LengthDistribution::Empirical { samples, .. } = &w.lengths {
-        for s in samples.iter() {
-            bytes.extend_from_slice(&s.to_le_bytes());
-        }
-    }
-    Ok(sha256_hex(&bytes))
 }

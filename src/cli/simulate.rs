@@ -979,7 +979,7 @@ fn plan_comparison(
 ) -> Result<Vec<String>> {
     let mut notes = Vec::new();
     if let Some(prov) = &pl.provenance {
-        let profile_now = resolve::sha256_hex(profile.to_yaml()?.as_bytes());
+        let profile_now = planner::plan_file::profile_hash(profile)?;
         if prov.profile_sha256 != profile_now {
             let w = format!(
                 "the plan was made on another profile (SHA-256 {}..., this run's {}...): its prediction is not this run's",
@@ -989,7 +989,7 @@ fn plan_comparison(
             tracing::warn!("{w}");
             notes.push(w);
         }
-        let workload_now = resolve::workload_hash(workload)?;
+        let workload_now = planner::plan_file::workload_hash(workload)?;
         if prov.workload_sha256 != workload_now {
             let w = format!(
                 "the plan was made on another workload (SHA-256 {}..., this run's {}...)",
