@@ -2158,6 +2158,21 @@ fn try_out_findings_are_refused_with_the_numbers() {
             &["simulate", "--costs", "f=1e-10", "--schedule", "1f1b"],
             &["--costs f", "1 ns"],
         ),
+        // Each cost in range, but 64 x 100 x 3e6 s = 1.92e10 s of work overflows the clock.
+        (
+            &[
+                "simulate",
+                "--costs",
+                "f=1e6,b=1e6,w=1e6",
+                "--schedule",
+                "1f1b",
+                "--pp",
+                "64",
+                "--microbatches",
+                "100",
+            ],
+            &["1.920e10 s", "range of 1e10 s"],
+        ),
         (
             &[
                 "execute",

@@ -289,16 +289,6 @@ pub(super) fn simulate_uniform(
                 .max()
                 .unwrap_or(1);
             let m = a.microbatches.unwrap_or(default_microbatches(p, v_max));
-            // Every action one after the other bounds the makespan; it must stay well inside
-            // u64 nanoseconds (1.8e10 s).
-            let serial_s = f64::from(p)
-                * f64::from(m)
-                * (spec.f + spec.b + spec.w + spec.fo.unwrap_or(0.0) + 2.0 * spec.comm);
-            if serial_s > 1e10 {
-                bail!(
-                    "--costs with --pp {p} and {m} microbatches: a step could last up to {serial_s:.3e} s, beyond the simulator's range of 1e10 s (time is counted in u64 nanoseconds); use smaller costs or fewer microbatches"
-                );
-            }
             let pairs: f64 = kinds
                 .iter()
                 .map(|k| Ok(f64::from(p) * f64::from(k.stages_per_rank(a.vpp)?) * f64::from(m)))
@@ -310,6 +300,16 @@ pub(super) fn simulate_uniform(
                 ),
                 pairs,
             )?;
+            // Every action one after the other bounds the makespan; it must stay well inside
+            // u64 nanoseconds (1.8e10 s).
+            let serial_s = f64::from(p)
+                * f64::from(m)
+                * (spec.f + spec.b + spec.w + spec.fo.unwrap_or(0.0) + 2.0 * spec.comm);
+            if serial_s > 1e10 {
+                bail!(
+                    "--costs with --pp {p} and {m} microbatches: a step could last up to {serial_s:.3e} s, beyond the simulator's range of 1e10 s (time is counted in u64 nanoseconds); use smaller costs or fewer microbatches"
+                );
+            }
             kinds
                 .iter()
                 .map(|k| {
