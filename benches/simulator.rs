@@ -114,8 +114,11 @@ fn bench_monte_carlo(c: &mut Criterion) {
     let profile = profile();
     let w = builtins::workload("sharegpt-v3").unwrap();
     let p = 8;
+    // Handcrafted only: zb-auto depends on the memory limit (and finds no schedule under the
+    // default limit on some of these steps), so it would measure something else.
     let combos: Vec<RunConfig> = ScheduleKind::ALL
         .iter()
+        .filter(|&&k| k != ScheduleKind::ZbAuto)
         .map(|&k| {
             let v = k.stages_per_rank(None).unwrap();
             let stages = even_split(profile.layers.len(), (p * v) as usize).unwrap();
