@@ -2370,6 +2370,19 @@ fn simulate_plan_compares_with_the_prediction_and_checks_provenance() {
         err.contains("the plan was made on another profile"),
         "{err}"
     );
+    // The policy is a typed field: a wrong one is refused where the file says it.
+    std::fs::write(
+        dir.path().join("z.yaml"),
+        text.replace("policy: flat-ffd", "policy: zigzag"),
+    )
+    .unwrap();
+    let o = flatpipe(dir.path(), &["simulate", "--plan", "z.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("z.yaml") && stderr(&o).contains("`zigzag`, expected one of"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 /// A chosen plan within 2% of the memory limit on the sampled steps says so (zb-auto fills the

@@ -65,7 +65,7 @@ pub fn candidate_plan(
         token_budget: Some(c.token_budget),
         seqs_per_step: inputs.seqs_per_step,
         tokens_per_step: inputs.tokens_per_step,
-        policy: Some(policy.to_string()),
+        policy: Some(policy),
         recompute: c.partition.recompute.clone(),
         forward_only: config.forward_only,
         seed: inputs.seed,

@@ -90,7 +90,7 @@ pub struct Plan {
     pub tokens_per_step: Option<u64>,
     /// Microbatching policy (`flat-ffd` when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub policy: Option<String>,
+    pub policy: Option<crate::policy::Policy>,
     /// Activation recomputation per stage (none everywhere when absent).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recompute: Vec<crate::costs::Recompute>,
@@ -245,16 +245,6 @@ impl Plan {
                 format!("{} entries", self.recompute.len()),
                 format!("one per stage ({})", self.stages.len()),
             ));
-        }
-        if let Some(p) = &self.policy {
-            p.parse::<crate::policy::Policy>().map_err(|e| match e {
-                Error::InvalidArgument { value, allowed, .. } => Error::InvalidArgument {
-                    field: field("policy"),
-                    value,
-                    allowed,
-                },
-                other => other,
-            })?;
         }
         let mut next = 0;
         for (i, s) in self.stages.iter().enumerate() {

@@ -21,8 +21,11 @@ use std::collections::BinaryHeap;
 use std::fmt;
 use std::str::FromStr;
 
-/// A microbatching policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// A microbatching policy (in a plan file: `padded`, `packed`, `flat-ffd`, `flat-balanced`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
 pub enum Policy {
     /// `[B, S]` padded to the step's longest sequence.
     Padded,

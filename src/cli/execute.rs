@@ -12,6 +12,24 @@ use std::sync::Arc;
 // --verify's tolerances are the library's (the oracle tests use the same).
 use flatpipe_executor::verify::{LOSS_RTOL as VERIFY_LOSS_RTOL, TENSOR_RTOL as VERIFY_RTOL};
 
+/// `--loss-reduction`: the command line's names of [`LossReduction`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum LossReductionArg {
+    /// Σ token losses / the step's true tokens.
+    PerToken,
+    /// Mean over sequences of each sequence's mean token loss.
+    PerSequence,
+}
+
+impl From<LossReductionArg> for LossReduction {
+    fn from(a: LossReductionArg) -> Self {
+        match a {
+            LossReductionArg::PerToken => LossReduction::PerToken,
+            LossReductionArg::PerSequence => LossReduction::PerSequence,
+        }
+    }
+}
+
 /// Options of `flatpipe execute`.
 #[derive(Debug, Args)]
 pub(super) struct ExecuteArgs {
@@ -79,8 +97,8 @@ pub(super) struct ExecuteArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     gpus: u32,
     /// Loss reduction: per-token (Σ token losses / step tokens) or per-sequence.
-    #[arg(long, default_value = "per-token", value_parser = ["per-token", "per-sequence"])]
-    loss_reduction: String,
+    #[arg(long, value_enum, default_value_t = LossReductionArg::PerToken)]
+    loss_reduction: LossReductionArg,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 1e-3)]
     lr: f32,
@@ -279,10 +297,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     if let Some(c) = &gantt {
         sim::gantt::check_chart_path(c)?;
     }
-    let reduction = match a.loss_reduction.as_str() {
-        "per-sequence" => LossReduction::PerSequence,
-        _ => LossReduction::PerToken,
-    };
+    let reduction = LossReduction::from(a.loss_reduction);
     let step_size = match (a.seqs_per_step, a.tokens_per_step) {
         (Some(0), _) => bail!("--seqs-per-step = 0 is invalid: >= 1 sequence"),
         (_, Some(0)) => bail!("--tokens-per-step = 0 is invalid: >= 1 token"),
@@ -318,10 +333,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                 Microbatching::Microbatches(m) => (Some(m), sim::policy::DEFAULT_TOKEN_BUDGET),
                 Microbatching::TokenBudget(t) => (None, t),
             };
-            let policy: Policy = match &pl.policy {
-                Some(p) => p.parse()?,
-                None => Policy::FlatFfd,
-            };
+            let policy = pl.policy.unwrap_or(Policy::FlatFfd);
             (
                 ScheduleSource::Kind(pl.schedule),
                 pl.pp,

@@ -11,6 +11,26 @@ pub(super) enum ExportFormat {
 }
 
 /// Options of `flatpipe plan`.
+/// `--rank-by`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum RankByArg {
+    /// Mean step time.
+    Mean,
+    /// 90th-percentile step time.
+    P90,
+}
+
+/// `--split-solver`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum SplitSolver {
+    /// The built-in branch and bound.
+    Bnb,
+    /// HiGHS's MILP (a build with `--features highs`).
+    Highs,
+    /// The DP split with per-stage shares of each rank's limit.
+    Dp,
+}
+
 #[derive(Debug, Args)]
 pub(super) struct PlanArgs {
     #[command(flatten)]
@@ -50,14 +70,14 @@ pub(super) struct PlanArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// Rank candidates by mean or p90 step time.
-    #[arg(long, default_value = "mean", value_parser = ["mean", "p90"])]
-    rank_by: String,
+    #[arg(long, value_enum, default_value_t = RankByArg::Mean)]
+    rank_by: RankByArg,
     /// Where memory forces a split away from the fastest one: `bnb` searches the optimal split
     /// by branch and bound (built in, milliseconds per candidate); `highs` by HiGHS's MILP
     /// (0.5 s per candidate, needs a build with `--features highs`); `dp` keeps the DP split
     /// with per-stage shares of each rank's limit and its certified gap.
-    #[arg(long, default_value = "bnb", value_parser = ["bnb", "highs", "dp"])]
-    split_solver: String,
+    #[arg(long, value_enum, default_value_t = SplitSolver::Bnb)]
+    split_solver: SplitSolver,
     #[command(flatten)]
     fo: FoArgs,
     /// How many plans to report (the best and its runners-up).
@@ -162,15 +182,14 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         size,
         memory_limit_bytes: limit,
         static_bytes: Default::default(),
-        rank_by: if a.rank_by == "p90" {
-            RankBy::P90
-        } else {
-            RankBy::Mean
+        rank_by: match a.rank_by {
+            RankByArg::Mean => RankBy::Mean,
+            RankByArg::P90 => RankBy::P90,
         },
         keep: a.keep,
-        exact_split: match a.split_solver.as_str() {
-            "dp" => planner::partition::ExactSplit::Off,
-            "highs" => {
+        exact_split: match a.split_solver {
+            SplitSolver::Dp => planner::partition::ExactSplit::Off,
+            SplitSolver::Highs => {
                 if !planner::HIGHS {
                     bail!(
                         "--split-solver highs: this flatpipe was built without HiGHS; rebuild with `cargo build --release --features highs` (needs cmake and libclang), or use the built-in `bnb`"
@@ -180,7 +199,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
                     time_limit_s: planner::partition::MILP_TIME_LIMIT_S,
                 }
             }
-            _ => planner::partition::ExactSplit::DEFAULT,
+            SplitSolver::Bnb => planner::partition::ExactSplit::DEFAULT,
         },
         forward_only: a.fo.spec()?,
     };

@@ -510,10 +510,11 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         max_seq_len: a.max_seq_len,
     };
     let policies: Vec<Policy> = if a.policy.is_empty() {
-        match plan.as_ref().and_then(|pl| pl.policy.as_ref()) {
-            Some(name) => vec![name.parse()?],
-            None => vec![Policy::FlatFfd],
-        }
+        vec![
+            plan.as_ref()
+                .and_then(|pl| pl.policy)
+                .unwrap_or(Policy::FlatFfd),
+        ]
     } else {
         dedup(
             a.policy
