@@ -816,7 +816,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             {
                 "zb-auto is built under the limit; the others are "
             } else {
-                ""
+                "the rows are "
             }
         ));
     }
