@@ -505,6 +505,35 @@ pub fn summarize(outcomes: &[StepOutcome], p: u32, peak_flops: f64) -> Summary {
     }
 }
 
+/// [`run`] for a comparison: when zb-auto cannot be built under the memory limit on some
+/// sampled step ([`Error::MemoryLimit`]) and other configurations remain, zb-auto's
+/// configurations are dropped from `configs`, the others run, and the reason is returned
+/// with the results (one unbuildable schedule never aborts a comparison).
+///
+/// # Errors
+/// [`run`]'s; [`Error::MemoryLimit`] when zb-auto is the only schedule compared.
+pub fn run_comparison(
+    profile: &Profile,
+    workload: &Workload,
+    seed: u64,
+    size: StepSize,
+    steps: u32,
+    configs: &mut Vec<RunConfig>,
+    progress: &(dyn Fn() + Sync),
+) -> Result<(MonteCarlo, Option<Error>)> {
+    let is_zb_auto = |c: &RunConfig| c.source == ScheduleSource::Kind(ScheduleKind::ZbAuto);
+    match run(profile, workload, seed, size, steps, configs, progress) {
+        Err(err @ Error::MemoryLimit { .. })
+            if configs.iter().any(is_zb_auto) && !configs.iter().all(is_zb_auto) =>
+        {
+            configs.retain(|c| !is_zb_auto(c));
+            let mc = run(profile, workload, seed, size, steps, configs, progress)?;
+            Ok((mc, Some(err)))
+        }
+        other => other.map(|mc| (mc, None)),
+    }
+}
+
 /// Memory one (stage, microbatch) pair of one schedule costs a simulation: its F / I / W
 /// actions, their transfers, the replay's state, the metrics and the Gantt chart's boxes,
 /// bytes. Measured with `/usr/bin/time -f %M` on `flatpipe simulate --costs f=1,b=2 --schedule

@@ -442,7 +442,28 @@ pub(super) fn simulate_uniform(
     emit(a.format, &reports, &header, &t, &notes)
 }
 
-pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result<ExitCode> {
+/// A comparison on a profile, resolved from the flags and an optional plan file: every default
+/// decided here, once.
+struct Comparison {
+    plan: Option<Plan>,
+    profile: Profile,
+    workload: Workload,
+    size: StepSize,
+    seed: u64,
+    steps: u32,
+    /// Exactly this many microbatches per step (else the token budget).
+    microbatches: Option<u32>,
+    token_budget: u64,
+    policies: Vec<Policy>,
+    capacities: Vec<Capacity>,
+    /// Ranks per pipeline.
+    p: u32,
+    /// One configuration per (schedule, policy, capacity).
+    configs: Vec<montecarlo::RunConfig>,
+}
+
+/// Resolves `simulate`'s flags and plan file into a [`Comparison`].
+fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparison> {
     let plan = read_plan(a.plan.as_deref())?;
     fn pick<'a>(from_plan: Option<&'a String>, from_args: &'a Option<String>) -> Option<&'a str> {
         from_plan.or(from_args.as_ref()).map(String::as_str)
@@ -605,6 +626,37 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         )?;
     }
     super::check_monte_carlo_memory("the Monte Carlo", &workload, seed, size, steps, 0, &combos)?;
+    Ok(Comparison {
+        plan,
+        profile,
+        workload,
+        size,
+        seed,
+        steps,
+        microbatches,
+        token_budget,
+        policies,
+        capacities,
+        p,
+        configs: combos,
+    })
+}
+
+pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result<ExitCode> {
+    let Comparison {
+        plan,
+        profile,
+        workload,
+        size,
+        seed,
+        steps,
+        microbatches,
+        token_budget,
+        policies,
+        capacities,
+        p,
+        configs: mut combos,
+    } = resolve_comparison(a, schedules)?;
     tracing::info!(
         "Monte Carlo: {steps} sampled steps x {} (schedule, policy, capacity) combinations of {} on {}",
         combos.len(),
@@ -613,33 +665,19 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     );
     let mc_start = std::time::Instant::now();
     let bar = Progress::new(steps as u64);
-    let run = |combos: &[montecarlo::RunConfig]| {
-        montecarlo::run(&profile, &workload, seed, size, steps, combos, &|| {
+    // zb-auto is built under the memory limit; when it cannot be, the comparison goes on
+    // without it and says why.
+    let (mc, dropped) =
+        montecarlo::run_comparison(&profile, &workload, seed, size, steps, &mut combos, &|| {
             bar.inc()
         })
-    };
-    // zb-auto is built under the memory limit; when a rank's static state alone exceeds it, the
-    // comparison goes on without zb-auto and says why.
-    let mut dropped = None;
-    let mc = match run(&combos) {
-        Err(err @ sim::Error::MemoryLimit { .. })
-            if combos.len() > 1
-                && combos
-                    .iter()
-                    .any(|c| matches!(c.source, ScheduleSource::Kind(ScheduleKind::ZbAuto))) =>
-        {
-            combos.retain(|c| !matches!(c.source, ScheduleSource::Kind(ScheduleKind::ZbAuto)));
-            dropped = Some(err);
-            run(&combos)?
-        }
-        Err(err @ sim::Error::MemoryLimit { .. }) => {
-            return Err(anyhow::Error::new(err).context(format!(
+        .map_err(|err| match err {
+            sim::Error::MemoryLimit { .. } => anyhow::Error::new(err).context(format!(
                 "the per-rank memory limit is {}",
                 limit_source(a.memory_limit.as_deref(), &profile)
-            )));
-        }
-        other => other?,
-    };
+            )),
+            err => err.into(),
+        })?;
     bar.finish();
     tracing::info!(
         "Monte Carlo: done in {:.2} s",
@@ -660,40 +698,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     // Every row is checked against the per-rank memory: --memory-limit, or the hardware's memory
     // less its reserve.
     let limit = memory_limit(a.memory_limit.as_deref(), &profile)?;
-    type Row = (McReport, Option<(sim::Schedule, Simulation)>, u32, u32);
-    let mut rows: Vec<Row> = combos
-        .iter()
-        .zip(mc.outcomes.iter().zip(mc.first))
-        .map(|(c, (outcomes, first))| {
-            let first_rounds = outcomes.first().map_or(1, |o| o.rounds);
-            let single = if steps == 1 && first_rounds == 1 {
-                first.as_ref().map(|(s, sim)| SingleStep {
-                    microbatches: s.num_microbatches,
-                    metrics: sim.metrics.clone(),
-                })
-            } else {
-                None
-            };
-            let capacity = match &c.source {
-                ScheduleSource::Given(s) => s.num_microbatches.to_string(),
-                ScheduleSource::Kind(_) => c.capacity.to_string(),
-            };
-            let summary =
-                montecarlo::summarize(outcomes, p * c.dp.max(1), profile.hardware.peak_flops);
-            let report = McReport {
-                schedule: c.source.name(),
-                policy: c.policy.to_string(),
-                capacity,
-                pp: p,
-                vpp: c.v,
-                fits: summary.peak_memory_bytes <= limit * (1.0 + 1e-9),
-                memory_limit_bytes: limit,
-                summary,
-                single,
-            };
-            (report, first, c.v, first_rounds)
-        })
-        .collect();
+    let mut rows = comparison_rows(&combos, &mc.outcomes, mc.first, steps, &profile, limit);
     // An under-filled pipeline is said whatever made m small (the workload, the budget or
     // --microbatches), once per number of stages per rank.
     let mut warned = Vec::new();
@@ -851,7 +856,64 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         }
     );
     let reports: Vec<&McReport> = rows.iter().map(|r| &r.0).collect();
-    let table = if steps == 1 {
+    let table = comparison_table(&reports, steps);
+    emit(a.format, &reports, &header, &table, &notes)
+}
+
+/// One row of the comparison: its report, step 0's schedule and simulation (for the charts),
+/// stages per rank, and step 0's rounds.
+type Row = (McReport, Option<(sim::Schedule, Simulation)>, u32, u32);
+
+/// The comparison's rows, in the configurations' order: each configuration's summary over the
+/// steps, checked against the per-rank memory `limit` (bytes), with one step's metrics when a
+/// single step ran as one round.
+fn comparison_rows(
+    configs: &[montecarlo::RunConfig],
+    outcomes: &[Vec<montecarlo::StepOutcome>],
+    first: Vec<Option<(sim::Schedule, Simulation)>>,
+    steps: u32,
+    profile: &Profile,
+    limit: f64,
+) -> Vec<Row> {
+    configs
+        .iter()
+        .zip(outcomes.iter().zip(first))
+        .map(|(c, (outcomes, first))| {
+            let first_rounds = outcomes.first().map_or(1, |o| o.rounds);
+            let single = if steps == 1 && first_rounds == 1 {
+                first.as_ref().map(|(s, sim)| SingleStep {
+                    microbatches: s.num_microbatches,
+                    metrics: sim.metrics.clone(),
+                })
+            } else {
+                None
+            };
+            let capacity = match &c.source {
+                ScheduleSource::Given(s) => s.num_microbatches.to_string(),
+                ScheduleSource::Kind(_) => c.capacity.to_string(),
+            };
+            let summary =
+                montecarlo::summarize(outcomes, c.pp * c.dp.max(1), profile.hardware.peak_flops);
+            let report = McReport {
+                schedule: c.source.name(),
+                policy: c.policy.to_string(),
+                capacity,
+                pp: c.pp,
+                vpp: c.v,
+                fits: summary.peak_memory_bytes <= limit * (1.0 + 1e-9),
+                memory_limit_bytes: limit,
+                summary,
+                single,
+            };
+            (report, first, c.v, first_rounds)
+        })
+        .collect()
+}
+
+/// The comparison's table: one step's metrics (lower bound and gap of its schedule), or the
+/// step-time distribution over several steps.
+fn comparison_table(reports: &[&McReport], steps: u32) -> PlainTable {
+    if steps == 1 {
         let mut t = new_table(&[
             "schedule",
             "policy",
@@ -867,7 +929,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             "tokens/s",
             "MFU",
         ]);
-        for r in &reports {
+        for r in reports {
             let s = &r.summary;
             let (lb, gap) = match &r.single {
                 Some(x) => (
@@ -910,7 +972,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             "memory (max rank)",
             "mean m",
         ]);
-        for r in &reports {
+        for r in reports {
             let s = &r.summary;
             t.add_row([
                 r.schedule.clone(),
@@ -930,8 +992,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             ]);
         }
         t
-    };
-    emit(a.format, &reports, &header, &table, &notes)
+    }
 }
 
 /// The memory cell of a row: the largest per-rank total, and by how much it exceeds the limit.
