@@ -177,6 +177,59 @@ struct ExecuteReport {
     prediction: String,
 }
 
+/// `execute`'s table: one row per reported step, with the forward-only, prediction and
+/// `--verify` columns when they apply.
+fn execute_table(steps: &[StepRow], with_fo: bool, predict: bool, verify: bool) -> PlainTable {
+    let mut cols = vec![
+        "step",
+        "m",
+        "tokens",
+        "loss",
+        "grad norm",
+        "measured",
+        "tokens/s",
+        "bubble",
+    ];
+    if with_fo {
+        cols.extend(["Fo", "Fo busy"]);
+    }
+    if predict {
+        cols.extend(["predicted", "error"]);
+    }
+    if verify {
+        cols.extend(["ref. loss", "grad diff (rel)", "param diff (rel)", "ok"]);
+    }
+    let mut t = new_table(&cols);
+    for r in steps {
+        let mut row = vec![
+            r.step.to_string(),
+            slash_list(&r.microbatches),
+            r.tokens.to_string(),
+            format!("{:.4}", r.loss),
+            format!("{:.3}", r.grad_norm),
+            fmt_s(r.measured_makespan_s),
+            format!("{:.0}", r.tokens_per_s),
+            pct(r.bubble_ratio),
+        ];
+        if with_fo {
+            row.extend([r.fo_microbatches.to_string(), fmt_s(r.fo_busy_s)]);
+        }
+        if let (Some(p), Some(e)) = (r.predicted_makespan_s, r.rel_error) {
+            row.extend([fmt_s(p), format!("{:+.1}%", 100.0 * e)]);
+        }
+        if let Some(v) = &r.verify {
+            row.extend([
+                format!("{:.4}", v.reference_loss),
+                format!("{:.1e}", v.grad_max_rel_diff),
+                format!("{:.1e}", v.param_max_rel_diff),
+                if v.within_tolerance { "yes" } else { "NO" }.to_string(),
+            ]);
+        }
+        t.add_row(row);
+    }
+    t
+}
+
 /// Refuses, before anything is allocated, a CPU run whose floor
 /// ([`flatpipe_executor::cpu::MemoryFloor`]: fp32 weights, gradients and AdamW state, plus one
 /// microbatch of `microbatch_tokens` tokens in every layer; twice the state with `--verify`'s
@@ -217,7 +270,23 @@ fn check_host_memory(
     Ok(())
 }
 
-pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
+/// A run resolved from `execute`'s flags and an optional plan file: every default decided
+/// here, once.
+struct ResolvedRun {
+    /// The profile as the user named it (a file or built-in), when one was given.
+    profile_arg: Option<String>,
+    profile: Profile,
+    model: flatpipe_profiles::ModelSpec,
+    workload: Workload,
+    /// The Gantt chart's path (`--gantt`, none for `none`).
+    gantt: Option<std::path::PathBuf>,
+    setup: Setup,
+    backend: Backend,
+}
+
+/// Resolves `execute`'s flags and plan file into a [`ResolvedRun`], refusing what cannot run
+/// before anything is allocated.
+fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
     let plan = read_plan(a.plan.as_deref())?;
     let profile_arg = plan
         .as_ref()
@@ -464,6 +533,29 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         balance: Arc::new(balance),
         profile: Some(Arc::new(profile.clone())),
     };
+    Ok(ResolvedRun {
+        profile_arg,
+        profile,
+        model,
+        workload,
+        gantt,
+        setup,
+        backend,
+    })
+}
+
+pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
+    let ResolvedRun {
+        profile_arg,
+        profile,
+        model,
+        workload,
+        gantt,
+        setup,
+        backend,
+    } = resolve_run(&a)?;
+    let (pp, v, dp) = (setup.config.pp, setup.config.v, setup.config.dp);
+    let (source, stages) = (setup.config.source.clone(), setup.config.stages.clone());
     // The microbatch count the user did not give: say where it came from when a step cannot
     // be cut into it.
     let defaulted_m = a.plan.is_none()
@@ -731,54 +823,8 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             .collect::<Vec<_>>()
             .join(" ")
     );
-    let mut cols = vec![
-        "step",
-        "m",
-        "tokens",
-        "loss",
-        "grad norm",
-        "measured",
-        "tokens/s",
-        "bubble",
-    ];
     let with_fo = setup.config.forward_only.is_some();
-    if with_fo {
-        cols.extend(["Fo", "Fo busy"]);
-    }
-    if predict {
-        cols.extend(["predicted", "error"]);
-    }
-    if a.verify {
-        cols.extend(["ref. loss", "grad diff (rel)", "param diff (rel)", "ok"]);
-    }
-    let mut t = new_table(&cols);
-    for r in &report.steps {
-        let mut row = vec![
-            r.step.to_string(),
-            slash_list(&r.microbatches),
-            r.tokens.to_string(),
-            format!("{:.4}", r.loss),
-            format!("{:.3}", r.grad_norm),
-            fmt_s(r.measured_makespan_s),
-            format!("{:.0}", r.tokens_per_s),
-            pct(r.bubble_ratio),
-        ];
-        if with_fo {
-            row.extend([r.fo_microbatches.to_string(), fmt_s(r.fo_busy_s)]);
-        }
-        if let (Some(p), Some(e)) = (r.predicted_makespan_s, r.rel_error) {
-            row.extend([fmt_s(p), format!("{:+.1}%", 100.0 * e)]);
-        }
-        if let Some(v) = &r.verify {
-            row.extend([
-                format!("{:.4}", v.reference_loss),
-                format!("{:.1e}", v.grad_max_rel_diff),
-                format!("{:.1e}", v.param_max_rel_diff),
-                if v.within_tolerance { "yes" } else { "NO" }.to_string(),
-            ]);
-        }
-        t.add_row(row);
-    }
+    let t = execute_table(&report.steps, with_fo, predict, a.verify);
     if let Some(e) = report.median_abs_rel_error {
         notes.push(format!(
             "median |relative error| of the prediction: {:.1}%",
