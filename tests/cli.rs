@@ -2425,3 +2425,54 @@ fn plan_notes_a_chosen_plan_without_memory_margin() {
     let o = flatpipe(dir.path(), &["plan", "--gantt", "none"]);
     assert!(!String::from_utf8_lossy(&o.stdout).contains("busiest rank needs"));
 }
+
+/// The step size is resolved one way everywhere: a flag overrides the plan file's size
+/// (`simulate --plan` with --tokens-per-step kept the plan's seqs_per_step, execute did not).
+#[test]
+fn a_step_size_flag_overrides_the_plan_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--model",
+            "tiny",
+            "--hardware",
+            "cpu",
+            "--workload",
+            "tiny-chat",
+            "--ranks",
+            "2",
+            "--steps",
+            "2",
+            "--seqs-per-step",
+            "8",
+            "--gantt",
+            "none",
+            "-o",
+            "p.yaml",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let header = |extra: &[&str]| {
+        let mut args = vec!["simulate", "--plan", "p.yaml", "--gantt", "none"];
+        args.extend(extra);
+        let o = flatpipe(dir.path(), &args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    assert!(header(&[]).contains("(step 0: 8)"), "{}", header(&[]));
+    // 20,000 tokens of tiny-chat's short sequences are many more than 8 sequences.
+    let h = header(&["--tokens-per-step", "20000"]);
+    let n0: usize = h
+        .split("(step 0: ")
+        .nth(1)
+        .and_then(|t| t.split(')').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("{h}"));
+    assert!(n0 > 8, "{h}");
+}

@@ -367,17 +367,8 @@ fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         sim::gantt::check_chart_path(c)?;
     }
     let reduction = LossReduction::from(a.loss_reduction);
-    let step_size = match (a.seqs_per_step, a.tokens_per_step) {
-        (Some(0), _) => bail!("--seqs-per-step = 0 is invalid: >= 1 sequence"),
-        (_, Some(0)) => bail!("--tokens-per-step = 0 is invalid: >= 1 token"),
-        (Some(n), _) => StepSize::Seqs(n),
-        (_, Some(t)) => StepSize::Tokens(t),
-        _ => match plan.as_ref().map(|p| (p.seqs_per_step, p.tokens_per_step)) {
-            Some((Some(n), _)) => StepSize::Seqs(n),
-            Some((_, Some(t))) => StepSize::Tokens(t),
-            _ => workload.default_step_size(),
-        },
-    };
+    let step_size =
+        resolve::step_size(a.seqs_per_step, a.tokens_per_step, plan.as_ref(), &workload)?;
     // A step's data is drawn before anything else: refuse a step too large for this host
     // before sampling it. Its lengths (4 bytes each, sampled and cut), and per token an id, a
     // label and a loss weight (12 bytes), twice with --verify's reference.

@@ -168,13 +168,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     if a.keep == 0 {
         bail!("--keep = 0 is invalid: >= 1 plan");
     }
-    let size = match (a.seqs_per_step, a.tokens_per_step) {
-        (Some(0), _) => bail!("--seqs-per-step = 0 is invalid: >= 1 sequence"),
-        (_, Some(0)) => bail!("--tokens-per-step = 0 is invalid: >= 1 token"),
-        (Some(n), _) => StepSize::Seqs(n),
-        (None, Some(t)) => StepSize::Tokens(t),
-        (None, None) => workload.default_step_size(),
-    };
+    let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, None, &workload)?;
     let seed = a.seed.unwrap_or(workload.seed);
     let config = SearchConfig {
         steps: a.steps,

@@ -1,5 +1,5 @@
 //! The resolution layer shared by the subcommands (not a subcommand): what the user's flags and
-//! files mean, decided once (the per-rank memory limit).
+//! files mean, decided once (the per-rank memory limit, the step size).
 
 use super::*;
 
@@ -39,4 +39,30 @@ pub(super) fn memory_limit(arg: Option<&str>, profile: &Profile) -> Result<f64> 
             Ok(bytes)
         }
     }
+}
+
+/// The step size: `--seqs-per-step` or `--tokens-per-step` as given, else the plan file's, else
+/// the workload's default (one rule for `simulate`, `plan` and `execute`).
+///
+/// # Errors
+/// A zero size, naming the flag.
+pub(super) fn step_size(
+    seqs: Option<u32>,
+    tokens: Option<u64>,
+    plan: Option<&Plan>,
+    w: &Workload,
+) -> Result<StepSize> {
+    Ok(match (seqs, tokens) {
+        (Some(0), _) => bail!("--seqs-per-step = 0 is invalid: >= 1 sequence"),
+        (_, Some(0)) => bail!("--tokens-per-step = 0 is invalid: >= 1 token"),
+        (Some(n), _) => StepSize::Seqs(n),
+        (None, Some(t)) => StepSize::Tokens(t),
+        (None, None) => match plan.map(|p| (p.seqs_per_step, p.tokens_per_step)) {
+            Some((Some(0), _)) => bail!("the plan's seqs_per_step = 0 is invalid: >= 1 sequence"),
+            Some((_, Some(0))) => bail!("the plan's tokens_per_step = 0 is invalid: >= 1 token"),
+            Some((Some(n), _)) => StepSize::Seqs(n),
+            Some((_, Some(t))) => StepSize::Tokens(t),
+            _ => w.default_step_size(),
+        },
+    })
 }

@@ -496,7 +496,7 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
     if let (Some(p), Some(path)) = (&plan, &a.plan) {
         p.validate(&path.display().to_string(), profile.layers.len())?;
     }
-    let size = step_size(a, plan.as_ref(), &workload)?;
+    let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, plan.as_ref(), &workload)?;
     let seed = a
         .seed
         .or(plan.as_ref().map(|p| p.seed))
@@ -1007,18 +1007,6 @@ fn memory_cell(r: &McReport) -> String {
             fmt_bytes(need - r.memory_limit_bytes)
         )
     }
-}
-
-pub(super) fn step_size(a: &SimulateArgs, plan: Option<&Plan>, w: &Workload) -> Result<StepSize> {
-    let seqs = a.seqs_per_step.or(plan.and_then(|p| p.seqs_per_step));
-    let toks = a.tokens_per_step.or(plan.and_then(|p| p.tokens_per_step));
-    Ok(match (seqs, toks) {
-        (Some(0), _) => bail!("--seqs-per-step = 0 is invalid: >= 1 sequence"),
-        (_, Some(0)) => bail!("--tokens-per-step = 0 is invalid: >= 1 token"),
-        (Some(n), _) => StepSize::Seqs(n),
-        (None, Some(t)) => StepSize::Tokens(t),
-        (None, None) => w.default_step_size(),
-    })
 }
 
 /// Where the per-rank memory limit comes from, in the user's words: `--memory-limit 20GiB`, or
