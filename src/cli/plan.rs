@@ -115,7 +115,24 @@ pub(super) struct PlanRow {
     gap_to_lower_bound: f64,
 }
 
-pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
+/// A search resolved from `plan`'s flags: every default decided here, once.
+struct ResolvedSearch {
+    /// The Gantt chart's path (`--gantt`, none for `none`).
+    chart: Option<std::path::PathBuf>,
+    profile: Profile,
+    workload: Workload,
+    workload_name: String,
+    /// Per-rank memory limit, bytes.
+    limit: f64,
+    space: planner::search::SearchSpace,
+    config: planner::search::SearchConfig,
+    seed: u64,
+    size: StepSize,
+}
+
+/// Resolves `plan`'s flags into a [`ResolvedSearch`], refusing a bad output path or a search
+/// too large for memory before it starts.
+fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
     use planner::search::{RankBy, SearchConfig, SearchSpace};
     // A bad output path is found before the search, not after it.
     let chart = super::chart_path(&a.gantt, "flatpipe-plan.png");
@@ -217,6 +234,31 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         a.steps,
         &[widest],
     )?;
+    Ok(ResolvedSearch {
+        chart,
+        profile,
+        workload,
+        workload_name,
+        limit,
+        space,
+        config,
+        seed,
+        size,
+    })
+}
+
+pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
+    let ResolvedSearch {
+        chart,
+        profile,
+        workload,
+        workload_name,
+        limit,
+        space,
+        config,
+        seed,
+        size,
+    } = resolve_search(&a)?;
     let bar = std::sync::Mutex::new(None::<indicatif::ProgressBar>);
     let start = std::time::Instant::now();
     let progress = |done: usize, total: usize| {
@@ -418,14 +460,14 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     };
     let first = montecarlo::run(&profile, &workload, seed, size, 1, &[chosen], &|| {})?;
     if let Some((s, simulation)) = &first.first[0]
-        && let Some(gantt) = super::chart_path(&a.gantt, "flatpipe-plan.png")
+        && let Some(gantt) = &chart
     {
         let title = format!(
             "chosen plan: {} dp={} (step 0, replica 0)",
-            gantt_title(best.schedule.name(), s, best.vpp, &simulation.metrics),
+            gantt_title(&best.schedule_name(), s, best.vpp, &simulation.metrics),
             best.dp
         );
-        sim::gantt::write_gantt(&gantt, &title, &simulation.timeline)?;
+        sim::gantt::write_gantt(gantt, &title, &simulation.timeline)?;
         notes.push(format!(
             "Gantt chart of the chosen plan: {}",
             gantt.display()
@@ -471,52 +513,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
                 Ok(())
             };
             say(&header)?;
-            let mut t = new_table(&[
-                "#",
-                "schedule",
-                "dp",
-                "pp",
-                "v",
-                "budget",
-                "mean",
-                "p90",
-                "bubble",
-                "lower bound",
-                "gap",
-                "peak mem (max rank)",
-                "layers per stage",
-                "recompute",
-            ]);
-            for r in &rows {
-                let c = &r.candidate;
-                let sizes: Vec<String> = c
-                    .partition
-                    .stages
-                    .iter()
-                    .map(|x| x.len().to_string())
-                    .collect();
-                let rec = recompute_summary(&c.partition.recompute);
-                t.add_row([
-                    r.rank.to_string(),
-                    c.schedule_name(),
-                    c.dp.to_string(),
-                    c.pp.to_string(),
-                    c.vpp.to_string(),
-                    c.token_budget.to_string(),
-                    fmt_s(c.summary.step_time_s.mean),
-                    fmt_s(c.summary.step_time_s.p90),
-                    pct(c.summary.bubble_ratio_mean),
-                    fmt_s(c.lower_bound_s),
-                    format!("{:+.1}%", 100.0 * r.gap_to_lower_bound),
-                    format!(
-                        "{:.1} / {:.1} GiB",
-                        gib(c.peak_memory_bytes.iter().copied().fold(0.0, f64::max)),
-                        gib(limit)
-                    ),
-                    sizes.join("/"),
-                    rec,
-                ]);
-            }
+            let t = plan_table(&rows, limit);
             say(&t)?;
             say(&format!(
                 "chosen: {} (layers per stage {}), predicted mean step {} (p90 {})",
@@ -534,6 +531,59 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `plan`'s table: the ranked plans, best first, each with its layout, predicted step time,
+/// lower bound and peak memory against the per-rank `limit` (bytes).
+fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let mut t = new_table(&[
+        "#",
+        "schedule",
+        "dp",
+        "pp",
+        "v",
+        "budget",
+        "mean",
+        "p90",
+        "bubble",
+        "lower bound",
+        "gap",
+        "peak mem (max rank)",
+        "layers per stage",
+        "recompute",
+    ]);
+    for r in rows {
+        let c = &r.candidate;
+        let sizes: Vec<String> = c
+            .partition
+            .stages
+            .iter()
+            .map(|x| x.len().to_string())
+            .collect();
+        let rec = recompute_summary(&c.partition.recompute);
+        t.add_row([
+            r.rank.to_string(),
+            c.schedule_name(),
+            c.dp.to_string(),
+            c.pp.to_string(),
+            c.vpp.to_string(),
+            c.token_budget.to_string(),
+            fmt_s(c.summary.step_time_s.mean),
+            fmt_s(c.summary.step_time_s.p90),
+            pct(c.summary.bubble_ratio_mean),
+            fmt_s(c.lower_bound_s),
+            format!("{:+.1}%", 100.0 * r.gap_to_lower_bound),
+            format!(
+                "{:.1} / {:.1} GiB",
+                gib(c.peak_memory_bytes.iter().copied().fold(0.0, f64::max)),
+                gib(limit)
+            ),
+            sizes.join("/"),
+            rec,
+        ]);
+    }
+    t
 }
 
 /// `none x6, full x2` (run-length counts of the per-stage modes, in stage order).
