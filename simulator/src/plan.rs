@@ -188,6 +188,42 @@ impl Plan {
         }
     }
 
+    /// The run this plan file describes: schedule, layout, microbatching (`token_budget`, or
+    /// exactly `microbatches` balanced by cost), policy (`flat-ffd` when absent), data
+    /// parallelism, recomputation, forward-only work, and zb-auto's memory limit (the one the
+    /// plan was searched under, when its prediction records it); dynamic capacity.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a vpp the schedule does not run or a microbatching that
+    /// gives neither or both of `token_budget` and `microbatches`.
+    pub fn run_config(&self) -> Result<crate::step::RunConfig> {
+        use crate::montecarlo::{Capacity, ScheduleSource};
+        use crate::policy::{Policy, PolicyParams};
+        let v = self.schedule.stages_per_rank(self.vpp)?;
+        let (microbatches, token_budget) = match self.microbatching()? {
+            Microbatching::Microbatches(m) => (Some(m), crate::policy::DEFAULT_TOKEN_BUDGET),
+            Microbatching::TokenBudget(t) => (None, t),
+        };
+        let mut c = crate::step::RunConfig::new(
+            ScheduleSource::Kind(self.schedule),
+            self.pp,
+            v,
+            self.stage_ranges(),
+            self.policy.unwrap_or(Policy::FlatFfd),
+            Capacity::Dynamic,
+        );
+        c.params = PolicyParams {
+            token_budget,
+            microbatches,
+            ..PolicyParams::default()
+        };
+        c.dp = self.dp.unwrap_or(1);
+        c.recompute = self.recompute.clone();
+        c.forward_only = self.forward_only;
+        c.memory_limit_bytes = self.predicted.as_ref().map(|p| p.memory_limit_bytes);
+        Ok(c)
+    }
+
     /// The stages' layer ranges.
     pub fn stage_ranges(&self) -> Vec<Range<usize>> {
         self.stages.iter().map(|s| s.start..s.end).collect()
@@ -406,5 +442,26 @@ mod tests {
         plan(&[(0, 5), (5, 10)], Some(1))
             .validate("p.yaml", 10)
             .unwrap();
+    }
+
+    /// A plan file is one run: what `simulate --plan` and `execute --plan` both start from.
+    #[test]
+    fn a_plan_file_is_one_run_config() {
+        let mut p = plan(&[(0, 5), (5, 10)], None);
+        p.dp = Some(2);
+        p.token_budget = None;
+        p.microbatches = Some(6);
+        p.policy = Some(crate::policy::Policy::FlatBalanced);
+        let c = p.run_config().unwrap();
+        assert_eq!((c.pp, c.v, c.dp), (2, 1, 2));
+        assert_eq!(c.stages, vec![0..5, 5..10]);
+        assert_eq!(c.params.microbatches, Some(6));
+        assert_eq!(c.policy, crate::policy::Policy::FlatBalanced);
+        assert_eq!(c.capacity, crate::montecarlo::Capacity::Dynamic);
+        p.microbatches = None;
+        assert!(
+            p.run_config().is_err(),
+            "neither token_budget nor microbatches"
+        );
     }
 }

@@ -388,25 +388,16 @@ fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
     }
     let (source, pp, v, dp, stages, recompute, policy, params) = match &plan {
         Some(pl) => {
-            let v = pl.schedule.stages_per_rank(pl.vpp)?;
-            let (microbatches, token_budget) = match pl.microbatching()? {
-                Microbatching::Microbatches(m) => (Some(m), sim::policy::DEFAULT_TOKEN_BUDGET),
-                Microbatching::TokenBudget(t) => (None, t),
-            };
-            let policy = pl.policy.unwrap_or(Policy::FlatFfd);
+            let c = pl.run_config()?;
             (
-                ScheduleSource::Kind(pl.schedule),
-                pl.pp,
-                v,
-                pl.dp.unwrap_or(1),
-                pl.stage_ranges(),
-                pl.recompute.clone(),
-                policy,
-                PolicyParams {
-                    token_budget,
-                    microbatches,
-                    ..PolicyParams::default()
-                },
+                c.source,
+                c.pp,
+                c.v,
+                c.dp,
+                c.stages,
+                c.recompute,
+                c.policy,
+                c.params,
             )
         }
         None => {

@@ -45,7 +45,7 @@ use comfy_table::{Table, presets::NOTHING};
 use flatpipe_planner as planner;
 use flatpipe_profiles::{self as profiles, AnalyticOptions, Profile, StepSize, Workload, builtins};
 use flatpipe_simulator::{
-    self as sim, Microbatching, Plan, ScheduleKind, Simulation, UniformCostSpec, UniformCosts,
+    self as sim, Plan, ScheduleKind, Simulation, UniformCostSpec, UniformCosts,
     montecarlo::{self, Capacity, ScheduleSource},
     plan::even_split,
     policy::{Policy, PolicyParams},

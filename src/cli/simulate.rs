@@ -514,11 +514,10 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
             "--capacity cannot be combined with --schedule-csv: a loaded schedule has the fixed capacity of its microbatch count"
         );
     }
-    let (microbatches, token_budget) = match &plan {
-        Some(pl) => match pl.microbatching()? {
-            Microbatching::Microbatches(m) => (Some(m), sim::policy::DEFAULT_TOKEN_BUDGET),
-            Microbatching::TokenBudget(t) => (None, t),
-        },
+    // The plan file's run, when there is one: the flags below only vary it.
+    let base = plan.as_ref().map(Plan::run_config).transpose()?;
+    let (microbatches, token_budget) = match &base {
+        Some(c) => (c.params.microbatches, c.params.token_budget),
         None => (
             a.microbatches.or(csv_m),
             a.token_budget.unwrap_or(sim::policy::DEFAULT_TOKEN_BUDGET),
@@ -531,11 +530,7 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
         max_seq_len: a.max_seq_len,
     };
     let policies: Vec<Policy> = if a.policy.is_empty() {
-        vec![
-            plan.as_ref()
-                .and_then(|pl| pl.policy)
-                .unwrap_or(Policy::FlatFfd),
-        ]
+        vec![base.as_ref().map_or(Policy::FlatFfd, |c| c.policy)]
     } else {
         dedup(
             a.policy
@@ -554,23 +549,20 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
                 .collect::<Result<Vec<Capacity>, _>>()?,
         )
     };
-    let p = match (&schedules, &plan) {
+    let p = match (&schedules, &base) {
         (Schedules::Csv(s), _) => s.placement.num_ranks,
-        (_, Some(pl)) => pl.pp,
+        (_, Some(c)) => c.pp,
         _ => a.pp.unwrap_or(4),
     };
     if p == 0 {
         bail!("--pp = 0 is invalid: >= 1 rank");
     }
-    let sources: Vec<(ScheduleSource, u32)> = match (schedules, &plan) {
+    let sources: Vec<(ScheduleSource, u32)> = match (schedules, &base) {
         (Schedules::Csv(s), _) => {
             let v = s.num_stages() / s.placement.num_ranks;
             vec![(ScheduleSource::Given(s), v)]
         }
-        (_, Some(pl)) => vec![(
-            ScheduleSource::Kind(pl.schedule),
-            pl.schedule.stages_per_rank(pl.vpp)?,
-        )],
+        (_, Some(c)) => vec![(c.source.clone(), c.v)],
         (Schedules::Kinds(kinds), None) => kinds
             .into_iter()
             .map(|k| Ok((ScheduleSource::Kind(k), k.stages_per_rank(a.vpp)?)))
@@ -578,8 +570,8 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
     };
     let mut combos = Vec::new();
     for (source, v) in sources {
-        let stages = match (&plan, &source) {
-            (Some(pl), _) => pl.stage_ranges(),
+        let stages = match (&base, &source) {
+            (Some(c), _) => c.stages.clone(),
             (None, ScheduleSource::Given(s)) => {
                 even_split(profile.layers.len(), s.num_stages() as usize)?
             }
@@ -596,14 +588,15 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
                     capacity,
                 );
                 combo.params = params;
-                if let Some(pl) = &plan {
-                    combo.dp = pl.dp.unwrap_or(1);
-                    combo.recompute = pl.recompute.clone();
+                if let Some(c) = &base {
+                    combo.dp = c.dp;
+                    combo.recompute = c.recompute.clone();
+                    combo.memory_limit_bytes = c.memory_limit_bytes;
                 }
                 // The options' forward-only work, else the plan's (an explicit 0 drops it).
                 combo.forward_only = match a.fo.fo_microbatches {
                     Some(_) => a.fo.spec()?,
-                    None => plan.as_ref().and_then(|pl| pl.forward_only),
+                    None => base.as_ref().and_then(|c| c.forward_only),
                 };
                 if let Some(text) = &a.memory_limit {
                     combo.memory_limit_bytes = Some(memory_limit(Some(text), &profile)?);
