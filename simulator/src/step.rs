@@ -243,8 +243,8 @@ fn training_schedule(
 /// step). `first_rank` is the global rank of the replica's pipeline rank 0.
 ///
 /// # Errors
-/// Generation, cost-table, forward-only and replay errors; [`Error::MemoryLimit`] when zb-auto
-/// finds no schedule under the memory limit.
+/// [`Error::InvalidArgument`] for no microbatches; generation, cost-table, forward-only and
+/// replay errors; [`Error::MemoryLimit`] when zb-auto finds no schedule under the memory limit.
 pub fn plan_replica(
     config: &RunConfig,
     profile: Option<&Profile>,
@@ -253,6 +253,13 @@ pub fn plan_replica(
 ) -> Result<ReplicaPlan> {
     let p = config.pp;
     let n = microbatches.len() as u32;
+    if n == 0 {
+        return Err(Error::invalid(
+            "microbatches",
+            0,
+            ">= 1 per replica and step",
+        ));
+    }
     let (k, rounds) = match config.effective_capacity() {
         Capacity::Dynamic => (n, 1),
         Capacity::Fixed(k) => (k, n.div_ceil(k).max(1)),
