@@ -2173,6 +2173,23 @@ fn try_out_findings_are_refused_with_the_numbers() {
             ],
             &["1.920e10 s", "range of 1e10 s"],
         ),
+        // Forward-only work counts too: 4 x 20,000 x 1e6 s of Fo (it costs f by default).
+        (
+            &[
+                "simulate",
+                "--costs",
+                "f=1e6",
+                "--schedule",
+                "1f1b",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+                "--fo-microbatches",
+                "20000",
+            ],
+            &["range of 1e10 s", "20000 forward-only"],
+        ),
         (
             &[
                 "execute",
@@ -2475,4 +2492,66 @@ fn a_step_size_flag_overrides_the_plan_file() {
         .and_then(|t| t.parse().ok())
         .unwrap_or_else(|| panic!("{h}"));
     assert!(n0 > 8, "{h}");
+}
+
+/// `simulate --plan` checks its rows against the memory limit the plan was searched under
+/// (the one zb-auto is built under), not the hardware's default, unless --memory-limit says
+/// otherwise.
+#[test]
+fn simulate_plan_checks_rows_against_the_plans_memory_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--memory-limit",
+            "100GiB",
+            "--steps",
+            "4",
+            "--gantt",
+            "none",
+            "-o",
+            "p.yaml",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let limit = |extra: &[&str]| {
+        let mut args = vec![
+            "simulate", "--plan", "p.yaml", "--gantt", "none", "--format", "json",
+        ];
+        args.extend(extra);
+        let doc = json(&flatpipe(dir.path(), &args));
+        doc[0]["memory_limit_bytes"].as_f64().unwrap()
+    };
+    assert_eq!(limit(&[]), 100.0 * 2f64.powi(30));
+    assert_eq!(limit(&["--memory-limit", "120GiB"]), 120.0 * 2f64.powi(30));
+}
+
+/// The note on execute's default microbatch count is added only to the refusal of that count:
+/// too few sequences for the replicas is said as such.
+#[test]
+fn execute_blames_its_default_microbatches_only_when_they_are_the_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--model",
+            "tiny",
+            "--hardware",
+            "cpu",
+            "--workload",
+            "tiny-chat",
+            "--dp",
+            "4",
+            "--seqs-per-step",
+            "2",
+            "--steps",
+            "1",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(err.contains("too few for dp = 4"), "{err}");
+    assert!(!err.contains("the default of pp x vpp"), "{err}");
 }

@@ -545,8 +545,14 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         && a.token_budget.is_none()
         && !matches!(source, ScheduleSource::Given(_));
     let with_default = |e: flatpipe_executor::Error| {
+        // Only the refusal of the microbatch count itself comes from the default.
+        let about_m = matches!(
+            &e,
+            flatpipe_executor::Error::Simulator(sim::Error::InvalidArgument { field, .. })
+                if field == "microbatches"
+        );
         let e = anyhow::Error::new(e);
-        if defaulted_m {
+        if defaulted_m && about_m {
             e.context(format!(
                 "the default of pp x vpp = {} microbatches per replica and step does not fit this workload; give --microbatches or --token-budget",
                 default_microbatches(pp, v)

@@ -10,7 +10,6 @@ pub(super) enum ExportFormat {
     PytorchCsv,
 }
 
-/// Options of `flatpipe plan`.
 /// `--rank-by`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(super) enum RankByArg {
@@ -31,6 +30,7 @@ pub(super) enum SplitSolver {
     Dp,
 }
 
+/// Options of `flatpipe plan`.
 #[derive(Debug, Args)]
 pub(super) struct PlanArgs {
     #[command(flatten)]
@@ -99,8 +99,6 @@ pub(super) struct PlanArgs {
     format: Format,
 }
 
-/// The memory limit: `--memory-limit` parsed (e.g. `120GiB`, `80GB`, `1.5e11`), or the
-/// hardware's memory minus a 4 GiB reserve.
 /// Above this fraction of the memory limit, `plan` notes that the chosen plan has little margin.
 const MARGIN_NOTE_FRACTION: f64 = 0.98;
 
@@ -444,20 +442,9 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         }
     }
     // Gantt of the chosen plan's first step (replica 0).
-    let mut chosen = montecarlo::RunConfig::new(
-        ScheduleSource::Kind(best.schedule),
-        best.pp,
-        best.vpp,
-        best.partition.stages.clone(),
-        space.policy,
-        Capacity::Dynamic,
-    );
-    chosen.dp = best.dp;
-    chosen.recompute = best.partition.recompute.clone();
-    chosen.params = PolicyParams {
-        token_budget: best.token_budget,
-        ..Default::default()
-    };
+    // The chosen plan's run as its plan file describes it (memory limit and forward-only work
+    // included).
+    let chosen = plan.run_config()?;
     let first = montecarlo::run(&profile, &workload, seed, size, 1, &[chosen], &|| {})?;
     if let Some((s, simulation)) = &first.first[0]
         && let Some(gantt) = &chart

@@ -300,16 +300,6 @@ pub(super) fn simulate_uniform(
                 ),
                 pairs,
             )?;
-            // Every action one after the other bounds the makespan; it must stay well inside
-            // u64 nanoseconds (1.8e10 s).
-            let serial_s = f64::from(p)
-                * f64::from(m)
-                * (spec.f + spec.b + spec.w + spec.fo.unwrap_or(0.0) + 2.0 * spec.comm);
-            if serial_s > 1e10 {
-                bail!(
-                    "--costs with --pp {p} and {m} microbatches: a step could last up to {serial_s:.3e} s, beyond the simulator's range of 1e10 s (time is counted in u64 nanoseconds); use smaller costs or fewer microbatches"
-                );
-            }
             kinds
                 .iter()
                 .map(|k| {
@@ -332,6 +322,20 @@ pub(super) fn simulate_uniform(
         [] => 0,
     };
     let k = a.fo.spec()?.map_or(0, |f| f.microbatches.unwrap_or(m));
+    // Every action one after the other bounds the makespan; it must stay well inside u64
+    // nanoseconds (1.8e10 s): the training work and the forward-only work (Fo costs f unless
+    // given).
+    if let [(_, _, s), ..] = &built[..] {
+        let p = s.placement.num_ranks;
+        let serial_s = f64::from(p)
+            * (f64::from(m) * (spec.f + spec.b + spec.w + 2.0 * spec.comm)
+                + f64::from(k) * spec.fo.unwrap_or(spec.f));
+        if serial_s > 1e10 {
+            bail!(
+                "--costs with --pp {p}, {m} microbatches and {k} forward-only microbatches: a step could last up to {serial_s:.3e} s, beyond the simulator's range of 1e10 s (time is counted in u64 nanoseconds); use smaller costs or fewer microbatches"
+            );
+        }
+    }
     let mut runs = Vec::new();
     let mut fo_reports = std::collections::HashMap::new();
     for (name, v, train) in built {
@@ -458,6 +462,9 @@ struct Comparison {
     capacities: Vec<Capacity>,
     /// Ranks per pipeline.
     p: u32,
+    /// Per-rank memory limit, bytes, and where it comes from in the user's words.
+    limit: f64,
+    limit_source: String,
     /// One configuration per (schedule, policy, capacity).
     configs: Vec<montecarlo::RunConfig>,
 }
@@ -549,6 +556,22 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
                 .collect::<Result<Vec<Capacity>, _>>()?,
         )
     };
+    // One per-rank memory limit for building zb-auto and checking every row: --memory-limit,
+    // else the plan file's (the one it was searched under), else the hardware's.
+    let (limit, limit_source) = match (
+        &a.memory_limit,
+        base.as_ref().and_then(|c| c.memory_limit_bytes),
+    ) {
+        (Some(text), _) => (
+            memory_limit(Some(text), &profile)?,
+            format!("--memory-limit {text}"),
+        ),
+        (None, Some(bytes)) => (bytes, "the plan file's memory limit".to_string()),
+        (None, None) => (
+            memory_limit(None, &profile)?,
+            format!("{}'s memory less its reserve", profile.hardware.name),
+        ),
+    };
     let p = match (&schedules, &base) {
         (Schedules::Csv(s), _) => s.placement.num_ranks,
         (_, Some(c)) => c.pp,
@@ -591,16 +614,13 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
                 if let Some(c) = &base {
                     combo.dp = c.dp;
                     combo.recompute = c.recompute.clone();
-                    combo.memory_limit_bytes = c.memory_limit_bytes;
                 }
+                combo.memory_limit_bytes = Some(limit);
                 // The options' forward-only work, else the plan's (an explicit 0 drops it).
                 combo.forward_only = match a.fo.fo_microbatches {
                     Some(_) => a.fo.spec()?,
                     None => base.as_ref().and_then(|c| c.forward_only),
                 };
-                if let Some(text) = &a.memory_limit {
-                    combo.memory_limit_bytes = Some(memory_limit(Some(text), &profile)?);
-                }
                 combos.push(combo);
             }
         }
@@ -631,6 +651,8 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
         policies,
         capacities,
         p,
+        limit,
+        limit_source,
         configs: combos,
     })
 }
@@ -648,6 +670,8 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         policies,
         capacities,
         p,
+        limit,
+        limit_source,
         configs: mut combos,
     } = resolve_comparison(a, schedules)?;
     tracing::info!(
@@ -665,10 +689,8 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             bar.inc()
         })
         .map_err(|err| match err {
-            sim::Error::MemoryLimit { .. } => anyhow::Error::new(err).context(format!(
-                "the per-rank memory limit is {}",
-                limit_source(a.memory_limit.as_deref(), &profile)
-            )),
+            sim::Error::MemoryLimit { .. } => anyhow::Error::new(err)
+                .context(format!("the per-rank memory limit is {}", limit_source)),
             err => err.into(),
         })?;
     bar.finish();
@@ -688,9 +710,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             mc.truncated_tokens
         );
     }
-    // Every row is checked against the per-rank memory: --memory-limit, or the hardware's memory
-    // less its reserve.
-    let limit = memory_limit(a.memory_limit.as_deref(), &profile)?;
+    // Every row is checked against the per-rank memory zb-auto was built under.
     let mut rows = comparison_rows(&combos, &mc.outcomes, mc.first, steps, &profile, limit);
     // An under-filled pipeline is said whatever made m small (the workload, the budget or
     // --microbatches), once per number of stages per rank.
@@ -751,7 +771,6 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             ));
         }
     }
-    let limit_source = limit_source(a.memory_limit.as_deref(), &profile);
     if let Some(why) = dropped {
         notes.push(format!(
             "zb-auto not built for every sampled step, so not compared: {why}; the per-rank memory is {} ({})",
@@ -1002,15 +1021,6 @@ fn memory_cell(r: &McReport) -> String {
     }
 }
 
-/// Where the per-rank memory limit comes from, in the user's words: `--memory-limit 20GiB`, or
-/// the hardware's memory less its reserve.
-fn limit_source(memory_limit: Option<&str>, profile: &profiles::Profile) -> String {
-    match memory_limit {
-        Some(text) => format!("--memory-limit {text}"),
-        None => format!("{}'s memory less its reserve", profile.hardware.name),
-    }
-}
-
 /// The notes on a plan file's run: its inputs' hashes against this run's (a changed profile or
 /// workload), and its predicted mean step time and bubble against this run's.
 fn plan_comparison(
@@ -1026,7 +1036,9 @@ fn plan_comparison(
         if prov.profile_sha256 != profile_now {
             let w = format!(
                 "the plan was made on another profile (SHA-256 {}..., this run's {}...): its prediction is not this run's",
-                &prov.profile_sha256[..12.min(prov.profile_sha256.len())],
+                prov.profile_sha256
+                    .get(..12)
+                    .unwrap_or(&prov.profile_sha256),
                 &profile_now[..12]
             );
             tracing::warn!("{w}");
@@ -1036,7 +1048,9 @@ fn plan_comparison(
         if prov.workload_sha256 != workload_now {
             let w = format!(
                 "the plan was made on another workload (SHA-256 {}..., this run's {}...)",
-                &prov.workload_sha256[..12.min(prov.workload_sha256.len())],
+                prov.workload_sha256
+                    .get(..12)
+                    .unwrap_or(&prov.workload_sha256),
                 &workload_now[..12]
             );
             tracing::warn!("{w}");
