@@ -177,6 +177,70 @@ struct ExecuteReport {
     prediction: String,
 }
 
+/// One `--verify` row from the library's comparison.
+fn verify_row(v: flatpipe_executor::verify::Verification) -> VerifyRow {
+    let p = v.params.clone().unwrap_or_default();
+    VerifyRow {
+        reference_loss: v.reference_loss,
+        loss_rel_diff: v.loss_rel_diff,
+        grad_max_abs_diff: v.grads.max_abs,
+        grad_max_rel_diff: v.grads.max_rel,
+        grad_worst: v.grads.worst,
+        param_max_abs_diff: p.max_abs,
+        param_max_rel_diff: p.max_rel,
+        grad_norm_rel_diff: v.grad_norm_rel_diff,
+        fo_loss_rel_diff: v.fo_loss_rel_diff,
+        within_tolerance: v.within_tolerance,
+    }
+}
+
+/// One step's row: what ran (microbatches, tokens, loss, grad norm), its measured makespan,
+/// throughput, bubble ratio and forward-only time, and the prediction and `--verify` figures.
+fn step_row(
+    step: u64,
+    prepared: &PreparedStep,
+    run: &flatpipe_executor::interpreter::StepRun,
+    predicted: Option<f64>,
+    verify: Option<VerifyRow>,
+) -> StepRow {
+    let makespan_s = run.timeline.makespan_ns() as f64 * 1e-9;
+    let fo_s: f64 = run
+        .timeline
+        .compute
+        .iter()
+        .flatten()
+        .filter(|o| o.action.parts().any(|p| p.kind == sim::ActionKind::Fo))
+        .map(|o| (o.end_ns - o.start_ns) as f64 * 1e-9)
+        .sum::<f64>()
+        + 0.0; // an empty sum is -0.0
+    let n = run.timeline.num_ranks();
+    let busy: f64 = (0..n).map(|r| run.timeline.busy_ns(r) as f64 * 1e-9).sum();
+    let tokens = prepared.tokens();
+    StepRow {
+        step,
+        microbatches: prepared
+            .replicas
+            .iter()
+            .map(|r| r.microbatches.len())
+            .collect(),
+        tokens,
+        loss: run.loss,
+        grad_norm: run.grad_norm,
+        measured_makespan_s: makespan_s,
+        tokens_per_s: tokens as f64 / makespan_s,
+        bubble_ratio: 1.0 - busy / (n as f64 * makespan_s),
+        fo_microbatches: prepared
+            .replicas
+            .iter()
+            .map(|r| r.fo_microbatches.len())
+            .sum(),
+        fo_busy_s: fo_s,
+        predicted_makespan_s: predicted,
+        rel_error: predicted.map(|p| (p - makespan_s) / makespan_s),
+        verify,
+    }
+}
+
 /// `execute`'s table: one row per reported step, with the forward-only, prediction and
 /// `--verify` columns when they apply.
 fn execute_table(steps: &[StepRow], with_fo: bool, predict: bool, verify: bool) -> PlainTable {
@@ -642,24 +706,6 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                 a.lr
             );
         }
-        let makespan_s = run.timeline.makespan_ns() as f64 * 1e-9;
-        tracing::info!(
-            "execute: step {step}: {} tokens, loss {:.4}, measured makespan {:.4} s",
-            prepared.tokens(),
-            run.loss,
-            makespan_s
-        );
-        let fo_s: f64 = run
-            .timeline
-            .compute
-            .iter()
-            .flatten()
-            .filter(|o| o.action.parts().any(|p| p.kind == sim::ActionKind::Fo))
-            .map(|o| (o.end_ns - o.start_ns) as f64 * 1e-9)
-            .sum::<f64>()
-            + 0.0; // an empty sum is -0.0
-        let n = run.timeline.num_ranks();
-        let busy: f64 = (0..n).map(|r| run.timeline.busy_ns(r) as f64 * 1e-9).sum();
         let predicted = if predict {
             Some(predict_step(&profile, &setup, &prepared)?.0)
         } else {
@@ -676,46 +722,18 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                     &prepared,
                 )?;
                 failed |= !v.within_tolerance;
-                let p = v.params.clone().unwrap_or_default();
-                Some(VerifyRow {
-                    reference_loss: v.reference_loss,
-                    loss_rel_diff: v.loss_rel_diff,
-                    grad_max_abs_diff: v.grads.max_abs,
-                    grad_max_rel_diff: v.grads.max_rel,
-                    grad_worst: v.grads.worst,
-                    param_max_abs_diff: p.max_abs,
-                    param_max_rel_diff: p.max_rel,
-                    grad_norm_rel_diff: v.grad_norm_rel_diff,
-                    fo_loss_rel_diff: v.fo_loss_rel_diff,
-                    within_tolerance: v.within_tolerance,
-                })
+                Some(verify_row(v))
             }
             None => None,
         };
-        let tokens = prepared.tokens();
-        rows.push(StepRow {
-            step,
-            microbatches: prepared
-                .replicas
-                .iter()
-                .map(|r| r.microbatches.len())
-                .collect(),
-            tokens,
-            loss: run.loss,
-            grad_norm: run.grad_norm,
-            measured_makespan_s: makespan_s,
-            tokens_per_s: tokens as f64 / makespan_s,
-            bubble_ratio: 1.0 - busy / (n as f64 * makespan_s),
-            fo_microbatches: prepared
-                .replicas
-                .iter()
-                .map(|r| r.fo_microbatches.len())
-                .sum(),
-            fo_busy_s: fo_s,
-            predicted_makespan_s: predicted,
-            rel_error: predicted.map(|p| (p - makespan_s) / makespan_s),
-            verify,
-        });
+        let row = step_row(step, &prepared, &run, predicted, verify);
+        tracing::info!(
+            "execute: step {step}: {} tokens, loss {:.4}, measured makespan {:.4} s",
+            row.tokens,
+            row.loss,
+            row.measured_makespan_s
+        );
+        rows.push(row);
         last = Some((prepared, run));
         bar.inc();
     }
