@@ -9,7 +9,7 @@ use flatpipe::planner::search::{RankBy, SearchConfig, SearchSpace, search};
 use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
 use flatpipe::simulator::costs::Recompute;
 use flatpipe::simulator::montecarlo::{self, Capacity, RunConfig, ScheduleSource};
-use flatpipe::simulator::plan::{StageLayers, even_split};
+use flatpipe::simulator::plan::even_split;
 use flatpipe::simulator::policy::Policy;
 use flatpipe::simulator::{Placement, PlacementKind, Plan, ScheduleKind};
 use proptest::prelude::*;
@@ -212,34 +212,10 @@ fn profile() -> flatpipe::profiles::Profile {
 }
 
 fn plan(schedule: ScheduleKind, pp: u32, stages: &[std::ops::Range<usize>]) -> Plan {
-    Plan {
-        model: Some("llama3.1-8b".into()),
-        hardware: Some("h200".into()),
-        profile: None,
-        workload: "sharegpt-v3".into(),
-        dp: None,
-        pp,
-        vpp: None,
-        placement: schedule.placement(),
-        schedule,
-        stages: stages
-            .iter()
-            .map(|r| StageLayers {
-                start: r.start,
-                end: r.end,
-            })
-            .collect(),
-        microbatches: None,
-        token_budget: Some(16_384),
-        seqs_per_step: None,
-        tokens_per_step: None,
-        policy: None,
-        recompute: Vec::new(),
-        forward_only: None,
-        seed: 0,
-        predicted: None,
-        provenance: None,
-    }
+    let mut p = Plan::new("sharegpt-v3", schedule, pp, stages, 16_384);
+    p.model = Some("llama3.1-8b".into());
+    p.hardware = Some("h200".into());
+    p
 }
 
 #[test]

@@ -142,6 +142,48 @@ pub struct PlanProvenance {
 }
 
 impl Plan {
+    /// A plan of `schedule` on `pp` ranks over `stages` (layer ranges `[start, end)`, in stage
+    /// order) on `workload` at the token budget `token_budget` (tokens), with the schedule's
+    /// placement for its default stages per rank and every other field absent: one replica,
+    /// no recomputation, no forward-only work, seed 0, no prediction or provenance. Nothing is
+    /// checked here ([`Plan::validate`] does).
+    pub fn new(
+        workload: &str,
+        schedule: ScheduleKind,
+        pp: u32,
+        stages: &[Range<usize>],
+        token_budget: u64,
+    ) -> Self {
+        Plan {
+            model: None,
+            hardware: None,
+            profile: None,
+            workload: workload.into(),
+            dp: None,
+            pp,
+            vpp: None,
+            placement: schedule.placement(),
+            schedule,
+            stages: stages
+                .iter()
+                .map(|r| StageLayers {
+                    start: r.start,
+                    end: r.end,
+                })
+                .collect(),
+            microbatches: None,
+            token_budget: Some(token_budget),
+            seqs_per_step: None,
+            tokens_per_step: None,
+            policy: None,
+            recompute: Vec::new(),
+            forward_only: None,
+            seed: 0,
+            predicted: None,
+            provenance: None,
+        }
+    }
+
     /// Parses a plan file's text. `origin` names the file in errors.
     ///
     /// # Errors
@@ -389,31 +431,10 @@ mod tests {
     }
 
     fn plan(stages: &[(usize, usize)], vpp: Option<u32>) -> Plan {
-        Plan {
-            model: None,
-            hardware: None,
-            profile: None,
-            workload: "w".into(),
-            dp: None,
-            pp: 2,
-            vpp,
-            placement: PlacementKind::Loop,
-            schedule: ScheduleKind::OneFOneB,
-            stages: stages
-                .iter()
-                .map(|&(start, end)| StageLayers { start, end })
-                .collect(),
-            microbatches: None,
-            token_budget: Some(1024),
-            seqs_per_step: None,
-            tokens_per_step: None,
-            policy: None,
-            recompute: Vec::new(),
-            forward_only: None,
-            seed: 0,
-            predicted: None,
-            provenance: None,
-        }
+        let ranges: Vec<Range<usize>> = stages.iter().map(|&(a, b)| a..b).collect();
+        let mut p = Plan::new("w", ScheduleKind::OneFOneB, 2, &ranges, 1024);
+        p.vpp = vpp;
+        p
     }
 
     /// Each way a hand-edited stage list goes wrong is named as it is (every one was reported
