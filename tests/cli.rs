@@ -1185,19 +1185,23 @@ fn the_cuda_backend_without_a_gpu_is_a_clear_error_and_auto_falls_back() {
     for (args, needle) in [
         (
             vec!["execute", "--precision", "bf16", "--steps", "1"],
-            "--precision bf16 runs only on --backend cuda",
+            "--precision = bf16 is invalid: bf16 runs only on the cuda backend",
         ),
         (
             vec!["execute", "--init-on-device", "--steps", "1"],
-            "--init-on-device needs --backend cuda",
+            "--init-on-device = true is invalid: drawing weights on the device needs the cuda backend",
         ),
         (
             vec!["profile", "--precision", "bf16", "--quick"],
-            "--precision bf16 runs only on --backend cuda",
+            "--precision = bf16 is invalid: bf16 runs only on the cuda backend",
         ),
         (
             vec!["execute", "--gpus", "2", "--steps", "1"],
-            "--gpus 2 needs --backend cuda",
+            "--gpus = 2 is invalid: more than 1 GPU needs the cuda backend",
+        ),
+        (
+            vec!["calibrate", "--precision", "bf16", "--quick"],
+            "--precision = bf16 is invalid: bf16 runs only on the cuda backend",
         ),
         (
             vec!["execute", "--backend", "cuda", "--gpus", "0"],

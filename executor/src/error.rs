@@ -8,6 +8,22 @@ pub enum Error {
     /// A request that cannot run as given (names the field and the allowed range).
     #[error("{0}")]
     Invalid(String),
+    /// A field out of its allowed range, in the library's words (the command line maps the
+    /// field to its flag).
+    #[error("{field} = {value} is invalid: {allowed}")]
+    InvalidArgument {
+        /// The field (`gpus`, `precision`, ...).
+        field: &'static str,
+        /// The value given.
+        value: String,
+        /// What is allowed, and why.
+        allowed: String,
+    },
+    /// The CUDA backend was asked for in a build without it.
+    #[error(
+        "this flatpipe was built without the `cuda` feature (build with `cargo build --release --features cuda`)"
+    )]
+    CudaNotCompiled,
     /// Something the executor does not do yet, with what to use instead.
     #[error("not supported: {0}")]
     Unsupported(String),

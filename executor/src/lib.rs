@@ -20,10 +20,15 @@
 //!   interpreter's own overhead); `cuda` (feature `cuda`): the CUDA backend (NVRTC-compiled
 //!   kernels, cuBLAS GEMMs, each rank its own streams, transfers as device copies timed by
 //!   events).
+//! - [`backend`]: backend selection and [`AnyExecutor`], the dispatch over both backends
+//!   (without the `cuda` feature a stand-in that says so).
+//! - [`calibrate`]: measured steps beside the prediction of the schedules that ran.
 //! - [`runner`]: a plan's steps end to end, and the single-rank reference run that `--verify`
 //!   and the tests compare against; [`verify`]: that comparison and its tolerances.
 #![deny(missing_docs)]
 
+pub mod backend;
+pub mod calibrate;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -39,6 +44,7 @@ pub mod verify;
 
 pub mod worker;
 
+pub use backend::{AnyExecutor, Backend, BackendConfig, Precision};
 pub use data::{LossReduction, MicrobatchData};
 pub use error::{Error, Result};
 pub use worker::{AdamW, StageWorker};

@@ -130,6 +130,18 @@ impl Candidate {
         }
     }
 
+    /// The run configuration the search evaluated this candidate with: its layout, token
+    /// budget and recomputation, microbatched by `policy`, with `config`'s memory limit (which
+    /// zb-auto builds under) and forward-only work.
+    pub fn run_config(&self, policy: Policy, config: &SearchConfig) -> RunConfig {
+        run_config(
+            (self.schedule, self.dp, self.pp, self.vpp, self.token_budget),
+            &self.partition,
+            policy,
+            config,
+        )
+    }
+
     /// `schedule pp=.. v=.. dp=.. budget=..`.
     pub fn describe(&self) -> String {
         format!(
@@ -151,6 +163,83 @@ impl Candidate {
             self.schedule.to_string()
         }
     }
+}
+
+/// The run configuration of (kind, dp, pp, v, token budget) with `partition`'s layers and
+/// recomputation ([`Candidate::run_config`]).
+fn run_config(
+    (kind, dp, pp, v, budget): (ScheduleKind, u32, u32, u32, u64),
+    partition: &Partition,
+    policy: Policy,
+    config: &SearchConfig,
+) -> RunConfig {
+    let mut run = RunConfig::new(
+        ScheduleSource::Kind(kind),
+        pp,
+        v,
+        partition.stages.clone(),
+        policy,
+        Capacity::Dynamic,
+    );
+    run.dp = dp;
+    run.recompute = partition.recompute.clone();
+    run.memory_limit_bytes = Some(config.memory_limit_bytes);
+    run.forward_only = config.forward_only;
+    run.params = PolicyParams {
+        token_budget: budget,
+        ..Default::default()
+    };
+    run
+}
+
+/// The best layout of one schedule kind on `pp` ranks of one replica, the plan `calibrate` runs
+/// on this machine: v = 2 for the kinds that take it, the fastest of `token_budgets` and layer
+/// splits by the mean over 16 sampled steps, no recomputation, no memory limit, and the
+/// executor's fp32 state (weights 4 + gradients 4 + AdamW moments 8 bytes per parameter). The
+/// candidate and its run configuration ([`Candidate::run_config`]).
+///
+/// # Errors
+/// [`Error::NoFeasiblePlan`] (e.g. more stages than layers), the search's.
+pub fn plan_schedule(
+    profile: &Profile,
+    workload: &Workload,
+    kind: ScheduleKind,
+    pp: u32,
+    token_budgets: &[u64],
+    size: StepSize,
+) -> Result<(Candidate, RunConfig)> {
+    let mut space = SearchSpace::default_for(pp);
+    space.pp = vec![pp];
+    space.vpp = vec![2];
+    space.kinds = vec![kind];
+    space.token_budgets = token_budgets.to_vec();
+    space.recompute = vec![Recompute::None];
+    let config = SearchConfig {
+        steps: 16,
+        seed: workload.seed,
+        size,
+        memory_limit_bytes: f64::INFINITY,
+        static_bytes: StaticBytes {
+            params: 4.0,
+            grads: 4.0,
+            optimizer: 8.0,
+        },
+        rank_by: RankBy::Mean,
+        keep: 1,
+        exact_split: ExactSplit::Off,
+        forward_only: None,
+    };
+    let mut result = search(profile, workload, &space, &config, &|_, _| {})?;
+    if result.ranked.is_empty() {
+        return Err(Error::NoFeasiblePlan(format!(
+            "no {kind} plan on {pp} ranks"
+        )));
+    }
+    let best = result.ranked.swap_remove(0);
+    let mut run = best.run_config(space.policy, &config);
+    // No limit: nothing to record (zb-auto builds unbounded).
+    run.memory_limit_bytes = None;
+    Ok((best, run))
 }
 
 /// What the search found.
@@ -360,23 +449,13 @@ pub fn search(
             Err(e) => return Err(e),
         };
         evaluated += 1;
-        let mut run = RunConfig::new(
-            ScheduleSource::Kind(c.kind),
-            c.pp,
-            c.v,
-            partition.stages.clone(),
-            space.policy,
-            Capacity::Dynamic,
-        );
-        run.dp = c.dp;
-        run.recompute = partition.recompute.clone();
         // zb-auto builds each step's schedule under the same memory limit.
-        run.memory_limit_bytes = Some(config.memory_limit_bytes);
-        run.forward_only = config.forward_only;
-        run.params = PolicyParams {
-            token_budget: c.budget,
-            ..Default::default()
-        };
+        let run = run_config(
+            (c.kind, c.dp, c.pp, c.v, c.budget),
+            &partition,
+            space.policy,
+            config,
+        );
         let mc = match montecarlo::run(
             profile,
             workload,

@@ -3,9 +3,9 @@
 //! bubbles with the measured ones.
 
 use super::*;
-use backend::{AnyExecutor, measured_bubbles, measured_on, predict_step};
-use flatpipe_executor::AdamW;
-use flatpipe_executor::runner::Setup;
+use backend::backend_config;
+use executor::calibrate::{measure_steps, median};
+use executor::{AdamW, AnyExecutor, runner::Setup};
 use std::sync::Arc;
 
 /// Options of `flatpipe calibrate`.
@@ -79,18 +79,15 @@ struct Report {
     median_abs_rel_error: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
-    let backend = a.backend.resolve_for_stages()?;
+    let resolved = a.backend.resolve_for_stages()?;
+    // Timing only: on a GPU the weights are drawn on the device.
+    let backend = backend_config(
+        resolved,
+        a.precision,
+        a.gpus,
+        resolved == executor::Backend::Cuda,
+    )?;
     if let Some(p) = &a.save_profile {
         profiles::check_writable(p)?;
     }
@@ -101,7 +98,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     if pp == 0 {
         bail!("--pp = 0 is invalid: >= 1 rank");
     }
-    if pp > cores && backend == Backend::Cpu {
+    if pp > cores && resolved == executor::Backend::Cpu {
         tracing::warn!(
             "--pp {pp} on {cores} cores: ranks share cores, so the OS scheduler's time slicing enters the measurement"
         );
@@ -122,11 +119,11 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
                 &profiles::read_to_string(path)?,
                 &path.display().to_string(),
             )?;
-            if !measured_on(&p, backend) {
+            if !resolved.measured(&p) {
                 bail!(
                     "{}: the profile was not measured on the {} backend (source {:?}, device {}); run without --profile to measure one",
                     path.display(),
-                    backend.name(),
+                    resolved.name(),
                     p.provenance.source,
                     p.provenance.device
                 );
@@ -134,10 +131,10 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             (p, path.display().to_string())
         }
         None => {
-            let mut cfg = backend::default_config(backend, a.quick);
+            let mut cfg = resolved.profile_config(a.quick);
             // Profile as the plan runs: pp ranks busy at once.
             cfg.concurrency = pp as usize;
-            let p = backend::measure(backend, a.precision, a.gpus as usize, &model, None, &cfg)?;
+            let p = backend::measure(&backend, &model, None, &cfg)?;
             if let Some(path) = &a.save_profile {
                 profiles::write_atomic(path, p.to_yaml()?.as_bytes())?;
             }
@@ -153,6 +150,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
         );
     }
     let size = workload.default_step_size();
+    let profile = Arc::new(profile);
     let mut rows = Vec::new();
     let bar = Progress::new(kinds.len() as u64);
     for kind in kinds {
@@ -161,46 +159,15 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             kind.name()
         );
         // Plan this schedule on the measured profile: the layer split and token budget.
-        let mut space = planner::search::SearchSpace::default_for(pp);
-        space.pp = vec![pp];
-        space.vpp = vec![2];
-        space.kinds = vec![kind];
-        space.token_budgets = budgets.clone();
-        space.recompute = vec![sim::costs::Recompute::None];
-        let config = planner::search::SearchConfig {
-            steps: 16,
-            seed: workload.seed,
-            size,
-            memory_limit_bytes: f64::INFINITY,
-            static_bytes: planner::partition::StaticBytes {
-                params: 4.0,
-                grads: 4.0,
-                optimizer: 8.0,
-            },
-            rank_by: planner::search::RankBy::Mean,
-            keep: 1,
-            exact_split: planner::partition::ExactSplit::Off,
-            forward_only: None,
-        };
-        let result = planner::search::search(&profile, &workload, &space, &config, &|_, _| {})?;
-        let Some(best) = result.ranked.first() else {
-            let why = result
-                .rejected
-                .first()
-                .map(|(c, r)| format!("{c}: {r}"))
-                .unwrap_or_default();
-            tracing::warn!("{}: no plan ({why})", kind.name());
-            continue;
-        };
-        let mut config = montecarlo::RunConfig::new(
-            ScheduleSource::Kind(kind),
-            pp,
-            best.vpp,
-            best.partition.stages.clone(),
-            Policy::FlatFfd,
-            montecarlo::Capacity::Dynamic,
-        );
-        config.params.token_budget = best.token_budget;
+        let (best, config) =
+            match planner::search::plan_schedule(&profile, &workload, kind, pp, &budgets, size) {
+                Ok(plan) => plan,
+                Err(planner::Error::NoFeasiblePlan(why)) => {
+                    tracing::warn!("{}: no plan ({why})", kind.name());
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
         let setup = Setup {
             model: model.clone(),
             config,
@@ -208,50 +175,26 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             step_size: size,
             seed: workload.seed,
             init_seed: 0,
-            reduction: flatpipe_executor::LossReduction::PerToken,
+            reduction: executor::LossReduction::PerToken,
             adamw: AdamW::default(),
             max_grad_norm: Some(1.0),
             balance: Arc::new(montecarlo::balance_cost(&profile)),
-            profile: Some(Arc::new(profile.clone())),
+            profile: Some(Arc::clone(&profile)),
         };
-        // Timing only: on a GPU the weights are drawn on the device.
-        let mut exec = AnyExecutor::new(
-            backend,
-            &setup,
-            a.precision,
-            backend == Backend::Cuda,
-            a.gpus as usize,
-        )?;
+        let mut exec = AnyExecutor::new(&backend, &setup)?;
         // One warm-up step (allocator, page faults), not measured.
-        exec.train_step(&setup, &setup.prepare(steps as u64)?)?;
-        let (mut pred, mut meas) = (Vec::new(), Vec::new());
-        let (mut pb, mut mb): (Vec<Vec<f64>>, Vec<Vec<f64>>) = (Vec::new(), Vec::new());
-        for step in 0..steps as u64 {
-            let prepared = setup.prepare(step)?;
-            let run = exec.train_step(&setup, &prepared)?;
-            let (p, bubbles) = predict_step(&profile, &setup, &prepared)?;
-            pred.push(p);
-            meas.push(run.timeline.makespan_ns() as f64 * 1e-9);
-            pb.push(bubbles);
-            mb.push(measured_bubbles(&run.timeline));
-        }
-        let per_rank = |b: &[Vec<f64>]| -> Vec<f64> {
-            (0..pp as usize)
-                .map(|r| median(b.iter().filter_map(|x| x.get(r).copied()).collect()))
-                .collect()
-        };
-        let (p, m) = (median(pred), median(meas));
+        let c = measure_steps(&mut exec, &setup, &profile, 1, u64::from(steps))?;
         rows.push(Row {
             schedule: kind.name().to_string(),
             pp,
             vpp: setup.config.v,
             token_budget: best.token_budget,
             layers_per_stage: setup.config.stages.iter().map(|r| r.len()).collect(),
-            predicted_makespan_s: p,
-            measured_makespan_s: m,
-            rel_error: (p - m) / m,
-            predicted_bubble_per_rank: per_rank(&pb),
-            measured_bubble_per_rank: per_rank(&mb),
+            predicted_makespan_s: c.predicted_makespan_s(),
+            measured_makespan_s: c.measured_makespan_s(),
+            rel_error: c.rel_error(),
+            predicted_bubble_per_rank: c.predicted_bubbles(),
+            measured_bubble_per_rank: c.measured_bubbles(),
         });
         bar.inc();
     }

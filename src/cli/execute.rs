@@ -3,7 +3,8 @@
 //! measured on this backend, with the simulator's prediction.
 
 use super::*;
-use backend::{AnyExecutor, measured_on, predict_step};
+use backend::backend_config;
+use executor::{AnyExecutor, BackendConfig};
 use flatpipe_executor::runner::{PreparedStep, Reference, Setup};
 use flatpipe_executor::{AdamW, LossReduction};
 use profiles::ProfileSource;
@@ -345,7 +346,7 @@ struct ResolvedRun {
     /// The Gantt chart's path (`--gantt`, none for `none`).
     gantt: Option<std::path::PathBuf>,
     setup: Setup,
-    backend: Backend,
+    backend: BackendConfig,
 }
 
 /// Resolves `execute`'s flags and plan file into a [`ResolvedRun`], refusing what cannot run
@@ -523,15 +524,19 @@ fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
     if let Some(m) = params.microbatches {
         warn_underfilled(&source.name(), m, pp, v);
     }
-    let backend = a.backend.resolve_for_stages()?;
-    a.precision.check(backend)?;
+    let backend = backend_config(
+        a.backend.resolve_for_stages()?,
+        a.precision,
+        a.gpus,
+        a.init_on_device,
+    )?;
     if a.verify && a.precision == GemmPrecision::Bf16 {
         bail!(
             "--verify checks against the fp32 CPU reference at fp32 tolerances (loss 1e-5, tensors 1e-4), which bf16 GEMM math does not meet: verify with --precision fp32"
         );
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if backend == Backend::Cpu && (dp * pp) as usize > cores {
+    if backend.backend == executor::Backend::Cpu && (dp * pp) as usize > cores {
         tracing::warn!(
             "{} ranks on {cores} cores: ranks will share cores, so measured times include the OS scheduler's time slicing",
             dp * pp
@@ -627,7 +632,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     };
     let first = setup.prepare(0).map_err(with_default)?;
     // Refuse, before allocating the stages, a run this host cannot hold.
-    if backend == Backend::Cpu {
+    if backend.backend == executor::Backend::Cpu {
         let largest = first
             .all_microbatches()
             .map(|m| m.tokens() as u64)
@@ -641,21 +646,15 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         stages.len(),
         model.name,
         dp * pp,
-        backend.name()
+        backend.backend.name()
     );
-    let mut exec = AnyExecutor::new(
-        backend,
-        &setup,
-        a.precision,
-        a.init_on_device,
-        a.gpus as usize,
-    )?;
+    let mut exec = AnyExecutor::new(&backend, &setup)?;
     let mut reference = if a.verify {
         Some(Reference::new(&setup)?)
     } else {
         None
     };
-    let predict = measured_on(&profile, backend);
+    let predict = backend.backend.measured(&profile);
     // Warm-up steps count on the bar: a long warm-up is work the user waits for.
     let bar = Progress::new(u64::from(a.steps) + u64::from(a.warmup_steps));
     let mut rows = Vec::with_capacity(a.steps as usize);
@@ -707,7 +706,10 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             );
         }
         let predicted = if predict {
-            Some(predict_step(&profile, &setup, &prepared)?.0)
+            // The setup's profile is this profile (an Arc of it): the step carries its
+            // prediction, the replay of the schedules that ran.
+            let on = setup.profile.as_deref().unwrap_or(&profile);
+            Some(prepared.predict(&setup, on)?.makespan_s)
         } else {
             None
         };
@@ -750,7 +752,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         let title = format!(
             "{} measured on {}: {} dp={dp} pp={pp} v={v} m={}, step {}",
             model.name,
-            backend.name(),
+            backend.backend.name(),
             source.name(),
             m,
             prepared.step
@@ -796,7 +798,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         };
         format!(
             "No profile measured on the {} backend was given ({what}), so no predicted vs measured makespan; give --profile FILE with a profile measured on this backend",
-            backend.name(),
+            backend.backend.name(),
         )
     };
     notes.push(prediction.clone());
@@ -807,10 +809,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         dp,
         pp,
         vpp: v,
-        backend: match backend {
-            Backend::Cuda => format!("cuda ({} GEMMs)", a.precision.name()),
-            _ => backend.name().to_string(),
-        },
+        backend: backend.describe(),
         steps: rows,
         median_abs_rel_error,
         prediction,

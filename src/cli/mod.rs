@@ -42,6 +42,7 @@ use simulate::{SimulateArgs, simulate};
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use comfy_table::{Table, presets::NOTHING};
+use flatpipe_executor as executor;
 use flatpipe_planner as planner;
 use flatpipe_profiles::{self as profiles, AnalyticOptions, Profile, StepSize, Workload, builtins};
 use flatpipe_simulator::{
@@ -144,6 +145,9 @@ fn flag_of(field: &str) -> Option<String> {
         "costs" => "--costs",
         "ranks" => "--ranks",
         "steps" => "--steps",
+        "gpus" => "--gpus",
+        "precision" => "--precision",
+        "init_on_device" => "--init-on-device",
         _ => return None,
     };
     Some(if rest.is_empty() {
@@ -178,10 +182,16 @@ fn render_one(e: &(dyn std::error::Error + 'static)) -> String {
             planner::Error::Simulator(e) => sim_invalid(e),
             _ => None,
         }
-    } else if let Some(flatpipe_executor::Error::Simulator(e)) =
-        e.downcast_ref::<flatpipe_executor::Error>()
-    {
-        sim_invalid(e)
+    } else if let Some(e) = e.downcast_ref::<executor::Error>() {
+        match e {
+            executor::Error::InvalidArgument {
+                field,
+                value,
+                allowed,
+            } => invalid(field, value, allowed),
+            executor::Error::Simulator(e) => sim_invalid(e),
+            _ => None,
+        }
     } else {
         None
     };

@@ -2,7 +2,7 @@
 //! write a measured profile.
 
 use super::*;
-use backend::{default_config, gemm_rates, measure};
+use backend::{backend_config, measure};
 
 /// Options of `flatpipe profile`.
 #[derive(Debug, Args)]
@@ -63,8 +63,7 @@ struct ProfileReport {
 }
 
 pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
-    let backend = a.backend.resolve_for_stages()?;
-    a.precision.check(backend)?;
+    let backend = backend_config(a.backend.resolve_for_stages()?, a.precision, a.gpus, false)?;
     profiles::check_writable(&a.output)?;
     let model = builtins::model(&a.model)?;
     if let Some(hw) = &a.hardware {
@@ -73,17 +72,10 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
     if a.concurrency == 0 {
         bail!("--concurrency = 0 is invalid: >= 1 thread (or stream)");
     }
-    let mut cfg = default_config(backend, a.quick);
+    let mut cfg = backend.backend.profile_config(a.quick);
     cfg.concurrency = a.concurrency;
     let start = std::time::Instant::now();
-    let profile = measure(
-        backend,
-        a.precision,
-        a.gpus as usize,
-        &model,
-        a.hardware.as_deref(),
-        &cfg,
-    )?;
+    let profile = measure(&backend, &model, a.hardware.as_deref(), &cfg)?;
     profiles::write_atomic(&a.output, profile.to_yaml()?.as_bytes())?;
     let mut fits = Vec::new();
     for fq in &profile.provenance.fits {
@@ -139,7 +131,6 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
             pct(f.max_rel_residual),
         ]);
     }
-    #[allow(unused_mut)]
     let mut notes = vec![
         format!(
             "link: {:.1} us + bytes / {:.3e} B/s; optimizer: {:.2} ns per parameter",
@@ -152,9 +143,6 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
             report.output, report.output
         ),
     ];
-    #[cfg(feature = "cuda")]
-    if backend == Backend::Cuda {
-        notes.extend(gemm_rates()?);
-    }
+    notes.extend(executor::backend::gemm_rates(backend.backend)?);
     emit(a.format, &report, &header, &t, &notes)
 }

@@ -133,16 +133,8 @@ fn cfg(s: Shape) -> LaunchConfig {
     }
 }
 
-/// GEMM arithmetic.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Precision {
-    /// fp32 in, fp32 math (the correctness path, comparable to the CPU backend).
-    #[default]
-    Fp32,
-    /// fp32 tensors, bf16 tensor-core math with fp32 accumulation
-    /// (`CUBLAS_COMPUTE_32F_FAST_16BF`): the speed of bf16 GEMMs, fp32 storage.
-    Bf16,
-}
+/// GEMM arithmetic (defined with the backend selection, so that it exists without CUDA).
+pub use crate::backend::Precision;
 
 /// One rank: its streams, compiled kernels, cuBLAS handle, device clock and the transfer
 /// buffers it holds until the step ends.
