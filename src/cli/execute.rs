@@ -748,59 +748,27 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         ));
     }
     if let Some((prepared, run)) = &last {
-        let m = slash_list(prepared.replicas.iter().map(|r| r.microbatches.len()));
         let title = format!(
             "{} measured on {}: {} dp={dp} pp={pp} v={v} m={}, step {}",
             model.name,
             backend.backend.name(),
             source.name(),
-            m,
+            slash_list(prepared.replicas.iter().map(|r| r.microbatches.len())),
             prepared.step
         );
-        if let Some(path) = &gantt {
-            sim::gantt::write_gantt(path, &title, &run.timeline)?;
-            notes.push(format!("Gantt chart of the last step: {}", path.display()));
-        }
-        if let Some(path) = &a.trace {
-            let doc = sim::trace::chrome_trace(&run.timeline);
-            profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
-            notes.push(format!("Chrome trace of the last step: {}", path.display()));
-        }
+        notes.extend(write_step_charts(
+            &title,
+            &run.timeline,
+            gantt.as_deref(),
+            a.trace.as_deref(),
+        )?);
     }
     let errors: Vec<f64> = rows
         .iter()
         .filter_map(|r| r.rel_error.map(f64::abs))
         .collect();
     let median_abs_rel_error = (!errors.is_empty()).then(|| montecarlo::Quantiles::of(&errors).p50);
-    let prediction = if predict {
-        format!(
-            "predicted with the profile {}measured on {} ({})",
-            profile_arg
-                .as_deref()
-                .map(|p| format!("{p} "))
-                .unwrap_or_default(),
-            profile.provenance.device,
-            profile.provenance.date.as_deref().unwrap_or("undated")
-        )
-    } else {
-        let what = if profile.provenance.source == ProfileSource::Measured {
-            format!(
-                "the profile of {} was measured on {}, not on this backend",
-                profile.model, profile.provenance.device
-            )
-        } else {
-            format!(
-                "the {} profile of {} on {} is not a measurement",
-                format!("{:?}", profile.provenance.source).to_lowercase(),
-                profile.model,
-                profile.provenance.device
-            )
-        };
-        format!(
-            "No profile measured on the {} backend was given ({what}), so no predicted vs measured makespan; give --profile FILE with a profile measured on this backend",
-            backend.backend.name(),
-        )
-    };
+    let prediction = prediction_note(predict, profile_arg.as_deref(), &profile, backend.backend);
     notes.push(prediction.clone());
     let report = ExecuteReport {
         model: model.name.clone(),
@@ -849,4 +817,62 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(code)
+}
+
+/// Writes the last step's measured timeline as a Gantt chart and a Chrome trace where asked, and
+/// says where.
+fn write_step_charts(
+    title: &str,
+    timeline: &sim::Timeline,
+    gantt: Option<&Path>,
+    trace: Option<&Path>,
+) -> Result<Vec<String>> {
+    let mut notes = Vec::new();
+    if let Some(path) = gantt {
+        sim::gantt::write_gantt(path, title, timeline)?;
+        notes.push(format!("Gantt chart of the last step: {}", path.display()));
+    }
+    if let Some(path) = trace {
+        let doc = sim::trace::chrome_trace(timeline);
+        profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
+        notes.push(format!("Chrome trace of the last step: {}", path.display()));
+    }
+    Ok(notes)
+}
+
+/// What the prediction column stands on: the profile (`profile_arg` as the user named it) and
+/// where it was measured when it was measured on `backend` (`predict`), else why there is no
+/// prediction and what to give.
+fn prediction_note(
+    predict: bool,
+    profile_arg: Option<&str>,
+    profile: &Profile,
+    backend: executor::Backend,
+) -> String {
+    if predict {
+        format!(
+            "predicted with the profile {}measured on {} ({})",
+            profile_arg.map(|p| format!("{p} ")).unwrap_or_default(),
+            profile.provenance.device,
+            profile.provenance.date.as_deref().unwrap_or("undated")
+        )
+    } else {
+        let what = if profile.provenance.source == ProfileSource::Measured {
+            format!(
+                "the profile of {} was measured on {}, not on this backend",
+                profile.model, profile.provenance.device
+            )
+        } else {
+            format!(
+                "the {} profile of {} on {} is not a measurement",
+                format!("{:?}", profile.provenance.source).to_lowercase(),
+                profile.model,
+                profile.provenance.device
+            )
+        };
+        format!(
+            "No profile measured on the {} backend was given ({what}), so no predicted vs measured makespan; give --profile FILE with a profile measured on this backend",
+            backend.name(),
+        )
+    }
 }

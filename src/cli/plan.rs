@@ -257,42 +257,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         seed,
         size,
     } = resolve_search(&a)?;
-    let bar = std::sync::Mutex::new(None::<indicatif::ProgressBar>);
-    let start = std::time::Instant::now();
-    let progress = |done: usize, total: usize| {
-        let mut b = bar.lock().expect("progress lock");
-        if b.is_none() && start.elapsed() > std::time::Duration::from_secs(1) {
-            let pb = indicatif::ProgressBar::new(total as u64);
-            if let Ok(style) = indicatif::ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} candidates  {elapsed}",
-            ) {
-                pb.set_style(style);
-            }
-            *b = Some(pb);
-        }
-        if let Some(pb) = b.as_ref() {
-            pb.set_position(done as u64);
-        }
-    };
-    tracing::info!(
-        "plan: searching pp {:?}, token budgets {:?}, {} schedule(s) on {} ranks over {} sampled steps",
-        space.pp,
-        space.token_budgets,
-        space.kinds.len(),
-        space.ranks,
-        config.steps
-    );
-    let search_start = std::time::Instant::now();
-    let result = planner::search::search(&profile, &workload, &space, &config, &progress)?;
-    tracing::info!(
-        "plan: {} candidate(s) ranked, {} rejected, in {:.2} s",
-        result.ranked.len(),
-        result.rejected.len(),
-        search_start.elapsed().as_secs_f64()
-    );
-    if let Some(pb) = bar.lock().expect("progress lock").take() {
-        pb.finish_and_clear();
-    }
+    let result = search_with_progress(&profile, &workload, &space, &config)?;
     let best = &result.ranked[0];
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let rows: Vec<PlanRow> = result
@@ -346,34 +311,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         &config,
         space.policy,
     )?;
-    let mut notes = Vec::new();
-    // Sequences longer than the chosen token budget get a microbatch of their own.
-    let (mut longer, mut total) = (0usize, 0usize);
-    for step in 0..u64::from(a.steps) {
-        let seqs = workload.sample_step(seed, step, size);
-        total += seqs.len();
-        longer += seqs
-            .iter()
-            .filter(|&&s| u64::from(s) > best.token_budget)
-            .count();
-    }
-    if longer > 0 {
-        notes.push(format!(
-            "{longer} of the {total} sampled sequences are longer than the chosen token budget of {} tokens: each gets a microbatch of its own",
-            best.token_budget
-        ));
-    }
-    // The sampled steps' peak is not every step's: say when the chosen plan leaves little room.
-    let peak = best.peak_memory_bytes.iter().copied().fold(0.0, f64::max);
-    if peak > MARGIN_NOTE_FRACTION * limit {
-        notes.push(format!(
-            "the chosen plan's busiest rank needs {} of the {} limit ({:.1}%) on the {} sampled steps; a rarer, longer step may need more: a lower --memory-limit keeps a margin",
-            fmt_bytes(peak),
-            fmt_bytes(limit),
-            100.0 * peak / limit,
-            a.steps
-        ));
-    }
+    let mut notes = sizing_notes(&a, &workload, seed, size, best, limit);
     if let Some(path) = &a.output {
         profiles::write_atomic(path, plan.to_yaml()?.as_bytes())?;
         notes.push(format!(
@@ -382,50 +320,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             path.display()
         ));
     }
-    let m_typical = best.summary.microbatches_mean.round().max(1.0) as u32;
-    let mut extra_files: Vec<(std::path::PathBuf, String)> = Vec::new();
-    let export_text = match a.export {
-        None => None,
-        Some(ExportFormat::Torchtitan) => {
-            // A schedule without a torchtitan name runs from a CSV written next to the TOML.
-            let csv = if planner::export::torchtitan_needs_csv(&plan) {
-                let Some(path) = &a.output else {
-                    bail!(
-                        "--export torchtitan: {} has no torchtitan name, so the configuration references a schedule CSV; give -o PLAN.yaml to write plan.torchtitan.toml and plan.torchtitan.csv next to it",
-                        plan.schedule
-                    );
-                };
-                let csv_path = path.with_extension("torchtitan.csv");
-                let s = best.schedule.generate(best.pp, best.vpp, m_typical)?;
-                extra_files.push((
-                    csv_path.clone(),
-                    sim::pytorch_csv::write_pytorch_csv(&s, false)?,
-                ));
-                Some(
-                    csv_path
-                        .file_name()
-                        .map(|n| n.to_string_lossy().into_owned())
-                        .unwrap_or_default(),
-                )
-            } else {
-                None
-            };
-            Some((
-                "torchtitan.toml",
-                planner::export::torchtitan(&plan, &profile, m_typical, csv.as_deref())?,
-            ))
-        }
-        Some(ExportFormat::Megatron) => {
-            Some(("megatron.txt", planner::export::megatron(&plan, &profile)?))
-        }
-        Some(ExportFormat::PytorchCsv) => {
-            let s = best.schedule.generate(best.pp, best.vpp, m_typical)?;
-            Some((
-                "pytorch.csv",
-                sim::pytorch_csv::write_pytorch_csv(&s, false)?,
-            ))
-        }
-    };
+    let (export_text, extra_files) = export(&a, &plan, best, &profile)?;
     let mut export_inline = None;
     if let Some((ext, text)) = &export_text {
         match &a.output {
@@ -518,6 +413,160 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Runs the plan search with a progress bar once it takes over a second, logging what is
+/// searched and how long it took.
+fn search_with_progress(
+    profile: &Profile,
+    workload: &Workload,
+    space: &planner::search::SearchSpace,
+    config: &planner::search::SearchConfig,
+) -> Result<planner::search::SearchResult> {
+    let bar = std::sync::Mutex::new(None::<indicatif::ProgressBar>);
+    let start = std::time::Instant::now();
+    let progress = |done: usize, total: usize| {
+        let mut b = bar.lock().expect("progress lock");
+        if b.is_none() && start.elapsed() > std::time::Duration::from_secs(1) {
+            let pb = indicatif::ProgressBar::new(total as u64);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} candidates  {elapsed}",
+            ) {
+                pb.set_style(style);
+            }
+            *b = Some(pb);
+        }
+        if let Some(pb) = b.as_ref() {
+            pb.set_position(done as u64);
+        }
+    };
+    tracing::info!(
+        "plan: searching pp {:?}, token budgets {:?}, {} schedule(s) on {} ranks over {} sampled steps",
+        space.pp,
+        space.token_budgets,
+        space.kinds.len(),
+        space.ranks,
+        config.steps
+    );
+    let search_start = std::time::Instant::now();
+    let result = planner::search::search(profile, workload, space, config, &progress)?;
+    tracing::info!(
+        "plan: {} candidate(s) ranked, {} rejected, in {:.2} s",
+        result.ranked.len(),
+        result.rejected.len(),
+        search_start.elapsed().as_secs_f64()
+    );
+    if let Some(pb) = bar.lock().expect("progress lock").take() {
+        pb.finish_and_clear();
+    }
+    Ok(result)
+}
+
+/// The notes on the chosen plan's sizing: sequences longer than its token budget (each a
+/// microbatch of its own) over `a.steps` sampled steps, and a busiest rank within
+/// [`MARGIN_NOTE_FRACTION`] of the memory `limit` (bytes).
+fn sizing_notes(
+    a: &PlanArgs,
+    workload: &Workload,
+    seed: u64,
+    size: StepSize,
+    best: &planner::search::Candidate,
+    limit: f64,
+) -> Vec<String> {
+    let mut notes = Vec::new();
+    // Sequences longer than the chosen token budget get a microbatch of their own.
+    let (mut longer, mut total) = (0usize, 0usize);
+    for step in 0..u64::from(a.steps) {
+        let seqs = workload.sample_step(seed, step, size);
+        total += seqs.len();
+        longer += seqs
+            .iter()
+            .filter(|&&s| u64::from(s) > best.token_budget)
+            .count();
+    }
+    if longer > 0 {
+        notes.push(format!(
+            "{longer} of the {total} sampled sequences are longer than the chosen token budget of {} tokens: each gets a microbatch of its own",
+            best.token_budget
+        ));
+    }
+    // The sampled steps' peak is not every step's: say when the chosen plan leaves little room.
+    let peak = best.peak_memory_bytes.iter().copied().fold(0.0, f64::max);
+    if peak > MARGIN_NOTE_FRACTION * limit {
+        notes.push(format!(
+            "the chosen plan's busiest rank needs {} of the {} limit ({:.1}%) on the {} sampled steps; a rarer, longer step may need more: a lower --memory-limit keeps a margin",
+            fmt_bytes(peak),
+            fmt_bytes(limit),
+            100.0 * peak / limit,
+            a.steps
+        ));
+    }
+    notes
+}
+
+/// A file `--export` writes: its extension beside the plan, and its text.
+type ExportText = (&'static str, String);
+
+/// Files an export references, each with its path and text.
+type ExtraFiles = Vec<(PathBuf, String)>;
+
+/// The `--export` of the chosen `plan` (`best`, on `profile`) at its typical microbatch count,
+/// and the files it references (a torchtitan schedule CSV), each with its path.
+///
+/// # Errors
+/// A torchtitan export of a schedule without a torchtitan name and no `-o` (the CSV needs a
+/// place); the exporters'.
+fn export(
+    a: &PlanArgs,
+    plan: &Plan,
+    best: &planner::search::Candidate,
+    profile: &Profile,
+) -> Result<(Option<ExportText>, ExtraFiles)> {
+    let m_typical = best.summary.microbatches_mean.round().max(1.0) as u32;
+    let mut extra_files: ExtraFiles = Vec::new();
+    let export_text = match a.export {
+        None => None,
+        Some(ExportFormat::Torchtitan) => {
+            // A schedule without a torchtitan name runs from a CSV written next to the TOML.
+            let csv = if planner::export::torchtitan_needs_csv(plan) {
+                let Some(path) = &a.output else {
+                    bail!(
+                        "--export torchtitan: {} has no torchtitan name, so the configuration references a schedule CSV; give -o PLAN.yaml to write plan.torchtitan.toml and plan.torchtitan.csv next to it",
+                        plan.schedule
+                    );
+                };
+                let csv_path = path.with_extension("torchtitan.csv");
+                let s = best.schedule.generate(best.pp, best.vpp, m_typical)?;
+                extra_files.push((
+                    csv_path.clone(),
+                    sim::pytorch_csv::write_pytorch_csv(&s, false)?,
+                ));
+                Some(
+                    csv_path
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                )
+            } else {
+                None
+            };
+            Some((
+                "torchtitan.toml",
+                planner::export::torchtitan(plan, profile, m_typical, csv.as_deref())?,
+            ))
+        }
+        Some(ExportFormat::Megatron) => {
+            Some(("megatron.txt", planner::export::megatron(plan, profile)?))
+        }
+        Some(ExportFormat::PytorchCsv) => {
+            let s = best.schedule.generate(best.pp, best.vpp, m_typical)?;
+            Some((
+                "pytorch.csv",
+                sim::pytorch_csv::write_pytorch_csv(&s, false)?,
+            ))
+        }
+    };
+    Ok((export_text, extra_files))
 }
 
 /// `plan`'s table: the ranked plans, best first, each with its layout, predicted step time,
