@@ -2559,3 +2559,62 @@ fn execute_blames_its_default_microbatches_only_when_they_are_the_cause() {
     assert!(err.contains("too few for dp = 4"), "{err}");
     assert!(!err.contains("the default of pp x vpp"), "{err}");
 }
+
+#[test]
+fn a_plan_with_selective_recomputation_executes_and_verifies() {
+    // The CPU executor used to refuse selective recomputation, which `plan` may choose.
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--model",
+            "tiny",
+            "--hardware",
+            "cpu",
+            "--workload",
+            "tiny-chat",
+            "--ranks",
+            "2",
+            "--pp",
+            "2",
+            "--schedule",
+            "zb-h1",
+            "--recompute",
+            "none",
+            "--token-budgets",
+            "512",
+            "-o",
+            "none.yaml",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan = std::fs::read_to_string(dir.path().join("none.yaml")).unwrap();
+    assert!(plan.contains("recompute:\n- none\n- none"), "{plan}");
+    std::fs::write(
+        dir.path().join("selective.yaml"),
+        plan.replace("- none", "- selective"),
+    )
+    .unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--plan",
+            "selective.yaml",
+            "--steps",
+            "1",
+            "--verify",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    let step = &v["steps"][0];
+    assert!(
+        step["microbatches"][0].as_u64().unwrap() >= 2,
+        "several microbatches in flight: {step}"
+    );
+    assert_eq!(step["verify"]["within_tolerance"], true, "{step}");
+    assert!(step["verify"]["grad_max_rel_diff"].as_f64().unwrap() <= 1e-4);
+}

@@ -112,6 +112,74 @@ enum FCtx {
     Head(Box<HeadF>),
     /// Full recomputation: only the layer's input, the forward reruns in I.
     Input(Array2<f32>),
+    /// Selective recomputation of a decoder: what F keeps without the attention core's outputs
+    /// and the elementwise results, which I recomputes ([`DecoderSelective::restore`]).
+    Selective(Box<DecoderSelective>),
+}
+
+/// What a decoder's forward keeps under selective recomputation: the GEMM outputs (q and k after
+/// rotary, v, gate, up) and the norms' `xhat`, `rstd`. Dropped, and recomputed in I: the
+/// attention core's output `o` and log-sum-exp (the attention forward, the `c_attn *
+/// attn_pairs` term of the profile: the recomputation time the simulator charges I,
+/// `flatpipe_simulator::costs::recompute_effect`), the normed inputs `h = xhat * g` and the
+/// SwiGLU activation. In Megatron-LM's terms (Korthikanti et al. 2022, "Reducing Activation
+/// Recomputation in Large Transformer Models", section 5) the core attention is recomputed and
+/// the GEMM outputs are kept; with a FlashAttention-style core the saving is `o`, `h1`, `h2` and
+/// the activation: `3 * hidden + ffn` floats per token of the `5 * hidden + 2 * kv + 3 * ffn`
+/// that no recomputation keeps.
+#[derive(Debug)]
+struct DecoderSelective {
+    xhat1: Array2<f32>,
+    rstd1: Array1<f32>,
+    q: Array2<f32>,
+    k: Array2<f32>,
+    v: Array2<f32>,
+    xhat2: Array2<f32>,
+    rstd2: Array1<f32>,
+    gate: Array2<f32>,
+    up: Array2<f32>,
+}
+
+impl DecoderSelective {
+    /// Keeps what selective recomputation keeps of a forward's context.
+    fn keep(c: DecoderF) -> Self {
+        DecoderSelective {
+            xhat1: c.xhat1,
+            rstd1: c.rstd1,
+            q: c.q,
+            k: c.k,
+            v: c.v,
+            xhat2: c.xhat2,
+            rstd2: c.rstd2,
+            gate: c.gate,
+            up: c.up,
+        }
+    }
+
+    /// The forward's whole context again: the same kernels on the same inputs as the forward
+    /// ran them, so the gradients are bitwise those of no recomputation.
+    fn restore(self, p: &Decoder, cu: &[usize]) -> DecoderF {
+        let h1 = &self.xhat1 * &p.attn_norm.row();
+        let (o, lse) = k::attention(self.q.view(), self.k.view(), self.v.view(), cu, p.dims);
+        let h2 = &self.xhat2 * &p.ffn_norm.row();
+        let act = k::swiglu(self.gate.view(), self.up.view());
+        DecoderF {
+            h1,
+            xhat1: self.xhat1,
+            rstd1: self.rstd1,
+            q: self.q,
+            k: self.k,
+            v: self.v,
+            o,
+            lse,
+            h2,
+            xhat2: self.xhat2,
+            rstd2: self.rstd2,
+            gate: self.gate,
+            up: self.up,
+            act,
+        }
+    }
 }
 
 /// What a decoder's dgrad keeps for its wgrad: the GEMM inputs (normed inputs, attention
@@ -168,6 +236,9 @@ impl FCtx {
         match self {
             FCtx::Embedding => 0,
             FCtx::Input(x) => x.bytes(),
+            FCtx::Selective(c) => nbytes([
+                &c.xhat1, &c.rstd1, &c.q, &c.k, &c.v, &c.xhat2, &c.rstd2, &c.gate, &c.up,
+            ]),
             FCtx::Head(c) => nbytes([&c.h, &c.xhat, &c.rstd, &c.logits, &c.lse]),
             FCtx::Decoder(c) => nbytes([
                 &c.h1, &c.xhat1, &c.rstd1, &c.q, &c.k, &c.v, &c.o, &c.lse, &c.h2, &c.xhat2,
@@ -460,9 +531,12 @@ pub struct CpuStage {
 impl CpuStage {
     /// Builds layers `range` of `model` with weights from `seed`, recomputing per `recompute`.
     ///
+    /// Selective recomputation applies to decoder layers ([`DecoderSelective`]); the embedding
+    /// and the head keep everything, as the simulator's cost model has it.
+    ///
     /// # Errors
-    /// [`Error::Invalid`] for an empty or out-of-range layer range; [`Error::Unsupported`] for
-    /// selective recomputation or a layer shape the kernels cannot run.
+    /// [`Error::Invalid`] for an empty or out-of-range layer range; [`Error::Unsupported`] for a
+    /// layer shape the kernels cannot run.
     pub fn new(
         model: &ModelSpec,
         range: Range<usize>,
@@ -479,11 +553,6 @@ impl CpuStage {
                 all.len(),
                 all.len()
             )));
-        }
-        if recompute == Recompute::Selective {
-            return Err(Error::Unsupported(
-                "selective recomputation is not implemented by the CPU executor (its attention already keeps only q, k, v, o and the log-sum-exp, FlashAttention style); plan with recompute none or full".into(),
-            ));
         }
         let layers = all[range.clone()]
             .iter()
@@ -529,7 +598,10 @@ impl CpuStage {
                 let ctx = match (keep, recompute) {
                     (false, _) => None,
                     (true, Recompute::Full) => Some(FCtx::Input(x)),
-                    (true, _) => Some(FCtx::Decoder(Box::new(c))),
+                    (true, Recompute::Selective) => {
+                        Some(FCtx::Selective(Box::new(DecoderSelective::keep(c))))
+                    }
+                    (true, Recompute::None) => Some(FCtx::Decoder(Box::new(c))),
                 };
                 (Flow::Hidden(y), ctx)
             }
@@ -617,6 +689,11 @@ impl StageWorker for CpuStage {
                         FCtx::Head(Box::new(head_forward(norm, out, &x, data).1))
                     }
                     LayerParams::Embedding { .. } => FCtx::Embedding,
+                },
+                // Selective: the attention core and the elementwise work again.
+                FCtx::Selective(c) => match p {
+                    LayerParams::Decoder(d) => FCtx::Decoder(Box::new(c.restore(d, cu))),
+                    _ => return Err(Misuse::ActivationsOfAnotherKind.into()),
                 },
                 c => c,
             };
@@ -947,25 +1024,40 @@ mod tests {
     }
 
     #[test]
-    fn full_recomputation_gives_the_same_gradients() {
+    fn recomputation_gives_the_same_gradients_and_keeps_less() {
         let model = builtins::model("tiny").unwrap();
         let data = &build_step(&[vec![vec![9, 4]]], 4096, 0, 0, LossReduction::PerToken)[0][0];
         let run = |mode| {
             let mut st = CpuStage::new(&model, 0..10, 7, mode).unwrap();
             st.forward(0, data, StageInput::Tokens, true).unwrap();
+            let kept = st.saved_bytes();
             st.backward_input(0, data, None).unwrap();
             st.backward_weight(0, data).unwrap();
-            st.named_grads()
+            (st.named_grads(), kept)
         };
-        let (a, b) = (run(Recompute::None), run(Recompute::Full));
+        let (none, kept_none) = run(Recompute::None);
+        let (full, kept_full) = run(Recompute::Full);
+        let (selective, kept_selective) = run(Recompute::Selective);
         assert_eq!(
-            a, b,
+            none, full,
             "recomputation reruns the same kernels on the same input"
         );
-        assert!(matches!(
-            CpuStage::new(&model, 0..10, 7, Recompute::Selective),
-            Err(Error::Unsupported(_))
-        ));
+        assert_eq!(none, selective, "selective reruns the same kernels too");
+        // What F keeps, from the tiny model's shapes (hidden 256, ffn 688, 4 heads; 8 decoders;
+        // 13 tokens), 4 bytes a float: per decoder token, no recomputation keeps
+        // h1 xhat1 q k v o h2 xhat2 gate up act = 5h + 2kv + 3ffn floats and 2 rstd + heads
+        // lse; selective drops h1 o h2 act (3h + ffn) and lse (heads). The head keeps the same
+        // in both.
+        let spec = &model.layers()[1];
+        let (h, ffn, heads) = (spec.hidden as usize, spec.ffn as usize, spec.heads as usize);
+        let decoders = model
+            .layers()
+            .iter()
+            .filter(|l| l.kind == LayerKind::Decoder)
+            .count();
+        let dropped = decoders * 13 * 4 * (3 * h + ffn + heads);
+        assert_eq!(kept_none - kept_selective, dropped);
+        assert!(kept_full < kept_selective);
     }
 
     /// The floor counts what forward really keeps: one microbatch through every layer of the

@@ -226,11 +226,6 @@ impl Setup {
                 c.stages.len()
             )));
         }
-        if c.recompute.contains(&Recompute::Selective) {
-            return Err(Error::Unsupported(
-                "selective recomputation is not implemented by the CPU executor; plan with recompute none or full".into(),
-            ));
-        }
         Ok(())
     }
 

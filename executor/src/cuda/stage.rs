@@ -478,7 +478,7 @@ impl CudaStage {
         }
         if recompute == Recompute::Selective {
             return Err(Error::Unsupported(
-                "selective recomputation is not implemented by the executor; plan with recompute none or full".into(),
+                "selective recomputation is not implemented by the CUDA backend yet (the CPU backend runs it); plan with recompute none or full".into(),
             ));
         }
         // Exact: the CPU backend's weights, by name and order.
