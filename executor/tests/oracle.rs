@@ -8,7 +8,6 @@
 
 mod common;
 
-use flatpipe_executor::Error;
 use flatpipe_executor::data::LossReduction;
 use flatpipe_executor::runner::{Executor, Reference, Setup, compare};
 use flatpipe_profiles::{ModelSpec, StepSize};
