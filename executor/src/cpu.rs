@@ -1,5 +1,5 @@
-//! The CPU backend: a Llama-style decoder-only transformer in fp32 over flat `[T]` tokens, with
-//! separate dgrad (I) and wgrad (W) so zero-bubble schedules run for real.
+//! The CPU backend: the model ([`crate::model`]) over fp32 `ndarray` tensors, with the kernels
+//! of [`crate::kernels`] (GEMMs by `matrixmultiply`), one thread per rank.
 //!
 //! A [`CpuStage`] is built from its layer range `[start, end)` of the model's expanded layer list
 //! (0 = embedding, then decoders, the last = final norm + LM head + cross-entropy); nothing
@@ -10,830 +10,342 @@
 //! torchtitan's Llama (`layers.N.attention.wq.weight`, `layers.N.feed_forward.w1.weight`, ...).
 
 use crate::kernels::{self as k, AttnDims};
-use crate::worker::{AdamW, LossSums, Misuse, StageInput, StageOutput, StageWorker};
-use crate::{Error, MicrobatchData, Result};
-use flatpipe_profiles::{Layer, LayerKind, ModelSpec};
+use crate::model::{OpSet, ParamInit, Stage, build_layers};
+use crate::worker::{AdamW, LossSums};
+use crate::{MicrobatchData, Result};
+use flatpipe_profiles::{LayerKind, ModelSpec};
 use flatpipe_simulator::costs::Recompute;
-use ndarray::{Array1, Array2, ArrayView1};
-use rand::{SeedableRng, rngs::ChaCha8Rng};
+use ndarray::{Array2, Axis};
 use rand_distr::{Distribution, Normal};
-use std::collections::HashMap;
 use std::ops::Range;
 
-/// A parameter with its gradient and AdamW moments, all `[rows, cols]`.
-#[derive(Debug, Clone)]
-struct Param {
-    name: String,
-    value: Array2<f32>,
-    grad: Array2<f32>,
-    m: Array2<f32>,
-    v: Array2<f32>,
-}
-
-impl Param {
-    fn new(name: String, value: Array2<f32>) -> Self {
-        let z = Array2::zeros(value.raw_dim());
-        Param {
-            name,
-            grad: z.clone(),
-            m: z.clone(),
-            v: z,
-            value,
-        }
-    }
-    fn normal(name: String, shape: (usize, usize), std: f32, rng: &mut ChaCha8Rng) -> Self {
-        let d = Normal::new(0.0f32, std).expect("std > 0");
-        Param::new(name, Array2::from_shape_fn(shape, |_| d.sample(rng)))
-    }
-    fn ones(name: String, n: usize) -> Self {
-        Param::new(name, Array2::ones((1, n)))
-    }
-    fn row(&self) -> ArrayView1<'_, f32> {
-        self.value.row(0)
-    }
-}
-
-#[derive(Debug)]
-struct Decoder {
-    dims: AttnDims,
-    attn_norm: Param,
-    wq: Param,
-    wk: Param,
-    wv: Param,
-    wo: Param,
-    ffn_norm: Param,
-    w1: Param,
-    w3: Param,
-    w2: Param,
-}
-
-// A few hundred bytes per layer next to megabytes of tensors: boxing buys nothing.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug)]
-enum LayerParams {
-    Embedding { table: Param },
-    Decoder(Box<Decoder>),
-    Head { norm: Param, out: Param },
-}
-
-/// What a decoder's forward keeps for its backward.
-#[derive(Debug)]
-struct DecoderF {
-    h1: Array2<f32>,
-    xhat1: Array2<f32>,
-    rstd1: Array1<f32>,
-    q: Array2<f32>,
-    k: Array2<f32>,
-    v: Array2<f32>,
-    o: Array2<f32>,
-    lse: Array2<f32>,
-    h2: Array2<f32>,
-    xhat2: Array2<f32>,
-    rstd2: Array1<f32>,
-    gate: Array2<f32>,
-    up: Array2<f32>,
-    act: Array2<f32>,
-}
-
-#[derive(Debug)]
-struct HeadF {
-    h: Array2<f32>,
-    xhat: Array2<f32>,
-    rstd: Array1<f32>,
-    logits: Array2<f32>,
-    lse: Array1<f32>,
-}
-
-/// Per layer, what F keeps until I.
-#[derive(Debug)]
-enum FCtx {
-    Embedding,
-    Decoder(Box<DecoderF>),
-    Head(Box<HeadF>),
-    /// Full recomputation: only the layer's input, the forward reruns in I.
-    Input(Array2<f32>),
-    /// Selective recomputation of a decoder: what F keeps without the attention core's outputs
-    /// and the elementwise results, which I recomputes ([`DecoderSelective::restore`]).
-    Selective(Box<DecoderSelective>),
-}
-
-/// What a decoder's forward keeps under selective recomputation: the GEMM outputs (q and k after
-/// rotary, v, gate, up) and the norms' `xhat`, `rstd`. Dropped, and recomputed in I: the
-/// attention core's output `o` and log-sum-exp (the attention forward, the `c_attn *
-/// attn_pairs` term of the profile: the recomputation time the simulator charges I,
-/// `flatpipe_simulator::costs::recompute_effect`), the normed inputs `h = xhat * g` and the
-/// SwiGLU activation. In Megatron-LM's terms (Korthikanti et al. 2022, "Reducing Activation
-/// Recomputation in Large Transformer Models", section 5) the core attention is recomputed and
-/// the GEMM outputs are kept; with a FlashAttention-style core the saving is `o`, `h1`, `h2` and
-/// the activation: `3 * hidden + ffn` floats per token of the `5 * hidden + 2 * kv + 3 * ffn`
-/// that no recomputation keeps.
-#[derive(Debug)]
-struct DecoderSelective {
-    xhat1: Array2<f32>,
-    rstd1: Array1<f32>,
-    q: Array2<f32>,
-    k: Array2<f32>,
-    v: Array2<f32>,
-    xhat2: Array2<f32>,
-    rstd2: Array1<f32>,
-    gate: Array2<f32>,
-    up: Array2<f32>,
-}
-
-impl DecoderSelective {
-    /// Keeps what selective recomputation keeps of a forward's context.
-    fn keep(c: DecoderF) -> Self {
-        DecoderSelective {
-            xhat1: c.xhat1,
-            rstd1: c.rstd1,
-            q: c.q,
-            k: c.k,
-            v: c.v,
-            xhat2: c.xhat2,
-            rstd2: c.rstd2,
-            gate: c.gate,
-            up: c.up,
-        }
-    }
-
-    /// The forward's whole context again: the same kernels on the same inputs as the forward
-    /// ran them, so the gradients are bitwise those of no recomputation.
-    fn restore(self, p: &Decoder, cu: &[usize]) -> DecoderF {
-        let h1 = &self.xhat1 * &p.attn_norm.row();
-        let (o, lse) = k::attention(self.q.view(), self.k.view(), self.v.view(), cu, p.dims);
-        let h2 = &self.xhat2 * &p.ffn_norm.row();
-        let act = k::swiglu(self.gate.view(), self.up.view());
-        DecoderF {
-            h1,
-            xhat1: self.xhat1,
-            rstd1: self.rstd1,
-            q: self.q,
-            k: self.k,
-            v: self.v,
-            o,
-            lse,
-            h2,
-            xhat2: self.xhat2,
-            rstd2: self.rstd2,
-            gate: self.gate,
-            up: self.up,
-            act,
-        }
-    }
-}
-
-/// What a decoder's dgrad keeps for its wgrad: the GEMM inputs (normed inputs, attention
-/// output, activation) and the gradients of the GEMM outputs, all `[T, X]`.
-#[derive(Debug)]
-struct DecoderW {
-    h1: Array2<f32>,
-    xhat1: Array2<f32>,
-    o: Array2<f32>,
-    h2: Array2<f32>,
-    xhat2: Array2<f32>,
-    act: Array2<f32>,
-    dq: Array2<f32>,
-    dk: Array2<f32>,
-    dv: Array2<f32>,
-    da: Array2<f32>,
-    dgate: Array2<f32>,
-    dup: Array2<f32>,
-    dm: Array2<f32>,
-    dh1: Array2<f32>,
-    dh2: Array2<f32>,
-}
-
-/// Per layer, what I keeps until W: the GEMM inputs and output gradients wgrad needs.
-#[derive(Debug)]
-enum WCtx {
-    Embedding {
-        dy: Array2<f32>,
-    },
-    Decoder(Box<DecoderW>),
-    Head {
-        h: Array2<f32>,
-        xhat: Array2<f32>,
-        dlogits: Array2<f32>,
-        dh: Array2<f32>,
-    },
-}
-
-fn nbytes<const N: usize>(arrays: [&dyn ArrayBytes; N]) -> usize {
-    arrays.iter().map(|a| a.bytes()).sum()
-}
-
-trait ArrayBytes {
-    fn bytes(&self) -> usize;
-}
-impl<D: ndarray::Dimension> ArrayBytes for ndarray::Array<f32, D> {
-    fn bytes(&self) -> usize {
-        self.len() * 4
-    }
-}
-
-impl FCtx {
-    fn bytes(&self) -> usize {
-        match self {
-            FCtx::Embedding => 0,
-            FCtx::Input(x) => x.bytes(),
-            FCtx::Selective(c) => nbytes([
-                &c.xhat1, &c.rstd1, &c.q, &c.k, &c.v, &c.xhat2, &c.rstd2, &c.gate, &c.up,
-            ]),
-            FCtx::Head(c) => nbytes([&c.h, &c.xhat, &c.rstd, &c.logits, &c.lse]),
-            FCtx::Decoder(c) => nbytes([
-                &c.h1, &c.xhat1, &c.rstd1, &c.q, &c.k, &c.v, &c.o, &c.lse, &c.h2, &c.xhat2,
-                &c.rstd2, &c.gate, &c.up, &c.act,
-            ]),
-        }
-    }
-}
-
-impl WCtx {
-    fn bytes(&self) -> usize {
-        match self {
-            WCtx::Embedding { dy } => dy.bytes(),
-            WCtx::Head {
-                h,
-                xhat,
-                dlogits,
-                dh,
-            } => nbytes([h, xhat, dlogits, dh]),
-            WCtx::Decoder(w) => nbytes([
-                &w.h1, &w.xhat1, &w.o, &w.h2, &w.xhat2, &w.act, &w.dq, &w.dk, &w.dv, &w.da,
-                &w.dgate, &w.dup, &w.dm, &w.dh1, &w.dh2,
-            ]),
-        }
-    }
-}
-
-fn decoder_forward(p: &Decoder, x: &Array2<f32>, cu: &[usize]) -> (Array2<f32>, DecoderF) {
-    let d = p.dims.head_dim;
-    let (h1, xhat1, rstd1) = k::rmsnorm(x.view(), p.attn_norm.row());
-    let mut q = k::matmul(h1.view(), p.wq.value.view());
-    let mut kk = k::matmul(h1.view(), p.wk.value.view());
-    let v = k::matmul(h1.view(), p.wv.value.view());
-    k::rope(&mut q.view_mut(), cu, d, false);
-    k::rope(&mut kk.view_mut(), cu, d, false);
-    let (o, lse) = k::attention(q.view(), kk.view(), v.view(), cu, p.dims);
-    let mut x2 = k::matmul(o.view(), p.wo.value.view());
-    x2 += x;
-    let (h2, xhat2, rstd2) = k::rmsnorm(x2.view(), p.ffn_norm.row());
-    let gate = k::matmul(h2.view(), p.w1.value.view());
-    let up = k::matmul(h2.view(), p.w3.value.view());
-    let act = k::swiglu(gate.view(), up.view());
-    let mut y = k::matmul(act.view(), p.w2.value.view());
-    y += &x2;
-    let ctx = DecoderF {
-        h1,
-        xhat1,
-        rstd1,
-        q,
-        k: kk,
-        v,
-        o,
-        lse,
-        h2,
-        xhat2,
-        rstd2,
-        gate,
-        up,
-        act,
-    };
-    (y, ctx)
-}
-
-fn decoder_dgrad(p: &Decoder, c: DecoderF, dy: Array2<f32>, cu: &[usize]) -> (Array2<f32>, WCtx) {
-    let d = p.dims.head_dim;
-    // MLP: y = x2 + act W2
-    let dact = k::matmul(dy.view(), p.w2.value.t());
-    let (dgate, dup) = k::swiglu_backward(dact.view(), c.gate.view(), c.up.view());
-    let mut dh2 = k::matmul(dgate.view(), p.w1.value.t());
-    k::matmul_acc(&mut dh2.view_mut(), dup.view(), p.w3.value.t());
-    let mut dx2 = k::rmsnorm_dx(dh2.view(), c.xhat2.view(), c.rstd2.view(), p.ffn_norm.row());
-    dx2 += &dy;
-    // Attention: x2 = x + o Wo
-    let dout = k::matmul(dx2.view(), p.wo.value.t());
-    let (mut dq, mut dk, dv) = k::attention_backward(
-        dout.view(),
-        c.q.view(),
-        c.k.view(),
-        c.v.view(),
-        c.o.view(),
-        c.lse.view(),
-        cu,
-        p.dims,
-    );
-    k::rope(&mut dq.view_mut(), cu, d, true);
-    k::rope(&mut dk.view_mut(), cu, d, true);
-    let mut dh1 = k::matmul(dq.view(), p.wq.value.t());
-    k::matmul_acc(&mut dh1.view_mut(), dk.view(), p.wk.value.t());
-    k::matmul_acc(&mut dh1.view_mut(), dv.view(), p.wv.value.t());
-    let mut dx = k::rmsnorm_dx(
-        dh1.view(),
-        c.xhat1.view(),
-        c.rstd1.view(),
-        p.attn_norm.row(),
-    );
-    dx += &dx2;
-    let w = WCtx::Decoder(Box::new(DecoderW {
-        h1: c.h1,
-        xhat1: c.xhat1,
-        o: c.o,
-        h2: c.h2,
-        xhat2: c.xhat2,
-        act: c.act,
-        dq,
-        dk,
-        dv,
-        da: dx2,
-        dgate,
-        dup,
-        dm: dy,
-        dh1,
-        dh2,
-    }));
-    (dx, w)
-}
-
-fn head_forward(
-    norm: &Param,
-    out: &Param,
-    x: &Array2<f32>,
-    data: &MicrobatchData,
-) -> (LossSums, HeadF) {
-    let (h, xhat, rstd) = k::rmsnorm(x.view(), norm.row());
-    let logits = k::matmul(h.view(), out.value.view());
-    let (weighted, sum, lse) = k::cross_entropy(logits.view(), &data.labels, &data.loss_weights);
-    let loss = LossSums {
-        weighted,
-        sum,
-        tokens: data.tokens() as u64,
-    };
-    (
-        loss,
-        HeadF {
-            h,
-            xhat,
-            rstd,
-            logits,
-            lse,
-        },
-    )
-}
-
-fn head_dgrad(norm: &Param, out: &Param, c: HeadF, data: &MicrobatchData) -> (Array2<f32>, WCtx) {
-    let dlogits = k::cross_entropy_backward(
-        c.logits.view(),
-        c.lse.view(),
-        &data.labels,
-        &data.loss_weights,
-    );
-    let dh = k::matmul(dlogits.view(), out.value.t());
-    let dx = k::rmsnorm_dx(dh.view(), c.xhat.view(), c.rstd.view(), norm.row());
-    (
-        dx,
-        WCtx::Head {
-            h: c.h,
-            xhat: c.xhat,
-            dlogits,
-            dh,
-        },
-    )
-}
-
-/// `param.grad += a^T b` (the wgrad GEMM).
-fn wgrad(param: &mut Param, a: &Array2<f32>, b: &Array2<f32>) {
-    k::matmul_acc(&mut param.grad.view_mut(), a.t(), b.view());
-}
-
-fn norm_grad(param: &mut Param, dy: &Array2<f32>, xhat: &Array2<f32>) {
-    let mut g = param.grad.row(0).to_owned();
-    k::rmsnorm_dg(&mut g, dy.view(), xhat.view());
-    param.grad.row_mut(0).assign(&g);
-}
-
-impl LayerParams {
-    fn build(layer: &Layer, seed: u64) -> Result<Self> {
-        let mut rng = ChaCha8Rng::seed_from_u64(
-            seed ^ (layer.index as u64 + 1).wrapping_mul(0xA076_1D64_78BD_642F),
-        );
-        let (h, std) = (layer.hidden as usize, 0.02);
-        Ok(match layer.kind {
-            LayerKind::Embedding => LayerParams::Embedding {
-                table: Param::normal(
-                    "tok_embeddings.weight".into(),
-                    (layer.vocab as usize, h),
-                    1.0,
-                    &mut rng,
-                ),
-            },
-            LayerKind::Head => LayerParams::Head {
-                norm: Param::ones("norm.weight".into(), h),
-                out: Param::normal(
-                    "output.weight".into(),
-                    (h, layer.vocab as usize),
-                    std,
-                    &mut rng,
-                ),
-            },
-            LayerKind::Decoder => {
-                let (heads, kvh) = (layer.heads as usize, layer.kv_heads as usize);
-                if h % heads != 0 || heads % kvh != 0 || (h / heads) % 2 != 0 {
-                    return Err(Error::Unsupported(format!(
-                        "decoder layer {}: hidden {h}, heads {heads}, kv_heads {kvh}: the CPU backend needs heads | hidden, kv_heads | heads and an even head dimension",
-                        layer.index
-                    )));
-                }
-                let d = h / heads;
-                let kv = d * kvh;
-                let ffn = layer.ffn as usize;
-                let n = layer.decoder_index.unwrap_or(0);
-                let name = |s: &str| format!("layers.{n}.{s}.weight");
-                // Output projections scaled by 1/sqrt(2 * layers) in GPT-2 style would depend on the
-                // depth; a plain std keeps a stage's weights independent of the whole model.
-                LayerParams::Decoder(Box::new(Decoder {
-                    dims: AttnDims {
-                        heads,
-                        kv_heads: kvh,
-                        head_dim: d,
-                    },
-                    attn_norm: Param::ones(name("attention_norm"), h),
-                    wq: Param::normal(name("attention.wq"), (h, h), std, &mut rng),
-                    wk: Param::normal(name("attention.wk"), (h, kv), std, &mut rng),
-                    wv: Param::normal(name("attention.wv"), (h, kv), std, &mut rng),
-                    wo: Param::normal(name("attention.wo"), (h, h), std, &mut rng),
-                    ffn_norm: Param::ones(name("ffn_norm"), h),
-                    w1: Param::normal(name("feed_forward.w1"), (h, ffn), std, &mut rng),
-                    w3: Param::normal(name("feed_forward.w3"), (h, ffn), std, &mut rng),
-                    w2: Param::normal(name("feed_forward.w2"), (ffn, h), std, &mut rng),
-                }))
-            }
-        })
-    }
-
-    fn params(&self) -> Vec<&Param> {
-        match self {
-            LayerParams::Embedding { table } => vec![table],
-            LayerParams::Head { norm, out } => vec![norm, out],
-            LayerParams::Decoder(d) => vec![
-                &d.attn_norm,
-                &d.wq,
-                &d.wk,
-                &d.wv,
-                &d.wo,
-                &d.ffn_norm,
-                &d.w1,
-                &d.w3,
-                &d.w2,
-            ],
-        }
-    }
-
-    fn params_mut(&mut self) -> Vec<&mut Param> {
-        match self {
-            LayerParams::Embedding { table } => vec![table],
-            LayerParams::Head { norm, out } => vec![norm, out],
-            LayerParams::Decoder(d) => {
-                let d = &mut **d;
-                vec![
-                    &mut d.attn_norm,
-                    &mut d.wq,
-                    &mut d.wk,
-                    &mut d.wv,
-                    &mut d.wo,
-                    &mut d.ffn_norm,
-                    &mut d.w1,
-                    &mut d.w3,
-                    &mut d.w2,
-                ]
-            }
-        }
-    }
-}
-
-/// Data flowing through a stage's layers.
-enum Flow {
-    Tokens,
-    Hidden(Array2<f32>),
-    Loss(LossSums),
-}
+/// The CPU op set: `ndarray` tensors `[rows, cols]` in host memory, the kernels of
+/// [`crate::kernels`] (single-threaded: a rank is a thread). Per-row vectors (`rstd`, the head's
+/// log-sum-exp) are `[T, 1]`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuOps;
 
 /// One pipeline stage of the CPU backend: layers `[start, end)` of a model.
-#[derive(Debug)]
-pub struct CpuStage {
-    layers: Vec<(usize, LayerParams)>,
-    hidden: usize,
-    recompute: Recompute,
-    fctx: HashMap<u32, Vec<FCtx>>,
-    wctx: HashMap<u32, Vec<WCtx>>,
-}
+pub type CpuStage = Stage<CpuOps>;
 
 impl CpuStage {
-    /// Builds layers `range` of `model` with weights from `seed`, recomputing per `recompute`.
-    ///
-    /// Selective recomputation applies to decoder layers ([`DecoderSelective`]); the embedding
-    /// and the head keep everything, as the simulator's cost model has it.
+    /// Builds layers `range` of `model` with weights from `seed` (normal, std 0.02 for linear
+    /// weights, 1 for the embedding table; norm weights 1), recomputing per `recompute`:
+    /// selective recomputation applies to decoder layers
+    /// ([`crate::model::OpSet::scale_rows`] and the attention again in I); the embedding and the
+    /// head keep everything, as the simulator's cost model has it.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for an empty or out-of-range layer range; [`Error::Unsupported`] for a
-    /// layer shape the kernels cannot run.
+    /// [`crate::Error::Invalid`] for an empty or out-of-range layer range;
+    /// [`crate::Error::Unsupported`] for a layer shape the kernels cannot run.
     pub fn new(
         model: &ModelSpec,
         range: Range<usize>,
         seed: u64,
         recompute: Recompute,
     ) -> Result<Self> {
-        let all = model.layers();
-        if range.is_empty() || range.end > all.len() {
-            return Err(Error::Invalid(format!(
-                "stage layers [{}, {}) of model {} with {} layers: need 0 <= start < end <= {}",
-                range.start,
-                range.end,
-                model.name,
-                all.len(),
-                all.len()
-            )));
-        }
-        let layers = all[range.clone()]
-            .iter()
-            .map(|l| Ok((l.index, LayerParams::build(l, seed)?)))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(CpuStage {
-            hidden: all[range.start].hidden as usize,
-            layers,
-            recompute,
-            fctx: HashMap::new(),
-            wctx: HashMap::new(),
-        })
-    }
-
-    /// Bytes of activations and gradients this stage holds for microbatches between F and W
-    /// (what F keeps until I plus what I keeps until W), from the real tensors.
-    pub fn saved_bytes(&self) -> usize {
-        let f: usize = self.fctx.values().flatten().map(FCtx::bytes).sum();
-        let w: usize = self.wctx.values().flatten().map(WCtx::bytes).sum();
-        f + w
-    }
-
-    /// Global layer indices held by this stage.
-    pub fn layer_indices(&self) -> Vec<usize> {
-        self.layers.iter().map(|(i, _)| *i).collect()
-    }
-
-    fn run_layer(
-        p: &LayerParams,
-        flow: Flow,
-        data: &MicrobatchData,
-        keep: bool,
-        recompute: Recompute,
-    ) -> Result<(Flow, Option<FCtx>)> {
-        let cu = &data.cu_seqlens;
-        Ok(match (p, flow) {
-            (LayerParams::Embedding { table }, Flow::Tokens) => (
-                Flow::Hidden(k::embedding(table.value.view(), &data.ids)),
-                keep.then_some(FCtx::Embedding),
-            ),
-            (LayerParams::Decoder(d), Flow::Hidden(x)) => {
-                let (y, c) = decoder_forward(d, &x, cu);
-                let ctx = match (keep, recompute) {
-                    (false, _) => None,
-                    (true, Recompute::Full) => Some(FCtx::Input(x)),
-                    (true, Recompute::Selective) => {
-                        Some(FCtx::Selective(Box::new(DecoderSelective::keep(c))))
+        let ops = CpuOps;
+        let layers = build_layers(
+            &ops,
+            model,
+            range.clone(),
+            seed,
+            &mut |_, shape, init, rng| {
+                Ok(match init {
+                    ParamInit::Ones => Array2::ones(shape),
+                    ParamInit::Normal(std) => {
+                        let d = Normal::new(0.0f32, std)
+                            .map_err(|e| crate::Error::Invalid(format!("normal std {std}: {e}")))?;
+                        Array2::from_shape_fn(shape, |_| d.sample(rng))
                     }
-                    (true, Recompute::None) => Some(FCtx::Decoder(Box::new(c))),
-                };
-                (Flow::Hidden(y), ctx)
-            }
-            (LayerParams::Head { norm, out }, Flow::Hidden(x)) => {
-                let (loss, c) = head_forward(norm, out, &x, data);
-                let ctx = match (keep, recompute) {
-                    (false, _) => None,
-                    (true, Recompute::Full) => Some(FCtx::Input(x)),
-                    (true, _) => Some(FCtx::Head(Box::new(c))),
-                };
-                (Flow::Loss(loss), ctx)
-            }
-            (LayerParams::Embedding { .. }, _) => {
-                return Err(Misuse::EmbeddingWantsTokens.into());
-            }
-            (_, Flow::Tokens) => {
-                return Err(Misuse::TokensOnlyIntoEmbedding.into());
-            }
-            (_, Flow::Loss(_)) => {
-                return Err(Misuse::NothingAfterHead.into());
-            }
-        })
+                })
+            },
+        )?;
+        let hidden = model.layers()[range.start].hidden as usize;
+        Ok(Stage::from_layers(ops, layers, hidden, recompute))
     }
 }
 
-impl StageWorker for CpuStage {
+/// `[t]` as `[t, 1]` (no copy).
+fn column(v: ndarray::Array1<f32>) -> Array2<f32> {
+    v.insert_axis(Axis(1))
+}
+
+impl OpSet for CpuOps {
+    type Tensor = Array2<f32>;
     type Hidden = Array2<f32>;
+    type Data = MicrobatchData;
+    type Loss = LossSums;
+    const DEFERRED_LOSS: bool = false;
 
-    fn hidden_size(&self) -> usize {
-        self.hidden
+    fn upload_data(&self, d: &MicrobatchData) -> Result<MicrobatchData> {
+        Ok(d.clone())
     }
-
+    fn tokens(d: &MicrobatchData) -> usize {
+        d.tokens()
+    }
+    fn hidden(&self, t: Array2<f32>, _len: usize) -> Array2<f32> {
+        t
+    }
+    fn tensor(h: &Array2<f32>) -> &Array2<f32> {
+        h
+    }
     fn hidden_len(h: &Array2<f32>) -> usize {
         h.len()
     }
+    fn bytes(t: &Array2<f32>) -> usize {
+        t.len() * 4
+    }
 
-    fn forward(
-        &mut self,
-        mb: u32,
+    fn zeros(&self, rows: usize, cols: usize) -> Result<Array2<f32>> {
+        Ok(Array2::zeros((rows, cols)))
+    }
+    fn fill_zero(&self, t: &mut Array2<f32>) -> Result<()> {
+        t.fill(0.0);
+        Ok(())
+    }
+    fn visit(&self, t: &mut Array2<f32>, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+        f(t.as_slice_mut().expect("standard layout"));
+        Ok(())
+    }
+    fn to_host(&self, t: &Array2<f32>) -> Vec<f32> {
+        t.iter().copied().collect()
+    }
+    fn sum_squares(&self, t: &Array2<f32>) -> Result<f64> {
+        Ok(t.iter().map(|&g| g as f64 * g as f64).sum())
+    }
+    fn adamw(
+        &self,
+        (value, grad, m, v): (
+            &mut Array2<f32>,
+            &Array2<f32>,
+            &mut Array2<f32>,
+            &mut Array2<f32>,
+        ),
+        opt: &AdamW,
+        t: u64,
+        grad_scale: f32,
+    ) -> Result<()> {
+        opt.update(
+            value.as_slice_mut().expect("standard layout"),
+            grad.as_slice().expect("standard layout"),
+            m.as_slice_mut().expect("standard layout"),
+            v.as_slice_mut().expect("standard layout"),
+            t,
+            grad_scale,
+        );
+        Ok(())
+    }
+
+    fn linear(
+        &self,
+        x: &Array2<f32>,
+        w: &Array2<f32>,
+        _t: usize,
+        _din: usize,
+        _dout: usize,
+    ) -> Result<Array2<f32>> {
+        Ok(k::matmul(x.view(), w.view()))
+    }
+    fn linear_dx(
+        &self,
+        dy: &Array2<f32>,
+        w: &Array2<f32>,
+        _t: usize,
+        _din: usize,
+        _dout: usize,
+    ) -> Result<Array2<f32>> {
+        Ok(k::matmul(dy.view(), w.t()))
+    }
+    fn linear_dx_acc(
+        &self,
+        dx: &mut Array2<f32>,
+        dy: &Array2<f32>,
+        w: &Array2<f32>,
+        _t: usize,
+        _din: usize,
+        _dout: usize,
+    ) -> Result<()> {
+        k::matmul_acc(&mut dx.view_mut(), dy.view(), w.t());
+        Ok(())
+    }
+    fn linear_dw(
+        &self,
+        dw: &mut Array2<f32>,
+        x: &Array2<f32>,
+        dy: &Array2<f32>,
+        _t: usize,
+        _din: usize,
+        _dout: usize,
+    ) -> Result<()> {
+        k::matmul_acc(&mut dw.view_mut(), x.t(), dy.view());
+        Ok(())
+    }
+    fn add_inplace(&self, y: &mut Array2<f32>, x: &Array2<f32>, _n: usize) -> Result<()> {
+        *y += x;
+        Ok(())
+    }
+    fn rmsnorm(
+        &self,
+        x: &Array2<f32>,
+        g: &Array2<f32>,
+        _t: usize,
+        _h: usize,
+    ) -> Result<(Array2<f32>, Array2<f32>, Array2<f32>)> {
+        let (y, xhat, rstd) = k::rmsnorm(x.view(), g.row(0));
+        Ok((y, xhat, column(rstd)))
+    }
+    fn rmsnorm_dx(
+        &self,
+        dy: &Array2<f32>,
+        xhat: &Array2<f32>,
+        rstd: &Array2<f32>,
+        g: &Array2<f32>,
+        residual: Option<&Array2<f32>>,
+        _t: usize,
+        _h: usize,
+    ) -> Result<Array2<f32>> {
+        let mut dx = k::rmsnorm_dx(dy.view(), xhat.view(), rstd.column(0), g.row(0));
+        if let Some(r) = residual {
+            dx += r;
+        }
+        Ok(dx)
+    }
+    fn rmsnorm_dg(
+        &self,
+        dg: &mut Array2<f32>,
+        dy: &Array2<f32>,
+        xhat: &Array2<f32>,
+        _t: usize,
+        _h: usize,
+    ) -> Result<()> {
+        let mut g = dg.row(0).to_owned();
+        k::rmsnorm_dg(&mut g, dy.view(), xhat.view());
+        dg.row_mut(0).assign(&g);
+        Ok(())
+    }
+    fn scale_rows(
+        &self,
+        xhat: &Array2<f32>,
+        g: &Array2<f32>,
+        _t: usize,
+        _h: usize,
+    ) -> Result<Array2<f32>> {
+        // The very expression of `kernels::rmsnorm`'s output: bitwise the forward's.
+        Ok(xhat * &g.row(0))
+    }
+    fn rope(
+        &self,
+        x: &mut Array2<f32>,
         data: &MicrobatchData,
-        input: StageInput<Array2<f32>>,
-        keep: bool,
-    ) -> Result<StageOutput<Array2<f32>>> {
-        let mut flow = match input {
-            StageInput::Tokens => Flow::Tokens,
-            StageInput::Hidden(h) => Flow::Hidden(h),
+        _heads: usize,
+        head_dim: usize,
+        inverse: bool,
+    ) -> Result<()> {
+        k::rope(&mut x.view_mut(), &data.cu_seqlens, head_dim, inverse);
+        Ok(())
+    }
+    fn attention(
+        &self,
+        q: &Array2<f32>,
+        k_: &Array2<f32>,
+        v: &Array2<f32>,
+        data: &MicrobatchData,
+        dims: AttnDims,
+    ) -> Result<(Array2<f32>, Array2<f32>)> {
+        Ok(k::attention(
+            q.view(),
+            k_.view(),
+            v.view(),
+            &data.cu_seqlens,
+            dims,
+        ))
+    }
+    fn attention_backward(
+        &self,
+        dout: &Array2<f32>,
+        (q, k_, v, o, lse): (
+            &Array2<f32>,
+            &Array2<f32>,
+            &Array2<f32>,
+            &Array2<f32>,
+            &Array2<f32>,
+        ),
+        data: &MicrobatchData,
+        dims: AttnDims,
+    ) -> Result<(Array2<f32>, Array2<f32>, Array2<f32>)> {
+        Ok(k::attention_backward(
+            dout.view(),
+            q.view(),
+            k_.view(),
+            v.view(),
+            o.view(),
+            lse.view(),
+            &data.cu_seqlens,
+            dims,
+        ))
+    }
+    fn swiglu(&self, gate: &Array2<f32>, up: &Array2<f32>, _n: usize) -> Result<Array2<f32>> {
+        Ok(k::swiglu(gate.view(), up.view()))
+    }
+    fn swiglu_backward(
+        &self,
+        d: &Array2<f32>,
+        gate: &Array2<f32>,
+        up: &Array2<f32>,
+        _n: usize,
+    ) -> Result<(Array2<f32>, Array2<f32>)> {
+        Ok(k::swiglu_backward(d.view(), gate.view(), up.view()))
+    }
+    fn embedding(
+        &self,
+        table: &Array2<f32>,
+        data: &MicrobatchData,
+        _h: usize,
+    ) -> Result<Array2<f32>> {
+        Ok(k::embedding(table.view(), &data.ids))
+    }
+    fn embedding_backward(
+        &self,
+        dtable: &mut Array2<f32>,
+        dy: &Array2<f32>,
+        data: &MicrobatchData,
+        _h: usize,
+    ) -> Result<()> {
+        k::embedding_backward(dtable, dy.view(), &data.ids);
+        Ok(())
+    }
+    fn cross_entropy(
+        &self,
+        logits: &Array2<f32>,
+        data: &MicrobatchData,
+        _vocab: usize,
+    ) -> Result<(LossSums, Array2<f32>)> {
+        let (weighted, sum, lse) =
+            k::cross_entropy(logits.view(), &data.labels, &data.loss_weights);
+        let loss = LossSums {
+            weighted,
+            sum,
+            tokens: data.tokens() as u64,
         };
-        let mut ctxs = Vec::with_capacity(self.layers.len());
-        for (_, p) in &self.layers {
-            let (next, ctx) = Self::run_layer(p, flow, data, keep, self.recompute)?;
-            flow = next;
-            ctxs.extend(ctx);
-        }
-        if keep && self.fctx.insert(mb, ctxs).is_some() {
-            return Err(Misuse::ForwardTwice(mb).into());
-        }
-        match flow {
-            Flow::Hidden(h) => Ok(StageOutput::Hidden(h)),
-            Flow::Loss(l) => Ok(StageOutput::Loss(l)),
-            Flow::Tokens => Err(Misuse::NoLayers.into()),
-        }
+        Ok((loss, column(lse)))
     }
-
-    fn backward_input(
-        &mut self,
-        mb: u32,
+    fn cross_entropy_backward(
+        &self,
+        logits: &Array2<f32>,
+        lse: &Array2<f32>,
         data: &MicrobatchData,
-        grad: Option<Array2<f32>>,
-    ) -> Result<Option<Array2<f32>>> {
-        let ctxs = self
-            .fctx
-            .remove(&mb)
-            .ok_or(Misuse::DgradBeforeForward(mb))?;
-        let cu = &data.cu_seqlens;
-        let mut dy = grad;
-        let mut wctxs = Vec::with_capacity(ctxs.len());
-        for ((_, p), ctx) in self.layers.iter().zip(ctxs).rev() {
-            // Full recomputation: rerun this layer's forward from its saved input.
-            let ctx = match ctx {
-                FCtx::Input(x) => match p {
-                    LayerParams::Decoder(d) => {
-                        FCtx::Decoder(Box::new(decoder_forward(d, &x, cu).1))
-                    }
-                    LayerParams::Head { norm, out } => {
-                        FCtx::Head(Box::new(head_forward(norm, out, &x, data).1))
-                    }
-                    LayerParams::Embedding { .. } => FCtx::Embedding,
-                },
-                // Selective: the attention core and the elementwise work again.
-                FCtx::Selective(c) => match p {
-                    LayerParams::Decoder(d) => FCtx::Decoder(Box::new(c.restore(d, cu))),
-                    _ => return Err(Misuse::ActivationsOfAnotherKind.into()),
-                },
-                c => c,
-            };
-            let (dx, w) = match (p, ctx) {
-                (LayerParams::Head { norm, out }, FCtx::Head(c)) => {
-                    let (dx, w) = head_dgrad(norm, out, *c, data);
-                    (Some(dx), w)
-                }
-                (LayerParams::Decoder(d), FCtx::Decoder(c)) => {
-                    let dy = dy.take().ok_or(Misuse::NoOutputGradient(mb))?;
-                    let (dx, w) = decoder_dgrad(d, *c, dy, cu);
-                    (Some(dx), w)
-                }
-                (LayerParams::Embedding { .. }, FCtx::Embedding) => {
-                    let dy = dy.take().ok_or(Misuse::NoOutputGradient(mb))?;
-                    (None, WCtx::Embedding { dy })
-                }
-                _ => {
-                    return Err(Misuse::ActivationsOfAnotherKind.into());
-                }
-            };
-            dy = dx;
-            wctxs.push(w);
-        }
-        wctxs.reverse();
-        self.wctx.insert(mb, wctxs);
-        Ok(dy)
+        _vocab: usize,
+    ) -> Result<Array2<f32>> {
+        Ok(k::cross_entropy_backward(
+            logits.view(),
+            lse.column(0),
+            &data.labels,
+            &data.loss_weights,
+        ))
     }
-
-    fn backward_weight(&mut self, mb: u32, data: &MicrobatchData) -> Result<()> {
-        let wctxs = self.wctx.remove(&mb).ok_or(Misuse::WgradBeforeDgrad(mb))?;
-        for ((_, p), w) in self.layers.iter_mut().zip(wctxs) {
-            match (p, w) {
-                (LayerParams::Embedding { table }, WCtx::Embedding { dy }) => {
-                    k::embedding_backward(&mut table.grad, dy.view(), &data.ids);
-                }
-                (
-                    LayerParams::Head { norm, out },
-                    WCtx::Head {
-                        h,
-                        xhat,
-                        dlogits,
-                        dh,
-                    },
-                ) => {
-                    wgrad(out, &h, &dlogits);
-                    norm_grad(norm, &dh, &xhat);
-                }
-                (LayerParams::Decoder(d), WCtx::Decoder(w)) => {
-                    let d = &mut **d;
-                    wgrad(&mut d.wq, &w.h1, &w.dq);
-                    wgrad(&mut d.wk, &w.h1, &w.dk);
-                    wgrad(&mut d.wv, &w.h1, &w.dv);
-                    wgrad(&mut d.wo, &w.o, &w.da);
-                    wgrad(&mut d.w1, &w.h2, &w.dgate);
-                    wgrad(&mut d.w3, &w.h2, &w.dup);
-                    wgrad(&mut d.w2, &w.act, &w.dm);
-                    norm_grad(&mut d.attn_norm, &w.dh1, &w.xhat1);
-                    norm_grad(&mut d.ffn_norm, &w.dh2, &w.xhat2);
-                }
-                _ => {
-                    return Err(Misuse::GradientsOfAnotherKind.into());
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn prepare_step(&mut self, _train: &[MicrobatchData], _fo: &[MicrobatchData]) -> Result<()> {
-        // What a failed step may have left behind.
-        self.fctx.clear();
-        self.wctx.clear();
-        Ok(())
-    }
-
-    fn zero_grads(&mut self) -> Result<()> {
-        for (_, l) in &mut self.layers {
-            for p in l.params_mut() {
-                p.grad.fill(0.0);
-            }
-        }
-        Ok(())
-    }
-
-    fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
-        for (_, l) in &mut self.layers {
-            for p in l.params_mut() {
-                f(p.grad.as_slice_mut().expect("standard layout"));
-            }
-        }
-        Ok(())
-    }
-
-    fn grad_sq_norm(&self) -> Result<f64> {
-        Ok(self
-            .layers
-            .iter()
-            .flat_map(|(_, l)| l.params())
-            .flat_map(|p| p.grad.iter())
-            .map(|&g| g as f64 * g as f64)
-            .sum())
-    }
-
-    fn optimizer_step(&mut self, opt: &AdamW, t: u64, grad_scale: f32) -> Result<()> {
-        for (_, l) in &mut self.layers {
-            for p in l.params_mut() {
-                let Param {
-                    value, grad, m, v, ..
-                } = p;
-                opt.update(
-                    value.as_slice_mut().expect("standard layout"),
-                    grad.as_slice().expect("standard layout"),
-                    m.as_slice_mut().expect("standard layout"),
-                    v.as_slice_mut().expect("standard layout"),
-                    t,
-                    grad_scale,
-                );
-            }
-        }
-        Ok(())
-    }
-
-    fn named_params(&self) -> Vec<(String, Vec<f32>)> {
-        self.layers
-            .iter()
-            .flat_map(|(_, l)| l.params())
-            .map(|p| (p.name.clone(), p.value.iter().copied().collect()))
-            .collect()
-    }
-
-    fn named_grads(&self) -> Vec<(String, Vec<f32>)> {
-        self.layers
-            .iter()
-            .flat_map(|(_, l)| l.params())
-            .map(|p| (p.name.clone(), p.grad.iter().copied().collect()))
-            .collect()
-    }
-
-    fn held_microbatches(&self) -> usize {
-        self.fctx.len() + self.wctx.len()
+    fn read_loss(&self, loss: &LossSums, _tokens: u64) -> Result<LossSums> {
+        Ok(*loss)
     }
 }
 
@@ -843,7 +355,7 @@ impl StageWorker for CpuStage {
 /// until backward for one microbatch of `microbatch_tokens` tokens in every layer at once, as at
 /// the peak of a full pipeline: per decoder token `4H` (both RMSNorms' inputs and outputs) + `2H`
 /// (Q, attention output) + `2·kv_dim` (K, V) + `3·FFN` (gate, up, SwiGLU), per head token `2H +
-/// V` (norm input, output and logits), fp32; see [`DecoderF`] and [`HeadF`]). A floor, not a
+/// V` (norm input, output and logits), fp32; see `model::DecoderF` and `model::HeadF`). A floor, not a
 /// peak: schedules that keep several microbatches in flight per stage hold more.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MemoryFloor {
@@ -883,12 +395,7 @@ impl MemoryFloor {
 
 /// Sum of a stage's parameter counts (for checks against the profile's).
 pub fn param_count(stage: &CpuStage) -> u64 {
-    stage
-        .layers
-        .iter()
-        .flat_map(|(_, l)| l.params())
-        .map(|p| p.value.len() as u64)
-        .sum()
+    stage.param_count()
 }
 
 #[cfg(test)]
@@ -896,7 +403,10 @@ mod tests {
     use super::*;
     use crate::data::{LossReduction, build_step};
     use crate::kernels::tests::{directional, directional_eps};
+    use crate::model::{Layer, decoder_dgrad, decoder_forward};
+    use crate::worker::{StageInput, StageOutput, StageWorker};
     use flatpipe_profiles::builtins;
+    use rand::{SeedableRng, rngs::ChaCha8Rng};
 
     fn small_model() -> ModelSpec {
         ModelSpec::from_yaml(
@@ -915,15 +425,15 @@ mod tests {
         let x = crate::kernels::tests::randn(&mut rng, (7, 16), 1.0);
         let r = crate::kernels::tests::randn(&mut rng, (7, 16), 1.0);
         let dec = match &stage.layers[0].1 {
-            LayerParams::Decoder(d) => d,
+            Layer::Decoder(d) => d,
             _ => unreachable!(),
         };
         let f = |x: &Array2<f32>| -> f64 {
-            let (y, _) = decoder_forward(dec, x, &data.cu_seqlens);
+            let (y, _) = decoder_forward(&CpuOps, dec, x, data).unwrap();
             y.iter().zip(r.iter()).map(|(a, b)| (*a * *b) as f64).sum()
         };
-        let (_, c) = decoder_forward(dec, &x, &data.cu_seqlens);
-        let (dx, _) = decoder_dgrad(dec, c, r.clone(), &data.cu_seqlens);
+        let (_, c) = decoder_forward(&CpuOps, dec, &x, data).unwrap();
+        let (dx, _) = decoder_dgrad(&CpuOps, dec, c, r.clone(), data).unwrap();
         let e = directional(&x, &dx, &f, 2);
         assert!(e < 2e-3, "{e}");
         // The wgrad of every parameter against finite differences of that parameter.
@@ -941,10 +451,10 @@ mod tests {
                 let mut st = CpuStage::new(&model, 1..2, 3, Recompute::None).unwrap();
                 st.layers[0].1.params_mut()[pi].value.assign(w);
                 let dec = match &st.layers[0].1 {
-                    LayerParams::Decoder(d) => d,
+                    Layer::Decoder(d) => d,
                     _ => unreachable!(),
                 };
-                let (y, _) = decoder_forward(dec, &x, &data.cu_seqlens);
+                let (y, _) = decoder_forward(&CpuOps, dec, &x, data).unwrap();
                 y.iter().zip(r.iter()).map(|(a, b)| (*a * *b) as f64).sum()
             };
             // Norm weights act through the small MLP / attention branches next to the residual

@@ -37,6 +37,7 @@ mod error;
 pub mod interpreter;
 
 pub mod kernels;
+pub mod model;
 pub mod null;
 pub mod profiler;
 pub mod runner;

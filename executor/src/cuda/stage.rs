@@ -1,5 +1,6 @@
-//! The CUDA stage worker: the CPU backend's decoder ([`crate::cpu`]) layer for layer on a GPU,
-//! with the same F / I / W split, so every schedule runs on it through the same interpreter.
+//! The CUDA op set: the model of [`crate::model`] (the same code the CPU backend runs) over
+//! device buffers, NVRTC-compiled kernels and cuBLAS GEMMs, so every schedule runs on it through
+//! the same interpreter.
 //!
 //! A rank is a [`Gpu`]: its own compute stream (every kernel and GEMM of its stages), its own
 //! copy stream (transfers in, [`Gpu::import`]), and its own memory accounting
@@ -14,13 +15,13 @@
 //! compares against the CPU reference); [`Init::Fast`] fills them on the device (for timing
 //! large models, where drawing billions of normal samples on the host would take minutes).
 
+use super::driver;
+use super::launch;
 use super::ops::{Activation, Buf, Gpu, Shared, Tiles};
-use super::{driver, launch};
 use crate::cpu::CpuStage;
 use crate::kernels::AttnDims;
-use crate::worker::{
-    AdamW, CopyStamps, DeviceClock, LossSums, Misuse, StageInput, StageOutput, StageWorker,
-};
+use crate::model::{OpSet, ParamInit, Stage, attn_dims, build_layers};
+use crate::worker::{AdamW, CopyStamps, DeviceClock, LossSums, StageWorker};
 use crate::{Error, MicrobatchData, Result};
 use cudarc::driver::CudaSlice;
 use flatpipe_profiles::{LayerKind, ModelSpec};
@@ -39,110 +40,9 @@ pub enum Init {
     Fast,
 }
 
-/// A parameter on the device with its gradient and AdamW moments, `[rows, cols]`. The moments
-/// are allocated at the first optimizer step (a stage that is only timed never needs them).
-#[derive(Debug)]
-struct Param {
-    name: String,
-    value: Buf,
-    grad: Buf,
-    moments: Option<(Buf, Buf)>,
-}
-
-impl Param {
-    fn new(gpu: &Gpu, name: String, value: Buf) -> Result<Self> {
-        let n = value.len();
-        Ok(Param {
-            name,
-            value,
-            grad: gpu.zeros(n)?,
-            moments: None,
-        })
-    }
-}
-
-#[derive(Debug)]
-struct Decoder {
-    dims: AttnDims,
-    hidden: usize,
-    ffn: usize,
-    attn_norm: Param,
-    wq: Param,
-    wk: Param,
-    wv: Param,
-    wo: Param,
-    ffn_norm: Param,
-    w1: Param,
-    w3: Param,
-    w2: Param,
-}
-
-impl Decoder {
-    fn kv(&self) -> usize {
-        self.dims.kv_heads * self.dims.head_dim
-    }
-}
-
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug)]
-enum Layer {
-    Embedding {
-        table: Param,
-        hidden: usize,
-    },
-    Decoder(Box<Decoder>),
-    Head {
-        norm: Param,
-        out: Param,
-        hidden: usize,
-        vocab: usize,
-    },
-}
-
-impl Layer {
-    fn params(&self) -> Vec<&Param> {
-        match self {
-            Layer::Embedding { table, .. } => vec![table],
-            Layer::Head { norm, out, .. } => vec![norm, out],
-            Layer::Decoder(d) => vec![
-                &d.attn_norm,
-                &d.wq,
-                &d.wk,
-                &d.wv,
-                &d.wo,
-                &d.ffn_norm,
-                &d.w1,
-                &d.w3,
-                &d.w2,
-            ],
-        }
-    }
-
-    fn params_mut(&mut self) -> Vec<&mut Param> {
-        match self {
-            Layer::Embedding { table, .. } => vec![table],
-            Layer::Head { norm, out, .. } => vec![norm, out],
-            Layer::Decoder(d) => {
-                let d = &mut **d;
-                vec![
-                    &mut d.attn_norm,
-                    &mut d.wq,
-                    &mut d.wk,
-                    &mut d.wv,
-                    &mut d.wo,
-                    &mut d.ffn_norm,
-                    &mut d.w1,
-                    &mut d.w3,
-                    &mut d.w2,
-                ]
-            }
-        }
-    }
-}
-
 /// A microbatch's data on the device.
 #[derive(Debug)]
-struct Data {
+pub struct Data {
     t: usize,
     ids: CudaSlice<u32>,
     labels: CudaSlice<u32>,
@@ -170,293 +70,23 @@ impl Data {
     }
 }
 
-/// What a decoder's forward keeps for its backward (the CPU backend's `DecoderF`).
-#[derive(Debug)]
-struct DecoderF {
-    xhat1: Buf,
-    rstd1: Buf,
-    h1: Buf,
-    q: Buf,
-    k: Buf,
-    v: Buf,
-    o: Buf,
-    lse: Buf,
-    h2: Buf,
-    xhat2: Buf,
-    rstd2: Buf,
-    gate: Buf,
-    up: Buf,
-    act: Buf,
-}
-
-#[derive(Debug)]
-struct HeadF {
-    h: Buf,
-    xhat: Buf,
-    rstd: Buf,
-    logits: Buf,
-    lse: Buf,
-}
-
-#[derive(Debug)]
-enum FCtx {
-    Embedding,
-    Decoder(Box<DecoderF>),
-    Head(Box<HeadF>),
-    /// Full recomputation: the layer's input only.
-    Input(Shared),
-}
-
-/// What a decoder's dgrad keeps for its wgrad (the CPU backend's `DecoderW`).
-#[derive(Debug)]
-struct DecoderW {
-    h1: Buf,
-    xhat1: Buf,
-    o: Buf,
-    h2: Buf,
-    xhat2: Buf,
-    act: Buf,
-    dq: Buf,
-    dk: Buf,
-    dv: Buf,
-    da: Buf,
-    dgate: Buf,
-    dup: Buf,
-    dm: Shared,
-    dh1: Buf,
-    dh2: Buf,
-}
-
-// A few buffer handles per variant: boxing the head's buys nothing.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug)]
-enum WCtx {
-    Embedding {
-        dy: Shared,
-    },
-    Decoder(Box<DecoderW>),
-    Head {
-        h: Buf,
-        xhat: Buf,
-        dlogits: Buf,
-        dh: Buf,
-    },
-}
-
-fn bytes(bufs: &[&Buf]) -> usize {
-    bufs.iter().map(|b| b.len() * 4).sum()
-}
-
-impl FCtx {
-    fn bytes(&self) -> usize {
-        match self {
-            FCtx::Embedding => 0,
-            FCtx::Input(x) => x.len * 4,
-            FCtx::Head(c) => bytes(&[&c.h, &c.xhat, &c.rstd, &c.logits, &c.lse]),
-            FCtx::Decoder(c) => bytes(&[
-                &c.h1, &c.xhat1, &c.rstd1, &c.q, &c.k, &c.v, &c.o, &c.lse, &c.h2, &c.xhat2,
-                &c.rstd2, &c.gate, &c.up, &c.act,
-            ]),
-        }
-    }
-}
-
-impl WCtx {
-    fn bytes(&self) -> usize {
-        match self {
-            WCtx::Embedding { dy } => dy.len * 4,
-            WCtx::Head {
-                h,
-                xhat,
-                dlogits,
-                dh,
-            } => bytes(&[h, xhat, dlogits, dh]),
-            WCtx::Decoder(w) => bytes(&[
-                &w.h1, &w.xhat1, &w.o, &w.h2, &w.xhat2, &w.act, &w.dq, &w.dk, &w.dv, &w.da,
-                &w.dgate, &w.dup, &w.dm.buf, &w.dh1, &w.dh2,
-            ]),
-        }
-    }
-}
-
-enum Flow {
-    Tokens,
-    Hidden(Shared),
-    Loss(CudaSlice<f64>),
-}
-
-fn decoder_forward(g: &Gpu, p: &Decoder, x: &Buf, data: &Data) -> Result<(Buf, DecoderF)> {
-    let (t, h, f, kv) = (data.t, p.hidden, p.ffn, p.kv());
-    let (heads, kvh) = (p.dims.heads, p.dims.kv_heads);
-    let (h1, xhat1, rstd1) = g.rmsnorm(x, &p.attn_norm.value, t, h)?;
-    let mut q = g.linear(&h1, &p.wq.value, t, h, h)?;
-    let mut k = g.linear(&h1, &p.wk.value, t, h, kv)?;
-    let v = g.linear(&h1, &p.wv.value, t, h, kv)?;
-    g.rope(&mut q, &data.pos, t, heads, false)?;
-    g.rope(&mut k, &data.pos, t, kvh, false)?;
-    let (o, lse) = g.attention(&q, &k, &v, &data.tiles, t, heads, kvh)?;
-    let mut x2 = g.linear(&o, &p.wo.value, t, h, h)?;
-    g.add_inplace(&mut x2, x, t * h)?;
-    let (h2, xhat2, rstd2) = g.rmsnorm(&x2, &p.ffn_norm.value, t, h)?;
-    let gate = g.linear(&h2, &p.w1.value, t, h, f)?;
-    let up = g.linear(&h2, &p.w3.value, t, h, f)?;
-    let act = g.swiglu(&gate, &up, t * f)?;
-    let mut y = g.linear(&act, &p.w2.value, t, f, h)?;
-    g.add_inplace(&mut y, &x2, t * h)?;
-    Ok((
-        y,
-        DecoderF {
-            xhat1,
-            rstd1,
-            h1,
-            q,
-            k,
-            v,
-            o,
-            lse,
-            h2,
-            xhat2,
-            rstd2,
-            gate,
-            up,
-            act,
-        },
-    ))
-}
-
-fn decoder_dgrad(
-    g: &Gpu,
-    p: &Decoder,
-    c: DecoderF,
-    dy_shared: Shared,
-    data: &Data,
-) -> Result<(Buf, WCtx)> {
-    let (t, h, f, kv) = (data.t, p.hidden, p.ffn, p.kv());
-    let (heads, kvh) = (p.dims.heads, p.dims.kv_heads);
-    let dy = &dy_shared.buf;
-    // MLP: y = x2 + act W2
-    let mut dact = g.empty(t * f)?;
-    g.linear_dx(dy, &p.w2.value, &mut dact, t, f, h, false)?;
-    let (dgate, dup) = g.swiglu_backward(&dact, &c.gate, &c.up, t * f)?;
-    let mut dh2 = g.empty(t * h)?;
-    g.linear_dx(&dgate, &p.w1.value, &mut dh2, t, h, f, false)?;
-    g.linear_dx(&dup, &p.w3.value, &mut dh2, t, h, f, true)?;
-    let dx2 = g.rmsnorm_dx(&dh2, &c.xhat2, &c.rstd2, &p.ffn_norm.value, Some(dy), t, h)?;
-    // Attention: x2 = x + o Wo
-    let mut dout = g.empty(t * h)?;
-    g.linear_dx(&dx2, &p.wo.value, &mut dout, t, h, h, false)?;
-    let (mut dq, mut dk, dv) = g.attention_backward(
-        &dout,
-        (&c.q, &c.k, &c.v, &c.o, &c.lse),
-        &data.tiles,
-        t,
-        heads,
-        kvh,
-    )?;
-    g.rope(&mut dq, &data.pos, t, heads, true)?;
-    g.rope(&mut dk, &data.pos, t, kvh, true)?;
-    let mut dh1 = g.empty(t * h)?;
-    g.linear_dx(&dq, &p.wq.value, &mut dh1, t, h, h, false)?;
-    g.linear_dx(&dk, &p.wk.value, &mut dh1, t, h, kv, true)?;
-    g.linear_dx(&dv, &p.wv.value, &mut dh1, t, h, kv, true)?;
-    let dx = g.rmsnorm_dx(
-        &dh1,
-        &c.xhat1,
-        &c.rstd1,
-        &p.attn_norm.value,
-        Some(&dx2),
-        t,
-        h,
-    )?;
-    let w = WCtx::Decoder(Box::new(DecoderW {
-        h1: c.h1,
-        xhat1: c.xhat1,
-        o: c.o,
-        h2: c.h2,
-        xhat2: c.xhat2,
-        act: c.act,
-        dq,
-        dk,
-        dv,
-        da: dx2,
-        dgate,
-        dup,
-        dm: dy_shared,
-        dh1,
-        dh2,
-    }));
-    Ok((dx, w))
-}
-
-fn head_forward(
-    g: &Gpu,
-    (norm, out): (&Param, &Param),
-    (hidden, vocab): (usize, usize),
-    x: &Buf,
-    data: &Data,
-) -> Result<(CudaSlice<f64>, HeadF)> {
-    let t = data.t;
-    let (h, xhat, rstd) = g.rmsnorm(x, &norm.value, t, hidden)?;
-    let logits = g.linear(&h, &out.value, t, hidden, vocab)?;
-    let (lse, sums) = g.cross_entropy(&logits, &data.labels, &data.weights, t, vocab)?;
-    Ok((
-        sums,
-        HeadF {
-            h,
-            xhat,
-            rstd,
-            logits,
-            lse,
-        },
-    ))
-}
-
-fn head_dgrad(
-    g: &Gpu,
-    (norm, out): (&Param, &Param),
-    (hidden, vocab): (usize, usize),
-    c: HeadF,
-    data: &Data,
-) -> Result<(Buf, WCtx)> {
-    let t = data.t;
-    let dlogits =
-        g.cross_entropy_backward(&c.logits, &c.lse, &data.labels, &data.weights, t, vocab)?;
-    let mut dh = g.empty(t * hidden)?;
-    g.linear_dx(&dlogits, &out.value, &mut dh, t, hidden, vocab, false)?;
-    let dx = g.rmsnorm_dx(&dh, &c.xhat, &c.rstd, &norm.value, None, t, hidden)?;
-    Ok((
-        dx,
-        WCtx::Head {
-            h: c.h,
-            xhat: c.xhat,
-            dlogits,
-            dh,
-        },
-    ))
+/// The CUDA op set of one rank: its [`Gpu`] (streams, kernels, cuBLAS handle, clock). Tensors
+/// are flat device buffers holding at least one value; shapes come with every call.
+#[derive(Debug, Clone)]
+pub struct CudaOps {
+    gpu: Arc<Gpu>,
 }
 
 /// One pipeline stage on a GPU: layers `[start, end)` of a model.
-#[derive(Debug)]
-pub struct CudaStage {
-    gpu: Arc<Gpu>,
-    layers: Vec<(usize, Layer)>,
-    hidden: usize,
-    recompute: Recompute,
-    fctx: HashMap<u32, (Data, Vec<FCtx>)>,
-    wctx: HashMap<u32, (Data, Vec<WCtx>)>,
-    pending: Vec<(u32, bool, u64, CudaSlice<f64>)>,
-    /// Microbatch data uploaded before the step, by (microbatch, forward-only).
-    staged: HashMap<(u32, bool), Data>,
-    peak_saved: usize,
-}
+pub type CudaStage = Stage<CudaOps>;
 
 impl CudaStage {
     /// Builds layers `range` of `model` on rank `gpu` with weights from `seed` (see [`Init`]).
     ///
     /// # Errors
-    /// As [`CpuStage::new`] for the range and recomputation; [`Error::Unsupported`] for a head
-    /// dimension the attention kernels do not take (even, at most 128) or a decoder of another
-    /// head dimension than `gpu`'s kernels; [`Error::Cuda`] (out of memory, driver).
+    /// As [`CpuStage::new`] for the range and the layer shapes; [`Error::Unsupported`] for
+    /// selective recomputation (the CUDA op set has no row-scale kernel yet) or a decoder of
+    /// another head dimension than `gpu`'s kernels; [`Error::Cuda`] (out of memory, driver).
     pub fn new(
         gpu: Arc<Gpu>,
         model: &ModelSpec,
@@ -465,21 +95,21 @@ impl CudaStage {
         recompute: Recompute,
         init: Init,
     ) -> Result<Self> {
-        let all = model.layers();
-        if range.is_empty() || range.end > all.len() {
-            return Err(Error::Invalid(format!(
-                "stage layers [{}, {}) of model {} with {} layers: need 0 <= start < end <= {}",
-                range.start,
-                range.end,
-                model.name,
-                all.len(),
-                all.len()
-            )));
-        }
         if recompute == Recompute::Selective {
             return Err(Error::Unsupported(
                 "selective recomputation is not implemented by the CUDA backend yet (the CPU backend runs it); plan with recompute none or full".into(),
             ));
+        }
+        for l in model.layers().get(range.clone()).unwrap_or_default() {
+            if l.kind == LayerKind::Decoder {
+                let d = attn_dims(l)?.head_dim;
+                if d != gpu.kernels.head_dim {
+                    return Err(Error::Unsupported(format!(
+                        "decoder layer {} has head dimension {d}; this rank's kernels were compiled for {}",
+                        l.index, gpu.kernels.head_dim
+                    )));
+                }
+            }
         }
         // Exact: the CPU backend's weights, by name and order.
         let mut exact: HashMap<String, Vec<f32>> = match init {
@@ -489,101 +119,42 @@ impl CudaStage {
                 .collect(),
             Init::Fast => HashMap::new(),
         };
+        let ops = CudaOps { gpu };
         let mut salt = seed;
-        let mut param = |name: String, n: usize, std: Option<f32>| -> Result<Param> {
-            let value = match exact.remove(&name) {
-                Some(v) if v.len() == n => gpu.upload(&v)?,
-                Some(v) => {
-                    return Err(Error::Invalid(format!(
+        let g = Arc::clone(&ops.gpu);
+        let layers = build_layers(
+            &ops,
+            model,
+            range.clone(),
+            seed,
+            &mut |name, shape, how, _| {
+                let n = shape.0 * shape.1;
+                match exact.remove(name) {
+                    Some(v) if v.len() == n => g.upload(&v),
+                    Some(v) => Err(Error::Invalid(format!(
                         "{name}: {} values from the CPU backend, {n} expected",
                         v.len()
-                    )));
-                }
-                None if init == Init::Exact => {
-                    return Err(Error::Invalid(format!(
+                    ))),
+                    None if init == Init::Exact => Err(Error::Invalid(format!(
                         "{name}: no such parameter in the CPU backend's stage"
-                    )));
-                }
-                None => {
-                    let mut b = gpu.empty(n)?;
-                    match std {
-                        // Uniform on [-a, a) has standard deviation a / sqrt(3).
-                        Some(s) => {
-                            salt = salt.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                            gpu.init_uniform(&mut b, salt, s * 3f32.sqrt())?;
+                    ))),
+                    None => {
+                        let mut b = g.empty(n)?;
+                        match how {
+                            // Uniform on [-a, a) has standard deviation a / sqrt(3).
+                            ParamInit::Normal(s) => {
+                                salt = salt.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                                g.init_uniform(&mut b, salt, s * 3f32.sqrt())?;
+                            }
+                            ParamInit::Ones => g.upload_into(&vec![1.0f32; n], &mut b)?,
                         }
-                        None => gpu.upload_into(&vec![1.0f32; n], &mut b)?,
+                        Ok(b)
                     }
-                    b
                 }
-            };
-            Param::new(&gpu, name, value)
-        };
-        let mut layers = Vec::with_capacity(range.len());
-        for l in &all[range.clone()] {
-            let (h, vocab) = (l.hidden as usize, l.vocab as usize);
-            let layer = match l.kind {
-                LayerKind::Embedding => Layer::Embedding {
-                    table: param("tok_embeddings.weight".into(), vocab * h, Some(1.0))?,
-                    hidden: h,
-                },
-                LayerKind::Head => Layer::Head {
-                    norm: param("norm.weight".into(), h, None)?,
-                    out: param("output.weight".into(), h * vocab, Some(0.02))?,
-                    hidden: h,
-                    vocab,
-                },
-                LayerKind::Decoder => {
-                    let (heads, kvh) = (l.heads as usize, l.kv_heads as usize);
-                    if heads == 0 || kvh == 0 || h % heads != 0 || heads % kvh != 0 {
-                        return Err(Error::Unsupported(format!(
-                            "decoder layer {}: hidden {h}, heads {heads}, kv_heads {kvh}: need heads | hidden and kv_heads | heads",
-                            l.index
-                        )));
-                    }
-                    let d = h / heads;
-                    if d != gpu.kernels.head_dim {
-                        return Err(Error::Unsupported(format!(
-                            "decoder layer {} has head dimension {d}; this rank's kernels were compiled for {}",
-                            l.index, gpu.kernels.head_dim
-                        )));
-                    }
-                    let (kv, ffn) = (d * kvh, l.ffn as usize);
-                    let n = l.decoder_index.unwrap_or(0);
-                    let name = |s: &str| format!("layers.{n}.{s}.weight");
-                    Layer::Decoder(Box::new(Decoder {
-                        dims: AttnDims {
-                            heads,
-                            kv_heads: kvh,
-                            head_dim: d,
-                        },
-                        hidden: h,
-                        ffn,
-                        attn_norm: param(name("attention_norm"), h, None)?,
-                        wq: param(name("attention.wq"), h * h, Some(0.02))?,
-                        wk: param(name("attention.wk"), h * kv, Some(0.02))?,
-                        wv: param(name("attention.wv"), h * kv, Some(0.02))?,
-                        wo: param(name("attention.wo"), h * h, Some(0.02))?,
-                        ffn_norm: param(name("ffn_norm"), h, None)?,
-                        w1: param(name("feed_forward.w1"), h * ffn, Some(0.02))?,
-                        w3: param(name("feed_forward.w3"), h * ffn, Some(0.02))?,
-                        w2: param(name("feed_forward.w2"), ffn * h, Some(0.02))?,
-                    }))
-                }
-            };
-            layers.push((l.index, layer));
-        }
-        Ok(CudaStage {
-            hidden: all[range.start].hidden as usize,
-            gpu,
-            layers,
-            recompute,
-            fctx: HashMap::new(),
-            wctx: HashMap::new(),
-            pending: Vec::new(),
-            staged: HashMap::new(),
-            peak_saved: 0,
-        })
+            },
+        )?;
+        let hidden = model.layers()[range.start].hidden as usize;
+        Ok(Stage::from_layers(ops, layers, hidden, recompute))
     }
 
     /// The head dimension of `model`'s decoders (what a rank's kernels are compiled for); 64
@@ -609,41 +180,9 @@ impl CudaStage {
         }
     }
 
-    /// Bytes of activations and gradients held between F and W, from the device tensors.
-    pub fn saved_bytes(&self) -> usize {
-        let f: usize = self
-            .fctx
-            .values()
-            .flat_map(|(_, c)| c)
-            .map(FCtx::bytes)
-            .sum();
-        let w: usize = self
-            .wctx
-            .values()
-            .flat_map(|(_, c)| c)
-            .map(WCtx::bytes)
-            .sum();
-        f + w
-    }
-
-    /// The most [`CudaStage::saved_bytes`] seen after any action (this stage's share of its
-    /// rank's peak activation memory).
-    pub fn peak_saved_bytes(&self) -> usize {
-        self.peak_saved
-    }
-
-    /// Parameters of this stage.
-    pub fn param_count(&self) -> u64 {
-        self.layers
-            .iter()
-            .flat_map(|(_, l)| l.params())
-            .map(|p| p.value.len() as u64)
-            .sum()
-    }
-
     /// The rank this stage runs on.
     pub fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
+        &self.ops.gpu
     }
 
     /// Uploads `[T, H]` hidden states from the host (profiling, tests).
@@ -651,7 +190,7 @@ impl CudaStage {
     /// # Errors
     /// [`Error::Cuda`].
     pub fn upload_hidden(&self, x: &[f32]) -> Result<Shared> {
-        Ok(Activation::shared(self.gpu.upload(x)?, x.len()))
+        Ok(Activation::shared(self.ops.gpu.upload(x)?, x.len()))
     }
 
     /// Waits until this rank's streams have finished everything enqueued.
@@ -659,365 +198,219 @@ impl CudaStage {
     /// # Errors
     /// [`Error::Cuda`], including errors cudarc stored from calls that could not return one.
     pub fn synchronize(&self) -> Result<()> {
-        self.gpu.synchronize()
-    }
-
-    /// `(name, values)` of `pick(parameter)` for every parameter, read back from the GPU.
-    fn named(&self, pick: impl Fn(&Param) -> &Buf) -> Vec<(String, Vec<f32>)> {
-        self.layers
-            .iter()
-            .flat_map(|(_, l)| l.params())
-            .map(|p| (p.name.clone(), self.download_or_nan(&p.name, pick(p))))
-            .collect()
-    }
-
-    /// `buf` on the host; on a CUDA error, NaN of the same length (a comparison then fails on
-    /// this tensor instead of silently passing) and the error in the log.
-    fn download_or_nan(&self, name: &str, buf: &Buf) -> Vec<f32> {
-        self.gpu.download(buf).unwrap_or_else(|e| {
-            tracing::error!("cannot read {name} from the GPU: {e}");
-            vec![f32::NAN; buf.len()]
-        })
-    }
-
-    fn note_peak(&mut self) {
-        self.peak_saved = self.peak_saved.max(self.saved_bytes());
-    }
-
-    fn run_layer(
-        g: &Gpu,
-        layer: &Layer,
-        flow: Flow,
-        data: &Data,
-        keep: bool,
-        recompute: Recompute,
-    ) -> Result<(Flow, Option<FCtx>)> {
-        Ok(match (layer, flow) {
-            (Layer::Embedding { table, hidden }, Flow::Tokens) => (
-                Flow::Hidden(Activation::shared(
-                    g.embedding(&table.value, &data.ids, data.t, *hidden)?,
-                    data.t * hidden,
-                )),
-                keep.then_some(FCtx::Embedding),
-            ),
-            (Layer::Decoder(d), Flow::Hidden(x)) => {
-                let (y, c) = decoder_forward(g, d, &x.buf, data)?;
-                let ctx = match (keep, recompute) {
-                    (false, _) => None,
-                    (true, Recompute::Full) => Some(FCtx::Input(x)),
-                    (true, _) => Some(FCtx::Decoder(Box::new(c))),
-                };
-                (Flow::Hidden(Activation::shared(y, data.t * d.hidden)), ctx)
-            }
-            (
-                Layer::Head {
-                    norm,
-                    out,
-                    hidden,
-                    vocab,
-                },
-                Flow::Hidden(x),
-            ) => {
-                let (sums, c) = head_forward(g, (norm, out), (*hidden, *vocab), &x.buf, data)?;
-                let ctx = match (keep, recompute) {
-                    (false, _) => None,
-                    (true, Recompute::Full) => Some(FCtx::Input(x)),
-                    (true, _) => Some(FCtx::Head(Box::new(c))),
-                };
-                (Flow::Loss(sums), ctx)
-            }
-            (Layer::Embedding { .. }, _) => {
-                return Err(Misuse::EmbeddingWantsTokens.into());
-            }
-            (_, Flow::Tokens) => {
-                return Err(Misuse::TokensOnlyIntoEmbedding.into());
-            }
-            (_, Flow::Loss(_)) => {
-                return Err(Misuse::NothingAfterHead.into());
-            }
-        })
+        self.ops.gpu.synchronize()
     }
 }
 
-impl StageWorker for CudaStage {
+impl OpSet for CudaOps {
+    type Tensor = Buf;
     type Hidden = Shared;
+    type Data = Data;
+    type Loss = CudaSlice<f64>;
+    // Reading a loss now would make the host wait for the GPU inside the step.
+    const DEFERRED_LOSS: bool = true;
 
-    fn hidden_size(&self) -> usize {
-        self.hidden
+    fn upload_data(&self, d: &MicrobatchData) -> Result<Data> {
+        Data::new(&self.gpu, d)
     }
-
+    fn tokens(d: &Data) -> usize {
+        d.t
+    }
+    fn hidden(&self, t: Buf, len: usize) -> Shared {
+        Activation::shared(t, len)
+    }
+    fn tensor(h: &Shared) -> &Buf {
+        &h.buf
+    }
     fn hidden_len(h: &Shared) -> usize {
         h.len
     }
-
-    fn forward(
-        &mut self,
-        mb: u32,
-        data: &MicrobatchData,
-        input: StageInput<Shared>,
-        keep: bool,
-    ) -> Result<StageOutput<Shared>> {
-        let dev = match self.staged.remove(&(mb, !keep)) {
-            Some(d) => d,
-            None => Data::new(&self.gpu, data)?,
-        };
-        let mut flow = match input {
-            StageInput::Tokens => Flow::Tokens,
-            StageInput::Hidden(h) => Flow::Hidden(h),
-        };
-        let mut ctxs = Vec::with_capacity(self.layers.len());
-        for (_, layer) in &self.layers {
-            let (next, ctx) = Self::run_layer(&self.gpu, layer, flow, &dev, keep, self.recompute)?;
-            flow = next;
-            ctxs.extend(ctx);
-        }
-        let tokens = dev.t as u64;
-        if keep {
-            if self.fctx.contains_key(&mb) {
-                return Err(Misuse::ForwardTwice(mb).into());
-            }
-            self.fctx.insert(mb, (dev, ctxs));
-            self.note_peak();
-        }
-        match flow {
-            Flow::Hidden(h) => Ok(StageOutput::Hidden(self.gpu.mark_ready(h)?)),
-            Flow::Loss(sums) => {
-                self.pending.push((mb, !keep, tokens, sums));
-                Ok(StageOutput::LossPending)
-            }
-            Flow::Tokens => Err(Misuse::NoLayers.into()),
-        }
+    fn bytes(t: &Buf) -> usize {
+        t.len() * 4
     }
-
-    fn backward_input(
-        &mut self,
-        mb: u32,
-        _data: &MicrobatchData,
-        grad: Option<Shared>,
-    ) -> Result<Option<Shared>> {
-        let (dev, ctxs) = self
-            .fctx
-            .remove(&mb)
-            .ok_or(Misuse::DgradBeforeForward(mb))?;
-        let g = &*self.gpu;
-        let mut dy = grad;
-        let mut wctxs = Vec::with_capacity(ctxs.len());
-        for ((_, layer), ctx) in self.layers.iter().zip(ctxs).rev() {
-            // Full recomputation: rerun this layer's forward from its saved input.
-            let ctx = match ctx {
-                FCtx::Input(x) => match layer {
-                    Layer::Decoder(d) => {
-                        FCtx::Decoder(Box::new(decoder_forward(g, d, &x.buf, &dev)?.1))
-                    }
-                    Layer::Head {
-                        norm,
-                        out,
-                        hidden,
-                        vocab,
-                    } => FCtx::Head(Box::new(
-                        head_forward(g, (norm, out), (*hidden, *vocab), &x.buf, &dev)?.1,
-                    )),
-                    Layer::Embedding { .. } => FCtx::Embedding,
-                },
-                c => c,
-            };
-            let (dx, w) = match (layer, ctx) {
-                (
-                    Layer::Head {
-                        norm,
-                        out,
-                        hidden,
-                        vocab,
-                    },
-                    FCtx::Head(c),
-                ) => {
-                    let (dx, w) = head_dgrad(g, (norm, out), (*hidden, *vocab), *c, &dev)?;
-                    (Some(Activation::shared(dx, dev.t * hidden)), w)
-                }
-                (Layer::Decoder(d), FCtx::Decoder(c)) => {
-                    let dy = dy.take().ok_or(Misuse::NoOutputGradient(mb))?;
-                    let (dx, w) = decoder_dgrad(g, d, *c, dy, &dev)?;
-                    (Some(Activation::shared(dx, dev.t * d.hidden)), w)
-                }
-                (Layer::Embedding { .. }, FCtx::Embedding) => {
-                    let dy = dy.take().ok_or(Misuse::NoOutputGradient(mb))?;
-                    (None, WCtx::Embedding { dy })
-                }
-                _ => {
-                    return Err(Misuse::ActivationsOfAnotherKind.into());
-                }
-            };
-            dy = dx;
-            wctxs.push(w);
-        }
-        wctxs.reverse();
-        self.wctx.insert(mb, (dev, wctxs));
-        self.note_peak();
-        dy.map(|h| self.gpu.mark_ready(h)).transpose()
+    fn ready(&self, h: Shared) -> Result<Shared> {
+        self.gpu.mark_ready(h)
     }
-
-    fn backward_weight(&mut self, mb: u32, _data: &MicrobatchData) -> Result<()> {
-        let (dev, wctxs) = self.wctx.remove(&mb).ok_or(Misuse::WgradBeforeDgrad(mb))?;
-        let g = &*self.gpu;
-        let t = dev.t;
-        for ((_, layer), w) in self.layers.iter_mut().zip(wctxs) {
-            match (layer, w) {
-                (Layer::Embedding { table, hidden }, WCtx::Embedding { dy }) => {
-                    g.embedding_backward(&mut table.grad, &dy.buf, &dev.ids, t, *hidden)?;
-                }
-                (
-                    Layer::Head {
-                        norm,
-                        out,
-                        hidden,
-                        vocab,
-                    },
-                    WCtx::Head {
-                        h,
-                        xhat,
-                        dlogits,
-                        dh,
-                    },
-                ) => {
-                    g.linear_dw(&mut out.grad, &h, &dlogits, t, *hidden, *vocab)?;
-                    g.rmsnorm_dg(&mut norm.grad, &dh, &xhat, t, *hidden)?;
-                }
-                (Layer::Decoder(d), WCtx::Decoder(w)) => {
-                    let d = &mut **d;
-                    let (h, f, kv) = (d.hidden, d.ffn, d.kv());
-                    g.linear_dw(&mut d.wq.grad, &w.h1, &w.dq, t, h, h)?;
-                    g.linear_dw(&mut d.wk.grad, &w.h1, &w.dk, t, h, kv)?;
-                    g.linear_dw(&mut d.wv.grad, &w.h1, &w.dv, t, h, kv)?;
-                    g.linear_dw(&mut d.wo.grad, &w.o, &w.da, t, h, h)?;
-                    g.linear_dw(&mut d.w1.grad, &w.h2, &w.dgate, t, h, f)?;
-                    g.linear_dw(&mut d.w3.grad, &w.h2, &w.dup, t, h, f)?;
-                    g.linear_dw(&mut d.w2.grad, &w.act, &w.dm.buf, t, f, h)?;
-                    g.rmsnorm_dg(&mut d.attn_norm.grad, &w.dh1, &w.xhat1, t, h)?;
-                    g.rmsnorm_dg(&mut d.ffn_norm.grad, &w.dh2, &w.xhat2, t, h)?;
-                }
-                _ => {
-                    return Err(Misuse::GradientsOfAnotherKind.into());
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn zero_grads(&mut self) -> Result<()> {
-        let stream = self.gpu.stream.clone();
-        for (_, l) in &mut self.layers {
-            for p in l.params_mut() {
-                stream.memset_zeros(&mut p.grad).map_err(driver)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
-        // The data-parallel all-reduce through the host (NCCL is not wired yet): download,
-        // visit, upload.
-        let gpu = Arc::clone(&self.gpu);
-        for (_, l) in &mut self.layers {
-            for p in l.params_mut() {
-                let mut host = gpu.download(&p.grad)?;
-                f(&mut host);
-                gpu.upload_into(&host, &mut p.grad)?;
-            }
-        }
-        gpu.synchronize()
-    }
-
-    fn grad_sq_norm(&self) -> Result<f64> {
-        let mut sum = 0.0;
-        for p in self.layers.iter().flat_map(|(_, l)| l.params()) {
-            sum += self.gpu.sum_squares(&p.grad)?;
-        }
-        Ok(sum)
-    }
-
-    fn optimizer_step(&mut self, opt: &AdamW, t: u64, grad_scale: f32) -> Result<()> {
-        let gpu = Arc::clone(&self.gpu);
-        for (_, l) in &mut self.layers {
-            for p in l.params_mut() {
-                if p.moments.is_none() {
-                    let n = p.value.len();
-                    p.moments = Some((gpu.zeros(n)?, gpu.zeros(n)?));
-                }
-                let Param {
-                    value,
-                    grad,
-                    moments: Some((m, v)),
-                    ..
-                } = p
-                else {
-                    continue;
-                };
-                gpu.adamw((value, grad, m, v), opt, t, grad_scale)?;
-            }
-        }
-        // Done when this returns: the step's optimizer time is the GPU's.
-        gpu.synchronize()
-    }
-
-    fn named_params(&self) -> Vec<(String, Vec<f32>)> {
-        self.named(|p| &p.value)
-    }
-
-    fn named_grads(&self) -> Vec<(String, Vec<f32>)> {
-        self.named(|p| &p.grad)
-    }
-
-    fn held_microbatches(&self) -> usize {
-        self.fctx.len() + self.wctx.len()
-    }
-
-    fn prepare_step(
-        &mut self,
-        train: &[MicrobatchData],
-        forward_only: &[MicrobatchData],
-    ) -> Result<()> {
-        // What a failed step may have left behind.
-        self.fctx.clear();
-        self.wctx.clear();
-        self.pending.clear();
-        self.staged.clear();
-        for (fo, list) in [(false, train), (true, forward_only)] {
-            for (i, d) in list.iter().enumerate() {
-                self.staged.insert((i as u32, fo), Data::new(&self.gpu, d)?);
-            }
-        }
-        Ok(())
-    }
-
-    fn import(&mut self, h: Shared) -> Result<(Shared, CopyStamps)> {
+    fn import(&self, h: Shared) -> Result<(Shared, CopyStamps)> {
         let (h, stamps) = self.gpu.import(h)?;
         Ok((h, Some(stamps)))
     }
-
-    fn take_losses(&mut self) -> Result<Vec<(u32, bool, LossSums)>> {
-        self.pending
-            .drain(..)
-            .map(|(mb, fo, tokens, sums)| {
-                let s = self.gpu.download(&sums)?;
-                Ok((
-                    mb,
-                    fo,
-                    LossSums {
-                        weighted: s[0],
-                        sum: s[1],
-                        tokens,
-                    },
-                ))
-            })
-            .collect()
+    fn synchronize(&self) -> Result<()> {
+        self.gpu.synchronize()
+    }
+    fn clock(&mut self) -> Option<&mut dyn DeviceClock> {
+        Some(self)
     }
 
-    fn device_clock(&mut self) -> Option<&mut dyn DeviceClock> {
-        Some(self)
+    fn zeros(&self, rows: usize, cols: usize) -> Result<Buf> {
+        self.gpu.zeros(rows * cols)
+    }
+    fn fill_zero(&self, t: &mut Buf) -> Result<()> {
+        self.gpu.stream.memset_zeros(t).map_err(driver)
+    }
+    fn visit(&self, t: &mut Buf, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+        // The data-parallel all-reduce through the host (NCCL is not wired yet): download,
+        // visit, upload.
+        let mut host = self.gpu.download(t)?;
+        f(&mut host);
+        self.gpu.upload_into(&host, t)
+    }
+    fn to_host(&self, t: &Buf) -> Vec<f32> {
+        // On a CUDA error, NaN of the same length: a comparison then fails on this tensor
+        // instead of silently passing.
+        self.gpu.download(t).unwrap_or_else(|e| {
+            tracing::error!(
+                "cannot read a tensor of {} values from the GPU: {e}",
+                t.len()
+            );
+            vec![f32::NAN; t.len()]
+        })
+    }
+    fn sum_squares(&self, t: &Buf) -> Result<f64> {
+        self.gpu.sum_squares(t)
+    }
+    fn adamw(
+        &self,
+        state: (&mut Buf, &Buf, &mut Buf, &mut Buf),
+        opt: &AdamW,
+        t: u64,
+        grad_scale: f32,
+    ) -> Result<()> {
+        self.gpu.adamw(state, opt, t, grad_scale)
+    }
+
+    fn linear(&self, x: &Buf, w: &Buf, t: usize, din: usize, dout: usize) -> Result<Buf> {
+        self.gpu.linear(x, w, t, din, dout)
+    }
+    fn linear_dx(&self, dy: &Buf, w: &Buf, t: usize, din: usize, dout: usize) -> Result<Buf> {
+        let mut dx = self.gpu.empty(t * din)?;
+        self.gpu.linear_dx(dy, w, &mut dx, t, din, dout, false)?;
+        Ok(dx)
+    }
+    fn linear_dx_acc(
+        &self,
+        dx: &mut Buf,
+        dy: &Buf,
+        w: &Buf,
+        t: usize,
+        din: usize,
+        dout: usize,
+    ) -> Result<()> {
+        self.gpu.linear_dx(dy, w, dx, t, din, dout, true)
+    }
+    fn linear_dw(
+        &self,
+        dw: &mut Buf,
+        x: &Buf,
+        dy: &Buf,
+        t: usize,
+        din: usize,
+        dout: usize,
+    ) -> Result<()> {
+        self.gpu.linear_dw(dw, x, dy, t, din, dout)
+    }
+    fn add_inplace(&self, y: &mut Buf, x: &Buf, n: usize) -> Result<()> {
+        self.gpu.add_inplace(y, x, n)
+    }
+    fn rmsnorm(&self, x: &Buf, g: &Buf, t: usize, h: usize) -> Result<(Buf, Buf, Buf)> {
+        self.gpu.rmsnorm(x, g, t, h)
+    }
+    fn rmsnorm_dx(
+        &self,
+        dy: &Buf,
+        xhat: &Buf,
+        rstd: &Buf,
+        g: &Buf,
+        residual: Option<&Buf>,
+        t: usize,
+        h: usize,
+    ) -> Result<Buf> {
+        self.gpu.rmsnorm_dx(dy, xhat, rstd, g, residual, t, h)
+    }
+    fn rmsnorm_dg(&self, dg: &mut Buf, dy: &Buf, xhat: &Buf, t: usize, h: usize) -> Result<()> {
+        self.gpu.rmsnorm_dg(dg, dy, xhat, t, h)
+    }
+    fn scale_rows(&self, _xhat: &Buf, _g: &Buf, _t: usize, _h: usize) -> Result<Buf> {
+        Err(Error::Unsupported(
+            "selective recomputation on the CUDA backend (no row-scale kernel yet)".into(),
+        ))
+    }
+    fn rope(
+        &self,
+        x: &mut Buf,
+        data: &Data,
+        heads: usize,
+        _head_dim: usize,
+        inverse: bool,
+    ) -> Result<()> {
+        self.gpu.rope(x, &data.pos, data.t, heads, inverse)
+    }
+    fn attention(
+        &self,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        data: &Data,
+        dims: AttnDims,
+    ) -> Result<(Buf, Buf)> {
+        self.gpu
+            .attention(q, k, v, &data.tiles, data.t, dims.heads, dims.kv_heads)
+    }
+    fn attention_backward(
+        &self,
+        dout: &Buf,
+        saved: (&Buf, &Buf, &Buf, &Buf, &Buf),
+        data: &Data,
+        dims: AttnDims,
+    ) -> Result<(Buf, Buf, Buf)> {
+        self.gpu
+            .attention_backward(dout, saved, &data.tiles, data.t, dims.heads, dims.kv_heads)
+    }
+    fn swiglu(&self, gate: &Buf, up: &Buf, n: usize) -> Result<Buf> {
+        self.gpu.swiglu(gate, up, n)
+    }
+    fn swiglu_backward(&self, d: &Buf, gate: &Buf, up: &Buf, n: usize) -> Result<(Buf, Buf)> {
+        self.gpu.swiglu_backward(d, gate, up, n)
+    }
+    fn embedding(&self, table: &Buf, data: &Data, h: usize) -> Result<Buf> {
+        self.gpu.embedding(table, &data.ids, data.t, h)
+    }
+    fn embedding_backward(&self, dtable: &mut Buf, dy: &Buf, data: &Data, h: usize) -> Result<()> {
+        self.gpu
+            .embedding_backward(dtable, dy, &data.ids, data.t, h)
+    }
+    fn cross_entropy(
+        &self,
+        logits: &Buf,
+        data: &Data,
+        vocab: usize,
+    ) -> Result<(CudaSlice<f64>, Buf)> {
+        let (lse, sums) =
+            self.gpu
+                .cross_entropy(logits, &data.labels, &data.weights, data.t, vocab)?;
+        Ok((sums, lse))
+    }
+    fn cross_entropy_backward(
+        &self,
+        logits: &Buf,
+        lse: &Buf,
+        data: &Data,
+        vocab: usize,
+    ) -> Result<Buf> {
+        self.gpu
+            .cross_entropy_backward(logits, lse, &data.labels, &data.weights, data.t, vocab)
+    }
+    fn read_loss(&self, loss: &CudaSlice<f64>, tokens: u64) -> Result<LossSums> {
+        let s = self.gpu.download(loss)?;
+        Ok(LossSums {
+            weighted: s[0],
+            sum: s[1],
+            tokens,
+        })
     }
 }
 
-impl DeviceClock for CudaStage {
+impl DeviceClock for CudaOps {
     fn start(&mut self) -> Result<()> {
         self.gpu.clock_start()
     }
