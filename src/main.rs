@@ -12,6 +12,9 @@ use std::process::ExitCode;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    // Before any thread starts: a step's freed tensors stay in the process instead of being
+    // faulted in again (flatpipe_executor::alloc explains the measurement).
+    flatpipe_executor::alloc::keep_freed_memory();
     match cli::run() {
         Ok(code) => code,
         // `flatpipe ... | head`: the reader has all it wanted.

@@ -905,6 +905,20 @@ fn a_profile_written_by_the_profiler_drives_simulate_plan_and_execute() {
     );
     let v = json(&o);
     assert!(v["median_abs_rel_error"].as_f64().is_some(), "{v}");
+    // The profile was measured with one thread busy; the plan runs two ranks at once where
+    // there are two cores: said before the prediction is trusted.
+    assert_eq!(p.provenance.concurrency, Some(1));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let warned = v["profile_warnings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|w| {
+            w.as_str()
+                .unwrap_or_default()
+                .contains("measured with 1 thread(s) busy at once, this run keeps 2 busy")
+        });
+    assert_eq!(warned, cores >= 2, "{v}");
 }
 
 #[test]

@@ -8,7 +8,7 @@ use crate::interpreter::StepRun;
 use crate::profiler::{self, ProfileConfig};
 use crate::runner::{Executor, PreparedStep, Setup};
 use crate::{Error, Result};
-use flatpipe_profiles::{Hardware, ModelSpec, Profile, ProfileSource};
+use flatpipe_profiles::{Hardware, MIN_FIT_R2, ModelSpec, Profile, ProfileSource};
 use std::collections::BTreeMap;
 
 /// The backend that runs a plan's kernels.
@@ -303,8 +303,8 @@ pub fn profile(
         Backend::Cpu => {
             let m = profiler::profile_cpu(model, cfg, progress)?;
             let device = format!(
-                "cpu: {} (1 thread per rank, {} busy)",
-                profiler::cpu_name(),
+                "{} (1 thread per rank, {} busy)",
+                device_name(backend)?,
                 cfg.concurrency
             );
             (m, device)
@@ -312,6 +312,73 @@ pub fn profile(
         Backend::Cuda => profile_cuda(backend, model, cfg, progress)?,
     };
     profiler::to_profile(model, hardware, &device, date, cfg, &measured)
+}
+
+/// The device `backend` runs on as a measured profile names it, without the measurement's
+/// concurrency: `cpu: AMD EPYC 7B13`, `NVIDIA H200 (CUDA, cc 9.0, fp32 GEMMs)`.
+///
+/// # Errors
+/// On CUDA: [`Error::CudaNotCompiled`], [`Error::NoDevice`].
+pub fn device_name(backend: &BackendConfig) -> Result<String> {
+    match backend.backend {
+        Backend::Cpu => Ok(format!("cpu: {}", profiler::cpu_name())),
+        Backend::Cuda => cuda_device_name(backend),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device_name(backend: &BackendConfig) -> Result<String> {
+    Ok(crate::cuda::profile::device_name(
+        &crate::cuda::probe()?,
+        backend.precision,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device_name(_: &BackendConfig) -> Result<String> {
+    Err(Error::CudaNotCompiled)
+}
+
+/// Why a measured `profile` may not predict a run on `backend` with `busy` threads (CPU) or
+/// streams per GPU (CUDA) busy at once, one sentence each: it was measured on another device,
+/// under another concurrency (ranks contend for cores and memory bandwidth, so a kernel's time
+/// depends on how many run at once), or one of its fits that weighs in a step is poor
+/// ([`Profile::poor_fits`], R² below [`MIN_FIT_R2`]). Empty for an analytic profile (it
+/// predicts no run here) or when nothing differs.
+pub fn condition_warnings(profile: &Profile, backend: &BackendConfig, busy: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    let p = &profile.provenance;
+    if p.source != ProfileSource::Measured {
+        return out;
+    }
+    if let Ok(here) = device_name(backend)
+        && !p.device.starts_with(&here)
+    {
+        out.push(format!(
+            "the profile was measured on `{}`, this run is on `{here}`: its times describe another device",
+            p.device
+        ));
+    }
+    if let Some(c) = p.concurrency
+        && c as usize != busy
+    {
+        let unit = match backend.backend {
+            Backend::Cpu => "thread(s)",
+            Backend::Cuda => "stream(s) per GPU",
+        };
+        out.push(format!(
+            "the profile was measured with {c} {unit} busy at once, this run keeps {busy} busy: kernels contend for cores and memory bandwidth differently (measure with `flatpipe profile --concurrency {busy}`)"
+        ));
+    }
+    for f in profile.poor_fits() {
+        out.push(format!(
+            "the profile's {} {:?} fit has R² {:.3}, below {MIN_FIT_R2}: that phase's predicted times are uncertain (measure again on an idle machine, or with the full grid)",
+            format!("{:?}", f.kind).to_lowercase(),
+            f.phase,
+            f.r2
+        ));
+    }
+    out
 }
 
 #[cfg(feature = "cuda")]
@@ -413,6 +480,45 @@ mod tests {
             init_on_device: true,
         };
         assert!(cuda.check().is_ok());
+    }
+
+    #[test]
+    fn a_profile_used_off_its_conditions_is_said_to_be() {
+        use flatpipe_profiles::{FitQuality, LayerKind, Phase, builtins};
+        let model = builtins::model("tiny").unwrap();
+        let hw = builtins::hardware("cpu").unwrap();
+        let mut p = flatpipe_profiles::analytic_profile(&model, &hw, &Default::default()).unwrap();
+        let cpu = BackendConfig::new(Backend::Cpu);
+        // An analytic profile predicts no run here: nothing to say.
+        assert!(condition_warnings(&p, &cpu, 2).is_empty());
+        p.provenance.source = ProfileSource::Measured;
+        p.provenance.device = format!("{} (1 thread per rank, 2 busy)", device_name(&cpu).unwrap());
+        p.provenance.concurrency = Some(2);
+        let fit = |kind, r2| FitQuality {
+            kind,
+            phase: Phase::F,
+            r2,
+            max_rel_residual: 0.1,
+            samples: 10,
+        };
+        // A poor fit of the embedding (microseconds of a step) is not worth a warning.
+        p.provenance.fits = vec![
+            fit(LayerKind::Embedding, 0.3),
+            fit(LayerKind::Decoder, 0.99),
+        ];
+        assert!(condition_warnings(&p, &cpu, 2).is_empty());
+        // Another concurrency, another device, a poor decoder fit: one sentence each.
+        p.provenance.fits.push(fit(LayerKind::Decoder, 0.9));
+        p.provenance.device = "cpu: another processor (1 thread per rank, 2 busy)".into();
+        let w = condition_warnings(&p, &cpu, 1);
+        assert_eq!(w.len(), 3, "{w:?}");
+        assert!(w[0].contains("another processor"), "{}", w[0]);
+        assert!(
+            w[1].contains("2 thread(s) busy at once, this run keeps 1"),
+            "{}",
+            w[1]
+        );
+        assert!(w[2].contains("decoder F fit has R² 0.900"), "{}", w[2]);
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -8,6 +8,7 @@ use crate::runner::{PreparedStep, Setup};
 use crate::{Error, Result};
 use flatpipe_profiles::Profile;
 use flatpipe_simulator::Timeline;
+use flatpipe_simulator::ir::{Action, ActionKind};
 
 /// One executed step beside its prediction.
 #[derive(Debug, Clone, PartialEq)]
@@ -20,6 +21,20 @@ pub struct StepComparison {
     pub predicted_bubbles: Vec<f64>,
     /// Measured bubble ratio of every rank ([`bubble_ratios`]).
     pub measured_bubbles: Vec<f64>,
+    /// Per phase, the busy seconds of replica 0's ranks, predicted and measured
+    /// ([`phase_busy_s`]): where a makespan error comes from (slower kernels, or waits).
+    pub phases: Vec<PhaseTime>,
+}
+
+/// The busy time of one phase over a replica's ranks in one step.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PhaseTime {
+    /// `F`, `I`, `W`, `B`, `Fo`, `F&B` (an overlapped pair) or `optimizer`.
+    pub phase: &'static str,
+    /// Predicted busy seconds, summed over the ranks.
+    pub predicted_s: f64,
+    /// Measured busy seconds, summed over the ranks.
+    pub measured_s: f64,
 }
 
 /// The measured steps of one setup, each beside its prediction.
@@ -56,6 +71,62 @@ impl Comparison {
     pub fn measured_bubbles(&self) -> Vec<f64> {
         per_rank_median(self.steps.iter().map(|s| &s.measured_bubbles))
     }
+
+    /// Per phase, the medians over the steps of the predicted and measured busy seconds.
+    pub fn phases(&self) -> Vec<PhaseTime> {
+        let mut out: Vec<PhaseTime> = Vec::new();
+        for name in PHASES {
+            let of = |pick: fn(&PhaseTime) -> f64| -> Vec<f64> {
+                self.steps
+                    .iter()
+                    .filter_map(|s| s.phases.iter().find(|p| p.phase == name).map(pick))
+                    .collect()
+            };
+            let (p, m) = (of(|p| p.predicted_s), of(|p| p.measured_s));
+            if !p.is_empty() {
+                out.push(PhaseTime {
+                    phase: name,
+                    predicted_s: median(p),
+                    measured_s: median(m),
+                });
+            }
+        }
+        out
+    }
+}
+
+/// The phases [`phase_busy_s`] reports, in order.
+const PHASES: [&str; 7] = ["F", "I", "W", "B", "Fo", "F&B", "optimizer"];
+
+/// Busy seconds per phase over ranks `0..ranks` of a timeline (compute actions by kind, an
+/// overlapped pair as `F&B`, and the optimizer step), in [`PHASES`] order, phases with no
+/// action left out.
+pub fn phase_busy_s(t: &Timeline, ranks: usize) -> Vec<(&'static str, f64)> {
+    let mut busy = [0u64; PHASES.len()];
+    for r in 0..ranks.min(t.num_ranks()) {
+        for op in &t.compute[r] {
+            let i = match op.action {
+                Action::Compute(c) => match c.kind {
+                    ActionKind::F => 0,
+                    ActionKind::I => 1,
+                    ActionKind::W => 2,
+                    ActionKind::B => 3,
+                    ActionKind::Fo => 4,
+                },
+                Action::Overlap(..) => 5,
+            };
+            busy[i] += op.end_ns.saturating_sub(op.start_ns);
+        }
+        if let Some(Some((a, b))) = t.optimizer.get(r) {
+            busy[6] += b.saturating_sub(*a);
+        }
+    }
+    PHASES
+        .iter()
+        .zip(busy)
+        .filter(|(_, ns)| *ns > 0)
+        .map(|(name, ns)| (*name, ns as f64 * 1e-9))
+        .collect()
 }
 
 /// Runs `warmup` unmeasured steps (allocator, page faults, caches), then `steps` measured ones,
@@ -88,11 +159,29 @@ pub fn measure_steps(
         let prepared: PreparedStep = setup.prepare(step)?;
         let run = exec.train_step(setup, &prepared)?;
         let p = prepared.predict(setup, profile)?;
+        let pp = setup.config.pp as usize;
+        let measured = phase_busy_s(&run.timeline, pp);
+        let phases = p
+            .timeline
+            .as_ref()
+            .map(|t| phase_busy_s(t, pp))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(phase, predicted_s)| PhaseTime {
+                phase,
+                predicted_s,
+                measured_s: measured
+                    .iter()
+                    .find(|(n, _)| *n == phase)
+                    .map_or(0.0, |(_, s)| *s),
+            })
+            .collect();
         out.push(StepComparison {
             predicted_makespan_s: p.makespan_s,
             measured_makespan_s: run.timeline.makespan_ns() as f64 * 1e-9,
             predicted_bubbles: p.bubbles,
             measured_bubbles: bubble_ratios(&run.timeline),
+            phases,
         });
     }
     Ok(Comparison { steps: out })
@@ -139,6 +228,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn busy_time_per_phase_sums_the_ranks_actions() {
+        use flatpipe_simulator::timeline::TimedOp;
+        let op = |kind, start_ns, end_ns| TimedOp {
+            action: Action::new(0, kind, 0),
+            start_ns,
+            end_ns,
+        };
+        let t = Timeline {
+            compute: vec![
+                vec![op(ActionKind::F, 0, 10), op(ActionKind::B, 20, 50)],
+                vec![op(ActionKind::F, 10, 25), op(ActionKind::B, 30, 40)],
+                // A third rank (another replica): left out with ranks = 2.
+                vec![op(ActionKind::F, 0, 1000)],
+            ],
+            transfers: Vec::new(),
+            optimizer: vec![Some((50, 60)), Some((50, 58)), None],
+        };
+        let got = phase_busy_s(&t, 2);
+        let want = [("F", 25e-9), ("B", 40e-9), ("optimizer", 18e-9)];
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        for ((n, s), (wn, ws)) in got.iter().zip(want) {
+            assert_eq!(*n, wn);
+            assert!((s - ws).abs() < 1e-18, "{n}: {s}");
+        }
+    }
+
+    #[test]
     fn medians_and_the_sign_of_the_error() {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
@@ -148,6 +264,11 @@ mod tests {
             measured_makespan_s: m,
             predicted_bubbles: pb.clone(),
             measured_bubbles: pb,
+            phases: vec![PhaseTime {
+                phase: "F",
+                predicted_s: p,
+                measured_s: m,
+            }],
         };
         let c = Comparison {
             steps: vec![
@@ -159,5 +280,13 @@ mod tests {
         // Medians 1.8 and 2.0: 10% under-predicted.
         assert!((c.rel_error() + 0.1).abs() < 1e-12);
         assert_eq!(c.predicted_bubbles(), vec![0.2, 0.4]);
+        assert_eq!(
+            c.phases(),
+            vec![PhaseTime {
+                phase: "F",
+                predicted_s: 1.8,
+                measured_s: 2.0
+            }]
+        );
     }
 }

@@ -20,6 +20,7 @@
 //!   interpreter's own overhead); `cuda` (feature `cuda`): the CUDA backend (NVRTC-compiled
 //!   kernels, cuBLAS GEMMs, each rank its own streams, transfers as device copies timed by
 //!   events).
+//! - [`alloc`]: the host allocator's policy (freed memory stays in the process).
 //! - [`backend`]: backend selection and [`AnyExecutor`], the dispatch over both backends
 //!   (without the `cuda` feature a stand-in that says so).
 //! - [`calibrate`]: measured steps beside the prediction of the schedules that ran.
@@ -27,6 +28,7 @@
 //!   and the tests compare against; [`verify`]: that comparison and its tolerances.
 #![deny(missing_docs)]
 
+pub mod alloc;
 pub mod backend;
 pub mod calibrate;
 pub mod cpu;

@@ -118,6 +118,9 @@ pub struct Prediction {
     pub makespan_s: f64,
     /// Replica 0's bubble ratio per rank, `1 - busy / makespan`.
     pub bubbles: Vec<f64>,
+    /// Replica 0's predicted timeline (its first round), to set beside the measured one action
+    /// by action; `None` when the step has no prediction.
+    pub timeline: Option<flatpipe_simulator::Timeline>,
 }
 
 impl PreparedStep {
@@ -144,11 +147,12 @@ impl PreparedStep {
         let outcome = plan
             .outcome(&setup.config, profile)
             .ok_or_else(|| Error::Invalid("the step has no prediction".into()))?;
-        let bubbles = plan
+        let first = plan
             .replicas
             .first()
             .and_then(|r| r.rounds.first())
-            .and_then(|r| r.prediction.as_ref())
+            .and_then(|r| r.prediction.as_ref());
+        let bubbles = first
             .map(|p| {
                 p.simulation
                     .metrics
@@ -161,6 +165,7 @@ impl PreparedStep {
         Ok(Prediction {
             makespan_s: outcome.step_time_s,
             bubbles,
+            timeline: first.map(|p| p.simulation.timeline.clone()),
         })
     }
 }

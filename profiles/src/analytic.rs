@@ -189,6 +189,7 @@ pub fn analytic_profile(
             grid: None,
             repetitions: None,
             fits: Vec::new(),
+            concurrency: None,
         },
     })
 }

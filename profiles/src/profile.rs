@@ -139,6 +139,11 @@ pub struct Provenance {
     /// Measured profiles: how well each fitted cost model matches its timings.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fits: Vec<FitQuality>,
+    /// Measured profiles: threads (CPU) or streams (CUDA) kept busy at once while measuring,
+    /// as the ranks of a run contend for cores and memory bandwidth. `None` in profiles written
+    /// before flatpipe recorded it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
 }
 
 /// The quality of one fitted cost model (one layer kind and phase) of a measured profile.
@@ -173,7 +178,32 @@ pub struct Profile {
     pub provenance: Provenance,
 }
 
+/// The R² below which a fitted cost model is called poor ([`Profile::poor_fits`]): a fit that
+/// explains less than 95% of its timings' variance predicts a step's time to within its
+/// residuals at best.
+pub const MIN_FIT_R2: f64 = 0.95;
+
 impl Profile {
+    /// The fits with R² below [`MIN_FIT_R2`] of the layer kinds that weigh in a step: those
+    /// whose layers take at least 5% of the model's forward time at 1,024 tokens in one
+    /// sequence (an embedding's microseconds are noise whatever its fit).
+    pub fn poor_fits(&self) -> Vec<&FitQuality> {
+        let (t, pairs) = (1024.0, 1024.0 * 1025.0 / 2.0);
+        let time = |kind: LayerKind| -> f64 {
+            self.layers
+                .iter()
+                .filter(|l| l.kind == kind)
+                .map(|l| l.f.time_s(t, pairs))
+                .sum()
+        };
+        let total: f64 = self.layers.iter().map(|l| l.f.time_s(t, pairs)).sum();
+        self.provenance
+            .fits
+            .iter()
+            .filter(|f| f.r2 < MIN_FIT_R2 && total > 0.0 && time(f.kind) >= 0.05 * total)
+            .collect()
+    }
+
     /// Parses and validates a profile file's text. `origin` names the file in errors.
     ///
     /// # Errors

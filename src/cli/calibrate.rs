@@ -66,6 +66,8 @@ struct Row {
     rel_error: f64,
     predicted_bubble_per_rank: Vec<f64>,
     measured_bubble_per_rank: Vec<f64>,
+    /// Busy seconds per phase over the ranks (medians), predicted and measured.
+    phases: Vec<executor::calibrate::PhaseTime>,
 }
 
 #[derive(Debug, Serialize)]
@@ -93,7 +95,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     }
     let model = builtins::model(&a.model)?;
     let workload = builtins::workload(&a.workload)?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let cores = cores() as u32;
     let pp = a.pp.unwrap_or(cores.clamp(1, 4));
     if pp == 0 {
         bail!("--pp = 0 is invalid: >= 1 rank");
@@ -127,6 +129,14 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
                     p.provenance.source,
                     p.provenance.device
                 );
+            }
+            // Each schedule runs pp ranks at once on this machine (spread over the GPUs).
+            let busy = match resolved {
+                executor::Backend::Cpu => pp as usize,
+                executor::Backend::Cuda => (pp as usize).div_ceil(backend.gpus),
+            };
+            for w in executor::backend::condition_warnings(&p, &backend, busy) {
+                tracing::warn!("{}: {w}", path.display());
             }
             (p, path.display().to_string())
         }
@@ -195,6 +205,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             rel_error: c.rel_error(),
             predicted_bubble_per_rank: c.predicted_bubbles(),
             measured_bubble_per_rank: c.measured_bubbles(),
+            phases: c.phases(),
         });
         bar.inc();
     }
@@ -226,6 +237,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
         "error",
         "bubble per rank: predicted",
         "measured",
+        "busy measured / predicted",
     ]);
     let list = |v: &[f64]| v.iter().map(|x| pct(*x)).collect::<Vec<_>>().join(" ");
     for r in &report.schedules {
@@ -239,6 +251,11 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             format!("{:+.1}%", 100.0 * r.rel_error),
             list(&r.predicted_bubble_per_rank),
             list(&r.measured_bubble_per_rank),
+            r.phases
+                .iter()
+                .map(|p| format!("{} {:.2}", p.phase, p.measured_s / p.predicted_s))
+                .collect::<Vec<_>>()
+                .join(" "),
         ]);
     }
     let notes = vec![format!(

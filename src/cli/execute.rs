@@ -176,6 +176,9 @@ struct ExecuteReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     median_abs_rel_error: Option<f64>,
     prediction: String,
+    /// Why the profile may not predict this run ([`executor::backend::condition_warnings`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    profile_warnings: Vec<String>,
 }
 
 /// One `--verify` row from the library's comparison.
@@ -535,7 +538,7 @@ fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
             "--verify checks against the fp32 CPU reference at fp32 tolerances (loss 1e-5, tensors 1e-4), which bf16 GEMM math does not meet: verify with --precision fp32"
         );
     }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = cores();
     if backend.backend == executor::Backend::Cpu && (dp * pp) as usize > cores {
         tracing::warn!(
             "{} ranks on {cores} cores: ranks will share cores, so measured times include the OS scheduler's time slicing",
@@ -655,6 +658,19 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         None
     };
     let predict = backend.backend.measured(&profile);
+    // Said before the steps run, as a user wants to know before trusting a prediction.
+    let profile_warnings = if predict {
+        let busy = match backend.backend {
+            executor::Backend::Cpu => ((dp * pp) as usize).min(cores()),
+            executor::Backend::Cuda => ((dp * pp) as usize).div_ceil(backend.gpus),
+        };
+        executor::backend::condition_warnings(&profile, &backend, busy)
+    } else {
+        Vec::new()
+    };
+    for w in &profile_warnings {
+        tracing::warn!("{w}");
+    }
     // Warm-up steps count on the bar: a long warm-up is work the user waits for.
     let bar = Progress::new(u64::from(a.steps) + u64::from(a.warmup_steps));
     let mut rows = Vec::with_capacity(a.steps as usize);
@@ -770,6 +786,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     let median_abs_rel_error = (!errors.is_empty()).then(|| montecarlo::Quantiles::of(&errors).p50);
     let prediction = prediction_note(predict, profile_arg.as_deref(), &profile, backend.backend);
     notes.push(prediction.clone());
+    notes.extend(profile_warnings.iter().map(|w| format!("warning: {w}")));
     let report = ExecuteReport {
         model: model.name.clone(),
         workload: workload.name.clone(),
@@ -781,6 +798,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         steps: rows,
         median_abs_rel_error,
         prediction,
+        profile_warnings,
     };
     let header = format!(
         "{} on the {} backend: {} dp={dp} pp={pp} v={v}, workload {} ({} step(s); {} stages, layers {})",

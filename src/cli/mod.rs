@@ -213,6 +213,11 @@ pub(crate) fn stdout_error(e: std::io::Error) -> anyhow::Error {
     }
 }
 
+/// Cores this process may run on (1 when unknown).
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 /// Memory this machine has available now (`MemAvailable` of /proc/meminfo), bytes; `None` where
 /// it cannot be read.
 fn available_memory_bytes() -> Option<f64> {
