@@ -40,7 +40,8 @@ pub(super) struct CalibrateArgs {
     /// Schedules to compare (default: all).
     #[arg(long, value_delimiter = ',')]
     schedule: Vec<String>,
-    /// Measured steps per schedule (after one warm-up step). Default 5 (3 with --quick).
+    /// Measured steps per schedule (each run once unmeasured first, to warm the memory it
+    /// needs). Default 5 (3 with --quick).
     #[arg(long)]
     steps: Option<u32>,
     /// Token budgets the planner may choose from (default 256,512,1024).
@@ -192,7 +193,8 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             profile: Some(Arc::clone(&profile)),
         };
         let mut exec = AnyExecutor::new(&backend, &setup)?;
-        // One warm-up step (allocator, page faults), not measured.
+        // The measured steps run once unmeasured first: their memory is then touched, as in
+        // training after its first steps (see measure_steps).
         let c = measure_steps(&mut exec, &setup, &profile, 1, u64::from(steps))?;
         rows.push(Row {
             schedule: kind.name().to_string(),
