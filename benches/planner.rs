@@ -12,7 +12,7 @@ use flatpipe::profiles::{
     AnalyticOptions, LayerGroup, LayerKind, ModelSpec, StepSize, analytic_profile, builtins,
 };
 use flatpipe::simulator::Placement;
-use flatpipe::simulator::costs::{Recompute, recompute_effect};
+use flatpipe::simulator::costs::{Recompute, input_bytes_per_token, recompute_effect};
 use std::hint::black_box;
 
 /// Layer costs of a Llama-70B-shaped model with `decoders` decoder layers (plus embedding and
@@ -66,13 +66,15 @@ fn layer_costs(decoders: u32) -> Vec<LayerCost> {
     profile
         .layers
         .iter()
-        .map(|l| {
+        .enumerate()
+        .map(|(j, l)| {
+            let input = input_bytes_per_token(&profile, j);
             let mut time_s = [0.0; 3];
             let mut act_bytes = [0.0; 3];
             for (i, &m) in Recompute::ALL.iter().enumerate() {
-                let (extra, ai, aw) = recompute_effect(l, m, t, a);
-                time_s[i] = l.f.time_s(t, a) + l.i.time_s(t, a) + l.w.time_s(t, a) + extra;
-                act_bytes[i] = ai + aw;
+                let e = recompute_effect(l, input, m, t, a);
+                time_s[i] = l.f.time_s(t, a) + l.i.time_s(t, a) + l.w.time_s(t, a) + e.extra_i_s;
+                act_bytes[i] = e.peak();
             }
             LayerCost {
                 time_s,

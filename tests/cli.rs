@@ -2421,8 +2421,8 @@ fn simulate_plan_compares_with_the_prediction_and_checks_provenance() {
 }
 
 /// A chosen plan within 2% of the memory limit on the sampled steps says so (zb-auto fills the
-/// limit by construction); the default plan (89% of the limit) does not. The note's figures
-/// are the table's.
+/// limit by construction); a 1F1B plan (well under the limit) does not. The note's figures are
+/// the table's.
 #[test]
 fn plan_notes_a_chosen_plan_without_memory_margin() {
     let dir = tempfile::tempdir().unwrap();
@@ -2457,7 +2457,11 @@ fn plan_notes_a_chosen_plan_without_memory_margin() {
         (need - table_need).abs() < 0.06 && (limit - table_limit).abs() < 0.06,
         "{line} / {row}"
     );
-    let o = flatpipe(dir.path(), &["plan", "--gantt", "none"]);
+    let o = flatpipe(
+        dir.path(),
+        &["plan", "--schedule", "1f1b", "--gantt", "none"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
     assert!(!String::from_utf8_lossy(&o.stdout).contains("busiest rank needs"));
 }
 

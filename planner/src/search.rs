@@ -20,7 +20,9 @@ use crate::partition::{
 };
 use crate::{Error, Result};
 use flatpipe_profiles::{Profile, StepSize, Workload};
-use flatpipe_simulator::costs::{Recompute, UniformCostSpec, UniformCosts, recompute_effect};
+use flatpipe_simulator::costs::{
+    Recompute, UniformCostSpec, UniformCosts, input_bytes_per_token, recompute_effect,
+};
 use flatpipe_simulator::metrics::stage_inflight_peaks;
 use flatpipe_simulator::montecarlo::{
     self, Capacity, RunConfig, ScheduleSource, Summary, allreduce_s, dp_shares,
@@ -603,17 +605,20 @@ fn plan_candidate(
     let layers = profile
         .layers
         .iter()
-        .map(|l| {
+        .enumerate()
+        .map(|(j, l)| {
+            let input = input_bytes_per_token(profile, j);
             let mut time_s = [0.0; 3];
             let mut act_bytes = [0.0; 3];
             for (mi, &m) in Recompute::ALL.iter().enumerate() {
-                let (extra, _, _) = recompute_effect(l, m, stats.mean_tokens, stats.mean_pairs);
+                let e = recompute_effect(l, input, m, stats.mean_tokens, stats.mean_pairs);
                 time_s[mi] = l.f.time_s(stats.mean_tokens, stats.mean_pairs)
                     + l.i.time_s(stats.mean_tokens, stats.mean_pairs)
                     + l.w.time_s(stats.mean_tokens, stats.mean_pairs)
-                    + extra;
-                let (_, act_i, act_w) = recompute_effect(l, m, act_tokens, 0.0);
-                act_bytes[mi] = act_i + act_w;
+                    + e.extra_i_s;
+                // An in-flight microbatch holds at most its peak (after F, or after I with
+                // what I recomputed); the simulated peak, which decides, is exact.
+                act_bytes[mi] = recompute_effect(l, input, m, act_tokens, 0.0).peak();
             }
             LayerCost {
                 time_s,

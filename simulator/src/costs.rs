@@ -55,6 +55,12 @@ pub trait CostModel: Sync {
     /// Activation memory one F of `stage` keeps for `mb`: (part freed by I, part freed by W),
     /// in [`CostModel::memory_unit`].
     fn activation(&self, stage: StageId, mb: MicrobatchId) -> (f64, f64);
+    /// Memory that I of `stage` recomputes for `mb` and that lives until W ends (the wgrad
+    /// inputs of a recomputed layer; in a fused B only while B runs), in
+    /// [`CostModel::memory_unit`]. 0 without recomputation.
+    fn recomputed(&self, _stage: StageId, _mb: MicrobatchId) -> f64 {
+        0.0
+    }
     /// Bytes of the output buffer an F of `stage` holds for `mb` until its transfer to the next
     /// stage completes (0 under uniform costs).
     fn output_bytes(&self, _stage: StageId, _mb: MicrobatchId) -> f64 {
@@ -239,6 +245,7 @@ struct Cell {
     bwd_comm: u64,
     act_i: f64,
     act_w: f64,
+    act_iw: f64,
     out_bytes: f64,
 }
 
@@ -253,14 +260,17 @@ pub enum Recompute {
     /// Keep everything: the profile's activation bytes, no extra time.
     #[default]
     None,
-    /// Keep the GEMM inputs wgrad needs and each layer's input; recompute the attention core
-    /// and the elementwise work in dgrad. Decoder layers keep `act_bytes_per_token_w` plus their
-    /// input (`output_bytes_per_token`); I gains the layer's forward attention time
-    /// (`c_attn * attn_pairs`). Other layers keep everything.
+    /// Megatron-LM's selective recomputation on decoder layers: F keeps the tensors only dgrad
+    /// needs (`act_bytes_per_token_i`: the GEMM outputs q, k, v, gate, up and the norms'
+    /// statistics) and drops the wgrad inputs (`act_bytes_per_token_w`: the normed inputs, the
+    /// attention core's output, the activation), which I recomputes (the attention forward,
+    /// `c_attn * attn_pairs`, and elementwise work) and which then live until W. Other layers
+    /// keep everything. This is what the executor's selective mode keeps
+    /// (`flatpipe_executor::model`).
     Selective,
-    /// Keep only each layer's input and rerun the whole forward in dgrad: every layer keeps
-    /// `output_bytes_per_token` per token (its input's size) and I gains the layer's forward
-    /// time. (The wgrad inputs that I recomputes live from I to W and are not counted.)
+    /// Keep only each layer's input (the previous layer's output) and rerun the whole forward
+    /// in dgrad: I gains the layer's forward time, and the wgrad inputs it recomputes live from
+    /// I until W (PyTorch issue #136766: under zero-bubble schedules that is most of a step).
     Full,
 }
 
@@ -269,29 +279,78 @@ impl Recompute {
     pub const ALL: &'static [Recompute] = &[Recompute::None, Recompute::Selective, Recompute::Full];
 }
 
-/// The per-layer (extra I seconds, act bytes freed by I, act bytes freed by W) of `mode` for a
-/// layer at `tokens` tokens and `pairs` attention pairs.
+/// What recomputation does to one layer of one microbatch: the time it adds to I and the bytes
+/// it keeps, by lifetime.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RecomputeEffect {
+    /// Seconds I gains (the recomputed forward work).
+    pub extra_i_s: f64,
+    /// Bytes kept from F until I ends.
+    pub act_i: f64,
+    /// Bytes kept from F until W ends.
+    pub act_w: f64,
+    /// Bytes I recomputes that live until W ends (the wgrad inputs of a recomputed layer).
+    pub act_iw: f64,
+}
+
+impl RecomputeEffect {
+    /// The most one microbatch holds at once: `act_i + act_w` after F, `act_w + act_iw` after
+    /// I.
+    pub fn peak(&self) -> f64 {
+        self.act_w + self.act_i.max(self.act_iw)
+    }
+}
+
+/// The effect of `mode` on layer `l` for a microbatch of `tokens` tokens and `pairs` attention
+/// pairs; `input_bytes_per_token` is what the layer's input holds per token (the previous
+/// layer's `output_bytes_per_token`; token ids for the first layer), which full recomputation
+/// keeps.
 pub fn recompute_effect(
     l: &flatpipe_profiles::LayerProfile,
+    input_bytes_per_token: f64,
     mode: Recompute,
     tokens: f64,
     pairs: f64,
-) -> (f64, f64, f64) {
+) -> RecomputeEffect {
     use flatpipe_profiles::LayerKind;
-    let input = l.output_bytes_per_token * tokens;
+    let (act_i, act_w) = (
+        l.act_bytes_per_token_i * tokens,
+        l.act_bytes_per_token_w * tokens,
+    );
     match (mode, l.kind) {
-        (Recompute::None, _) | (Recompute::Selective, LayerKind::Embedding | LayerKind::Head) => (
-            0.0,
-            l.act_bytes_per_token_i * tokens,
-            l.act_bytes_per_token_w * tokens,
-        ),
-        (Recompute::Selective, LayerKind::Decoder) => (
-            l.f.c_attn_s * pairs,
-            input,
-            l.act_bytes_per_token_w * tokens,
-        ),
-        (Recompute::Full, LayerKind::Embedding) => (0.0, 0.0, l.act_bytes_per_token_w * tokens),
-        (Recompute::Full, _) => (l.f.time_s(tokens, pairs), input, 0.0),
+        (Recompute::None, _) | (Recompute::Selective, LayerKind::Embedding | LayerKind::Head) => {
+            RecomputeEffect {
+                act_i,
+                act_w,
+                ..Default::default()
+            }
+        }
+        (Recompute::Selective, LayerKind::Decoder) => RecomputeEffect {
+            extra_i_s: l.f.c_attn_s * pairs,
+            act_i,
+            act_w: 0.0,
+            act_iw: act_w,
+        },
+        // The embedding keeps only its token ids, which the step holds anyway.
+        (Recompute::Full, LayerKind::Embedding) => RecomputeEffect {
+            act_w,
+            ..Default::default()
+        },
+        (Recompute::Full, _) => RecomputeEffect {
+            extra_i_s: l.f.time_s(tokens, pairs),
+            act_i: input_bytes_per_token * tokens,
+            act_w: 0.0,
+            act_iw: act_w,
+        },
+    }
+}
+
+/// What layer `j` of `profile` takes in per token: the previous layer's output, or 4-byte token
+/// ids for the first.
+pub fn input_bytes_per_token(profile: &Profile, j: usize) -> f64 {
+    match j.checked_sub(1) {
+        Some(prev) => profile.layers[prev].output_bytes_per_token,
+        None => 4.0,
     }
 }
 
@@ -406,13 +465,17 @@ impl TableCosts {
         for (s, r) in stages.iter().enumerate() {
             for (k, mb) in microbatches.iter().enumerate() {
                 let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
-                let (extra_i, act_i, act_w) =
-                    profile.layers[r.clone()]
-                        .iter()
-                        .fold((0.0, 0.0, 0.0), |acc, l| {
-                            let (x, i, w) = recompute_effect(l, mode(s), t, a);
-                            (acc.0 + x, acc.1 + i, acc.2 + w)
-                        });
+                let e = r.clone().fold(RecomputeEffect::default(), |acc, j| {
+                    let l = &profile.layers[j];
+                    let e = recompute_effect(l, input_bytes_per_token(profile, j), mode(s), t, a);
+                    RecomputeEffect {
+                        extra_i_s: acc.extra_i_s + e.extra_i_s,
+                        act_i: acc.act_i + e.act_i,
+                        act_w: acc.act_w + e.act_w,
+                        act_iw: acc.act_iw + e.act_iw,
+                    }
+                });
+                let (extra_i, act_i, act_w) = (e.extra_i_s, e.act_i, e.act_w);
                 cells[s * m + k] = Cell {
                     f: s_to_ns(phase_s(r, Phase::F, t, a)),
                     i: s_to_ns(phase_s(r, Phase::I, t, a) + extra_i),
@@ -429,6 +492,7 @@ impl TableCosts {
                     },
                     act_i,
                     act_w,
+                    act_iw: e.act_iw,
                     out_bytes: if s + 1 < stages.len() {
                         out_bytes(s, t)
                     } else {
@@ -512,6 +576,10 @@ impl CostModel for TableCosts {
         let c = self.cell(s, mb);
         (c.act_i, c.act_w)
     }
+    #[inline]
+    fn recomputed(&self, s: StageId, mb: MicrobatchId) -> f64 {
+        self.cell(s, mb).act_iw
+    }
     fn optimizer_ns(&self, rank: Rank) -> u64 {
         self.optimizer[rank.idx()]
     }
@@ -529,6 +597,91 @@ impl CostModel for TableCosts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ir::{Action, ActionKind, Placement, Schedule};
+    use crate::microbatch::Microbatch;
+
+    /// The peak activation bytes of rank 0 when one rank runs `actions` (stage 0, microbatches
+    /// of `tokens` tokens in one sequence) over layers `layers` of the tiny model's analytic
+    /// profile, recomputing per `mode`.
+    fn peak_of(layers: Range<usize>, mode: Recompute, actions: &[(ActionKind, u32)]) -> f64 {
+        let model = flatpipe_profiles::builtins::model("tiny").unwrap();
+        let hw = flatpipe_profiles::builtins::hardware("cpu").unwrap();
+        let profile =
+            flatpipe_profiles::analytic_profile(&model, &hw, &Default::default()).unwrap();
+        let placement = Placement::looped(1, 1);
+        let mbs = vec![
+            Microbatch {
+                seq_lens: vec![128],
+                shape: Default::default(),
+            };
+            2
+        ];
+        let costs = TableCosts::with_options(
+            &profile,
+            &[layers],
+            &placement,
+            &mbs,
+            &[],
+            &CostOptions {
+                recompute: &[mode],
+                first_rank: 0,
+            },
+        )
+        .unwrap();
+        let schedule = Schedule {
+            name: "by hand".into(),
+            placement,
+            num_microbatches: 2,
+            num_fo_microbatches: 0,
+            ranks: vec![
+                actions
+                    .iter()
+                    .map(|&(k, mb)| Action::new(0, k, mb))
+                    .collect(),
+            ],
+        };
+        let t = crate::replay::replay(&schedule, &costs).unwrap();
+        crate::metrics::metrics(&schedule, &costs, &t).ranks[0]
+            .peak_activation_bytes
+            .unwrap()
+    }
+
+    #[test]
+    fn recomputed_wgrad_inputs_live_from_i_to_w() {
+        // PyTorch issue #136766: under a zero-bubble order (W deferred), what I recomputes stays
+        // until W. One decoder layer, full recomputation, F0 F1 I0 I1 W0 W1 on one rank: F keeps
+        // each microbatch's input; I recomputes the wgrad inputs (act_w) and frees the input; W
+        // frees them. By hand, the peak is while I1 runs: act_w of microbatch 0 (kept for W0),
+        // act_w of microbatch 1 and microbatch 1's input (freed when I1 ends).
+        use ActionKind::{F, I, W};
+        let model = flatpipe_profiles::builtins::model("tiny").unwrap();
+        let hw = flatpipe_profiles::builtins::hardware("cpu").unwrap();
+        let p = flatpipe_profiles::analytic_profile(&model, &hw, &Default::default()).unwrap();
+        let (input, act_w) = (
+            p.layers[0].output_bytes_per_token * 128.0,
+            p.layers[1].act_bytes_per_token_w * 128.0,
+        );
+        assert!(act_w > input);
+        let zb = [(F, 0), (F, 1), (I, 0), (I, 1), (W, 0), (W, 1)];
+        let peak = peak_of(1..2, Recompute::Full, &zb);
+        assert!((peak - (input + 2.0 * act_w)).abs() < 1e-6, "{peak}");
+        // The head under full recomputation keeps its input (hidden states), not its 4-byte
+        // loss: F0 I0 W0 peaks at the input plus the recomputed wgrad inputs.
+        let head = model.layers().len() - 1;
+        let (h_input, h_w) = (
+            p.layers[head - 1].output_bytes_per_token * 128.0,
+            p.layers[head].act_bytes_per_token_w * 128.0,
+        );
+        let peak = peak_of(head..head + 1, Recompute::Full, &[(F, 0), (I, 0), (W, 0)]);
+        assert!((peak - (h_input + h_w)).abs() < 1e-6, "{peak}");
+        // Selective on a decoder keeps the dgrad-only tensors from F (act_i) and recomputes
+        // the wgrad inputs in I, as the executor does: same order, act_i of both microbatches,
+        // then act_w of both plus what microbatch 1 still holds.
+        let act_i = p.layers[1].act_bytes_per_token_i * 128.0;
+        let peak = peak_of(1..2, Recompute::Selective, &zb);
+        let want = (2.0 * act_i + act_w).max(act_i + 2.0 * act_w);
+        assert!((peak - want).abs() < 1e-6, "{peak} vs {want}");
+    }
 
     #[test]
     fn cost_spec_parses_and_rejects() {

@@ -233,9 +233,9 @@ fn greedy<C: CostModel>(
             }
             ActionKind::I => {
                 i_done[k] = true;
-                mem[r] -= costs
-                    .activation(StageId(s as u32), MicrobatchId(mb as u32))
-                    .0;
+                let (sid, mid) = (StageId(s as u32), MicrobatchId(mb as u32));
+                // I frees the dgrad-only part and holds what it recomputes until W.
+                mem[r] += costs.recomputed(sid, mid) - costs.activation(sid, mid).0;
                 if s > 0 {
                     let c = if placement.rank_of[s - 1].idx() == r {
                         0
@@ -249,9 +249,8 @@ fn greedy<C: CostModel>(
                 pending_w_stage[r].push(s);
             }
             ActionKind::W => {
-                mem[r] -= costs
-                    .activation(StageId(s as u32), MicrobatchId(mb as u32))
-                    .1;
+                let (sid, mid) = (StageId(s as u32), MicrobatchId(mb as u32));
+                mem[r] -= costs.activation(sid, mid).1 + costs.recomputed(sid, mid);
             }
             _ => unreachable!("the greedy emits F, I and W"),
         }
@@ -361,7 +360,8 @@ pub fn zb_auto<C: CostModel>(
         .flat_map(|s| {
             (0..m).map(move |mb| {
                 let (a, b) = costs.activation(StageId(s), MicrobatchId(mb));
-                a + b
+                let rec = costs.recomputed(StageId(s), MicrobatchId(mb));
+                b + a.max(rec)
             })
         })
         .fold(0.0, f64::max);
