@@ -99,7 +99,7 @@ impl Comparison {
 const PHASES: [&str; 7] = ["F", "I", "W", "B", "Fo", "F&B", "optimizer"];
 
 /// Busy seconds per phase over ranks `0..ranks` of a timeline (compute actions by kind, an
-/// overlapped pair as `F&B`, and the optimizer step), in [`PHASES`] order, phases with no
+/// overlapped pair as `F&B`, and the optimizer step), in the order F, I, W, B, Fo, F&B, optimizer, phases with no
 /// action left out.
 pub fn phase_busy_s(t: &Timeline, ranks: usize) -> Vec<(&'static str, f64)> {
     let mut busy = [0u64; PHASES.len()];

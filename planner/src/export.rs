@@ -254,7 +254,7 @@ pub fn megatron(plan: &Plan, profile: &Profile) -> Result<String> {
     Ok(out)
 }
 
-/// Megatron-LM's recomputation arguments closest to the plan's per-stage [`Recompute`] modes,
+/// Megatron-LM's recomputation arguments closest to the plan's per-stage [`flatpipe_simulator::costs::Recompute`] modes,
 /// and warnings where they differ. Megatron-LM applies one setting to every transformer layer
 /// (`megatron/core/transformer/transformer_config.py`, `TransformerConfig.__post_init__`:
 /// `selective` takes no `--recompute-method` nor `--recompute-num-layers`; `full` needs a method,

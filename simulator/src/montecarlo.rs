@@ -543,7 +543,7 @@ pub const BYTES_PER_STAGE_MICROBATCH: f64 = 1_200.0;
 
 /// Sequences drawn (from the step id `u64::MAX`, which no run samples) to estimate a
 /// workload's mean and longest length for [`estimated_memory_bytes`].
-const ESTIMATE_DRAWS: u32 = 4096;
+pub const ESTIMATE_DRAWS: u32 = 4096;
 
 /// A step's expected size under `size`, from [`ESTIMATE_DRAWS`] draws of `workload`:
 /// (sequences, mean length in tokens, longest length drawn in tokens).

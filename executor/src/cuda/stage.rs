@@ -8,7 +8,7 @@
 //! in a step waits on the host: microbatch data is uploaded before the step
 //! ([`StageWorker::prepare_step`]); a tensor that crosses ranks is copied after the sender's
 //! event and the receiving stream waits on the copy's event; losses stay on the device until the
-//! step ends ([`StageOutput::LossPending`]); actions and copies are timed by events on the rank's
+//! step ends ([`crate::worker::StageOutput::LossPending`]); actions and copies are timed by events on the rank's
 //! streams ([`DeviceClock`]).
 //!
 //! Weights: [`Init::Exact`] uploads the CPU backend's weights (same seed, same values: `--verify`
