@@ -529,10 +529,10 @@ fn profile_link(cfg: &ProfileConfig) -> Result<Link> {
 /// would look faster than a stage is).
 /// The optimizer's time per parameter: the global gradient norm then AdamW, on the first of
 /// `concurrency` contiguous parts of the model while `concurrency - 1` threads step the other
-/// parts, as the ranks of a pipeline all run their optimizer at the end of a step. AdamW reads
-/// and writes 16 bytes per parameter and is memory-bound: measured alone it came out 1.3-1.6x
-/// fast against the executor's steps on this project's 2-core machine (`flatpipe calibrate`'s
-/// busy-time column, 2026-12-01), the ranks sharing the memory bandwidth.
+/// parts, as the ranks of a pipeline all run their optimizer at the end of a step (AdamW reads
+/// and writes 16 bytes per parameter; the ranks share the memory bandwidth). On this project's
+/// 2-core machine (2026-12-01, `tiny`) the difference is small: 1.41 ns per parameter with the
+/// other rank stepping, 1.38 alone.
 fn profile_optimizer(model: &ModelSpec, reps: u32, concurrency: usize) -> Result<f64> {
     let n_layers = model.layers().len();
     let parts = concurrency.clamp(1, n_layers.max(1));
@@ -541,11 +541,17 @@ fn profile_optimizer(model: &ModelSpec, reps: u32, concurrency: usize) -> Result
     let n = crate::cpu::param_count(&stage) as f64;
     let opt = AdamW::default();
     let stop = Arc::new(AtomicBool::new(false));
+    // Timing starts once every other thread has built its part and is about to step it
+    // (building draws the weights, far longer than the timed rounds).
+    let built = Arc::new(std::sync::Barrier::new(parts));
     let others: Vec<_> = (1..parts)
         .map(|i| {
             let (m, range, stop) = (model.clone(), part(i), Arc::clone(&stop));
+            let built = Arc::clone(&built);
             std::thread::spawn(move || {
-                let Ok(mut st) = CpuStage::new(&m, range, i as u64, Recompute::None) else {
+                let stage = CpuStage::new(&m, range, i as u64, Recompute::None);
+                built.wait();
+                let Ok(mut st) = stage else {
                     return;
                 };
                 let opt = AdamW::default();
@@ -558,6 +564,7 @@ fn profile_optimizer(model: &ModelSpec, reps: u32, concurrency: usize) -> Result
             })
         })
         .collect();
+    built.wait();
     let mut times = Vec::new();
     for t in 1..=reps.max(3) as u64 + 1 {
         let s = Instant::now();
