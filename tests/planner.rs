@@ -359,7 +359,14 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
     // HiGHS stops at a relative gap of 1%, `(primal - dual) / primal <= 0.01`: its split is
     // within a factor 1 / 0.99 of the optimum (not 1.01, which a split 1.0100x off failed).
     let gap = 1.0 / (1.0 - 0.01);
-    for (b, h) in bnb.ranked.iter().zip(&highs.ranked) {
+    // The same candidate (layout and budget) in both rankings: their orders below the first
+    // may differ, so pairing by rank compared different candidates.
+    let layout =
+        |c: &flatpipe::planner::search::Candidate| (c.schedule, c.dp, c.pp, c.vpp, c.token_budget);
+    for b in &bnb.ranked {
+        let Some(h) = highs.ranked.iter().find(|h| layout(h) == layout(b)) else {
+            continue;
+        };
         if b.partition.optimal && h.partition.optimal {
             let (bs, hs) = (b.partition.bottleneck_s, h.partition.bottleneck_s);
             assert!(bs <= hs * (1.0 + 1e-9), "bnb {bs} highs {hs}");
