@@ -157,7 +157,7 @@ fn bench_search(c: &mut Criterion) {
         seed: 0,
         size: StepSize::Seqs(128),
         memory_limit_bytes: hw.memory_bytes as f64 - 4.0 * (1u64 << 30) as f64,
-        static_bytes: StaticBytes::default(),
+        state_bytes: None,
         rank_by: RankBy::Mean,
         keep: 5,
         exact_split: flatpipe::planner::partition::ExactSplit::Off,

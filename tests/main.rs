@@ -5,4 +5,5 @@ mod closed_forms;
 mod planner;
 mod properties;
 mod schedules;
+mod sharding;
 mod variable_length;

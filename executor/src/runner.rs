@@ -113,8 +113,8 @@ impl PreparedStep {
 /// The simulator's prediction of a prepared step: the replay of the schedules that run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prediction {
-    /// The slowest replica's makespan plus the data-parallel all-reduce
-    /// ([`flatpipe_simulator::montecarlo::allreduce_s`]), seconds.
+    /// The slowest replica's makespan with the data-parallel collectives
+    /// ([`flatpipe_simulator::step::StepPlan::step_time_with_collectives`]), seconds.
     pub makespan_s: f64,
     /// Replica 0's bubble ratio per rank, `1 - busy / makespan`.
     pub bubbles: Vec<f64>,
@@ -199,6 +199,12 @@ impl Setup {
         }
         if c.dp == 0 || c.pp == 0 {
             return Err(Error::Invalid("dp and pp must be >= 1".into()));
+        }
+        if c.dp > 1 && c.sharding != flatpipe_simulator::sharding::Sharding::Ddp {
+            return Err(Error::Unsupported(format!(
+                "sharding {}: the executor's replicas each hold the full weights, gradients and optimizer state (ddp); sharded data parallelism is priced by the simulator and the planner, not executed (set the plan's sharding to ddp to run it)",
+                c.sharding
+            )));
         }
         let placement = self.placement()?;
         if placement.rank_of.len() != c.stages.len() {

@@ -4,6 +4,7 @@
 use crate::{Error, Result};
 use flatpipe_profiles::{LayerKind, Profile};
 use flatpipe_simulator::ir::PlacementKind;
+use flatpipe_simulator::sharding::{DpGroup, Sharding};
 use flatpipe_simulator::{Plan, ScheduleKind};
 
 /// Whether torchtitan runs `plan` from a schedule CSV (its schedule has no torchtitan name:
@@ -70,7 +71,15 @@ pub fn torchtitan(
     let mut out = String::from("[parallelism]\n");
     out.push_str(&format!("pipeline_parallel_degree = {}\n", plan.pp));
     if let Some(dp) = plan.dp.filter(|d| *d > 1) {
-        out.push_str(&format!("data_parallel_replicate_degree = {dp}\n"));
+        let (replicate, shard, warning) = torchtitan_data_parallel(plan, profile, dp);
+        out.push_str(&format!("data_parallel_replicate_degree = {replicate}\n"));
+        out.push_str(&format!("data_parallel_shard_degree = {shard}\n"));
+        if plan.sharding == Sharding::FsdpPerMicrobatch {
+            out.push_str("fsdp_reshard_after_forward = \"always\"\n");
+        }
+        if let Some(w) = warning {
+            head.push_str(&format!("# warning: {w}\n"));
+        }
     }
     if torchtitan_needs_csv(plan) {
         if v_placed {
@@ -120,6 +129,47 @@ pub fn torchtitan(
     }
     out.push_str(&format!("\n[activation_checkpoint]\n{ac}"));
     Ok(head + &out)
+}
+
+/// torchtitan's data-parallel degrees for the plan's sharding over `dp` replicas,
+/// `(data_parallel_replicate_degree, data_parallel_shard_degree, warning)`. torchtitan 0.2.x
+/// runs FSDP2 when the shard degree is above 1 (HSDP when the replicate degree is too) and DDP
+/// only without other parallelism (`apply_ddp` raises "DDP has not supported > 1D
+/// parallelism"); it has no ZeRO-1 or ZeRO-2. `fsdp-mb` adds `fsdp_reshard_after_forward =
+/// "always"`; under PP torchtitan still reduces gradients at a stage's last backward (torch's
+/// pipeline stage), so the per-microbatch reduce-scatters are not what it runs (warned).
+pub fn torchtitan_data_parallel(
+    plan: &Plan,
+    profile: &Profile,
+    dp: u32,
+) -> (u32, u32, Option<String>) {
+    let fsdp_instead = |what: &str| {
+        Some(format!(
+            "torchtitan has no {what}: it runs FSDP over the same {dp} replicas instead (plan with --sharding fsdp to predict that)"
+        ))
+    };
+    match plan.sharding {
+        Sharding::Ddp if plan.pp > 1 => (
+            1,
+            dp,
+            fsdp_instead("DDP with pipeline parallelism (apply_ddp refuses more than one mesh dimension)"),
+        ),
+        Sharding::Ddp => (dp, 1, None),
+        Sharding::Zero1 => (1, dp, fsdp_instead("ZeRO-1")),
+        Sharding::Zero2 => (1, dp, fsdp_instead("ZeRO-2")),
+        Sharding::Fsdp => (1, dp, None),
+        Sharding::FsdpPerMicrobatch => (
+            1,
+            dp,
+            (plan.pp > 1).then(|| {
+                "fsdp-mb: torchtitan reshards after every forward (\"always\") but, under pipeline parallelism, reduce-scatters gradients once per step at each stage's last backward, not per microbatch".to_string()
+            }),
+        ),
+        Sharding::Hsdp => {
+            let g = DpGroup::of(Sharding::Hsdp, &profile.hardware, plan.pp, dp, 0);
+            (g.replicate, g.shard, None)
+        }
+    }
 }
 
 /// torchtitan's `[activation_checkpoint]` values closest to the plan's per-stage
@@ -241,7 +291,18 @@ pub fn megatron(plan: &Plan, profile: &Profile) -> Result<String> {
             plan.schedule, plan.schedule
         ));
     }
-    let (args, warnings) = megatron_recompute(plan, profile);
+    let (mut args, mut warnings) = megatron_recompute(plan, profile);
+    // Megatron-LM's sharded data parallelism under PP is its distributed optimizer (ZeRO-1,
+    // `--use-distributed-optimizer`); deeper sharding is warned.
+    if plan.dp.unwrap_or(1) > 1 && plan.sharding != Sharding::Ddp {
+        args.push("--use-distributed-optimizer".into());
+        if plan.sharding != Sharding::Zero1 {
+            warnings.push(format!(
+                "the plan shards as {}; Megatron-LM runs its distributed optimizer (ZeRO-1: optimizer state sharded, weights and gradients not), which holds more memory per rank (plan with --sharding zero1 to predict it)",
+                plan.sharding
+            ));
+        }
+    }
     for w in &warnings {
         out.push_str(&format!("# warning: {w}\n"));
     }

@@ -30,33 +30,9 @@ use good_lp::{
 };
 use std::ops::Range;
 
-/// Bytes per parameter kept for the whole step, split as the infeasibility report shows it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StaticBytes {
-    /// Weights (bf16: 2).
-    pub params: f64,
-    /// Gradients (bf16: 2).
-    pub grads: f64,
-    /// Optimizer state (mixed-precision AdamW: fp32 master, m and v, 12).
-    pub optimizer: f64,
-}
-
-impl Default for StaticBytes {
-    fn default() -> Self {
-        StaticBytes {
-            params: 2.0,
-            grads: 2.0,
-            optimizer: 12.0,
-        }
-    }
-}
-
-impl StaticBytes {
-    /// Total bytes per parameter.
-    pub fn total(&self) -> f64 {
-        self.params + self.grads + self.optimizer
-    }
-}
+/// Bytes per parameter kept for the whole step (the simulator's
+/// [`flatpipe_simulator::sharding::StateBytes`]), split as the infeasibility report shows it.
+pub use flatpipe_simulator::sharding::StateBytes as StaticBytes;
 
 /// One layer's costs for the partition.
 #[derive(Debug, Clone, PartialEq)]

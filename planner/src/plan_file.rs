@@ -67,6 +67,7 @@ pub fn candidate_plan(
         tokens_per_step: inputs.tokens_per_step,
         policy: Some(policy),
         recompute: c.partition.recompute.clone(),
+        sharding: c.sharding,
         forward_only: config.forward_only,
         seed: inputs.seed,
         predicted: Some(Predicted {

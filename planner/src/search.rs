@@ -1,23 +1,24 @@
-//! Plan search: enumerate (pp, v, schedule, token budget), split the layers for each, and
-//! evaluate the candidates with the simulator's Monte Carlo over sampled steps.
+//! Plan search: enumerate (pp, v, schedule, token budget, sharding), split the layers for each,
+//! and evaluate the candidates with the simulator's Monte Carlo over sampled steps.
 //!
 //! For every candidate:
-//! 1. `dp = ranks / pp` replicas, each taking its cost-balanced share of every step.
+//! 1. `dp = ranks / pp` replicas, each taking its cost-balanced share of every step, sharding
+//!    weights, gradients and optimizer state as the candidate's mode says
+//!    ([`flatpipe_simulator::sharding`]): bytes per parameter and the data-parallel collectives.
 //! 2. The schedule's peak in-flight microbatches per stage come from a replay of the
 //!    schedule (uniform costs, the largest sampled microbatch count).
 //! 3. [`crate::partition::solve`] splits the layers and picks recomputation under the memory
 //!    limit, with per-layer costs of a representative microbatch (mean tokens and attention
 //!    pairs of the sampled microbatches; activations at the token budget).
 //! 4. A lower bound on the mean step time: every replica's compute divided over its pp ranks
-//!    (no bubble), plus the gradient all-reduce. Candidates are evaluated in increasing order of
+//!    (no bubble), plus without a pipeline the step's data-parallel collectives (with one, a
+//!    rank's gradient reduction may hide in its cool-down bubble, so none is counted). Candidates are evaluated in increasing order of
 //!    this bound; once `keep` candidates are known, one whose bound is no better than the
 //!    `keep`-th best is pruned unevaluated.
 //! 5. Evaluation: the Monte Carlo on the same sampled steps; the simulated peak memory of every
 //!    rank (static + activations, largest over steps) must fit the limit.
 
-use crate::partition::{
-    ExactSplit, LayerCost, Partition, PartitionProblem, StaticBytes, solve_with,
-};
+use crate::partition::{ExactSplit, LayerCost, Partition, PartitionProblem, solve_with};
 use crate::{Error, Result};
 use flatpipe_profiles::{Profile, StepSize, Workload};
 use flatpipe_simulator::costs::{
@@ -25,9 +26,10 @@ use flatpipe_simulator::costs::{
 };
 use flatpipe_simulator::metrics::stage_inflight_peaks;
 use flatpipe_simulator::montecarlo::{
-    self, Capacity, RunConfig, ScheduleSource, Summary, allreduce_s, dp_shares,
+    self, Capacity, RunConfig, ScheduleSource, Summary, dp_shares,
 };
 use flatpipe_simulator::policy::{Policy, PolicyParams, batch};
+use flatpipe_simulator::sharding::{DpGroup, Sharding, StateBytes, StepCollectives};
 use flatpipe_simulator::{ScheduleKind, replay};
 use serde::Serialize;
 
@@ -48,6 +50,9 @@ pub struct SearchSpace {
     pub recompute: Vec<Recompute>,
     /// Microbatching policy.
     pub policy: Policy,
+    /// Data-parallel sharding modes to try (`hsdp` only where it differs from `fsdp`: a
+    /// data-parallel group across nodes).
+    pub sharding: Vec<Sharding>,
 }
 
 impl SearchSpace {
@@ -62,6 +67,12 @@ impl SearchSpace {
             token_budgets: vec![4096, 8192, 16_384, 32_768, 65_536, 131_072],
             recompute: Recompute::ALL.to_vec(),
             policy: Policy::FlatFfd,
+            sharding: vec![
+                Sharding::Ddp,
+                Sharding::Zero1,
+                Sharding::Fsdp,
+                Sharding::Hsdp,
+            ],
         }
     }
 }
@@ -86,8 +97,9 @@ pub struct SearchConfig {
     pub size: StepSize,
     /// Memory limit per rank, bytes.
     pub memory_limit_bytes: f64,
-    /// Bytes per parameter.
-    pub static_bytes: StaticBytes,
+    /// Bytes per parameter in place of each sharding mode's own (`None`: the mode's
+    /// mixed-precision layout).
+    pub state_bytes: Option<StateBytes>,
     /// Ranking statistic.
     pub rank_by: RankBy,
     /// How many evaluated candidates to keep (best and runners-up); pruning keeps this many.
@@ -112,6 +124,8 @@ pub struct Candidate {
     pub schedule: ScheduleKind,
     /// Token budget per microbatch.
     pub token_budget: u64,
+    /// How the replicas shard weights, gradients and optimizer state.
+    pub sharding: Sharding,
     /// Layer range of every stage.
     #[serde(skip)]
     pub partition: Partition,
@@ -138,21 +152,23 @@ impl Candidate {
     pub fn run_config(&self, policy: Policy, config: &SearchConfig) -> RunConfig {
         run_config(
             (self.schedule, self.dp, self.pp, self.vpp, self.token_budget),
+            self.sharding,
             &self.partition,
             policy,
             config,
         )
     }
 
-    /// `schedule pp=.. v=.. dp=.. budget=..`.
+    /// `schedule dp=.. pp=.. v=.. budget=.. sharding`.
     pub fn describe(&self) -> String {
         format!(
-            "{} dp={} pp={} v={} budget={}",
+            "{} dp={} pp={} v={} budget={} {}",
             self.schedule_name(),
             self.dp,
             self.pp,
             self.vpp,
-            self.token_budget
+            self.token_budget,
+            self.sharding
         )
     }
 
@@ -171,6 +187,7 @@ impl Candidate {
 /// recomputation ([`Candidate::run_config`]).
 fn run_config(
     (kind, dp, pp, v, budget): (ScheduleKind, u32, u32, u32, u64),
+    sharding: Sharding,
     partition: &Partition,
     policy: Policy,
     config: &SearchConfig,
@@ -184,6 +201,8 @@ fn run_config(
         Capacity::Dynamic,
     );
     run.dp = dp;
+    run.sharding = sharding;
+    run.state_bytes = config.state_bytes;
     run.recompute = partition.recompute.clone();
     run.memory_limit_bytes = Some(config.memory_limit_bytes);
     run.forward_only = config.forward_only;
@@ -216,16 +235,17 @@ pub fn plan_schedule(
     space.kinds = vec![kind];
     space.token_budgets = token_budgets.to_vec();
     space.recompute = vec![Recompute::None];
+    space.sharding = vec![Sharding::Ddp];
     let config = SearchConfig {
         steps: 16,
         seed: workload.seed,
         size,
         memory_limit_bytes: f64::INFINITY,
-        static_bytes: StaticBytes {
+        state_bytes: Some(StateBytes {
             params: 4.0,
             grads: 4.0,
             optimizer: 8.0,
-        },
+        }),
         rank_by: RankBy::Mean,
         keep: 1,
         exact_split: ExactSplit::Off,
@@ -258,6 +278,7 @@ pub struct SearchResult {
 }
 
 struct Pending {
+    sharding: Sharding,
     dp: u32,
     pp: u32,
     v: u32,
@@ -372,8 +393,7 @@ pub fn search(
             ));
             continue;
         }
-        // All-reduce lower bound: the slowest pipeline rank holds at least 1/pp of the gradients.
-        let ar_lb = allreduce_lb(profile, total_params / pp as f64, dp, pp);
+        let shardings = shardings_for(profile, space, pp, dp);
         for &budget in &space.token_budgets {
             let stats = batch_stats(profile, &steps, dp, space.policy, budget)?;
             let work_lb = stats.replica_work_s.iter().sum::<f64>()
@@ -397,21 +417,25 @@ pub fn search(
                     _ => vec![kind.stages_per_rank(None)?],
                 };
                 for v in vs {
-                    let what = format!("{kind} dp={dp} pp={pp} v={v} budget={budget}");
                     let s_count = (pp * v) as usize;
                     if s_count > n_layers {
+                        let what = format!("{kind} dp={dp} pp={pp} v={v} budget={budget}");
                         rejected.push((what, format!("{s_count} stages for {n_layers} layers")));
                         continue;
                     }
-                    pending.push(Pending {
-                        dp,
-                        pp,
-                        v,
-                        kind,
-                        budget,
-                        stats: stats_idx,
-                        lower_bound_s: work_lb + ar_lb,
-                    });
+                    for &sharding in &shardings {
+                        pending.push(Pending {
+                            sharding,
+                            dp,
+                            pp,
+                            v,
+                            kind,
+                            budget,
+                            stats: stats_idx,
+                            lower_bound_s: work_lb
+                                + collectives_lb(profile, sharding, pp, dp, total_params),
+                        });
+                    }
                 }
             }
         }
@@ -429,18 +453,17 @@ pub fn search(
             continue;
         }
         let what = format!(
-            "{} dp={} pp={} v={} budget={}",
-            c.kind, c.dp, c.pp, c.v, c.budget
+            "{} dp={} pp={} v={} budget={} {}",
+            c.kind, c.dp, c.pp, c.v, c.budget, c.sharding
         );
+        let state = state_bytes(profile, config, c.sharding, c.pp, c.dp);
         let partition = match plan_candidate(
             profile,
             space,
             config,
             &all_stats[c.stats],
-            c.pp,
-            c.v,
-            c.kind,
-            c.budget,
+            (c.pp, c.v, c.kind, c.budget),
+            state,
         ) {
             Ok(p) => p,
             Err(Error::InfeasibleMemory { explanation, .. }) => {
@@ -454,6 +477,7 @@ pub fn search(
         // zb-auto builds each step's schedule under the same memory limit.
         let run = run_config(
             (c.kind, c.dp, c.pp, c.v, c.budget),
+            c.sharding,
             &partition,
             space.policy,
             config,
@@ -506,9 +530,8 @@ pub fn search(
             vpp: c.v,
             schedule: c.kind,
             token_budget: c.budget,
-            lower_bound_s: c
-                .lower_bound_s
-                .max(lb_with_partition(profile, &partition, &c)),
+            sharding: c.sharding,
+            lower_bound_s: c.lower_bound_s,
             partition,
             summary: montecarlo::summarize(outcomes, c.dp * c.pp, profile.hardware.peak_flops),
             peak_memory_bytes: peak,
@@ -528,16 +551,29 @@ pub fn search(
         }
         // When the static state alone cannot fit even split over the most pipeline ranks
         // searched, that is the reason, before any candidate's details.
-        let max_pp = space.pp.iter().copied().max().unwrap_or(1).max(1);
-        let static_floor = total_params * config.static_bytes.total() / f64::from(max_pp);
-        if static_floor > config.memory_limit_bytes {
+        // The least any layout searched holds per rank: its state bytes per parameter over its
+        // pp ranks.
+        let mut least: Option<(f64, u32, u32, Sharding, f64)> = None;
+        for &pp in &space.pp {
+            let dp = space.ranks / pp.max(1);
+            for m in shardings_for(profile, space, pp, dp) {
+                let per_param = state_bytes(profile, config, m, pp, dp).total();
+                let bytes = total_params * per_param / f64::from(pp.max(1));
+                if least.is_none_or(|l| bytes < l.0) {
+                    least = Some((bytes, pp, dp, m, per_param));
+                }
+            }
+        }
+        if let Some((static_floor, pp, dp, m, per_param)) = least
+            && static_floor > config.memory_limit_bytes
+        {
             let gib = |b: f64| b / (1u64 << 30) as f64;
             reasons.insert(
                 0,
                 format!(
-                    "parameters, gradients and optimizer state alone need at least {:.1} GiB per rank even at pp = {max_pp} ({:.0} bytes per parameter, {:.2e} parameters), above the {:.1} GiB limit: more ranks or a larger memory limit",
+                    "parameters, gradients and optimizer state alone need at least {:.1} GiB per rank in every layout searched (the least: pp = {pp}, dp = {dp}, {m}: {:.2} bytes per parameter over {pp} rank(s), {:.2e} parameters), above the {:.1} GiB limit: more ranks, more sharding or a larger memory limit",
                     gib(static_floor),
-                    config.static_bytes.total(),
+                    per_param,
                     total_params,
                     gib(config.memory_limit_bytes)
                 ),
@@ -553,44 +589,59 @@ pub fn search(
     })
 }
 
-/// Ring all-reduce lower bound for `params` gradients (bf16) per pipeline rank over `dp`
-/// replicas (see [`allreduce_s`]).
-fn allreduce_lb(profile: &Profile, params: f64, dp: u32, pp: u32) -> f64 {
+/// The sharding modes to search for `pp` x `dp`: the space's, without `hsdp` where it is `fsdp`
+/// (every data-parallel group in one node) and `fsdp` is searched, and only `ddp` for dp = 1
+/// (nothing to shard).
+fn shardings_for(profile: &Profile, space: &SearchSpace, pp: u32, dp: u32) -> Vec<Sharding> {
     if dp <= 1 {
+        return vec![Sharding::Ddp];
+    }
+    space
+        .sharding
+        .iter()
+        .copied()
+        .filter(|&m| {
+            m != Sharding::Hsdp
+                || !space.sharding.contains(&Sharding::Fsdp)
+                || (0..pp).any(|r| {
+                    DpGroup::of(Sharding::Hsdp, &profile.hardware, pp, dp, r).replicate > 1
+                })
+        })
+        .collect()
+}
+
+/// Bytes per parameter of `sharding` on pipeline rank 0 of `pp` x `dp`, or the config's override.
+fn state_bytes(
+    profile: &Profile,
+    config: &SearchConfig,
+    sharding: Sharding,
+    pp: u32,
+    dp: u32,
+) -> StateBytes {
+    config.state_bytes.unwrap_or_else(|| {
+        let shard = DpGroup::of(sharding, &profile.hardware, pp, dp, 0).shard;
+        sharding.state_bytes(pp, shard)
+    })
+}
+
+/// A lower bound on the step's data-parallel collectives: without a pipeline, the one rank's
+/// reduction and all-gathers follow its compute ([`StepCollectives`]); with one, 0 (a rank's
+/// reduction may hide in its cool-down bubble).
+fn collectives_lb(profile: &Profile, sharding: Sharding, pp: u32, dp: u32, params: f64) -> f64 {
+    if pp > 1 {
         return 0.0;
     }
-    let g = profile.hardware.gpus_per_node as usize;
-    let spans_nodes = (dp as usize - 1) * pp as usize >= g;
-    let link = if spans_nodes {
-        &profile.hardware.inter_node
-    } else {
-        &profile.hardware.intra_node
-    };
-    2.0 * (dp as f64 - 1.0) * (link.alpha_s + params * 2.0 / (dp as f64 * link.beta_bytes_per_s))
+    let c = StepCollectives::of(sharding, &profile.hardware, pp, dp, 0, params);
+    c.before_first_forward_s + c.gradient_reduction_s + c.after_optimizer_s
 }
 
-/// The lower bound with the candidate's own split: its all-reduce replaces the even-split one.
-fn lb_with_partition(profile: &Profile, partition: &Partition, c: &Pending) -> f64 {
-    let placement = if c.kind.placement_for(c.v) == flatpipe_simulator::PlacementKind::V {
-        flatpipe_simulator::Placement::v_shape(c.pp)
-    } else {
-        flatpipe_simulator::Placement::looped(c.pp, c.v)
-    };
-    let total_params: f64 = profile.layers.iter().map(|l| l.param_count as f64).sum();
-    c.lower_bound_s - allreduce_lb(profile, total_params / c.pp as f64, c.dp, c.pp)
-        + allreduce_s(profile, &partition.stages, &placement, c.dp)
-}
-
-#[allow(clippy::too_many_arguments)]
 fn plan_candidate(
     profile: &Profile,
     space: &SearchSpace,
     config: &SearchConfig,
     stats: &BatchStats,
-    pp: u32,
-    v: u32,
-    kind: ScheduleKind,
-    budget: u64,
+    (pp, v, kind, budget): (u32, u32, ScheduleKind, u64),
+    state: StateBytes,
 ) -> Result<Partition> {
     let schedule = kind.generate(pp, v, stats.max_count)?;
     let uniform = replay::replay(
@@ -632,12 +683,12 @@ fn plan_candidate(
         placement: schedule.placement.clone(),
         inflight,
         memory_limit_bytes: config.memory_limit_bytes,
-        static_bytes: config.static_bytes,
+        static_bytes: state,
         modes: space.recompute.clone(),
     };
     // Quick reject: the static memory alone, spread perfectly over pp ranks, must fit.
     let static_total: f64 =
-        problem.layers.iter().map(|l| l.params as f64).sum::<f64>() * config.static_bytes.total();
+        problem.layers.iter().map(|l| l.params as f64).sum::<f64>() * state.total();
     if static_total / pp as f64 > config.memory_limit_bytes {
         let gib = |b: f64| b / (1u64 << 30) as f64;
         return Err(Error::InfeasibleMemory {

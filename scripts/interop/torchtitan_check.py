@@ -7,8 +7,11 @@ the way `run_train.sh --job.config_file` does (unknown fields and bad values are
 and the parsed values are checked against the plan file next to it: the pipeline degree, the
 schedule (a name torch's `get_schedule_class` knows, or a CSV whose every action torch's
 `_Action.from_str` parses, with one row per rank), one model part per stage, one packed row of
-the token budget per microbatch, and the activation checkpointing mode. Exits 1 on the first
-mismatch. Written for flatpipe's .ci/run (scripts/interop-check.sh).
+the token budget per microbatch, the activation checkpointing mode, and the data-parallel
+degrees: torchtitan's `ParallelDims` accepts them for dp x pp ranks, they are what the plan's
+sharding maps to (FSDP shard degree dp; HSDP replicate x shard; DDP replicate dp), and never
+DDP with a pipeline (torchtitan's `apply_ddp` refuses more than one mesh dimension). Exits 1 on
+the first mismatch. Written for flatpipe's .ci/run (scripts/interop-check.sh).
 """
 
 import csv
@@ -18,6 +21,7 @@ import sys
 import yaml
 from torch.distributed.pipelining.schedules import _Action, get_schedule_class
 from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
 
 
 def check(toml_path: str) -> None:
@@ -43,13 +47,35 @@ def check(toml_path: str) -> None:
     else:
         get_schedule_class(par.pipeline_parallel_schedule)
         schedule = par.pipeline_parallel_schedule
+    dp = plan.get("dp") or 1
+    sharding = plan.get("sharding", "ddp")
+    dims = ParallelDims(
+        dp_replicate=par.data_parallel_replicate_degree,
+        dp_shard=par.data_parallel_shard_degree,
+        cp=1,
+        tp=1,
+        pp=plan["pp"],
+        ep=1,
+        etp=1,
+        world_size=dp * plan["pp"],
+    )
+    assert dims.dp_replicate * dims.dp_shard == dp, (dims.dp_replicate, dims.dp_shard, dp)
+    if plan["pp"] > 1:
+        assert not (dims.dp_replicate > 1 and dims.dp_shard == 1), "DDP with PP"
+    if dp > 1 and sharding in ("fsdp", "fsdp-mb", "zero1", "zero2"):
+        assert (dims.dp_replicate, dims.dp_shard) == (1, dp), (sharding, dims)
+    if sharding == "hsdp" and dp > 1:
+        assert dims.dp_shard > 1, (sharding, dims)
+    if sharding == "fsdp-mb":
+        assert par.fsdp_reshard_after_forward == "always"
     modes = set(plan.get("recompute") or ["none"])
     expected = "full" if "full" in modes else "selective" if "selective" in modes else "none"
     assert cfg.activation_checkpoint.mode == expected, (cfg.activation_checkpoint.mode, expected)
     print(
         f"ok: {toml_path}: pp {par.pipeline_parallel_degree}, {schedule}, "
         f"{len(par.module_fqns_per_model_part)} parts, {cfg.training.local_batch_size} microbatches "
-        f"of {cfg.training.seq_len} tokens, activation checkpoint {cfg.activation_checkpoint.mode}"
+        f"of {cfg.training.seq_len} tokens, activation checkpoint {cfg.activation_checkpoint.mode}, "
+        f"dp {dp} {sharding}: replicate {dims.dp_replicate} x shard {dims.dp_shard}"
     )
 
 

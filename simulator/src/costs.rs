@@ -14,6 +14,7 @@
 
 use crate::ir::{ActionKind, ComputeAction, MicrobatchId, Placement, Rank, StageId};
 use crate::microbatch::Microbatch;
+use crate::sharding::{DpGroup, MicrobatchCollectives, Sharding, StateBytes, exposed_s};
 use crate::{Error, Result};
 use flatpipe_profiles::{Phase, Profile};
 use serde::{Deserialize, Serialize};
@@ -362,6 +363,14 @@ pub struct CostOptions<'a> {
     /// Global rank of pipeline rank 0 (a data-parallel replica's offset), which decides which
     /// transfers cross a node boundary.
     pub first_rank: usize,
+    /// How the data-parallel replicas shard their state: bytes per parameter and the
+    /// per-microbatch collectives ([`crate::sharding`]).
+    pub sharding: Sharding,
+    /// Data-parallel replicas (0 or 1: none).
+    pub dp: u32,
+    /// Bytes per parameter in place of the sharding mode's (e.g. the CPU executor's fp32
+    /// weights, gradients and AdamW moments, 16).
+    pub state_bytes: Option<StateBytes>,
 }
 
 /// Per (stage, microbatch) costs derived from a profile and the step's microbatches.
@@ -375,10 +384,6 @@ pub struct TableCosts {
     optimizer: Vec<u64>,
     static_bytes: Vec<f64>,
 }
-
-/// Bytes per parameter kept for the whole step under mixed-precision AdamW: bf16 weights (2),
-/// bf16 gradients (2), fp32 master weights, first and second moments (12).
-pub const MIXED_PRECISION_ADAM_BYTES_PER_PARAM: f64 = 16.0;
 
 impl TableCosts {
     /// Builds the table for `stages` (each a range of the profile's layer list), placed by
@@ -516,14 +521,48 @@ impl TableCosts {
         }
         let mut optimizer = vec![0u64; placement.num_ranks as usize];
         let mut static_bytes = vec![0.0; placement.num_ranks as usize];
+        let mut largest_layer = vec![0.0f64; placement.num_ranks as usize];
+        let pp = placement.num_ranks;
+        let state = opts
+            .state_bytes
+            .unwrap_or_else(|| {
+                let r0 = DpGroup::of(opts.sharding, &profile.hardware, pp, opts.dp, 0);
+                opts.sharding.state_bytes(pp, r0.shard)
+            })
+            .total();
         for (s, r) in stages.iter().enumerate() {
-            let params: u64 = profile.layers[r.clone()]
-                .iter()
-                .map(|l| l.param_count)
-                .sum();
+            let layers = &profile.layers[r.clone()];
+            let params: u64 = layers.iter().map(|l| l.param_count).sum();
             let rank = placement.rank_of[s].idx();
             optimizer[rank] += s_to_ns(params as f64 * profile.optimizer_s_per_param);
-            static_bytes[rank] += params as f64 * MIXED_PRECISION_ADAM_BYTES_PER_PARAM;
+            static_bytes[rank] += params as f64 * state;
+            for l in layers {
+                largest_layer[rank] = largest_layer[rank].max(l.param_count as f64);
+            }
+            // Per-microbatch collectives (ZeRO-2's gradient reduce-scatter, FSDP resharded per
+            // microbatch), prefetched layer by layer against the action's own compute.
+            let coll = MicrobatchCollectives::of(
+                opts.sharding,
+                &profile.hardware,
+                pp,
+                opts.dp,
+                rank as u32,
+                params as f64,
+            );
+            if coll != MicrobatchCollectives::default() {
+                let n = layers.len();
+                for c in &mut cells[s * m..(s + 1) * m] {
+                    let (f, i, w) = (ns_to_s(c.f), ns_to_s(c.i), ns_to_s(c.w));
+                    c.f += s_to_ns(exposed_s(f, coll.before_forward_s, n));
+                    c.i += s_to_ns(exposed_s(i, coll.before_backward_s, n));
+                    c.w += s_to_ns(exposed_s(w, coll.after_backward_s, n));
+                }
+            }
+        }
+        if opts.state_bytes.is_none() {
+            for (r, b) in static_bytes.iter_mut().enumerate() {
+                *b += opts.sharding.transient_bytes(pp, largest_layer[r]);
+            }
         }
         Ok(TableCosts {
             m,
@@ -624,7 +663,7 @@ mod tests {
             &[],
             &CostOptions {
                 recompute: &[mode],
-                first_rank: 0,
+                ..Default::default()
             },
         )
         .unwrap();

@@ -21,6 +21,8 @@
 //!   rank, and the lower bound.
 //! - [`gantt`], [`trace`]: charts and Perfetto traces of a [`Timeline`].
 //! - [`plan`]: the [`Plan`] file.
+//! - [`sharding`]: DDP, ZeRO-1/2, FSDP (per step under PP, or per microbatch) and HSDP: bytes
+//!   per parameter and the data-parallel collectives.
 //! - [`step`]: one step planned once ([`step::RunConfig`] -> [`step::StepPlan`]): what the
 //!   Monte Carlo, the planner, `execute` and `calibrate` consume.
 //!
@@ -51,6 +53,7 @@ pub mod plan;
 pub mod policy;
 pub mod pytorch_csv;
 pub mod replay;
+pub mod sharding;
 pub mod step;
 pub mod timeline;
 pub mod trace;

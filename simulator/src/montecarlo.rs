@@ -25,7 +25,6 @@ use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::fmt;
-use std::ops::Range;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -139,43 +138,6 @@ pub fn zb_auto_activation_limit(
 pub fn default_memory_limit(profile: &Profile) -> f64 {
     let memory = profile.hardware.memory_bytes as f64;
     memory - (4.0 * (1u64 << 30) as f64).min(memory / 8.0)
-}
-
-/// Ring all-reduce time of each pipeline rank's gradients over the `dp` replicas, seconds:
-/// `2 (dp - 1) (alpha + bytes / (dp * beta))` (Patarasuk and Yuan 2009), bytes = bf16 gradients
-/// of the rank's stages, on the inter-node link when the replicas of a pipeline rank span nodes
-/// (rank `d * pp + r` is replica d's pipeline rank r). The slowest pipeline rank counts; it is
-/// added after the pipeline's makespan (no overlap with the last backward is assumed).
-pub fn allreduce_s(
-    profile: &Profile,
-    stages: &[Range<usize>],
-    placement: &crate::ir::Placement,
-    dp: u32,
-) -> f64 {
-    if dp <= 1 {
-        return 0.0;
-    }
-    let pp = placement.num_ranks as usize;
-    let mut params = vec![0u64; pp];
-    for (s, r) in stages.iter().enumerate() {
-        params[placement.rank_of[s].idx()] += profile.layers[r.clone()]
-            .iter()
-            .map(|l| l.param_count)
-            .sum::<u64>();
-    }
-    let g = profile.hardware.gpus_per_node as usize;
-    (0..pp)
-        .map(|r| {
-            let same_node = (0..dp as usize).all(|d| (d * pp + r) / g == r / g);
-            let link = if same_node {
-                &profile.hardware.intra_node
-            } else {
-                &profile.hardware.inter_node
-            };
-            let bytes = params[r] as f64 * 2.0;
-            2.0 * (dp as f64 - 1.0) * (link.alpha_s + bytes / (dp as f64 * link.beta_bytes_per_s))
-        })
-        .fold(0.0, f64::max)
 }
 
 /// The predicted compute time (F + I + W over every layer, seconds) of a flat microbatch of

@@ -94,6 +94,10 @@ pub struct Plan {
     /// Activation recomputation per stage (none everywhere when absent).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recompute: Vec<crate::costs::Recompute>,
+    /// How the data-parallel replicas shard their state (`ddp`, `zero1`, `zero2`, `fsdp`,
+    /// `fsdp-mb`, `hsdp`; `ddp` when absent).
+    #[serde(default, skip_serializing_if = "is_ddp")]
+    pub sharding: crate::sharding::Sharding,
     /// Forward-only work each step carries (a frozen reference or teacher forward), planned with
     /// the training schedule.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -141,6 +145,10 @@ pub struct PlanProvenance {
     pub flatpipe_version: String,
 }
 
+fn is_ddp(s: &crate::sharding::Sharding) -> bool {
+    *s == crate::sharding::Sharding::Ddp
+}
+
 impl Plan {
     /// A plan of `schedule` on `pp` ranks over `stages` (layer ranges `[start, end)`, in stage
     /// order) on `workload` at the token budget `token_budget` (tokens), with the schedule's
@@ -177,6 +185,7 @@ impl Plan {
             tokens_per_step: None,
             policy: None,
             recompute: Vec::new(),
+            sharding: Default::default(),
             forward_only: None,
             seed: 0,
             predicted: None,
@@ -261,6 +270,7 @@ impl Plan {
         };
         c.dp = self.dp.unwrap_or(1);
         c.recompute = self.recompute.clone();
+        c.sharding = self.sharding;
         c.forward_only = self.forward_only;
         c.memory_limit_bytes = self.predicted.as_ref().map(|p| p.memory_limit_bytes);
         Ok(c)

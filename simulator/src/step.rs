@@ -14,16 +14,19 @@
 //! tensors to the [`StepPlan`]; it never derives a schedule of its own, so a prediction is the
 //! replay of the schedule that ran.
 
-use crate::costs::{CostModel, CostOptions, Recompute, TableCosts, UniformCostSpec, UniformCosts};
+use crate::costs::{
+    CostModel, CostOptions, Recompute, TableCosts, UniformCostSpec, UniformCosts, ns_to_s,
+};
 use crate::forward_only::{forward_only_pass, with_forward_only};
 use crate::generators::ScheduleKind;
 use crate::ir::{Placement, Rank, Schedule};
 use crate::microbatch::Microbatch;
 use crate::montecarlo::{
-    Capacity, ForwardOnlySpec, ScheduleSource, StepOutcome, allreduce_s, cached_schedule,
-    concat_rounds, dp_shares, merge_replicas, zb_auto_activation_limit,
+    Capacity, ForwardOnlySpec, ScheduleSource, StepOutcome, cached_schedule, concat_rounds,
+    dp_shares, merge_replicas, zb_auto_activation_limit,
 };
 use crate::policy::{Batched, Policy, PolicyParams, batch};
+use crate::sharding::{Sharding, StateBytes, StepCollectives};
 use crate::{Error, Result, Simulation, replay, simulate};
 use flatpipe_profiles::Profile;
 use std::ops::Range;
@@ -60,6 +63,12 @@ pub struct RunConfig {
     /// Forward-only work per replica and step (a frozen reference or teacher forward over the
     /// step's own microbatches, cycled to K).
     pub forward_only: Option<ForwardOnlySpec>,
+    /// How the `dp` replicas shard weights, gradients and optimizer state
+    /// ([`crate::sharding`]): memory per rank and the data-parallel collectives.
+    pub sharding: Sharding,
+    /// Bytes per parameter in place of the sharding mode's (`None`: the mode's mixed-precision
+    /// layout; the CPU executor sets its fp32 one).
+    pub state_bytes: Option<StateBytes>,
 }
 
 impl RunConfig {
@@ -85,6 +94,8 @@ impl RunConfig {
             recompute: Vec::new(),
             memory_limit_bytes: None,
             forward_only: None,
+            sharding: Sharding::Ddp,
+            state_bytes: None,
         }
     }
 
@@ -359,6 +370,9 @@ fn round_costs(
         &CostOptions {
             recompute: &config.recompute,
             first_rank,
+            sharding: config.sharding,
+            dp: config.dp,
+            state_bytes: config.state_bytes,
         },
     )?;
     Ok(if last { c } else { c.without_optimizer() })
@@ -494,9 +508,10 @@ impl ReplicaPlan {
 }
 
 impl StepPlan {
-    /// The step's predicted outcome: the slower replica's step time plus the data-parallel
-    /// all-reduce ([`crate::montecarlo::allreduce_s`]), tokens, FLOPs and busy time summed,
-    /// memory the larger. `None` without a prediction (planned without a profile).
+    /// The step's predicted outcome: the slower replica's step time with the data-parallel
+    /// collectives of the config's sharding ([`StepPlan::step_time_with_collectives`]), tokens,
+    /// FLOPs and busy time summed, memory the larger. `None` without a prediction (planned
+    /// without a profile).
     pub fn outcome(&self, config: &RunConfig, profile: &Profile) -> Option<StepOutcome> {
         let mut total: Option<StepOutcome> = None;
         for r in &self.replicas {
@@ -508,10 +523,71 @@ impl StepPlan {
         }
         let mut o = total?;
         if config.dp > 1 {
-            let placement = &self.replicas.first()?.rounds.first()?.schedule.placement;
-            o.step_time_s += allreduce_s(profile, &config.stages, placement, config.dp);
+            o.step_time_s = self.step_time_with_collectives(config, profile, o.step_time_s)?;
         }
         Some(o)
+    }
+
+    /// The step time `pipeline_s` (the slower replica's rounds, optimizer included) with the
+    /// per-step data-parallel collectives of `config.sharding` on every pipeline rank's own
+    /// timeline ([`StepCollectives`]): rank r's gradient reduction starts at its last compute
+    /// (the latest over replicas), then its optimizer, then its weight all-gather (ZeRO-1/2); the
+    /// step ends when the last rank is done. FSDP's all-gather before the first forward overlaps
+    /// the rank's wait for its first input and delays the step by what it does not hide:
+    /// `max(pipeline_s, max_r(end_r + reduce_r + opt_r + gather_r)) + max_r max(0, ag_r -
+    /// start_r)`. Seconds; `None` without a prediction.
+    pub fn step_time_with_collectives(
+        &self,
+        config: &RunConfig,
+        profile: &Profile,
+        pipeline_s: f64,
+    ) -> Option<f64> {
+        let placement = &self.replicas.first()?.rounds.first()?.schedule.placement;
+        let p = placement.num_ranks as usize;
+        let mut params = vec![0.0f64; p];
+        for (s, r) in config.stages.iter().enumerate() {
+            params[placement.rank_of[s].idx()] += profile.layers[r.clone()]
+                .iter()
+                .map(|l| l.param_count as f64)
+                .sum::<f64>();
+        }
+        let (mut end, mut start, mut opt) =
+            (vec![0.0f64; p], vec![f64::INFINITY; p], vec![0.0f64; p]);
+        for replica in &self.replicas {
+            let mut offset = 0u64;
+            let n = replica.rounds.len();
+            for (i, round) in replica.rounds.iter().enumerate() {
+                let tl = &round.prediction.as_ref()?.simulation.timeline;
+                for r in 0..p {
+                    if i == 0 {
+                        let first = tl.compute[r].first().map_or(0, |o| o.start_ns);
+                        start[r] = start[r].min(ns_to_s(first));
+                    }
+                    if i + 1 == n {
+                        let last = tl.compute[r].last().map_or(0, |o| o.end_ns);
+                        end[r] = end[r].max(ns_to_s(offset + last));
+                        if let Some((a, b)) = tl.optimizer[r] {
+                            opt[r] = opt[r].max(ns_to_s(b - a));
+                        }
+                    }
+                }
+                offset += tl.makespan_ns();
+            }
+        }
+        let (mut tail, mut delay) = (pipeline_s, 0.0f64);
+        for r in 0..p {
+            let c = StepCollectives::of(
+                config.sharding,
+                &profile.hardware,
+                config.pp,
+                config.dp,
+                r as u32,
+                params[r],
+            );
+            tail = tail.max(end[r] + c.gradient_reduction_s + opt[r] + c.after_optimizer_s);
+            delay = delay.max(c.before_first_forward_s - start[r]);
+        }
+        Some(tail + delay)
     }
 }
 

@@ -57,6 +57,10 @@ pub(super) struct PlanArgs {
     /// Recomputation modes the split may use per stage (default none,selective,full).
     #[arg(long, value_delimiter = ',')]
     recompute: Vec<String>,
+    /// Data-parallel sharding modes to try: ddp, zero1, zero2, fsdp, fsdp-mb, hsdp (default
+    /// ddp,zero1,fsdp,hsdp; hsdp only where the data-parallel group crosses nodes).
+    #[arg(long, value_delimiter = ',')]
+    sharding: Vec<String>,
     /// Sampled steps per candidate. Default 64.
     #[arg(long, default_value_t = 64)]
     steps: u32,
@@ -180,6 +184,15 @@ fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
             })
             .collect::<Result<_>>()?;
     }
+    if !a.sharding.is_empty() {
+        space.sharding = dedup(
+            a.sharding
+                .iter()
+                .map(|m| m.trim().parse::<sim::sharding::Sharding>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?,
+        );
+    }
     if a.keep == 0 {
         bail!("--keep = 0 is invalid: >= 1 plan");
     }
@@ -190,7 +203,7 @@ fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         seed,
         size,
         memory_limit_bytes: limit,
-        static_bytes: Default::default(),
+        state_bytes: None,
         rank_by: match a.rank_by {
             RankByArg::Mean => RankBy::Mean,
             RankByArg::P90 => RankBy::P90,
@@ -259,6 +272,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     } = resolve_search(&a)?;
     let result = search_with_progress(&profile, &workload, &space, &config)?;
     let best = &result.ranked[0];
+    let baseline = fsdp_baseline(&profile, &workload, &space, &config, best);
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let rows: Vec<PlanRow> = result
         .ranked
@@ -312,6 +326,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         space.policy,
     )?;
     let mut notes = sizing_notes(&a, &workload, seed, size, best, limit);
+    notes.push(baseline.note.clone());
     if let Some(path) = &a.output {
         profiles::write_atomic(path, plan.to_yaml()?.as_bytes())?;
         notes.push(format!(
@@ -373,6 +388,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             let doc = serde_json::json!({
                 "plans": rows,
                 "chosen": plan,
+                "fsdp_baseline": baseline.json,
                 "rejected": result.rejected.iter().map(|(w, r)| serde_json::json!({"candidate": w, "reason": r})).collect::<Vec<_>>(),
                 "export": export_inline,
             });
@@ -413,6 +429,68 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The no-pipeline FSDP configuration a torchtitan user runs first, against the chosen plan.
+struct Baseline {
+    /// One line for the notes.
+    note: String,
+    /// The baseline's candidate (`null` when it does not fit), for `--format json`.
+    json: serde_json::Value,
+}
+
+/// Searches the no-pipeline FSDP configuration (pp = 1, dp = every rank, torchtitan's default
+/// FSDP2: resharded per microbatch without a pipeline) over the same budgets, recomputation and
+/// memory limit, and says how much `best` gains or loses against it. Already the chosen plan,
+/// or impossible, it says so.
+fn fsdp_baseline(
+    profile: &Profile,
+    workload: &Workload,
+    space: &planner::search::SearchSpace,
+    config: &planner::search::SearchConfig,
+    best: &planner::search::Candidate,
+) -> Baseline {
+    use sim::sharding::Sharding;
+    let what = format!("no pipeline, FSDP over dp={}", space.ranks);
+    if best.pp == 1 && best.sharding == Sharding::Fsdp {
+        return Baseline {
+            note: format!(
+                "The chosen plan is the no-pipeline FSDP configuration ({what}) a torchtitan user runs first."
+            ),
+            json: serde_json::json!({"candidate": best.describe(), "mean_s": best.summary.step_time_s.mean, "chosen_vs_baseline": 0.0}),
+        };
+    }
+    let mut s = space.clone();
+    s.pp = vec![1];
+    s.sharding = vec![Sharding::Fsdp];
+    let mut c = config.clone();
+    c.keep = 1;
+    match planner::search::search(profile, workload, &s, &c, &|_, _| {}) {
+        Ok(r) if !r.ranked.is_empty() => {
+            let b = &r.ranked[0];
+            let (t_best, t_base) = (best.summary.step_time_s.mean, b.summary.step_time_s.mean);
+            let change = t_best / t_base - 1.0;
+            Baseline {
+                note: format!(
+                    "Against the no-pipeline FSDP configuration a torchtitan user runs first ({}: mean step {}): the chosen plan is {:.1}% {} ({}).",
+                    b.describe(),
+                    fmt_s(t_base),
+                    100.0 * change.abs(),
+                    if change <= 0.0 { "faster" } else { "slower" },
+                    fmt_s(t_best)
+                ),
+                json: serde_json::json!({"candidate": b.describe(), "mean_s": t_base, "chosen_vs_baseline": change}),
+            }
+        }
+        Ok(_) => Baseline {
+            note: format!("The no-pipeline FSDP configuration ({what}) has no feasible plan."),
+            json: serde_json::Value::Null,
+        },
+        Err(e) => Baseline {
+            note: format!("The no-pipeline FSDP configuration ({what}) does not fit: {e}"),
+            json: serde_json::Value::Null,
+        },
+    }
 }
 
 /// Runs the plan search with a progress bar once it takes over a second, logging what is
@@ -580,6 +658,7 @@ fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
         "pp",
         "v",
         "budget",
+        "sharding",
         "mean",
         "p90",
         "bubble",
@@ -605,6 +684,7 @@ fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
             c.pp.to_string(),
             c.vpp.to_string(),
             c.token_budget.to_string(),
+            c.sharding.to_string(),
             fmt_s(c.summary.step_time_s.mean),
             fmt_s(c.summary.step_time_s.p90),
             pct(c.summary.bubble_ratio_mean),

@@ -614,6 +614,7 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
                 if let Some(c) = &base {
                     combo.dp = c.dp;
                     combo.recompute = c.recompute.clone();
+                    combo.sharding = c.sharding;
                 }
                 combo.memory_limit_bytes = Some(limit);
                 // The options' forward-only work, else the plan's (an explicit 0 drops it).
