@@ -3,7 +3,7 @@
 
 use flatpipe::planner::search::{RankBy, SearchConfig, SearchSpace, search};
 use flatpipe::profiles::{Profile, StepSize, analytic_profile, builtins};
-use flatpipe::simulator::costs::{CostOptions, Recompute, TableCosts};
+use flatpipe::simulator::costs::{CostOptions, TableCosts};
 use flatpipe::simulator::ir::{ActionKind, ComputeAction, Rank};
 use flatpipe::simulator::microbatch::Microbatch;
 use flatpipe::simulator::montecarlo::{self, Capacity, RunConfig, ScheduleSource};

@@ -293,6 +293,8 @@ struct BatchStats {
     mean_tokens: f64,
     mean_pairs: f64,
     max_count: u32,
+    /// The most tokens any sampled microbatch computes.
+    max_tokens: f64,
     /// Per step: the largest replica's total F + I + W time over all layers, seconds.
     replica_work_s: Vec<f64>,
 }
@@ -321,6 +323,7 @@ fn batch_stats(
         ..Default::default()
     };
     let (mut n, mut t_sum, mut a_sum, mut max_count) = (0usize, 0.0, 0.0, 0u32);
+    let mut max_tokens = 0.0f64;
     let mut replica_work_s = Vec::with_capacity(steps.len());
     for seqs in steps {
         let mut worst = 0.0f64;
@@ -331,6 +334,7 @@ fn batch_stats(
             for mb in &b.microbatches {
                 let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
                 n += 1;
+                max_tokens = max_tokens.max(t);
                 t_sum += t;
                 a_sum += a;
                 work += c0 + tok * t + pair * a;
@@ -343,6 +347,7 @@ fn batch_stats(
         mean_tokens: t_sum / n.max(1) as f64,
         mean_pairs: a_sum / n.max(1) as f64,
         max_count: max_count.max(1),
+        max_tokens,
         replica_work_s,
     })
 }
@@ -457,73 +462,81 @@ pub fn search(
             c.kind, c.dp, c.pp, c.v, c.budget, c.sharding
         );
         let state = state_bytes(profile, config, c.sharding, c.pp, c.dp);
-        let partition = match plan_candidate(
-            profile,
-            space,
-            config,
-            &all_stats[c.stats],
-            (c.pp, c.v, c.kind, c.budget),
-            state,
-        ) {
-            Ok(p) => p,
-            Err(Error::InfeasibleMemory { explanation, .. }) => {
-                rejected.push((what, explanation));
-                progress(i + 1, total);
-                continue;
+        let stats = &all_stats[c.stats];
+        // Activations are reserved for microbatches of the token budget; a sequence longer than
+        // the budget makes a larger microbatch of its own. When the simulated peak then exceeds
+        // the limit, the split is solved once more reserving the longest sampled microbatch
+        // for every in-flight one (conservative), which may choose more recomputation.
+        let mut act_tokens = c.budget as f64;
+        let evaluation = loop {
+            let partition = match plan_candidate(
+                profile,
+                space,
+                config,
+                stats,
+                (c.pp, c.v, c.kind, act_tokens),
+                state,
+            ) {
+                Ok(p) => p,
+                Err(Error::InfeasibleMemory { explanation, .. }) => break Err(explanation),
+                Err(e) => return Err(e),
+            };
+            evaluated += 1;
+            // zb-auto builds each step's schedule under the same memory limit.
+            let run = run_config(
+                (c.kind, c.dp, c.pp, c.v, c.budget),
+                c.sharding,
+                &partition,
+                space.policy,
+                config,
+            );
+            let mc = match montecarlo::run(
+                profile,
+                workload,
+                config.seed,
+                config.size,
+                config.steps,
+                &[run],
+                &|| {},
+            ) {
+                Ok(mc) => mc,
+                // zb-auto finds no schedule under the limit on some step: a rejected candidate.
+                Err(e) if c.kind == ScheduleKind::ZbAuto => break Err(e.to_string()),
+                Err(e) => return Err(e.into()),
+            };
+            let outcomes = &mc.outcomes[0];
+            let mut peak = vec![0.0f64; c.pp as usize];
+            for o in outcomes {
+                for (r, m) in o.rank_memory_bytes.iter().enumerate() {
+                    peak[r] = peak[r].max(*m);
+                }
             }
-            Err(e) => return Err(e),
+            match peak
+                .iter()
+                .enumerate()
+                .find(|(_, m)| **m > config.memory_limit_bytes)
+            {
+                None => break Ok((partition, outcomes.clone(), peak)),
+                Some(_) if stats.max_tokens > act_tokens => act_tokens = stats.max_tokens,
+                Some((r, m)) => {
+                    let gib = |b: f64| b / (1u64 << 30) as f64;
+                    break Err(format!(
+                        "simulated peak on rank {r} is {:.1} GiB, over the limit {:.1} GiB",
+                        gib(*m),
+                        gib(config.memory_limit_bytes)
+                    ));
+                }
+            }
         };
-        evaluated += 1;
-        // zb-auto builds each step's schedule under the same memory limit.
-        let run = run_config(
-            (c.kind, c.dp, c.pp, c.v, c.budget),
-            c.sharding,
-            &partition,
-            space.policy,
-            config,
-        );
-        let mc = match montecarlo::run(
-            profile,
-            workload,
-            config.seed,
-            config.size,
-            config.steps,
-            &[run],
-            &|| {},
-        ) {
-            Ok(mc) => mc,
-            // zb-auto finds no schedule under the limit on some step: a rejected candidate.
-            Err(e) if c.kind == ScheduleKind::ZbAuto => {
-                progress(i + 1, total);
-                rejected.push((what, e.to_string()));
-                continue;
-            }
-            Err(e) => return Err(e.into()),
-        };
-        let outcomes = &mc.outcomes[0];
-        let mut peak = vec![0.0f64; c.pp as usize];
-        for o in outcomes {
-            for (r, m) in o.rank_memory_bytes.iter().enumerate() {
-                peak[r] = peak[r].max(*m);
-            }
-        }
         progress(i + 1, total);
-        if let Some((r, m)) = peak
-            .iter()
-            .enumerate()
-            .find(|(_, m)| **m > config.memory_limit_bytes)
-        {
-            let gib = |b: f64| b / (1u64 << 30) as f64;
-            rejected.push((
-                what,
-                format!(
-                    "simulated peak on rank {r} is {:.1} GiB, over the limit {:.1} GiB",
-                    gib(*m),
-                    gib(config.memory_limit_bytes)
-                ),
-            ));
-            continue;
-        }
+        let (partition, outcomes, peak) = match evaluation {
+            Ok(e) => e,
+            Err(reason) => {
+                rejected.push((what, reason));
+                continue;
+            }
+        };
+        let outcomes = &outcomes;
         let cand = Candidate {
             dp: c.dp,
             pp: c.pp,
@@ -640,7 +653,7 @@ fn plan_candidate(
     space: &SearchSpace,
     config: &SearchConfig,
     stats: &BatchStats,
-    (pp, v, kind, budget): (u32, u32, ScheduleKind, u64),
+    (pp, v, kind, act_tokens): (u32, u32, ScheduleKind, f64),
     state: StateBytes,
 ) -> Result<Partition> {
     let schedule = kind.generate(pp, v, stats.max_count)?;
@@ -652,7 +665,6 @@ fn plan_candidate(
         .into_iter()
         .map(f64::from)
         .collect();
-    let act_tokens = budget as f64;
     let layers = profile
         .layers
         .iter()

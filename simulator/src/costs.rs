@@ -56,9 +56,16 @@ pub trait CostModel: Sync {
     /// Activation memory one F of `stage` keeps for `mb`: (part freed by I, part freed by W),
     /// in [`CostModel::memory_unit`].
     fn activation(&self, stage: StageId, mb: MicrobatchId) -> (f64, f64);
+    /// What a fused B of `stage` holds of its recomputation for `mb` while it runs: it
+    /// recomputes layer by layer and frees each layer's wgrad inputs with that layer's weight
+    /// gradient, so one layer's at a time (the largest), as PyTorch's autograd backward does
+    /// (flatpipe's executor runs a B as the stage's I then its W, and holds them all); by
+    /// default all of [`CostModel::recomputed`].
+    fn recomputed_in_b(&self, stage: StageId, mb: MicrobatchId) -> f64 {
+        self.recomputed(stage, mb)
+    }
     /// Memory that I of `stage` recomputes for `mb` and that lives until W ends (the wgrad
-    /// inputs of a recomputed layer; in a fused B only while B runs), in
-    /// [`CostModel::memory_unit`]. 0 without recomputation.
+    /// inputs of a recomputed layer), in [`CostModel::memory_unit`]. 0 without recomputation.
     fn recomputed(&self, _stage: StageId, _mb: MicrobatchId) -> f64 {
         0.0
     }
@@ -247,6 +254,8 @@ struct Cell {
     act_i: f64,
     act_w: f64,
     act_iw: f64,
+    /// The largest one layer recomputes (a fused B frees each layer's before the next).
+    act_iw_layer: f64,
     out_bytes: f64,
 }
 
@@ -470,9 +479,11 @@ impl TableCosts {
         for (s, r) in stages.iter().enumerate() {
             for (k, mb) in microbatches.iter().enumerate() {
                 let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
+                let mut act_iw_layer = 0.0f64;
                 let e = r.clone().fold(RecomputeEffect::default(), |acc, j| {
                     let l = &profile.layers[j];
                     let e = recompute_effect(l, input_bytes_per_token(profile, j), mode(s), t, a);
+                    act_iw_layer = act_iw_layer.max(e.act_iw);
                     RecomputeEffect {
                         extra_i_s: acc.extra_i_s + e.extra_i_s,
                         act_i: acc.act_i + e.act_i,
@@ -498,6 +509,7 @@ impl TableCosts {
                     act_i,
                     act_w,
                     act_iw: e.act_iw,
+                    act_iw_layer,
                     out_bytes: if s + 1 < stages.len() {
                         out_bytes(s, t)
                     } else {
@@ -619,6 +631,10 @@ impl CostModel for TableCosts {
     fn recomputed(&self, s: StageId, mb: MicrobatchId) -> f64 {
         self.cell(s, mb).act_iw
     }
+    #[inline]
+    fn recomputed_in_b(&self, s: StageId, mb: MicrobatchId) -> f64 {
+        self.cell(s, mb).act_iw_layer
+    }
     fn optimizer_ns(&self, rank: Rank) -> u64 {
         self.optimizer[rank.idx()]
     }
@@ -719,6 +735,29 @@ mod tests {
         let act_i = p.layers[1].act_bytes_per_token_i * 128.0;
         let peak = peak_of(1..2, Recompute::Selective, &zb);
         let want = (2.0 * act_i + act_w).max(act_i + 2.0 * act_w);
+        assert!((peak - want).abs() < 1e-6, "{peak} vs {want}");
+    }
+
+    #[test]
+    fn fused_backward_recomputes_one_layer_at_a_time() {
+        // A fused B recomputes layer by layer and frees each layer's recomputed wgrad inputs
+        // with that layer's weight gradient: two decoder layers under selective recomputation,
+        // F0 B0 on one rank, peak while B runs = both layers' dgrad-only tensors kept by F plus
+        // one layer's recomputed wgrad inputs (not both layers', as a deferred W would need).
+        use ActionKind::{B, F};
+        let model = flatpipe_profiles::builtins::model("tiny").unwrap();
+        let hw = flatpipe_profiles::builtins::hardware("cpu").unwrap();
+        let p = flatpipe_profiles::analytic_profile(&model, &hw, &Default::default()).unwrap();
+        let (act_i, act_w) = (
+            p.layers[1].act_bytes_per_token_i * 128.0,
+            p.layers[1].act_bytes_per_token_w * 128.0,
+        );
+        assert_eq!(
+            p.layers[1].act_bytes_per_token_w,
+            p.layers[2].act_bytes_per_token_w
+        );
+        let peak = peak_of(1..3, Recompute::Selective, &[(F, 0), (B, 0)]);
+        let want = 2.0 * act_i + act_w;
         assert!((peak - want).abs() < 1e-6, "{peak} vs {want}");
     }
 

@@ -148,8 +148,9 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
 /// Activation memory events of each rank: `(time_ns, change)` in the cost model's unit, in time
 /// order (frees before allocations at equal times). An F allocates its stage's activations for
 /// the microbatch, and its output buffer when it sends to another rank, at its start; I
-/// allocates what it recomputes ([`CostModel::recomputed`]) at its start; I frees the part only
-/// dgrad needed, W the rest and the recomputed part, a fused B all of it, at their ends; an output buffer
+/// allocates what it recomputes ([`CostModel::recomputed`]; a fused B one layer's,
+/// [`CostModel::recomputed_in_b`]) at its start; I frees the part only dgrad needed, W the rest
+/// and the recomputed part, a fused B all of it, at their ends; an output buffer
 /// is freed when its transfer completes (a stage whose next stage is on the same rank hands its
 /// output over at the F's end).
 pub fn memory_events<C: CostModel>(
@@ -188,7 +189,11 @@ pub fn memory_events<C: CostModel>(
                 let (ai, aw) = costs.activation(a.stage, a.microbatch);
                 // What I recomputes exists from I's start until W ends (inside a fused B, only
                 // while B runs).
-                let rec = costs.recomputed(a.stage, a.microbatch);
+                let rec = if a.kind == ActionKind::B {
+                    costs.recomputed_in_b(a.stage, a.microbatch)
+                } else {
+                    costs.recomputed(a.stage, a.microbatch)
+                };
                 if rec > 0.0 && matches!(a.kind, ActionKind::I | ActionKind::B) {
                     ev.push((op.start_ns, rec));
                     unsorted[r] = true;
