@@ -2437,7 +2437,15 @@ fn plan_notes_a_chosen_plan_without_memory_margin() {
     let dir = tempfile::tempdir().unwrap();
     let o = flatpipe(
         dir.path(),
-        &["plan", "--schedule", "zb-auto", "--gantt", "none"],
+        &[
+            "plan",
+            "--schedule",
+            "zb-auto",
+            "--pp",
+            "2,4,8",
+            "--gantt",
+            "none",
+        ],
     );
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
@@ -2644,4 +2652,59 @@ fn a_plan_with_selective_recomputation_executes_and_verifies() {
     );
     assert_eq!(step["verify"]["within_tolerance"], true, "{step}");
     assert!(step["verify"]["grad_max_rel_diff"].as_f64().unwrap() <= 1e-4);
+}
+
+/// `plan` compares the chosen plan with the no-pipeline FSDP run a torchtitan user starts from
+/// (in words and in JSON), and `--sharding` refuses an unknown mode naming the flag and the
+/// allowed values.
+#[test]
+fn plan_compares_with_the_no_pipeline_fsdp_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "plan",
+        "--model",
+        "tiny",
+        "--hardware",
+        "cpu",
+        "--workload",
+        "tiny-chat",
+        "--ranks",
+        "2",
+        "--pp",
+        "2",
+        "--token-budgets",
+        "4096",
+        "--steps",
+        "4",
+        "--gantt",
+        "none",
+    ];
+    let o = flatpipe(dir.path(), &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("Against the no-pipeline FSDP configuration"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(line.contains("pp=1") && line.contains("fsdp"), "{line}");
+    let mut json_args = args.to_vec();
+    json_args.extend(["--format", "json"]);
+    let doc = json(&flatpipe(dir.path(), &json_args));
+    let base = &doc["fsdp_baseline"];
+    let chosen = doc["plans"][0]["summary"]["step_time_s"]["mean"]
+        .as_f64()
+        .unwrap();
+    let t = base["mean_s"].as_f64().unwrap();
+    let change = base["chosen_vs_baseline"].as_f64().unwrap();
+    assert!((change - (chosen / t - 1.0)).abs() < 1e-12, "{doc}");
+    let o = flatpipe(
+        dir.path(),
+        &["plan", "--sharding", "zero4", "--gantt", "none"],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(
+        err.contains("--sharding") && err.contains("zero4") && err.contains("fsdp-mb"),
+        "{err}"
+    );
 }

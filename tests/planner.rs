@@ -511,3 +511,64 @@ fn megatron_exports_pass_megatrons_argument_checks() {
         }
     }
 }
+
+/// The plan's sharding reaches both exports: torchtitan's data-parallel degrees (FSDP over the
+/// replicas, HSDP as shard within a node x replicate across nodes, warned where torchtitan runs
+/// FSDP instead), Megatron-LM's distributed optimizer (its only sharding under PP, warned where
+/// the plan shards more), and the Megatron arguments still pass Megatron's rules.
+#[test]
+fn exports_carry_the_sharding() {
+    use flatpipe::simulator::sharding::Sharding;
+    let prof = profile();
+    let stages = even_split(34, 2).unwrap();
+    let degrees = |text: &str| -> (u32, u32) {
+        let get = |key: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{key} = ")))
+                .unwrap_or_else(|| panic!("{key} in\n{text}"))
+                .parse()
+                .unwrap()
+        };
+        (
+            get("data_parallel_replicate_degree"),
+            get("data_parallel_shard_degree"),
+        )
+    };
+    for (m, dp, want, warned) in [
+        (Sharding::Fsdp, 4, (1, 4), false),
+        (Sharding::FsdpPerMicrobatch, 4, (1, 4), true),
+        // 16 ranks on 8-GPU nodes, pp = 2: 4 replicas of a pipeline rank per node.
+        (Sharding::Hsdp, 8, (2, 4), false),
+        (Sharding::Zero1, 4, (1, 4), true),
+        (Sharding::Ddp, 4, (1, 4), true),
+    ] {
+        let mut p = plan(ScheduleKind::OneFOneB, 2, &stages);
+        p.dp = Some(dp);
+        p.sharding = m;
+        let t = torchtitan(&p, &prof, 4, None).unwrap();
+        assert_eq!(degrees(&t), want, "{m}\n{t}");
+        assert_eq!(t.contains("# warning"), warned, "{m}\n{t}");
+        assert_eq!(
+            t.contains("fsdp_reshard_after_forward = \"always\""),
+            m == Sharding::FsdpPerMicrobatch
+        );
+        let args = megatron(&p, &prof).unwrap();
+        megatron_rules(&args, 2).unwrap_or_else(|e| panic!("{m}: {e}\n{args}"));
+        assert_eq!(
+            args.contains("--use-distributed-optimizer"),
+            m != Sharding::Ddp,
+            "{m}\n{args}"
+        );
+        assert_eq!(
+            args.contains("# warning"),
+            !matches!(m, Sharding::Ddp | Sharding::Zero1),
+            "{m}\n{args}"
+        );
+    }
+    // Without a pipeline torchtitan runs DDP: replicate degree dp, nothing to warn.
+    let mut p = plan(ScheduleKind::OneFOneB, 1, &even_split(34, 1).unwrap());
+    p.dp = Some(8);
+    let t = torchtitan(&p, &prof, 4, None).unwrap();
+    assert_eq!(degrees(&t), (8, 1), "{t}");
+    assert!(!t.contains("# warning"), "{t}");
+}

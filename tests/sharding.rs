@@ -214,8 +214,8 @@ fn gradient_reduction_starts_at_each_ranks_last_backward() {
     let mut want = 0.0f64;
     let mut pipeline = 0.0f64;
     let mut largest = 0.0f64;
-    for r in 0..2usize {
-        let p: f64 = prof.layers[stages[r].clone()]
+    for (r, stage) in stages.iter().enumerate() {
+        let p: f64 = prof.layers[stage.clone()]
             .iter()
             .map(|l| l.param_count as f64)
             .sum();

@@ -272,7 +272,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     } = resolve_search(&a)?;
     let result = search_with_progress(&profile, &workload, &space, &config)?;
     let best = &result.ranked[0];
-    let baseline = fsdp_baseline(&profile, &workload, &space, &config, best);
+    let baseline = fsdp_baseline(&profile, &workload, &space, &config, best, &result.ranked);
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let rows: Vec<PlanRow> = result
         .ranked
@@ -442,22 +442,49 @@ struct Baseline {
 /// Searches the no-pipeline FSDP configuration (pp = 1, dp = every rank, torchtitan's default
 /// FSDP2: resharded per microbatch without a pipeline) over the same budgets, recomputation and
 /// memory limit, and says how much `best` gains or loses against it. Already the chosen plan,
-/// or impossible, it says so.
+/// it says how the best pipelined plan (among `ranked`, else searched) compares; impossible, it
+/// says why.
 fn fsdp_baseline(
     profile: &Profile,
     workload: &Workload,
     space: &planner::search::SearchSpace,
     config: &planner::search::SearchConfig,
     best: &planner::search::Candidate,
+    ranked: &[planner::search::Candidate],
 ) -> Baseline {
     use sim::sharding::Sharding;
     let what = format!("no pipeline, FSDP over dp={}", space.ranks);
     if best.pp == 1 && best.sharding == Sharding::Fsdp {
+        // The best pipelined plan, against it: among the runners-up, else searched.
+        let piped = ranked.iter().find(|c| c.pp > 1).cloned().or_else(|| {
+            let mut s = space.clone();
+            s.pp.retain(|p| *p > 1);
+            let mut c = config.clone();
+            c.keep = 1;
+            planner::search::search(profile, workload, &s, &c, &|_, _| {})
+                .ok()
+                .and_then(|r| r.ranked.into_iter().next())
+        });
+        let t = best.summary.step_time_s.mean;
+        let versus = match &piped {
+            Some(p) => {
+                let tp = p.summary.step_time_s.mean;
+                format!(
+                    "; the best pipelined plan ({}: mean step {}) is {:.1}% {}",
+                    p.describe(),
+                    fmt_s(tp),
+                    100.0 * (tp / t - 1.0).abs(),
+                    if tp >= t { "slower" } else { "faster" }
+                )
+            }
+            None => "; no pipelined plan fits".into(),
+        };
         return Baseline {
             note: format!(
-                "The chosen plan is the no-pipeline FSDP configuration ({what}) a torchtitan user runs first."
+                "The chosen plan is the no-pipeline FSDP configuration a torchtitan user runs first ({what}){versus}."
             ),
-            json: serde_json::json!({"candidate": best.describe(), "mean_s": best.summary.step_time_s.mean, "chosen_vs_baseline": 0.0}),
+            json: serde_json::json!({"candidate": best.describe(), "mean_s": t, "chosen_vs_baseline": 0.0,
+                "best_pipelined": piped.as_ref().map(|p| serde_json::json!({"candidate": p.describe(), "mean_s": p.summary.step_time_s.mean}))}),
         };
     }
     let mut s = space.clone();
