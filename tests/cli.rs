@@ -2708,3 +2708,36 @@ fn plan_compares_with_the_no_pipeline_fsdp_run() {
         "{err}"
     );
 }
+
+/// The executor's replicas hold full state: a plan sharded over dp > 1 replicas is refused with
+/// the reason (sharding is priced and planned, not executed) and nothing runs.
+#[test]
+fn execute_refuses_a_sharded_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/cpu-tiny/plan.yaml"
+    ))
+    .unwrap();
+    let sharded = text
+        .replace("dp: 1\n", "dp: 2\nsharding: fsdp\n")
+        .replace("predicted:", "predicted_unused:");
+    let sharded = sharded
+        .split("predicted_unused:")
+        .next()
+        .unwrap()
+        .to_string();
+    std::fs::write(dir.path().join("s.yaml"), sharded).unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute", "--plan", "s.yaml", "--steps", "1", "--gantt", "none",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("sharding fsdp") && err.contains("not executed"),
+        "{err}"
+    );
+}

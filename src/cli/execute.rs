@@ -562,6 +562,7 @@ fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
     config.dp = dp;
     config.recompute = recompute.clone();
     config.params = params;
+    config.sharding = plan.as_ref().map(|p| p.sharding).unwrap_or_default();
     // The options' forward-only work, else the plan's (an explicit 0 drops it).
     config.forward_only = match a.fo.fo_microbatches {
         Some(_) => fo,
