@@ -878,6 +878,9 @@ fn a_profile_written_by_the_profiler_drives_simulate_plan_and_execute() {
             "4",
             "--token-budgets",
             "512",
+            // The executor runs unsharded replicas: plan what it runs.
+            "--sharding",
+            "ddp",
             "-o",
             "plan.yaml",
         ],
