@@ -21,9 +21,9 @@ trap 'rm -rf "$out"' EXIT
 "$bin" plan -o "$out/zbv.yaml" --export torchtitan --schedule zb-v --gantt "$out/g.png" >/dev/null
 "$bin" plan -o "$out/interleaved.yaml" --export torchtitan --schedule interleaved-1f1b \
     --recompute full --gantt "$out/g.png" >/dev/null
-# Two nodes, pp = 2 x dp = 8 sharded as HSDP (FSDP over a node's 4 replicas, 2 replicas of
+# Four nodes, pp = 2 x dp = 16 sharded as HSDP (FSDP over a node's 8 replicas, 2 replicas of
 # each shard across nodes), and FSDP resharded per microbatch.
-"$bin" plan -o "$out/hsdp.yaml" --export torchtitan --ranks 16 --pp 2 --sharding hsdp --steps 8 \
+"$bin" plan -o "$out/hsdp.yaml" --export torchtitan --ranks 32 --pp 2 --sharding hsdp --steps 8 \
     --gantt "$out/g.png" >/dev/null
 "$bin" plan -o "$out/fsdpmb.yaml" --export torchtitan --pp 2 --sharding fsdp-mb --steps 8 \
     --gantt "$out/g.png" >/dev/null

@@ -6,4 +6,5 @@ mod planner;
 mod properties;
 mod schedules;
 mod sharding;
+mod tensor_parallel;
 mod variable_length;

@@ -537,8 +537,8 @@ fn exports_carry_the_sharding() {
     for (m, dp, want, warned) in [
         (Sharding::Fsdp, 4, (1, 4), false),
         (Sharding::FsdpPerMicrobatch, 4, (1, 4), true),
-        // 16 ranks on 8-GPU nodes, pp = 2: 4 replicas of a pipeline rank per node.
-        (Sharding::Hsdp, 8, (2, 4), false),
+        // 32 ranks on 8-GPU nodes, pp = 2 x dp = 16: a pipeline rank's replicas span 2 nodes.
+        (Sharding::Hsdp, 16, (2, 8), false),
         (Sharding::Zero1, 4, (1, 4), true),
         (Sharding::Ddp, 4, (1, 4), true),
     ] {

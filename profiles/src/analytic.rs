@@ -30,8 +30,8 @@
 //! The gradient buffers dgrad produces for wgrad are not modelled.
 
 use crate::{
-    CostCoeffs, Error, Hardware, LayerKind, LayerProfile, ModelSpec, Profile, ProfileSource,
-    Provenance, Result,
+    CostCoeffs, Error, Hardware, LayerKind, LayerProfile, LayerShape, ModelSpec, Profile,
+    ProfileSource, Provenance, Result,
 };
 
 /// Assumptions of [`analytic_profile`].
@@ -169,6 +169,12 @@ pub fn analytic_profile(
                 output_bytes_per_token: out,
                 param_count: params,
                 param_bytes: params * model.dtype.bytes(),
+                shape: LayerShape {
+                    hidden: l.hidden,
+                    heads: l.heads,
+                    kv_heads: l.kv_heads,
+                    vocab: l.vocab,
+                },
             }
         })
         .collect();

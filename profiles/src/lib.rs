@@ -11,6 +11,8 @@
 //!   `t = c0 + c_tok * tokens + c_attn * attn_pairs` in seconds, activation and parameter bytes,
 //!   link costs and the optimizer-step time. [`analytic_profile`] derives one from a model and a
 //!   hardware by counting FLOPs; the profiler (executor crate) will measure one.
+//! - [`Profile::tensor_parallel`]: the profile of one GPU of a Megatron-style tensor-parallel
+//!   group (split compute, parameters and activations, the group's collectives).
 //! - [`Workload`]: how one step's sequence lengths are drawn (fixed, lognormal, or an empirical
 //!   sample such as the shipped ShareGPT token counts), seeded and reproducible.
 //!
@@ -29,6 +31,7 @@ mod error;
 mod hardware;
 mod model;
 mod profile;
+mod tensor_parallel;
 mod workload;
 mod yaml;
 
@@ -37,7 +40,8 @@ pub use error::{Error, Result};
 pub use hardware::{Hardware, Link};
 pub use model::{Dtype, Layer, LayerGroup, LayerKind, ModelSpec};
 pub use profile::{
-    CostCoeffs, FitQuality, LayerProfile, MIN_FIT_R2, Phase, Profile, ProfileSource, Provenance,
+    CostCoeffs, FitQuality, LayerProfile, LayerShape, MIN_FIT_R2, Phase, Profile, ProfileSource,
+    Provenance,
 };
 pub use workload::{LengthDistribution, StepSize, Workload};
 pub use yaml::{check_writable, read_to_string, write_atomic};

@@ -90,6 +90,35 @@ pub struct LayerProfile {
     pub param_count: u64,
     /// Bytes of the parameters in the model's dtype.
     pub param_bytes: u64,
+    /// The layer's shape where known (0: unknown), which tensor parallelism splits
+    /// ([`Profile::tensor_parallel`]).
+    #[serde(default, skip_serializing_if = "LayerShape::is_unknown")]
+    pub shape: LayerShape,
+}
+
+/// What tensor parallelism needs of a layer's shape (0 where unknown or not applicable).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerShape {
+    /// Hidden size H.
+    #[serde(default)]
+    pub hidden: u64,
+    /// Query heads (decoders).
+    #[serde(default)]
+    pub heads: u64,
+    /// Key-value heads (decoders).
+    #[serde(default)]
+    pub kv_heads: u64,
+    /// Vocabulary size (embedding and head).
+    #[serde(default)]
+    pub vocab: u64,
+}
+
+impl LayerShape {
+    /// Whether nothing is known.
+    pub fn is_unknown(&self) -> bool {
+        *self == LayerShape::default()
+    }
 }
 
 impl LayerProfile {

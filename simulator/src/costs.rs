@@ -14,7 +14,9 @@
 
 use crate::ir::{ActionKind, ComputeAction, MicrobatchId, Placement, Rank, StageId};
 use crate::microbatch::Microbatch;
-use crate::sharding::{DpGroup, MicrobatchCollectives, Sharding, StateBytes, exposed_s};
+use crate::sharding::{
+    DpGroup, MicrobatchCollectives, Sharding, StateBytes, exposed_s, global_rank,
+};
 use crate::{Error, Result};
 use flatpipe_profiles::{Phase, Profile};
 use serde::{Deserialize, Serialize};
@@ -369,9 +371,10 @@ pub fn input_bytes_per_token(profile: &Profile, j: usize) -> f64 {
 pub struct CostOptions<'a> {
     /// Recomputation per stage (empty: none anywhere).
     pub recompute: &'a [Recompute],
-    /// Global rank of pipeline rank 0 (a data-parallel replica's offset), which decides which
+    /// The data-parallel replica (0-based): pipeline rank r of replica d is global rank
+    /// `r * dp + d` ([`crate::sharding::global_rank`], Megatron's order), which decides which
     /// transfers cross a node boundary.
-    pub first_rank: usize,
+    pub replica: usize,
     /// How the data-parallel replicas shard their state: bytes per parameter and the
     /// per-microbatch collectives ([`crate::sharding`]).
     pub sharding: Sharding,
@@ -470,8 +473,9 @@ impl TableCosts {
         let out_bytes =
             |s: usize, t: f64| profile.layers[stages[s].end - 1].output_bytes_per_token * t;
         let link_ns = |s_from: usize, s_to: usize, bytes: f64| {
-            let a = opts.first_rank + placement.rank_of[s_from].idx();
-            let b = opts.first_rank + placement.rank_of[s_to].idx();
+            let dp = opts.dp.max(1) as usize;
+            let a = global_rank(placement.rank_of[s_from].idx(), opts.replica, dp);
+            let b = global_rank(placement.rank_of[s_to].idx(), opts.replica, dp);
             s_to_ns(profile.link(a, b).time_s(bytes))
         };
         let m = microbatches.len();

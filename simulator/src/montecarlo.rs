@@ -235,7 +235,7 @@ pub fn simulate_step(
     simulate_replica(profile, config, mbs, 0)
 }
 
-/// [`simulate_step`] for the replica whose pipeline rank 0 is global rank `first_rank`: the
+/// [`simulate_step`] for replica `replica` (0-based; see [`crate::sharding::global_rank`]): the
 /// replica's [`crate::step::plan_replica`] and its predicted outcome.
 ///
 /// # Errors
@@ -244,9 +244,9 @@ pub fn simulate_replica(
     profile: &Profile,
     config: &RunConfig,
     mbs: &[Microbatch],
-    first_rank: usize,
+    replica: usize,
 ) -> Result<(StepOutcome, Option<(Schedule, Simulation)>)> {
-    let plan = crate::step::plan_replica(config, Some(profile), mbs.to_vec(), first_rank)?;
+    let plan = crate::step::plan_replica(config, Some(profile), mbs.to_vec(), replica)?;
     let outcome = plan
         .outcome(config, profile)
         .expect("a replica planned with a profile is predicted");

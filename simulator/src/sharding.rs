@@ -229,18 +229,19 @@ pub struct DpGroup {
 }
 
 impl DpGroup {
-    /// The data-parallel group of pipeline rank `r` of `pp`, over `dp` replicas on `hw`: global
-    /// rank `d * pp + r` is replica d's pipeline rank r (Megatron's order, pipeline ranks
-    /// adjacent), `gpus_per_node` consecutive global ranks per node.
+    /// The data-parallel group of pipeline rank `r` of `pp`, over `dp` replicas on `hw`: replica
+    /// d's pipeline rank r is global rank `r * dp + d` ([`global_rank`]), `gpus_per_node`
+    /// consecutive global ranks per node.
     ///
     /// `hsdp` shards over the replicas of rank r in its node, `gcd(dp, replicas in the node)`,
     /// and replicates across nodes; the other modes shard over all `dp` replicas (1 for `ddp`).
     pub fn of(sharding: Sharding, hw: &Hardware, pp: u32, dp: u32, r: u32) -> DpGroup {
-        let g = u64::from(hw.gpus_per_node.max(1));
-        let (pp, dp, r) = (u64::from(pp.max(1)), u64::from(dp.max(1)), u64::from(r));
-        let node = |d: u64| (d * pp + r) / g;
+        let g = hw.gpus_per_node.max(1) as usize;
+        let (_pp, dp, r) = (pp.max(1) as usize, dp.max(1) as usize, r as usize);
+        let node = |d: usize| global_rank(r, d, dp) / g;
         let in_node = (0..dp).take_while(|&d| node(d) == node(0)).count() as u64;
-        let whole_link = if (0..dp).all(|d| node(d) == node(0)) {
+        let dp = dp as u64;
+        let whole_link = if (0..dp as usize).all(|d| node(d) == node(0)) {
             hw.intra_node.clone()
         } else {
             hw.inter_node.clone()
@@ -273,6 +274,15 @@ impl DpGroup {
             },
         }
     }
+}
+
+/// The global rank of replica `replica`'s pipeline rank `r` among `dp` replicas: `r * dp +
+/// replica`, Megatron-LM's order (`tp-cp-ep-dp-pp`: data-parallel ranks adjacent, pipeline
+/// ranks outermost; `megatron/core/parallel_state.py`, `RankGenerator`), with a rank here being
+/// one tensor-parallel group (see `flatpipe_profiles::Profile::tensor_parallel`). Ranks
+/// `gpus_per_node` apart share no node.
+pub fn global_rank(r: usize, replica: usize, dp: usize) -> usize {
+    r * dp.max(1) + replica
 }
 
 fn gcd(a: u64, b: u64) -> u64 {
@@ -448,17 +458,22 @@ mod tests {
 
     #[test]
     fn hsdp_shards_within_a_node() {
-        // 8 GPUs per node, pp = 2: 4 replicas of each pipeline rank per node; dp = 8 spans 2.
+        // 8 GPUs per node, Megatron's order (replicas adjacent): pp = 2 x dp = 8 puts each
+        // pipeline rank's 8 replicas in one node, so HSDP is FSDP there.
         let g = DpGroup::of(Sharding::Hsdp, &hw(8), 2, 8, 1);
-        assert_eq!((g.shard, g.replicate), (4, 2));
-        assert_eq!(g.shard_link, hw(8).intra_node);
-        // One node: HSDP is FSDP.
-        let g = DpGroup::of(Sharding::Hsdp, &hw(8), 2, 4, 0);
-        assert_eq!((g.shard, g.replicate), (4, 1));
-        // FSDP over the same 8 replicas crosses nodes.
-        let g = DpGroup::of(Sharding::Fsdp, &hw(8), 2, 8, 1);
         assert_eq!((g.shard, g.replicate), (8, 1));
+        assert_eq!(g.shard_link, hw(8).intra_node);
+        // pp = 2 x dp = 16 on 4 nodes: pipeline rank 1 is global ranks 16..32, two nodes: shard
+        // over a node's 8, 2 copies across nodes.
+        let g = DpGroup::of(Sharding::Hsdp, &hw(8), 2, 16, 1);
+        assert_eq!((g.shard, g.replicate), (8, 2));
+        assert_eq!(g.shard_link, hw(8).intra_node);
+        assert_eq!(g.replicate_link, hw(8).inter_node);
+        // FSDP over the same 16 replicas crosses nodes.
+        let g = DpGroup::of(Sharding::Fsdp, &hw(8), 2, 16, 1);
+        assert_eq!((g.shard, g.replicate), (16, 1));
         assert_eq!(g.shard_link, hw(8).inter_node);
+        assert_eq!(global_rank(1, 3, 16), 19);
     }
 
     #[test]

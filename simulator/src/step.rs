@@ -151,8 +151,9 @@ pub struct RoundPrediction {
 /// One data-parallel replica's share of a planned step.
 #[derive(Debug, Clone)]
 pub struct ReplicaPlan {
-    /// Global rank of the replica's pipeline rank 0 (`replica * pp`).
-    pub first_rank: usize,
+    /// The replica's index (its pipeline rank r is global rank `r * dp + replica`,
+    /// [`crate::sharding::global_rank`]).
+    pub replica: usize,
     /// The replica's microbatches, in order (flat `[T]` with `cu_seqlens`).
     pub microbatches: Vec<Microbatch>,
     /// The rounds, in order (one unless a fixed capacity overflowed).
@@ -212,14 +213,7 @@ pub fn plan_step(
     let replicas = cut
         .iter()
         .enumerate()
-        .map(|(d, b)| {
-            plan_replica(
-                config,
-                profile,
-                b.microbatches.clone(),
-                d * config.pp as usize,
-            )
-        })
+        .map(|(d, b)| plan_replica(config, profile, b.microbatches.clone(), d))
         .collect::<Result<_>>()?;
     Ok(StepPlan { step, replicas })
 }
@@ -251,7 +245,7 @@ fn training_schedule(
 /// capacity K, empty slots filling the last), each round's training schedule, its forward-only
 /// work (first round, fused by the same costs that predict it), and with `profile` the replay
 /// under the profile's costs of the round's slots (only the last round carries the optimizer
-/// step). `first_rank` is the global rank of the replica's pipeline rank 0.
+/// step). `replica` is the replica's index ([`crate::sharding::global_rank`]).
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for no microbatches; generation, cost-table, forward-only and
@@ -260,7 +254,7 @@ pub fn plan_replica(
     config: &RunConfig,
     profile: Option<&Profile>,
     microbatches: Vec<Microbatch>,
-    first_rank: usize,
+    replica: usize,
 ) -> Result<ReplicaPlan> {
     let p = config.pp;
     let n = microbatches.len() as u32;
@@ -309,7 +303,7 @@ pub fn plan_replica(
                 profile,
                 &placement,
                 (&slots, &fo),
-                first_rank,
+                replica,
                 round + 1 == rounds,
             )?),
             None => None,
@@ -344,21 +338,21 @@ pub fn plan_replica(
         });
     }
     Ok(ReplicaPlan {
-        first_rank,
+        replica,
         microbatches,
         rounds: out,
     })
 }
 
 /// The profile's costs of one round: its slots and forward-only microbatches on the
-/// replica whose pipeline rank 0 is global rank `first_rank`; only the `last` round carries the
+/// replica `replica` ([`crate::sharding::global_rank`]); only the `last` round carries the
 /// optimizer step.
 fn round_costs(
     config: &RunConfig,
     profile: &Profile,
     placement: &Placement,
     (slots, fo): (&[Microbatch], &[Microbatch]),
-    first_rank: usize,
+    replica: usize,
     last: bool,
 ) -> Result<TableCosts> {
     let c = TableCosts::with_options(
@@ -369,7 +363,7 @@ fn round_costs(
         fo,
         &CostOptions {
             recompute: &config.recompute,
-            first_rank,
+            replica,
             sharding: config.sharding,
             dp: config.dp,
             state_bytes: config.state_bytes,
@@ -420,7 +414,7 @@ impl StepPlan {
                     profile,
                     &round.schedule.placement,
                     (&round.slots, &round.fo),
-                    r.first_rank,
+                    r.replica,
                     i + 1 == n,
                 )?;
                 round.prediction = Some(predict_round(
