@@ -241,6 +241,25 @@ mod tests {
         let model = builtins::model("llama3.1-70b").unwrap();
         let n = model.param_count() as f64;
         assert!((n / 70.6e9 - 1.0).abs() < 0.005, "{n}");
+        // Llama-3.1-405B: 405,853,388,800 in its safetensors index (Hugging Face).
+        let model = builtins::model("llama3.1-405b").unwrap();
+        assert_eq!(model.param_count(), 405_853_388_800);
+    }
+
+    #[test]
+    fn every_builtin_hardware_loads_with_its_datasheet_peak() {
+        // Dense bf16 (datasheets, without sparsity) and memory as the driver reports it.
+        for (name, flops, mib) in [
+            ("h200", 989e12, 143_771u64),
+            ("h100", 989e12, 81_559),
+            ("a100", 312e12, 81_920),
+            ("b200", 2.25e15, 183_359),
+        ] {
+            let hw = builtins::hardware(name).unwrap();
+            assert_eq!(hw.peak_flops, flops, "{name}");
+            assert_eq!(hw.memory_bytes, mib << 20, "{name}");
+            assert_eq!(hw.gpus_per_node, 8, "{name}");
+        }
     }
 
     #[test]

@@ -14,12 +14,19 @@ pub const MODELS: &[(&str, &str)] = &[
         "llama3.1-70b",
         include_str!("../data/models/llama3.1-70b.yaml"),
     ),
+    (
+        "llama3.1-405b",
+        include_str!("../data/models/llama3.1-405b.yaml"),
+    ),
     ("tiny", include_str!("../data/models/tiny.yaml")),
 ];
 
 /// Built-in hardware names and their YAML.
 pub const HARDWARE: &[(&str, &str)] = &[
     ("h200", include_str!("../data/hardware/h200.yaml")),
+    ("h100", include_str!("../data/hardware/h100.yaml")),
+    ("a100", include_str!("../data/hardware/a100.yaml")),
+    ("b200", include_str!("../data/hardware/b200.yaml")),
     ("cpu", include_str!("../data/hardware/cpu.yaml")),
 ];
 
@@ -89,7 +96,8 @@ fn resolve<T>(
     }
 }
 
-/// A model: a YAML file path or a built-in name (`llama3.1-8b`, `llama3.1-70b`, `tiny`).
+/// A model: a YAML file path or a built-in name (`llama3.1-8b`, `llama3.1-70b`,
+/// `llama3.1-405b`, `tiny`).
 ///
 /// # Errors
 /// [`Error::Unknown`], or the file's read/parse/validation error.
@@ -103,7 +111,7 @@ pub fn model(arg: &str) -> Result<ModelSpec> {
     )
 }
 
-/// A hardware: a YAML file path or a built-in name (`h200`, `cpu`).
+/// A hardware: a YAML file path or a built-in name (`h200`, `h100`, `a100`, `b200`, `cpu`).
 ///
 /// # Errors
 /// [`Error::Unknown`], or the file's read/parse/validation error.
