@@ -23,8 +23,11 @@ trap 'rm -rf "$out"' EXIT
     --recompute full --gantt "$out/g.png" >/dev/null
 # Four nodes, pp = 2 x dp = 16 sharded as HSDP (FSDP over a node's 8 replicas, 2 replicas of
 # each shard across nodes), and FSDP resharded per microbatch.
-"$bin" plan -o "$out/hsdp.yaml" --export torchtitan --ranks 32 --pp 2 --sharding hsdp --steps 8 \
+"$bin" plan -o "$out/hsdp.yaml" --export torchtitan --ranks 32 --tp 1 --pp 2 --sharding hsdp --steps 8 \
     --gantt "$out/g.png" >/dev/null
 "$bin" plan -o "$out/fsdpmb.yaml" --export torchtitan --pp 2 --sharding fsdp-mb --steps 8 \
     --gantt "$out/g.png" >/dev/null
+# Llama-3.1-70B on 2 nodes with tensor parallelism inside each (tp = 8, pp = 2).
+"$bin" plan -o "$out/tp.yaml" --export torchtitan --model llama3.1-70b --ranks 16 --tp 8 --pp 2 \
+    --steps 8 --gantt "$out/g.png" >/dev/null
 (cd "$out" && "$OLDPWD/$venv/bin/python" "$OLDPWD/scripts/interop/torchtitan_check.py" .)

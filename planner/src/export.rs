@@ -70,6 +70,15 @@ pub fn torchtitan(
     );
     let mut out = String::from("[parallelism]\n");
     out.push_str(&format!("pipeline_parallel_degree = {}\n", plan.pp));
+    let (tp, sp) = plan.tensor_parallel();
+    if tp > 1 {
+        // torchtitan's tensor parallelism always shards the norms along the sequence and keeps
+        // the loss vocabulary-parallel (`parallelize_llama`: SequenceParallel, loss_parallel).
+        out.push_str(&format!("tensor_parallel_degree = {tp}\n"));
+        if !sp {
+            head.push_str("# warning: the plan has tensor parallelism without sequence parallelism; torchtitan always shards the norms along the sequence (less activation memory than planned)\n");
+        }
+    }
     if let Some(dp) = plan.dp.filter(|d| *d > 1) {
         let (replicate, shard, warning) = torchtitan_data_parallel(plan, profile, dp);
         out.push_str(&format!("data_parallel_replicate_degree = {replicate}\n"));
@@ -305,6 +314,13 @@ pub fn megatron(plan: &Plan, profile: &Profile) -> Result<String> {
     }
     for w in &warnings {
         out.push_str(&format!("# warning: {w}\n"));
+    }
+    let (tp, sp) = plan.tensor_parallel();
+    if tp > 1 {
+        out.push_str(&format!("--tensor-model-parallel-size {tp} \\\n"));
+        if sp {
+            out.push_str("--sequence-parallel \\\n");
+        }
     }
     out.push_str(&format!("--pipeline-model-parallel-size {} \\\n", plan.pp));
     out.push_str(&format!("--pipeline-model-parallel-layout \"{layout}\""));

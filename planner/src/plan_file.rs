@@ -68,6 +68,8 @@ pub fn candidate_plan(
         policy: Some(policy),
         recompute: c.partition.recompute.clone(),
         sharding: c.sharding,
+        tp: (c.tp > 1).then_some(c.tp),
+        sequence_parallel: (c.tp > 1).then_some(c.sequence_parallel),
         forward_only: config.forward_only,
         seed: inputs.seed,
         predicted: Some(Predicted {

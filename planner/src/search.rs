@@ -53,6 +53,12 @@ pub struct SearchSpace {
     /// Data-parallel sharding modes to try (`hsdp` only where it differs from `fsdp`: a
     /// data-parallel group across nodes).
     pub sharding: Vec<Sharding>,
+    /// Tensor-parallel degrees to try (empty: every divisor of the GPUs per node that divides
+    /// every decoder's heads and key-value heads, [`tensor_parallel_degrees`]); `ranks` counts
+    /// GPUs, so a candidate has `ranks / tp` ranks of `tp` GPUs each.
+    pub tp: Vec<u32>,
+    /// Sequence parallelism with tensor parallelism (Korthikanti et al. 2022).
+    pub sequence_parallel: bool,
 }
 
 impl SearchSpace {
@@ -73,6 +79,8 @@ impl SearchSpace {
                 Sharding::Fsdp,
                 Sharding::Hsdp,
             ],
+            tp: Vec::new(),
+            sequence_parallel: true,
         }
     }
 }
@@ -114,6 +122,11 @@ pub struct SearchConfig {
 /// One evaluated candidate.
 #[derive(Debug, Clone, Serialize)]
 pub struct Candidate {
+    /// Tensor-parallel degree: GPUs per rank (the candidate's profile is one GPU's,
+    /// [`Profile::tensor_parallel`]).
+    pub tp: u32,
+    /// Sequence parallelism with `tp > 1`.
+    pub sequence_parallel: bool,
     /// Data-parallel replicas.
     pub dp: u32,
     /// Pipeline ranks per replica.
@@ -159,11 +172,16 @@ impl Candidate {
         )
     }
 
-    /// `schedule dp=.. pp=.. v=.. budget=.. sharding`.
+    /// `schedule tp=.. dp=.. pp=.. v=.. budget=.. sharding` (`tp=..` only above 1).
     pub fn describe(&self) -> String {
         format!(
-            "{} dp={} pp={} v={} budget={} {}",
+            "{} {}dp={} pp={} v={} budget={} {}",
             self.schedule_name(),
+            if self.tp > 1 {
+                format!("tp={} ", self.tp)
+            } else {
+                String::new()
+            },
             self.dp,
             self.pp,
             self.vpp,
@@ -236,6 +254,7 @@ pub fn plan_schedule(
     space.token_budgets = token_budgets.to_vec();
     space.recompute = vec![Recompute::None];
     space.sharding = vec![Sharding::Ddp];
+    space.tp = vec![1];
     let config = SearchConfig {
         steps: 16,
         seed: workload.seed,
@@ -273,11 +292,25 @@ pub struct SearchResult {
     pub rejected: Vec<(String, String)>,
     /// Candidates pruned by their lower bound without evaluation.
     pub pruned: usize,
-    /// Candidates evaluated with the Monte Carlo.
+    /// Candidates evaluated with the Monte Carlo (screened, then in full where the screen did
+    /// not prune them).
     pub evaluated: usize,
+    /// zb-auto candidates not built: their layout was not a finalist's.
+    pub zb_auto_not_finalist: usize,
+    /// zb-auto finalists not built: [`ZB_AUTO_TIME_LIMIT_S`] had passed.
+    pub zb_auto_out_of_time: usize,
 }
 
+/// Seconds the search spends building zb-auto for its finalists before it skips the rest.
+pub const ZB_AUTO_TIME_LIMIT_S: f64 = 5.0;
+
+/// The marker of a candidate pruned by its screen (not a rejection).
+const SCREENED: &str = "pruned by its screen";
+
+#[derive(Clone)]
 struct Pending {
+    /// Index into the tensor-parallel profiles.
+    tpi: usize,
     sharding: Sharding,
     dp: u32,
     pp: u32,
@@ -359,7 +392,7 @@ fn batch_stats(
 /// [`Error::InvalidArgument`] for an empty space or a pp that does not divide the ranks;
 /// [`Error::NoFeasiblePlan`] (with the reasons) when nothing fits; simulator errors.
 pub fn search(
-    profile: &Profile,
+    base: &Profile,
     workload: &Workload,
     space: &SearchSpace,
     config: &SearchConfig,
@@ -367,6 +400,14 @@ pub fn search(
 ) -> Result<SearchResult> {
     if space.ranks == 0 {
         return Err(Error::invalid("ranks", 0, ">= 1"));
+    }
+    let tps = if space.tp.is_empty() {
+        tensor_parallel_degrees(base)
+    } else {
+        space.tp.clone()
+    };
+    if let Some(t) = tps.iter().find(|t| **t == 0) {
+        return Err(Error::invalid("tp", t, ">= 1 GPU per rank"));
     }
     if let Some(p) = space.pp.iter().find(|p| **p == 0 || space.ranks % **p != 0) {
         return Err(Error::invalid(
@@ -381,144 +422,198 @@ pub fn search(
     let steps: Vec<Vec<u32>> = (0..config.steps)
         .map(|i| workload.sample_step(config.seed, i as u64, config.size))
         .collect();
-    let n_layers = profile.layers.len();
+    let n_layers = base.layers.len();
     let mut rejected = Vec::new();
     let mut pending = Vec::new();
     let mut all_stats = Vec::new();
-    let total_params: f64 = profile.layers.iter().map(|l| l.param_count as f64).sum();
     let fewest_seqs = steps.iter().map(Vec::len).min().unwrap_or(0);
-    for &pp in &space.pp {
-        let dp = space.ranks / pp;
-        if fewest_seqs < dp as usize {
+    let mut profiles: Vec<(u32, Profile)> = Vec::new();
+    for tp in tps {
+        if space.ranks % tp != 0 {
             rejected.push((
-                format!("dp={dp} pp={pp}"),
+                format!("tp={tp}"),
+                format!("{tp} GPUs per rank do not divide the {} GPUs", space.ranks),
+            ));
+            continue;
+        }
+        match base.tensor_parallel(tp, space.sequence_parallel) {
+            Ok(p) => profiles.push((tp, p)),
+            Err(e) => rejected.push((format!("tp={tp}"), e.to_string())),
+        }
+    }
+    for (tpi, (tp, profile)) in profiles.iter().enumerate() {
+        let (tp, ranks) = (*tp, space.ranks / *tp);
+        for &pp in space.pp.iter().filter(|&&pp| ranks % pp == 0) {
+            let dp = ranks / pp;
+            let tp_prefix = if tp > 1 {
+                format!("tp={tp} ")
+            } else {
+                String::new()
+            };
+            if fewest_seqs < dp as usize {
+                rejected.push((
+                format!("{tp_prefix}dp={dp} pp={pp}"),
                 format!(
                     "{dp} replicas, but a sampled step has only {fewest_seqs} sequence(s): a replica would get none"
                 ),
             ));
-            continue;
-        }
-        let shardings = shardings_for(profile, space, pp, dp);
-        for &budget in &space.token_budgets {
-            let stats = batch_stats(profile, &steps, dp, space.policy, budget)?;
-            let work_lb = stats.replica_work_s.iter().sum::<f64>()
-                / stats.replica_work_s.len().max(1) as f64
-                / pp as f64;
-            all_stats.push(stats);
-            let stats_idx = all_stats.len() - 1;
-            // pp = 1 is no pipeline: one rank runs F then B of each microbatch in turn
-            // (gradient accumulation), whatever the schedule; one candidate, as 1F1B on one stage.
-            let kinds: Vec<ScheduleKind> = if pp == 1 {
-                vec![ScheduleKind::OneFOneB]
-            } else {
-                space.kinds.clone()
-            };
-            for &kind in &kinds {
-                let vs: Vec<u32> = match kind {
-                    _ if pp == 1 => vec![1],
-                    ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => {
-                        space.vpp.iter().copied().filter(|v| *v >= 2).collect()
-                    }
-                    _ => vec![kind.stages_per_rank(None)?],
+                continue;
+            }
+            let shardings = shardings_for(profile, space, pp, dp);
+            for &budget in &space.token_budgets {
+                let stats = batch_stats(profile, &steps, dp, space.policy, budget)?;
+                let work_lb = stats.replica_work_s.iter().sum::<f64>()
+                    / stats.replica_work_s.len().max(1) as f64
+                    / pp as f64;
+                all_stats.push(stats);
+                let stats_idx = all_stats.len() - 1;
+                // pp = 1 is no pipeline: one rank runs F then B of each microbatch in turn
+                // (gradient accumulation), whatever the schedule; one candidate, as 1F1B on one stage.
+                let kinds: Vec<ScheduleKind> = if pp == 1 {
+                    vec![ScheduleKind::OneFOneB]
+                } else {
+                    space.kinds.clone()
                 };
-                for v in vs {
-                    let s_count = (pp * v) as usize;
-                    if s_count > n_layers {
-                        let what = format!("{kind} dp={dp} pp={pp} v={v} budget={budget}");
-                        rejected.push((what, format!("{s_count} stages for {n_layers} layers")));
-                        continue;
-                    }
-                    for &sharding in &shardings {
-                        pending.push(Pending {
-                            sharding,
-                            dp,
-                            pp,
-                            v,
-                            kind,
-                            budget,
-                            stats: stats_idx,
-                            lower_bound_s: work_lb
-                                + collectives_lb(profile, sharding, pp, dp, total_params),
-                        });
+                for &kind in &kinds {
+                    let vs: Vec<u32> = match kind {
+                        _ if pp == 1 => vec![1],
+                        ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => {
+                            space.vpp.iter().copied().filter(|v| *v >= 2).collect()
+                        }
+                        _ => vec![kind.stages_per_rank(None)?],
+                    };
+                    for v in vs {
+                        let s_count = (pp * v) as usize;
+                        if s_count > n_layers {
+                            let what =
+                                format!("{kind} {tp_prefix}dp={dp} pp={pp} v={v} budget={budget}");
+                            rejected
+                                .push((what, format!("{s_count} stages for {n_layers} layers")));
+                            continue;
+                        }
+                        for &sharding in &shardings {
+                            pending.push(Pending {
+                                tpi,
+                                sharding,
+                                dp,
+                                pp,
+                                v,
+                                kind,
+                                budget,
+                                stats: stats_idx,
+                                lower_bound_s: work_lb + collectives_lb(profile, sharding, pp, dp),
+                            });
+                        }
                     }
                 }
             }
         }
     }
+
     pending.sort_by(|a, b| a.lower_bound_s.total_cmp(&b.lower_bound_s));
     let total = pending.len();
     let mut ranked: Vec<Candidate> = Vec::new();
     let (mut pruned, mut evaluated) = (0, 0);
-    for (i, c) in pending.into_iter().enumerate() {
-        if ranked.len() >= config.keep
-            && c.lower_bound_s >= ranked[config.keep - 1].score(config.rank_by)
-        {
-            pruned += 1;
-            progress(i + 1, total);
-            continue;
-        }
-        let what = format!(
-            "{} dp={} pp={} v={} budget={} {}",
-            c.kind, c.dp, c.pp, c.v, c.budget, c.sharding
-        );
-        let state = state_bytes(profile, config, c.sharding, c.pp, c.dp);
-        let stats = &all_stats[c.stats];
-        // Activations are reserved for microbatches of the token budget; a sequence longer than
-        // the budget makes a larger microbatch of its own. When the simulated peak then exceeds
-        // the limit, the split is solved once more reserving the longest sampled microbatch
-        // for every in-flight one (conservative), which may choose more recomputation.
-        let mut act_tokens = c.budget as f64;
-        let evaluation = loop {
-            let partition = match plan_candidate(
-                profile,
-                space,
-                config,
-                stats,
-                (c.pp, c.v, c.kind, act_tokens),
-                state,
-            ) {
-                Ok(p) => p,
-                Err(Error::InfeasibleMemory { explanation, .. }) => break Err(explanation),
-                Err(e) => return Err(e),
-            };
-            evaluated += 1;
-            // zb-auto builds each step's schedule under the same memory limit.
-            let run = run_config(
-                (c.kind, c.dp, c.pp, c.v, c.budget),
-                c.sharding,
-                &partition,
-                space.policy,
-                config,
-            );
-            let mc = match montecarlo::run(
-                profile,
-                workload,
-                config.seed,
-                config.size,
-                config.steps,
-                &[run],
-                &|| {},
-            ) {
-                Ok(mc) => mc,
-                // zb-auto finds no schedule under the limit on some step: a rejected candidate.
-                Err(e) if c.kind == ScheduleKind::ZbAuto => break Err(e.to_string()),
-                Err(e) => return Err(e.into()),
-            };
-            let outcomes = &mc.outcomes[0];
-            let mut peak = vec![0.0f64; c.pp as usize];
-            for o in outcomes {
-                for (r, m) in o.rank_memory_bytes.iter().enumerate() {
-                    peak[r] = peak[r].max(*m);
-                }
-            }
-            match peak
-                .iter()
-                .enumerate()
-                .find(|(_, m)| **m > config.memory_limit_bytes)
+    // zb-auto builds every step's schedule by list scheduling, far costlier than a handcrafted
+    // schedule: it runs for the finalists only, the layouts (tp, dp, pp, budget, sharding) of
+    // the candidates ranked once the others are evaluated, in order of their lower bound, until
+    // ZB_AUTO_TIME_LIMIT_S has passed.
+    let (zb_auto, mut queue): (Vec<Pending>, Vec<Pending>) = pending
+        .into_iter()
+        .partition(|c| c.kind == ScheduleKind::ZbAuto);
+    let (mut finals, mut done) = (false, 0usize);
+    let mut zb_auto_started: Option<std::time::Instant> = None;
+    let (mut zb_auto_not_finalist, mut zb_auto_out_of_time) = (0usize, 0usize);
+    loop {
+        for c in std::mem::take(&mut queue) {
+            done += 1;
+            let i = done - 1;
+            if ranked.len() >= config.keep
+                && c.lower_bound_s >= ranked[config.keep - 1].score(config.rank_by)
             {
-                None => break Ok((partition, outcomes.clone(), peak)),
-                Some(_) if stats.max_tokens > act_tokens => act_tokens = stats.max_tokens,
-                Some((r, m)) => {
+                pruned += 1;
+                progress(i + 1, total);
+                continue;
+            }
+            if zb_auto_started.is_some_and(|t| t.elapsed().as_secs_f64() > ZB_AUTO_TIME_LIMIT_S) {
+                zb_auto_out_of_time += 1;
+                progress(i + 1, total);
+                continue;
+            }
+            let (tp, profile) = (profiles[c.tpi].0, &profiles[c.tpi].1);
+            let what = format!(
+                "{} {}dp={} pp={} v={} budget={} {}",
+                c.kind,
+                if tp > 1 {
+                    format!("tp={tp} ")
+                } else {
+                    String::new()
+                },
+                c.dp,
+                c.pp,
+                c.v,
+                c.budget,
+                c.sharding
+            );
+            let state = state_bytes(profile, config, c.sharding, c.pp, c.dp);
+            let stats = &all_stats[c.stats];
+            // Activations are reserved for microbatches of the token budget; a sequence longer than
+            // the budget makes a larger microbatch of its own. When the simulated peak then exceeds
+            // the limit, the split is solved once more reserving the longest sampled microbatch
+            // for every in-flight one (conservative), which may choose more recomputation.
+            let mut act_tokens = c.budget as f64;
+            let evaluation = loop {
+                let partition = match plan_candidate(
+                    profile,
+                    space,
+                    config,
+                    stats,
+                    (c.pp, c.v, c.kind, act_tokens),
+                    state,
+                ) {
+                    Ok(p) => p,
+                    Err(Error::InfeasibleMemory { explanation, .. }) => break Err(explanation),
+                    Err(e) => return Err(e),
+                };
+                evaluated += 1;
+                // zb-auto builds each step's schedule under the same memory limit.
+                let run = run_config(
+                    (c.kind, c.dp, c.pp, c.v, c.budget),
+                    c.sharding,
+                    &partition,
+                    space.policy,
+                    config,
+                );
+                // The screen first: the heaviest replica of each step alone, a lower bound on the
+                // step time and on the memory. Its memory over the limit rejects exactly; its score
+                // no better than the keep-th best prunes exactly; only the rest run every replica.
+                let screened = match montecarlo::screen(
+                    profile,
+                    workload,
+                    config.seed,
+                    config.size,
+                    config.steps,
+                    &run,
+                ) {
+                    Ok(s) => s,
+                    Err(e) if c.kind == ScheduleKind::ZbAuto => break Err(e.to_string()),
+                    Err(e) => return Err(e.into()),
+                };
+                let mut screen_peak = vec![0.0f64; c.pp as usize];
+                for s in &screened {
+                    for (r, m) in s.rank_memory_bytes.iter().enumerate() {
+                        screen_peak[r] = screen_peak[r].max(*m);
+                    }
+                }
+                if let Some((r, m)) = screen_peak
+                    .iter()
+                    .enumerate()
+                    .find(|(_, m)| **m > config.memory_limit_bytes)
+                {
+                    if stats.max_tokens > act_tokens {
+                        act_tokens = stats.max_tokens;
+                        continue;
+                    }
                     let gib = |b: f64| b / (1u64 << 30) as f64;
                     break Err(format!(
                         "simulated peak on rank {r} is {:.1} GiB, over the limit {:.1} GiB",
@@ -526,32 +621,109 @@ pub fn search(
                         gib(config.memory_limit_bytes)
                     ));
                 }
+                let times: Vec<f64> = screened.iter().map(|s| s.step_time_s).collect();
+                let q = montecarlo::Quantiles::of(&times);
+                let screen_score = match config.rank_by {
+                    RankBy::Mean => q.mean,
+                    RankBy::P90 => q.p90,
+                };
+                if ranked.len() >= config.keep
+                    && screen_score >= ranked[config.keep - 1].score(config.rank_by)
+                {
+                    break Err(SCREENED.to_string());
+                }
+                let mc = match montecarlo::run(
+                    profile,
+                    workload,
+                    config.seed,
+                    config.size,
+                    config.steps,
+                    &[run],
+                    &|| {},
+                ) {
+                    Ok(mc) => mc,
+                    // zb-auto finds no schedule under the limit on some step: a rejected candidate.
+                    Err(e) if c.kind == ScheduleKind::ZbAuto => break Err(e.to_string()),
+                    Err(e) => return Err(e.into()),
+                };
+                let outcomes = &mc.outcomes[0];
+                let mut peak = vec![0.0f64; c.pp as usize];
+                for o in outcomes {
+                    for (r, m) in o.rank_memory_bytes.iter().enumerate() {
+                        peak[r] = peak[r].max(*m);
+                    }
+                }
+                match peak
+                    .iter()
+                    .enumerate()
+                    .find(|(_, m)| **m > config.memory_limit_bytes)
+                {
+                    None => break Ok((partition, outcomes.clone(), peak)),
+                    Some(_) if stats.max_tokens > act_tokens => act_tokens = stats.max_tokens,
+                    Some((r, m)) => {
+                        let gib = |b: f64| b / (1u64 << 30) as f64;
+                        break Err(format!(
+                            "simulated peak on rank {r} is {:.1} GiB, over the limit {:.1} GiB",
+                            gib(*m),
+                            gib(config.memory_limit_bytes)
+                        ));
+                    }
+                }
+            };
+            progress(i + 1, total);
+            let (partition, outcomes, peak) = match evaluation {
+                Ok(e) => e,
+                Err(reason) if reason == SCREENED => {
+                    pruned += 1;
+                    continue;
+                }
+                Err(reason) => {
+                    rejected.push((what, reason));
+                    continue;
+                }
+            };
+            let outcomes = &outcomes;
+            let cand = Candidate {
+                tp,
+                sequence_parallel: space.sequence_parallel && tp > 1,
+                dp: c.dp,
+                pp: c.pp,
+                vpp: c.v,
+                schedule: c.kind,
+                token_budget: c.budget,
+                sharding: c.sharding,
+                lower_bound_s: c.lower_bound_s,
+                partition,
+                summary: montecarlo::summarize(outcomes, c.dp * c.pp, profile.hardware.peak_flops),
+                peak_memory_bytes: peak,
+            };
+            let pos =
+                ranked.partition_point(|x| x.score(config.rank_by) <= cand.score(config.rank_by));
+            ranked.insert(pos, cand);
+            ranked.truncate(config.keep.max(1));
+        }
+        if finals {
+            break;
+        }
+        finals = true;
+        let layout = |tp: u32, dp: u32, pp: u32, budget: u64, sharding: Sharding| {
+            ranked.iter().any(|r| {
+                (r.tp, r.dp, r.pp, r.token_budget, r.sharding) == (tp, dp, pp, budget, sharding)
+            })
+        };
+        for c in &zb_auto {
+            if ranked.is_empty() || layout(profiles[c.tpi].0, c.dp, c.pp, c.budget, c.sharding) {
+                queue.push(c.clone());
+            } else {
+                zb_auto_not_finalist += 1;
+                done += 1;
+                progress(done, total);
             }
-        };
-        progress(i + 1, total);
-        let (partition, outcomes, peak) = match evaluation {
-            Ok(e) => e,
-            Err(reason) => {
-                rejected.push((what, reason));
-                continue;
-            }
-        };
-        let outcomes = &outcomes;
-        let cand = Candidate {
-            dp: c.dp,
-            pp: c.pp,
-            vpp: c.v,
-            schedule: c.kind,
-            token_budget: c.budget,
-            sharding: c.sharding,
-            lower_bound_s: c.lower_bound_s,
-            partition,
-            summary: montecarlo::summarize(outcomes, c.dp * c.pp, profile.hardware.peak_flops),
-            peak_memory_bytes: peak,
-        };
-        let pos = ranked.partition_point(|x| x.score(config.rank_by) <= cand.score(config.rank_by));
-        ranked.insert(pos, cand);
-        ranked.truncate(config.keep.max(1));
+        }
+        if queue.is_empty() {
+            break;
+        }
+        zb_auto_started = Some(std::time::Instant::now());
     }
     if ranked.is_empty() {
         let mut reasons: Vec<String> = rejected
@@ -566,26 +738,31 @@ pub fn search(
         // searched, that is the reason, before any candidate's details.
         // The least any layout searched holds per rank: its state bytes per parameter over its
         // pp ranks.
-        let mut least: Option<(f64, u32, u32, Sharding, f64)> = None;
-        for &pp in &space.pp {
-            let dp = space.ranks / pp.max(1);
-            for m in shardings_for(profile, space, pp, dp) {
-                let per_param = state_bytes(profile, config, m, pp, dp).total();
-                let bytes = total_params * per_param / f64::from(pp.max(1));
-                if least.is_none_or(|l| bytes < l.0) {
-                    least = Some((bytes, pp, dp, m, per_param));
+        let mut least: Option<(f64, u32, u32, Sharding, f64, u32, f64)> = None;
+        for (tp, profile) in &profiles {
+            let ranks = space.ranks / tp;
+            let total_params: f64 = profile.layers.iter().map(|l| l.param_count as f64).sum();
+            for &pp in space.pp.iter().filter(|&&pp| ranks % pp == 0) {
+                let dp = ranks / pp;
+                for m in shardings_for(profile, space, pp, dp) {
+                    let per_param = state_bytes(profile, config, m, pp, dp).total();
+                    let bytes = total_params * per_param / f64::from(pp);
+                    if least.is_none_or(|l| bytes < l.0) {
+                        least = Some((bytes, pp, dp, m, per_param, *tp, total_params));
+                    }
                 }
             }
         }
-        if let Some((static_floor, pp, dp, m, per_param)) = least
+        if let Some((static_floor, pp, dp, m, per_param, tp, total_params)) = least
             && static_floor > config.memory_limit_bytes
         {
             let gib = |b: f64| b / (1u64 << 30) as f64;
             reasons.insert(
                 0,
                 format!(
-                    "parameters, gradients and optimizer state alone need at least {:.1} GiB per rank in every layout searched (the least: pp = {pp}, dp = {dp}, {m}: {:.2} bytes per parameter over {pp} rank(s), {:.2e} parameters), above the {:.1} GiB limit: more ranks, more sharding or a larger memory limit",
+                    "parameters, gradients and optimizer state alone need at least {:.1} GiB per GPU in every layout searched (the least: {}pp = {pp}, dp = {dp}, {m}: {:.2} bytes per parameter over {pp} rank(s), {:.2e} parameters per GPU of a rank), above the {:.1} GiB limit: more ranks, more sharding or a larger memory limit",
                     gib(static_floor),
+                    if tp > 1 { format!("tp = {tp}, ") } else { String::new() },
                     per_param,
                     total_params,
                     gib(config.memory_limit_bytes)
@@ -599,7 +776,20 @@ pub fn search(
         rejected,
         pruned,
         evaluated,
+        zb_auto_not_finalist,
+        zb_auto_out_of_time,
     })
+}
+
+/// The tensor-parallel degrees `profile` allows: the divisors of the GPUs per node that divide
+/// every decoder's attention heads and key-value heads (Megatron requires both), 1 for a profile
+/// whose layer shapes are unknown.
+pub fn tensor_parallel_degrees(profile: &Profile) -> Vec<u32> {
+    let g = profile.hardware.gpus_per_node.max(1);
+    (1..=g)
+        .filter(|t| g % t == 0)
+        .filter(|&t| t == 1 || profile.tensor_parallel(t, true).is_ok())
+        .collect()
 }
 
 /// The sharding modes to search for `pp` x `dp`: the space's, without `hsdp` where it is `fsdp`
@@ -640,10 +830,11 @@ fn state_bytes(
 /// A lower bound on the step's data-parallel collectives: without a pipeline, the one rank's
 /// reduction and all-gathers follow its compute ([`StepCollectives`]); with one, 0 (a rank's
 /// reduction may hide in its cool-down bubble).
-fn collectives_lb(profile: &Profile, sharding: Sharding, pp: u32, dp: u32, params: f64) -> f64 {
+fn collectives_lb(profile: &Profile, sharding: Sharding, pp: u32, dp: u32) -> f64 {
     if pp > 1 {
         return 0.0;
     }
+    let params: f64 = profile.layers.iter().map(|l| l.param_count as f64).sum();
     let c = StepCollectives::of(sharding, &profile.hardware, pp, dp, 0, params);
     c.before_first_forward_s + c.gradient_reduction_s + c.after_optimizer_s
 }

@@ -7,9 +7,9 @@ the way `run_train.sh --job.config_file` does (unknown fields and bad values are
 and the parsed values are checked against the plan file next to it: the pipeline degree, the
 schedule (a name torch's `get_schedule_class` knows, or a CSV whose every action torch's
 `_Action.from_str` parses, with one row per rank), one model part per stage, one packed row of
-the token budget per microbatch, the activation checkpointing mode, and the data-parallel
-degrees: torchtitan's `ParallelDims` accepts them for dp x pp ranks, they are what the plan's
-sharding maps to (FSDP shard degree dp; HSDP replicate x shard; DDP replicate dp), and never
+the token budget per microbatch, the activation checkpointing mode, the tensor-parallel degree
+and the data-parallel degrees: torchtitan's `ParallelDims` accepts them for tp x dp x pp GPUs,
+they are what the plan's sharding maps to (FSDP shard degree dp; HSDP replicate x shard; DDP replicate dp), and never
 DDP with a pipeline (torchtitan's `apply_ddp` refuses more than one mesh dimension). Exits 1 on
 the first mismatch. Written for flatpipe's .ci/run (scripts/interop-check.sh).
 """
@@ -49,15 +49,17 @@ def check(toml_path: str) -> None:
         schedule = par.pipeline_parallel_schedule
     dp = plan.get("dp") or 1
     sharding = plan.get("sharding", "ddp")
+    tp = plan.get("tp") or 1
+    assert par.tensor_parallel_degree == tp, (par.tensor_parallel_degree, tp)
     dims = ParallelDims(
         dp_replicate=par.data_parallel_replicate_degree,
         dp_shard=par.data_parallel_shard_degree,
         cp=1,
-        tp=1,
+        tp=tp,
         pp=plan["pp"],
         ep=1,
         etp=1,
-        world_size=dp * plan["pp"],
+        world_size=dp * plan["pp"] * tp,
     )
     assert dims.dp_replicate * dims.dp_shard == dp, (dims.dp_replicate, dims.dp_shard, dp)
     if plan["pp"] > 1:
@@ -75,7 +77,7 @@ def check(toml_path: str) -> None:
         f"ok: {toml_path}: pp {par.pipeline_parallel_degree}, {schedule}, "
         f"{len(par.module_fqns_per_model_part)} parts, {cfg.training.local_batch_size} microbatches "
         f"of {cfg.training.seq_len} tokens, activation checkpoint {cfg.activation_checkpoint.mode}, "
-        f"dp {dp} {sharding}: replicate {dims.dp_replicate} x shard {dims.dp_shard}"
+        f"tp {tp}, dp {dp} {sharding}: replicate {dims.dp_replicate} x shard {dims.dp_shard}"
     )
 
 

@@ -683,3 +683,63 @@ pub fn run(
     }
     Ok(mc)
 }
+
+/// One step's screen ([`screen`]): the heaviest replica's predicted step time and memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Screened {
+    /// The replica's step time with the data-parallel collectives, seconds: at most the
+    /// step's (the slowest replica's).
+    pub step_time_s: f64,
+    /// Its per-rank memory (state plus peak activations), bytes: at most the step's.
+    pub rank_memory_bytes: Vec<f64>,
+}
+
+/// A lower bound on each sampled step of `config`, from one replica per step: the one with the
+/// most predicted work ([`balance_cost`]), planned and predicted as [`run`] would, alone. A
+/// step's time is its slowest replica's and its memory the largest, so each screened figure is
+/// at most the full one, and a screened memory over a limit is an exact rejection. Costs one
+/// replica instead of `dp` per step: what the planner evaluates first.
+///
+/// # Errors
+/// As [`run`].
+pub fn screen(
+    profile: &Profile,
+    workload: &Workload,
+    seed: u64,
+    size: StepSize,
+    steps: u32,
+    config: &RunConfig,
+) -> Result<Vec<Screened>> {
+    let cost = balance_cost(profile);
+    (0..steps)
+        .into_par_iter()
+        .map(|i| -> Result<Screened> {
+            let seqs = workload.sample_step(seed, i as u64, size);
+            let cut = crate::step::cut_step(config, &seqs, &cost)?;
+            let work = |b: &Batched| -> f64 {
+                b.microbatches
+                    .iter()
+                    .map(|m| cost(m.computed_tokens(), m.computed_attn_pairs()))
+                    .sum()
+            };
+            let (d, heaviest) = cut
+                .iter()
+                .enumerate()
+                .max_by(|a, b| work(a.1).total_cmp(&work(b.1)).then(b.0.cmp(&a.0)))
+                .expect("cut_step gives every replica a share");
+            let replica =
+                crate::step::plan_replica(config, Some(profile), heaviest.microbatches.clone(), d)?;
+            let plan = crate::step::StepPlan {
+                step: i as u64,
+                replicas: vec![replica],
+            };
+            let o = plan
+                .outcome(config, profile)
+                .expect("a step planned with a profile is predicted");
+            Ok(Screened {
+                step_time_s: o.step_time_s,
+                rank_memory_bytes: o.rank_memory_bytes,
+            })
+        })
+        .collect()
+}

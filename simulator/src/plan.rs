@@ -60,9 +60,16 @@ pub struct Plan {
     /// Workload (file or built-in name).
     pub workload: String,
     /// Data-parallel degree: pipeline replicas, each taking its share of the step's sequences
-    /// (default 1). Ranks = dp x pp.
+    /// (default 1). Ranks = dp x pp, GPUs = tp x dp x pp.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dp: Option<u32>,
+    /// Tensor-parallel degree: GPUs per rank, each running a `1/tp` slice of every layer
+    /// (default 1; `flatpipe_profiles::Profile::tensor_parallel`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp: Option<u32>,
+    /// Sequence parallelism with `tp > 1` (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_parallel: Option<bool>,
     /// Pipeline-parallel degree: ranks per replica.
     pub pp: u32,
     /// Stages per rank (virtual stages); default: the schedule's (1, 2 for interleaved and V
@@ -145,6 +152,13 @@ pub struct PlanProvenance {
     pub flatpipe_version: String,
 }
 
+impl Plan {
+    /// The tensor-parallel degree (1 when absent) and whether sequence parallelism is on.
+    pub fn tensor_parallel(&self) -> (u32, bool) {
+        (self.tp.unwrap_or(1), self.sequence_parallel.unwrap_or(true))
+    }
+}
+
 fn is_ddp(s: &crate::sharding::Sharding) -> bool {
     *s == crate::sharding::Sharding::Ddp
 }
@@ -168,6 +182,8 @@ impl Plan {
             profile: None,
             workload: workload.into(),
             dp: None,
+            tp: None,
+            sequence_parallel: None,
             pp,
             vpp: None,
             placement: schedule.placement(),
@@ -289,6 +305,9 @@ impl Plan {
         let field = |f: &str| format!("{origin}: {f}");
         if self.pp == 0 {
             return Err(Error::invalid(field("pp"), 0, ">= 1 rank"));
+        }
+        if self.tp == Some(0) {
+            return Err(Error::invalid(field("tp"), 0, ">= 1 GPU per rank"));
         }
         let v = self
             .schedule

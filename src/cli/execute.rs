@@ -356,6 +356,18 @@ struct ResolvedRun {
 /// before anything is allocated.
 fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
     let plan = read_plan(a.plan.as_deref())?;
+    if let Some(p) = &plan
+        && p.tensor_parallel().0 > 1
+    {
+        bail!(
+            "{}: tp = {}: the executor runs every rank on one device (no tensor parallelism); tensor parallelism is priced by the simulator and the planner, not executed (plan with --tp 1 to run it)",
+            a.plan
+                .as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            p.tensor_parallel().0
+        );
+    }
     let profile_arg = plan
         .as_ref()
         .and_then(|p| p.profile.clone())

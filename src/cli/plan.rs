@@ -61,6 +61,14 @@ pub(super) struct PlanArgs {
     /// ddp,zero1,fsdp,hsdp; hsdp only where the data-parallel group crosses nodes).
     #[arg(long, value_delimiter = ',')]
     sharding: Vec<String>,
+    /// Tensor-parallel degrees to try, GPUs per rank (default: every divisor of the GPUs per
+    /// node that divides the attention and key-value heads).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
+    tp: Vec<u32>,
+    /// Tensor parallelism without sequence parallelism (the norm and GEMM-input activations
+    /// then stay whole on every GPU of a group).
+    #[arg(long)]
+    no_sequence_parallel: bool,
     /// Sampled steps per candidate. Default 64.
     #[arg(long, default_value_t = 64)]
     steps: u32,
@@ -193,6 +201,10 @@ fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
                 .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?,
         );
     }
+    if !a.tp.is_empty() {
+        space.tp = dedup(a.tp.clone());
+    }
+    space.sequence_parallel = !a.no_sequence_parallel;
     if a.keep == 0 {
         bail!("--keep = 0 is invalid: >= 1 plan");
     }
@@ -355,7 +367,8 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     // The chosen plan's run as its plan file describes it (memory limit and forward-only work
     // included).
     let chosen = plan.run_config()?;
-    let first = montecarlo::run(&profile, &workload, seed, size, 1, &[chosen], &|| {})?;
+    let per_gpu = profile.tensor_parallel(best.tp, best.sequence_parallel)?;
+    let first = montecarlo::run(&per_gpu, &workload, seed, size, 1, &[chosen], &|| {})?;
     if let Some((s, simulation)) = &first.first[0]
         && let Some(gantt) = &chart
     {
@@ -454,7 +467,7 @@ fn fsdp_baseline(
 ) -> Baseline {
     use sim::sharding::Sharding;
     let what = format!("no pipeline, FSDP over dp={}", space.ranks);
-    if best.pp == 1 && best.sharding == Sharding::Fsdp {
+    if best.pp == 1 && best.tp == 1 && best.sharding == Sharding::Fsdp {
         // The best pipelined plan, against it: among the runners-up, else searched.
         let piped = ranked.iter().find(|c| c.pp > 1).cloned().or_else(|| {
             let mut s = space.clone();
@@ -489,6 +502,7 @@ fn fsdp_baseline(
     }
     let mut s = space.clone();
     s.pp = vec![1];
+    s.tp = vec![1];
     s.sharding = vec![Sharding::Fsdp];
     let mut c = config.clone();
     c.keep = 1;
@@ -681,6 +695,7 @@ fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
     let mut t = new_table(&[
         "#",
         "schedule",
+        "tp",
         "dp",
         "pp",
         "v",
@@ -707,6 +722,7 @@ fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
         t.add_row([
             r.rank.to_string(),
             c.schedule_name(),
+            c.tp.to_string(),
             c.dp.to_string(),
             c.pp.to_string(),
             c.vpp.to_string(),

@@ -24,6 +24,19 @@ pub(super) struct SimulateArgs {
     /// Stages per rank for interleaved schedules (default 2; V schedules always use 2).
     #[arg(long)]
     vpp: Option<u32>,
+    /// Tensor-parallel degree: GPUs per rank (default 1). GPUs = tp x dp x pp.
+    #[arg(long, conflicts_with_all = ["plan", "costs"], value_parser = clap::value_parser!(u32).range(1..))]
+    tp: Option<u32>,
+    /// Tensor parallelism without sequence parallelism.
+    #[arg(long, conflicts_with_all = ["plan", "costs"])]
+    no_sequence_parallel: bool,
+    /// Data-parallel replicas of the pipeline (default 1), each taking a cost-balanced share of
+    /// every step.
+    #[arg(long, conflicts_with_all = ["plan", "costs"], value_parser = clap::value_parser!(u32).range(1..))]
+    dp: Option<u32>,
+    /// How the replicas shard their state: ddp (default), zero1, zero2, fsdp, fsdp-mb, hsdp.
+    #[arg(long, conflicts_with_all = ["plan", "costs"])]
+    sharding: Option<String>,
     /// Exactly this many microbatches, balanced by predicted cost.
     #[arg(long, conflicts_with = "token_budget")]
     microbatches: Option<u32>,
@@ -462,6 +475,10 @@ struct Comparison {
     capacities: Vec<Capacity>,
     /// Ranks per pipeline.
     p: u32,
+    /// Tensor-parallel degree and sequence parallelism (`profile` is then one GPU's).
+    tp: (u32, bool),
+    /// The profile before tensor parallelism (what a plan file's hash names).
+    base_profile: Profile,
     /// Per-rank memory limit, bytes, and where it comes from in the user's words.
     limit: f64,
     limit_source: String,
@@ -503,6 +520,19 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
     if let (Some(p), Some(path)) = (&plan, &a.plan) {
         p.validate(&path.display().to_string(), profile.layers.len())?;
     }
+    let tp = match &plan {
+        Some(p) => p.tensor_parallel(),
+        None => (a.tp.unwrap_or(1), !a.no_sequence_parallel),
+    };
+    let base_profile = profile.clone();
+    let profile = profile.tensor_parallel(tp.0, tp.1)?;
+    let sharding = match &a.sharding {
+        Some(m) => m
+            .trim()
+            .parse::<sim::sharding::Sharding>()
+            .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?,
+        None => Default::default(),
+    };
     let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, plan.as_ref(), &workload)?;
     let seed = a
         .seed
@@ -611,6 +641,8 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
                     capacity,
                 );
                 combo.params = params;
+                combo.dp = a.dp.unwrap_or(1);
+                combo.sharding = sharding;
                 if let Some(c) = &base {
                     combo.dp = c.dp;
                     combo.recompute = c.recompute.clone();
@@ -652,6 +684,8 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
         policies,
         capacities,
         p,
+        tp,
+        base_profile,
         limit,
         limit_source,
         configs: combos,
@@ -671,6 +705,8 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         policies,
         capacities,
         p,
+        tp,
+        base_profile,
         limit,
         limit_source,
         configs: mut combos,
@@ -762,7 +798,13 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     // A plan file carries what the planner predicted and the hashes of what it was planned
     // on: say how this run compares, and when the inputs differ.
     if let Some(pl) = &plan {
-        notes.extend(plan_comparison(pl, &profile, &workload, steps, &rows[0].0)?);
+        notes.extend(plan_comparison(
+            pl,
+            &base_profile,
+            &workload,
+            steps,
+            &rows[0].0,
+        )?);
     }
     if !charts.is_empty() && super::chart_path(&a.gantt, "").is_some() {
         for (r, _, _, rounds) in rows.iter().filter(|x| x.3 > 1 && x.1.is_some()) {
@@ -854,10 +896,26 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
         }
     }
     let n0 = mc.sequences_per_step[0];
+    let dp = combos.first().map_or(1, |c| c.dp.max(1));
+    let layout = if tp.0 > 1 || dp > 1 {
+        format!(
+            " x {} GPUs (tp={}{} x dp={dp} x pp={p}, {})",
+            tp.0 * dp * p,
+            tp.0,
+            if tp.0 > 1 && tp.1 {
+                " with sequence parallelism"
+            } else {
+                ""
+            },
+            combos.first().map(|c| c.sharding).unwrap_or_default()
+        )
+    } else {
+        String::new()
+    };
     let header = format!(
-        "{} on {} ({} profile), workload {} seed {seed}: {steps} step(s), {} sequences per step on average (step 0: {n0}), {}",
+        "{} on {}{layout} ({} profile), workload {} seed {seed}: {steps} step(s), {} sequences per step on average (step 0: {n0}), {}",
         profile.model,
-        profile.hardware.name,
+        base_profile.hardware.name,
         format!("{:?}", profile.provenance.source).to_lowercase(),
         workload.name,
         mc.sequences_per_step.iter().sum::<usize>() as f64 / steps as f64,
