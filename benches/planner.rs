@@ -186,5 +186,38 @@ fn bench_search(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_partition, bench_search);
+/// The scale target of the planner: Llama-3.1-405B on 1,024 H100s, every tp x dp x pp x v x
+/// schedule x token budget x sharding x recomputation, on 4 sampled steps of 512 sequences of
+/// 8,192 tokens (one 4M-token batch per step).
+fn bench_search_405b(c: &mut Criterion) {
+    let model = builtins::model("llama3.1-405b").unwrap();
+    let hw = builtins::hardware("h100").unwrap();
+    let profile = analytic_profile(&model, &hw, &AnalyticOptions::default()).unwrap();
+    let w = flatpipe::profiles::Workload::from_yaml(
+        "name: fixed-8k\nlengths: {kind: fixed, tokens: 8192}\nseqs_per_step: 512\n",
+        "bench",
+        |csv| panic!("no CSV is read here: {csv}"),
+    )
+    .unwrap();
+    let space = SearchSpace::default_for(1024);
+    let config = SearchConfig {
+        steps: 4,
+        seed: 0,
+        size: StepSize::Seqs(512),
+        memory_limit_bytes: hw.memory_bytes as f64 - 4.0 * (1u64 << 30) as f64,
+        state_bytes: None,
+        rank_by: RankBy::Mean,
+        keep: 5,
+        exact_split: ExactSplit::DEFAULT,
+        forward_only: None,
+    };
+    let mut g = c.benchmark_group("search");
+    g.sample_size(10);
+    g.bench_function("llama3.1-405b_1024_h100_4_steps", |b| {
+        b.iter(|| search(&profile, &w, &space, &config, &|_, _| {}).unwrap())
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_partition, bench_search, bench_search_405b);
 criterion_main!(benches);

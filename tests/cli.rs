@@ -1721,6 +1721,8 @@ fn plan_counts_pp_1_once() {
         "2",
         "--pp",
         "1",
+        "--tp",
+        "1",
         "--token-budgets",
         "4096",
         "--steps",
@@ -2446,6 +2448,8 @@ fn plan_notes_a_chosen_plan_without_memory_margin() {
             "zb-auto",
             "--pp",
             "2,4,8",
+            "--tp",
+            "1",
             "--gantt",
             "none",
         ],
@@ -2743,4 +2747,60 @@ fn execute_refuses_a_sharded_plan() {
         err.contains("sharding fsdp") && err.contains("not executed"),
         "{err}"
     );
+}
+
+/// `simulate` runs one fixed tp x dp x pp configuration and says so; a tp that does not divide
+/// the GPUs per node is refused naming the flag's value and the node; `execute` refuses a plan
+/// with tensor parallelism (priced, not executed).
+#[test]
+fn simulate_takes_a_tensor_parallel_configuration() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--model",
+            "llama3.1-70b",
+            "--tp",
+            "8",
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--sharding",
+            "zero1",
+            "--schedule",
+            "1f1b",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("x 32 GPUs (tp=8 with sequence parallelism x dp=2 x pp=2, zero1)"),
+        "{out}"
+    );
+    let o = flatpipe(dir.path(), &["simulate", "--tp", "3", "--gantt", "none"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(
+        err.contains("tp = 3") && err.contains("8 GPUs per node"),
+        "{err}"
+    );
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/cpu-tiny/plan.yaml"
+    ))
+    .unwrap()
+    .replace("dp: 1\n", "dp: 1\ntp: 2\n");
+    std::fs::write(dir.path().join("t.yaml"), text).unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute", "--plan", "t.yaml", "--steps", "1", "--gantt", "none",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("tp = 2"), "{}", stderr(&o));
 }

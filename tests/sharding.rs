@@ -273,7 +273,9 @@ fn planned_peaks_never_exceed_the_limit() {
         };
         for c in &result.ranked {
             let run = c.run_config(space.policy, &config);
-            let mc = montecarlo::run(&prof, &w, 3, StepSize::Seqs(128), 6, &[run], &|| {}).unwrap();
+            let per_gpu = c.profile(&prof).unwrap();
+            let mc =
+                montecarlo::run(&per_gpu, &w, 3, StepSize::Seqs(128), 6, &[run], &|| {}).unwrap();
             for o in &mc.outcomes[0] {
                 for (r, m) in o.rank_memory_bytes.iter().enumerate() {
                     assert!(
@@ -300,6 +302,7 @@ fn no_pipeline_fsdp_fits_llama_8b_on_one_h200() {
     let run = |m: Sharding| {
         let mut space = SearchSpace::default_for(8);
         space.pp = vec![1];
+        space.tp = vec![1];
         space.sharding = vec![m];
         let config = SearchConfig {
             steps: 8,

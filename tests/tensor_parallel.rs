@@ -182,3 +182,44 @@ fn bad_tensor_parallel_degrees_are_clear_errors() {
         "{e}"
     );
 }
+
+/// The planner searches tp over the divisors of the GPUs per node that divide the heads: on two
+/// H200 nodes Llama-3.1-70B's candidates span tp in {1, 2, 4, 8}, each with tp x dp x pp = 16,
+/// and a tp the model refuses is a clear error.
+#[test]
+fn planner_searches_tensor_parallel_degrees() {
+    use flatpipe::planner::search::{
+        RankBy, SearchConfig, SearchSpace, search, tensor_parallel_degrees,
+    };
+    use flatpipe::profiles::StepSize;
+    let prof = profile("llama3.1-70b");
+    // 8 GPUs per node; 64 heads and 8 KV heads: every divisor of 8 divides both.
+    assert_eq!(tensor_parallel_degrees(&prof), vec![1, 2, 4, 8]);
+    let w = builtins::workload("sharegpt-v3").unwrap();
+    let mut space = SearchSpace::default_for(16);
+    space.pp = vec![1, 2, 4];
+    space.token_budgets = vec![8192];
+    space.kinds = vec![flatpipe::simulator::ScheduleKind::OneFOneB];
+    let config = SearchConfig {
+        steps: 4,
+        seed: 0,
+        size: StepSize::Seqs(128),
+        memory_limit_bytes: prof.hardware.memory_bytes as f64 - 4.0 * (1u64 << 30) as f64,
+        state_bytes: None,
+        rank_by: RankBy::Mean,
+        keep: 50,
+        exact_split: flatpipe::planner::partition::ExactSplit::DEFAULT,
+        forward_only: None,
+    };
+    let r = search(&prof, &w, &space, &config, &|_, _| {}).unwrap();
+    let tps: std::collections::BTreeSet<u32> = r.ranked.iter().map(|c| c.tp).collect();
+    assert!(tps.iter().any(|&t| t > 1), "{tps:?}");
+    for c in &r.ranked {
+        assert_eq!(c.tp * c.dp * c.pp, 16, "{}", c.describe());
+    }
+    space.tp = vec![3];
+    let e = search(&prof, &w, &space, &config, &|_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("tp=3") && e.contains("GPUs"), "{e}");
+}

@@ -339,6 +339,17 @@ impl<'a> Search<'a> {
         if left == 0 {
             lo = l_count;
         }
+        // The room left on the ranks that still have stages after this one, before this
+        // stage's memory (which comes off it when its rank is among them).
+        let (room0, rank_live_next) = if left == 0 {
+            (0.0, false)
+        } else {
+            let live = &self.live_ranks[s + 1];
+            (
+                live.iter().map(|&r| limit - self.mem[r]).sum::<f64>(),
+                live.contains(&rank),
+            )
+        };
         // Longest stage first: it leaves the least to the stages after it.
         let mut end = hi;
         while end >= lo && end > j {
@@ -350,10 +361,7 @@ impl<'a> Search<'a> {
                 // ranks that still have stages.
                 let rest = (self.pre.stat[l_count] - self.pre.stat[end])
                     + self.k_min[s + 1] * (self.pre.lean[l_count] - self.pre.lean[end]);
-                let room: f64 = self.live_ranks[s + 1]
-                    .iter()
-                    .map(|&r| limit - self.mem[r])
-                    .sum();
+                let room = if rank_live_next { room0 - m } else { room0 };
                 if left == 0 || (rest <= room && self.enough_room(s + 1, end)) {
                     self.ends[s] = end;
                     self.chosen[s] = mode;

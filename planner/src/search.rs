@@ -31,7 +31,9 @@ use flatpipe_simulator::montecarlo::{
 use flatpipe_simulator::policy::{Policy, PolicyParams, batch};
 use flatpipe_simulator::sharding::{DpGroup, Sharding, StateBytes, StepCollectives};
 use flatpipe_simulator::{ScheduleKind, replay};
+use rayon::prelude::*;
 use serde::Serialize;
+use std::ops::Range;
 
 /// What to enumerate.
 #[derive(Debug, Clone, PartialEq)]
@@ -159,9 +161,20 @@ impl Candidate {
         }
     }
 
+    /// The profile this candidate is simulated on: one GPU of its tensor-parallel group
+    /// ([`Profile::tensor_parallel`] of the searched `base`).
+    ///
+    /// # Errors
+    /// As [`Profile::tensor_parallel`] (not for a profile the search accepted this tp on).
+    pub fn profile(&self, base: &Profile) -> Result<Profile> {
+        base.tensor_parallel(self.tp, self.sequence_parallel)
+            .map_err(|e| Error::Simulator(e.into()))
+    }
+
     /// The run configuration the search evaluated this candidate with: its layout, token
     /// budget and recomputation, microbatched by `policy`, with `config`'s memory limit (which
-    /// zb-auto builds under) and forward-only work.
+    /// zb-auto builds under) and forward-only work. It runs on [`Candidate::profile`] (one
+    /// GPU's profile), not on the searched one when `tp > 1`.
     pub fn run_config(&self, policy: Policy, config: &SearchConfig) -> RunConfig {
         run_config(
             (self.schedule, self.dp, self.pp, self.vpp, self.token_budget),
@@ -300,6 +313,15 @@ pub struct SearchResult {
     /// zb-auto finalists not built: [`ZB_AUTO_TIME_LIMIT_S`] had passed.
     pub zb_auto_out_of_time: usize,
 }
+
+/// Branch-and-bound nodes one search spends on its splits at most, spread evenly over its
+/// candidates (see [`MIN_NODE_BUDGET`]): a search of 700 candidates keeps the full
+/// [`crate::bnb::NODE_BUDGET`] per question, one of 6,600 (Llama-3.1-405B on 1,024 GPUs) about
+/// 3,000.
+pub const SEARCH_NODE_BUDGET: u64 = 20_000_000;
+
+/// The fewest branch-and-bound nodes a feasibility question gets in a search.
+pub const MIN_NODE_BUDGET: u64 = 2_000;
 
 /// Seconds the search spends building zb-auto for its finalists before it skips the rest.
 pub const ZB_AUTO_TIME_LIMIT_S: f64 = 5.0;
@@ -512,6 +534,20 @@ pub fn search(
 
     pending.sort_by(|a, b| a.lower_bound_s.total_cmp(&b.lower_bound_s));
     let total = pending.len();
+    // The branch and bound's node budget per feasibility question, shared over the search:
+    // SEARCH_NODE_BUDGET nodes spread over the candidates, at least MIN_NODE_BUDGET and at most
+    // the configured budget (deterministic: it depends on the space, not on the machine).
+    let split_config = match config.exact_split {
+        ExactSplit::BranchAndBound { node_budget } => SearchConfig {
+            exact_split: ExactSplit::BranchAndBound {
+                node_budget: (SEARCH_NODE_BUDGET / total.max(1) as u64)
+                    .clamp(MIN_NODE_BUDGET.min(node_budget), node_budget),
+            },
+            ..config.clone()
+        },
+        _ => config.clone(),
+    };
+    let config = &split_config;
     let mut ranked: Vec<Candidate> = Vec::new();
     let (mut pruned, mut evaluated) = (0, 0);
     // zb-auto builds every step's schedule by list scheduling, far costlier than a handcrafted
@@ -523,144 +559,165 @@ pub fn search(
         .partition(|c| c.kind == ScheduleKind::ZbAuto);
     let (mut finals, mut done) = (false, 0usize);
     let mut zb_auto_started: Option<std::time::Instant> = None;
+    type ScreenKey = (
+        usize,
+        u32,
+        u32,
+        ScheduleKind,
+        u64,
+        Vec<Range<usize>>,
+        Vec<Recompute>,
+    );
+    let mut screens: std::collections::HashMap<ScreenKey, Vec<montecarlo::ScreenBase>> =
+        Default::default();
     let (mut zb_auto_not_finalist, mut zb_auto_out_of_time) = (0usize, 0usize);
     loop {
-        for c in std::mem::take(&mut queue) {
-            done += 1;
-            let i = done - 1;
-            if ranked.len() >= config.keep
-                && c.lower_bound_s >= ranked[config.keep - 1].score(config.rank_by)
-            {
-                pruned += 1;
-                progress(i + 1, total);
-                continue;
-            }
-            if zb_auto_started.is_some_and(|t| t.elapsed().as_secs_f64() > ZB_AUTO_TIME_LIMIT_S) {
-                zb_auto_out_of_time += 1;
-                progress(i + 1, total);
-                continue;
-            }
-            let (tp, profile) = (profiles[c.tpi].0, &profiles[c.tpi].1);
-            let what = format!(
-                "{} {}dp={} pp={} v={} budget={} {}",
-                c.kind,
-                if tp > 1 {
-                    format!("tp={tp} ")
-                } else {
-                    String::new()
-                },
-                c.dp,
-                c.pp,
-                c.v,
-                c.budget,
-                c.sharding
-            );
-            let state = state_bytes(profile, config, c.sharding, c.pp, c.dp);
-            let stats = &all_stats[c.stats];
-            // Activations are reserved for microbatches of the token budget; a sequence longer than
-            // the budget makes a larger microbatch of its own. When the simulated peak then exceeds
-            // the limit, the split is solved once more reserving the longest sampled microbatch
-            // for every in-flight one (conservative), which may choose more recomputation.
-            let mut act_tokens = c.budget as f64;
-            let evaluation = loop {
-                let partition = match plan_candidate(
-                    profile,
-                    space,
-                    config,
-                    stats,
-                    (c.pp, c.v, c.kind, act_tokens),
-                    state,
-                ) {
-                    Ok(p) => p,
-                    Err(Error::InfeasibleMemory { explanation, .. }) => break Err(explanation),
-                    Err(e) => return Err(e),
-                };
-                evaluated += 1;
-                // zb-auto builds each step's schedule under the same memory limit.
-                let run = run_config(
-                    (c.kind, c.dp, c.pp, c.v, c.budget),
-                    c.sharding,
-                    &partition,
-                    space.policy,
-                    config,
-                );
-                // The screen first: the heaviest replica of each step alone, a lower bound on the
-                // step time and on the memory. Its memory over the limit rejects exactly; its score
-                // no better than the keep-th best prunes exactly; only the rest run every replica.
-                let screened = match montecarlo::screen(
-                    profile,
-                    workload,
-                    config.seed,
-                    config.size,
-                    config.steps,
-                    &run,
-                ) {
-                    Ok(s) => s,
-                    Err(e) if c.kind == ScheduleKind::ZbAuto => break Err(e.to_string()),
-                    Err(e) => return Err(e.into()),
-                };
-                let mut screen_peak = vec![0.0f64; c.pp as usize];
-                for s in &screened {
-                    for (r, m) in s.rank_memory_bytes.iter().enumerate() {
-                        screen_peak[r] = screen_peak[r].max(*m);
+        let items = std::mem::take(&mut queue);
+        // The splits of the next few candidates are solved in parallel (independent of the
+        // ranking; one that the ranking then prunes was solved for nothing, never wrongly).
+        let width = rayon::current_num_threads().max(1);
+        for chunk in items.chunks(width) {
+            let kth = (ranked.len() >= config.keep)
+                .then(|| ranked[config.keep - 1].score(config.rank_by));
+            let mut first: Vec<Option<Result<Partition>>> = chunk
+                .par_iter()
+                .map(|c| {
+                    if kth.is_some_and(|k| c.lower_bound_s >= k) || c.kind == ScheduleKind::ZbAuto {
+                        return None;
                     }
-                }
-                if let Some((r, m)) = screen_peak
-                    .iter()
-                    .enumerate()
-                    .find(|(_, m)| **m > config.memory_limit_bytes)
-                {
-                    if stats.max_tokens > act_tokens {
-                        act_tokens = stats.max_tokens;
-                        continue;
-                    }
-                    let gib = |b: f64| b / (1u64 << 30) as f64;
-                    break Err(format!(
-                        "simulated peak on rank {r} is {:.1} GiB, over the limit {:.1} GiB",
-                        gib(*m),
-                        gib(config.memory_limit_bytes)
-                    ));
-                }
-                let times: Vec<f64> = screened.iter().map(|s| s.step_time_s).collect();
-                let q = montecarlo::Quantiles::of(&times);
-                let screen_score = match config.rank_by {
-                    RankBy::Mean => q.mean,
-                    RankBy::P90 => q.p90,
-                };
+                    let profile = &profiles[c.tpi].1;
+                    Some(plan_candidate(
+                        profile,
+                        space,
+                        config,
+                        &all_stats[c.stats],
+                        (c.pp, c.v, c.kind, c.budget as f64),
+                        state_bytes(profile, config, c.sharding, c.pp, c.dp),
+                    ))
+                })
+                .collect();
+            for (ci, c) in chunk.iter().enumerate() {
+                done += 1;
+                let i = done - 1;
                 if ranked.len() >= config.keep
-                    && screen_score >= ranked[config.keep - 1].score(config.rank_by)
+                    && c.lower_bound_s >= ranked[config.keep - 1].score(config.rank_by)
                 {
-                    break Err(SCREENED.to_string());
+                    pruned += 1;
+                    progress(i + 1, total);
+                    continue;
                 }
-                let mc = match montecarlo::run(
-                    profile,
-                    workload,
-                    config.seed,
-                    config.size,
-                    config.steps,
-                    &[run],
-                    &|| {},
-                ) {
-                    Ok(mc) => mc,
-                    // zb-auto finds no schedule under the limit on some step: a rejected candidate.
-                    Err(e) if c.kind == ScheduleKind::ZbAuto => break Err(e.to_string()),
-                    Err(e) => return Err(e.into()),
-                };
-                let outcomes = &mc.outcomes[0];
-                let mut peak = vec![0.0f64; c.pp as usize];
-                for o in outcomes {
-                    for (r, m) in o.rank_memory_bytes.iter().enumerate() {
-                        peak[r] = peak[r].max(*m);
+                if zb_auto_started.is_some_and(|t| t.elapsed().as_secs_f64() > ZB_AUTO_TIME_LIMIT_S)
+                {
+                    zb_auto_out_of_time += 1;
+                    progress(i + 1, total);
+                    continue;
+                }
+                let (tp, profile) = (profiles[c.tpi].0, &profiles[c.tpi].1);
+                let what = format!(
+                    "{} {}dp={} pp={} v={} budget={} {}",
+                    c.kind,
+                    if tp > 1 {
+                        format!("tp={tp} ")
+                    } else {
+                        String::new()
+                    },
+                    c.dp,
+                    c.pp,
+                    c.v,
+                    c.budget,
+                    c.sharding
+                );
+                let state = state_bytes(profile, config, c.sharding, c.pp, c.dp);
+                let stats = &all_stats[c.stats];
+                // Activations are reserved for microbatches of the token budget; a sequence longer than
+                // the budget makes a larger microbatch of its own. When the simulated peak then exceeds
+                // the limit, the split is solved once more reserving the longest sampled microbatch
+                // for every in-flight one (conservative), which may choose more recomputation.
+                let mut act_tokens = c.budget as f64;
+                let mut solved = first[ci].take();
+                let evaluation = loop {
+                    let split = match solved.take() {
+                        Some(s) => s,
+                        None => plan_candidate(
+                            profile,
+                            space,
+                            config,
+                            stats,
+                            (c.pp, c.v, c.kind, act_tokens),
+                            state,
+                        ),
+                    };
+                    let partition = match split {
+                        Ok(p) => p,
+                        Err(Error::InfeasibleMemory { explanation, .. }) => break Err(explanation),
+                        Err(e) => return Err(e),
+                    };
+                    evaluated += 1;
+                    // zb-auto builds each step's schedule under the same memory limit.
+                    let run = run_config(
+                        (c.kind, c.dp, c.pp, c.v, c.budget),
+                        c.sharding,
+                        &partition,
+                        space.policy,
+                        config,
+                    );
+                    // The screen first: the heaviest replica of each step alone, a lower bound on the
+                    // step time and on the memory. Its memory over the limit rejects exactly; its score
+                    // no better than the keep-th best prunes exactly; only the rest run every replica.
+                    // Sharding modes without per-microbatch collectives leave the replica's
+                    // timeline as it is: one screen of a layout serves them all.
+                    let shareable = c.kind != ScheduleKind::ZbAuto
+                        && c.sharding != Sharding::Zero2
+                        && !c.sharding.per_microbatch(c.pp);
+                    let key = (
+                        c.tpi,
+                        c.pp,
+                        c.v,
+                        c.kind,
+                        c.budget,
+                        partition.stages.clone(),
+                        partition.recompute.clone(),
+                    );
+                    let base = match screens.get(&key).filter(|_| shareable) {
+                        Some(b) => Ok(b.clone()),
+                        None => montecarlo::screen_base(
+                            profile,
+                            workload,
+                            config.seed,
+                            config.size,
+                            config.steps,
+                            &run,
+                        ),
+                    };
+                    let screened = match base.and_then(|b| {
+                        let s = b
+                            .iter()
+                            .map(|x| x.finish(&run, profile))
+                            .collect::<flatpipe_simulator::Result<Vec<_>>>()?;
+                        if shareable {
+                            screens.insert(key, b);
+                        }
+                        Ok(s)
+                    }) {
+                        Ok(s) => s,
+                        Err(e) if c.kind == ScheduleKind::ZbAuto => break Err(e.to_string()),
+                        Err(e) => return Err(e.into()),
+                    };
+                    let mut screen_peak = vec![0.0f64; c.pp as usize];
+                    for s in &screened {
+                        for (r, m) in s.rank_memory_bytes.iter().enumerate() {
+                            screen_peak[r] = screen_peak[r].max(*m);
+                        }
                     }
-                }
-                match peak
-                    .iter()
-                    .enumerate()
-                    .find(|(_, m)| **m > config.memory_limit_bytes)
-                {
-                    None => break Ok((partition, outcomes.clone(), peak)),
-                    Some(_) if stats.max_tokens > act_tokens => act_tokens = stats.max_tokens,
-                    Some((r, m)) => {
+                    if let Some((r, m)) = screen_peak
+                        .iter()
+                        .enumerate()
+                        .find(|(_, m)| **m > config.memory_limit_bytes)
+                    {
+                        if stats.max_tokens > act_tokens {
+                            act_tokens = stats.max_tokens;
+                            continue;
+                        }
                         let gib = |b: f64| b / (1u64 << 30) as f64;
                         break Err(format!(
                             "simulated peak on rank {r} is {:.1} GiB, over the limit {:.1} GiB",
@@ -668,39 +725,91 @@ pub fn search(
                             gib(config.memory_limit_bytes)
                         ));
                     }
-                }
-            };
-            progress(i + 1, total);
-            let (partition, outcomes, peak) = match evaluation {
-                Ok(e) => e,
-                Err(reason) if reason == SCREENED => {
-                    pruned += 1;
-                    continue;
-                }
-                Err(reason) => {
-                    rejected.push((what, reason));
-                    continue;
-                }
-            };
-            let outcomes = &outcomes;
-            let cand = Candidate {
-                tp,
-                sequence_parallel: space.sequence_parallel && tp > 1,
-                dp: c.dp,
-                pp: c.pp,
-                vpp: c.v,
-                schedule: c.kind,
-                token_budget: c.budget,
-                sharding: c.sharding,
-                lower_bound_s: c.lower_bound_s,
-                partition,
-                summary: montecarlo::summarize(outcomes, c.dp * c.pp, profile.hardware.peak_flops),
-                peak_memory_bytes: peak,
-            };
-            let pos =
-                ranked.partition_point(|x| x.score(config.rank_by) <= cand.score(config.rank_by));
-            ranked.insert(pos, cand);
-            ranked.truncate(config.keep.max(1));
+                    let times: Vec<f64> = screened.iter().map(|s| s.step_time_s).collect();
+                    let q = montecarlo::Quantiles::of(&times);
+                    let screen_score = match config.rank_by {
+                        RankBy::Mean => q.mean,
+                        RankBy::P90 => q.p90,
+                    };
+                    if ranked.len() >= config.keep
+                        && screen_score >= ranked[config.keep - 1].score(config.rank_by)
+                    {
+                        break Err(SCREENED.to_string());
+                    }
+                    let mc = match montecarlo::run(
+                        profile,
+                        workload,
+                        config.seed,
+                        config.size,
+                        config.steps,
+                        &[run],
+                        &|| {},
+                    ) {
+                        Ok(mc) => mc,
+                        // zb-auto finds no schedule under the limit on some step: a rejected candidate.
+                        Err(e) if c.kind == ScheduleKind::ZbAuto => break Err(e.to_string()),
+                        Err(e) => return Err(e.into()),
+                    };
+                    let outcomes = &mc.outcomes[0];
+                    let mut peak = vec![0.0f64; c.pp as usize];
+                    for o in outcomes {
+                        for (r, m) in o.rank_memory_bytes.iter().enumerate() {
+                            peak[r] = peak[r].max(*m);
+                        }
+                    }
+                    match peak
+                        .iter()
+                        .enumerate()
+                        .find(|(_, m)| **m > config.memory_limit_bytes)
+                    {
+                        None => break Ok((partition, outcomes.clone(), peak)),
+                        Some(_) if stats.max_tokens > act_tokens => act_tokens = stats.max_tokens,
+                        Some((r, m)) => {
+                            let gib = |b: f64| b / (1u64 << 30) as f64;
+                            break Err(format!(
+                                "simulated peak on rank {r} is {:.1} GiB, over the limit {:.1} GiB",
+                                gib(*m),
+                                gib(config.memory_limit_bytes)
+                            ));
+                        }
+                    }
+                };
+                progress(i + 1, total);
+                let (partition, outcomes, peak) = match evaluation {
+                    Ok(e) => e,
+                    Err(reason) if reason == SCREENED => {
+                        pruned += 1;
+                        continue;
+                    }
+                    Err(reason) => {
+                        rejected.push((what, reason));
+                        continue;
+                    }
+                };
+                let outcomes = &outcomes;
+                let cand = Candidate {
+                    tp,
+                    sequence_parallel: space.sequence_parallel && tp > 1,
+                    dp: c.dp,
+                    pp: c.pp,
+                    vpp: c.v,
+                    schedule: c.kind,
+                    token_budget: c.budget,
+                    sharding: c.sharding,
+                    lower_bound_s: c.lower_bound_s,
+                    partition,
+                    summary: montecarlo::summarize(
+                        outcomes,
+                        c.dp * c.pp,
+                        profile.hardware.peak_flops,
+                    ),
+                    peak_memory_bytes: peak,
+                };
+                let pos = ranked
+                    .partition_point(|x| x.score(config.rank_by) <= cand.score(config.rank_by));
+                ranked.insert(pos, cand);
+                ranked.truncate(config.keep.max(1));
+            }
         }
         if finals {
             break;
@@ -839,6 +948,37 @@ fn collectives_lb(profile: &Profile, sharding: Sharding, pp: u32, dp: u32) -> f6
     c.before_first_forward_s + c.gradient_reduction_s + c.after_optimizer_s
 }
 
+/// The peak in-flight microbatches of every stage of `kind` on `pp` ranks with `v` stages each
+/// and `m` microbatches, from a replay under uniform costs; the same for every candidate of
+/// that shape, so computed once per shape (a 512-rank schedule is not rebuilt per budget and
+/// sharding mode).
+fn inflight_peaks(kind: ScheduleKind, pp: u32, v: u32, m: u32) -> Result<Vec<f64>> {
+    type Key = (ScheduleKind, u32, u32, u32);
+    static CACHE: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<Key, Vec<f64>>>> =
+        std::sync::OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(v) = cache
+        .lock()
+        .ok()
+        .and_then(|c| c.get(&(kind, pp, v, m)).cloned())
+    {
+        return Ok(v);
+    }
+    let schedule = kind.generate(pp, v, m)?;
+    let uniform = replay::replay(
+        &schedule,
+        &UniformCosts::new(&UniformCostSpec::default(), v),
+    )?;
+    let peaks: Vec<f64> = stage_inflight_peaks(&schedule, &uniform)
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    if let Ok(mut c) = cache.lock() {
+        c.insert((kind, pp, v, m), peaks.clone());
+    }
+    Ok(peaks)
+}
+
 fn plan_candidate(
     profile: &Profile,
     space: &SearchSpace,
@@ -847,15 +987,28 @@ fn plan_candidate(
     (pp, v, kind, act_tokens): (u32, u32, ScheduleKind, f64),
     state: StateBytes,
 ) -> Result<Partition> {
-    let schedule = kind.generate(pp, v, stats.max_count)?;
-    let uniform = replay::replay(
-        &schedule,
-        &UniformCosts::new(&UniformCostSpec::default(), v),
-    )?;
-    let inflight: Vec<f64> = stage_inflight_peaks(&schedule, &uniform)
-        .into_iter()
-        .map(f64::from)
-        .collect();
+    // Quick reject, before the schedule is built: the static memory alone, spread perfectly
+    // over pp ranks, must fit.
+    let static_total: f64 = profile
+        .layers
+        .iter()
+        .map(|l| l.param_count as f64)
+        .sum::<f64>()
+        * state.total();
+    if static_total / pp as f64 > config.memory_limit_bytes {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        return Err(Error::InfeasibleMemory {
+            layers: profile.layers.len(),
+            stages: (pp * v) as usize,
+            limit_gib: gib(config.memory_limit_bytes),
+            explanation: format!(
+                "parameters, gradients and optimizer state alone need {:.1} GiB per rank over {pp} ranks; limit {:.1} GiB",
+                gib(static_total / pp as f64),
+                gib(config.memory_limit_bytes)
+            ),
+        });
+    }
+    let inflight = inflight_peaks(kind, pp, v, stats.max_count)?;
     let layers = profile
         .layers
         .iter()
@@ -881,29 +1034,14 @@ fn plan_candidate(
             }
         })
         .collect();
+    let placement = kind.placement_on(pp, v)?;
     let problem = PartitionProblem {
         layers,
-        placement: schedule.placement.clone(),
+        placement,
         inflight,
         memory_limit_bytes: config.memory_limit_bytes,
         static_bytes: state,
         modes: space.recompute.clone(),
     };
-    // Quick reject: the static memory alone, spread perfectly over pp ranks, must fit.
-    let static_total: f64 =
-        problem.layers.iter().map(|l| l.params as f64).sum::<f64>() * state.total();
-    if static_total / pp as f64 > config.memory_limit_bytes {
-        let gib = |b: f64| b / (1u64 << 30) as f64;
-        return Err(Error::InfeasibleMemory {
-            layers: problem.layers.len(),
-            stages: (pp * v) as usize,
-            limit_gib: gib(config.memory_limit_bytes),
-            explanation: format!(
-                "parameters, gradients and optimizer state alone need {:.1} GiB per rank over {pp} ranks; limit {:.1} GiB",
-                gib(static_total / pp as f64),
-                gib(config.memory_limit_bytes)
-            ),
-        });
-    }
     solve_with(&problem, config.exact_split)
 }

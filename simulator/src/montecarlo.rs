@@ -694,6 +694,70 @@ pub struct Screened {
     pub rank_memory_bytes: Vec<f64>,
 }
 
+/// What a screen measured of one step before the data-parallel state and collectives are
+/// applied ([`ScreenBase::finish`]): the same for every sharding mode that adds no
+/// per-microbatch collective (ddp, zero1, and fsdp / hsdp under PP), so the planner screens a
+/// layout once for all of them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScreenBase {
+    /// The replica's rounds, optimizer included, seconds.
+    pub pipeline_s: f64,
+    /// Per pipeline rank: last compute end, first compute start, optimizer time, seconds
+    /// ([`crate::step::StepPlan::rank_times`]).
+    pub rank_times: (Vec<f64>, Vec<f64>, Vec<f64>),
+    /// Per pipeline rank: its memory less its parameters, gradients and optimizer state (peak
+    /// activations, and a frozen model's weights), bytes.
+    pub activation_bytes: Vec<f64>,
+}
+
+impl ScreenBase {
+    /// The screen of `config` (whose sharding may differ from the one screened, as long as
+    /// neither adds per-microbatch collectives): the state bytes of `config.sharding` plus the
+    /// screened activations, and the step time with its collectives.
+    ///
+    /// # Errors
+    /// As [`TableCosts::with_options`] (the stages against the profile).
+    pub fn finish(&self, config: &RunConfig, profile: &Profile) -> Result<Screened> {
+        let placement = config.placement()?;
+        let costs = TableCosts::with_options(
+            profile,
+            &config.stages,
+            &placement,
+            &[],
+            &[],
+            &crate::costs::CostOptions {
+                recompute: &config.recompute,
+                sharding: config.sharding,
+                dp: config.dp,
+                state_bytes: config.state_bytes,
+                ..Default::default()
+            },
+        )?;
+        let step_time_s = if config.dp > 1 {
+            let params = crate::step::rank_params(config, profile, &placement);
+            let (end, start, opt) = &self.rank_times;
+            crate::step::collectives_tail(
+                config,
+                profile,
+                &params,
+                self.pipeline_s,
+                (end, start, opt),
+            )
+        } else {
+            self.pipeline_s
+        };
+        Ok(Screened {
+            step_time_s,
+            rank_memory_bytes: self
+                .activation_bytes
+                .iter()
+                .enumerate()
+                .map(|(r, a)| a + costs.static_bytes(Rank(r as u32)))
+                .collect(),
+        })
+    }
+}
+
 /// A lower bound on each sampled step of `config`, from one replica per step: the one with the
 /// most predicted work ([`balance_cost`]), planned and predicted as [`run`] would, alone. A
 /// step's time is its slowest replica's and its memory the largest, so each screened figure is
@@ -710,10 +774,28 @@ pub fn screen(
     steps: u32,
     config: &RunConfig,
 ) -> Result<Vec<Screened>> {
+    screen_base(profile, workload, seed, size, steps, config)?
+        .iter()
+        .map(|b| b.finish(config, profile))
+        .collect()
+}
+
+/// The per-step measurements of [`screen`] before the state and collectives of the sharding.
+///
+/// # Errors
+/// As [`run`].
+pub fn screen_base(
+    profile: &Profile,
+    workload: &Workload,
+    seed: u64,
+    size: StepSize,
+    steps: u32,
+    config: &RunConfig,
+) -> Result<Vec<ScreenBase>> {
     let cost = balance_cost(profile);
     (0..steps)
         .into_par_iter()
-        .map(|i| -> Result<Screened> {
+        .map(|i| -> Result<ScreenBase> {
             let seqs = workload.sample_step(seed, i as u64, size);
             let cut = crate::step::cut_step(config, &seqs, &cost)?;
             let work = |b: &Batched| -> f64 {
@@ -729,16 +811,29 @@ pub fn screen(
                 .expect("cut_step gives every replica a share");
             let replica =
                 crate::step::plan_replica(config, Some(profile), heaviest.microbatches.clone(), d)?;
+            let o = replica
+                .outcome(config, profile)
+                .expect("a replica planned with a profile is predicted");
             let plan = crate::step::StepPlan {
                 step: i as u64,
                 replicas: vec![replica],
             };
-            let o = plan
-                .outcome(config, profile)
-                .expect("a step planned with a profile is predicted");
-            Ok(Screened {
-                step_time_s: o.step_time_s,
-                rank_memory_bytes: o.rank_memory_bytes,
+            let rank_times = plan.rank_times().expect("predicted");
+            let statics = plan.replicas[0].rounds[0]
+                .prediction
+                .as_ref()
+                .expect("predicted")
+                .static_bytes
+                .clone();
+            Ok(ScreenBase {
+                pipeline_s: o.step_time_s,
+                rank_times,
+                activation_bytes: o
+                    .rank_memory_bytes
+                    .iter()
+                    .zip(&statics)
+                    .map(|(m, s)| m - s)
+                    .collect(),
             })
         })
         .collect()

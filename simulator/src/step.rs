@@ -537,14 +537,25 @@ impl StepPlan {
         pipeline_s: f64,
     ) -> Option<f64> {
         let placement = &self.replicas.first()?.rounds.first()?.schedule.placement;
+        let params = rank_params(config, profile, placement);
+        let (end, start, opt) = self.rank_times()?;
+        Some(collectives_tail(
+            config,
+            profile,
+            &params,
+            pipeline_s,
+            (&end, &start, &opt),
+        ))
+    }
+}
+
+impl StepPlan {
+    /// Per pipeline rank: its last compute end (latest over replicas, the rounds one after the
+    /// other), its first compute start (earliest) and its optimizer time (longest), seconds.
+    /// `None` without a prediction.
+    pub fn rank_times(&self) -> Option<(Vec<f64>, Vec<f64>, Vec<f64>)> {
+        let placement = &self.replicas.first()?.rounds.first()?.schedule.placement;
         let p = placement.num_ranks as usize;
-        let mut params = vec![0.0f64; p];
-        for (s, r) in config.stages.iter().enumerate() {
-            params[placement.rank_of[s].idx()] += profile.layers[r.clone()]
-                .iter()
-                .map(|l| l.param_count as f64)
-                .sum::<f64>();
-        }
         let (mut end, mut start, mut opt) =
             (vec![0.0f64; p], vec![f64::INFINITY; p], vec![0.0f64; p]);
         for replica in &self.replicas {
@@ -568,21 +579,47 @@ impl StepPlan {
                 offset += tl.makespan_ns();
             }
         }
-        let (mut tail, mut delay) = (pipeline_s, 0.0f64);
-        for r in 0..p {
-            let c = StepCollectives::of(
-                config.sharding,
-                &profile.hardware,
-                config.pp,
-                config.dp,
-                r as u32,
-                params[r],
-            );
-            tail = tail.max(end[r] + c.gradient_reduction_s + opt[r] + c.after_optimizer_s);
-            delay = delay.max(c.before_first_forward_s - start[r]);
-        }
-        Some(tail + delay)
+        Some((end, start, opt))
     }
+}
+
+/// The parameters each pipeline rank of `placement` holds under `config`'s stages.
+pub fn rank_params(config: &RunConfig, profile: &Profile, placement: &Placement) -> Vec<f64> {
+    let mut params = vec![0.0f64; placement.num_ranks as usize];
+    for (s, r) in config.stages.iter().enumerate() {
+        params[placement.rank_of[s].idx()] += profile.layers[r.clone()]
+            .iter()
+            .map(|l| l.param_count as f64)
+            .sum::<f64>();
+    }
+    params
+}
+
+/// The step time of [`StepPlan::step_time_with_collectives`] from its per-rank figures: the
+/// parameters of each pipeline rank, the pipeline's time, and per rank its last compute end,
+/// first compute start and optimizer time (latest, earliest and longest over replicas),
+/// seconds.
+pub fn collectives_tail(
+    config: &RunConfig,
+    profile: &Profile,
+    params: &[f64],
+    pipeline_s: f64,
+    (end, start, opt): (&[f64], &[f64], &[f64]),
+) -> f64 {
+    let (mut tail, mut delay) = (pipeline_s, 0.0f64);
+    for r in 0..params.len() {
+        let c = StepCollectives::of(
+            config.sharding,
+            &profile.hardware,
+            config.pp,
+            config.dp,
+            r as u32,
+            params[r],
+        );
+        tail = tail.max(end[r] + c.gradient_reduction_s + opt[r] + c.after_optimizer_s);
+        delay = delay.max(c.before_first_forward_s - start[r]);
+    }
+    tail + delay
 }
 
 /// The frozen model's weights on pipeline rank `r`, bytes (the forward-only work's model, in

@@ -148,6 +148,8 @@ fn flag_of(field: &str) -> Option<String> {
         "gpus" => "--gpus",
         "precision" => "--precision",
         "init_on_device" => "--init-on-device",
+        "tp" => "--tp",
+        "sharding" => "--sharding",
         _ => return None,
     };
     Some(if rest.is_empty() {
@@ -182,6 +184,14 @@ fn render_one(e: &(dyn std::error::Error + 'static)) -> String {
             planner::Error::Simulator(e) => sim_invalid(e),
             _ => None,
         }
+    } else if let Some(profiles::Error::Invalid {
+        path,
+        field,
+        value,
+        allowed,
+    }) = e.downcast_ref::<profiles::Error>()
+    {
+        invalid(field, value, allowed).map(|m| format!("{path}: {m}"))
     } else if let Some(e) = e.downcast_ref::<executor::Error>() {
         match e {
             executor::Error::InvalidArgument {
