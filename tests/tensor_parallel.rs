@@ -58,12 +58,12 @@ fn decoder_collectives_follow_the_ring_formulas() {
     }
 }
 
-/// Parameters and activations of one GPU, by hand. A Llama-3.1-70B decoder has H (H + 2 kv)
-/// + H^2 attention weights, 3 H F MLP weights and 2 H norm weights; t = 8 splits all but the
-/// norms. Per token the profile keeps 2 (3H + 2kv + 2F) + 4 * heads bytes for dgrad and
-/// 2 (3H + F) for wgrad (bf16); with sequence parallelism both divide by 8; without it the two
-/// norm inputs (2 * 2H) and the two GEMM inputs after the norms (2 * 2H) stay whole
-/// (Korthikanti et al. 2022, §4.1).
+/// Parameters and activations of one GPU, by hand. A Llama-3.1-70B decoder has
+/// `H (H + 2 kv) + H^2` attention weights, `3 H F` MLP weights and `2 H` norm weights; t = 8
+/// splits all but the norms. Per token the profile keeps `2 (3H + 2kv + 2F) + 4 heads` bytes
+/// for dgrad and `2 (3H + F)` for wgrad (bf16); with sequence parallelism both divide by 8;
+/// without it the two norm inputs (`2 * 2H`) and the two GEMM inputs after the norms (`2 * 2H`)
+/// stay whole (Korthikanti et al. 2022, §4.1).
 #[test]
 fn parameters_and_activations_per_gpu_by_hand() {
     let p = profile("llama3.1-70b");
@@ -104,9 +104,15 @@ fn memory_per_gpu_with_tensor_parallelism() {
             seq_lens: vec![2048],
             shape: Default::default(),
         }];
-        let costs =
-            TableCosts::with_options(&q, &[1..11], &placement, &mbs, &[], &CostOptions::default())
-                .unwrap();
+        let costs = TableCosts::with_options(
+            &q,
+            std::slice::from_ref(&(1..11)),
+            &placement,
+            &mbs,
+            &[],
+            &CostOptions::default(),
+        )
+        .unwrap();
         let params = (h * (h + 2.0 * kv) + h * h + 3.0 * h * ffn) / 8.0 + 2.0 * h;
         let keep = if sp { 0.0 } else { 4.0 * h };
         let act = (2.0 * (3.0 * h + 2.0 * kv + 2.0 * ffn) + 4.0 * heads - keep) / 8.0
