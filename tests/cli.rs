@@ -2804,3 +2804,59 @@ fn simulate_takes_a_tensor_parallel_configuration() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("tp = 2"), "{}", stderr(&o));
 }
+
+/// A hardware file with a cluster size refuses a run of more GPUs than it has, in `plan` and in
+/// `simulate`, with both numbers.
+#[test]
+fn more_gpus_than_the_cluster_has_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let hw = include_str!("../profiles/data/hardware/h200.yaml").to_string() + "nodes: 2\n";
+    std::fs::write(dir.path().join("hw.yaml"), hw).unwrap();
+    for args in [
+        &[
+            "plan",
+            "--hardware",
+            "hw.yaml",
+            "--ranks",
+            "32",
+            "--gantt",
+            "none",
+        ][..],
+        &[
+            "simulate",
+            "--hardware",
+            "hw.yaml",
+            "--tp",
+            "8",
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--gantt",
+            "none",
+        ][..],
+    ] {
+        let o = flatpipe(dir.path(), args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = stderr(&o);
+        assert!(
+            err.contains("32") && err.contains("at most 2 nodes x 8 GPUs = 16"),
+            "{args:?}: {err}"
+        );
+    }
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--hardware",
+            "hw.yaml",
+            "--ranks",
+            "16",
+            "--steps",
+            "2",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -423,6 +423,9 @@ pub fn search(
     if space.ranks == 0 {
         return Err(Error::invalid("ranks", 0, ">= 1"));
     }
+    base.hardware
+        .check_gpus(u64::from(space.ranks))
+        .map_err(|e| Error::Simulator(e.into()))?;
     let tps = if space.tp.is_empty() {
         tensor_parallel_degrees(base)
     } else {

@@ -62,9 +62,36 @@ pub struct Hardware {
     pub intra_node: Link,
     /// Link between devices of different nodes (per device).
     pub inter_node: Link,
+    /// Nodes of the cluster, when it has a size: a run of more than `nodes x gpus_per_node`
+    /// GPUs is refused (absent: as many nodes as a run asks for).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<u32>,
 }
 
 impl Hardware {
+    /// Checks that a run of `gpus` GPUs fits the cluster (`nodes x gpus_per_node`, when
+    /// `nodes` is given).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the GPUs asked for and the cluster's.
+    pub fn check_gpus(&self, gpus: u64) -> Result<()> {
+        if let Some(n) = self.nodes {
+            let have = u64::from(n) * u64::from(self.gpus_per_node);
+            if gpus > have {
+                return Err(Error::invalid(
+                    &self.name,
+                    "GPUs",
+                    gpus,
+                    format!(
+                        "at most {n} nodes x {} GPUs = {have} on this cluster",
+                        self.gpus_per_node
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Parses and validates a hardware file's text. `origin` names the file in errors.
     ///
     /// # Errors
@@ -93,6 +120,9 @@ impl Hardware {
         }
         if self.gpus_per_node == 0 {
             return Err(Error::invalid(origin, "gpus_per_node", 0, ">= 1"));
+        }
+        if self.nodes == Some(0) {
+            return Err(Error::invalid(origin, "nodes", 0, ">= 1 node (or absent)"));
         }
         self.intra_node.validate(origin, "intra_node")?;
         self.inter_node.validate(origin, "inter_node")

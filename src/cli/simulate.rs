@@ -672,6 +672,11 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
         )?;
     }
     super::check_monte_carlo_memory("the Monte Carlo", &workload, seed, size, steps, 0, &combos)?;
+    if let Some(c) = combos.first() {
+        base_profile
+            .hardware
+            .check_gpus(u64::from(tp.0) * u64::from(c.dp.max(1)) * u64::from(p))?;
+    }
     Ok(Comparison {
         plan,
         profile,
