@@ -14,12 +14,13 @@ cargo build --quiet
 bin=target/debug/flatpipe
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-# The default plan (named schedule, selective recomputation), a CSV schedule (zb-h1), a V
-# schedule (zb-v) and interleaved 1F1B with full recomputation only.
+# The default plan, a CSV schedule (zb-h1), a V schedule (zb-v) and interleaved 1F1B with full
+# recomputation only.
 "$bin" plan -o "$out/default.yaml" --export torchtitan --gantt "$out/g.png" >/dev/null
-"$bin" plan -o "$out/zbh1.yaml" --export torchtitan --schedule zb-h1 --gantt "$out/g.png" >/dev/null
-"$bin" plan -o "$out/zbv.yaml" --export torchtitan --schedule zb-v --gantt "$out/g.png" >/dev/null
-"$bin" plan -o "$out/interleaved.yaml" --export torchtitan --schedule interleaved-1f1b \
+# (--pp 2: with a pipeline, which the main job's answer, no pipeline, does not exercise.)
+"$bin" plan -o "$out/zbh1.yaml" --export torchtitan --schedule zb-h1 --pp 2 --gantt "$out/g.png" >/dev/null
+"$bin" plan -o "$out/zbv.yaml" --export torchtitan --schedule zb-v --pp 2 --gantt "$out/g.png" >/dev/null
+"$bin" plan -o "$out/interleaved.yaml" --export torchtitan --schedule interleaved-1f1b --pp 2 \
     --recompute full --gantt "$out/g.png" >/dev/null
 # Four nodes, pp = 2 x dp = 16 sharded as HSDP (FSDP over a node's 8 replicas, 2 replicas of
 # each shard across nodes), and FSDP resharded per microbatch.

@@ -316,7 +316,8 @@ fn default_plan_beats_hand_written_1f1b() {
     }
 }
 
-/// The README's main job (Llama-3.1-8B, 8 H200, sharegpt-v3, 64 steps): the default split
+/// The README's main job (Llama-3.1-8B, 8 H200, sharegpt-v3, 64 steps) unsharded and without
+/// tensor parallelism: the default split
 /// solver (branch and bound) chooses the same plan as HiGHS's MILP, and on every candidate
 /// where both ran to a proof they agree on the bottleneck (HiGHS stops at a 1% gap).
 #[cfg(feature = "highs")]
@@ -338,7 +339,12 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
             exact_split: exact,
             forward_only: None,
         };
-        search(&prof, &w, &SearchSpace::default_for(8), &config, &|_, _| {}).unwrap()
+        // Unsharded replicas without tensor parallelism, where memory binds the splits most
+        // (the main job's answer is now no pipeline at all, whose split is trivial).
+        let mut space = SearchSpace::default_for(8);
+        space.tp = vec![1];
+        space.sharding = vec![flatpipe::simulator::sharding::Sharding::Ddp];
+        search(&prof, &w, &space, &config, &|_, _| {}).unwrap()
     };
     let bnb = run(ExactSplit::DEFAULT);
     let highs = run(ExactSplit::Highs {
@@ -347,6 +353,8 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
     let key = |c: &flatpipe::planner::search::Candidate| {
         (
             c.schedule,
+            c.tp,
+            c.sharding,
             c.dp,
             c.pp,
             c.vpp,
@@ -361,8 +369,17 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
     let gap = 1.0 / (1.0 - 0.01);
     // The same candidate (layout and budget) in both rankings: their orders below the first
     // may differ, so pairing by rank compared different candidates.
-    let layout =
-        |c: &flatpipe::planner::search::Candidate| (c.schedule, c.dp, c.pp, c.vpp, c.token_budget);
+    let layout = |c: &flatpipe::planner::search::Candidate| {
+        (
+            c.schedule,
+            c.tp,
+            c.sharding,
+            c.dp,
+            c.pp,
+            c.vpp,
+            c.token_budget,
+        )
+    };
     for b in &bnb.ranked {
         let Some(h) = highs.ranked.iter().find(|h| layout(h) == layout(b)) else {
             continue;

@@ -384,7 +384,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         ));
     }
     let header = format!(
-        "{} on {} x {} ({} profile), workload {} seed {seed}, {} sampled steps, memory limit {:.1} GiB per rank: {} candidates evaluated, {} pruned by their lower bound, {} rejected",
+        "{} on {} x {} ({} profile), workload {} seed {seed}, {} sampled steps, memory limit {:.1} GiB per rank: {} candidates evaluated, {} pruned by their lower bound or screen, {} rejected{}",
         profile.model,
         a.ranks,
         profile.hardware.name,
@@ -394,7 +394,16 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         gib(limit),
         result.evaluated,
         result.pruned,
-        result.rejected.len()
+        result.rejected.len(),
+        match (result.zb_auto_not_finalist, result.zb_auto_out_of_time) {
+            (0, 0) => String::new(),
+            (n, 0) =>
+                format!(", zb-auto built for the finalists' layouts only ({n} others not built)"),
+            (n, t) => format!(
+                ", zb-auto built for the finalists' layouts only ({n} others not built, {t} finalists past the {} s limit)",
+                planner::search::ZB_AUTO_TIME_LIMIT_S
+            ),
+        }
     );
     match a.format {
         Format::Json => {
