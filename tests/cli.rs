@@ -2781,6 +2781,15 @@ fn simulate_takes_a_tensor_parallel_configuration() {
         out.contains("x 32 GPUs (tp=8 with sequence parallelism x dp=2 x pp=2, zero1)"),
         "{out}"
     );
+    // plan refuses a --tp list with an invalid degree (it dropped it silently), listing the
+    // valid ones.
+    let o = flatpipe(dir.path(), &["plan", "--tp", "2,3", "--gantt", "none"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("--tp 3 is invalid: one of 1, 2, 4, 8"),
+        "{}",
+        stderr(&o)
+    );
     let o = flatpipe(dir.path(), &["simulate", "--tp", "3", "--gantt", "none"]);
     assert_eq!(o.status.code(), Some(2));
     let err = stderr(&o);

@@ -589,3 +589,40 @@ fn exports_carry_the_sharding() {
     assert_eq!(degrees(&t), (8, 1), "{t}");
     assert!(!t.contains("# warning"), "{t}");
 }
+
+/// Budgets that cut a step the same way tie, and the tie goes to the larger budget: with every
+/// sequence 8,192 tokens long, budgets 4,096 and 8,192 both give one microbatch per sequence,
+/// but only 8,192 is what an export's `seq_len` can train without cutting sequences.
+#[test]
+fn tied_budgets_choose_the_one_that_holds_the_sequences() {
+    let prof = profile();
+    let w = flatpipe::profiles::Workload::from_yaml(
+        "name: fixed-8k\nlengths: {kind: fixed, tokens: 8192}\nseqs_per_step: 32\n",
+        "test",
+        |csv| panic!("no CSV here: {csv}"),
+    )
+    .unwrap();
+    let mut space = SearchSpace::default_for(8);
+    space.pp = vec![2];
+    space.tp = vec![1];
+    space.kinds = vec![ScheduleKind::OneFOneB];
+    space.sharding = vec![flatpipe::simulator::sharding::Sharding::Ddp];
+    space.token_budgets = vec![4096, 8192];
+    space.recompute = vec![Recompute::None, Recompute::Full];
+    let config = SearchConfig {
+        steps: 2,
+        seed: 0,
+        size: StepSize::Seqs(32),
+        memory_limit_bytes: prof.hardware.memory_bytes as f64 - 4.0 * (1u64 << 30) as f64,
+        state_bytes: None,
+        rank_by: RankBy::Mean,
+        keep: 2,
+        exact_split: flatpipe::planner::partition::ExactSplit::DEFAULT,
+        forward_only: None,
+    };
+    let r = search(&prof, &w, &space, &config, &|_, _| {}).unwrap();
+    assert_eq!(r.ranked.len(), 2);
+    let (a, b) = (&r.ranked[0], &r.ranked[1]);
+    assert_eq!(a.summary.step_time_s.mean, b.summary.step_time_s.mean);
+    assert_eq!((a.token_budget, b.token_budget), (8192, 4096));
+}

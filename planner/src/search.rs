@@ -808,8 +808,12 @@ pub fn search(
                     ),
                     peak_memory_bytes: peak,
                 };
-                let pos = ranked
-                    .partition_point(|x| x.score(config.rank_by) <= cand.score(config.rank_by));
+                // Ties go to the larger token budget (it cuts fewer sequences into microbatches
+                // of their own, and an export then trains on the rows that were predicted).
+                let pos = ranked.partition_point(|x| {
+                    let (a, b) = (x.score(config.rank_by), cand.score(config.rank_by));
+                    a < b || (a == b && x.token_budget >= cand.token_budget)
+                });
                 ranked.insert(pos, cand);
                 ranked.truncate(config.keep.max(1));
             }

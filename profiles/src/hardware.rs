@@ -80,10 +80,10 @@ impl Hardware {
             if gpus > have {
                 return Err(Error::invalid(
                     &self.name,
-                    "GPUs",
+                    "GPUs asked for (tp x dp x pp, or --ranks)",
                     gpus,
                     format!(
-                        "at most {n} nodes x {} GPUs = {have} on this cluster",
+                        "at most {n} nodes x {} GPUs = {have} on this cluster (its `nodes`)",
                         self.gpus_per_node
                     ),
                 ));

@@ -202,6 +202,24 @@ fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         );
     }
     if !a.tp.is_empty() {
+        let valid: Vec<u32> = planner::search::tensor_parallel_degrees(&profile)
+            .into_iter()
+            .filter(|t| a.ranks % t == 0)
+            .collect();
+        if let Some(t) = a.tp.iter().find(|t| !valid.contains(t)) {
+            bail!(
+                "--tp {t} is invalid: one of {} (divisors of the {} GPUs per node of {} that divide {}'s attention and key-value heads and --ranks {})",
+                valid
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                profile.hardware.gpus_per_node,
+                profile.hardware.name,
+                profile.model,
+                a.ranks
+            );
+        }
         space.tp = dedup(a.tp.clone());
     }
     space.sequence_parallel = !a.no_sequence_parallel;
@@ -347,7 +365,28 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             path.display()
         ));
     }
-    let (export_text, extra_files) = export(&a, &plan, best, &profile)?;
+    let (mut export_text, extra_files) = export(&a, &plan, best, &profile)?;
+    // torchtitan trains on rows of seq_len = the token budget: a longer sequence is cut across
+    // rows there, where flatpipe predicted it as a microbatch of its own. Said in the file.
+    if let (Some(ExportFormat::Torchtitan), Some((_, text))) = (a.export, &mut export_text) {
+        let (mut longer, mut total) = (0usize, 0usize);
+        for step in 0..u64::from(a.steps) {
+            let seqs = workload.sample_step(seed, step, size);
+            total += seqs.len();
+            longer += seqs
+                .iter()
+                .filter(|&&x| u64::from(x) > best.token_budget)
+                .count();
+        }
+        if longer > 0 {
+            let warning = format!(
+                "# warning: {longer} of the {total} sampled sequences are longer than seq_len = {}: torchtitan cuts them across rows, where flatpipe's prediction gives each a microbatch of its own (plan with --token-budgets at least the longest to train what was predicted)\n",
+                best.token_budget
+            );
+            let at = text.find('\n').map_or(0, |i| i + 1);
+            text.insert_str(at, &warning);
+        }
+    }
     let mut export_inline = None;
     if let Some((ext, text)) = &export_text {
         match &a.output {
@@ -529,16 +568,24 @@ fn fsdp_baseline(
                     if change <= 0.0 { "faster" } else { "slower" },
                     fmt_s(t_best)
                 ),
-                json: serde_json::json!({"candidate": b.describe(), "mean_s": t_base, "chosen_vs_baseline": change}),
+                json: serde_json::json!({
+                    "fits": true,
+                    "candidate": b.describe(),
+                    "mean_s": t_base,
+                    "p90_s": b.summary.step_time_s.p90,
+                    "peak_memory_bytes": b.peak_memory_bytes.iter().copied().fold(0.0, f64::max),
+                    "recompute": b.partition.recompute,
+                    "chosen_vs_baseline": change,
+                }),
             }
         }
         Ok(_) => Baseline {
             note: format!("The no-pipeline FSDP configuration ({what}) has no feasible plan."),
-            json: serde_json::Value::Null,
+            json: serde_json::json!({"fits": false, "reason": "no feasible plan"}),
         },
         Err(e) => Baseline {
             note: format!("The no-pipeline FSDP configuration ({what}) does not fit: {e}"),
-            json: serde_json::Value::Null,
+            json: serde_json::json!({"fits": false, "reason": e.to_string()}),
         },
     }
 }
