@@ -326,8 +326,15 @@ pub const MIN_NODE_BUDGET: u64 = 2_000;
 /// Seconds the search spends building zb-auto for its finalists before it skips the rest.
 pub const ZB_AUTO_TIME_LIMIT_S: f64 = 5.0;
 
-/// The marker of a candidate pruned by its screen (not a rejection).
-const SCREENED: &str = "pruned by its screen";
+/// What evaluating one candidate came to.
+enum Evaluation {
+    /// It fits: its split, its simulated steps and each rank's peak memory, bytes.
+    Fits(Partition, Vec<montecarlo::StepOutcome>, Vec<f64>),
+    /// Pruned by its screen: no better than the keep-th best (not a rejection).
+    Screened,
+    /// Rejected, with the reason.
+    Rejected(String),
+}
 
 #[derive(Clone)]
 struct Pending {
@@ -562,6 +569,7 @@ pub fn search(
         .partition(|c| c.kind == ScheduleKind::ZbAuto);
     let (mut finals, mut done) = (false, 0usize);
     let mut zb_auto_started: Option<std::time::Instant> = None;
+    let inflight = InflightCache::default();
     type ScreenKey = (
         usize,
         u32,
@@ -596,6 +604,7 @@ pub fn search(
                         &all_stats[c.stats],
                         (c.pp, c.v, c.kind, c.budget as f64),
                         state_bytes(profile, config, c.sharding, c.pp, c.dp),
+                        &inflight,
                     ))
                 })
                 .collect();
@@ -648,11 +657,14 @@ pub fn search(
                             stats,
                             (c.pp, c.v, c.kind, act_tokens),
                             state,
+                            &inflight,
                         ),
                     };
                     let partition = match split {
                         Ok(p) => p,
-                        Err(Error::InfeasibleMemory { explanation, .. }) => break Err(explanation),
+                        Err(Error::InfeasibleMemory { explanation, .. }) => {
+                            break Evaluation::Rejected(explanation);
+                        }
                         Err(e) => return Err(e),
                     };
                     evaluated += 1;
@@ -703,7 +715,9 @@ pub fn search(
                         Ok(s)
                     }) {
                         Ok(s) => s,
-                        Err(e) if c.kind == ScheduleKind::ZbAuto => break Err(e.to_string()),
+                        Err(e) if c.kind == ScheduleKind::ZbAuto => {
+                            break Evaluation::Rejected(e.to_string());
+                        }
                         Err(e) => return Err(e.into()),
                     };
                     let mut screen_peak = vec![0.0f64; c.pp as usize];
@@ -722,7 +736,7 @@ pub fn search(
                             continue;
                         }
                         let gib = |b: f64| b / (1u64 << 30) as f64;
-                        break Err(format!(
+                        break Evaluation::Rejected(format!(
                             "simulated peak on rank {r} is {:.1} GiB, over the limit {:.1} GiB",
                             gib(*m),
                             gib(config.memory_limit_bytes)
@@ -737,7 +751,7 @@ pub fn search(
                     if ranked.len() >= config.keep
                         && screen_score >= ranked[config.keep - 1].score(config.rank_by)
                     {
-                        break Err(SCREENED.to_string());
+                        break Evaluation::Screened;
                     }
                     let mc = match montecarlo::run(
                         profile,
@@ -750,7 +764,9 @@ pub fn search(
                     ) {
                         Ok(mc) => mc,
                         // zb-auto finds no schedule under the limit on some step: a rejected candidate.
-                        Err(e) if c.kind == ScheduleKind::ZbAuto => break Err(e.to_string()),
+                        Err(e) if c.kind == ScheduleKind::ZbAuto => {
+                            break Evaluation::Rejected(e.to_string());
+                        }
                         Err(e) => return Err(e.into()),
                     };
                     let outcomes = &mc.outcomes[0];
@@ -765,11 +781,11 @@ pub fn search(
                         .enumerate()
                         .find(|(_, m)| **m > config.memory_limit_bytes)
                     {
-                        None => break Ok((partition, outcomes.clone(), peak)),
+                        None => break Evaluation::Fits(partition, outcomes.clone(), peak),
                         Some(_) if stats.max_tokens > act_tokens => act_tokens = stats.max_tokens,
                         Some((r, m)) => {
                             let gib = |b: f64| b / (1u64 << 30) as f64;
-                            break Err(format!(
+                            break Evaluation::Rejected(format!(
                                 "simulated peak on rank {r} is {:.1} GiB, over the limit {:.1} GiB",
                                 gib(*m),
                                 gib(config.memory_limit_bytes)
@@ -779,12 +795,12 @@ pub fn search(
                 };
                 progress(i + 1, total);
                 let (partition, outcomes, peak) = match evaluation {
-                    Ok(e) => e,
-                    Err(reason) if reason == SCREENED => {
+                    Evaluation::Fits(partition, outcomes, peak) => (partition, outcomes, peak),
+                    Evaluation::Screened => {
                         pruned += 1;
                         continue;
                     }
-                    Err(reason) => {
+                    Evaluation::Rejected(reason) => {
                         rejected.push((what, reason));
                         continue;
                     }
@@ -937,10 +953,9 @@ fn state_bytes(
     pp: u32,
     dp: u32,
 ) -> StateBytes {
-    config.state_bytes.unwrap_or_else(|| {
-        let shard = DpGroup::of(sharding, &profile.hardware, pp, dp, 0).shard;
-        sharding.state_bytes(pp, shard)
-    })
+    config
+        .state_bytes
+        .unwrap_or_else(|| sharding.state_bytes_on(&profile.hardware, pp, dp))
 }
 
 /// A lower bound on the step's data-parallel collectives: without a pipeline, the one rank's
@@ -955,21 +970,27 @@ fn collectives_lb(profile: &Profile, sharding: Sharding, pp: u32, dp: u32) -> f6
     c.before_first_forward_s + c.gradient_reduction_s + c.after_optimizer_s
 }
 
+/// Peak in-flight microbatches per stage, computed once per (kind, pp, v, m) within a search.
+type InflightCache =
+    std::sync::Mutex<std::collections::HashMap<(ScheduleKind, u32, u32, u32), Vec<f64>>>;
+
 /// The peak in-flight microbatches of every stage of `kind` on `pp` ranks with `v` stages each
 /// and `m` microbatches, from a replay under uniform costs; the same for every candidate of
-/// that shape, so computed once per shape (a 512-rank schedule is not rebuilt per budget and
-/// sharding mode).
-fn inflight_peaks(kind: ScheduleKind, pp: u32, v: u32, m: u32) -> Result<Vec<f64>> {
-    type Key = (ScheduleKind, u32, u32, u32);
-    static CACHE: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<Key, Vec<f64>>>> =
-        std::sync::OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(v) = cache
+/// that shape, so computed once per shape in `cache` (a 512-rank schedule is not rebuilt per
+/// budget and sharding mode).
+fn inflight_peaks(
+    cache: &InflightCache,
+    kind: ScheduleKind,
+    pp: u32,
+    v: u32,
+    m: u32,
+) -> Result<Vec<f64>> {
+    if let Some(p) = cache
         .lock()
         .ok()
         .and_then(|c| c.get(&(kind, pp, v, m)).cloned())
     {
-        return Ok(v);
+        return Ok(p);
     }
     let schedule = kind.generate(pp, v, m)?;
     let uniform = replay::replay(
@@ -993,6 +1014,7 @@ fn plan_candidate(
     stats: &BatchStats,
     (pp, v, kind, act_tokens): (u32, u32, ScheduleKind, f64),
     state: StateBytes,
+    cache: &InflightCache,
 ) -> Result<Partition> {
     // Quick reject, before the schedule is built: the static memory alone, spread perfectly
     // over pp ranks, must fit.
@@ -1015,7 +1037,7 @@ fn plan_candidate(
             ),
         });
     }
-    let inflight = inflight_peaks(kind, pp, v, stats.max_count)?;
+    let inflight = inflight_peaks(cache, kind, pp, v, stats.max_count)?;
     let layers = profile
         .layers
         .iter()

@@ -14,9 +14,7 @@
 
 use crate::ir::{ActionKind, ComputeAction, MicrobatchId, Placement, Rank, StageId};
 use crate::microbatch::Microbatch;
-use crate::sharding::{
-    DpGroup, MicrobatchCollectives, Sharding, StateBytes, exposed_s, global_rank,
-};
+use crate::sharding::{MicrobatchCollectives, Sharding, StateBytes, exposed_s, global_rank};
 use crate::{Error, Result};
 use flatpipe_profiles::{Phase, Profile};
 use serde::{Deserialize, Serialize};
@@ -541,10 +539,7 @@ impl TableCosts {
         let pp = placement.num_ranks;
         let state = opts
             .state_bytes
-            .unwrap_or_else(|| {
-                let r0 = DpGroup::of(opts.sharding, &profile.hardware, pp, opts.dp, 0);
-                opts.sharding.state_bytes(pp, r0.shard)
-            })
+            .unwrap_or_else(|| opts.sharding.state_bytes_on(&profile.hardware, pp, opts.dp))
             .total();
         for (s, r) in stages.iter().enumerate() {
             let layers = &profile.layers[r.clone()];

@@ -684,7 +684,8 @@ pub fn run(
     Ok(mc)
 }
 
-/// One step's screen ([`screen`]): the heaviest replica's predicted step time and memory.
+/// One step's screen ([`screen_base`], then [`ScreenBase::finish`]): the heaviest replica's
+/// predicted step time and memory.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Screened {
     /// The replica's step time with the data-parallel collectives, seconds: at most the
@@ -759,28 +760,11 @@ impl ScreenBase {
 }
 
 /// A lower bound on each sampled step of `config`, from one replica per step: the one with the
-/// most predicted work ([`balance_cost`]), planned and predicted as [`run`] would, alone. A
-/// step's time is its slowest replica's and its memory the largest, so each screened figure is
-/// at most the full one, and a screened memory over a limit is an exact rejection. Costs one
-/// replica instead of `dp` per step: what the planner evaluates first.
-///
-/// # Errors
-/// As [`run`].
-pub fn screen(
-    profile: &Profile,
-    workload: &Workload,
-    seed: u64,
-    size: StepSize,
-    steps: u32,
-    config: &RunConfig,
-) -> Result<Vec<Screened>> {
-    screen_base(profile, workload, seed, size, steps, config)?
-        .iter()
-        .map(|b| b.finish(config, profile))
-        .collect()
-}
-
-/// The per-step measurements of [`screen`] before the state and collectives of the sharding.
+/// most predicted work ([`balance_cost`]), planned and predicted as [`run`] would, alone, before
+/// the state and collectives of the sharding ([`ScreenBase::finish`] applies them). A step's time
+/// is its slowest replica's and its memory the largest, so each screened figure is at most the
+/// full one, and a screened memory over a limit is an exact rejection. Costs one replica instead
+/// of `dp` per step: what the planner evaluates first.
 ///
 /// # Errors
 /// As [`run`].

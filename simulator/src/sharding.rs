@@ -137,6 +137,13 @@ impl Sharding {
         }
     }
 
+    /// [`Sharding::state_bytes`] on pipeline rank 0 of `pp` x `dp` on `hw`, its shard degree
+    /// from [`DpGroup::of`] (the same on every pipeline rank when `pp` divides the GPUs per
+    /// node).
+    pub fn state_bytes_on(self, hw: &Hardware, pp: u32, dp: u32) -> StateBytes {
+        self.state_bytes(pp, DpGroup::of(self, hw, pp, dp, 0).shard)
+    }
+
     /// Bytes a rank holds only while a layer is computed, resharded right after, for a rank
     /// whose largest layer has `largest_layer_params` parameters: with per-microbatch resharding
     /// the layer being computed and the next, prefetched (bf16, 2 + 2 bytes), its bf16

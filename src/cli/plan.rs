@@ -369,15 +369,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     // torchtitan trains on rows of seq_len = the token budget: a longer sequence is cut across
     // rows there, where flatpipe predicted it as a microbatch of its own. Said in the file.
     if let (Some(ExportFormat::Torchtitan), Some((_, text))) = (a.export, &mut export_text) {
-        let (mut longer, mut total) = (0usize, 0usize);
-        for step in 0..u64::from(a.steps) {
-            let seqs = workload.sample_step(seed, step, size);
-            total += seqs.len();
-            longer += seqs
-                .iter()
-                .filter(|&&x| u64::from(x) > best.token_budget)
-                .count();
-        }
+        let (longer, total) = longer_than_budget(&a, &workload, seed, size, best.token_budget);
         if longer > 0 {
             let warning = format!(
                 "# warning: {longer} of the {total} sampled sequences are longer than seq_len = {}: torchtitan cuts them across rows, where flatpipe's prediction gives each a microbatch of its own (plan with --token-budgets at least the longest to train what was predicted)\n",
@@ -490,6 +482,25 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Of the search's sampled sequences: how many are longer than `budget` tokens, and how many
+/// there are.
+fn longer_than_budget(
+    a: &PlanArgs,
+    workload: &Workload,
+    seed: u64,
+    size: StepSize,
+    budget: u64,
+) -> (usize, usize) {
+    (0..u64::from(a.steps))
+        .map(|step| workload.sample_step(seed, step, size))
+        .fold((0, 0), |(longer, total), seqs| {
+            (
+                longer + seqs.iter().filter(|&&x| u64::from(x) > budget).count(),
+                total + seqs.len(),
+            )
+        })
 }
 
 /// The no-pipeline FSDP configuration a torchtitan user runs first, against the chosen plan.
@@ -650,15 +661,7 @@ fn sizing_notes(
 ) -> Vec<String> {
     let mut notes = Vec::new();
     // Sequences longer than the chosen token budget get a microbatch of their own.
-    let (mut longer, mut total) = (0usize, 0usize);
-    for step in 0..u64::from(a.steps) {
-        let seqs = workload.sample_step(seed, step, size);
-        total += seqs.len();
-        longer += seqs
-            .iter()
-            .filter(|&&s| u64::from(s) > best.token_budget)
-            .count();
-    }
+    let (longer, total) = longer_than_budget(a, workload, seed, size, best.token_budget);
     if longer > 0 {
         notes.push(format!(
             "{longer} of the {total} sampled sequences are longer than the chosen token budget of {} tokens: each gets a microbatch of its own",
