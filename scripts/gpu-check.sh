@@ -17,7 +17,8 @@
 #      compiles the kernels, a CUDA stage equals the CPU stage in F / I / W, and pipelined CUDA
 #      steps (1F1B, ZB-H1, GPipe, ZB-V) equal the single-rank CPU reference;
 #   2. the profile of Llama-3.1-8B's layers (examples/gpu/llama3.1-8b-8layers.yaml, bf16 GEMM
-#      math) with 4 streams busy, as the 4-rank runs will be, and cuBLAS GEMM TFLOP/s;
+#      math) with 4 streams busy, as the 4-rank runs will be, cuBLAS GEMM TFLOP/s, and the GEMMs
+#      split 2, 4 and 8 ways (tensor parallelism) against whole (the profile's gemm_split);
 #   3. 4-rank 1F1B and ZB-H1 runs of that model on ShareGPT lengths, predicted against measured,
 #      with Gantt charts and Chrome traces of the measured timelines;
 #   4. a small run checked against the CPU reference (--verify) on the GPU.

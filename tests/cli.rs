@@ -829,6 +829,19 @@ fn a_profile_written_by_the_profiler_drives_simulate_plan_and_execute() {
     assert!(p.provenance.date.is_some() && p.provenance.grid.is_some());
     assert_eq!(p.provenance.fits.len(), 12);
     assert_eq!(p.layers.len(), 6);
+    // The GEMMs split the ways tensor parallelism may split them: 4 heads and 2 key-value
+    // heads allow tp = 2 only; measured at the grid's largest T, and applied by the split.
+    let grid = flatpipe::executor::profiler::ProfileConfig::quick().tokens;
+    assert_eq!(p.gemm_split.len(), 1, "{:?}", p.gemm_split);
+    let g = p.gemm_split[0];
+    assert_eq!((g.tp, g.tokens), (2, *grid.iter().max().unwrap() as u64));
+    assert!(g.relative_throughput > 0.0 && g.relative_throughput <= 2.0);
+    let tp2 = p.tensor_parallel(2, true).unwrap();
+    assert!(
+        tp2.provenance
+            .notes
+            .contains("of the unsplit throughput (measured")
+    );
     // FLOPs (and MFU) come from true tokens and pairs: the model's counts, not the timings.
     let small = flatpipe::profiles::ModelSpec::from_yaml(SMALL_MODEL, "small").unwrap();
     let analytic = flatpipe::profiles::analytic_profile(

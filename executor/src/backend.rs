@@ -311,7 +311,53 @@ pub fn profile(
         }
         Backend::Cuda => profile_cuda(backend, model, cfg, progress)?,
     };
-    profiler::to_profile(model, hardware, &device, date, cfg, &measured)
+    let mut p = profiler::to_profile(model, hardware, &device, date, cfg, &measured)?;
+    let tokens = cfg.tokens.iter().copied().max().unwrap_or(1024);
+    p.gemm_split = match backend.backend {
+        Backend::Cpu => profiler::gemm_split(
+            model,
+            tokens,
+            &mut |shape| Ok(profiler::time_cpu_gemm(shape, cfg.reps as usize)),
+            progress,
+        )?,
+        Backend::Cuda => cuda_gemm_split(backend, model, tokens, progress)?,
+    };
+    p.validate("measured profile")?;
+    Ok(p)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_gemm_split(
+    backend: &BackendConfig,
+    model: &ModelSpec,
+    tokens: usize,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Vec<flatpipe_profiles::GemmSplit>> {
+    use crate::cuda;
+    let bf16 = backend.precision == Precision::Bf16;
+    profiler::gemm_split(
+        model,
+        tokens,
+        &mut |shape| {
+            let t = if bf16 {
+                cuda::time_gemm_bf16(shape, 2, 5)?
+            } else {
+                cuda::time_gemm_f32(shape, 2, 5)?
+            };
+            Ok(t.ms * 1e-3)
+        },
+        progress,
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_gemm_split(
+    _: &BackendConfig,
+    _: &ModelSpec,
+    _: usize,
+    _: &(dyn Fn(&str) + Sync),
+) -> Result<Vec<flatpipe_profiles::GemmSplit>> {
+    Err(Error::CudaNotCompiled)
 }
 
 /// The device `backend` runs on as a measured profile names it, without the measurement's

@@ -26,8 +26,8 @@ use crate::data::{LossReduction, MicrobatchData, build_step};
 use crate::worker::{AdamW, StageInput, StageWorker};
 use crate::{Error, Result};
 use flatpipe_profiles::{
-    AnalyticOptions, CostCoeffs, FitQuality, Hardware, LayerKind, Link, ModelSpec, Phase, Profile,
-    ProfileSource, Provenance, analytic_profile,
+    AnalyticOptions, CostCoeffs, FitQuality, GemmSplit, Hardware, LayerKind, Link, ModelSpec,
+    Phase, Profile, ProfileSource, Provenance, analytic_profile,
 };
 use flatpipe_simulator::costs::Recompute;
 use nalgebra::{DMatrix, DVector};
@@ -639,7 +639,104 @@ pub fn grid_points(model: &ModelSpec, cfg: &ProfileConfig) -> u64 {
         .iter()
         .filter(|k| model.layers().iter().any(|l| l.kind == **k))
         .count();
-    (kinds * cfg.tokens.len() * 2 + 2) as u64
+    (kinds * cfg.tokens.len() * 2 + 2 + gemm_split_degrees(model).len()) as u64
+}
+
+/// The tensor-parallel group sizes whose GEMM split [`gemm_split`] measures: 2, 4 and 8 where
+/// they divide the first decoder's attention heads, key-value heads and MLP size (Megatron
+/// requires the heads; `megatron/core/transformer/transformer_config.py`).
+pub fn gemm_split_degrees(model: &ModelSpec) -> Vec<u32> {
+    let Some(d) = model
+        .layers()
+        .into_iter()
+        .find(|l| l.kind == LayerKind::Decoder)
+    else {
+        return Vec::new();
+    };
+    [2u32, 4, 8]
+        .into_iter()
+        .filter(|&t| {
+            let t = u64::from(t);
+            d.heads % t == 0 && d.kv_heads % t == 0 && d.ffn % t == 0 && d.hidden % t == 0
+        })
+        .collect()
+}
+
+/// Measures the GEMM efficiency of narrower matrices: for each of [`gemm_split_degrees`], the
+/// first decoder's four GEMMs at `tokens` rows, whole (`[T, H] x [H, H + 2 kv]` Q/K/V,
+/// `[T, H] x [H, H]` output, `[T, H] x [H, 2 F]` gate and up, `[T, F] x [F, H]` down) and as
+/// one rank of a tensor-parallel group of `t` holds them (Megatron: Q/K/V and gate/up split by
+/// columns, output and down by rows; Shoeybi et al. 2019, §3). `time_gemm((m, k, n))` returns
+/// one GEMM's time in seconds. The ratio is `t_whole / (t x t_split)`: the split GEMMs' FLOP
+/// rate over the whole ones'. `progress` is called before each group size.
+///
+/// # Errors
+/// `time_gemm`'s.
+pub fn gemm_split(
+    model: &ModelSpec,
+    tokens: usize,
+    time_gemm: &mut dyn FnMut((usize, usize, usize)) -> Result<f64>,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Vec<GemmSplit>> {
+    let Some(d) = model
+        .layers()
+        .into_iter()
+        .find(|l| l.kind == LayerKind::Decoder)
+    else {
+        return Ok(Vec::new());
+    };
+    let (h, f) = (d.hidden as usize, d.ffn as usize);
+    let kv = h / d.heads.max(1) as usize * d.kv_heads as usize;
+    // (k, n, split by columns).
+    let gemms = [
+        (h, h + 2 * kv, true),
+        (h, h, false),
+        (h, 2 * f, true),
+        (f, h, false),
+    ];
+    let mut time = |t: usize| -> Result<f64> {
+        let mut sum = 0.0;
+        for &(k, n, columns) in &gemms {
+            let shape = if columns {
+                (tokens, k, n / t)
+            } else {
+                (tokens, k / t, n)
+            };
+            sum += time_gemm(shape)?;
+        }
+        Ok(sum)
+    };
+    let whole = time(1)?;
+    let mut out = Vec::new();
+    for tp in gemm_split_degrees(model) {
+        progress(&format!("GEMMs split {tp} ways"));
+        let split = time(tp as usize)?;
+        out.push(GemmSplit {
+            tp,
+            relative_throughput: (whole / (f64::from(tp) * split)).clamp(1e-3, 2.0),
+            tokens: tokens as u64,
+        });
+    }
+    Ok(out)
+}
+
+/// Median seconds of `reps` runs of `a [m, k] @ b [k, n]` with the CPU executor's GEMM kernel
+/// (one thread), after one untimed run.
+pub fn time_cpu_gemm((m, k, n): (usize, usize, usize), reps: usize) -> f64 {
+    let a = Array2::<f32>::from_elem((m, k), 0.5);
+    let b = Array2::<f32>::from_elem((k, n), 0.25);
+    let _ = std::hint::black_box(crate::kernels::matmul(a.view(), b.view()));
+    let mut times: Vec<f64> = (0..reps.max(1))
+        .map(|_| {
+            let start = Instant::now();
+            let c = crate::kernels::matmul(a.view(), b.view());
+            let s = start.elapsed().as_secs_f64();
+            std::hint::black_box(c);
+            s
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
 }
 
 /// Builds a [`Profile`] of `model` from the measurements: every layer gets its kind's fitted
@@ -727,6 +824,27 @@ pub fn cpu_name() -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn gemm_split_is_the_flop_rate_ratio_with_a_fixed_cost_per_gemm() {
+        let model = flatpipe_profiles::builtins::model("tiny").unwrap();
+        // tiny: H = 256, F = 688, 4 heads, 2 key-value heads (kv = 128): tp = 2 only.
+        assert_eq!(gemm_split_degrees(&model), vec![2]);
+        let (t, rate, c) = (512.0, 1e9, 1e-3);
+        let flops = 2.0 * t * (256.0 * 512.0 + 256.0 * 256.0 + 256.0 * 1376.0 + 688.0 * 256.0);
+        let mut timer = |(m, k, n): (usize, usize, usize)| Ok(2.0 * (m * k * n) as f64 / rate + c);
+        let g = gemm_split(&model, 512, &mut timer, &|_| {}).unwrap();
+        // Whole: F / r + 4c; split in two: F / 2r + 4c; ratio = whole / (2 x split).
+        let want = (flops / rate + 4.0 * c) / (flops / rate + 8.0 * c);
+        assert_eq!(g.len(), 1);
+        assert!(
+            (g[0].relative_throughput - want).abs() < 1e-12,
+            "{g:?} {want}"
+        );
+        assert!(want < 1.0);
+        let m70 = flatpipe_profiles::builtins::model("llama3.1-70b").unwrap();
+        assert_eq!(gemm_split_degrees(&m70), vec![2, 4, 8]);
+    }
+
     use super::*;
     use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
 

@@ -197,6 +197,7 @@ pub fn analytic_profile(
             fits: Vec::new(),
             concurrency: None,
         },
+        gemm_split: Vec::new(),
     })
 }
 

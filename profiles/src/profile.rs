@@ -205,6 +205,28 @@ pub struct Profile {
     pub optimizer_s_per_param: f64,
     /// Where the numbers come from.
     pub provenance: Provenance,
+    /// The GEMM throughput of one GPU of a tensor-parallel group relative to the unsplit
+    /// layer's, per group size, where measured (`flatpipe profile` times the layer's GEMMs split
+    /// as Megatron splits them); [`Profile::tensor_parallel`] applies it. Empty: not measured.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gemm_split: Vec<GemmSplit>,
+}
+
+/// The GEMM efficiency of narrower matrices: what one GPU of a tensor-parallel group of `tp`
+/// achieves on its share of a decoder layer's GEMMs, relative to the whole layer's GEMMs on
+/// one GPU. Megatron splits the Q/K/V and gate/up projections by columns (`n / tp`) and the
+/// output and down projections by rows (`k / tp`; Shoeybi et al. 2019, §3); the smaller
+/// matrices fill fewer of the device's tiles and waves, so they run at a lower FLOP rate.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GemmSplit {
+    /// Tensor-parallel group size, >= 2.
+    pub tp: u32,
+    /// `(FLOPs / time)` of the split GEMMs over that of the unsplit ones, in (0, 2]
+    /// (1.0: no loss; above 1 where the smaller matrices fit a cache better).
+    pub relative_throughput: f64,
+    /// Tokens `T` (the GEMMs' `m`) of the measurement.
+    pub tokens: u64,
 }
 
 /// The R² below which a fitted cost model is called poor ([`Profile::poor_fits`]): a fit that
@@ -282,6 +304,25 @@ impl Profile {
                         "a finite number of bytes >= 0",
                     ));
                 }
+            }
+        }
+        for (i, g) in self.gemm_split.iter().enumerate() {
+            if g.tp < 2 {
+                return Err(Error::invalid(
+                    origin,
+                    format!("gemm_split[{i}].tp"),
+                    g.tp,
+                    "a tensor-parallel group size >= 2",
+                ));
+            }
+            let r = g.relative_throughput;
+            if !(r.is_finite() && r > 0.0 && r <= 2.0) {
+                return Err(Error::invalid(
+                    origin,
+                    format!("gemm_split[{i}].relative_throughput"),
+                    r,
+                    "a ratio in (0, 2]",
+                ));
             }
         }
         let o = self.optimizer_s_per_param;

@@ -12,8 +12,12 @@
 //! Activation Recomputation in Large Transformer Models"):
 //! - Compute: the token and attention-pair terms divide by `t` (the GEMMs and heads split; the
 //!   elementwise work over replicated activations is divided too, a small optimism without
-//!   `sp`); the fixed cost per kernel stays. The GEMM efficiency of the narrower matrices is the
-//!   profile's (a profile measured at this tp carries it; the analytic one does not lose any).
+//!   `sp`); the fixed cost per kernel stays. The GEMM efficiency of the narrower matrices comes
+//!   from the profile where measured ([`crate::GemmSplit`], which `flatpipe profile` records):
+//!   the per-token term of the decoders and the head divides by `t x relative_throughput`
+//!   instead of `t`. The per-token term also holds the elementwise work, which the split does
+//!   not slow, so this overstates the loss by that share. An analytic profile, or a tp the
+//!   profile did not measure, loses nothing, and the profile's notes say so.
 //! - Collectives, on the intra-node link, not overlapped with compute (Megatron's
 //!   `--tp-comm-overlap` is off by default), ring costs over `t` of `B = [T, H]` activations in the
 //!   model's dtype: a decoder's forward has two all-reduces (after the attention output and the
@@ -53,10 +57,12 @@ fn reduce_scatter(t: f64, a: f64, b: f64, bytes_per_token: f64) -> (f64, f64) {
     ((t - 1.0) * a, (t - 1.0) * bytes_per_token / (t * b))
 }
 
-fn split(c: &CostCoeffs, t: f64, comm: (f64, f64)) -> CostCoeffs {
+/// `c` split `t` ways with the GEMMs at `gemm` of their unsplit throughput, plus `comm`'s
+/// `(c0, c_tok)`.
+fn split(c: &CostCoeffs, t: f64, gemm: f64, comm: (f64, f64)) -> CostCoeffs {
     CostCoeffs {
         c0_s: c.c0_s + comm.0,
-        c_tok_s: c.c_tok_s / t + comm.1,
+        c_tok_s: c.c_tok_s / (t * gemm) + comm.1,
         c_attn_s: c.c_attn_s / t,
     }
 }
@@ -121,6 +127,8 @@ impl Profile {
         let add = |x: (f64, f64), y: (f64, f64)| (x.0 + y.0, x.1 + y.1);
         let times = |x: (f64, f64), k: f64| (k * x.0, k * x.1);
         let none = (0.0, 0.0);
+        let measured = self.gemm_split.iter().find(|g| g.tp == tp);
+        let gemm = measured.map_or(1.0, |g| g.relative_throughput);
         let mut out = self.clone();
         let mut input_bytes = 4.0; // token ids into the embedding
         for l in &mut out.layers {
@@ -146,10 +154,10 @@ impl Profile {
                             none
                         },
                     );
-                    l.f = split(&l.f, t, f);
-                    l.i = split(&l.i, t, i);
-                    l.w = split(&l.w, t, w);
-                    l.fo = split(&l.fo, t, f);
+                    l.f = split(&l.f, t, gemm, f);
+                    l.i = split(&l.i, t, gemm, i);
+                    l.w = split(&l.w, t, gemm, w);
+                    l.fo = split(&l.fo, t, gemm, f);
                     let keep = if sequence_parallel { 0.0 } else { 2.0 * act };
                     l.act_bytes_per_token_i = (l.act_bytes_per_token_i - keep).max(0.0) / t + keep;
                     l.act_bytes_per_token_w = (l.act_bytes_per_token_w - keep).max(0.0) / t + keep;
@@ -160,10 +168,10 @@ impl Profile {
                 }
                 LayerKind::Embedding => {
                     let f = if sequence_parallel { rs(act) } else { exchange };
-                    l.f = split(&l.f, t, f);
-                    l.i = split(&l.i, t, none);
-                    l.w = split(&l.w, t, none);
-                    l.fo = split(&l.fo, t, f);
+                    l.f = split(&l.f, t, 1.0, f);
+                    l.i = split(&l.i, t, 1.0, none);
+                    l.w = split(&l.w, t, 1.0, none);
+                    l.fo = split(&l.fo, t, 1.0, f);
                     l.param_count /= u64::from(tp);
                 }
                 LayerKind::Head => {
@@ -177,10 +185,10 @@ impl Profile {
                         ar(input)
                     };
                     let w = if sequence_parallel { rs(input) } else { none };
-                    l.f = split(&l.f, t, f);
-                    l.i = split(&l.i, t, i);
-                    l.w = split(&l.w, t, w);
-                    l.fo = split(&l.fo, t, f);
+                    l.f = split(&l.f, t, gemm, f);
+                    l.i = split(&l.i, t, gemm, i);
+                    l.w = split(&l.w, t, gemm, w);
+                    l.fo = split(&l.fo, t, gemm, f);
                     // The norm input and the GEMM input are [T, H]: replicated without sp.
                     let hidden_part = if sequence_parallel { input / t } else { input };
                     let logits = (l.act_bytes_per_token_i - input).max(0.0) / t;
@@ -200,12 +208,19 @@ impl Profile {
         }
         out.hardware.gpus_per_node = g / tp;
         out.provenance.notes = format!(
-            "{}; one GPU of a tensor-parallel group of {tp}{}",
+            "{}; one GPU of a tensor-parallel group of {tp}{}, {}",
             out.provenance.notes,
             if sequence_parallel {
                 " with sequence parallelism"
             } else {
                 ""
+            },
+            match measured {
+                Some(g) => format!(
+                    "GEMMs at {:.3} of the unsplit throughput (measured at {} tokens)",
+                    g.relative_throughput, g.tokens
+                ),
+                None => format!("GEMM efficiency at tp = {tp} not measured: no loss assumed"),
             }
         );
         Ok(out)
@@ -241,5 +256,43 @@ mod tests {
         let e = q.tensor_parallel(16, true).unwrap_err().to_string();
         assert!(e.contains("8 key-value heads"), "{e}");
         assert_eq!(p.tensor_parallel(1, false).unwrap(), p);
+    }
+
+    #[test]
+    fn measured_gemm_split_slows_the_gemm_term_only() {
+        let p = profile();
+        let mut q = p.clone();
+        q.gemm_split = vec![crate::GemmSplit {
+            tp: 4,
+            relative_throughput: 0.8,
+            tokens: 4096,
+        }];
+        let (a, b) = (
+            p.tensor_parallel(4, true).unwrap(),
+            q.tensor_parallel(4, true).unwrap(),
+        );
+        for ((orig, lost), none) in p.layers.iter().zip(&b.layers).zip(&a.layers) {
+            // Same collectives, so the per-token difference is the GEMM term's:
+            // c_tok (1 / (4 x 0.8) - 1 / 4), and nothing for the embedding's gather.
+            let extra = match orig.kind {
+                crate::LayerKind::Embedding => 0.0,
+                _ => orig.f.c_tok_s * (1.0 / 3.2 - 0.25),
+            };
+            let got = lost.f.c_tok_s - none.f.c_tok_s;
+            assert!(
+                (got - extra).abs() <= 1e-12 * orig.f.c_tok_s.max(1e-30),
+                "{}",
+                orig.name
+            );
+            assert_eq!(lost.f.c_attn_s, none.f.c_attn_s);
+            assert_eq!(lost.f.c0_s, none.f.c0_s);
+        }
+        assert!(b.provenance.notes.contains("0.800 of the unsplit"));
+        assert!(a.provenance.notes.contains("not measured: no loss assumed"));
+        // A tp the profile did not measure loses nothing.
+        assert_eq!(
+            q.tensor_parallel(2, true).unwrap().layers,
+            p.tensor_parallel(2, true).unwrap().layers
+        );
     }
 }

@@ -143,6 +143,12 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
             report.output, report.output
         ),
     ];
+    for g in &profile.gemm_split {
+        notes.push(format!(
+            "GEMMs split {} ways (tensor parallelism): {:.3} of the whole layer's FLOP rate at T = {}",
+            g.tp, g.relative_throughput, g.tokens
+        ));
+    }
     notes.extend(executor::backend::gemm_rates(backend.backend)?);
     emit(a.format, &report, &header, &t, &notes)
 }
