@@ -1,0 +1,36 @@
+"""flatpipe: per-step pipeline-parallel plans for variable-length LLM training.
+
+The Rust core plans each step from its sequence lengths: microbatches as flat ``[T]`` tokens
+with ``cu_seqlens`` (no padding), every rank's actions in PyTorch's notation (``0F3``, ``1I2``,
+``1W2``, ``0B1``), and with a cost profile the predicted timeline and memory.
+``flatpipe.torch`` runs a step plan on torch.distributed with every receive sized from the plan:
+no padding and no shape exchange.
+
+>>> import flatpipe
+>>> pipe = flatpipe.Pipeline("1f1b", pp=2, num_layers=6, token_budget=512)
+>>> step = pipe.plan_step([300, 200, 120, 40])
+>>> [mb.tokens for mb in step.microbatches()]
+[500, 160]
+>>> step.actions(0)
+['0F0', '0F1', '0B0', '0B1']
+"""
+
+from ._core import (
+    FlatpipeError,
+    Microbatch,
+    Pipeline,
+    Profile,
+    StepPlan,
+    __version__,
+    plan,
+)
+
+__all__ = [
+    "FlatpipeError",
+    "Microbatch",
+    "Pipeline",
+    "Profile",
+    "StepPlan",
+    "__version__",
+    "plan",
+]

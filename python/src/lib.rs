@@ -1,0 +1,784 @@
+//! `flatpipe._core`: the Python package's native module over the Rust core (PyO3).
+//!
+//! What Python gets: cost profiles ([`PyProfile`]), a pipeline configuration ([`PyPipeline`],
+//! the Rust [`RunConfig`]) that plans each step from its sequence lengths into a
+//! [`PyStepPlan`] (microbatches with `cu_seqlens` as numpy arrays, every rank's actions in
+//! PyTorch's notation, the predicted timeline and memory), Monte Carlo simulation over a
+//! workload, and the planner's search. Every Rust error becomes a `flatpipe.FlatpipeError`
+//! carrying the Rust message. The torch.distributed runtime that executes a step plan is pure
+//! Python (`flatpipe/torch.py`).
+
+use flatpipe_planner::search::{self, RankBy, SearchConfig, SearchSpace};
+use flatpipe_profiles::{AnalyticOptions, Profile, analytic_profile, builtins};
+use flatpipe_simulator::generators::ScheduleKind;
+use flatpipe_simulator::ir::{Placement, Rank, StageId};
+use flatpipe_simulator::microbatch::Microbatch;
+use flatpipe_simulator::montecarlo::{
+    Capacity, ScheduleSource, StepOutcome, balance_cost, default_memory_limit, summarize,
+};
+use flatpipe_simulator::plan::{Plan, even_split};
+use flatpipe_simulator::policy::{Policy, PolicyParams};
+use flatpipe_simulator::step::{RunConfig, StepPlan, cut_step, plan_step};
+use numpy::{PyArray1, ToPyArray};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::fmt::Display;
+use std::ops::Range;
+use std::sync::Arc;
+
+create_exception!(
+    _core,
+    FlatpipeError,
+    PyException,
+    "An error from flatpipe's Rust core; the message names the file, field, value and allowed range."
+);
+
+fn err(e: impl Display) -> PyErr {
+    FlatpipeError::new_err(e.to_string())
+}
+
+/// A cost profile: per layer and phase (F, I, W, Fo) `t = c0 + c_tok * tokens + c_attn * pairs`,
+/// activation and parameter bytes, the hardware and its links.
+#[pyclass(module = "flatpipe._core", name = "Profile", frozen)]
+#[derive(Debug, Clone)]
+pub struct PyProfile {
+    inner: Arc<Profile>,
+}
+
+#[pymethods]
+impl PyProfile {
+    /// The analytic profile of `model` on `hardware` (built-in names or YAML files): FLOP counts
+    /// over datasheet peaks (`profiles/src/analytic.rs` gives every formula).
+    #[staticmethod]
+    fn analytic(model: &str, hardware: &str) -> PyResult<Self> {
+        let m = builtins::model(model).map_err(err)?;
+        let hw = builtins::hardware(hardware).map_err(err)?;
+        let p = analytic_profile(&m, &hw, &AnalyticOptions::default()).map_err(err)?;
+        Ok(PyProfile { inner: Arc::new(p) })
+    }
+
+    /// A profile file (YAML), as `flatpipe profile` writes it.
+    #[staticmethod]
+    fn load(path: &str) -> PyResult<Self> {
+        let text = flatpipe_profiles::read_to_string(std::path::Path::new(path)).map_err(err)?;
+        let p = Profile::from_yaml(&text, path).map_err(err)?;
+        Ok(PyProfile { inner: Arc::new(p) })
+    }
+
+    /// The profile of one GPU of a Megatron-style tensor-parallel group of `tp` GPUs.
+    #[pyo3(signature = (tp, sequence_parallel = true))]
+    fn tensor_parallel(&self, tp: u32, sequence_parallel: bool) -> PyResult<Self> {
+        let p = self
+            .inner
+            .tensor_parallel(tp, sequence_parallel)
+            .map_err(err)?;
+        Ok(PyProfile { inner: Arc::new(p) })
+    }
+
+    /// The model's name.
+    #[getter]
+    fn model(&self) -> String {
+        self.inner.model.clone()
+    }
+
+    /// The hardware's name.
+    #[getter]
+    fn hardware(&self) -> String {
+        self.inner.hardware.name.clone()
+    }
+
+    /// Layers (embedding, decoders, head).
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.layers.len()
+    }
+
+    /// The profile as YAML text.
+    fn to_yaml(&self) -> PyResult<String> {
+        self.inner.to_yaml().map_err(err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Profile(model={:?}, hardware={:?}, layers={}, source={:?})",
+            self.inner.model,
+            self.inner.hardware.name,
+            self.inner.layers.len(),
+            self.inner.provenance.source
+        )
+    }
+}
+
+/// A pipeline configuration: schedule, ranks, stages, microbatching policy. Plans each step's
+/// sequence lengths into a [`PyStepPlan`].
+#[pyclass(module = "flatpipe._core", name = "Pipeline", frozen)]
+#[derive(Debug, Clone)]
+pub struct PyPipeline {
+    config: RunConfig,
+    profile: Option<Arc<Profile>>,
+    num_layers: usize,
+    workload: Option<String>,
+}
+
+fn parse_schedule(schedule: &str) -> PyResult<ScheduleKind> {
+    schedule.parse::<ScheduleKind>().map_err(err)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_config(
+    kind: ScheduleKind,
+    pp: u32,
+    vpp: Option<u32>,
+    num_layers: usize,
+    stages: Option<Vec<Range<usize>>>,
+    token_budget: Option<u64>,
+    microbatches: Option<u32>,
+    policy: Option<&str>,
+    dp: u32,
+) -> PyResult<RunConfig> {
+    if pp == 0 {
+        return Err(err("pp = 0 is invalid: >= 1 rank per pipeline"));
+    }
+    if dp == 0 {
+        return Err(err("dp = 0 is invalid: >= 1 pipeline replica"));
+    }
+    let v = kind.stages_per_rank(vpp).map_err(err)?;
+    let n = (pp * v) as usize;
+    let stages = match stages {
+        Some(s) => {
+            if s.len() != n {
+                return Err(err(format!(
+                    "stages: {} layer ranges given, {kind} on pp = {pp} with {v} stages per rank needs {n}",
+                    s.len()
+                )));
+            }
+            let mut next = 0;
+            for (i, r) in s.iter().enumerate() {
+                if r.start != next || r.end <= r.start {
+                    return Err(err(format!(
+                        "stages[{i}] = [{}, {}): stages must be non-empty and contiguous from layer 0 (expected a start of {next})",
+                        r.start, r.end
+                    )));
+                }
+                next = r.end;
+            }
+            if next != num_layers {
+                return Err(err(format!(
+                    "stages end at layer {next}, the model has {num_layers} layers"
+                )));
+            }
+            s
+        }
+        None => even_split(num_layers, n).map_err(err)?,
+    };
+    let policy = match policy {
+        Some(p) => p.parse::<Policy>().map_err(err)?,
+        None => Policy::FlatFfd,
+    };
+    let mut params = PolicyParams::default();
+    if let Some(b) = token_budget {
+        if b == 0 {
+            return Err(err("token_budget = 0 is invalid: >= 1 token"));
+        }
+        params.token_budget = b;
+    }
+    if microbatches == Some(0) {
+        return Err(err("microbatches = 0 is invalid: >= 1"));
+    }
+    params.microbatches = microbatches;
+    let mut config = RunConfig::new(
+        ScheduleSource::Kind(kind),
+        pp,
+        v,
+        stages,
+        policy,
+        Capacity::Dynamic,
+    );
+    config.params = params;
+    config.dp = dp;
+    Ok(config)
+}
+
+#[pymethods]
+impl PyPipeline {
+    /// A pipeline of `schedule` (`1f1b`, `interleaved-1f1b`, `zb-h1`, `zb-v`, `zb-auto`, ...) on
+    /// `pp` ranks. Stages: `stages` as `(start, end)` layer ranges, or an even split of
+    /// `num_layers` (default: the profile's) into `pp x vpp`. Microbatches: the fewest of at
+    /// most `token_budget` tokens (default 16,384), or exactly `microbatches`. `profile` makes
+    /// step plans carry predictions (and builds zb-auto from its costs).
+    #[new]
+    #[pyo3(signature = (schedule, pp, num_layers = None, *, vpp = None, stages = None,
+        token_budget = None, microbatches = None, policy = None, dp = 1, profile = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        schedule: &str,
+        pp: u32,
+        num_layers: Option<usize>,
+        vpp: Option<u32>,
+        stages: Option<Vec<(usize, usize)>>,
+        token_budget: Option<u64>,
+        microbatches: Option<u32>,
+        policy: Option<&str>,
+        dp: u32,
+        profile: Option<PyRef<'_, PyProfile>>,
+    ) -> PyResult<Self> {
+        let kind = parse_schedule(schedule)?;
+        let profile = profile.map(|p| p.inner.clone());
+        let num_layers = match (num_layers, &profile) {
+            (Some(n), Some(p)) if n != p.layers.len() => {
+                return Err(err(format!(
+                    "num_layers = {n}, but the profile of {} has {} layers",
+                    p.model,
+                    p.layers.len()
+                )));
+            }
+            (Some(n), _) => n,
+            (None, Some(p)) => p.layers.len(),
+            (None, None) => return Err(err("give num_layers or a profile")),
+        };
+        let stages = stages.map(|s| s.into_iter().map(|(a, b)| a..b).collect());
+        let config = build_config(
+            kind,
+            pp,
+            vpp,
+            num_layers,
+            stages,
+            token_budget,
+            microbatches,
+            policy,
+            dp,
+        )?;
+        config.placement().map_err(err)?;
+        Ok(PyPipeline {
+            config,
+            profile,
+            num_layers,
+            workload: None,
+        })
+    }
+
+    /// The pipeline of a plan file (`flatpipe plan -o plan.yaml`), with its profile (the
+    /// plan's `profile`, or the analytic profile of its `model` on its `hardware`).
+    #[staticmethod]
+    fn from_plan(path: &str) -> PyResult<Self> {
+        let text = flatpipe_profiles::read_to_string(std::path::Path::new(path)).map_err(err)?;
+        let plan = Plan::from_yaml(&text, path).map_err(err)?;
+        let profile = match (&plan.profile, &plan.model, &plan.hardware) {
+            (Some(p), _, _) => PyProfile::load(p)?.inner,
+            (None, Some(m), Some(h)) => PyProfile::analytic(m, h)?.inner,
+            _ => {
+                return Err(err(format!(
+                    "{path}: the plan names no profile and no model and hardware"
+                )));
+            }
+        };
+        let (tp, sp) = plan.tensor_parallel();
+        let profile = Arc::new(profile.tensor_parallel(tp, sp).map_err(err)?);
+        plan.validate(path, profile.layers.len()).map_err(err)?;
+        let stages: Vec<Range<usize>> = plan.stages.iter().map(|s| s.start..s.end).collect();
+        let mut config = build_config(
+            plan.schedule,
+            plan.pp,
+            plan.vpp,
+            profile.layers.len(),
+            Some(stages),
+            plan.token_budget,
+            plan.microbatches,
+            None,
+            plan.dp.unwrap_or(1),
+        )?;
+        if let Some(p) = plan.policy {
+            config.policy = p;
+        }
+        config.recompute = plan.recompute.clone();
+        config.sharding = plan.sharding;
+        config.forward_only = plan.forward_only;
+        config.memory_limit_bytes = plan.predicted.as_ref().map(|p| p.memory_limit_bytes);
+        Ok(PyPipeline {
+            config,
+            num_layers: profile.layers.len(),
+            profile: Some(profile),
+            workload: Some(plan.workload.clone()),
+        })
+    }
+
+    /// Plans one step from its sequence lengths (tokens): its microbatches (cut by the policy;
+    /// data-parallel shares first when `dp > 1`), each rank's actions and, with a profile, the
+    /// predicted timeline and memory.
+    #[pyo3(signature = (seq_lens, step = 0))]
+    fn plan_step(&self, py: Python<'_>, seq_lens: Vec<u32>, step: u64) -> PyResult<PyStepPlan> {
+        if seq_lens.is_empty() {
+            return Err(err("seq_lens is empty: a step needs >= 1 sequence"));
+        }
+        if let Some(i) = seq_lens.iter().position(|&s| s == 0) {
+            return Err(err(format!("seq_lens[{i}] = 0: sequences have >= 1 token")));
+        }
+        let config = &self.config;
+        let profile = self.profile.as_deref();
+        let plan = py.detach(|| -> Result<StepPlan, String> {
+            let cut = match profile {
+                Some(p) => {
+                    let cost = balance_cost(p);
+                    cut_step(config, &seq_lens, &cost)
+                }
+                None => cut_step(config, &seq_lens, &|t, _| t as f64),
+            }
+            .map_err(|e| e.to_string())?;
+            plan_step(config, profile, step, &cut).map_err(|e| e.to_string())
+        });
+        let plan = plan.map_err(err)?;
+        let placement = config.placement().map_err(err)?;
+        Ok(PyStepPlan {
+            plan: Arc::new(plan),
+            placement,
+        })
+    }
+
+    /// Monte Carlo over `steps` steps sampled from `workload` (a built-in name or a file;
+    /// default the plan's): predicted step time (mean, p50, p90, p99, seconds), bubble ratio,
+    /// tokens per second and peak memory per rank (bytes). Needs a profile.
+    #[pyo3(signature = (workload = None, steps = 16, seed = 0))]
+    fn simulate<'py>(
+        &self,
+        py: Python<'py>,
+        workload: Option<&str>,
+        steps: u32,
+        seed: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let profile = self
+            .profile
+            .clone()
+            .ok_or_else(|| err("simulate needs a profile: Pipeline(..., profile=...)"))?;
+        let name = workload
+            .map(str::to_string)
+            .or_else(|| self.workload.clone())
+            .ok_or_else(|| err("give a workload (a built-in name or a file)"))?;
+        if steps == 0 {
+            return Err(err("steps = 0 is invalid: >= 1"));
+        }
+        let w = builtins::workload(&name).map_err(err)?;
+        let size = w.default_step_size();
+        let config = &self.config;
+        let outcomes = py.detach(|| -> Result<Vec<StepOutcome>, String> {
+            let cost = balance_cost(&profile);
+            (0..u64::from(steps))
+                .map(|s| {
+                    let seqs = w.sample_step(seed, s, size);
+                    let cut = cut_step(&config, &seqs, &cost).map_err(|e| e.to_string())?;
+                    let plan =
+                        plan_step(&config, Some(&profile), s, &cut).map_err(|e| e.to_string())?;
+                    plan.outcome(&config, &profile)
+                        .ok_or_else(|| "no prediction for a planned step".to_string())
+                })
+                .collect()
+        });
+        let outcomes = outcomes.map_err(err)?;
+        let s = summarize(
+            &outcomes,
+            config.pp * config.dp,
+            profile.hardware.peak_flops,
+        );
+        let d = PyDict::new(py);
+        d.set_item("steps", s.steps)?;
+        d.set_item("step_time_mean_s", s.step_time_s.mean)?;
+        d.set_item("step_time_p50_s", s.step_time_s.p50)?;
+        d.set_item("step_time_p90_s", s.step_time_s.p90)?;
+        d.set_item("step_time_p99_s", s.step_time_s.p99)?;
+        d.set_item("bubble_ratio_mean", s.bubble_ratio_mean)?;
+        d.set_item("tokens_per_s", s.tokens_per_s)?;
+        d.set_item("mfu", s.mfu)?;
+        d.set_item("peak_memory_bytes", s.peak_memory_bytes)?;
+        d.set_item("microbatches_mean", s.microbatches_mean)?;
+        Ok(d)
+    }
+
+    /// Schedule name.
+    #[getter]
+    fn schedule(&self) -> String {
+        self.config.source.name()
+    }
+
+    /// Ranks per pipeline.
+    #[getter]
+    fn pp(&self) -> u32 {
+        self.config.pp
+    }
+
+    /// Stages per rank.
+    #[getter]
+    fn vpp(&self) -> u32 {
+        self.config.v
+    }
+
+    /// Data-parallel replicas.
+    #[getter]
+    fn dp(&self) -> u32 {
+        self.config.dp
+    }
+
+    /// Layers of the model.
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    /// Layer range `(start, end)` of every stage, in stage order.
+    #[getter]
+    fn stages(&self) -> Vec<(usize, usize)> {
+        self.config
+            .stages
+            .iter()
+            .map(|r| (r.start, r.end))
+            .collect()
+    }
+
+    /// The rank that runs each stage, in stage order.
+    #[getter]
+    fn stage_ranks(&self) -> PyResult<Vec<u32>> {
+        let p = self.config.placement().map_err(err)?;
+        Ok(p.rank_of.iter().map(|r| r.0).collect())
+    }
+
+    /// The profile, if any.
+    #[getter]
+    fn profile(&self) -> Option<PyProfile> {
+        self.profile.clone().map(|inner| PyProfile { inner })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Pipeline(schedule={:?}, pp={}, vpp={}, dp={}, stages={:?})",
+            self.config.source.name(),
+            self.config.pp,
+            self.config.v,
+            self.config.dp,
+            self.stages()
+        )
+    }
+}
+
+/// One microbatch of a step: flat `[T]` tokens of several sequences.
+#[pyclass(module = "flatpipe._core", name = "Microbatch", frozen)]
+#[derive(Debug, Clone)]
+pub struct PyMicrobatch {
+    mb: Microbatch,
+    index: usize,
+}
+
+#[pymethods]
+impl PyMicrobatch {
+    /// The microbatch's id in the step's actions (`0F3` is microbatch 3).
+    #[getter]
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    /// True tokens `T`.
+    #[getter]
+    fn tokens(&self) -> u64 {
+        self.mb.tokens()
+    }
+
+    /// Sequence lengths, `[n]` uint32.
+    #[getter]
+    fn seq_lens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        self.mb.seq_lens.to_pyarray(py)
+    }
+
+    /// `[0, s_0, s_0 + s_1, ..., T]`, `[n + 1]` int64 (FlashAttention's varlen layout).
+    #[getter]
+    fn cu_seqlens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let v: Vec<i64> = self.mb.cu_seqlens().iter().map(|&x| x as i64).collect();
+        v.to_pyarray(py)
+    }
+
+    /// Causal attention query-key pairs, `sum s (s + 1) / 2`.
+    #[getter]
+    fn attn_pairs(&self) -> u64 {
+        self.mb.attn_pairs()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Microbatch(index={}, tokens={}, sequences={})",
+            self.index,
+            self.mb.tokens(),
+            self.mb.seq_lens.len()
+        )
+    }
+}
+
+/// One step, planned: per data-parallel replica its microbatches and every rank's actions in
+/// PyTorch's notation (`0F3`, `1I2`, `1W2`, `0B1`, `(0F3;1B2)OVERLAP_F_B`), and with a profile
+/// the predicted timeline and memory.
+#[pyclass(module = "flatpipe._core", name = "StepPlan", frozen)]
+#[derive(Debug)]
+pub struct PyStepPlan {
+    plan: Arc<StepPlan>,
+    placement: Placement,
+}
+
+impl PyStepPlan {
+    fn replica(&self, replica: usize) -> PyResult<&flatpipe_simulator::step::ReplicaPlan> {
+        let n = self.plan.replicas.len();
+        let r = self.plan.replicas.get(replica).ok_or_else(|| {
+            err(format!(
+                "replica = {replica} is out of range: the step has {n} replicas (0..{n})"
+            ))
+        })?;
+        if r.rounds.len() != 1 {
+            return Err(err(format!(
+                "replica {replica} runs {} rounds; the Python runtime runs one round per step",
+                r.rounds.len()
+            )));
+        }
+        Ok(r)
+    }
+
+    fn check_rank(&self, rank: u32) -> PyResult<()> {
+        let p = self.placement.num_ranks;
+        if rank >= p {
+            return Err(err(format!(
+                "rank = {rank} is out of range: the pipeline has {p} ranks (0..{p})"
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl PyStepPlan {
+    /// The step's number.
+    #[getter]
+    fn step(&self) -> u64 {
+        self.plan.step
+    }
+
+    /// Data-parallel replicas.
+    #[getter]
+    fn num_replicas(&self) -> usize {
+        self.plan.replicas.len()
+    }
+
+    /// Ranks per pipeline.
+    #[getter]
+    fn num_ranks(&self) -> u32 {
+        self.placement.num_ranks
+    }
+
+    /// Stages (`pp x vpp`).
+    #[getter]
+    fn num_stages(&self) -> u32 {
+        self.placement.num_stages()
+    }
+
+    /// The rank that runs each stage, in stage order.
+    #[getter]
+    fn stage_ranks(&self) -> Vec<u32> {
+        self.placement.rank_of.iter().map(|r| r.0).collect()
+    }
+
+    /// The stages `rank` runs, in stage order.
+    fn stages_of(&self, rank: u32) -> PyResult<Vec<u32>> {
+        self.check_rank(rank)?;
+        Ok(self
+            .placement
+            .stages_of(Rank(rank))
+            .into_iter()
+            .map(|s: StageId| s.0)
+            .collect())
+    }
+
+    /// The replica's microbatches, in id order.
+    #[pyo3(signature = (replica = 0))]
+    fn microbatches(&self, replica: usize) -> PyResult<Vec<PyMicrobatch>> {
+        let r = self.replica(replica)?;
+        Ok(r.microbatches
+            .iter()
+            .enumerate()
+            .map(|(index, mb)| PyMicrobatch {
+                mb: mb.clone(),
+                index,
+            })
+            .collect())
+    }
+
+    /// The forward-only microbatches of the replica's step (their own id space), if any.
+    #[pyo3(signature = (replica = 0))]
+    fn forward_only_microbatches(&self, replica: usize) -> PyResult<Vec<PyMicrobatch>> {
+        let r = self.replica(replica)?;
+        Ok(r.rounds[0]
+            .fo
+            .iter()
+            .enumerate()
+            .map(|(index, mb)| PyMicrobatch {
+                mb: mb.clone(),
+                index,
+            })
+            .collect())
+    }
+
+    /// `rank`'s actions in the replica's step, in the order it runs them.
+    #[pyo3(signature = (rank, replica = 0))]
+    fn actions(&self, rank: u32, replica: usize) -> PyResult<Vec<String>> {
+        self.check_rank(rank)?;
+        let r = self.replica(replica)?;
+        Ok(r.rounds[0].schedule.ranks[rank as usize]
+            .iter()
+            .map(ToString::to_string)
+            .collect())
+    }
+
+    /// The schedule's name.
+    #[pyo3(signature = (replica = 0))]
+    fn schedule_name(&self, replica: usize) -> PyResult<String> {
+        Ok(self.replica(replica)?.rounds[0].schedule.name.clone())
+    }
+
+    /// Predicted step time of the replica's pipeline (the replay's makespan, optimizer
+    /// included), seconds; `None` without a profile.
+    #[pyo3(signature = (replica = 0))]
+    fn predicted_step_time_s(&self, replica: usize) -> PyResult<Option<f64>> {
+        let r = self.replica(replica)?;
+        Ok(r.rounds[0]
+            .prediction
+            .as_ref()
+            .map(|p| p.simulation.metrics.makespan_s))
+    }
+
+    /// Predicted bubble ratio of the replica's pipeline; `None` without a profile.
+    #[pyo3(signature = (replica = 0))]
+    fn predicted_bubble_ratio(&self, replica: usize) -> PyResult<Option<f64>> {
+        let r = self.replica(replica)?;
+        Ok(r.rounds[0]
+            .prediction
+            .as_ref()
+            .map(|p| p.simulation.metrics.bubble_ratio))
+    }
+
+    /// Predicted peak memory per rank (parameters, gradients, optimizer state and the peak of
+    /// activations), bytes; `None` without a profile.
+    #[pyo3(signature = (replica = 0))]
+    fn predicted_peak_bytes(&self, replica: usize) -> PyResult<Option<Vec<f64>>> {
+        let r = self.replica(replica)?;
+        Ok(r.rounds[0].prediction.as_ref().map(|p| {
+            p.simulation
+                .metrics
+                .ranks
+                .iter()
+                .zip(&p.static_bytes)
+                .map(|(m, s)| m.peak_activation_bytes.unwrap_or(0.0) + s)
+                .collect()
+        }))
+    }
+
+    /// The predicted timeline: `(rank, action, start_s, end_s)` per compute action, rank by
+    /// rank in run order; empty without a profile.
+    #[pyo3(signature = (replica = 0))]
+    fn timeline(&self, replica: usize) -> PyResult<Vec<(u32, String, f64, f64)>> {
+        let r = self.replica(replica)?;
+        let Some(p) = &r.rounds[0].prediction else {
+            return Ok(Vec::new());
+        };
+        Ok(p.simulation
+            .timeline
+            .compute
+            .iter()
+            .enumerate()
+            .flat_map(|(rank, ops)| {
+                ops.iter().map(move |op| {
+                    (
+                        rank as u32,
+                        op.action.to_string(),
+                        op.start_ns as f64 * 1e-9,
+                        op.end_ns as f64 * 1e-9,
+                    )
+                })
+            })
+            .collect())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "StepPlan(step={}, replicas={}, ranks={}, microbatches={:?})",
+            self.plan.step,
+            self.plan.replicas.len(),
+            self.placement.num_ranks,
+            self.plan
+                .replicas
+                .iter()
+                .map(|r| r.microbatches.len())
+                .collect::<Vec<_>>()
+        )
+    }
+}
+
+/// The planner's search: the best (tp, dp, pp, vpp, schedule, token budget, sharding,
+/// recomputation) for `profile` on `ranks` GPUs over `steps` steps of `workload`, as a list of
+/// dicts, best first (predicted mean step time, seconds).
+#[pyfunction]
+#[pyo3(signature = (profile, workload, ranks, *, steps = 8, seed = 0, keep = 5))]
+fn plan<'py>(
+    py: Python<'py>,
+    profile: PyRef<'_, PyProfile>,
+    workload: &str,
+    ranks: u32,
+    steps: u32,
+    seed: u64,
+    keep: usize,
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    if steps == 0 {
+        return Err(err("steps = 0 is invalid: >= 1"));
+    }
+    let w = builtins::workload(workload).map_err(err)?;
+    let p = profile.inner.clone();
+    let space = SearchSpace::default_for(ranks);
+    let config = SearchConfig {
+        steps,
+        seed,
+        size: w.default_step_size(),
+        memory_limit_bytes: default_memory_limit(&p),
+        state_bytes: None,
+        rank_by: RankBy::Mean,
+        keep: keep.max(1),
+        exact_split: flatpipe_planner::partition::ExactSplit::Off,
+        forward_only: None,
+    };
+    let result = py
+        .detach(|| search::search(&p, &w, &space, &config, &|_, _| {}))
+        .map_err(err)?;
+    result
+        .ranked
+        .iter()
+        .map(|c| {
+            let d = PyDict::new(py);
+            d.set_item("tp", c.tp)?;
+            d.set_item("dp", c.dp)?;
+            d.set_item("pp", c.pp)?;
+            d.set_item("vpp", c.vpp)?;
+            d.set_item("schedule", c.schedule.name())?;
+            d.set_item("token_budget", c.token_budget)?;
+            d.set_item("sharding", c.sharding.to_string())?;
+            d.set_item("step_time_mean_s", c.summary.step_time_s.mean)?;
+            d.set_item("step_time_p90_s", c.summary.step_time_s.p90)?;
+            d.set_item("lower_bound_s", c.lower_bound_s)?;
+            d.set_item("peak_memory_bytes", c.peak_memory_bytes.clone())?;
+            Ok(d)
+        })
+        .collect()
+}
+
+/// The native module `flatpipe._core`.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("FlatpipeError", m.py().get_type::<FlatpipeError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<PyProfile>()?;
+    m.add_class::<PyPipeline>()?;
+    m.add_class::<PyMicrobatch>()?;
+    m.add_class::<PyStepPlan>()?;
+    m.add_function(wrap_pyfunction!(plan, m)?)?;
+    Ok(())
+}
