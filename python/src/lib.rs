@@ -366,10 +366,10 @@ impl PyPipeline {
             (0..u64::from(steps))
                 .map(|s| {
                     let seqs = w.sample_step(seed, s, size);
-                    let cut = cut_step(&config, &seqs, &cost).map_err(|e| e.to_string())?;
+                    let cut = cut_step(config, &seqs, &cost).map_err(|e| e.to_string())?;
                     let plan =
-                        plan_step(&config, Some(&profile), s, &cut).map_err(|e| e.to_string())?;
-                    plan.outcome(&config, &profile)
+                        plan_step(config, Some(&profile), s, &cut).map_err(|e| e.to_string())?;
+                    plan.outcome(config, &profile)
                         .ok_or_else(|| "no prediction for a planned step".to_string())
                 })
                 .collect()
