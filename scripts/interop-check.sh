@@ -1,14 +1,10 @@
 #!/usr/bin/env bash
 # Exports plans to torchtitan and loads them with torchtitan's own configuration parser
-# (torchtitan 0.2.2, torch 2.15 from PyPI, in a virtual environment at .venv-interop, created
-# or reused: about 6 GB and 3 minutes the first time). Run by .ci/run; needs python3 with venv.
+# (torchtitan 0.2.2, torch 2.15 from PyPI, in the virtual environment scripts/python-env.sh
+# creates or reuses). Run by .ci/run; needs python3 with venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=.venv-interop
-if [[ ! -x $venv/bin/python ]] || ! $venv/bin/python -c "import torchtitan, torch, yaml" 2>/dev/null; then
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q "torch==2.15.0" "torchtitan==0.2.2" tomli tyro pyyaml
-fi
+py=$(scripts/python-env.sh)
 # The test profile's binary (cargo test has built it already in CI).
 cargo build --quiet
 bin=target/debug/flatpipe
@@ -31,4 +27,4 @@ trap 'rm -rf "$out"' EXIT
 # Llama-3.1-70B on 2 nodes with tensor parallelism inside each (tp = 8, pp = 2).
 "$bin" plan -o "$out/tp.yaml" --export torchtitan --model llama3.1-70b --ranks 16 --tp 8 --pp 2 \
     --steps 8 --gantt "$out/g.png" >/dev/null
-(cd "$out" && "$OLDPWD/$venv/bin/python" "$OLDPWD/scripts/interop/torchtitan_check.py" .)
+(cd "$out" && "$py" "$OLDPWD/scripts/interop/torchtitan_check.py" .)

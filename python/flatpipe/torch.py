@@ -110,6 +110,11 @@ class ActionTiming:
     end_s: float
     #: Seconds of the span spent waiting for the action's input to arrive.
     wait_s: float
+    #: Seconds in the stage module's forward and the autograd calls (the action's own work).
+    compute_s: float = 0.0
+    #: Seconds in torch.distributed posting the action's sends and receives (``isend``,
+    #: ``irecv``). The rest of the span (less wait and compute) is the runtime's own overhead.
+    post_s: float = 0.0
 
 
 @dataclass
@@ -280,6 +285,8 @@ class PipelineRuntime:
         def rows(t: _Transfer) -> int:
             return fo_tokens[t.mb] if t.kind == "Fo" else tokens[t.mb]
 
+        acc = {"post": 0.0}
+
         def receive(src: int, key: Tuple[str, int, int]) -> Tuple[torch.Tensor, float]:
             queue = incoming.get(src, [])
             while key not in pending:
@@ -290,7 +297,9 @@ class PipelineRuntime:
                 t = queue[posted[src]]
                 posted[src] += 1
                 buf = torch.empty(rows(t), self.hidden_size, dtype=self.dtype, device=self.device)
+                p0 = time.perf_counter()
                 work = dist.irecv(buf, src=self._global(src), group=self.group)
+                acc["post"] += time.perf_counter() - p0
                 pending[(t.kind, t.stage, t.mb)] = (work, buf)
             work, buf = pending.pop(key)
             w0 = time.perf_counter()
@@ -303,7 +312,9 @@ class PipelineRuntime:
                 local[(kind, dst_stage, mb)] = tensor
                 return
             t = tensor.contiguous()
+            p0 = time.perf_counter()
             sends.append((dist.isend(t, dst=self._global(dst), group=self.group), t))
+            acc["post"] += time.perf_counter() - p0
 
         # Per (stage, mb): the stage's input and output (or loss), and I's saved state for W.
         saved: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -319,7 +330,8 @@ class PipelineRuntime:
             if text in _skip:
                 continue
             a0 = time.perf_counter()
-            wait = 0.0
+            wait = compute = 0.0
+            acc["post"] = 0.0
             for stage, kind, mb in parse_action(text):
                 module = self.stages[stage]
                 if kind in ("F", "Fo"):
@@ -334,8 +346,10 @@ class PipelineRuntime:
                         wait += w
                     c = fo_cu[mb] if fo else cu[mb]
                     if fo:
+                        c0 = time.perf_counter()
                         with torch.no_grad():
                             out = module(x, c)
+                        compute += time.perf_counter() - c0
                         if stage == last:
                             fo_out[mb] = out
                         else:
@@ -343,11 +357,14 @@ class PipelineRuntime:
                         continue
                     if stage != first:
                         x = x.detach().requires_grad_(True)
+                    c0 = time.perf_counter()
                     out = module(x, c)
                     if stage == last:
                         out = self._loss(out, targets[mb], c) / denominator
                         loss_sum += out.detach().to(torch.float64)
+                        compute += time.perf_counter() - c0
                     else:
+                        compute += time.perf_counter() - c0
                         send(stage + 1, out.detach(), "F", mb)
                     saved[(stage, mb)] = (x, out)
                 elif kind in ("I", "B"):
@@ -359,6 +376,7 @@ class PipelineRuntime:
                     else:
                         grad, w = receive(stage_rank[stage + 1], ("B", stage, mb))
                         wait += w
+                    c0 = time.perf_counter()
                     if kind == "B":
                         torch.autograd.backward(out, grad_tensors=grad)
                         dx = x.grad if stage != first else None
@@ -376,21 +394,33 @@ class PipelineRuntime:
                         )
                         dx = dxs[0]
                         param_groups[(stage, mb)] = groups
+                    compute += time.perf_counter() - c0
                     if stage != first:
                         if dx is None:
                             dx = torch.zeros_like(x)
                         send(stage - 1, dx.detach(), "B", mb)
                 elif kind == "W":
                     groups = param_groups.pop((stage, mb))
+                    c0 = time.perf_counter()
                     if stage == first:
                         _, out = saved.pop((stage, mb))
                         torch.autograd.backward(out, grad_tensors=groups[0])
                     else:
                         stage_backward_weight(iter(list(module.parameters())), groups)
                         saved.pop((stage, mb), None)
+                    compute += time.perf_counter() - c0
                 if last_backward.get(stage) == (kind, mb):
                     reductions.extend(self._stage_done(stage))
-            timings.append(ActionTiming(text, a0 - t_start, time.perf_counter() - t_start, wait))
+            timings.append(
+                ActionTiming(
+                    text,
+                    a0 - t_start,
+                    time.perf_counter() - t_start,
+                    wait,
+                    compute,
+                    acc["post"],
+                )
+            )
 
         for work, _ in sends:
             work.wait()

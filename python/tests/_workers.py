@@ -50,29 +50,66 @@ def reference(cfg: ModelConfig, mbs, inputs, targets, reduction: str):
 
 
 def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
-    """One pipeline rank: runs every step of ``spec`` and writes, per step, the loss and the
-    largest gradient error against the single-process reference."""
+    """One process: pipeline rank ``rank // dp`` of replica ``rank % dp`` (Megatron's order:
+    replicas adjacent). Runs every step of ``spec`` and writes, per step, the loss and the
+    largest gradient error against the single-process reference over all replicas' data."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
+        dp = spec.get("dp", 1)
+        pp = world // dp
+        prank, replica = rank // dp, rank % dp
+        # Every process creates every group, in the same order.
+        pipe_groups = [dist.new_group([r * dp + d for r in range(pp)]) for d in range(dp)]
+        dp_groups = [dist.new_group([r * dp + d for d in range(dp)]) for r in range(pp)]
         cfg = ModelConfig(num_decoders=spec["decoders"], seed=spec.get("seed", 0))
         pipe = flatpipe.Pipeline(
             spec["schedule"],
-            pp=world,
+            pp=pp,
             num_layers=cfg.num_layers,
             token_budget=spec["budget"],
+            dp=dp,
         )
-        stages = {s: Stage(cfg, *pipe.stages[s]) for s in range(len(pipe.stages)) if pipe.stage_ranks[s] == rank}
+        stages = {
+            s: Stage(cfg, *pipe.stages[s])
+            for s in range(len(pipe.stages))
+            if pipe.stage_ranks[s] == prank
+        }
         reduction = spec.get("reduction", "token")
-        rt = PipelineRuntime(stages, rank=rank, hidden_size=cfg.hidden, loss_reduction=reduction)
+        rt = PipelineRuntime(
+            stages,
+            rank=prank,
+            hidden_size=cfg.hidden,
+            loss_reduction=reduction,
+            group=pipe_groups[replica],
+            pipeline_ranks=[r * dp + replica for r in range(pp)],
+            dp_group=dp_groups[prank] if dp > 1 else None,
+        )
+        skip = frozenset(spec.get("skip", {}).get(str(rank), []))
         report = []
         for step, seq_lens in enumerate(spec["steps"]):
             plan = pipe.plan_step(seq_lens, step)
-            mbs = plan.microbatches()
-            inputs, targets = step_data(cfg, mbs, step)
+            every = [mb for d in range(plan.num_replicas) for mb in plan.microbatches(d)]
+            inputs, targets = step_data(cfg, every, step)
+            offset = sum(len(plan.microbatches(d)) for d in range(replica))
+            mine = slice(offset, offset + len(plan.microbatches(replica)))
+            denominator = None
+            if dp > 1:
+                denominator = (
+                    sum(t.numel() for t in targets)
+                    if reduction == "token"
+                    else sum(len(mb.seq_lens) for mb in every)
+                )
             for m in stages.values():
                 m.zero_grad(set_to_none=True)
-            result = rt.step(plan, inputs, targets, _skip=frozenset(spec.get("skip", {}).get(str(rank), [])))
-            want_loss, want = reference(cfg, mbs, inputs, targets, reduction)
+            result = rt.step(
+                plan,
+                inputs[mine],
+                targets[mine],
+                replica=replica,
+                loss_denominator=denominator,
+                _skip=skip,
+            )
+            want_loss, want = reference(cfg, every, inputs, targets, reduction)
             worst, missing = 0.0, []
             for m in stages.values():
                 for name, p in m.layer_parameters().items():
@@ -84,8 +121,9 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
             report.append(
                 {
                     "step": step,
-                    "microbatches": [mb.tokens for mb in mbs],
-                    "actions": plan.actions(rank),
+                    "microbatches": [mb.tokens for mb in plan.microbatches(replica)],
+                    "actions": plan.actions(prank, replica),
+                    # With dp > 1 each pipeline returns its replica's share of the step's loss.
                     "loss": result.loss,
                     "want_loss": want_loss,
                     "grad_excess": worst,

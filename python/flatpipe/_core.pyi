@@ -1,0 +1,128 @@
+"""Type stubs of flatpipe's native module (python/src/lib.rs)."""
+
+from typing import Optional, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+class FlatpipeError(Exception):
+    """An error from the Rust core; the message names the file, field, value and allowed range."""
+
+class Profile:
+    """A cost profile: per layer and phase (F, I, W, Fo) ``t = c0 + c_tok * tokens + c_attn * pairs``
+    (seconds), activation and parameter bytes, the hardware and its links."""
+
+    @staticmethod
+    def analytic(model: str, hardware: str) -> Profile:
+        """The analytic profile of ``model`` on ``hardware`` (built-in names or YAML files)."""
+    @staticmethod
+    def load(path: str) -> Profile:
+        """A profile file (YAML) as ``flatpipe profile`` writes it."""
+    def tensor_parallel(self, tp: int, sequence_parallel: bool = True) -> Profile:
+        """The profile of one GPU of a Megatron-style tensor-parallel group of ``tp`` GPUs."""
+    @property
+    def model(self) -> str: ...
+    @property
+    def hardware(self) -> str: ...
+    @property
+    def num_layers(self) -> int:
+        """Layers: the embedding, the decoders and the head."""
+    def to_yaml(self) -> str: ...
+
+class Microbatch:
+    """One microbatch: flat ``[T]`` tokens of several sequences."""
+
+    @property
+    def index(self) -> int:
+        """The id in the step's actions (``0F3`` is microbatch 3)."""
+    @property
+    def tokens(self) -> int:
+        """True tokens ``T``."""
+    @property
+    def seq_lens(self) -> npt.NDArray[np.uint32]:
+        """Sequence lengths, ``[n]``."""
+    @property
+    def cu_seqlens(self) -> npt.NDArray[np.int64]:
+        """``[0, s_0, s_0 + s_1, ..., T]``, ``[n + 1]``."""
+    @property
+    def attn_pairs(self) -> int:
+        """Causal attention query-key pairs, ``sum s (s + 1) / 2``."""
+
+class StepPlan:
+    """One step, planned: per replica its microbatches and every rank's actions in PyTorch's
+    notation, and with a profile the predicted timeline (seconds) and memory (bytes)."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def num_replicas(self) -> int: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def stage_ranks(self) -> list[int]:
+        """The rank of each stage, in stage order."""
+    def stages_of(self, rank: int) -> list[int]: ...
+    def microbatches(self, replica: int = 0) -> list[Microbatch]: ...
+    def forward_only_microbatches(self, replica: int = 0) -> list[Microbatch]: ...
+    def actions(self, rank: int, replica: int = 0) -> list[str]:
+        """``rank``'s actions in run order: ``0F3``, ``1I2``, ``1W2``, ``0B1``, ``2Fo0``,
+        ``(0F3;1B2)OVERLAP_F_B``."""
+    def schedule_name(self, replica: int = 0) -> str: ...
+    def predicted_step_time_s(self, replica: int = 0) -> Optional[float]: ...
+    def predicted_bubble_ratio(self, replica: int = 0) -> Optional[float]: ...
+    def predicted_peak_bytes(self, replica: int = 0) -> Optional[list[float]]: ...
+    def timeline(self, replica: int = 0) -> list[tuple[int, str, float, float]]:
+        """``(rank, action, start_s, end_s)`` per compute action; empty without a profile."""
+
+class Pipeline:
+    """A pipeline configuration that plans each step's sequence lengths into a StepPlan."""
+
+    def __init__(
+        self,
+        schedule: str,
+        pp: int,
+        num_layers: Optional[int] = None,
+        *,
+        vpp: Optional[int] = None,
+        stages: Optional[Sequence[tuple[int, int]]] = None,
+        token_budget: Optional[int] = None,
+        microbatches: Optional[int] = None,
+        policy: Optional[str] = None,
+        dp: int = 1,
+        profile: Optional[Profile] = None,
+    ) -> None: ...
+    @staticmethod
+    def from_plan(path: str) -> Pipeline:
+        """The pipeline of a plan file written by ``flatpipe plan -o``, with its profile."""
+    def plan_step(self, seq_lens: Sequence[int], step: int = 0) -> StepPlan: ...
+    def simulate(
+        self, workload: Optional[str] = None, steps: int = 16, seed: int = 0
+    ) -> dict[str, float]:
+        """Predicted step time (mean, p50, p90, p99, seconds), bubble ratio, tokens per second,
+        MFU, peak memory (bytes) over ``steps`` steps of ``workload``."""
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def pp(self) -> int: ...
+    @property
+    def vpp(self) -> int: ...
+    @property
+    def dp(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def stages(self) -> list[tuple[int, int]]: ...
+    @property
+    def stage_ranks(self) -> list[int]: ...
+    @property
+    def profile(self) -> Optional[Profile]: ...
+
+def plan(
+    profile: Profile, workload: str, ranks: int, *, steps: int = 8, seed: int = 0, keep: int = 5
+) -> list[dict[str, object]]:
+    """The planner's search, best first: tp, dp, pp, vpp, schedule, token_budget, sharding,
+    step_time_mean_s, step_time_p90_s, lower_bound_s, peak_memory_bytes."""

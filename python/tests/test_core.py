@@ -1,0 +1,123 @@
+"""The native module: step plans, errors, plan files written by the flatpipe binary,
+predictions against the binary's own simulate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+import flatpipe
+from conftest import flatpipe_bin
+
+
+def test_microbatches_and_cu_seqlens_by_hand():
+    pipe = flatpipe.Pipeline("1f1b", pp=2, num_layers=6, token_budget=512)
+    step = pipe.plan_step([300, 200, 120, 40], step=3)
+    # First-fit decreasing at 512: 300 + 200 = 500; 120 does not fit (620), nor 40 (540).
+    mbs = step.microbatches()
+    assert [mb.tokens for mb in mbs] == [500, 160]
+    np.testing.assert_array_equal(mbs[0].cu_seqlens, [0, 300, 500])
+    np.testing.assert_array_equal(mbs[1].cu_seqlens, [0, 120, 160])
+    assert mbs[0].cu_seqlens.dtype == np.int64
+    np.testing.assert_array_equal(mbs[1].seq_lens, [120, 40])
+    assert mbs[0].attn_pairs == 300 * 301 // 2 + 200 * 201 // 2
+    assert step.step == 3 and step.num_ranks == 2 and step.num_stages == 2
+    # 1F1B with p = 2, m = 2 (Narayanan et al. 2021): rank 0 warms up with p - 1 - 0 = 1 forward.
+    assert step.actions(0) == ["0F0", "0F1", "0B0", "0B1"]
+    assert step.actions(1) == ["1F0", "1B0", "1F1", "1B1"]
+    # Without a profile there is no prediction.
+    assert step.predicted_step_time_s() is None and step.timeline() == []
+
+
+def test_v_placement_and_split_backward():
+    pipe = flatpipe.Pipeline("zb-v", pp=2, num_layers=6, microbatches=2)
+    assert pipe.vpp == 2
+    # V placement: rank r holds stages r and 2p - 1 - r.
+    assert pipe.stage_ranks == [0, 1, 1, 0]
+    assert pipe.stages == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    step = pipe.plan_step([10, 20, 30, 40])
+    assert step.stages_of(0) == [0, 3] and step.stages_of(1) == [1, 2]
+    letters = {a[1:-1] for r in range(2) for a in step.actions(r)}
+    assert letters == {"F", "I", "W"}
+
+
+def test_each_step_has_its_own_microbatch_count():
+    pipe = flatpipe.Pipeline("zb-h1", pp=4, num_layers=10, token_budget=100)
+    counts = [len(pipe.plan_step(s).microbatches()) for s in ([90] * 9, [50], [100, 100])]
+    assert counts == [9, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: flatpipe.Pipeline("1f1b", pp=0, num_layers=6), ["pp = 0", ">= 1"]),
+        (lambda: flatpipe.Pipeline("2f2b", pp=2, num_layers=6), ["2f2b", "1f1b", "zb-v"]),
+        (lambda: flatpipe.Pipeline("1f1b", pp=4, num_layers=3), ["at most", "3 layers"]),
+        (
+            lambda: flatpipe.Pipeline("1f1b", pp=2, num_layers=6, stages=[(0, 2), (3, 6)]),
+            ["stages[1]", "expected a start of 2"],
+        ),
+        (lambda: flatpipe.Pipeline("1f1b", pp=2, num_layers=6).plan_step([5, 0]), ["seq_lens[1] = 0"]),
+        (lambda: flatpipe.Pipeline("1f1b", pp=2, num_layers=6).plan_step([5]).actions(2), ["rank = 2", "2 ranks"]),
+        (lambda: flatpipe.Profile.analytic("llama3.1-8b", "tpu"), ["tpu"]),
+        (lambda: flatpipe.Profile.load("/nonexistent/p.yaml"), ["/nonexistent/p.yaml"]),
+        (lambda: flatpipe.Profile.analytic("llama3.1-70b", "h200").tensor_parallel(3), ["tp", "GPUs per node"]),
+    ],
+)
+def test_errors_carry_the_rust_message(call, words):
+    with pytest.raises(flatpipe.FlatpipeError) as e:
+        call()
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_prediction_with_a_profile():
+    profile = flatpipe.Profile.analytic("llama3.1-8b", "h200")
+    assert profile.num_layers == 34
+    pipe = flatpipe.Pipeline("1f1b", pp=4, profile=profile, token_budget=8192)
+    step = pipe.plan_step([4096] * 16)
+    t = step.predicted_step_time_s()
+    timeline = step.timeline()
+    # Every action of every rank is on the timeline, within the step.
+    assert len(timeline) == sum(len(step.actions(r)) for r in range(4))
+    assert all(0 <= s < e <= t + 1e-12 for _, _, s, e in timeline)
+    # The step is at least the busiest rank's compute.
+    busy = [sum(e - s for r2, _, s, e in timeline if r2 == r) for r in range(4)]
+    assert t >= max(busy)
+    assert len(step.predicted_peak_bytes()) == 4
+
+
+@pytest.mark.skipif(flatpipe_bin() is None, reason="needs the flatpipe binary (cargo build)")
+def test_a_plan_file_written_by_flatpipe_plan(tmp_path):
+    out = tmp_path / "plan.yaml"
+    subprocess.run(
+        [flatpipe_bin(), "plan", "--ranks", "4", "--tp", "1", "--pp", "4", "--schedule", "zb-v",
+         "--steps", "2", "-o", str(out), "--gantt", str(tmp_path / "g.png")],
+        check=True, capture_output=True,
+    )
+    pipe = flatpipe.Pipeline.from_plan(str(out))
+    assert pipe.schedule == "zb-v" and pipe.pp == 4 and pipe.vpp == 2
+    assert pipe.profile.model == "llama3.1-8b"
+    step = pipe.plan_step([1000, 2000, 3000, 500] * 8)
+    assert step.predicted_step_time_s() > 0
+
+
+@pytest.mark.skipif(flatpipe_bin() is None, reason="needs the flatpipe binary (cargo build)")
+def test_simulate_matches_the_binary():
+    """The same configuration through the binary's simulate and the Python binding."""
+    out = subprocess.run(
+        [flatpipe_bin(), "simulate", "--model", "llama3.1-8b", "--hardware", "h200",
+         "--workload", "sharegpt-v3", "--schedule", "1f1b", "--pp", "4", "--token-budget",
+         "16384", "--steps", "6", "--format", "json", "--gantt", "none"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    row = json.loads(out)[0]
+    pipe = flatpipe.Pipeline(
+        "1f1b", pp=4, profile=flatpipe.Profile.analytic("llama3.1-8b", "h200"), token_budget=16384
+    )
+    got = pipe.simulate("sharegpt-v3", steps=6)
+    assert got["step_time_mean_s"] == pytest.approx(row["step_time_s"]["mean"], rel=1e-9)
+    assert got["peak_memory_bytes"] == pytest.approx(row["peak_memory_bytes"], rel=1e-9)
