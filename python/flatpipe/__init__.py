@@ -21,6 +21,7 @@ from ._core import (
     Pipeline,
     Profile,
     StepPlan,
+    Workload,
     __version__,
     plan,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "Pipeline",
     "Profile",
     "StepPlan",
+    "Workload",
     "__version__",
     "plan",
 ]

@@ -31,6 +31,19 @@ class Profile:
         """Layers: the embedding, the decoders and the head."""
     def to_yaml(self) -> str: ...
 
+class Workload:
+    """A distribution of sequence lengths (tokens) and a step's size."""
+
+    @staticmethod
+    def load(name: str) -> Workload:
+        """A built-in workload (``sharegpt-v3``, ``sharegpt-v3-merged``, ``tiny-chat``) or a file."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def seed(self) -> int: ...
+    def sample_step(self, step: int, seed: Optional[int] = None) -> npt.NDArray[np.uint32]:
+        """Step ``step``'s sequence lengths: the draw ``flatpipe simulate`` makes for it."""
+
 class Microbatch:
     """One microbatch: flat ``[T]`` tokens of several sequences."""
 

@@ -59,6 +59,7 @@ __all__ = [
     "ActionTiming",
     "parse_action",
     "token_loss_scale",
+    "clip_grad_norm_",
 ]
 
 _ACTION = re.compile(r"^(\d+)(Fo|F|I|W|B)(\d+)$")
@@ -506,3 +507,23 @@ class PipelineRuntime:
         sums.index_add_(0, seq, per_token * valid)
         counts.index_add_(0, seq, valid)
         return (sums / counts.clamp(min=1)).sum()
+
+
+def clip_grad_norm_(
+    parameters, max_norm: float, group: Optional[dist.ProcessGroup] = None
+) -> float:
+    """Clips the gradients of this rank's ``parameters`` so that the norm over *every*
+    pipeline rank's parameters is at most ``max_norm`` (the sum of squares all-reduced over
+    ``group``, the pipeline's process group), as ``torch.nn.utils.clip_grad_norm_`` does for one
+    process; the same call for pp = 1. Returns the total norm before clipping."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        sq += g.detach().double().pow(2).sum().cpu()
+    if dist.is_initialized():
+        dist.all_reduce(sq, group=group)
+    norm = float(sq.sqrt())
+    if norm > max_norm > 0:
+        for g in grads:
+            g.mul_(max_norm / (norm + 1e-6))
+    return norm

@@ -74,6 +74,15 @@ def test_errors_carry_the_rust_message(call, words):
         assert w in str(e.value), str(e.value)
 
 
+def test_workload_steps_are_seeded_draws():
+    w = flatpipe.Workload.load("sharegpt-v3")
+    a, b = w.sample_step(0), w.sample_step(1)
+    assert a.dtype == np.uint32 and len(a) == 128 and not np.array_equal(a, b)
+    np.testing.assert_array_equal(a, w.sample_step(0, seed=w.seed))
+    with pytest.raises(flatpipe.FlatpipeError, match="nope"):
+        flatpipe.Workload.load("nope")
+
+
 def test_prediction_with_a_profile():
     profile = flatpipe.Profile.analytic("llama3.1-8b", "h200")
     assert profile.num_layers == 34
