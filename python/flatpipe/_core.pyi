@@ -107,6 +107,8 @@ class Pipeline:
         policy: Optional[str] = None,
         dp: int = 1,
         profile: Optional[Profile] = None,
+        forward_only: Optional[int] = None,
+        forward_only_mode: str = "fused",
     ) -> None: ...
     @staticmethod
     def from_plan(path: str) -> Pipeline:

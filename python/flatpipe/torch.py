@@ -227,6 +227,54 @@ class PipelineRuntime:
         ``ValueError`` for inputs that do not match the plan (naming the microbatch, the
         expected and the given token counts).
         """
+        return self._run(
+            plan,
+            inputs,
+            targets,
+            replica=replica,
+            loss_denominator=loss_denominator,
+            forward_only_inputs=forward_only_inputs,
+            train=True,
+            skip=_skip,
+        )
+
+    def eval_step(
+        self,
+        plan: StepPlan,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        *,
+        replica: int = 0,
+        loss_denominator: Optional[float] = None,
+    ) -> StepResult:
+        """An evaluation step on the same stages: the forward passes of ``plan``'s
+        microbatches only (each rank's F actions in the plan's order), under ``torch.no_grad``,
+        keeping no activations and touching no gradient. Returns the loss, reduced as
+        :meth:`step` reduces it. A training step may follow on the same runtime (the case of
+        PyTorch #162822)."""
+        return self._run(
+            plan,
+            inputs,
+            targets,
+            replica=replica,
+            loss_denominator=loss_denominator,
+            forward_only_inputs=None,
+            train=False,
+            skip=frozenset(),
+        )
+
+    def _run(
+        self,
+        plan: StepPlan,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        *,
+        replica: int,
+        loss_denominator: Optional[float],
+        forward_only_inputs: Optional[Sequence[torch.Tensor]],
+        train: bool,
+        skip: frozenset,
+    ) -> StepResult:
         mbs = plan.microbatches(replica)
         fo_mbs = plan.forward_only_microbatches(replica)
         stage_rank = plan.stage_ranks
@@ -246,6 +294,8 @@ class PipelineRuntime:
         fo_cu = [
             torch.as_tensor(mb.cu_seqlens, dtype=torch.int64, device=self.device) for mb in fo_mbs
         ]
+        if not train:
+            fo_mbs, fo_tokens, fo_cu = [], [], []
         if first in mine:
             self._check("inputs", inputs, tokens)
             if fo_mbs:
@@ -269,6 +319,12 @@ class PipelineRuntime:
 
         # Every rank's actions, to order the receives as their senders post them.
         all_actions = [plan.actions(r, replica) for r in range(plan.num_ranks)]
+        if not train:
+            # An evaluation step: the forwards only, in the plan's order.
+            all_actions = [
+                [f"{s}F{m}" for text in acts for s, k, m in parse_action(text) if k == "F"]
+                for acts in all_actions
+            ]
         incoming: Dict[int, List[_Transfer]] = {}
         for src, acts in enumerate(all_actions):
             if src == me:
@@ -328,7 +384,7 @@ class PipelineRuntime:
         t_start = time.perf_counter()
 
         for text in all_actions[me]:
-            if text in _skip:
+            if text in skip:
                 continue
             a0 = time.perf_counter()
             wait = compute = 0.0
@@ -355,6 +411,18 @@ class PipelineRuntime:
                             fo_out[mb] = out
                         else:
                             send(stage + 1, out, "Fo", mb)
+                        continue
+                    if not train:
+                        c0 = time.perf_counter()
+                        with torch.no_grad():
+                            out = module(x, c)
+                            if stage == last:
+                                loss_sum += (
+                                    self._loss(out, targets[mb], c) / denominator
+                                ).to(torch.float64)
+                        compute += time.perf_counter() - c0
+                        if stage != last:
+                            send(stage + 1, out, "F", mb)
                         continue
                     if stage != first:
                         x = x.detach().requires_grad_(True)

@@ -10,11 +10,13 @@
 
 use flatpipe_planner::search::{self, RankBy, SearchConfig, SearchSpace};
 use flatpipe_profiles::{AnalyticOptions, Profile, analytic_profile, builtins};
+use flatpipe_simulator::forward_only::FoMode;
 use flatpipe_simulator::generators::ScheduleKind;
 use flatpipe_simulator::ir::{Placement, Rank, StageId};
 use flatpipe_simulator::microbatch::Microbatch;
 use flatpipe_simulator::montecarlo::{
-    Capacity, ScheduleSource, StepOutcome, balance_cost, default_memory_limit, summarize,
+    Capacity, ForwardOnlySpec, ScheduleSource, StepOutcome, balance_cost, default_memory_limit,
+    summarize,
 };
 use flatpipe_simulator::plan::{Plan, even_split};
 use flatpipe_simulator::policy::{Policy, PolicyParams};
@@ -260,10 +262,14 @@ impl PyPipeline {
     /// `pp` ranks. Stages: `stages` as `(start, end)` layer ranges, or an even split of
     /// `num_layers` (default: the profile's) into `pp x vpp`. Microbatches: the fewest of at
     /// most `token_budget` tokens (default 16,384), or exactly `microbatches`. `profile` makes
-    /// step plans carry predictions (and builds zb-auto from its costs).
+    /// step plans carry predictions (and builds zb-auto from its costs). `forward_only = K`
+    /// adds K forward-only microbatches per replica and step (a frozen reference or teacher
+    /// forward over the step's microbatches, cycled to K), fused into the training schedule's
+    /// bubbles (`forward_only_mode = "fused"`) or run as a pass before it (`"separate"`).
     #[new]
     #[pyo3(signature = (schedule, pp, num_layers = None, *, vpp = None, stages = None,
-        token_budget = None, microbatches = None, policy = None, dp = 1, profile = None))]
+        token_budget = None, microbatches = None, policy = None, dp = 1, profile = None,
+        forward_only = None, forward_only_mode = "fused"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         schedule: &str,
@@ -276,6 +282,8 @@ impl PyPipeline {
         policy: Option<&str>,
         dp: u32,
         profile: Option<PyRef<'_, PyProfile>>,
+        forward_only: Option<u32>,
+        forward_only_mode: &str,
     ) -> PyResult<Self> {
         let kind = parse_schedule(schedule)?;
         let profile = profile.map(|p| p.inner.clone());
@@ -304,6 +312,29 @@ impl PyPipeline {
             dp,
         )?;
         config.placement().map_err(err)?;
+        let mode = match forward_only_mode {
+            "fused" => FoMode::Fused,
+            "separate" => FoMode::Separate,
+            other => {
+                return Err(err(format!(
+                    "forward_only_mode = {other:?} is invalid: \"fused\" (into the training schedule's bubbles) or \"separate\" (a pass before it)"
+                )));
+            }
+        };
+        let mut config = config;
+        config.forward_only = match forward_only {
+            None => None,
+            Some(0) => {
+                return Err(err(
+                    "forward_only = 0 is invalid: >= 1 forward-only microbatch per replica (None: none)",
+                ));
+            }
+            Some(k) => Some(ForwardOnlySpec {
+                microbatches: Some(k),
+                mode,
+                loss_dependency: false,
+            }),
+        };
         Ok(PyPipeline {
             config,
             profile,

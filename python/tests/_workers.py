@@ -68,6 +68,7 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
             num_layers=cfg.num_layers,
             token_budget=spec["budget"],
             dp=dp,
+            forward_only=spec.get("forward_only"),
         )
         stages = {
             s: Stage(cfg, *pipe.stages[s])
@@ -99,6 +100,14 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
                     if reduction == "token"
                     else sum(len(mb.seq_lens) for mb in every)
                 )
+            eval_loss = None
+            if spec.get("eval_first"):
+                eval_loss = rt.eval_step(
+                    plan, inputs[mine], targets[mine], replica=replica, loss_denominator=denominator
+                ).loss
+            fo_mbs = plan.forward_only_microbatches(replica)
+            gf = torch.Generator().manual_seed(5000 + step)
+            fo_inputs = [torch.randint(cfg.vocab, (mb.tokens,), generator=gf) for mb in fo_mbs]
             for m in stages.values():
                 m.zero_grad(set_to_none=True)
             result = rt.step(
@@ -107,8 +116,16 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
                 targets[mine],
                 replica=replica,
                 loss_denominator=denominator,
+                forward_only_inputs=fo_inputs or None,
                 _skip=skip,
             )
+            fo_error = 0.0
+            if result.forward_only:
+                whole = Stage(cfg, 0, cfg.num_layers)
+                with torch.no_grad():
+                    for k, out in result.forward_only.items():
+                        cu = torch.as_tensor(fo_mbs[k].cu_seqlens, dtype=torch.int64)
+                        fo_error = max(fo_error, (out - whole(fo_inputs[k], cu)).abs().max().item())
             want_loss, want = reference(cfg, every, inputs, targets, reduction)
             worst, missing = 0.0, []
             for m in stages.values():
@@ -127,6 +144,8 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
                     "loss": result.loss,
                     "want_loss": want_loss,
                     "grad_excess": worst,
+                    "eval_loss": eval_loss,
+                    "forward_only": [len(fo_mbs), len(result.forward_only), fo_error],
                     "missing": missing,
                     "wall_s": result.wall_s,
                 }

@@ -42,12 +42,54 @@ def check(reports, dp: int = 1):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
 def test_gradients_equal_single_process(tmp_path, world, schedule):
+    """Part 1's schedules on 2 and 4 processes."""
     spec = {"schedule": schedule, "decoders": 2 * world, "budget": 64, "steps": STEPS}
     reports = launch(tmp_path, world, spec)
     check(reports)
     # The steps really vary: several microbatch counts, one below the rank count.
     counts = {len(s["microbatches"]) for s in reports[0]}
     assert len(counts) >= 3 and min(counts) < world, counts
+
+
+# Enough microbatches for every schedule's steady state (DualPipeV's overlapped pairs).
+MANY = [[60, 7] + [55] * 10 + [40, 21]]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "looped-bfs", "zb-h2", "dualpipev", "zb-auto"])
+def test_every_other_schedule_kind(tmp_path, schedule):
+    """The remaining schedule kinds on 2 processes (DualPipeV's overlapped pairs run their two
+    halves in sequence; zb-auto is built from unit costs without a profile)."""
+    spec = {"schedule": schedule, "decoders": 4, "budget": 64, "steps": STEPS[:2] + MANY}
+    reports = launch(tmp_path, 2, spec)
+    check(reports)
+    if schedule == "dualpipev":
+        assert any("OVERLAP_F_B" in a for r in reports for a in r[-1]["actions"])
+
+
+def test_forward_only_work_fused_into_the_schedule(tmp_path):
+    """K forward-only microbatches per step fused into ZB-V's bubbles: the last stage's outputs
+    equal the whole model's forward, and the training gradients are unchanged."""
+    spec = {"schedule": "zb-v", "decoders": 4, "budget": 64, "steps": STEPS[:2], "forward_only": 3}
+    reports = launch(tmp_path, 2, spec)
+    check(reports)
+    fused = [a for r in reports for s in r for a in s["actions"] if "Fo" in a]
+    assert fused, "no Fo action in the plan"
+    # The last stage (stage 3 of the V: rank 0) returns every forward-only microbatch.
+    for s in reports[0]:
+        planned, returned, error = s["forward_only"]
+        assert planned == returned == 3 and error <= 1e-5, s["forward_only"]
+
+
+def test_evaluation_step_then_training_step(tmp_path):
+    """An evaluation (forward-only) step, then a training step, on the same stages (PyTorch
+    #162822): the evaluation loss is the single-process loss and the training gradients still
+    equal."""
+    spec = {"schedule": "interleaved-1f1b", "decoders": 4, "budget": 64, "steps": STEPS, "eval_first": True}
+    reports = launch(tmp_path, 2, spec)
+    check(reports)
+    for r in reports:
+        for s in r:
+            assert abs(s["eval_loss"] - s["want_loss"]) <= 1e-5 * s["want_loss"], s
 
 
 def test_sequence_weighted_loss(tmp_path):
