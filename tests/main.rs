@@ -7,4 +7,5 @@ mod properties;
 mod schedules;
 mod sharding;
 mod tensor_parallel;
+mod traces;
 mod variable_length;

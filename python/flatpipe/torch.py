@@ -36,6 +36,7 @@ stage returns logits ``[T, V]``, the others ``[T, H]``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -162,6 +163,10 @@ class PipelineRuntime:
         on_stage_backward_done: called with a stage index after that stage's last backward of
             the step (for a user's own data-parallel synchronisation).
         ignore_index: targets to leave out of the loss.
+        annotate: wrap each action in ``torch.profiler.record_function(f"PP:{action}")`` and each
+            wait for an input in its own ``PP:<stage>RECV_F<mb>`` / ``PP:<stage>RECV_B<mb>``
+            event before the action's, so a profiler trace shows the action's work and its wait
+            apart (``flatpipe import-trace`` reads such traces).
     """
 
     def __init__(
@@ -178,6 +183,7 @@ class PipelineRuntime:
         dp_group: Optional[dist.ProcessGroup] = None,
         on_stage_backward_done: Optional[Callable[[int], None]] = None,
         ignore_index: int = -100,
+        annotate: bool = True,
     ) -> None:
         if loss_reduction not in ("token", "sequence"):
             raise ValueError(
@@ -196,6 +202,7 @@ class PipelineRuntime:
         self.dp_group = dp_group
         self.on_stage_backward_done = on_stage_backward_done
         self.ignore_index = ignore_index
+        self.annotate = annotate
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -389,97 +396,113 @@ class PipelineRuntime:
             a0 = time.perf_counter()
             wait = compute = 0.0
             acc["post"] = 0.0
-            for stage, kind, mb in parse_action(text):
-                module = self.stages[stage]
-                if kind in ("F", "Fo"):
-                    fo = kind == "Fo"
-                    key = ("Fo" if fo else "F", stage, mb)
-                    if stage == first:
-                        x = (forward_only_inputs if fo else inputs)[mb]
-                    elif stage_rank[stage - 1] == me:
-                        x = local.pop(key)
-                    else:
-                        x, w = receive(stage_rank[stage - 1], key)
-                        wait += w
-                    c = fo_cu[mb] if fo else cu[mb]
-                    if fo:
-                        c0 = time.perf_counter()
-                        with torch.no_grad():
-                            out = module(x, c)
-                        compute += time.perf_counter() - c0
-                        if stage == last:
-                            fo_out[mb] = out
+            parts = parse_action(text)
+            # The inputs from other ranks first, each wait its own profiler event
+            # (PP:<stage>RECV_F<mb> / RECV_B), so the action's span is its work.
+            got: Dict[Tuple[str, int, int], torch.Tensor] = {}
+            for stage, kind, mb in parts:
+                if kind in ("F", "Fo") and stage != first and stage_rank[stage - 1] != me:
+                    key, name = (kind, stage, mb), f"PP:{stage}RECV_F{mb}"
+                    src = stage_rank[stage - 1]
+                elif kind in ("I", "B") and stage != last and stage_rank[stage + 1] != me:
+                    key, name = ("B", stage, mb), f"PP:{stage}RECV_B{mb}"
+                    src = stage_rank[stage + 1]
+                else:
+                    continue
+                with self._annotate(name):
+                    got[key], w = receive(src, key)
+                wait += w
+            span = self._annotate(f"PP:{text}")
+            with span:
+                for stage, kind, mb in parts:
+                    module = self.stages[stage]
+                    if kind in ("F", "Fo"):
+                        fo = kind == "Fo"
+                        key = ("Fo" if fo else "F", stage, mb)
+                        if stage == first:
+                            x = (forward_only_inputs if fo else inputs)[mb]
+                        elif stage_rank[stage - 1] == me:
+                            x = local.pop(key)
                         else:
-                            send(stage + 1, out, "Fo", mb)
-                        continue
-                    if not train:
-                        c0 = time.perf_counter()
-                        with torch.no_grad():
-                            out = module(x, c)
+                            x = got.pop(key)
+                        c = fo_cu[mb] if fo else cu[mb]
+                        if fo:
+                            c0 = time.perf_counter()
+                            with torch.no_grad():
+                                out = module(x, c)
+                            compute += time.perf_counter() - c0
                             if stage == last:
-                                loss_sum += (
-                                    self._loss(out, targets[mb], c) / denominator
-                                ).to(torch.float64)
-                        compute += time.perf_counter() - c0
-                        if stage != last:
-                            send(stage + 1, out, "F", mb)
-                        continue
-                    if stage != first:
-                        x = x.detach().requires_grad_(True)
-                    c0 = time.perf_counter()
-                    out = module(x, c)
-                    if stage == last:
-                        out = self._loss(out, targets[mb], c) / denominator
-                        loss_sum += out.detach().to(torch.float64)
-                        compute += time.perf_counter() - c0
-                    else:
-                        compute += time.perf_counter() - c0
-                        send(stage + 1, out.detach(), "F", mb)
-                    saved[(stage, mb)] = (x, out)
-                elif kind in ("I", "B"):
-                    x, out = saved[(stage, mb)]
-                    if stage == last:
-                        grad = None
-                    elif stage_rank[stage + 1] == me:
-                        grad = local.pop(("B", stage, mb))
-                    else:
-                        grad, w = receive(stage_rank[stage + 1], ("B", stage, mb))
-                        wait += w
-                    c0 = time.perf_counter()
-                    if kind == "B":
-                        torch.autograd.backward(out, grad_tensors=grad)
-                        dx = x.grad if stage != first else None
-                        del saved[(stage, mb)]
-                    elif stage == first:
-                        # As PipelineStage: token ids have no gradient, so the whole backward
-                        # runs in W (stage_backward_input would not capture the parameters).
+                                fo_out[mb] = out
+                            else:
+                                send(stage + 1, out, "Fo", mb)
+                            continue
+                        if not train:
+                            c0 = time.perf_counter()
+                            with torch.no_grad():
+                                out = module(x, c)
+                                if stage == last:
+                                    loss_sum += (
+                                        self._loss(out, targets[mb], c) / denominator
+                                    ).to(torch.float64)
+                            compute += time.perf_counter() - c0
+                            if stage != last:
+                                send(stage + 1, out, "F", mb)
+                            continue
+                        if stage != first:
+                            x = x.detach().requires_grad_(True)
+                        c0 = time.perf_counter()
+                        out = module(x, c)
+                        if stage == last:
+                            out = self._loss(out, targets[mb], c) / denominator
+                            loss_sum += out.detach().to(torch.float64)
+                            compute += time.perf_counter() - c0
+                        else:
+                            compute += time.perf_counter() - c0
+                            send(stage + 1, out.detach(), "F", mb)
                         saved[(stage, mb)] = (x, out)
-                        param_groups[(stage, mb)] = [grad]
-                        dx = None
-                    else:
-                        params = list(module.parameters())
-                        dxs, groups = stage_backward_input(
-                            [out], None if grad is None else [grad], [x], iter(params)
-                        )
-                        dx = dxs[0]
-                        param_groups[(stage, mb)] = groups
-                    compute += time.perf_counter() - c0
-                    if stage != first:
-                        if dx is None:
-                            dx = torch.zeros_like(x)
-                        send(stage - 1, dx.detach(), "B", mb)
-                elif kind == "W":
-                    groups = param_groups.pop((stage, mb))
-                    c0 = time.perf_counter()
-                    if stage == first:
-                        _, out = saved.pop((stage, mb))
-                        torch.autograd.backward(out, grad_tensors=groups[0])
-                    else:
-                        stage_backward_weight(iter(list(module.parameters())), groups)
-                        saved.pop((stage, mb), None)
-                    compute += time.perf_counter() - c0
-                if last_backward.get(stage) == (kind, mb):
-                    reductions.extend(self._stage_done(stage))
+                    elif kind in ("I", "B"):
+                        x, out = saved[(stage, mb)]
+                        if stage == last:
+                            grad = None
+                        elif stage_rank[stage + 1] == me:
+                            grad = local.pop(("B", stage, mb))
+                        else:
+                            grad = got.pop(("B", stage, mb))
+                        c0 = time.perf_counter()
+                        if kind == "B":
+                            torch.autograd.backward(out, grad_tensors=grad)
+                            dx = x.grad if stage != first else None
+                            del saved[(stage, mb)]
+                        elif stage == first:
+                            # As PipelineStage: token ids have no gradient, so the whole backward
+                            # runs in W (stage_backward_input would not capture the parameters).
+                            saved[(stage, mb)] = (x, out)
+                            param_groups[(stage, mb)] = [grad]
+                            dx = None
+                        else:
+                            params = list(module.parameters())
+                            dxs, groups = stage_backward_input(
+                                [out], None if grad is None else [grad], [x], iter(params)
+                            )
+                            dx = dxs[0]
+                            param_groups[(stage, mb)] = groups
+                        compute += time.perf_counter() - c0
+                        if stage != first:
+                            if dx is None:
+                                dx = torch.zeros_like(x)
+                            send(stage - 1, dx.detach(), "B", mb)
+                    elif kind == "W":
+                        groups = param_groups.pop((stage, mb))
+                        c0 = time.perf_counter()
+                        if stage == first:
+                            _, out = saved.pop((stage, mb))
+                            torch.autograd.backward(out, grad_tensors=groups[0])
+                        else:
+                            stage_backward_weight(iter(list(module.parameters())), groups)
+                            saved.pop((stage, mb), None)
+                        compute += time.perf_counter() - c0
+                    if last_backward.get(stage) == (kind, mb):
+                        reductions.extend(self._stage_done(stage))
             timings.append(
                 ActionTiming(
                     text,
@@ -507,6 +530,9 @@ class PipelineRuntime:
         )
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _annotate(self, name: str):
+        return torch.profiler.record_function(name) if self.annotate else contextlib.nullcontext()
 
     def _global(self, pipeline_rank: int) -> int:
         if self.pipeline_ranks is None:

@@ -5,7 +5,13 @@
 //! (`PP:0F1`, `PP:3I0`, `PP:2W1`, `PP:1B0`, `PP:(0F3;1B2)OVERLAP_F_B`), e.g. from
 //! `torch.profiler.record_function(f"PP:{action}")` around each action. `ts` and `dur` are
 //! microseconds. When GPU-side annotations are present (`"cat": "gpu_user_annotation"`) only
-//! they are used (device time); otherwise every `PP:` event counts.
+//! they are used (device time); otherwise the CPU-side ones, with a warning. PyTorch's runtime
+//! (2.15) also labels its other actions `PP:` (`0SEND_F1`, `2RECV_B0`, `0UNSHARD`,
+//! `2WAIT_SEND_F0`, `0REDUCE_GRAD`, ...): they are counted and skipped. An action's busy time
+//! starts at its first nested event on the same thread, because torch's runtime waits for the
+//! action's input inside the action's span and records no event for the wait (a real
+//! `PP:1F0` spanned 1,969 us with its first operator 1,486 us in). A trace of several steps is
+//! cut where a rank's actions repeat; one step is imported ([`ImportOptions::step`]).
 //!
 //! Ranks: with several files, file k is rank k (PyTorch writes one trace per rank); with one
 //! file, each distinct `pid` is a rank, in increasing order. Times are taken relative to the
@@ -32,13 +38,35 @@ fn bad(
     )
 }
 
+/// What to read of a trace.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ImportOptions {
+    /// The training step to import, 0-based, of a trace that holds several (`None`: the last,
+    /// the warmest).
+    pub step: Option<usize>,
+}
+
 /// A trace read back: what ran where and when, and the schedule that was.
 #[derive(Debug, Clone)]
 pub struct ImportedTrace {
-    /// Measured timeline (ns from the first action), one row per rank.
+    /// Measured timeline of the imported step (ns from its first action), one row per rank:
+    /// each action from its first nested operator to its end (see the module documentation).
     pub timeline: Timeline,
     /// The ranks' action lists in time order, as a schedule (placement inferred).
     pub schedule: Schedule,
+    /// Steps the trace holds (a step ends where a rank's actions start repeating).
+    pub steps: usize,
+    /// The step imported, 0-based.
+    pub step: usize,
+    /// Per rank: the time between its actions' starts and their first nested operators, ns
+    /// (the waits for inputs that torch records inside the action's span; not busy time).
+    pub leading_wait_ns: Vec<u64>,
+    /// `PP:` events that are not compute actions (sends, receives, waits, FSDP's unshard and
+    /// reshard, gradient reduction), by label without stage and microbatch, with their counts.
+    pub other_events: BTreeMap<String, usize>,
+    /// What the user should know about the reading: CPU-side annotations only, files that name
+    /// another rank than their position, the steps skipped.
+    pub warnings: Vec<String>,
 }
 
 struct Event {
@@ -46,9 +74,12 @@ struct Event {
     action: Action,
     ts_us: f64,
     dur_us: f64,
+    /// Start of the first event nested in this one on the same thread (an operator), us.
+    first_nested_us: Option<f64>,
 }
 
-fn events_of(doc: &Value, origin: &str) -> Result<Vec<(Value, String)>> {
+/// The `"ph": "X"` events of one file, and its `distributedInfo.rank` when the trace has one.
+fn events_of(doc: &Value, origin: &str) -> Result<(Vec<Value>, Option<u64>)> {
     let list = match doc {
         Value::Array(a) => a,
         Value::Object(o) => o
@@ -64,69 +95,121 @@ fn events_of(doc: &Value, origin: &str) -> Result<Vec<(Value, String)>> {
             ));
         }
     };
-    Ok(list
-        .iter()
-        .filter(|e| e.get("ph").and_then(Value::as_str) == Some("X"))
-        .filter(|e| {
-            e.get("name")
-                .and_then(Value::as_str)
-                .is_some_and(|n| n.starts_with("PP:"))
-        })
-        .map(|e| (e.clone(), origin.to_string()))
-        .collect())
+    let rank = doc
+        .get("distributedInfo")
+        .and_then(|d| d.get("rank"))
+        .and_then(Value::as_u64);
+    Ok((
+        list.iter()
+            .filter(|e| e.get("ph").and_then(Value::as_str) == Some("X"))
+            .cloned()
+            .collect(),
+        rank,
+    ))
+}
+
+/// Whether a `PP:` label that is not a compute action is one of PyTorch's other pipeline
+/// actions (`torch/distributed/pipelining/schedules.py`, `_ComputationType`): `0SEND_F1`,
+/// `2RECV_B0`, `0UNSHARD`, `1RESHARD`, `0REDUCE_GRAD`, `2WAIT_SEND_F0`, ... (and flatpipe's
+/// runtime's receive waits, named like PyTorch's receives). Returns the label without stage
+/// and microbatch.
+fn other_action(label: &str) -> Option<String> {
+    let core = label
+        .trim_start_matches(|c: char| c.is_ascii_digit())
+        .trim_end_matches(|c: char| c.is_ascii_digit());
+    let known = ["SEND", "RECV", "SHARD", "WAIT", "REDUCE"];
+    (!core.is_empty()
+        && core.len() < label.len()
+        && core.chars().all(|c| c.is_ascii_uppercase() || c == '_')
+        && known.iter().any(|k| core.contains(k)))
+    .then(|| core.to_string())
+}
+
+fn id_of(e: &Value, field: &str) -> String {
+    match e.get(field) {
+        Some(Value::String(s)) => s.clone(),
+        Some(v) => v.to_string(),
+        None => String::new(),
+    }
 }
 
 /// Parses one or more trace files (`(origin, text)`; several files = one per rank, in rank
-/// order).
+/// order) and imports one step ([`ImportOptions::step`]).
+///
+/// Compute actions are the `PP:` events whose label is an action (`0F1`, `3I0`, `2W1`, `1B0`,
+/// an overlapped pair); PyTorch's other `PP:` events (sends, receives, waits, unshard, reshard,
+/// gradient reduction) are counted in [`ImportedTrace::other_events`] and otherwise skipped. A
+/// CPU-side compute action's busy time runs from its first nested event on the same thread
+/// (torch's first operator) to its end (a GPU-side span is taken whole: it runs from its first
+/// kernel to its last): in PyTorch's runtime the wait for the action's input happens
+/// inside its span and torch records no event for it. What that misses: work before the first
+/// operator (Python only), and, on a GPU, everything: CPU-side spans time the launches, not the
+/// kernels (a warning says so when only CPU-side annotations exist).
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] naming the file and event for malformed JSON, a trace without
-/// `PP:` actions, an unparsable action, missing `ts` / `dur`, or overlapping actions on one
-/// rank; [`Error::InvalidSchedule`] when the actions do not form a valid schedule (a stage on
-/// two ranks, a missing F, ...).
-pub fn read_traces(files: &[(String, String)]) -> Result<ImportedTrace> {
+/// `PP:` compute actions (saying how to get them), an unknown `PP:` label, missing `ts` / `dur`,
+/// overlapping actions on one rank, ranks with different step counts, or a step out of range;
+/// [`Error::InvalidSchedule`] when the step's actions do not form a valid schedule.
+pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<ImportedTrace> {
     if files.is_empty() {
         return Err(Error::invalid("trace files", "none", ">= 1 file"));
     }
+    let mut warnings = Vec::new();
+    // (file index, event, origin) of PP: events; every file's other events by (pid, tid),
+    // sorted by start, for the nested-operator lookup.
     let mut raw: Vec<(usize, Value, String)> = Vec::new();
+    let mut ops: BTreeMap<(usize, String, String), Vec<f64>> = BTreeMap::new();
     for (k, (origin, text)) in files.iter().enumerate() {
         let doc: Value =
             serde_json::from_str(text).map_err(|e| bad(origin, "JSON", e, "a JSON trace file"))?;
-        for (e, o) in events_of(&doc, origin)? {
-            raw.push((k, e, o));
+        let (events, rank) = events_of(&doc, origin)?;
+        if files.len() > 1
+            && let Some(r) = rank
+            && r != k as u64
+        {
+            warnings.push(format!(
+                "{origin} is file {k} of {} but its trace says rank {r} (distributedInfo.rank): files are taken as ranks in the order given, so give them in rank order",
+                files.len()
+            ));
+        }
+        for e in events {
+            let name = e.get("name").and_then(Value::as_str).unwrap_or_default();
+            if name.starts_with("PP:") {
+                raw.push((k, e, origin.clone()));
+            } else if let Some(ts) = e.get("ts").and_then(Value::as_f64) {
+                ops.entry((k, id_of(&e, "pid"), id_of(&e, "tid")))
+                    .or_default()
+                    .push(ts);
+            }
         }
     }
-    if raw.is_empty() {
-        return Err(bad(
-            files
-                .iter()
-                .map(|f| f.0.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-            "traceEvents",
-            "no `PP:` events",
-            "complete events (ph X) named PP:<action>, e.g. PP:0F1, recorded around each pipeline action",
-        ));
+    for v in ops.values_mut() {
+        v.sort_by(f64::total_cmp);
     }
+    let names = || {
+        files
+            .iter()
+            .map(|f| f.0.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let gpu = raw
         .iter()
         .any(|(_, e, _)| e.get("cat").and_then(Value::as_str) == Some("gpu_user_annotation"));
     if gpu {
         raw.retain(|(_, e, _)| e.get("cat").and_then(Value::as_str) == Some("gpu_user_annotation"));
+    } else if !raw.is_empty() {
+        warnings.push(
+            "only CPU-side annotations (user_annotation): their spans time what the CPU did; on a GPU the kernels' time is what matters, so profile with ProfilerActivity.CUDA to get gpu_user_annotation events".to_string(),
+        );
     }
     // Ranks: file index with several files, else pid order.
-    let pid_of = |e: &Value| -> String {
-        match e.get("pid") {
-            Some(Value::String(s)) => s.clone(),
-            Some(v) => v.to_string(),
-            None => String::new(),
-        }
-    };
     let pid_rank: BTreeMap<(u64, String), usize> = {
         let mut pids: Vec<(u64, String)> = raw
             .iter()
             .map(|(_, e, _)| {
-                let p = pid_of(e);
+                let p = id_of(e, "pid");
                 (p.parse::<u64>().unwrap_or(u64::MAX), p)
             })
             .collect();
@@ -134,18 +217,26 @@ pub fn read_traces(files: &[(String, String)]) -> Result<ImportedTrace> {
         pids.dedup();
         pids.into_iter().enumerate().map(|(i, p)| (p, i)).collect()
     };
+    let mut other_events: BTreeMap<String, usize> = BTreeMap::new();
     let mut events = Vec::with_capacity(raw.len());
     for (k, e, origin) in &raw {
         let name = e["name"].as_str().unwrap_or_default();
         let text = &name[3..];
-        let action: Action = text.parse().map_err(|err: Error| {
-            bad(
-                origin,
-                format!("event {name}"),
-                err,
-                "PP:<stage><F|I|W|B><microbatch> or PP:(..;..)OVERLAP_F_B",
-            )
-        })?;
+        let action: Action = match text.parse() {
+            Ok(a) => a,
+            Err(err) => {
+                if let Some(label) = other_action(text) {
+                    *other_events.entry(label).or_default() += 1;
+                    continue;
+                }
+                return Err(bad(
+                    origin,
+                    format!("event {name}"),
+                    err,
+                    "PP:<stage><F|I|W|B><microbatch>, PP:(..;..)OVERLAP_F_B, or one of PyTorch's other pipeline actions (SEND_F, RECV_B, UNSHARD, WAIT_..., REDUCE_GRAD)",
+                ));
+            }
+        };
         let num = |field: &str| -> Result<f64> {
             e.get(field)
                 .and_then(Value::as_f64)
@@ -162,43 +253,116 @@ pub fn read_traces(files: &[(String, String)]) -> Result<ImportedTrace> {
         let rank = if files.len() > 1 {
             *k
         } else {
-            let p = pid_of(e);
+            let p = id_of(e, "pid");
             pid_rank[&(p.parse::<u64>().unwrap_or(u64::MAX), p)]
         };
+        let (ts_us, dur_us) = (num("ts")?, num("dur")?);
+        // GPU-side spans run from their first kernel to their last already.
+        let first_nested_us = ops
+            .get(&(*k, id_of(e, "pid"), id_of(e, "tid")))
+            .filter(|_| !gpu)
+            .and_then(|v| {
+                let i = v.partition_point(|&t| t < ts_us);
+                v.get(i).copied().filter(|&t| t <= ts_us + dur_us)
+            });
         events.push(Event {
             rank,
             action,
-            ts_us: num("ts")?,
-            dur_us: num("dur")?,
+            ts_us,
+            dur_us,
+            first_nested_us,
         });
     }
+    if events.is_empty() {
+        return Err(bad(
+            names(),
+            "traceEvents",
+            if other_events.is_empty() {
+                "no `PP:` events".to_string()
+            } else {
+                format!("`PP:` events but no compute action among them ({other_events:?})")
+            },
+            "complete events (ph X) named PP:<action> (PP:0F1, PP:1I0, ...) around each pipeline action: PyTorch's ScheduleGPipe and Schedule1F1B record none, its multi-stage schedules (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, _PipelineScheduleRuntime) and flatpipe.torch's runtime do; or wrap your own with torch.profiler.record_function(f\"PP:{action}\")",
+        ));
+    }
     let ranks = events.iter().map(|e| e.rank).max().unwrap_or(0) + 1;
-    let t0 = events.iter().map(|e| e.ts_us).fold(f64::INFINITY, f64::min);
     events.sort_by(|a, b| a.rank.cmp(&b.rank).then(a.ts_us.total_cmp(&b.ts_us)));
-    let mut compute: Vec<Vec<TimedOp>> = vec![Vec::new(); ranks];
+    // Steps: a rank's step ends where an action it already ran comes again.
+    let mut per_rank: Vec<Vec<Vec<&Event>>> = vec![vec![Vec::new()]; ranks];
+    let mut seen: Vec<std::collections::HashSet<String>> =
+        vec![std::collections::HashSet::new(); ranks];
     for e in &events {
-        let start_ns = ((e.ts_us - t0) * 1e3).round() as u64;
-        let end_ns = start_ns + (e.dur_us * 1e3).round() as u64;
-        if let Some(prev) = compute[e.rank].last()
-            && start_ns < prev.end_ns
-        {
-            return Err(bad(
-                format!("rank {}", e.rank),
-                format!("PP:{}", e.action),
-                format!(
-                    "starts at {:.1} us, before PP:{} ends at {:.1} us",
-                    e.ts_us - t0,
-                    prev.action,
-                    prev.end_ns as f64 / 1e3
-                ),
-                "one action at a time per rank (no overlapping PP: events)",
-            ));
+        let key = e.action.to_string();
+        if !seen[e.rank].insert(key.clone()) {
+            seen[e.rank].clear();
+            seen[e.rank].insert(key);
+            per_rank[e.rank].push(Vec::new());
         }
-        compute[e.rank].push(TimedOp {
-            action: e.action,
-            start_ns,
-            end_ns,
-        });
+        per_rank[e.rank].last_mut().expect("a step").push(e);
+    }
+    let steps = per_rank[0].len();
+    if let Some((r, v)) = per_rank.iter().enumerate().find(|(_, v)| v.len() != steps) {
+        return Err(bad(
+            names(),
+            format!("rank {r}"),
+            format!("{} steps (rank 0 has {steps})", v.len()),
+            "the same number of steps on every rank (a step ends where a rank's actions repeat)",
+        ));
+    }
+    let step = opts.step.unwrap_or(steps - 1);
+    if step >= steps {
+        return Err(bad(
+            names(),
+            "step",
+            step,
+            &format!("0..{steps} (the trace holds {steps} steps)"),
+        ));
+    }
+    if steps > 1 {
+        warnings.push(format!(
+            "the trace holds {steps} steps: step {step} imported{} (--step N for another)",
+            if opts.step.is_none() {
+                ", the last"
+            } else {
+                ""
+            }
+        ));
+    }
+    let chosen: Vec<&Vec<&Event>> = per_rank.iter().map(|v| &v[step]).collect();
+    let start = |e: &Event| e.first_nested_us.unwrap_or(e.ts_us);
+    let t0 = chosen
+        .iter()
+        .flat_map(|v| v.iter().map(|e| e.ts_us))
+        .fold(f64::INFINITY, f64::min);
+    let mut compute: Vec<Vec<TimedOp>> = vec![Vec::new(); ranks];
+    let mut leading_wait_ns = vec![0u64; ranks];
+    for (r, evs) in chosen.iter().enumerate() {
+        for e in evs.iter() {
+            let end_ns = ((e.ts_us + e.dur_us - t0) * 1e3).round() as u64;
+            let span_start_ns = ((e.ts_us - t0) * 1e3).round() as u64;
+            let start_ns = (((start(e) - t0) * 1e3).round() as u64).clamp(span_start_ns, end_ns);
+            leading_wait_ns[r] += start_ns - span_start_ns;
+            if let Some(prev) = compute[r].last()
+                && start_ns < prev.end_ns
+            {
+                return Err(bad(
+                    format!("rank {r}"),
+                    format!("PP:{}", e.action),
+                    format!(
+                        "starts at {:.1} us, before PP:{} ends at {:.1} us",
+                        e.ts_us - t0,
+                        prev.action,
+                        prev.end_ns as f64 / 1e3
+                    ),
+                    "one action at a time per rank (no overlapping PP: events)",
+                ));
+            }
+            compute[r].push(TimedOp {
+                action: e.action,
+                start_ns,
+                end_ns,
+            });
+        }
     }
     // On each rank, a stage's microbatch runs F before I or B, and I before W.
     for (r, ops) in compute.iter().enumerate() {
@@ -258,6 +422,11 @@ pub fn read_traces(files: &[(String, String)]) -> Result<ImportedTrace> {
             optimizer: vec![None; ranks],
         },
         schedule,
+        steps,
+        step,
+        leading_wait_ns,
+        other_events,
+        warnings,
     })
 }
 
@@ -285,7 +454,7 @@ mod tests {
             r#"{"ph": "X", "name": "aten::mm", "pid": 7, "ts": 1001, "dur": 3}"#.to_string(),
         ];
         let text = format!(r#"{{"traceEvents": [{}]}}"#, events.join(","));
-        let t = read_traces(&[("t.json".into(), text)]).unwrap();
+        let t = read_traces(&[("t.json".into(), text)], &ImportOptions::default()).unwrap();
         assert_eq!(t.timeline.num_ranks(), 2);
         assert_eq!(t.schedule.num_microbatches, 2);
         assert_eq!(t.schedule.num_stages(), 2);
@@ -297,27 +466,66 @@ mod tests {
 
     #[test]
     fn bad_traces_say_what_is_wrong() {
-        let e = read_traces(&[("x.json".into(), "{".into())])
+        let e = read_traces(&[("x.json".into(), "{".into())], &ImportOptions::default())
             .unwrap_err()
             .to_string();
         assert!(e.contains("x.json"), "{e}");
-        let e = read_traces(&[("x.json".into(), r#"{"traceEvents": []}"#.into())])
-            .unwrap_err()
-            .to_string();
+        let e = read_traces(
+            &[("x.json".into(), r#"{"traceEvents": []}"#.into())],
+            &ImportOptions::default(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("PP:"), "{e}");
         let text = format!(
             r#"[{},{}]"#,
             ev(1, "PP:0F0", 0.0, 10.0),
             ev(1, "PP:0F1", 5.0, 10.0)
         );
-        let e = read_traces(&[("x.json".into(), text)])
+        let e = read_traces(&[("x.json".into(), text)], &ImportOptions::default())
             .unwrap_err()
             .to_string();
         assert!(e.contains("overlapping"), "{e}");
         let text = format!(r#"[{}]"#, ev(1, "PP:0Q0", 0.0, 10.0));
-        let e = read_traces(&[("x.json".into(), text)])
+        let e = read_traces(&[("x.json".into(), text)], &ImportOptions::default())
             .unwrap_err()
             .to_string();
         assert!(e.contains("PP:0Q0"), "{e}");
+    }
+
+    #[test]
+    fn busy_time_starts_at_the_first_operator_and_steps_split_where_actions_repeat() {
+        let op = |ts: f64| {
+            format!(
+                r#"{{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": {ts}, "dur": 1}}"#
+            )
+        };
+        // One rank, one stage, two steps of F0 B0; the first F waits 30 us inside its span.
+        let events = [
+            ev(1, "PP:0F0", 100.0, 50.0),
+            op(130.0),
+            ev(1, "PP:0SEND_F0", 150.0, 5.0),
+            ev(1, "PP:0B0", 160.0, 40.0),
+            op(161.0),
+            ev(1, "PP:0F0", 300.0, 10.0),
+            op(302.0),
+            ev(1, "PP:0B0", 310.0, 10.0),
+            op(310.0),
+        ];
+        let text = format!("[{}]", events.join(","));
+        let first = read_traces(
+            &[("t.json".into(), text.clone())],
+            &ImportOptions { step: Some(0) },
+        )
+        .unwrap();
+        assert_eq!((first.steps, first.step), (2, 0));
+        // F busy 130..150 (20 us), B 161..200 (39 us); waits 30 + 1 us.
+        assert_eq!(first.timeline.busy_ns(0), 59_000);
+        assert_eq!(first.leading_wait_ns, vec![31_000]);
+        assert_eq!(first.other_events.get("SEND_F"), Some(&1));
+        let last = read_traces(&[("t.json".into(), text)], &ImportOptions::default()).unwrap();
+        assert_eq!(last.step, 1);
+        // F busy 302..310, B 310..320.
+        assert_eq!(last.timeline.busy_ns(0), 18_000);
     }
 }

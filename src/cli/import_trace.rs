@@ -3,8 +3,10 @@
 //! flatpipe's prediction of the same schedule.
 
 use super::*;
-use sim::kineto::read_traces;
+use anyhow::Context;
+use sim::kineto::{ImportOptions, read_traces};
 use sim::microbatch::Microbatch;
+use std::collections::BTreeMap;
 
 /// Options of `flatpipe import-trace`.
 #[derive(Debug, Args)]
@@ -31,6 +33,10 @@ pub(super) struct ImportTraceArgs {
     /// Sequence length within a microbatch (default: one sequence of all its tokens).
     #[arg(long)]
     seq_len: Option<u32>,
+    /// The training step to import, 0-based, of a trace that holds several (default: the
+    /// last).
+    #[arg(long)]
+    step: Option<usize>,
     /// Write the Gantt chart of the measured timeline here (.svg or .png).
     #[arg(long)]
     gantt: Option<PathBuf>,
@@ -52,6 +58,8 @@ struct RankRow {
 #[derive(Debug, Serialize)]
 struct TraceReport {
     files: Vec<String>,
+    steps: usize,
+    step: usize,
     ranks: usize,
     stages: u32,
     microbatches: u32,
@@ -64,6 +72,27 @@ struct TraceReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     profile: Option<String>,
     per_rank: Vec<RankRow>,
+    /// PyTorch's other `PP:` events (sends, receives, waits, ...), skipped, by label.
+    other_events: BTreeMap<String, usize>,
+    /// Per rank, the time inside action spans before their first operator (waits), seconds.
+    leading_wait_s: Vec<f64>,
+    warnings: Vec<String>,
+}
+
+/// A trace file's text: `.gz` files (as torch's TensorBoard handler writes them) are
+/// decompressed.
+fn read_trace_file(p: &Path) -> Result<String> {
+    if p.extension().is_some_and(|e| e == "gz") {
+        use std::io::Read;
+        let bytes = std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?;
+        let mut text = String::new();
+        flate2::read::GzDecoder::new(&bytes[..])
+            .read_to_string(&mut text)
+            .with_context(|| format!("{}: not a gzip-compressed UTF-8 trace", p.display()))?;
+        Ok(text)
+    } else {
+        Ok(profiles::read_to_string(p)?)
+    }
 }
 
 pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
@@ -75,9 +104,12 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
     }
     let mut files = Vec::with_capacity(a.traces.len());
     for p in &a.traces {
-        files.push((p.display().to_string(), profiles::read_to_string(p)?));
+        files.push((p.display().to_string(), read_trace_file(p)?));
     }
-    let imported = read_traces(&files)?;
+    let imported = read_traces(&files, &ImportOptions { step: a.step })?;
+    for w in &imported.warnings {
+        tracing::warn!("{w}");
+    }
     let t = &imported.timeline;
     let s = &imported.schedule;
     let makespan = t.makespan_ns() as f64 * 1e-9;
@@ -156,6 +188,8 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
     let busy: f64 = per_rank.iter().map(|r| r.busy_s).sum();
     let report = TraceReport {
         files: files.iter().map(|f| f.0.clone()).collect(),
+        steps: imported.steps,
+        step: imported.step,
         ranks: t.num_ranks(),
         stages: s.num_stages(),
         microbatches: s.num_microbatches,
@@ -165,8 +199,41 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
         rel_error: predicted.map(|p| (p - makespan) / makespan),
         profile: profile_name,
         per_rank,
+        other_events: imported.other_events.clone(),
+        leading_wait_s: imported
+            .leading_wait_ns
+            .iter()
+            .map(|&w| w as f64 * 1e-9)
+            .collect(),
+        warnings: imported.warnings.clone(),
     };
     let mut notes = Vec::new();
+    if report.steps > 1 {
+        notes.push(format!(
+            "step {} of the trace's {} (--step N for another)",
+            report.step, report.steps
+        ));
+    }
+    if !report.other_events.is_empty() {
+        notes.push(format!(
+            "skipped PyTorch's other PP: events: {}",
+            report
+                .other_events
+                .iter()
+                .map(|(k, n)| format!("{k} x{n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    notes.push(format!(
+        "busy time counts from each action's first nested operator: waits inside the action spans left out, per rank {}",
+        report
+            .leading_wait_s
+            .iter()
+            .map(|&w| fmt_s(w))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
     if let Some(path) = chart {
         let title = format!(
             "imported trace: {} ranks, {} stages, m={}",

@@ -1,0 +1,156 @@
+"""Writes the real PyTorch profiler traces that flatpipe's trace import is tested on
+(tests/data/traces/), with torch on the CPU and gloo, 2 processes, 2 training steps each:
+
+- ``torch-interleaved-1f1b.rank{0,1}.json.gz``: PyTorch's own runtime,
+  ``ScheduleInterleaved1F1B`` with 2 stages per rank and 4 microbatches of fixed shape (its
+  runtime labels every action ``PP:<action>``: compute, sends, receives, waits);
+- ``flatpipe-zb-v.rank{0,1}.json.gz``: flatpipe's runtime (``flatpipe.torch``) running ZB-V
+  step plans of variable-length steps (its receive waits are their own ``PP:..RECV_..`` events);
+- ``torch-1f1b.rank0.json.gz``: PyTorch's ``Schedule1F1B`` (rank 0 of 2, one step), whose
+  runtime records no ``PP:`` event at all: the import must refuse it and say what to do;
+- ``truth.json``: what each rank really ran, per file and step (compute actions in order), from
+  the schedule objects, to check the import against.
+
+    .venv/bin/python scripts/traces/make_traces.py tests/data/traces
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import flatpipe
+from flatpipe.models import ModelConfig, Stage
+from flatpipe.torch import PipelineRuntime
+
+CFG = ModelConfig(num_decoders=2, hidden=32, vocab=64)
+STEPS = [[40, 7, 19, 33, 12, 5, 28, 50], [30, 25, 35, 28, 60]]
+
+
+class Padded(nn.Module):
+    def __init__(self, stage: Stage) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        cu = torch.tensor([0, t], dtype=torch.int64)
+        return self.stage(x[0], cu).unsqueeze(0)
+
+
+def write(prof, path: str) -> None:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        tmp = f.name
+    prof.export_chrome_trace(tmp)
+    with open(tmp, "rb") as src, open(path, "wb") as raw:
+        with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as dst:
+            dst.write(src.read())
+    os.unlink(tmp)
+
+
+def torch_worker(rank: int, world: int, init: str, out: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    layers = CFG.num_layers  # 4: one layer per stage, stages r and r + 2 on rank r
+    stages = [
+        PipelineStage(Padded(Stage(CFG, s, s + 1)), s, 2 * world, torch.device("cpu"))
+        for s in (rank, rank + world)
+    ]
+    assert layers == 2 * world
+    m, t = 4, 16
+    loss_fn = lambda out, y: F.cross_entropy(out[0], y[0])  # noqa: E731
+    sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(CFG.vocab, (m, t), generator=g)
+    y = torch.randint(CFG.vocab, (m, t), generator=g)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            if rank == 0:
+                sched.step(x)
+            elif rank == world - 1:
+                sched.step(target=y, losses=[])
+            else:
+                sched.step()
+    write(prof, os.path.join(out, f"torch-interleaved-1f1b.rank{rank}.json.gz"))
+    order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
+    with open(os.path.join(out, f"truth-torch-{rank}.json"), "w") as f:
+        json.dump([order, order], f)
+    dist.destroy_process_group()
+
+
+def torch_1f1b_worker(rank: int, world: int, init: str, out: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    half = CFG.num_layers // world
+    stage = PipelineStage(
+        Padded(Stage(CFG, rank * half, (rank + 1) * half)), rank, world, torch.device("cpu")
+    )
+    m, t = 2, 8
+    sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, y: F.cross_entropy(out[0], y[0]))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(CFG.vocab, (m, t), generator=g)
+    y = torch.randint(CFG.vocab, (m, t), generator=g)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=[])
+    if rank == 0:
+        write(prof, os.path.join(out, "torch-1f1b.rank0.json.gz"))
+    dist.destroy_process_group()
+
+
+def flatpipe_worker(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    pipe = flatpipe.Pipeline("zb-v", pp=world, num_layers=CFG.num_layers, token_budget=64)
+    stages = {s: Stage(CFG, *pipe.stages[s]) for s, r in enumerate(pipe.stage_ranks) if r == rank}
+    rt = PipelineRuntime(stages, rank=rank, hidden_size=CFG.hidden)
+    truth = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for step, lens in enumerate(STEPS):
+            plan = pipe.plan_step(lens, step)
+            g = torch.Generator().manual_seed(step)
+            ids = [torch.randint(CFG.vocab, (mb.tokens,), generator=g) for mb in plan.microbatches()]
+            rt.step(plan, ids, ids)
+            truth.append(plan.actions(rank))
+    write(prof, os.path.join(out, f"flatpipe-zb-v.rank{rank}.json.gz"))
+    with open(os.path.join(out, f"truth-flatpipe-{rank}.json"), "w") as f:
+        json.dump(truth, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    out = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "tests/data/traces")
+    os.makedirs(out, exist_ok=True)
+    for fn in (torch_worker, flatpipe_worker, torch_1f1b_worker):
+        with tempfile.TemporaryDirectory() as d:
+            mp.spawn(fn, args=(2, os.path.join(d, "init"), out), nprocs=2, join=True)
+    truth = {}
+    for name, prefix in (("torch", "torch-interleaved-1f1b"), ("flatpipe", "flatpipe-zb-v")):
+        for r in range(2):
+            path = os.path.join(out, f"truth-{name}-{r}.json")
+            truth[f"{prefix}.rank{r}.json.gz"] = json.load(open(path))
+            os.unlink(path)
+    truth["torch_version"] = torch.__version__
+    with open(os.path.join(out, "truth.json"), "w") as f:
+        json.dump(truth, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

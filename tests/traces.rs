@@ -1,0 +1,123 @@
+//! Real PyTorch profiler traces (tests/data/traces/, written by scripts/traces/make_traces.py
+//! with torch 2.15 on the CPU and gloo): PyTorch's own runtime and flatpipe's, two steps each,
+//! imported and checked against what the schedule objects say each rank ran (truth.json).
+
+use flatpipe::simulator::kineto::{ImportOptions, read_traces};
+use std::io::Read;
+
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/traces");
+
+fn gz(name: &str) -> (String, String) {
+    let bytes = std::fs::read(format!("{DIR}/{name}")).unwrap();
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(&bytes[..])
+        .read_to_string(&mut text)
+        .unwrap();
+    (name.to_string(), text)
+}
+
+fn truth() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(format!("{DIR}/truth.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn both_runtimes_traces_import_as_the_ranks_ran_them() {
+    let truth = truth();
+    for prefix in ["torch-interleaved-1f1b", "flatpipe-zb-v"] {
+        let names: Vec<String> = (0..2)
+            .map(|r| format!("{prefix}.rank{r}.json.gz"))
+            .collect();
+        let files: Vec<_> = names.iter().map(|n| gz(n)).collect();
+        for step in 0..2 {
+            let t = read_traces(&files, &ImportOptions { step: Some(step) }).unwrap();
+            assert_eq!((t.steps, t.step), (2, step), "{prefix}");
+            for (r, name) in names.iter().enumerate() {
+                let ran: Vec<String> = t.schedule.ranks[r].iter().map(|a| a.to_string()).collect();
+                let want: Vec<String> = truth[name][step]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|a| a.as_str().unwrap().to_string())
+                    .collect();
+                assert_eq!(ran, want, "{prefix} step {step} rank {r}");
+                for op in &t.timeline.compute[r] {
+                    assert!(op.start_ns < op.end_ns, "{prefix}: {:?}", op);
+                }
+            }
+            // CPU-side annotations only: the import says so.
+            assert!(
+                t.warnings.iter().any(|w| w.contains("CPU-side")),
+                "{:?}",
+                t.warnings
+            );
+        }
+        // Default: the last step.
+        assert_eq!(
+            read_traces(&files, &ImportOptions::default()).unwrap().step,
+            1
+        );
+    }
+}
+
+#[test]
+fn pytorchs_other_actions_are_skipped_and_its_waits_left_out_of_busy_time() {
+    let files: Vec<_> = (0..2)
+        .map(|r| gz(&format!("torch-interleaved-1f1b.rank{r}.json.gz")))
+        .collect();
+    let t = read_traces(&files, &ImportOptions::default()).unwrap();
+    for label in ["SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD"] {
+        assert!(
+            t.other_events.contains_key(label),
+            "{label}: {:?}",
+            t.other_events
+        );
+    }
+    // torch waits for an action's input inside its span: some rank's spans start before
+    // their first operator.
+    assert!(t.leading_wait_ns.iter().sum::<u64>() > 0);
+    // flatpipe's runtime records its waits as their own events, before the action's span.
+    let files: Vec<_> = (0..2)
+        .map(|r| gz(&format!("flatpipe-zb-v.rank{r}.json.gz")))
+        .collect();
+    let t = read_traces(&files, &ImportOptions::default()).unwrap();
+    assert!(t.other_events.contains_key("RECV_F") && t.other_events.contains_key("RECV_B"));
+}
+
+#[test]
+fn rank_files_out_of_order_are_named() {
+    let files = vec![
+        gz("flatpipe-zb-v.rank1.json.gz"),
+        gz("flatpipe-zb-v.rank0.json.gz"),
+    ];
+    // The swapped files may or may not form a valid schedule; either way the order is named.
+    match read_traces(&files, &ImportOptions::default()) {
+        Ok(t) => assert!(
+            t.warnings
+                .iter()
+                .any(|w| w.contains("distributedInfo.rank")),
+            "{:?}",
+            t.warnings
+        ),
+        Err(e) => panic!("swapped rank files: {e}"),
+    }
+}
+
+#[test]
+fn a_trace_without_pp_events_is_refused_with_what_to_do() {
+    // PyTorch's Schedule1F1B records no PP: event.
+    let e = read_traces(&[gz("torch-1f1b.rank0.json.gz")], &ImportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("torch-1f1b.rank0.json.gz") && e.contains("Schedule1F1B record none"),
+        "{e}"
+    );
+    assert!(e.contains("record_function"), "{e}");
+    let files: Vec<_> = (0..2)
+        .map(|r| gz(&format!("flatpipe-zb-v.rank{r}.json.gz")))
+        .collect();
+    let e = read_traces(&files, &ImportOptions { step: Some(2) })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("step") && e.contains("0..2"), "{e}");
+}
