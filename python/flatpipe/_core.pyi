@@ -20,6 +20,22 @@ class Profile:
     @staticmethod
     def load(path: str) -> Profile:
         """A profile file (YAML) as ``flatpipe profile`` writes it."""
+    def with_costs(
+        self,
+        kind: str,
+        phase: str,
+        c0_s: float,
+        c_tok_s: float,
+        c_attn_s: float = 0.0,
+        note: str = "",
+    ) -> Profile:
+        """A copy whose ``kind`` layers (embedding, decoder, head) cost
+        ``c0_s + c_tok_s * tokens + c_attn_s * pairs`` seconds in ``phase`` (F, I, W, Fo)."""
+    def with_link(
+        self, alpha_s: float, beta_bytes_per_s: float, optimizer_s_per_param: float = 0.0
+    ) -> Profile:
+        """A copy with the link ``alpha_s + bytes / beta_bytes_per_s`` between ranks and the
+        optimizer's seconds per parameter."""
     def tensor_parallel(self, tp: int, sequence_parallel: bool = True) -> Profile:
         """The profile of one GPU of a Megatron-style tensor-parallel group of ``tp`` GPUs."""
     @property

@@ -9,7 +9,9 @@
 //! Python (`flatpipe/torch.py`).
 
 use flatpipe_planner::search::{self, RankBy, SearchConfig, SearchSpace};
-use flatpipe_profiles::{AnalyticOptions, Profile, analytic_profile, builtins};
+use flatpipe_profiles::{
+    AnalyticOptions, CostCoeffs, LayerKind, Profile, ProfileSource, analytic_profile, builtins,
+};
 use flatpipe_simulator::forward_only::FoMode;
 use flatpipe_simulator::generators::ScheduleKind;
 use flatpipe_simulator::ir::{Placement, Rank, StageId};
@@ -76,6 +78,94 @@ impl PyProfile {
             .inner
             .tensor_parallel(tp, sequence_parallel)
             .map_err(err)?;
+        Ok(PyProfile { inner: Arc::new(p) })
+    }
+
+    /// A copy whose layers of `kind` (`"embedding"`, `"decoder"`, `"head"`) cost
+    /// `c0_s + c_tok_s * tokens + c_attn_s * attn_pairs` seconds in `phase` (`"F"`, `"I"`,
+    /// `"W"`, `"Fo"`): how a fit of measured timings becomes a profile. The copy is marked
+    /// measured, with `note` added to its provenance.
+    #[pyo3(signature = (kind, phase, c0_s, c_tok_s, c_attn_s = 0.0, note = ""))]
+    fn with_costs(
+        &self,
+        kind: &str,
+        phase: &str,
+        c0_s: f64,
+        c_tok_s: f64,
+        c_attn_s: f64,
+        note: &str,
+    ) -> PyResult<Self> {
+        let kind = match kind {
+            "embedding" => LayerKind::Embedding,
+            "decoder" => LayerKind::Decoder,
+            "head" => LayerKind::Head,
+            other => {
+                return Err(err(format!(
+                    "kind = {other:?} is invalid: \"embedding\", \"decoder\" or \"head\""
+                )));
+            }
+        };
+        let coeffs = CostCoeffs {
+            c0_s,
+            c_tok_s,
+            c_attn_s,
+        };
+        for (name, v) in [("c0_s", c0_s), ("c_tok_s", c_tok_s), ("c_attn_s", c_attn_s)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(err(format!(
+                    "{name} = {v} is invalid: a finite number of seconds >= 0"
+                )));
+            }
+        }
+        let mut p = (*self.inner).clone();
+        let mut found = false;
+        for l in p.layers.iter_mut().filter(|l| l.kind == kind) {
+            found = true;
+            match phase {
+                "F" => l.f = coeffs,
+                "I" => l.i = coeffs,
+                "W" => l.w = coeffs,
+                "Fo" => l.fo = coeffs,
+                other => {
+                    return Err(err(format!(
+                        "phase = {other:?} is invalid: \"F\", \"I\", \"W\" or \"Fo\""
+                    )));
+                }
+            }
+        }
+        if !found {
+            return Err(err(format!(
+                "the profile of {} has no {kind:?} layer",
+                p.model
+            )));
+        }
+        p.provenance.source = ProfileSource::Measured;
+        if !note.is_empty() && !p.provenance.notes.contains(note) {
+            p.provenance.notes = format!("{}; {note}", p.provenance.notes);
+        }
+        Ok(PyProfile { inner: Arc::new(p) })
+    }
+
+    /// A copy with the link between ranks (both intra- and inter-node) set to
+    /// `alpha_s + bytes / beta_bytes_per_s` and the optimizer step to `optimizer_s_per_param`
+    /// seconds per parameter.
+    #[pyo3(signature = (alpha_s, beta_bytes_per_s, optimizer_s_per_param = 0.0))]
+    fn with_link(
+        &self,
+        alpha_s: f64,
+        beta_bytes_per_s: f64,
+        optimizer_s_per_param: f64,
+    ) -> PyResult<Self> {
+        let mut p = (*self.inner).clone();
+        let link = flatpipe_profiles::Link {
+            name: "measured".into(),
+            alpha_s,
+            beta_bytes_per_s,
+        };
+        p.hardware.intra_node = link.clone();
+        p.hardware.inter_node = link;
+        p.optimizer_s_per_param = optimizer_s_per_param;
+        p.validate("Profile.with_link").map_err(err)?;
         Ok(PyProfile { inner: Arc::new(p) })
     }
 

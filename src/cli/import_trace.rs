@@ -216,7 +216,7 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
     }
     if !report.other_events.is_empty() {
         notes.push(format!(
-            "skipped PyTorch's other PP: events: {}",
+            "skipped the other PP: events (sends, receives, waits; all steps): {}",
             report
                 .other_events
                 .iter()
