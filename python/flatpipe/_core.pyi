@@ -156,4 +156,5 @@ def plan(
     profile: Profile, workload: str, ranks: int, *, steps: int = 8, seed: int = 0, keep: int = 5
 ) -> list[dict[str, object]]:
     """The planner's search, best first: tp, dp, pp, vpp, schedule, token_budget, sharding,
-    step_time_mean_s, step_time_p90_s, lower_bound_s, peak_memory_bytes."""
+    stages (layer ranges), recompute (per stage), step_time_mean_s, step_time_p90_s,
+    lower_bound_s, peak_memory_bytes (per rank)."""

@@ -889,9 +889,10 @@ impl PyStepPlan {
     }
 }
 
-/// The planner's search: the best (tp, dp, pp, vpp, schedule, token budget, sharding,
-/// recomputation) for `profile` on `ranks` GPUs over `steps` steps of `workload`, as a list of
-/// dicts, best first (predicted mean step time, seconds).
+/// The planner's search: the best (tp, dp, pp, vpp, schedule, token budget, sharding, stages,
+/// recomputation) for `profile` on `ranks` GPUs over `steps` steps of `workload` (sampled with
+/// `seed`), under the hardware's memory less a reserve, as a list of at most `keep` dicts, best
+/// first (predicted mean step time, seconds; peak memory per rank, bytes).
 #[pyfunction]
 #[pyo3(signature = (profile, workload, ranks, *, steps = 8, seed = 0, keep = 5))]
 fn plan<'py>(
@@ -935,6 +936,22 @@ fn plan<'py>(
             d.set_item("schedule", c.schedule.name())?;
             d.set_item("token_budget", c.token_budget)?;
             d.set_item("sharding", c.sharding.to_string())?;
+            d.set_item(
+                "stages",
+                c.partition
+                    .stages
+                    .iter()
+                    .map(|r| (r.start, r.end))
+                    .collect::<Vec<_>>(),
+            )?;
+            d.set_item(
+                "recompute",
+                c.partition
+                    .recompute
+                    .iter()
+                    .map(|r| format!("{r:?}").to_lowercase())
+                    .collect::<Vec<_>>(),
+            )?;
             d.set_item("step_time_mean_s", c.summary.step_time_s.mean)?;
             d.set_item("step_time_p90_s", c.summary.step_time_s.p90)?;
             d.set_item("lower_bound_s", c.lower_bound_s)?;

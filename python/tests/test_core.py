@@ -130,3 +130,16 @@ def test_simulate_matches_the_binary():
     got = pipe.simulate("sharegpt-v3", steps=6)
     assert got["step_time_mean_s"] == pytest.approx(row["step_time_s"]["mean"], rel=1e-9)
     assert got["peak_memory_bytes"] == pytest.approx(row["peak_memory_bytes"], rel=1e-9)
+
+
+def test_plan_ranks_candidates_best_first():
+    profile = flatpipe.Profile.analytic("llama3.1-8b", "h200")
+    ranked = flatpipe.plan(profile, "sharegpt-v3", ranks=8, steps=2, keep=3)
+    assert 1 <= len(ranked) <= 3
+    times = [c["step_time_mean_s"] for c in ranked]
+    assert times == sorted(times)
+    for c in ranked:
+        assert c["tp"] * c["dp"] * c["pp"] == 8
+        assert c["stages"][0][0] == 0 and c["stages"][-1][1] == profile.num_layers
+        assert len(c["recompute"]) == len(c["stages"])
+        assert c["lower_bound_s"] <= c["step_time_mean_s"]
