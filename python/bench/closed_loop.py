@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flatpipe
-from flatpipe.fit import profile_from_steps
+from flatpipe.fit import profile_from_steps, profile_from_trace
 from flatpipe.models import ModelConfig, Stage
 from flatpipe.torch import ActionTiming, PipelineRuntime
 
@@ -72,6 +72,21 @@ def worker(rank: int, world: int, init: str, spec: dict, out: str) -> None:
             times.append((time.perf_counter() - t0) / 2)
         link.append((buf.numel() * 4, statistics.median(times[5:])))
     runs = {}
+    if spec.get("trace"):
+        # The fit schedule once more under the profiler: its trace is what the fit reads.
+        from torch.profiler import ProfilerActivity, profile
+
+        pipe = flatpipe.Pipeline(FIT, pp=world, num_layers=cfg.num_layers, token_budget=spec["budget"])
+        stages = {s: Stage(cfg, *pipe.stages[s]) for s, r in enumerate(pipe.stage_ranks) if r == rank}
+        rt = PipelineRuntime(stages, rank=rank, hidden_size=cfg.hidden)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i, lens in enumerate(spec["steps"]):
+                plan = pipe.plan_step(lens, i)
+                g = torch.Generator().manual_seed(i)
+                ids = [torch.randint(cfg.vocab, (mb.tokens,), generator=g) for mb in plan.microbatches()]
+                dist.barrier()
+                rt.step(plan, ids, ids)
+        prof.export_chrome_trace(os.path.join(out, f"trace.rank{rank}.json"))
     for schedule in spec["schedules"]:
         pipe = flatpipe.Pipeline(schedule, pp=world, num_layers=cfg.num_layers, token_budget=spec["budget"])
         stages = {s: Stage(cfg, *pipe.stages[s]) for s, r in enumerate(pipe.stage_ranks) if r == rank}
@@ -102,34 +117,54 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--from-trace",
+        action="store_true",
+        help="fit from a PyTorch profiler trace of the fit schedule's run (a run of its own, "
+        "under the profiler) instead of the runtime's own timings",
+    )
     a = ap.parse_args()
     cfg = ModelConfig(**MODEL)
     w = flatpipe.Workload.load("tiny-chat")
     steps = [[int(x) for x in w.sample_step(s)] for s in range(a.steps + WARMUP)]
-    spec = {"model": MODEL, "budget": a.budget, "steps": steps, "schedules": SCHEDULES}
+    spec = {
+        "model": MODEL,
+        "budget": a.budget,
+        "steps": steps,
+        "schedules": SCHEDULES,
+        "trace": a.from_trace,
+    }
+    fit_pipe = flatpipe.Pipeline(FIT, pp=2, num_layers=cfg.num_layers, token_budget=a.budget)
+    kinds = ["embedding"] + ["decoder"] * cfg.num_decoders + ["head"]
+    layer_kinds = [kinds[s] for s, _ in fit_pipe.stages]
+    assert all(e - s == 1 for s, e in fit_pipe.stages)
+    measured = range(WARMUP, len(steps))
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(worker, args=(2, os.path.join(d, "init"), spec, d), nprocs=2, join=True)
         ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)]
         path = os.path.join(d, "model.yaml")
         model_yaml(cfg, path)
         base = flatpipe.Profile.analytic(path, "cpu")
-    # The link: least squares of one-way time on bytes, both ranks' medians.
-    pts = np.array([p for r in ranks for p in r["link"]])
-    beta_inv, alpha = np.polyfit(pts[:, 0], pts[:, 1], 1)
-    alpha, beta = max(float(alpha), 0.0), 1.0 / max(float(beta_inv), 1e-15)
-    base = base.with_link(alpha, beta, 0.0)
-    # The fit: ZB-V's steps after the warm-up, one layer per stage.
-    fit_pipe = flatpipe.Pipeline(FIT, pp=2, num_layers=cfg.num_layers, token_budget=a.budget)
-    kinds = ["embedding"] + ["decoder"] * cfg.num_decoders + ["head"]
-    layer_kinds = [kinds[s] for s, _ in fit_pipe.stages]
-    assert all(e - s == 1 for s, e in fit_pipe.stages)
-    fit_steps = []
-    for i in range(WARMUP, len(steps)):
-        timings = [
-            [ActionTiming(x[0], x[1], x[2], x[3]) for x in r["runs"][FIT][i]["actions"]] for r in ranks
-        ]
-        fit_steps.append((fit_pipe.plan_step(steps[i], i), timings))
-    profile, fits = profile_from_steps(base, layer_kinds, fit_steps)
+        # The link: least squares of one-way time on bytes, both ranks' medians.
+        pts = np.array([p for r in ranks for p in r["link"]])
+        beta_inv, alpha = np.polyfit(pts[:, 0], pts[:, 1], 1)
+        alpha, beta = max(float(alpha), 0.0), 1.0 / max(float(beta_inv), 1e-15)
+        base = base.with_link(alpha, beta, 0.0)
+        plans = [fit_pipe.plan_step(steps[i], i) for i in measured]
+        if a.from_trace:
+            # The fit schedule's steps after the warm-up, from the profiler's trace files.
+            traces = [os.path.join(d, f"trace.rank{r}.json") for r in range(2)]
+            profile, fits = profile_from_trace(base, layer_kinds, plans, traces, steps=list(measured))
+        else:
+            # The fit schedule's steps after the warm-up, from the runtime's own timings.
+            fit_steps = []
+            for plan, i in zip(plans, measured):
+                timings = [
+                    [ActionTiming(x[0], x[1], x[2], x[3]) for x in r["runs"][FIT][i]["actions"]]
+                    for r in ranks
+                ]
+                fit_steps.append((plan, timings))
+            profile, fits = profile_from_steps(base, layer_kinds, fit_steps)
     rows = []
     for schedule in SCHEDULES:
         pipe = flatpipe.Pipeline(schedule, pp=2, num_layers=cfg.num_layers, token_budget=a.budget, profile=profile)

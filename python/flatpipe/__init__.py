@@ -23,6 +23,7 @@ from ._core import (
     StepPlan,
     Workload,
     __version__,
+    import_trace,
     plan,
 )
 
@@ -34,5 +35,6 @@ __all__ = [
     "StepPlan",
     "Workload",
     "__version__",
+    "import_trace",
     "plan",
 ]

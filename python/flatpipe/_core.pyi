@@ -158,3 +158,9 @@ def plan(
     """The planner's search, best first: tp, dp, pp, vpp, schedule, token_budget, sharding,
     stages (layer ranges), recompute (per stage), step_time_mean_s, step_time_p90_s,
     lower_bound_s, peak_memory_bytes (per rank)."""
+
+def import_trace(paths: Sequence[str], step: Optional[int] = None) -> dict[str, object]:
+    """PyTorch profiler traces of a pipelined run (one file per rank, ``.gz`` too), as
+    ``flatpipe import-trace`` reads them: ``actions`` (per rank, ``(action, start_s, end_s)`` of
+    the imported step, busy time from each action's first nested operator), ``steps``, ``step``,
+    ``leading_wait_s``, ``other_events``, ``warnings``."""

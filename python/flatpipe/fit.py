@@ -15,14 +15,14 @@ them closes the loop (``python/bench/closed_loop.py``).
 from __future__ import annotations
 
 import itertools
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import Profile, StepPlan
+from . import Profile, StepPlan, import_trace
 from .torch import ActionTiming, parse_action
 
-__all__ = ["fit_costs", "profile_from_steps"]
+__all__ = ["fit_costs", "profile_from_steps", "profile_from_trace"]
 
 Sample = Tuple[float, float, float]  # (tokens, attn_pairs, seconds)
 
@@ -112,3 +112,27 @@ def profile_from_steps(
             if phase == "F":
                 profile = profile.with_costs(lk, "Fo", c0, ct, ca, note)
     return profile, fits
+
+
+def profile_from_trace(
+    base: Profile,
+    layer_kinds: Sequence[str],
+    plans: Sequence[StepPlan],
+    paths: Sequence[str],
+    steps: Optional[Sequence[int]] = None,
+) -> Tuple[Profile, Dict[Tuple[str, str], Tuple[float, float, float, float]]]:
+    """:func:`profile_from_steps` from PyTorch profiler traces instead of the runtime's
+    in-memory timings: ``paths`` are the rank files of a run whose actions are labelled
+    ``PP:<action>`` (flatpipe's runtime, or PyTorch's multi-stage schedules), ``plans[i]`` the
+    plan of the trace's step ``steps[i]`` (default: every step, in order). Each action's busy
+    time is what the trace import gives it: from its first nested operator to its end."""
+    first = import_trace(list(paths))
+    chosen = list(range(first["steps"])) if steps is None else list(steps)
+    if len(chosen) != len(plans):
+        raise ValueError(f"{len(plans)} plans for {len(chosen)} traced steps {chosen}")
+    timed = []
+    for plan, step in zip(plans, chosen):
+        t = import_trace(list(paths), step)
+        ranks = [[ActionTiming(a, s, e, 0.0) for a, s, e in rank] for rank in t["actions"]]
+        timed.append((plan, ranks))
+    return profile_from_steps(base, layer_kinds, timed, note="fitted from PyTorch profiler traces")

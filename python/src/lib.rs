@@ -961,6 +961,70 @@ fn plan<'py>(
         .collect()
 }
 
+/// Reads PyTorch profiler traces of a pipelined run (`PP:<action>` events; one file per rank in
+/// rank order, `.gz` read too), as `flatpipe import-trace` does
+/// (`simulator/src/kineto.rs`), and returns a dict: `actions` (per rank, `(action, start_s,
+/// end_s)` of the imported step, busy time from each action's first nested operator), `steps`,
+/// `step`, `leading_wait_s` (per rank), `other_events` and `warnings`.
+#[pyfunction]
+#[pyo3(signature = (paths, step = None))]
+fn import_trace<'py>(
+    py: Python<'py>,
+    paths: Vec<String>,
+    step: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    use std::io::Read;
+    let mut files = Vec::with_capacity(paths.len());
+    for p in &paths {
+        let bytes = std::fs::read(p).map_err(|e| err(format!("{p}: cannot read: {e}")))?;
+        let text = if p.ends_with(".gz") {
+            let mut t = String::new();
+            flate2::read::GzDecoder::new(&bytes[..])
+                .read_to_string(&mut t)
+                .map_err(|e| err(format!("{p}: not a gzip-compressed UTF-8 trace: {e}")))?;
+            t
+        } else {
+            String::from_utf8(bytes).map_err(|e| err(format!("{p}: not UTF-8: {e}")))?
+        };
+        files.push((p.clone(), text));
+    }
+    let t = flatpipe_simulator::kineto::read_traces(
+        &files,
+        &flatpipe_simulator::kineto::ImportOptions { step },
+    )
+    .map_err(err)?;
+    let d = PyDict::new(py);
+    let actions: Vec<Vec<(String, f64, f64)>> = t
+        .timeline
+        .compute
+        .iter()
+        .map(|ops| {
+            ops.iter()
+                .map(|o| {
+                    (
+                        o.action.to_string(),
+                        o.start_ns as f64 * 1e-9,
+                        o.end_ns as f64 * 1e-9,
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    d.set_item("actions", actions)?;
+    d.set_item("steps", t.steps)?;
+    d.set_item("step", t.step)?;
+    d.set_item(
+        "leading_wait_s",
+        t.leading_wait_ns
+            .iter()
+            .map(|&w| w as f64 * 1e-9)
+            .collect::<Vec<_>>(),
+    )?;
+    d.set_item("other_events", t.other_events.clone())?;
+    d.set_item("warnings", t.warnings.clone())?;
+    Ok(d)
+}
+
 /// The native module `flatpipe._core`.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -972,5 +1036,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyMicrobatch>()?;
     m.add_class::<PyStepPlan>()?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_function(wrap_pyfunction!(import_trace, m)?)?;
     Ok(())
 }

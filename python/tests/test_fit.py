@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import flatpipe
-from flatpipe.fit import fit_costs, profile_from_steps
+from flatpipe.fit import fit_costs, profile_from_steps, profile_from_trace
 from flatpipe.torch import ActionTiming, parse_action
 
 TRUE = {
@@ -73,3 +75,26 @@ def test_profile_from_zb_v_timings_predicts_by_hand():
     )
     got = one.plan_step([100]).predicted_step_time_s()
     assert got == pytest.approx(want, rel=1e-6)
+
+
+TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data", "traces")
+
+
+def test_a_profile_fitted_from_real_traces():
+    """The committed traces of flatpipe's runtime (scripts/traces/make_traces.py: ZB-V on 2
+    ranks over a 4-layer model, one layer per stage) fit every kind and phase."""
+    paths = [os.path.join(TRACES, f"flatpipe-zb-v.rank{r}.json.gz") for r in range(2)]
+    t = flatpipe.import_trace(paths)
+    assert t["steps"] == 2 and t["step"] == 1 and "RECV_F" in t["other_events"]
+    # The traced steps, planned again exactly as the script planned them.
+    pipe = flatpipe.Pipeline("zb-v", pp=2, num_layers=4, token_budget=64)
+    plans = [pipe.plan_step(lens, i) for i, lens in enumerate([[40, 7, 19, 33, 12, 5, 28, 50], [30, 25, 35, 28, 60]])]
+    for i, plan in enumerate(plans):
+        got = flatpipe.import_trace(paths, i)["actions"]
+        assert [[a for a, _, _ in rank] for rank in got] == [plan.actions(r) for r in range(2)]
+    base = flatpipe.Profile.analytic("llama3.1-8b", "cpu")
+    kinds = ["embedding", "decoder", "decoder", "head"]
+    profile, fits = profile_from_trace(base, kinds, plans, paths)
+    assert set(fits) == {(k, p) for k in ("embedding", "decoder", "head") for p in ("F", "I", "W")}
+    assert all(min(v[:3]) >= 0 and sum(v[:3]) > 0 for v in fits.values())
+    assert profile.to_yaml().count("fitted from PyTorch profiler traces") == 1
