@@ -131,7 +131,7 @@ class Pipeline:
         """The pipeline of a plan file written by ``flatpipe plan -o``, with its profile."""
     def plan_step(self, seq_lens: Sequence[int], step: int = 0) -> StepPlan: ...
     def simulate(
-        self, workload: Optional[str] = None, steps: int = 16, seed: int = 0
+        self, workload: Optional[str] = None, steps: int = 16, seed: Optional[int] = None
     ) -> dict[str, float]:
         """Predicted step time (mean, p50, p90, p99, seconds), bubble ratio, tokens per second,
         MFU, peak memory (bytes) over ``steps`` steps of ``workload``."""
@@ -153,7 +153,13 @@ class Pipeline:
     def profile(self) -> Optional[Profile]: ...
 
 def plan(
-    profile: Profile, workload: str, ranks: int, *, steps: int = 8, seed: int = 0, keep: int = 5
+    profile: Profile,
+    workload: str,
+    ranks: int,
+    *,
+    steps: int = 8,
+    seed: Optional[int] = None,
+    keep: int = 5,
 ) -> list[dict[str, object]]:
     """The planner's search, best first: tp, dp, pp, vpp, schedule, token_budget, sharding,
     stages (layer ranges), recompute (per stage), step_time_mean_s, step_time_p90_s,

@@ -511,15 +511,15 @@ impl PyPipeline {
     }
 
     /// Monte Carlo over `steps` steps sampled from `workload` (a built-in name or a file;
-    /// default the plan's): predicted step time (mean, p50, p90, p99, seconds), bubble ratio,
+    /// default the plan's) with `seed` (default the workload's, as `flatpipe simulate`): predicted step time (mean, p50, p90, p99, seconds), bubble ratio,
     /// tokens per second and peak memory per rank (bytes). Needs a profile.
-    #[pyo3(signature = (workload = None, steps = 16, seed = 0))]
+    #[pyo3(signature = (workload = None, steps = 16, seed = None))]
     fn simulate<'py>(
         &self,
         py: Python<'py>,
         workload: Option<&str>,
         steps: u32,
-        seed: u64,
+        seed: Option<u64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let profile = self
             .profile
@@ -534,6 +534,7 @@ impl PyPipeline {
         }
         let w = builtins::workload(&name).map_err(err)?;
         let size = w.default_step_size();
+        let seed = seed.unwrap_or(w.seed);
         let config = &self.config;
         let outcomes = py.detach(|| -> Result<Vec<StepOutcome>, String> {
             let cost = balance_cost(&profile);
@@ -891,23 +892,24 @@ impl PyStepPlan {
 
 /// The planner's search: the best (tp, dp, pp, vpp, schedule, token budget, sharding, stages,
 /// recomputation) for `profile` on `ranks` GPUs over `steps` steps of `workload` (sampled with
-/// `seed`), under the hardware's memory less a reserve, as a list of at most `keep` dicts, best
+/// `seed`, default the workload's), under the hardware's memory less a reserve, as a list of at most `keep` dicts, best
 /// first (predicted mean step time, seconds; peak memory per rank, bytes).
 #[pyfunction]
-#[pyo3(signature = (profile, workload, ranks, *, steps = 8, seed = 0, keep = 5))]
+#[pyo3(signature = (profile, workload, ranks, *, steps = 8, seed = None, keep = 5))]
 fn plan<'py>(
     py: Python<'py>,
     profile: PyRef<'_, PyProfile>,
     workload: &str,
     ranks: u32,
     steps: u32,
-    seed: u64,
+    seed: Option<u64>,
     keep: usize,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     if steps == 0 {
         return Err(err("steps = 0 is invalid: >= 1"));
     }
     let w = builtins::workload(workload).map_err(err)?;
+    let seed = seed.unwrap_or(w.seed);
     let p = profile.inner.clone();
     let space = SearchSpace::default_for(ranks);
     let config = SearchConfig {
