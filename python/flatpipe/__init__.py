@@ -38,3 +38,16 @@ __all__ = [
     "import_trace",
     "plan",
 ]
+
+# The submodules that need torch (torch, models) or numpy-only helpers (fit) load on first use,
+# so `import flatpipe` does not import torch: `flatpipe.torch.PipelineRuntime` works without an
+# explicit `import flatpipe.torch`.
+_LAZY = ("torch", "models", "fit")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

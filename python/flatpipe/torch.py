@@ -167,6 +167,9 @@ class PipelineRuntime:
             wait for an input in its own ``PP:<stage>RECV_F<mb>`` / ``PP:<stage>RECV_B<mb>``
             event before the action's, so a profiler trace shows the action's work and its wait
             apart (``flatpipe import-trace`` reads such traces).
+        check_plan: before each step, check with one small all-reduce over ``group`` that every
+            rank was given the same plan (the step, its microbatches' token counts), so that a
+            mismatch raises a ``ValueError`` naming it instead of failing inside the transport.
     """
 
     def __init__(
@@ -184,6 +187,7 @@ class PipelineRuntime:
         on_stage_backward_done: Optional[Callable[[int], None]] = None,
         ignore_index: int = -100,
         annotate: bool = True,
+        check_plan: bool = True,
     ) -> None:
         if loss_reduction not in ("token", "sequence"):
             raise ValueError(
@@ -203,6 +207,7 @@ class PipelineRuntime:
         self.on_stage_backward_done = on_stage_backward_done
         self.ignore_index = ignore_index
         self.annotate = annotate
+        self.check_plan = check_plan
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -323,6 +328,9 @@ class PipelineRuntime:
             denominator = self._denominator(mbs, targets) if last in mine else 1.0
         if last in mine and denominator <= 0:
             raise ValueError(f"loss denominator = {denominator}: the step has no loss-bearing token")
+
+        if self.check_plan and dist.is_initialized():
+            self._check_same_plan(plan, replica, tokens)
 
         # Every rank's actions, to order the receives as their senders post them.
         all_actions = [plan.actions(r, replica) for r in range(plan.num_ranks)]
@@ -530,6 +538,21 @@ class PipelineRuntime:
         )
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _check_same_plan(self, plan: StepPlan, replica: int, tokens: List[int]) -> None:
+        """Every rank of the pipeline must run the same step plan: one all-reduce of a hash of
+        the step's microbatch token counts (max of ``h`` and of ``-h``) before any transfer,
+        so that a mismatch is a ``ValueError`` on every rank instead of a size error inside
+        the transport."""
+        h = hash((plan.step, replica, tuple(tokens), plan.num_ranks, plan.num_stages)) & (2**62 - 1)
+        t = torch.tensor([h, -h], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if int(t[0]) != h or -int(t[1]) != h:
+            raise ValueError(
+                f"rank {self.rank}: the pipeline's ranks were given different step plans (this "
+                f"rank's: step {plan.step}, microbatches of {tokens} tokens); every rank must plan "
+                "the same sequence lengths for the same step"
+            )
 
     def _annotate(self, name: str):
         return torch.profiler.record_function(name) if self.annotate else contextlib.nullcontext()

@@ -316,7 +316,11 @@ fn build_config(
             }
             s
         }
-        None => even_split(num_layers, n).map_err(err)?,
+        None => even_split(num_layers, n).map_err(|e| {
+            err(format!(
+                "{kind} on pp = {pp} runs {v} stages per rank ({n} stages): {e}"
+            ))
+        })?,
     };
     let policy = match policy {
         Some(p) => p.parse::<Policy>().map_err(err)?,

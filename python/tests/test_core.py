@@ -56,6 +56,7 @@ def test_each_step_has_its_own_microbatch_count():
         (lambda: flatpipe.Pipeline("1f1b", pp=0, num_layers=6), ["pp = 0", ">= 1"]),
         (lambda: flatpipe.Pipeline("2f2b", pp=2, num_layers=6), ["2f2b", "1f1b", "zb-v"]),
         (lambda: flatpipe.Pipeline("1f1b", pp=4, num_layers=3), ["at most", "3 layers"]),
+        (lambda: flatpipe.Pipeline("zb-v", pp=4, num_layers=6), ["zb-v", "2 stages per rank", "8 stages"]),
         (
             lambda: flatpipe.Pipeline("1f1b", pp=2, num_layers=6, stages=[(0, 2), (3, 6)]),
             ["stages[1]", "expected a start of 2"],
@@ -143,3 +144,11 @@ def test_plan_ranks_candidates_best_first():
         assert c["stages"][0][0] == 0 and c["stages"][-1][1] == profile.num_layers
         assert len(c["recompute"]) == len(c["stages"])
         assert c["lower_bound_s"] <= c["step_time_mean_s"]
+
+
+def test_submodules_load_on_first_use():
+    import flatpipe as fp
+
+    assert fp.torch.PipelineRuntime and fp.models.Stage and fp.fit.fit_costs
+    with pytest.raises(AttributeError):
+        fp.nope

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch.multiprocessing as mp
 
-from _workers import ATOL, run
+from _workers import ATOL, run, run_mismatch
 
 # Variable-length steps at a 64-token budget: different T per microbatch, a different number of
 # microbatches per step, a step with fewer microbatches than ranks (m < p), and a sequence 10x
@@ -122,3 +122,12 @@ def test_dropping_one_w_is_caught(tmp_path):
     dropped = launch(tmp_path, 2, spec)
     with pytest.raises(AssertionError, match="gradient off by"):
         check(dropped)
+
+
+def test_ranks_with_different_plans_raise_a_clear_error(tmp_path):
+    """A rank planning other sequence lengths is a ValueError on every rank, not a transport
+    abort (gloo would kill the process on the size mismatch)."""
+    mp.spawn(run_mismatch, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        e = json.load(open(tmp_path / f"rank{r}.json"))["error"]
+        assert e and "different step plans" in e and "tokens" in e, e
