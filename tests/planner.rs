@@ -350,25 +350,7 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
     let highs = run(ExactSplit::Highs {
         time_limit_s: MILP_TIME_LIMIT_S,
     });
-    let key = |c: &flatpipe::planner::search::Candidate| {
-        (
-            c.schedule,
-            c.tp,
-            c.sharding,
-            c.dp,
-            c.pp,
-            c.vpp,
-            c.token_budget,
-            c.partition.stages.clone(),
-            c.partition.recompute.clone(),
-        )
-    };
-    assert_eq!(key(&bnb.ranked[0]), key(&highs.ranked[0]));
-    // HiGHS stops at a relative gap of 1%, `(primal - dual) / primal <= 0.01`: its split is
-    // within a factor 1 / 0.99 of the optimum (not 1.01, which a split 1.0100x off failed).
-    let gap = 1.0 / (1.0 - 0.01);
-    // The same candidate (layout and budget) in both rankings: their orders below the first
-    // may differ, so pairing by rank compared different candidates.
+    // A candidate's layout and budget; with its split, the whole plan.
     let layout = |c: &flatpipe::planner::search::Candidate| {
         (
             c.schedule,
@@ -380,6 +362,19 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
             c.token_budget,
         )
     };
+    let key = |c: &flatpipe::planner::search::Candidate| {
+        (
+            layout(c),
+            c.partition.stages.clone(),
+            c.partition.recompute.clone(),
+        )
+    };
+    assert_eq!(key(&bnb.ranked[0]), key(&highs.ranked[0]));
+    // HiGHS stops at a relative gap of 1%, `(primal - dual) / primal <= 0.01`: its split is
+    // within a factor 1 / 0.99 of the optimum (not 1.01, which a split 1.0100x off failed).
+    let gap = 1.0 / (1.0 - 0.01);
+    // The same candidate (layout and budget) in both rankings: their orders below the first
+    // may differ, so pairing by rank compared different candidates.
     for b in &bnb.ranked {
         let Some(h) = highs.ranked.iter().find(|h| layout(h) == layout(b)) else {
             continue;

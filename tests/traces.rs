@@ -2,17 +2,12 @@
 //! with torch 2.15 on the CPU and gloo): PyTorch's own runtime and flatpipe's, two steps each,
 //! imported and checked against what the schedule objects say each rank ran (truth.json).
 
-use flatpipe::simulator::kineto::{ImportOptions, read_traces};
-use std::io::Read;
+use flatpipe::simulator::kineto::{ImportOptions, read_trace_file, read_traces};
 
 const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/traces");
 
 fn gz(name: &str) -> (String, String) {
-    let bytes = std::fs::read(format!("{DIR}/{name}")).unwrap();
-    let mut text = String::new();
-    flate2::read::GzDecoder::new(&bytes[..])
-        .read_to_string(&mut text)
-        .unwrap();
+    let text = read_trace_file(std::path::Path::new(&format!("{DIR}/{name}"))).unwrap();
     (name.to_string(), text)
 }
 

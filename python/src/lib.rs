@@ -716,6 +716,14 @@ impl PyStepPlan {
         Ok(r)
     }
 
+    /// The replica's predicted timeline and memory (`None` without a profile).
+    fn prediction(
+        &self,
+        replica: usize,
+    ) -> PyResult<Option<&flatpipe_simulator::step::RoundPrediction>> {
+        Ok(self.replica(replica)?.rounds[0].prediction.as_ref())
+    }
+
     fn check_rank(&self, rank: u32) -> PyResult<()> {
         let p = self.placement.num_ranks;
         if rank >= p {
@@ -820,20 +828,16 @@ impl PyStepPlan {
     /// included), seconds; `None` without a profile.
     #[pyo3(signature = (replica = 0))]
     fn predicted_step_time_s(&self, replica: usize) -> PyResult<Option<f64>> {
-        let r = self.replica(replica)?;
-        Ok(r.rounds[0]
-            .prediction
-            .as_ref()
+        Ok(self
+            .prediction(replica)?
             .map(|p| p.simulation.metrics.makespan_s))
     }
 
     /// Predicted bubble ratio of the replica's pipeline; `None` without a profile.
     #[pyo3(signature = (replica = 0))]
     fn predicted_bubble_ratio(&self, replica: usize) -> PyResult<Option<f64>> {
-        let r = self.replica(replica)?;
-        Ok(r.rounds[0]
-            .prediction
-            .as_ref()
+        Ok(self
+            .prediction(replica)?
             .map(|p| p.simulation.metrics.bubble_ratio))
     }
 
@@ -841,8 +845,7 @@ impl PyStepPlan {
     /// activations), bytes; `None` without a profile.
     #[pyo3(signature = (replica = 0))]
     fn predicted_peak_bytes(&self, replica: usize) -> PyResult<Option<Vec<f64>>> {
-        let r = self.replica(replica)?;
-        Ok(r.rounds[0].prediction.as_ref().map(|p| {
+        Ok(self.prediction(replica)?.map(|p| {
             p.simulation
                 .metrics
                 .ranks
@@ -857,8 +860,7 @@ impl PyStepPlan {
     /// rank in run order; empty without a profile.
     #[pyo3(signature = (replica = 0))]
     fn timeline(&self, replica: usize) -> PyResult<Vec<(u32, String, f64, f64)>> {
-        let r = self.replica(replica)?;
-        let Some(p) = &r.rounds[0].prediction else {
+        let Some(p) = self.prediction(replica)? else {
             return Ok(Vec::new());
         };
         Ok(p.simulation
@@ -979,19 +981,10 @@ fn import_trace<'py>(
     paths: Vec<String>,
     step: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    use std::io::Read;
     let mut files = Vec::with_capacity(paths.len());
     for p in &paths {
-        let bytes = std::fs::read(p).map_err(|e| err(format!("{p}: cannot read: {e}")))?;
-        let text = if p.ends_with(".gz") {
-            let mut t = String::new();
-            flate2::read::GzDecoder::new(&bytes[..])
-                .read_to_string(&mut t)
-                .map_err(|e| err(format!("{p}: not a gzip-compressed UTF-8 trace: {e}")))?;
-            t
-        } else {
-            String::from_utf8(bytes).map_err(|e| err(format!("{p}: not UTF-8: {e}")))?
-        };
+        let text =
+            flatpipe_simulator::kineto::read_trace_file(std::path::Path::new(p)).map_err(err)?;
         files.push((p.clone(), text));
     }
     let t = flatpipe_simulator::kineto::read_traces(

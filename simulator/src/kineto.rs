@@ -38,6 +38,24 @@ fn bad(
     )
 }
 
+/// The text of a trace file; `.gz` files (as torch's TensorBoard handler writes them) are
+/// decompressed.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the file when it cannot be read or is not gzip-compressed
+/// UTF-8; the profiles crate's read error for a plain file.
+pub fn read_trace_file(path: &std::path::Path) -> Result<String> {
+    if path.extension().is_none_or(|e| e != "gz") {
+        return Ok(flatpipe_profiles::read_to_string(path)?);
+    }
+    let name = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| bad(&name, "file", e, "a readable trace file"))?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut text)
+        .map_err(|e| bad(&name, "gzip", e, "a gzip-compressed UTF-8 trace"))?;
+    Ok(text)
+}
+
 /// What to read of a trace.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ImportOptions {

@@ -3,7 +3,6 @@
 //! flatpipe's prediction of the same schedule.
 
 use super::*;
-use anyhow::Context;
 use sim::kineto::{ImportOptions, read_traces};
 use sim::microbatch::Microbatch;
 use std::collections::BTreeMap;
@@ -79,22 +78,6 @@ struct TraceReport {
     warnings: Vec<String>,
 }
 
-/// A trace file's text: `.gz` files (as torch's TensorBoard handler writes them) are
-/// decompressed.
-fn read_trace_file(p: &Path) -> Result<String> {
-    if p.extension().is_some_and(|e| e == "gz") {
-        use std::io::Read;
-        let bytes = std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?;
-        let mut text = String::new();
-        flate2::read::GzDecoder::new(&bytes[..])
-            .read_to_string(&mut text)
-            .with_context(|| format!("{}: not a gzip-compressed UTF-8 trace", p.display()))?;
-        Ok(text)
-    } else {
-        Ok(profiles::read_to_string(p)?)
-    }
-}
-
 pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
     // `--gantt none`: no chart, as in simulate and plan.
     let chart = a.gantt.as_ref().filter(|p| p.as_os_str() != "none");
@@ -104,7 +87,7 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
     }
     let mut files = Vec::with_capacity(a.traces.len());
     for p in &a.traces {
-        files.push((p.display().to_string(), read_trace_file(p)?));
+        files.push((p.display().to_string(), sim::kineto::read_trace_file(p)?));
     }
     let imported = read_traces(&files, &ImportOptions { step: a.step })?;
     for w in &imported.warnings {
