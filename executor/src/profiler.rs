@@ -521,6 +521,7 @@ fn profile_link(cfg: &ProfileConfig) -> Result<Link> {
         } else {
             1e15
         },
+        post_s: 0.0,
     })
 }
 

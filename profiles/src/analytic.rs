@@ -164,6 +164,7 @@ pub fn analytic_profile(
                 i,
                 w,
                 fo,
+                b: None,
                 act_bytes_per_token_i: act_i,
                 act_bytes_per_token_w: act_w,
                 output_bytes_per_token: out,
@@ -198,6 +199,8 @@ pub fn analytic_profile(
             concurrency: None,
         },
         gemm_split: Vec::new(),
+        action_overhead: Default::default(),
+        first_stage_backward_in_w: false,
     })
 }
 

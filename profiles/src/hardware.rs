@@ -15,6 +15,16 @@ pub struct Link {
     pub alpha_s: f64,
     /// Bandwidth per direction, bytes per second.
     pub beta_bytes_per_s: f64,
+    /// Seconds the sending rank and the receiving rank each spend posting one message (LogP's
+    /// overhead `o`, Culler et al. 1993): the CPU time of an `isend` / `irecv` call, which
+    /// delays the rank's next action, unlike `alpha_s`, which only delays the message.
+    /// 0 where not measured (a GPU's copy engines or NCCL's kernels post asynchronously).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub post_s: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 impl Link {
@@ -38,6 +48,14 @@ impl Link {
                 format!("{field}.beta_bytes_per_s"),
                 self.beta_bytes_per_s,
                 "a finite number of bytes per second > 0",
+            ));
+        }
+        if !(self.post_s.is_finite() && self.post_s >= 0.0) {
+            return Err(Error::invalid(
+                origin,
+                format!("{field}.post_s"),
+                self.post_s,
+                "a finite number of seconds >= 0",
             ));
         }
         Ok(())

@@ -40,7 +40,7 @@ pub use error::{Error, Result};
 pub use hardware::{Hardware, Link};
 pub use model::{Dtype, Layer, LayerGroup, LayerKind, ModelSpec};
 pub use profile::{
-    CostCoeffs, FitQuality, GemmSplit, LayerProfile, LayerShape, MIN_FIT_R2, Phase, Profile,
+    ActionOverhead, CostCoeffs, FitQuality, GemmSplit, LayerProfile, LayerShape, MIN_FIT_R2, Phase, Profile,
     ProfileSource, Provenance,
 };
 pub use workload::{LengthDistribution, StepSize, Workload};

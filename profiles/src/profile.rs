@@ -72,6 +72,13 @@ pub struct LayerProfile {
     pub w: CostCoeffs,
     /// Forward-only (no saved activations).
     pub fo: CostCoeffs,
+    /// Fused backward (input and weight gradients in one pass, the action `B`), where
+    /// measured; absent, a `B` costs `I + W` ([`LayerProfile::fused_backward_s`]). Frameworks
+    /// differ here: in PyTorch one autograd pass costs less than `stage_backward_input` plus
+    /// `stage_backward_weight` (`torch/distributed/pipelining/_backward.py`), which walk the
+    /// graph twice and each pay a fixed cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub b: Option<CostCoeffs>,
     /// Activation bytes per token kept from F until I and freed by I (needed only by dgrad).
     pub act_bytes_per_token_i: f64,
     /// Activation bytes per token kept from F until W and freed by W (the GEMM inputs wgrad needs).
@@ -129,6 +136,15 @@ impl LayerProfile {
             Phase::I => &self.i,
             Phase::W => &self.w,
             Phase::Fo => &self.fo,
+        }
+    }
+
+    /// Seconds of a fused backward `B` on a microbatch of `tokens` tokens and `attn_pairs`
+    /// pairs: the measured [`LayerProfile::b`] where present, else `I + W`.
+    pub fn fused_backward_s(&self, tokens: f64, attn_pairs: f64) -> f64 {
+        match &self.b {
+            Some(b) => b.time_s(tokens, attn_pairs),
+            None => self.i.time_s(tokens, attn_pairs) + self.w.time_s(tokens, attn_pairs),
         }
     }
 }
@@ -210,6 +226,47 @@ pub struct Profile {
     /// as Megatron splits them); [`Profile::tensor_parallel`] applies it. Empty: not measured.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gemm_split: Vec<GemmSplit>,
+    /// Fixed seconds per action of the runtime that runs the schedule, paid once by every
+    /// stage action whatever the number of layers it holds. Zero where the layers' own fixed
+    /// costs (`c0_s`) hold it all (flatpipe's executors); measured for flatpipe's PyTorch
+    /// runtime, where each action is a Python call into autograd (`flatpipe.fit`).
+    #[serde(default, skip_serializing_if = "ActionOverhead::is_zero")]
+    pub action_overhead: ActionOverhead,
+    /// Whether the runtime skips the first stage's input-gradient pass (its input, token ids,
+    /// needs no gradient) and runs the stage's whole backward in its W. PyTorch's pipelining
+    /// runtime does (`torch/distributed/pipelining/stage.py`, `backward_one_chunk`: "Skip the
+    /// backward for the first stage since we will perform the weight update with
+    /// autograd.backward in backward_weight_one_chunk"), and so does `flatpipe.torch`. Then the
+    /// first stage's I costs nothing and its W what a fused B costs. flatpipe's executors run
+    /// the first stage's I and W as the other stages' (false).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub first_stage_backward_in_w: bool,
+}
+
+/// Fixed seconds per stage action, by action kind (a forward-only `Fo` pays `f_s`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActionOverhead {
+    /// Per forward, seconds.
+    #[serde(default)]
+    pub f_s: f64,
+    /// Per input-gradient pass, seconds.
+    #[serde(default)]
+    pub i_s: f64,
+    /// Per weight-gradient pass, seconds.
+    #[serde(default)]
+    pub w_s: f64,
+    /// Per fused backward, seconds (used where the stage's layers have a measured fused
+    /// cost; otherwise a `B` pays `i_s + w_s`, as its `I` and `W` would).
+    #[serde(default)]
+    pub b_s: f64,
+}
+
+impl ActionOverhead {
+    /// Whether every overhead is 0.
+    pub fn is_zero(&self) -> bool {
+        *self == ActionOverhead::default()
+    }
 }
 
 /// The GEMM efficiency of narrower matrices: what one GPU of a tensor-parallel group of `tp`
@@ -291,6 +348,9 @@ impl Profile {
             for (name, c) in [("f", &l.f), ("i", &l.i), ("w", &l.w), ("fo", &l.fo)] {
                 c.validate(origin, &format!("layers[{i}].{name}"))?;
             }
+            if let Some(b) = &l.b {
+                b.validate(origin, &format!("layers[{i}].b"))?;
+            }
             for (name, v) in [
                 ("act_bytes_per_token_i", l.act_bytes_per_token_i),
                 ("act_bytes_per_token_w", l.act_bytes_per_token_w),
@@ -325,6 +385,17 @@ impl Profile {
                 ));
             }
         }
+        let ao = &self.action_overhead;
+        for (name, v) in [("f_s", ao.f_s), ("i_s", ao.i_s), ("w_s", ao.w_s), ("b_s", ao.b_s)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(Error::invalid(
+                    origin,
+                    format!("action_overhead.{name}"),
+                    v,
+                    "a finite number of seconds >= 0",
+                ));
+            }
+        }
         let o = self.optimizer_s_per_param;
         if !(o.is_finite() && o >= 0.0) {
             return Err(Error::invalid(
@@ -354,6 +425,53 @@ impl Profile {
             &self.hardware.intra_node
         } else {
             &self.hardware.inter_node
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> Profile {
+        let model = crate::builtins::model("tiny").unwrap();
+        let hw = crate::builtins::hardware("cpu").unwrap();
+        crate::analytic_profile(&model, &hw, &Default::default()).unwrap()
+    }
+
+    #[test]
+    fn a_runtime_s_measurements_round_trip_and_bad_ones_are_named() {
+        let mut p = tiny();
+        // Absent from an analytic profile's YAML, so older profiles read the same.
+        let text = p.to_yaml().unwrap();
+        for field in ["post_s", "action_overhead", "first_stage_backward_in_w", "\n    b:"] {
+            assert!(!text.contains(field), "{field} in {text}");
+        }
+        p.layers[1].b = Some(CostCoeffs {
+            c0_s: 1e-4,
+            c_tok_s: 2e-6,
+            c_attn_s: 3e-9,
+        });
+        p.hardware.intra_node.post_s = 5e-4;
+        p.action_overhead.i_s = 2e-3;
+        p.first_stage_backward_in_w = true;
+        let back = Profile::from_yaml(&p.to_yaml().unwrap(), "p.yaml").unwrap();
+        assert_eq!(back, p);
+        // I + W where no fused cost was measured, the fused cost where it was.
+        let (t, a) = (100.0, 5050.0);
+        let l = &p.layers[2];
+        assert_eq!(l.fused_backward_s(t, a), l.i.time_s(t, a) + l.w.time_s(t, a));
+        assert!((p.layers[1].fused_backward_s(t, a) - (1e-4 + 2e-4 + 3e-9 * a)).abs() < 1e-15);
+        let cases: [(&str, fn(&mut Profile)); 3] = [
+            ("layers[1].b.c_tok_s", |p| p.layers[1].b.as_mut().unwrap().c_tok_s = -1.0),
+            ("intra_node.post_s", |p| p.hardware.intra_node.post_s = f64::NAN),
+            ("action_overhead.w_s", |p| p.action_overhead.w_s = -2.0),
+        ];
+        for (field, spoil) in cases {
+            let mut bad = p.clone();
+            spoil(&mut bad);
+            let e = bad.validate("p.yaml").unwrap_err().to_string();
+            assert!(e.contains("p.yaml") && e.contains(field), "{field}: {e}");
         }
     }
 }

@@ -158,6 +158,7 @@ impl Profile {
                     l.i = split(&l.i, t, gemm, i);
                     l.w = split(&l.w, t, gemm, w);
                     l.fo = split(&l.fo, t, gemm, f);
+                    l.b = l.b.map(|b| split(&b, t, gemm, add(i, w)));
                     let keep = if sequence_parallel { 0.0 } else { 2.0 * act };
                     l.act_bytes_per_token_i = (l.act_bytes_per_token_i - keep).max(0.0) / t + keep;
                     l.act_bytes_per_token_w = (l.act_bytes_per_token_w - keep).max(0.0) / t + keep;
@@ -172,6 +173,7 @@ impl Profile {
                     l.i = split(&l.i, t, 1.0, none);
                     l.w = split(&l.w, t, 1.0, none);
                     l.fo = split(&l.fo, t, 1.0, f);
+                    l.b = l.b.map(|b| split(&b, t, 1.0, none));
                     l.param_count /= u64::from(tp);
                 }
                 LayerKind::Head => {
@@ -189,6 +191,7 @@ impl Profile {
                     l.i = split(&l.i, t, gemm, i);
                     l.w = split(&l.w, t, gemm, w);
                     l.fo = split(&l.fo, t, gemm, f);
+                    l.b = l.b.map(|b| split(&b, t, gemm, add(i, w)));
                     // The norm input and the GEMM input are [T, H]: replicated without sp.
                     let hidden_part = if sequence_parallel { input / t } else { input };
                     let logits = (l.act_bytes_per_token_i - input).max(0.0) / t;

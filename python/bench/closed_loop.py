@@ -3,15 +3,19 @@ PyTorch runtime, predict the other schedules' step times for the same steps, run
 compare (CPU, gloo, 2 processes).
 
 1. Two ranks time a ping-pong of ``[T, H]`` tensors: the link's ``alpha + bytes / beta``.
-2. ZB-V runs the steps on a 4-layer model (embedding, 2 decoders, head): 4 stages of one layer
-   each, so every action times one layer kind in one phase (F, I, W). ``flatpipe.fit`` fits
-   ``t = c0 + c_tok T + c_attn pairs`` per kind and phase from each action's busy time (its
-   span less the wait for its input) into a profile.
-3. Every schedule runs the same steps (after two warm-up steps each); the Rust core predicts
+2. ZB-V (``--fit dualpipev``: DualPipeV) runs the steps on a 7-layer model (embedding, 5 decoders,
+   head) in 4 stages of 3, 1, 2 and 1 layers. ``flatpipe.fit`` fits
+   ``t = c0 + c_tok T + c_attn pairs`` per layer kind and phase (F, I, W, and DualPipeV's fused
+   B), and a fixed cost per action and phase (told apart from the layers' by the stages of 1
+   and 2 decoders), from each action's busy time (its span less the wait for its input and the
+   posting of its sends and receives), and the link's per-message posting cost from the
+   posting time.
+3. Every schedule runs the same steps (after two warm-up steps each; step by step, every
+   schedule's step i before any schedule's step i + 1); the Rust core predicts
    each step from the fitted profile (``StepPlan.predicted_step_time_s``); the measured step
    is the slowest rank's wall time after a barrier.
 
-    python python/bench/closed_loop.py [--steps 12] [--json]
+    python python/bench/closed_loop.py [--steps 12] [--fit dualpipev|zb-v] [--from-trace] [--json]
 """
 
 from __future__ import annotations
@@ -34,10 +38,21 @@ from flatpipe.fit import profile_from_steps, profile_from_trace
 from flatpipe.models import ModelConfig, Stage
 from flatpipe.torch import ActionTiming, PipelineRuntime
 
-MODEL = {"vocab": 512, "hidden": 128, "heads": 4, "kv_heads": 2, "ffn": 384, "num_decoders": 2}
-FIT = "zb-v"
-SCHEDULES = ["zb-v", "1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b"]
+MODEL = {"vocab": 512, "hidden": 128, "heads": 4, "kv_heads": 2, "ffn": 384, "num_decoders": 5}
+SCHEDULES = ["dualpipev", "zb-v", "1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b"]
 WARMUP = 2
+# The V schedules' stages (V placement on 2 ranks): embedding + 2 decoders, a decoder,
+# 2 decoders, the head. A decoder alone and in pairs tells the per-action cost from the
+# per-layer one, and the ranks hold about the same work (rank 0: stages 0 and 3).
+FIT_STAGES = [(0, 3), (3, 4), (4, 6), (6, 7)]
+
+
+def pipeline(schedule: str, budget: int, profile=None) -> flatpipe.Pipeline:
+    """The pipeline a schedule runs and is predicted on: the V schedules on ``FIT_STAGES``,
+    the others on their even split of the 6 layers."""
+    n = 2 + MODEL["num_decoders"]
+    stages = FIT_STAGES if schedule in ("dualpipev", "zb-v") else None
+    return flatpipe.Pipeline(schedule, pp=2, num_layers=n, stages=stages, token_budget=budget, profile=profile)
 
 
 def model_yaml(cfg: ModelConfig, path: str) -> None:
@@ -72,11 +87,18 @@ def worker(rank: int, world: int, init: str, spec: dict, out: str) -> None:
             times.append((time.perf_counter() - t0) / 2)
         link.append((buf.numel() * 4, statistics.median(times[5:])))
     runs = {}
+    spec_overhead = 0.0
     if spec.get("trace"):
         # The fit schedule once more under the profiler: its trace is what the fit reads.
         from torch.profiler import ProfilerActivity, profile
 
-        pipe = flatpipe.Pipeline(FIT, pp=world, num_layers=cfg.num_layers, token_budget=spec["budget"])
+        from flatpipe.fit import profiler_overhead_s
+
+        # The profiler's cost per event, both ranks measuring at once as they trace at once.
+        dist.barrier()
+        spec_overhead = profiler_overhead_s()
+
+        pipe = pipeline(spec["fit"], spec["budget"])
         stages = {s: Stage(cfg, *pipe.stages[s]) for s, r in enumerate(pipe.stage_ranks) if r == rank}
         rt = PipelineRuntime(stages, rank=rank, hidden_size=cfg.hidden)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -87,12 +109,16 @@ def worker(rank: int, world: int, init: str, spec: dict, out: str) -> None:
                 dist.barrier()
                 rt.step(plan, ids, ids)
         prof.export_chrome_trace(os.path.join(out, f"trace.rank{rank}.json"))
+    # Every schedule runs step i before any runs step i + 1, so a drift of the host's speed
+    # (a shared machine's) hits every schedule alike instead of the ones that ran last.
+    runners = {}
     for schedule in spec["schedules"]:
-        pipe = flatpipe.Pipeline(schedule, pp=world, num_layers=cfg.num_layers, token_budget=spec["budget"])
+        pipe = pipeline(schedule, spec["budget"])
         stages = {s: Stage(cfg, *pipe.stages[s]) for s, r in enumerate(pipe.stage_ranks) if r == rank}
-        rt = PipelineRuntime(stages, rank=rank, hidden_size=cfg.hidden)
-        rows = []
-        for i, lens in enumerate(spec["steps"]):
+        runners[schedule] = (pipe, stages, PipelineRuntime(stages, rank=rank, hidden_size=cfg.hidden))
+        runs[schedule] = []
+    for i, lens in enumerate(spec["steps"]):
+        for schedule, (pipe, stages, rt) in runners.items():
             plan = pipe.plan_step(lens, i)
             g = torch.Generator().manual_seed(i)
             ids = [torch.randint(cfg.vocab, (mb.tokens,), generator=g) for mb in plan.microbatches()]
@@ -100,15 +126,14 @@ def worker(rank: int, world: int, init: str, spec: dict, out: str) -> None:
                 m.zero_grad(set_to_none=True)
             dist.barrier()
             r = rt.step(plan, ids, ids)
-            rows.append(
+            runs[schedule].append(
                 {
                     "wall_s": r.wall_s,
-                    "actions": [[a.action, a.start_s, a.end_s, a.wait_s] for a in r.actions],
+                    "actions": [[a.action, a.start_s, a.end_s, a.wait_s, a.compute_s, a.post_s] for a in r.actions],
                 }
             )
-        runs[schedule] = rows
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump({"link": link, "runs": runs}, f)
+        json.dump({"link": link, "runs": runs, "profiler_overhead_s": spec_overhead}, f)
     dist.destroy_process_group()
 
 
@@ -123,6 +148,15 @@ def main() -> None:
         help="fit from a PyTorch profiler trace of the fit schedule's run (a run of its own, "
         "under the profiler) instead of the runtime's own timings",
     )
+    ap.add_argument(
+        "--fit",
+        default="zb-v",
+        choices=["zb-v", "dualpipev"],
+        help="the schedule whose run the profile is fitted from (default zb-v: every stage "
+        "runs F, I and W, and the first stage's W is a fused backward; DualPipeV runs I and W "
+        "only in its cool-down, too few to fit)",
+    )
+    ap.add_argument("--keep", metavar="DIR", help="keep every rank's timings (and traces) in DIR")
     a = ap.parse_args()
     cfg = ModelConfig(**MODEL)
     w = flatpipe.Workload.load("tiny-chat")
@@ -133,13 +167,15 @@ def main() -> None:
         "steps": steps,
         "schedules": SCHEDULES,
         "trace": a.from_trace,
+        "fit": a.fit,
     }
-    fit_pipe = flatpipe.Pipeline(FIT, pp=2, num_layers=cfg.num_layers, token_budget=a.budget)
+    fit_pipe = pipeline(a.fit, a.budget)
     kinds = ["embedding"] + ["decoder"] * cfg.num_decoders + ["head"]
-    layer_kinds = [kinds[s] for s, _ in fit_pipe.stages]
-    assert all(e - s == 1 for s, e in fit_pipe.stages)
+    layer_kinds = [kinds[s:e] for s, e in fit_pipe.stages]
     measured = range(WARMUP, len(steps))
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = a.keep or tmp
+        os.makedirs(d, exist_ok=True)
         mp.spawn(worker, args=(2, os.path.join(d, "init"), spec, d), nprocs=2, join=True)
         ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)]
         path = os.path.join(d, "model.yaml")
@@ -154,20 +190,29 @@ def main() -> None:
         if a.from_trace:
             # The fit schedule's steps after the warm-up, from the profiler's trace files.
             traces = [os.path.join(d, f"trace.rank{r}.json") for r in range(2)]
-            profile, fits = profile_from_trace(base, layer_kinds, plans, traces, steps=list(measured))
+            per_event = statistics.mean(r["profiler_overhead_s"] for r in ranks)
+            profile, fits = profile_from_trace(
+                base, layer_kinds, plans, traces, steps=list(measured), overhead_per_event_s=per_event
+            )
+            fits[("profiler", "event")] = (per_event, 0.0, 0.0, float("nan"))
         else:
             # The fit schedule's steps after the warm-up, from the runtime's own timings.
             fit_steps = []
             for plan, i in zip(plans, measured):
                 timings = [
-                    [ActionTiming(x[0], x[1], x[2], x[3]) for x in r["runs"][FIT][i]["actions"]]
+                    [ActionTiming(x[0], x[1], x[2], x[3], x[4], x[5]) for x in r["runs"][a.fit][i]["actions"]]
                     for r in ranks
                 ]
                 fit_steps.append((plan, timings))
             profile, fits = profile_from_steps(base, layer_kinds, fit_steps)
+    if a.keep:
+        with open(os.path.join(a.keep, "profile.yaml"), "w") as f:
+            f.write(profile.to_yaml())
+        with open(os.path.join(a.keep, "steps.json"), "w") as f:
+            json.dump({"steps": steps, "budget": a.budget, "num_layers": cfg.num_layers}, f)
     rows = []
     for schedule in SCHEDULES:
-        pipe = flatpipe.Pipeline(schedule, pp=2, num_layers=cfg.num_layers, token_budget=a.budget, profile=profile)
+        pipe = pipeline(schedule, a.budget, profile)
         pred, meas = [], []
         for i in range(WARMUP, len(steps)):
             pred.append(pipe.plan_step(steps[i], i).predicted_step_time_s())
@@ -180,7 +225,7 @@ def main() -> None:
                 "measured_mean_s": statistics.mean(meas),
                 "error_of_means": statistics.mean(pred) / statistics.mean(meas) - 1,
                 "median_abs_step_error": statistics.median(abs(e) for e in errs),
-                "fitted_on": schedule == FIT,
+                "fitted_on": schedule == a.fit,
             }
         )
     others = [r for r in rows if not r["fitted_on"]]

@@ -30,12 +30,32 @@ class Profile:
         note: str = "",
     ) -> Profile:
         """A copy whose ``kind`` layers (embedding, decoder, head) cost
-        ``c0_s + c_tok_s * tokens + c_attn_s * pairs`` seconds in ``phase`` (F, I, W, Fo)."""
+        ``c0_s + c_tok_s * tokens + c_attn_s * pairs`` seconds in ``phase`` (F, I, W, Fo, or B:
+        a fused backward, which otherwise costs I + W)."""
     def with_link(
-        self, alpha_s: float, beta_bytes_per_s: float, optimizer_s_per_param: float = 0.0
+        self,
+        alpha_s: float,
+        beta_bytes_per_s: float,
+        optimizer_s_per_param: float = 0.0,
+        post_s: float = 0.0,
     ) -> Profile:
-        """A copy with the link ``alpha_s + bytes / beta_bytes_per_s`` between ranks and the
+        """A copy with the link ``alpha_s + bytes / beta_bytes_per_s`` between ranks, each
+        message costing its sender and its receiver ``post_s`` seconds to post, and the
         optimizer's seconds per parameter."""
+    def with_overhead(
+        self,
+        f_s: float,
+        i_s: float,
+        w_s: float,
+        b_s: float = 0.0,
+        first_stage_backward_in_w: bool = False,
+    ) -> Profile:
+        """A copy with a fixed cost per stage action (F, I, W, fused B), seconds; with
+        ``first_stage_backward_in_w`` the first stage's I costs nothing and its W a fused B
+        (PyTorch's runtime and ``flatpipe.torch`` skip the first stage's input gradient)."""
+    def with_post(self, post_s: float) -> Profile:
+        """A copy whose links charge each message's sender and receiver ``post_s`` seconds
+        of CPU time to post it."""
     def tensor_parallel(self, tp: int, sequence_parallel: bool = True) -> Profile:
         """The profile of one GPU of a Megatron-style tensor-parallel group of ``tp`` GPUs."""
     @property
@@ -168,5 +188,7 @@ def plan(
 def import_trace(paths: Sequence[str], step: Optional[int] = None) -> dict[str, object]:
     """PyTorch profiler traces of a pipelined run (one file per rank, ``.gz`` too), as
     ``flatpipe import-trace`` reads them: ``actions`` (per rank, ``(action, start_s, end_s)`` of
-    the imported step, busy time from each action's first nested operator), ``steps``, ``step``,
-    ``leading_wait_s``, ``other_events``, ``warnings``."""
+    the imported step, busy time from each action's first nested operator), ``nested`` (per
+    rank, per action, ``(events, comm_s)``: the events the profiler recorded in the span and
+    the seconds in ``c10d::`` calls), ``steps``, ``step``, ``leading_wait_s``,
+    ``other_events``, ``warnings``."""

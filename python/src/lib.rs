@@ -83,7 +83,7 @@ impl PyProfile {
 
     /// A copy whose layers of `kind` (`"embedding"`, `"decoder"`, `"head"`) cost
     /// `c0_s + c_tok_s * tokens + c_attn_s * attn_pairs` seconds in `phase` (`"F"`, `"I"`,
-    /// `"W"`, `"Fo"`): how a fit of measured timings becomes a profile. The copy is marked
+    /// `"W"`, `"Fo"`, or `"B"`, a fused backward, which otherwise costs I + W): how a fit of measured timings becomes a profile. The copy is marked
     /// measured, with `note` added to its provenance.
     #[pyo3(signature = (kind, phase, c0_s, c_tok_s, c_attn_s = 0.0, note = ""))]
     fn with_costs(
@@ -126,9 +126,10 @@ impl PyProfile {
                 "I" => l.i = coeffs,
                 "W" => l.w = coeffs,
                 "Fo" => l.fo = coeffs,
+                "B" => l.b = Some(coeffs),
                 other => {
                     return Err(err(format!(
-                        "phase = {other:?} is invalid: \"F\", \"I\", \"W\" or \"Fo\""
+                        "phase = {other:?} is invalid: \"F\", \"I\", \"W\", \"Fo\" or \"B\""
                     )));
                 }
             }
@@ -147,25 +148,59 @@ impl PyProfile {
     }
 
     /// A copy with the link between ranks (both intra- and inter-node) set to
-    /// `alpha_s + bytes / beta_bytes_per_s` and the optimizer step to `optimizer_s_per_param`
-    /// seconds per parameter.
-    #[pyo3(signature = (alpha_s, beta_bytes_per_s, optimizer_s_per_param = 0.0))]
+    /// `alpha_s + bytes / beta_bytes_per_s`, each message costing its sender and its receiver
+    /// `post_s` seconds of CPU time to post (LogP's `o`), and the optimizer step to
+    /// `optimizer_s_per_param` seconds per parameter.
+    #[pyo3(signature = (alpha_s, beta_bytes_per_s, optimizer_s_per_param = 0.0, post_s = 0.0))]
     fn with_link(
         &self,
         alpha_s: f64,
         beta_bytes_per_s: f64,
         optimizer_s_per_param: f64,
+        post_s: f64,
     ) -> PyResult<Self> {
         let mut p = (*self.inner).clone();
         let link = flatpipe_profiles::Link {
             name: "measured".into(),
             alpha_s,
             beta_bytes_per_s,
+            post_s,
         };
         p.hardware.intra_node = link.clone();
         p.hardware.inter_node = link;
         p.optimizer_s_per_param = optimizer_s_per_param;
         p.validate("Profile.with_link").map_err(err)?;
+        Ok(PyProfile { inner: Arc::new(p) })
+    }
+
+    /// A copy whose links charge each message's sender and receiver `post_s` seconds of CPU
+    /// time to post it (`Link::post_s`; 0 by default).
+    fn with_post(&self, post_s: f64) -> PyResult<Self> {
+        let mut p = (*self.inner).clone();
+        p.hardware.intra_node.post_s = post_s;
+        p.hardware.inter_node.post_s = post_s;
+        p.validate("Profile.with_post").map_err(err)?;
+        Ok(PyProfile { inner: Arc::new(p) })
+    }
+
+    /// A copy with a fixed cost per stage action of `f_s`, `i_s`, `w_s` and `b_s` seconds
+    /// (F, I, W, fused B), whatever the layers the stage holds (`Profile::action_overhead`).
+    /// With `first_stage_backward_in_w`, the first stage's I costs nothing and its W a fused
+    /// backward, as in PyTorch's runtime and `flatpipe.torch`
+    /// (`Profile::first_stage_backward_in_w`).
+    #[pyo3(signature = (f_s, i_s, w_s, b_s = 0.0, first_stage_backward_in_w = false))]
+    fn with_overhead(
+        &self,
+        f_s: f64,
+        i_s: f64,
+        w_s: f64,
+        b_s: f64,
+        first_stage_backward_in_w: bool,
+    ) -> PyResult<Self> {
+        let mut p = (*self.inner).clone();
+        p.action_overhead = flatpipe_profiles::ActionOverhead { f_s, i_s, w_s, b_s };
+        p.first_stage_backward_in_w = first_stage_backward_in_w;
+        p.validate("Profile.with_overhead").map_err(err)?;
         Ok(PyProfile { inner: Arc::new(p) })
     }
 
@@ -1021,6 +1056,12 @@ fn import_trace<'py>(
     )?;
     d.set_item("other_events", t.other_events.clone())?;
     d.set_item("warnings", t.warnings.clone())?;
+    let nested: Vec<Vec<(u32, f64)>> = t
+        .nested
+        .iter()
+        .map(|v| v.iter().map(|n| (n.events, n.comm_ns as f64 * 1e-9)).collect())
+        .collect();
+    d.set_item("nested", nested)?;
     Ok(d)
 }
 

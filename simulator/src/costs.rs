@@ -247,6 +247,8 @@ struct Cell {
     f: u64,
     i: u64,
     w: u64,
+    /// A fused backward: `i + w`, or the profile's measured [`LayerProfile::b`].
+    b: u64,
     /// Transfer of this stage's output to stage + 1.
     fwd_comm: u64,
     /// Transfer of this stage's input gradient to stage - 1.
@@ -476,8 +478,21 @@ impl TableCosts {
             let b = global_rank(placement.rank_of[s_to].idx(), opts.replica, dp);
             s_to_ns(profile.link(a, b).time_s(bytes))
         };
+        // Posting a message costs its sender and its receiver CPU time (`Link::post_s`), on
+        // top of the transfer itself, when the two stages are on different ranks.
+        let post_ns = |s_from: usize, s_to: usize| {
+            if placement.rank_of[s_from] == placement.rank_of[s_to] {
+                return 0;
+            }
+            let dp = opts.dp.max(1) as usize;
+            let a = global_rank(placement.rank_of[s_from].idx(), opts.replica, dp);
+            let b = global_rank(placement.rank_of[s_to].idx(), opts.replica, dp);
+            s_to_ns(profile.link(a, b).post_s)
+        };
         let m = microbatches.len();
         let mut cells = vec![Cell::default(); stages.len() * m];
+        // Per cell, seconds a fused B differs from I + W (0 unless the profile measured B).
+        let mut b_delta_s = vec![0.0f64; stages.len() * m];
         for (s, r) in stages.iter().enumerate() {
             for (k, mb) in microbatches.iter().enumerate() {
                 let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
@@ -494,10 +509,20 @@ impl TableCosts {
                     }
                 });
                 let (extra_i, act_i, act_w) = (e.extra_i_s, e.act_i, e.act_w);
+                b_delta_s[s * m + k] = profile.layers[r.clone()]
+                    .iter()
+                    .filter(|l| l.b.is_some())
+                    .map(|l| {
+                        l.fused_backward_s(t, a)
+                            - l.coeffs(Phase::I).time_s(t, a)
+                            - l.coeffs(Phase::W).time_s(t, a)
+                    })
+                    .sum();
                 cells[s * m + k] = Cell {
                     f: s_to_ns(phase_s(r, Phase::F, t, a)),
                     i: s_to_ns(phase_s(r, Phase::I, t, a) + extra_i),
                     w: s_to_ns(phase_s(r, Phase::W, t, a)),
+                    b: 0,
                     fwd_comm: if s + 1 < stages.len() {
                         link_ns(s, s + 1, out_bytes(s, t))
                     } else {
@@ -530,7 +555,12 @@ impl TableCosts {
                 } else {
                     0
                 };
-                fo[s * mfo + k] = (s_to_ns(phase_s(r, Phase::Fo, t, a)), comm);
+                let post = if s + 1 < stages.len() {
+                    post_ns(s, s + 1)
+                } else {
+                    0
+                } + if s > 0 { post_ns(s - 1, s) } else { 0 };
+                fo[s * mfo + k] = (s_to_ns(phase_s(r, Phase::Fo, t, a)) + post, comm);
             }
         }
         let mut optimizer = vec![0u64; placement.num_ranks as usize];
@@ -568,6 +598,48 @@ impl TableCosts {
                     c.i += s_to_ns(exposed_s(i, coll.before_backward_s, n));
                     c.w += s_to_ns(exposed_s(w, coll.after_backward_s, n));
                 }
+            }
+        }
+        let n = stages.len();
+        for s in 0..n {
+            // F sends its output and receives its input; I and B the other way round.
+            let down = if s + 1 < n { post_ns(s, s + 1) } else { 0 };
+            let up = if s > 0 { post_ns(s - 1, s) } else { 0 };
+            let (post_f, post_b) = (
+                down + up,
+                if s > 0 { post_ns(s, s - 1) } else { 0 }
+                    + if s + 1 < n { post_ns(s + 1, s) } else { 0 },
+            );
+            // The runtime's fixed cost per action (`Profile::action_overhead`).
+            let o = &profile.action_overhead;
+            let fused_measured = profile.layers[stages[s].clone()]
+                .iter()
+                .any(|l| l.b.is_some());
+            let (o_f, o_i, o_w) = (s_to_ns(o.f_s), s_to_ns(o.i_s), s_to_ns(o.w_s));
+            let o_b = if fused_measured {
+                s_to_ns(o.b_s)
+            } else {
+                o_i + o_w
+            };
+            let in_w = s == 0 && profile.first_stage_backward_in_w;
+            for k in 0..m {
+                let c = &mut cells[s * m + k];
+                let fused = ((c.i + c.w) as f64 + b_delta_s[s * m + k] * 1e9)
+                    .max(0.0)
+                    .round() as u64
+                    + o_b;
+                c.b = fused + post_b;
+                c.f += o_f + post_f;
+                if in_w {
+                    c.i = post_b;
+                    c.w = fused;
+                } else {
+                    c.i += o_i + post_b;
+                    c.w += o_w;
+                }
+            }
+            for k in 0..mfo {
+                fo[s * mfo + k].0 += o_f;
             }
         }
         if opts.state_bytes.is_none() {
@@ -609,7 +681,7 @@ impl CostModel for TableCosts {
             ActionKind::F => c.f,
             ActionKind::I => c.i,
             ActionKind::W => c.w,
-            ActionKind::B => c.i + c.w,
+            ActionKind::B => c.b,
             ActionKind::Fo => unreachable!("handled above"),
         }
     }
@@ -758,6 +830,84 @@ mod tests {
         let peak = peak_of(1..3, Recompute::Selective, &[(F, 0), (B, 0)]);
         let want = 2.0 * act_i + act_w;
         assert!((peak - want).abs() < 1e-6, "{peak} vs {want}");
+    }
+
+    #[test]
+    fn a_runtime_s_fused_backward_overheads_posting_and_first_stage_are_priced() {
+        // Two stages on two ranks (layers 0..2 and 2..n of the tiny model), one microbatch
+        // of 100 tokens in one sequence. By hand from the profile's coefficients:
+        // - a stage's B is the measured fused cost of its layers where present, I + W of the
+        //   others, plus the per-action B overhead;
+        // - F, I, W pay their per-action overhead once, whatever the layers;
+        // - each cross-rank message costs its sender and its receiver `post_s`;
+        // - with `first_stage_backward_in_w`, stage 0's I costs its receive's posting only
+        //   and its W the fused backward.
+        use flatpipe_profiles::{ActionOverhead, CostCoeffs};
+        let model = flatpipe_profiles::builtins::model("tiny").unwrap();
+        let hw = flatpipe_profiles::builtins::hardware("cpu").unwrap();
+        let mut p = flatpipe_profiles::analytic_profile(&model, &hw, &Default::default()).unwrap();
+        let n = p.layers.len();
+        let fused = CostCoeffs {
+            c0_s: 1e-4,
+            c_tok_s: 2e-6,
+            c_attn_s: 0.0,
+        };
+        p.layers[1].b = Some(fused);
+        p.action_overhead = ActionOverhead {
+            f_s: 1e-3,
+            i_s: 2e-3,
+            w_s: 3e-3,
+            b_s: 4e-3,
+        };
+        p.hardware.intra_node.post_s = 5e-4;
+        p.hardware.inter_node.post_s = 5e-4;
+        let (t, a) = (100.0, 5050.0);
+        let sum = |r: Range<usize>, ph: Phase| -> f64 {
+            p.layers[r].iter().map(|l| l.coeffs(ph).time_s(t, a)).sum()
+        };
+        let fused_s = |r: Range<usize>| -> f64 {
+            p.layers[r]
+                .iter()
+                .map(|l| match &l.b {
+                    Some(b) => b.time_s(t, a),
+                    None => l.i.time_s(t, a) + l.w.time_s(t, a),
+                })
+                .sum()
+        };
+        let mbs = [Microbatch {
+            seq_lens: vec![100],
+            shape: Default::default(),
+        }];
+        let ns = |s: f64| (s * 1e9).round();
+        let close = |got: u64, want: f64| assert!((got as f64 - ns(want)).abs() <= 3.0, "{got} vs {}", ns(want));
+        let stages = [0..2, 2..n];
+        let act = |s: u32, k: ActionKind| ComputeAction::new(s, k, 0);
+        for first_in_w in [false, true] {
+            p.first_stage_backward_in_w = first_in_w;
+            let c = TableCosts::from_profile(&p, &stages, &Placement::looped(2, 1), &mbs, &[]).unwrap();
+            let post = 5e-4;
+            // Stage 0 sends its output (F) and receives the gradient (I or B).
+            close(c.compute_ns(act(0, ActionKind::F)), sum(0..2, Phase::F) + 1e-3 + post);
+            close(c.compute_ns(act(0, ActionKind::B)), fused_s(0..2) + 4e-3 + post);
+            if first_in_w {
+                close(c.compute_ns(act(0, ActionKind::I)), post);
+                close(c.compute_ns(act(0, ActionKind::W)), fused_s(0..2) + 4e-3);
+            } else {
+                close(c.compute_ns(act(0, ActionKind::I)), sum(0..2, Phase::I) + 2e-3 + post);
+                close(c.compute_ns(act(0, ActionKind::W)), sum(0..2, Phase::W) + 3e-3);
+            }
+            // Stage 1 holds no measured fused layer: its B is I + W with both overheads.
+            close(c.compute_ns(act(1, ActionKind::F)), sum(2..n, Phase::F) + 1e-3 + post);
+            close(
+                c.compute_ns(act(1, ActionKind::B)),
+                sum(2..n, Phase::I) + sum(2..n, Phase::W) + 2e-3 + 3e-3 + post,
+            );
+            close(c.compute_ns(act(1, ActionKind::W)), sum(2..n, Phase::W) + 3e-3);
+        }
+        // On one rank, nothing is posted.
+        p.first_stage_backward_in_w = false;
+        let c = TableCosts::from_profile(&p, &stages, &Placement::looped(1, 2), &mbs, &[]).unwrap();
+        close(c.compute_ns(act(0, ActionKind::F)), sum(0..2, Phase::F) + 1e-3);
     }
 
     #[test]

@@ -85,6 +85,20 @@ pub struct ImportedTrace {
     /// What the user should know about the reading: CPU-side annotations only, files that name
     /// another rank than their position, the steps skipped.
     pub warnings: Vec<String>,
+    /// Per rank, per action of [`ImportedTrace::timeline`] (same order): what ran inside its
+    /// span on its thread (CPU-side annotations; empty counts for GPU-side ones).
+    pub nested: Vec<Vec<NestedEvents>>,
+}
+
+/// The events recorded inside one action's span on its thread.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct NestedEvents {
+    /// Events (operators and their children) the profiler recorded in the span: each cost
+    /// the profiler its own overhead, which the run without the profiler does not pay.
+    pub events: u32,
+    /// Time in torch.distributed's calls (events named `c10d::...`: posting `isend`/`irecv`,
+    /// or a blocking `send`/`recv`), ns.
+    pub comm_ns: u64,
 }
 
 struct Event {
@@ -94,6 +108,7 @@ struct Event {
     dur_us: f64,
     /// Start of the first event nested in this one on the same thread (an operator), us.
     first_nested_us: Option<f64>,
+    nested: NestedEvents,
 }
 
 /// The `"ph": "X"` events of one file, and its `distributedInfo.rank` when the trace has one.
@@ -177,7 +192,8 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
     // (file index, event, origin) of PP: events; every file's other events by (pid, tid),
     // sorted by start, for the nested-operator lookup.
     let mut raw: Vec<(usize, Value, String)> = Vec::new();
-    let mut ops: BTreeMap<(usize, String, String), Vec<f64>> = BTreeMap::new();
+    // (start us, duration us, a c10d:: call)
+    let mut ops: BTreeMap<(usize, String, String), Vec<(f64, f64, bool)>> = BTreeMap::new();
     for (k, (origin, text)) in files.iter().enumerate() {
         let doc: Value =
             serde_json::from_str(text).map_err(|e| bad(origin, "JSON", e, "a JSON trace file"))?;
@@ -196,14 +212,15 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
             if name.starts_with("PP:") {
                 raw.push((k, e, origin.clone()));
             } else if let Some(ts) = e.get("ts").and_then(Value::as_f64) {
+                let dur = e.get("dur").and_then(Value::as_f64).unwrap_or(0.0);
                 ops.entry((k, id_of(&e, "pid"), id_of(&e, "tid")))
                     .or_default()
-                    .push(ts);
+                    .push((ts, dur, name.starts_with("c10d::")));
             }
         }
     }
     for v in ops.values_mut() {
-        v.sort_by(f64::total_cmp);
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
     }
     let names = || {
         files
@@ -276,19 +293,27 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
         };
         let (ts_us, dur_us) = (num("ts")?, num("dur")?);
         // GPU-side spans run from their first kernel to their last already.
-        let first_nested_us = ops
+        let inside: &[(f64, f64, bool)] = ops
             .get(&(*k, id_of(e, "pid"), id_of(e, "tid")))
             .filter(|_| !gpu)
-            .and_then(|v| {
-                let i = v.partition_point(|&t| t < ts_us);
-                v.get(i).copied().filter(|&t| t <= ts_us + dur_us)
+            .map_or(&[], |v| {
+                let i = v.partition_point(|o| o.0 < ts_us);
+                let j = v.partition_point(|o| o.0 <= ts_us + dur_us);
+                &v[i..j]
             });
+        let first_nested_us = inside.first().map(|o| o.0);
+        // c10d calls do not nest in one another (their gloo:/nccl: children are not c10d::).
+        let comm_us: f64 = inside.iter().filter(|o| o.2).map(|o| o.1).sum();
         events.push(Event {
             rank,
             action,
             ts_us,
             dur_us,
             first_nested_us,
+            nested: NestedEvents {
+                events: u32::try_from(inside.len()).unwrap_or(u32::MAX),
+                comm_ns: (comm_us * 1e3).round() as u64,
+            },
         });
     }
     if events.is_empty() {
@@ -353,6 +378,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
         .flat_map(|v| v.iter().map(|e| e.ts_us))
         .fold(f64::INFINITY, f64::min);
     let mut compute: Vec<Vec<TimedOp>> = vec![Vec::new(); ranks];
+    let mut nested: Vec<Vec<NestedEvents>> = vec![Vec::new(); ranks];
     let mut leading_wait_ns = vec![0u64; ranks];
     for (r, evs) in chosen.iter().enumerate() {
         for e in evs.iter() {
@@ -380,6 +406,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
                 start_ns,
                 end_ns,
             });
+            nested[r].push(e.nested);
         }
     }
     // On each rank, a stage's microbatch runs F before I or B, and I before W.
@@ -445,6 +472,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
         leading_wait_ns,
         other_events,
         warnings,
+        nested,
     })
 }
 
@@ -545,5 +573,43 @@ mod tests {
         assert_eq!(last.step, 1);
         // F busy 302..310, B 310..320.
         assert_eq!(last.timeline.busy_ns(0), 18_000);
+    }
+
+    #[test]
+    fn nested_events_are_counted_and_c10d_calls_timed() {
+        let op = |name: &str, ts: f64, dur: f64| {
+            format!(
+                r#"{{"ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 1, "tid": 1, "ts": {ts}, "dur": {dur}}}"#
+            )
+        };
+        // F0 holds 2 operators and an isend (c10d::send, 7 us, with gloo's child); B0 one
+        // operator and a recv of 3 us; an operator after B0's end belongs to neither.
+        let events = [
+            ev(1, "PP:0F0", 100.0, 50.0),
+            op("aten::mm", 110.0, 10.0),
+            op("aten::add", 121.0, 2.0),
+            op("c10d::send", 130.0, 7.0),
+            op("gloo:send", 131.0, 5.0),
+            ev(1, "PP:0B0", 160.0, 40.0),
+            op("c10d::recv_", 160.0, 3.0),
+            op("aten::mm", 170.0, 20.0),
+            op("aten::mm", 201.0, 1.0),
+        ];
+        let t = read_traces(
+            &[("t.json".into(), format!("[{}]", events.join(",")))],
+            &ImportOptions::default(),
+        )
+        .unwrap();
+        let want = vec![
+            NestedEvents {
+                events: 4,
+                comm_ns: 7_000,
+            },
+            NestedEvents {
+                events: 2,
+                comm_ns: 3_000,
+            },
+        ];
+        assert_eq!(t.nested, vec![want]);
     }
 }

@@ -173,6 +173,7 @@ fn profile_copy_link(dst: &Gpu, src: &Gpu, name: String, cfg: &ProfileConfig) ->
         } else {
             1e15
         },
+        post_s: 0.0,
     })
 }
 
