@@ -975,6 +975,26 @@ fn calibrate_closes_the_loop() {
 }
 
 #[test]
+fn calibrate_refuses_schedules_side_by_side_the_host_cannot_hold() {
+    // Llama-3.1-70B on the CPU backend: 70.6 G parameters x 16 bytes of fp32 weights,
+    // gradients and AdamW state is 1.1 TB per executor, and calibrate builds one per schedule
+    // before it runs them step by step. Refused before profiling or allocating anything.
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["calibrate", "--model", "llama3.1-70b", "--schedule", "1f1b,zb-v", "--quick"],
+    );
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("calibrate of llama3.1-70b over 2 schedules is too large")
+            && e.contains("its 2 executors run side by side")
+            && e.contains("--schedule"),
+        "{e}"
+    );
+}
+
+#[test]
 fn import_trace_reads_a_hand_written_kineto_trace() {
     // tests/data/pp_trace_1f1b_p2_m3.json: 1F1B, p = 2, m = 3, F = 10 us, B = 20 us, 2 us between
     // ranks, times laid out by hand: rank 0 runs 0F0 0F1 0B0 0F2 0B1 0B2, rank 1 1F0 1B0 1F1 1B1

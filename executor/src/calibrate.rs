@@ -165,35 +165,49 @@ pub fn measure_steps(
     }
     let mut out = Vec::with_capacity(steps as usize);
     for step in 0..steps {
-        let prepared: PreparedStep = setup.prepare(step)?;
-        let run = exec.train_step(setup, &prepared)?;
-        let p = prepared.predict(setup, profile)?;
-        let pp = setup.config.pp as usize;
-        let measured = phase_busy_s(&run.timeline, pp);
-        let phases = p
-            .timeline
-            .as_ref()
-            .map(|t| phase_busy_s(t, pp))
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(phase, predicted_s)| PhaseTime {
-                phase,
-                predicted_s,
-                measured_s: measured
-                    .iter()
-                    .find(|(n, _)| *n == phase)
-                    .map_or(0.0, |(_, s)| *s),
-            })
-            .collect();
-        out.push(StepComparison {
-            predicted_makespan_s: p.makespan_s,
-            measured_makespan_s: run.timeline.makespan_ns() as f64 * 1e-9,
-            predicted_bubbles: p.bubbles,
-            measured_bubbles: bubble_ratios(&run.timeline),
-            phases,
-        });
+        out.push(measure_step(exec, setup, profile, step)?);
     }
     Ok(Comparison { steps: out })
+}
+
+/// Runs step `step` of `setup` once on `exec` and compares it with its prediction on
+/// `profile`: makespan, bubbles per rank and busy time per phase.
+///
+/// # Errors
+/// As [`AnyExecutor::train_step`] and the prediction.
+pub fn measure_step(
+    exec: &mut AnyExecutor,
+    setup: &Setup,
+    profile: &Profile,
+    step: u64,
+) -> Result<StepComparison> {
+    let prepared: PreparedStep = setup.prepare(step)?;
+    let run = exec.train_step(setup, &prepared)?;
+    let p = prepared.predict(setup, profile)?;
+    let pp = setup.config.pp as usize;
+    let measured = phase_busy_s(&run.timeline, pp);
+    let phases = p
+        .timeline
+        .as_ref()
+        .map(|t| phase_busy_s(t, pp))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(phase, predicted_s)| PhaseTime {
+            phase,
+            predicted_s,
+            measured_s: measured
+                .iter()
+                .find(|(n, _)| *n == phase)
+                .map_or(0.0, |(_, s)| *s),
+        })
+        .collect();
+    Ok(StepComparison {
+        predicted_makespan_s: p.makespan_s,
+        measured_makespan_s: run.timeline.makespan_ns() as f64 * 1e-9,
+        predicted_bubbles: p.bubbles,
+        measured_bubbles: bubble_ratios(&run.timeline),
+        phases,
+    })
 }
 
 /// Bubble ratio of every rank of a timeline: `1 - busy / makespan` (0 for an empty timeline).

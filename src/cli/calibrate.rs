@@ -4,7 +4,7 @@
 
 use super::*;
 use backend::backend_config;
-use executor::calibrate::{measure_steps, median};
+use executor::calibrate::{Comparison, measure_step, median};
 use executor::{AdamW, AnyExecutor, runner::Setup};
 use std::sync::Arc;
 
@@ -116,6 +116,25 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     } else {
         dedup(a.token_budgets.clone())
     };
+    // The schedules' executors are built side by side (see below): refuse, before allocating,
+    // what this host cannot hold.
+    if resolved == executor::Backend::Cpu {
+        let largest = budgets.iter().copied().max().unwrap_or(0);
+        let floor = flatpipe_executor::cpu::MemoryFloor::of(&model, largest);
+        let n = kinds.len() as f64;
+        check_memory(
+            &format!("calibrate of {} over {} schedules", model.name, kinds.len()),
+            floor.state * n + floor.activations,
+            &format!(
+                "its {} executors run side by side, each with {} of fp32 weights, gradients and AdamW state ({} parameters x 16 bytes), and a microbatch of {largest} tokens keeps {} of activations",
+                kinds.len(),
+                fmt_bytes(floor.state),
+                model.param_count(),
+                fmt_bytes(floor.activations)
+            ),
+            "calibrate fewer schedules (--schedule) or a smaller model (--model tiny)",
+        )?;
+    }
     let (profile, origin) = match &a.profile {
         Some(path) => {
             let p = Profile::from_yaml(
@@ -162,11 +181,14 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     }
     let size = workload.default_step_size();
     let profile = Arc::new(profile);
-    let mut rows = Vec::new();
-    let bar = Progress::new(kinds.len() as u64);
-    for kind in kinds {
+    // Plan every schedule and build its executor first; then run them step by step, every
+    // schedule's step i before any schedule's step i + 1, so a drift of the host's speed
+    // during the run (a shared machine's) hits every schedule alike instead of the ones
+    // measured last. Each executor holds its own weights and rank threads meanwhile.
+    let mut runs = Vec::new();
+    for kind in kinds.iter().copied() {
         tracing::info!(
-            "calibrate: {}: plan on the measured profile, execute, compare",
+            "calibrate: {}: plan on the measured profile",
             kind.name()
         );
         // Plan this schedule on the measured profile: the layer split and token budget.
@@ -192,15 +214,34 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             balance: Arc::new(montecarlo::balance_cost(&profile)),
             profile: Some(Arc::clone(&profile)),
         };
-        let mut exec = AnyExecutor::new(&backend, &setup)?;
-        // The measured steps run once unmeasured first: their memory is then touched, as in
-        // training after its first steps (see measure_steps).
-        let c = measure_steps(&mut exec, &setup, &profile, 1, u64::from(steps))?;
+        let exec = AnyExecutor::new(&backend, &setup)?;
+        runs.push((kind, best.token_budget, setup, exec, Vec::new()));
+    }
+    let steps64 = u64::from(steps);
+    let bar = Progress::new(2 * steps64 * runs.len() as u64);
+    // The measured steps run once unmeasured first: their memory is then touched, as in
+    // training after its first steps (see executor::calibrate::measure_steps).
+    for step in 0..steps64 {
+        for (_, _, setup, exec, _) in &mut runs {
+            exec.train_step(setup, &setup.prepare(step)?)?;
+            bar.inc();
+        }
+    }
+    for step in 0..steps64 {
+        for (_, _, setup, exec, measured) in &mut runs {
+            measured.push(measure_step(exec, setup, &profile, step)?);
+            bar.inc();
+        }
+    }
+    bar.finish();
+    let mut rows = Vec::new();
+    for (kind, token_budget, setup, _, steps) in runs {
+        let c = Comparison { steps };
         rows.push(Row {
             schedule: kind.name().to_string(),
             pp,
             vpp: setup.config.v,
-            token_budget: best.token_budget,
+            token_budget,
             layers_per_stage: setup.config.stages.iter().map(|r| r.len()).collect(),
             predicted_makespan_s: c.predicted_makespan_s(),
             measured_makespan_s: c.measured_makespan_s(),
@@ -209,9 +250,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             measured_bubble_per_rank: c.measured_bubbles(),
             phases: c.phases(),
         });
-        bar.inc();
     }
-    bar.finish();
     if rows.is_empty() {
         bail!("no schedule could be planned on this profile");
     }
