@@ -977,18 +977,28 @@ fn calibrate_closes_the_loop() {
 #[test]
 fn calibrate_refuses_schedules_side_by_side_the_host_cannot_hold() {
     // Llama-3.1-70B on the CPU backend: 70.6 G parameters x 16 bytes of fp32 weights,
-    // gradients and AdamW state is 1.1 TB per executor, and calibrate builds one per schedule
-    // before it runs them step by step. Refused before profiling or allocating anything.
+    // gradients and AdamW state is 1.1 TB per executor, and `--order interleaved` builds one
+    // per schedule before it runs them step by step. Refused before profiling or allocating.
     let dir = tempfile::tempdir().unwrap();
     let o = flatpipe(
         dir.path(),
-        &["calibrate", "--model", "llama3.1-70b", "--schedule", "1f1b,zb-v", "--quick"],
+        &[
+            "calibrate",
+            "--model",
+            "llama3.1-70b",
+            "--schedule",
+            "1f1b,zb-v",
+            "--quick",
+            "--order",
+            "interleaved",
+        ],
     );
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
         e.contains("calibrate of llama3.1-70b over 2 schedules is too large")
-            && e.contains("its 2 executors run side by side")
+            && e.contains("2 executor(s) at once")
+            && e.contains("70553706496 parameters x 16 bytes")
             && e.contains("--schedule"),
         "{e}"
     );

@@ -1,15 +1,16 @@
-"""Cost profiles from the runtime's own timings: the closed loop on a real framework.
+"""Cost profiles from the runtime's own timings or a profiler trace: the closed loop on a real
+framework.
 
 flatpipe's cost model prices one layer kind's phase on a microbatch as
 ``t = c0 + c_tok * tokens + c_attn * attn_pairs`` seconds (``profiles/src/profile.rs``).
-:func:`fit_costs` fits it by non-negative least squares on relative residuals (every subset of
-the three coefficients is solved exactly and the best non-negative one kept, as the Rust
-profiler's ``nnls_fit`` does). :func:`profile_from_steps` turns the action timings of steps
-that :class:`flatpipe.torch.PipelineRuntime` ran, on a pipeline whose stages hold one layer
-each, into a :class:`flatpipe.Profile`: each action's busy time (its span less the wait for its
-input: compute, posting its sends and receives, and the runtime's own bookkeeping) is a sample
-of its stage's layer kind and phase. Predicting other schedules with that profile and running
-them closes the loop (``python/bench/closed_loop.py``).
+:func:`fit_costs` fits one such model by non-negative least squares on relative residuals
+(every subset of the three coefficients solved exactly, as the Rust profiler's ``nnls_fit``
+does). :func:`profile_from_steps` fits a whole runtime from the action timings of steps that
+:class:`flatpipe.torch.PipelineRuntime` ran (:func:`fit_actions`: every kind and phase, a
+fixed cost per action, the fused backward's ratio to I + W, the posting cost per message) into
+a :class:`flatpipe.Profile`; :func:`profile_from_trace` does the same from PyTorch profiler
+traces. Predicting other schedules with that profile and running them closes the loop
+(``python/bench/closed_loop.py``).
 """
 
 from __future__ import annotations
@@ -178,26 +179,29 @@ def profile_from_steps(
             ``"head"``), or one kind for a stage of one layer.
         steps: per step, its plan and every rank's :class:`ActionTiming` list.
 
-    Every action is a sample (:func:`fit_actions`): F, I and W actions, B actions (a fused
-    backward) where the schedule runs any (DualPipeV does, ZB-V does not), and DualPipeV's
-    overlapped pairs (their halves run in sequence). A kind with B samples gets its own
-    fused-backward cost; the others price B as I + W. The first stage's I is a no-op in the
-    runtime (its input, token ids, needs no gradient) and its W runs the whole backward, as in
-    PyTorch's runtime: that W is a B sample, that I no sample. When the stages hold different
-    numbers of layers, a fixed cost per action and phase is fitted too; the profile prices the
-    first stage's backward in its W (``Profile.with_overhead``). The forward-only phase Fo is given F's fit (it runs the same
+    Every action is a sample of :func:`fit_actions` (an overlapped pair of DualPipeV's, whose
+    halves this runtime runs in sequence, is one sample of both). The I, W and F actions fit
+    each kind's phases and, when stages hold different numbers of layers, a fixed cost per
+    action and phase. The first stage's I is a no-op in the runtime (its input, token ids,
+    needs no gradient) and its W runs the whole backward, as in PyTorch's runtime: that W is
+    a fused-backward (B) sample, that I none, and the profile prices the first stage so
+    (``Profile.with_overhead(..., first_stage_backward_in_w=True)``). B samples give the
+    ratio alpha of a fused backward to I + W (the same GEMMs in one autograd pass), and every
+    kind's B is alpha x (I + W); a kind seen only alone on the first stage (the embedding) gets
+    its B fitted directly. The forward-only phase Fo is given F's fit (it runs the same
     forward without keeping activations).
 
     Posting a message (``isend`` / ``irecv``) is not compute: each action's ``post_s`` is taken
     out of its busy time, and the link's per-message ``post_s`` (what its sender and its
     receiver each spend) is the steps' posting time over twice their cross-rank messages, so
-    a schedule with more cross-rank transfers (interleaved 1F1B) pays for them. Timings with
-    no posting time (a trace) leave it in the actions' busy time and the link's at 0.
+    a schedule with more cross-rank transfers (interleaved 1F1B) pays for them (from a trace:
+    the time in its ``c10d::`` calls).
 
     Returns the profile and each ``(kind, phase)``'s ``(c0, c_tok, c_attn, r2)``, with
-    ``("overhead", phase)`` holding ``(o_s, 0, 0, nan)`` and ``("link", "post")``
-    ``(post_s, messages, 0, nan)``. Raises ``ValueError`` for a kind and phase of F, I, W with
-    no timing (time a schedule that splits I and W, such as ZB-V or DualPipeV).
+    ``("overhead", phase)`` holding ``(o_s, 0, 0, nan)``, ``("ratio", "B")``
+    ``(alpha, samples, 0, nan)`` and ``("link", "post")`` ``(post_s, messages, 0, nan)``.
+    Raises ``ValueError`` for a kind with no F timing, or no I or W timing off the first
+    stage (time a schedule that splits I and W on every stage, such as ZB-V).
     """
     stage_kinds = [[k] if isinstance(k, str) else list(k) for k in layer_kinds]
     samples: List[Tuple[List[Part], float]] = []
@@ -243,9 +247,17 @@ def profile_from_steps(
             fits[(lk, "B")] = v
             fits[(lk, "W")] = v
         fused = [x for x in fused if x not in alone]
+    first_only = {k for k in kinds_all if all(k not in ks for ks in stage_kinds[1:])}
     for lk in kinds_all:
         for phase in ("I", "W"):
-            fits.setdefault((lk, phase), (0.0, 0.0, 0.0, float("nan")))
+            if (lk, phase) in fits:
+                continue
+            if lk not in first_only:
+                raise ValueError(
+                    f"no {phase} timing of a {lk} layer: time a schedule that splits I and W "
+                    "on every stage, such as ZB-V"
+                )
+            fits[(lk, phase)] = (0.0, 0.0, 0.0, float("nan"))
 
     def part_s(kinds: Sequence[str], phase: str, tokens: float, pairs: float) -> float:
         got = over.get(phase, 0.0)

@@ -213,3 +213,16 @@ def test_nested_events_of_a_real_trace_match_a_count_of_the_raw_events():
     assert [n for n, _ in got] == [n for n, _ in want]
     assert [c for _, c in got] == pytest.approx([c for _, c in want], abs=1e-9)
     assert sum(n for n, _ in got) > 0 and sum(c for _, c in got) > 0
+
+
+def test_a_schedule_without_split_backwards_cannot_fit_i_and_w():
+    # Interleaved 1F1B runs F and fused B only: the decoders' I and W are unknown.
+    pipe = flatpipe.Pipeline("interleaved-1f1b", pp=2, num_layers=len(KINDS), stages=STAGES, token_budget=64)
+    plan = pipe.plan_step([40, 7, 19, 33], 0)
+    ranks = [
+        [ActionTiming(a, 2e-3 * k, 2e-3 * k + 1e-3, 0.0) for k, a in enumerate(plan.actions(r))]
+        for r in range(2)
+    ]
+    base = flatpipe.Profile.analytic("llama3.1-8b", "cpu")
+    with pytest.raises(ValueError, match="no I timing of a decoder layer.*ZB-V"):
+        profile_from_steps(base, [KINDS[s:e] for s, e in STAGES], [(plan, ranks)])

@@ -4,7 +4,7 @@
 
 use super::*;
 use backend::backend_config;
-use executor::calibrate::{Comparison, measure_step, median};
+use executor::calibrate::{Comparison, measure_step, measure_steps, median};
 use executor::{AdamW, AnyExecutor, runner::Setup};
 use std::sync::Arc;
 
@@ -50,9 +50,22 @@ pub(super) struct CalibrateArgs {
     /// Also write the measured profile here.
     #[arg(long)]
     save_profile: Option<PathBuf>,
+    /// The order the schedules' steps run in: `interleaved` (every schedule's step i before
+    /// any schedule's step i + 1, all executors side by side: a drift of the host's speed hits
+    /// every schedule alike) or `sequential` (one schedule's steps after another's, one
+    /// executor at a time).
+    #[arg(long, value_enum, default_value_t = Order::Sequential)]
+    order: Order,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
+}
+
+/// The order `calibrate` runs the schedules' steps in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Order {
+    Interleaved,
+    Sequential,
 }
 
 #[derive(Debug, Serialize)]
@@ -121,18 +134,21 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     if resolved == executor::Backend::Cpu {
         let largest = budgets.iter().copied().max().unwrap_or(0);
         let floor = flatpipe_executor::cpu::MemoryFloor::of(&model, largest);
-        let n = kinds.len() as f64;
+        let n = if a.order == Order::Interleaved {
+            kinds.len() as f64
+        } else {
+            1.0
+        };
         check_memory(
             &format!("calibrate of {} over {} schedules", model.name, kinds.len()),
             floor.state * n + floor.activations,
             &format!(
-                "its {} executors run side by side, each with {} of fp32 weights, gradients and AdamW state ({} parameters x 16 bytes), and a microbatch of {largest} tokens keeps {} of activations",
-                kinds.len(),
+                "{n} executor(s) at once, each with {} of fp32 weights, gradients and AdamW state ({} parameters x 16 bytes), and a microbatch of {largest} tokens keeps {} of activations",
                 fmt_bytes(floor.state),
                 model.param_count(),
                 fmt_bytes(floor.activations)
             ),
-            "calibrate fewer schedules (--schedule) or a smaller model (--model tiny)",
+            "calibrate a smaller model (--model tiny), or with --order interleaved fewer schedules (--schedule)",
         )?;
     }
     let (profile, origin) = match &a.profile {
@@ -181,10 +197,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     }
     let size = workload.default_step_size();
     let profile = Arc::new(profile);
-    // Plan every schedule and build its executor first; then run them step by step, every
-    // schedule's step i before any schedule's step i + 1, so a drift of the host's speed
-    // during the run (a shared machine's) hits every schedule alike instead of the ones
-    // measured last. Each executor holds its own weights and rank threads meanwhile.
+    // Plan every schedule first (see --order for how their steps then run).
     let mut runs = Vec::new();
     for kind in kinds.iter().copied() {
         tracing::info!(
@@ -214,28 +227,42 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             balance: Arc::new(montecarlo::balance_cost(&profile)),
             profile: Some(Arc::clone(&profile)),
         };
-        let exec = AnyExecutor::new(&backend, &setup)?;
-        runs.push((kind, best.token_budget, setup, exec, Vec::new()));
+        runs.push((kind, best.token_budget, setup, Vec::new()));
     }
     let steps64 = u64::from(steps);
     let bar = Progress::new(2 * steps64 * runs.len() as u64);
     // The measured steps run once unmeasured first: their memory is then touched, as in
     // training after its first steps (see executor::calibrate::measure_steps).
-    for step in 0..steps64 {
-        for (_, _, setup, exec, _) in &mut runs {
-            exec.train_step(setup, &setup.prepare(step)?)?;
-            bar.inc();
+    match a.order {
+        Order::Sequential => {
+            for (_, _, setup, measured) in &mut runs {
+                let mut exec = AnyExecutor::new(&backend, setup)?;
+                *measured = measure_steps(&mut exec, setup, &profile, 1, steps64)?.steps;
+                bar.inc_by(2 * steps64);
+            }
         }
-    }
-    for step in 0..steps64 {
-        for (_, _, setup, exec, measured) in &mut runs {
-            measured.push(measure_step(exec, setup, &profile, step)?);
-            bar.inc();
+        Order::Interleaved => {
+            let mut execs = runs
+                .iter()
+                .map(|(_, _, setup, _)| AnyExecutor::new(&backend, setup))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            for step in 0..steps64 {
+                for ((_, _, setup, _), exec) in runs.iter().zip(&mut execs) {
+                    exec.train_step(setup, &setup.prepare(step)?)?;
+                    bar.inc();
+                }
+            }
+            for step in 0..steps64 {
+                for ((_, _, setup, measured), exec) in runs.iter_mut().zip(&mut execs) {
+                    measured.push(measure_step(exec, setup, &profile, step)?);
+                    bar.inc();
+                }
+            }
         }
     }
     bar.finish();
     let mut rows = Vec::new();
-    for (kind, token_budget, setup, _, steps) in runs {
+    for (kind, token_budget, setup, steps) in runs {
         let c = Comparison { steps };
         rows.push(Row {
             schedule: kind.name().to_string(),

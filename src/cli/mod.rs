@@ -640,6 +640,10 @@ impl Progress {
     }
 
     fn inc(&self) {
+        self.inc_by(1);
+    }
+
+    fn inc_by(&self, n: u64) {
         use std::sync::atomic::Ordering;
         if !self.shown.load(Ordering::Relaxed)
             && self.start.elapsed() > std::time::Duration::from_secs(1)
@@ -648,7 +652,7 @@ impl Progress {
             self.bar
                 .set_draw_target(indicatif::ProgressDrawTarget::stderr());
         }
-        self.bar.inc(1);
+        self.bar.inc(n);
     }
 
     fn finish(&self) {
