@@ -40,8 +40,8 @@ pub use error::{Error, Result};
 pub use hardware::{Hardware, Link};
 pub use model::{Dtype, Layer, LayerGroup, LayerKind, ModelSpec};
 pub use profile::{
-    ActionOverhead, CostCoeffs, FitQuality, GemmSplit, LayerProfile, LayerShape, MIN_FIT_R2, Phase, Profile,
-    ProfileSource, Provenance,
+    ActionOverhead, CostCoeffs, FitQuality, GemmSplit, LayerProfile, LayerShape, MIN_FIT_R2, Phase,
+    Profile, ProfileSource, Provenance,
 };
 pub use workload::{LengthDistribution, StepSize, Workload};
 pub use yaml::{check_writable, read_to_string, write_atomic};

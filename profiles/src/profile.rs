@@ -386,7 +386,12 @@ impl Profile {
             }
         }
         let ao = &self.action_overhead;
-        for (name, v) in [("f_s", ao.f_s), ("i_s", ao.i_s), ("w_s", ao.w_s), ("b_s", ao.b_s)] {
+        for (name, v) in [
+            ("f_s", ao.f_s),
+            ("i_s", ao.i_s),
+            ("w_s", ao.w_s),
+            ("b_s", ao.b_s),
+        ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(Error::invalid(
                     origin,
@@ -444,7 +449,12 @@ mod tests {
         let mut p = tiny();
         // Absent from an analytic profile's YAML, so older profiles read the same.
         let text = p.to_yaml().unwrap();
-        for field in ["post_s", "action_overhead", "first_stage_backward_in_w", "\n    b:"] {
+        for field in [
+            "post_s",
+            "action_overhead",
+            "first_stage_backward_in_w",
+            "\n    b:",
+        ] {
             assert!(!text.contains(field), "{field} in {text}");
         }
         p.layers[1].b = Some(CostCoeffs {
@@ -460,11 +470,19 @@ mod tests {
         // I + W where no fused cost was measured, the fused cost where it was.
         let (t, a) = (100.0, 5050.0);
         let l = &p.layers[2];
-        assert_eq!(l.fused_backward_s(t, a), l.i.time_s(t, a) + l.w.time_s(t, a));
+        assert_eq!(
+            l.fused_backward_s(t, a),
+            l.i.time_s(t, a) + l.w.time_s(t, a)
+        );
         assert!((p.layers[1].fused_backward_s(t, a) - (1e-4 + 2e-4 + 3e-9 * a)).abs() < 1e-15);
-        let cases: [(&str, fn(&mut Profile)); 3] = [
-            ("layers[1].b.c_tok_s", |p| p.layers[1].b.as_mut().unwrap().c_tok_s = -1.0),
-            ("intra_node.post_s", |p| p.hardware.intra_node.post_s = f64::NAN),
+        type Spoil = fn(&mut Profile);
+        let cases: [(&str, Spoil); 3] = [
+            ("layers[1].b.c_tok_s", |p| {
+                p.layers[1].b.as_mut().unwrap().c_tok_s = -1.0
+            }),
+            ("intra_node.post_s", |p| {
+                p.hardware.intra_node.post_s = f64::NAN
+            }),
             ("action_overhead.w_s", |p| p.action_overhead.w_s = -2.0),
         ];
         for (field, spoil) in cases {

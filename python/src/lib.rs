@@ -1059,7 +1059,11 @@ fn import_trace<'py>(
     let nested: Vec<Vec<(u32, f64)>> = t
         .nested
         .iter()
-        .map(|v| v.iter().map(|n| (n.events, n.comm_ns as f64 * 1e-9)).collect())
+        .map(|v| {
+            v.iter()
+                .map(|n| (n.events, n.comm_ns as f64 * 1e-9))
+                .collect()
+        })
         .collect();
     d.set_item("nested", nested)?;
     Ok(d)

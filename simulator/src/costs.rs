@@ -879,35 +879,63 @@ mod tests {
             shape: Default::default(),
         }];
         let ns = |s: f64| (s * 1e9).round();
-        let close = |got: u64, want: f64| assert!((got as f64 - ns(want)).abs() <= 3.0, "{got} vs {}", ns(want));
+        let close = |got: u64, want: f64| {
+            assert!(
+                (got as f64 - ns(want)).abs() <= 3.0,
+                "{got} vs {}",
+                ns(want)
+            )
+        };
         let stages = [0..2, 2..n];
         let act = |s: u32, k: ActionKind| ComputeAction::new(s, k, 0);
         for first_in_w in [false, true] {
             p.first_stage_backward_in_w = first_in_w;
-            let c = TableCosts::from_profile(&p, &stages, &Placement::looped(2, 1), &mbs, &[]).unwrap();
+            let c =
+                TableCosts::from_profile(&p, &stages, &Placement::looped(2, 1), &mbs, &[]).unwrap();
             let post = 5e-4;
             // Stage 0 sends its output (F) and receives the gradient (I or B).
-            close(c.compute_ns(act(0, ActionKind::F)), sum(0..2, Phase::F) + 1e-3 + post);
-            close(c.compute_ns(act(0, ActionKind::B)), fused_s(0..2) + 4e-3 + post);
+            close(
+                c.compute_ns(act(0, ActionKind::F)),
+                sum(0..2, Phase::F) + 1e-3 + post,
+            );
+            close(
+                c.compute_ns(act(0, ActionKind::B)),
+                fused_s(0..2) + 4e-3 + post,
+            );
             if first_in_w {
                 close(c.compute_ns(act(0, ActionKind::I)), post);
                 close(c.compute_ns(act(0, ActionKind::W)), fused_s(0..2) + 4e-3);
             } else {
-                close(c.compute_ns(act(0, ActionKind::I)), sum(0..2, Phase::I) + 2e-3 + post);
-                close(c.compute_ns(act(0, ActionKind::W)), sum(0..2, Phase::W) + 3e-3);
+                close(
+                    c.compute_ns(act(0, ActionKind::I)),
+                    sum(0..2, Phase::I) + 2e-3 + post,
+                );
+                close(
+                    c.compute_ns(act(0, ActionKind::W)),
+                    sum(0..2, Phase::W) + 3e-3,
+                );
             }
             // Stage 1 holds no measured fused layer: its B is I + W with both overheads.
-            close(c.compute_ns(act(1, ActionKind::F)), sum(2..n, Phase::F) + 1e-3 + post);
+            close(
+                c.compute_ns(act(1, ActionKind::F)),
+                sum(2..n, Phase::F) + 1e-3 + post,
+            );
             close(
                 c.compute_ns(act(1, ActionKind::B)),
                 sum(2..n, Phase::I) + sum(2..n, Phase::W) + 2e-3 + 3e-3 + post,
             );
-            close(c.compute_ns(act(1, ActionKind::W)), sum(2..n, Phase::W) + 3e-3);
+            close(
+                c.compute_ns(act(1, ActionKind::W)),
+                sum(2..n, Phase::W) + 3e-3,
+            );
         }
         // On one rank, nothing is posted.
         p.first_stage_backward_in_w = false;
         let c = TableCosts::from_profile(&p, &stages, &Placement::looped(1, 2), &mbs, &[]).unwrap();
-        close(c.compute_ns(act(0, ActionKind::F)), sum(0..2, Phase::F) + 1e-3);
+        close(
+            c.compute_ns(act(0, ActionKind::F)),
+            sum(0..2, Phase::F) + 1e-3,
+        );
     }
 
     #[test]

@@ -101,6 +101,9 @@ pub struct NestedEvents {
     pub comm_ns: u64,
 }
 
+/// A non-`PP:` event on a thread: (start us, duration us, whether it is a `c10d::` call).
+type Op = (f64, f64, bool);
+
 struct Event {
     rank: usize,
     action: Action,
@@ -192,8 +195,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
     // (file index, event, origin) of PP: events; every file's other events by (pid, tid),
     // sorted by start, for the nested-operator lookup.
     let mut raw: Vec<(usize, Value, String)> = Vec::new();
-    // (start us, duration us, a c10d:: call)
-    let mut ops: BTreeMap<(usize, String, String), Vec<(f64, f64, bool)>> = BTreeMap::new();
+    let mut ops: BTreeMap<(usize, String, String), Vec<Op>> = BTreeMap::new();
     for (k, (origin, text)) in files.iter().enumerate() {
         let doc: Value =
             serde_json::from_str(text).map_err(|e| bad(origin, "JSON", e, "a JSON trace file"))?;
@@ -293,7 +295,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
         };
         let (ts_us, dur_us) = (num("ts")?, num("dur")?);
         // GPU-side spans run from their first kernel to their last already.
-        let inside: &[(f64, f64, bool)] = ops
+        let inside: &[Op] = ops
             .get(&(*k, id_of(e, "pid"), id_of(e, "tid")))
             .filter(|_| !gpu)
             .map_or(&[], |v| {

@@ -200,10 +200,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     // Plan every schedule first (see --order for how their steps then run).
     let mut runs = Vec::new();
     for kind in kinds.iter().copied() {
-        tracing::info!(
-            "calibrate: {}: plan on the measured profile",
-            kind.name()
-        );
+        tracing::info!("calibrate: {}: plan on the measured profile", kind.name());
         // Plan this schedule on the measured profile: the layer split and token budget.
         let (best, config) =
             match planner::search::plan_schedule(&profile, &workload, kind, pp, &budgets, size) {
