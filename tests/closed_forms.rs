@@ -69,9 +69,11 @@ fn in_flight_microbatches() {
     }
 }
 
-/// The lower bound of 1F1B with uniform costs is max((p - 1) f + m (f + b + w), p (f + b + w)):
-/// the last rank waits (p - 1) forwards and then has m (f + b + w) of work; one microbatch's
-/// critical path is p forwards and p backwards.
+/// The lower bound of 1F1B with uniform costs is the largest of (p - 1) f + m (f + b + w) (the
+/// last rank waits p - 1 forwards, then has m (f + b + w) of work), p (f + b + w) (one
+/// microbatch's critical path) and p f + (p - 1)(b + w) + m (b + w) (rank 0's first backward
+/// waits for a forward through all p stages and a backward through the other p - 1, and all
+/// its m backwards follow).
 #[test]
 fn lower_bound_closed_form() {
     let (f, b, w) = (1.0, 3.0, 2.0);
@@ -79,10 +81,35 @@ fn lower_bound_closed_form() {
     for p in 1..=8u32 {
         for m in 1..=16u32 {
             let sim = simulate(&ScheduleKind::OneFOneB.generate(p, 1, m).unwrap(), &c).unwrap();
-            let want = ((p - 1) as f64 * f + m as f64 * (f + b + w)).max(p as f64 * (f + b + w));
+            let (pf, mf) = (p as f64, m as f64);
+            let want = ((pf - 1.0) * f + mf * (f + b + w))
+                .max(pf * (f + b + w))
+                .max(pf * f + (pf - 1.0 + mf) * (b + w));
             assert_eq!(sim.metrics.lower_bound_s, want, "p={p} m={m}");
         }
     }
+}
+
+/// Issue 26's case: p = 8, m = 8, f = 1, b = 3 (I), w = 1, comm 0. Rank 0's first input
+/// gradient cannot start before microbatch 0's forward has crossed the 8 stages and its
+/// backward has come back through 7 (8 + 21 = 29), and all of rank 0's I and W, m (b + w) = 32,
+/// come after it: 61, where fill + work gives 7 + 40 = 47. Every split schedule's makespan is
+/// at least that; a bound of r's first backward + its backward work holds on every rank.
+#[test]
+fn first_backward_bound_of_the_zero_bubble_case() {
+    let c = costs(1.0, 3.0, 1.0, 0.0);
+    for kind in [ScheduleKind::ZbH1, ScheduleKind::ZbH2] {
+        let sim = simulate(&kind.generate(8, 1, 8).unwrap(), &c).unwrap();
+        assert_eq!(sim.metrics.lower_bound_s, 61.0, "{kind:?}");
+        assert!(
+            sim.metrics.makespan_s >= 61.0,
+            "{kind:?}: {}",
+            sim.metrics.makespan_s
+        );
+    }
+    // Fused backwards (B = b + w = 4) pass back through 7 stages: 8 + 28 + 32.
+    let sim = simulate(&ScheduleKind::OneFOneB.generate(8, 1, 8).unwrap(), &c).unwrap();
+    assert_eq!(sim.metrics.lower_bound_s, 68.0);
 }
 
 /// With communication: one microbatch through p ranks costs p (f + b) + 2 (p - 1) comm; GPipe
