@@ -73,4 +73,19 @@ impl Error {
             allowed: allowed.into(),
         }
     }
+
+    /// `Ok` for a finite number of seconds >= 0, else [`Error::Invalid`] naming `field` of
+    /// `path` and its value.
+    pub(crate) fn check_seconds(path: &str, field: impl Into<String>, v: f64) -> Result<(), Self> {
+        if v.is_finite() && v >= 0.0 {
+            Ok(())
+        } else {
+            Err(Error::invalid(
+                path,
+                field,
+                v,
+                "a finite number of seconds >= 0",
+            ))
+        }
+    }
 }

@@ -34,14 +34,7 @@ impl Link {
     }
 
     pub(crate) fn validate(&self, origin: &str, field: &str) -> Result<()> {
-        if !(self.alpha_s.is_finite() && self.alpha_s >= 0.0) {
-            return Err(Error::invalid(
-                origin,
-                format!("{field}.alpha_s"),
-                self.alpha_s,
-                "a finite number of seconds >= 0",
-            ));
-        }
+        Error::check_seconds(origin, format!("{field}.alpha_s"), self.alpha_s)?;
         if !(self.beta_bytes_per_s.is_finite() && self.beta_bytes_per_s > 0.0) {
             return Err(Error::invalid(
                 origin,
@@ -50,15 +43,7 @@ impl Link {
                 "a finite number of bytes per second > 0",
             ));
         }
-        if !(self.post_s.is_finite() && self.post_s >= 0.0) {
-            return Err(Error::invalid(
-                origin,
-                format!("{field}.post_s"),
-                self.post_s,
-                "a finite number of seconds >= 0",
-            ));
-        }
-        Ok(())
+        Error::check_seconds(origin, format!("{field}.post_s"), self.post_s)
     }
 }
 

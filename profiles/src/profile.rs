@@ -43,14 +43,7 @@ impl CostCoeffs {
             ("c_tok_s", self.c_tok_s),
             ("c_attn_s", self.c_attn_s),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(Error::invalid(
-                    origin,
-                    format!("{field}.{name}"),
-                    v,
-                    "a finite number of seconds >= 0",
-                ));
-            }
+            Error::check_seconds(origin, format!("{field}.{name}"), v)?;
         }
         Ok(())
     }
@@ -392,14 +385,7 @@ impl Profile {
             ("w_s", ao.w_s),
             ("b_s", ao.b_s),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(Error::invalid(
-                    origin,
-                    format!("action_overhead.{name}"),
-                    v,
-                    "a finite number of seconds >= 0",
-                ));
-            }
+            Error::check_seconds(origin, format!("action_overhead.{name}"), v)?;
         }
         let o = self.optimizer_s_per_param;
         if !(o.is_finite() && o >= 0.0) {

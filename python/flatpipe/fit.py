@@ -236,17 +236,14 @@ def profile_from_steps(
     # (and is its W); sharing the first stage with decoders, its weight gradient is too small
     # to tell apart and the ratio below prices the stage's B.
     no_split = {lk for lk in kinds_all if (lk, "I") not in fits and (lk, "W") not in fits}
-    alone = [
-        x
-        for x in fused
-        if all(ph == "B" and set(kinds) <= no_split for kinds, ph, _, _ in x[0])
-    ]
+    is_alone = [all(ph == "B" and set(kinds) <= no_split for kinds, ph, _, _ in x[0]) for x in fused]
+    alone = [x for x, a in zip(fused, is_alone) if a]
     if alone:
         direct, _ = fit_actions(alone, overhead=False)
         for (lk, _), v in direct.items():
             fits[(lk, "B")] = v
             fits[(lk, "W")] = v
-        fused = [x for x in fused if x not in alone]
+        fused = [x for x, a in zip(fused, is_alone) if not a]
     first_only = {k for k in kinds_all if all(k not in ks for ks in stage_kinds[1:])}
     for lk in kinds_all:
         for phase in ("I", "W"):

@@ -148,6 +148,7 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
     chain(ActionKind::Fo, schedule.num_fo_microbatches);
     let mut bound = critical;
     for (r, actions) in schedule.ranks.iter().enumerate() {
+        let opt = costs.optimizer_ns(Rank(r as u32));
         let work: u64 = actions
             .iter()
             .map(|a| match *a {
@@ -155,8 +156,7 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
                 Action::Overlap(f, b) => costs.overlap_ns(f, b),
             })
             .sum::<u64>()
-            + costs.optimizer_ns(Rank(r as u32));
-        let opt = costs.optimizer_ns(Rank(r as u32));
+            + opt;
         let f = if fill[r] == u64::MAX { 0 } else { fill[r] };
         bound = bound.max(f + work);
         if first_backward[r] != u64::MAX {
