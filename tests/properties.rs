@@ -92,3 +92,68 @@ proptest! {
         prop_assert_eq!(text.parse::<Action>().unwrap(), action);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Issue 24: chunks of one sequence, cut anywhere in the step, in every kind: the reordered
+    /// schedule is valid and its timeline keeps each stage's forwards in chunk order and
+    /// backwards in reverse chunk order; a kind that cannot is refused with the reason.
+    #[test]
+    fn chunk_dependencies_hold_in_every_schedule(
+        kind in kind(), p in 1u32..=6, v in 1u32..=3, m in 2u32..=16,
+        first in 0u32..16, len in 2u32..=8, second in prop::option::of(2u32..=4),
+        f in 1u32..4, b in 1u32..4, w in 0u32..3, comm in 0u32..2,
+    ) {
+        use flatpipe::simulator::chunks::order_chunks;
+        use flatpipe::simulator::ir::MicrobatchId;
+        let v = kind.stages_per_rank(Some(v)).unwrap_or(2);
+        let first = first % m;
+        let len = len.min(m - first);
+        prop_assume!(len >= 2);
+        let mut chains = vec![(first..first + len).map(MicrobatchId).collect::<Vec<_>>()];
+        // A second sequence's chunks after the first, where they fit.
+        if let Some(n) = second && first + len + n <= m {
+            chains.push((first + len..first + len + n).map(MicrobatchId).collect());
+        }
+        let spec = UniformCostSpec { f: f as f64, b: b as f64, w: w as f64, comm: comm as f64, fb: None, fo: None };
+        let costs = UniformCosts::new(&spec, v);
+        let schedule = kind.build(p, v, m, &costs, (2 * p * v) as f64).unwrap();
+        let ordered = match order_chunks(&schedule, &chains) {
+            Ok(s) => s,
+            Err(e) => {
+                // Refused: the reason names the cycle or the broken order.
+                let e = e.to_string();
+                prop_assert!(e.contains("deadlock") || e.contains("must come after"), "{}", e);
+                return Ok(());
+            }
+        };
+        ordered.validate().unwrap();
+        let sim = simulate(&ordered, &costs).unwrap();
+        prop_assert_eq!(Dag::build(&ordered).replay_makespan_ns(&costs), Some(sim.timeline.makespan_ns()));
+        // The lower bound (its chunk-chain term included) never exceeds the makespan.
+        let lb = flatpipe::simulator::metrics::lower_bound_ns(&ordered, &costs);
+        prop_assert!(lb <= sim.timeline.makespan_ns(), "bound {} > makespan {}", lb, sim.timeline.makespan_ns());
+        // (stage, mb) -> (F start, F end, backward start, backward end), from the timeline.
+        let mut at: HashMap<(u32, u32), [u64; 4]> = HashMap::new();
+        for op in sim.timeline.compute.iter().flatten() {
+            for a in op.action.parts() {
+                let e = at.entry((a.stage.0, a.microbatch.0)).or_default();
+                match a.kind {
+                    ActionKind::F => { e[0] = op.start_ns; e[1] = op.end_ns; }
+                    ActionKind::I | ActionKind::B => { e[2] = op.start_ns; e[3] = op.end_ns; }
+                    _ => {}
+                }
+            }
+        }
+        for chain in &chains {
+            for pair in chain.windows(2) {
+                for s in 0..ordered.num_stages() {
+                    let (a, b) = (at[&(s, pair[0].0)], at[&(s, pair[1].0)]);
+                    prop_assert!(a[1] <= b[0], "stage {} F{} ends {} after F{} starts {}", s, pair[0], a[1], pair[1], b[0]);
+                    prop_assert!(b[3] <= a[2], "stage {} backward {} ends {} after backward {} starts {}", s, pair[1], b[3], pair[0], a[2]);
+                }
+            }
+        }
+    }
+}

@@ -30,6 +30,7 @@ fn costs(
     let placement = Placement::looped(stages.len() as u32, 1);
     let mbs = vec![
         Microbatch {
+            chunk: None,
             seq_lens: vec![512, 256],
             shape: Default::default(),
         };

@@ -101,6 +101,7 @@ fn memory_per_gpu_with_tensor_parallelism() {
         let q = p.tensor_parallel(8, sp).unwrap();
         let placement = Placement::looped(1, 1);
         let mbs = [Microbatch {
+            chunk: None,
             seq_lens: vec![2048],
             shape: Default::default(),
         }];
@@ -136,6 +137,7 @@ fn transfers_cross_the_link_their_ranks_sit_on() {
     assert_eq!(p.hardware.gpus_per_node, 2);
     let placement = Placement::looped(2, 1);
     let mbs = [Microbatch {
+        chunk: None,
         seq_lens: vec![1000],
         shape: Default::default(),
     }];

@@ -39,6 +39,7 @@ fn padded_costs_count_padding() {
     let stages = even_split(p.layers.len(), 2).unwrap();
     let placement = flatpipe::simulator::Placement::looped(2, 1);
     let mb = Microbatch {
+        chunk: None,
         seq_lens: vec![100, 1000],
         shape: Shape::Padded {
             rows: 2,

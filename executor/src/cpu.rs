@@ -12,7 +12,7 @@
 use crate::kernels::{self as k, AttnDims};
 use crate::model::{OpSet, ParamInit, Stage, build_layers};
 use crate::worker::{AdamW, LossSums};
-use crate::{MicrobatchData, Result};
+use crate::{Error, MicrobatchData, Result};
 use flatpipe_profiles::{LayerKind, ModelSpec};
 use flatpipe_simulator::costs::Recompute;
 use ndarray::{Array2, Axis};
@@ -69,6 +69,21 @@ impl CpuStage {
 /// `[t]` as `[t, 1]` (no copy).
 fn column(v: ndarray::Array1<f32>) -> Array2<f32> {
     v.insert_axis(Axis(1))
+}
+
+/// The earlier chunks' key rows before a chunk's own (`k` has `prefix + T` rows): its offset
+/// in its sequence, 0 for a microbatch that is not a chunk.
+fn prefix_rows(q: &Array2<f32>, k: &Array2<f32>, data: &MicrobatchData) -> Result<usize> {
+    let prefix = data.chunk.map_or(0, |c| c.offset as usize);
+    if k.nrows() != q.nrows() + prefix || (prefix > 0 && data.cu_seqlens.len() != 2) {
+        return Err(Error::Invalid(format!(
+            "attention of a chunk at offset {prefix}: {} query rows, {} key rows, {} sequences (keys must be the {prefix} earlier rows then the chunk's own, of one sequence)",
+            q.nrows(),
+            k.nrows(),
+            data.cu_seqlens.len().saturating_sub(1)
+        )));
+    }
+    Ok(prefix)
 }
 
 impl OpSet for CpuOps {
@@ -242,7 +257,14 @@ impl OpSet for CpuOps {
         head_dim: usize,
         inverse: bool,
     ) -> Result<()> {
-        k::rope(&mut x.view_mut(), &data.cu_seqlens, head_dim, inverse);
+        let offset = data.chunk.map_or(0, |c| c.offset as usize);
+        k::rope(
+            &mut x.view_mut(),
+            &data.cu_seqlens,
+            head_dim,
+            inverse,
+            offset,
+        );
         Ok(())
     }
     fn attention(
@@ -259,6 +281,7 @@ impl OpSet for CpuOps {
             v.view(),
             &data.cu_seqlens,
             dims,
+            prefix_rows(q, k_, data)?,
         ))
     }
     fn attention_backward(
@@ -283,7 +306,32 @@ impl OpSet for CpuOps {
             lse.view(),
             &data.cu_seqlens,
             dims,
+            prefix_rows(q, k_, data)?,
         ))
+    }
+    fn concat_rows(&self, parts: &[&Array2<f32>], cols: usize) -> Result<Array2<f32>> {
+        if parts.iter().any(|p| p.ncols() != cols) {
+            return Err(Error::Invalid(format!(
+                "concat_rows: a part is not {cols} columns wide"
+            )));
+        }
+        let views: Vec<_> = parts.iter().map(|p| p.view()).collect();
+        ndarray::concatenate(ndarray::Axis(0), &views)
+            .map_err(|e| Error::Invalid(format!("concat_rows: {e}")))
+    }
+    fn slice_rows(
+        &self,
+        t: &Array2<f32>,
+        rows: std::ops::Range<usize>,
+        _cols: usize,
+    ) -> Result<Array2<f32>> {
+        if rows.end > t.nrows() || rows.start > rows.end {
+            return Err(Error::Invalid(format!(
+                "slice_rows: rows {rows:?} of a {}-row tensor",
+                t.nrows()
+            )));
+        }
+        Ok(t.slice(ndarray::s![rows, ..]).to_owned())
     }
     fn swiglu(&self, gate: &Array2<f32>, up: &Array2<f32>, _n: usize) -> Result<Array2<f32>> {
         Ok(k::swiglu(gate.view(), up.view()))
@@ -429,11 +477,11 @@ mod tests {
             _ => unreachable!(),
         };
         let f = |x: &Array2<f32>| -> f64 {
-            let (y, _) = decoder_forward(&CpuOps, dec, x, data).unwrap();
+            let (y, _) = decoder_forward(&CpuOps, dec, x, data, None).unwrap();
             y.iter().zip(r.iter()).map(|(a, b)| (*a * *b) as f64).sum()
         };
-        let (_, c) = decoder_forward(&CpuOps, dec, &x, data).unwrap();
-        let (dx, _) = decoder_dgrad(&CpuOps, dec, c, r.clone(), data).unwrap();
+        let (_, c) = decoder_forward(&CpuOps, dec, &x, data, None).unwrap();
+        let (dx, _, _) = decoder_dgrad(&CpuOps, dec, c, r.clone(), data, None).unwrap();
         let e = directional(&x, &dx, &f, 2);
         assert!(e < 2e-3, "{e}");
         // The wgrad of every parameter against finite differences of that parameter.
@@ -454,7 +502,7 @@ mod tests {
                     Layer::Decoder(d) => d,
                     _ => unreachable!(),
                 };
-                let (y, _) = decoder_forward(&CpuOps, dec, &x, data).unwrap();
+                let (y, _) = decoder_forward(&CpuOps, dec, &x, data, None).unwrap();
                 y.iter().zip(r.iter()).map(|(a, b)| (*a * *b) as f64).sum()
             };
             // Norm weights act through the small MLP / attention branches next to the residual

@@ -1,8 +1,11 @@
 //! A step's real input: token ids, labels and loss weights of every microbatch, and the explicit
 //! loss reduction (DESIGN point 5).
 
+use flatpipe_simulator::Microbatch;
+use flatpipe_simulator::microbatch::Chunk;
 use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 /// How token losses become the step's loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -54,6 +57,10 @@ pub struct MicrobatchData {
     /// Loss weight of every token `[T]`, from the step's [`LossReduction`]: the step's loss is
     /// `Σ_t weight_t * loss_t` over all microbatches, so gradients need no later rescaling.
     pub loss_weights: Vec<f32>,
+    /// Set when the microbatch is one chunk of a longer sequence: it holds that sequence's tokens
+    /// `offset .. offset + T` (ids, labels and weights those of the whole sequence), and its
+    /// queries sit at positions `offset ..` and attend to the earlier chunks' keys.
+    pub chunk: Option<Chunk>,
 }
 
 impl MicrobatchData {
@@ -91,37 +98,80 @@ pub fn build_step(
     step: u64,
     reduction: LossReduction,
 ) -> Vec<Vec<MicrobatchData>> {
-    let all = replicas.iter().flatten().flatten();
-    let total_tokens: u64 = all.clone().map(|&s| s as u64).sum();
-    let total_seqs = all.count() as u64;
+    let flat: Vec<Vec<Microbatch>> = replicas
+        .iter()
+        .map(|mbs| mbs.iter().map(|s| Microbatch::flat(s.clone())).collect())
+        .collect();
+    build_step_of(&flat, vocab, seed, step, reduction)
+}
+
+/// [`build_step`] from the planned microbatches, chunks of longer sequences included: a
+/// chunk's ids, labels and weights are its rows of its whole sequence, drawn from `(seed,
+/// step, d, sequence)` (so the chunks of a sequence and the sequence unsplit hold the same
+/// tokens), and under the per-sequence reduction a chunked sequence counts once, with its whole
+/// length.
+pub fn build_step_of(
+    replicas: &[Vec<Microbatch>],
+    vocab: u32,
+    seed: u64,
+    step: u64,
+    reduction: LossReduction,
+) -> Vec<Vec<MicrobatchData>> {
+    // Whole length of every chunked sequence, by (replica, sequence).
+    let mut whole: HashMap<(usize, u32), u64> = HashMap::new();
+    let (mut total_tokens, mut total_seqs) = (0u64, 0u64);
+    for (d, mbs) in replicas.iter().enumerate() {
+        for mb in mbs {
+            total_tokens += mb.tokens();
+            match mb.chunk {
+                Some(c) => {
+                    *whole.entry((d, c.sequence)).or_default() += mb.tokens();
+                    total_seqs += u64::from(c.index == 0);
+                }
+                None => total_seqs += mb.seq_lens.len() as u64,
+            }
+        }
+    }
+    let base = seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let weight = |s: u64| match reduction {
+        LossReduction::PerToken => 1.0 / total_tokens as f64,
+        LossReduction::PerSequence => 1.0 / (total_seqs as f64 * s as f64),
+    };
     replicas
         .iter()
         .enumerate()
         .map(|(d, mbs)| {
             mbs.iter()
                 .enumerate()
-                .map(|(k, seqs)| {
+                .map(|(k, mb)| {
                     let mut data = MicrobatchData {
-                        seq_lens: seqs.clone(),
+                        seq_lens: mb.seq_lens.clone(),
                         cu_seqlens: vec![0],
                         ids: Vec::new(),
                         labels: Vec::new(),
                         loss_weights: Vec::new(),
+                        chunk: mb.chunk,
                     };
-                    for (i, &s) in seqs.iter().enumerate() {
-                        let key = seed
-                            ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                            ^ ((d as u64) << 48)
-                            ^ ((k as u64) << 24)
-                            ^ i as u64;
-                        let mut rng = ChaCha8Rng::seed_from_u64(key);
-                        let ids = sequence_ids(&mut rng, s as usize + 1, vocab);
-                        data.ids.extend_from_slice(&ids[..s as usize]);
-                        data.labels.extend_from_slice(&ids[1..]);
-                        let w = match reduction {
-                            LossReduction::PerToken => 1.0 / total_tokens as f64,
-                            LossReduction::PerSequence => 1.0 / (total_seqs as f64 * s as f64),
+                    for (i, &s) in mb.seq_lens.iter().enumerate() {
+                        let (key, len, from) = match mb.chunk {
+                            Some(c) => (
+                                base ^ ((d as u64) << 48) ^ (0xC4C4 << 32) ^ c.sequence as u64,
+                                whole[&(d, c.sequence)] as usize,
+                                c.offset as usize,
+                            ),
+                            None => (
+                                base ^ ((d as u64) << 48) ^ ((k as u64) << 24) ^ i as u64,
+                                s as usize,
+                                0,
+                            ),
                         };
+                        let mut rng = ChaCha8Rng::seed_from_u64(key);
+                        let ids = sequence_ids(&mut rng, len + 1, vocab);
+                        let rows = from..from + s as usize;
+                        data.ids.extend_from_slice(&ids[rows.clone()]);
+                        data.labels
+                            .extend_from_slice(&ids[rows.start + 1..rows.end + 1]);
+                        let w = weight(len as u64);
                         data.loss_weights
                             .extend(std::iter::repeat_n(w as f32, s as usize));
                         data.cu_seqlens.push(data.ids.len());
@@ -131,6 +181,45 @@ pub fn build_step(
                 .collect()
         })
         .collect()
+}
+
+/// One replica's microbatches with every chunked sequence's chunks joined back into one
+/// microbatch of the whole sequence (in the place of its first chunk): what a run without
+/// chunks computes on the same tokens (the `--verify` reference).
+pub fn join_chunks(microbatches: &[MicrobatchData]) -> Vec<MicrobatchData> {
+    let mut out: Vec<MicrobatchData> = Vec::with_capacity(microbatches.len());
+    // sequence -> its index in `out`; chunks are joined in chunk order.
+    let mut at: HashMap<u32, usize> = HashMap::new();
+    let mut chunks: Vec<&MicrobatchData> =
+        microbatches.iter().filter(|m| m.chunk.is_some()).collect();
+    chunks.sort_by_key(|m| m.chunk.map(|c| (c.sequence, c.index)));
+    for mb in microbatches {
+        match mb.chunk {
+            None => out.push(mb.clone()),
+            Some(c) if c.index == 0 => {
+                at.insert(c.sequence, out.len());
+                let mut whole = mb.clone();
+                whole.chunk = None;
+                out.push(whole);
+            }
+            Some(_) => {}
+        }
+    }
+    for mb in chunks {
+        let c = mb.chunk.expect("filtered");
+        if c.index == 0 {
+            continue;
+        }
+        if let Some(&i) = at.get(&c.sequence) {
+            let w = &mut out[i];
+            w.ids.extend_from_slice(&mb.ids);
+            w.labels.extend_from_slice(&mb.labels);
+            w.loss_weights.extend_from_slice(&mb.loss_weights);
+            w.seq_lens[0] += mb.seq_lens[0];
+            w.cu_seqlens = vec![0, w.ids.len()];
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -144,6 +233,42 @@ mod tests {
         assert!((per_token_mean(&parts) - 0.6).abs() < 1e-12);
         let mean_of_means = (2.0 / 2.0 + 4.0 / 8.0) / 2.0;
         assert!((mean_of_means - 0.75f64).abs() < 1e-12);
+    }
+
+    #[test]
+    fn chunks_hold_the_rows_of_their_whole_sequence() {
+        let whole = vec![vec![Microbatch::flat(vec![3]), Microbatch::flat(vec![10])]];
+        let mut cut = vec![Microbatch::flat(vec![3])];
+        cut.extend(Microbatch::chunks(1, 10, 4).unwrap());
+        // The chunked sequence is drawn from (d, sequence): compare with a sequence drawn the
+        // same way at full length, i.e. the chunks joined back.
+        for reduction in [LossReduction::PerToken, LossReduction::PerSequence] {
+            let step = build_step_of(&[cut.clone()], 64, 5, 2, reduction);
+            assert_eq!(step[0].len(), 4);
+            assert_eq!(step[0][2].chunk.unwrap().offset, 4);
+            let joined = join_chunks(&step[0]);
+            assert_eq!(joined.len(), 2);
+            assert_eq!(joined[1].seq_lens, vec![10]);
+            assert_eq!(joined[1].cu_seqlens, vec![0, 10]);
+            // Labels continue across chunk boundaries: label[t] == id[t + 1].
+            for t in 0..9 {
+                assert_eq!(joined[1].labels[t], joined[1].ids[t + 1]);
+            }
+            // Weights: per token 1/13 everywhere; per sequence 1/(2 * 3) and 1/(2 * 10).
+            let want = match reduction {
+                LossReduction::PerToken => (1.0 / 13.0, 1.0 / 13.0),
+                LossReduction::PerSequence => (1.0 / 6.0, 1.0 / 20.0),
+            };
+            assert!((joined[0].loss_weights[0] as f64 - want.0).abs() < 1e-7);
+            assert!(
+                joined[1]
+                    .loss_weights
+                    .iter()
+                    .all(|&w| (w as f64 - want.1).abs() < 1e-7)
+            );
+            let plain = build_step_of(&whole, 64, 5, 2, reduction);
+            assert_eq!(plain[0][1].loss_weights, joined[1].loss_weights);
+        }
     }
 
     #[test]

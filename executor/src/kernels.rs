@@ -98,7 +98,16 @@ pub fn rmsnorm_dg(dg: &mut Array1<f32>, dy: ArrayView2<f32>, xhat: ArrayView2<f3
 /// `i < d/2`, `(x_i, x_{i+d/2})` is rotated by `pos * theta^(-2i/d)`, where `pos` restarts at 0 in
 /// every sequence of `cu_seqlens`. `inverse` rotates back (the backward of a rotation is its
 /// transpose).
-pub fn rope(x: &mut ArrayViewMut2<f32>, cu_seqlens: &[usize], head_dim: usize, inverse: bool) {
+///
+/// `offset` shifts every position (a chunk of a longer sequence starts at its offset in the
+/// sequence, [`flatpipe_simulator::microbatch::Chunk`]); 0 otherwise.
+pub fn rope(
+    x: &mut ArrayViewMut2<f32>,
+    cu_seqlens: &[usize],
+    head_dim: usize,
+    inverse: bool,
+    offset: usize,
+) {
     let half = head_dim / 2;
     let heads = x.ncols() / head_dim;
     let freqs: Vec<f32> = (0..half)
@@ -107,6 +116,7 @@ pub fn rope(x: &mut ArrayViewMut2<f32>, cu_seqlens: &[usize], head_dim: usize, i
     let sign = if inverse { -1.0 } else { 1.0 };
     for w in cu_seqlens.windows(2) {
         for (pos, t) in (w[0]..w[1]).enumerate() {
+            let pos = pos + offset;
             let mut row = x.row_mut(t);
             for (i, f) in freqs.iter().enumerate() {
                 let (sin, cos) = (pos as f32 * f).sin_cos();
@@ -201,13 +211,21 @@ fn blocks(a: usize, b: usize) -> impl Iterator<Item = (usize, usize, usize)> {
 /// query block with GEMMs): `q [T, heads*d]`, `k, v [T, kv_heads*d]` ->
 /// `(o [T, heads*d], lse [T, heads])`. No query attends across a `cu_seqlens` boundary or to a
 /// later position.
+///
+/// With `prefix > 0` the microbatch is one chunk of a longer sequence (`cu_seqlens = [0, T]`):
+/// `k, v` are `[prefix + T, kv_heads*d]`, the earlier chunks' keys and values then the chunk's
+/// own, and query row `i` (position `prefix + i`) attends to key rows `0..=prefix + i`: the
+/// `T (T + 1) / 2 + T prefix` pairs of [`flatpipe_simulator::Microbatch::attn_pairs`].
 pub fn attention(
     q: ArrayView2<f32>,
     k: ArrayView2<f32>,
     v: ArrayView2<f32>,
     cu_seqlens: &[usize],
     dims: AttnDims,
+    prefix: usize,
 ) -> (Array2<f32>, Array2<f32>) {
+    debug_assert!(prefix == 0 || cu_seqlens.len() == 2);
+    debug_assert_eq!(k.nrows(), q.nrows() + prefix);
     let d = dims.head_dim;
     let mut o = Array2::zeros(q.raw_dim());
     let mut lse = Array2::zeros((q.nrows(), dims.heads));
@@ -217,9 +235,9 @@ pub fn attention(
             let g = dims.kv_of(h);
             for (q0, q1, row0) in blocks(a, b) {
                 let qh = block(q, q0..q1, h * d..(h + 1) * d);
-                let kh = block(k, a..q1, g * d..(g + 1) * d);
-                let vh = block(v, a..q1, g * d..(g + 1) * d);
-                let (p, l) = probs(qh, kh, row0, dims.scale(), None);
+                let kh = block(k, a..q1 + prefix, g * d..(g + 1) * d);
+                let vh = block(v, a..q1 + prefix, g * d..(g + 1) * d);
+                let (p, l) = probs(qh, kh, row0 + prefix, dims.scale(), None);
                 let mut oh = block_mut(&mut o, q0..q1, h * d..(h + 1) * d);
                 general_mat_mul(1.0, &p, &vh, 0.0, &mut oh);
                 for (i, x) in l.into_iter().enumerate() {
@@ -244,6 +262,7 @@ pub fn attention_backward(
     lse: ArrayView2<f32>,
     cu_seqlens: &[usize],
     dims: AttnDims,
+    prefix: usize,
 ) -> (Array2<f32>, Array2<f32>, Array2<f32>) {
     let d = dims.head_dim;
     let scale = dims.scale();
@@ -256,15 +275,21 @@ pub fn attention_backward(
             let g = dims.kv_of(h);
             let (cols, kv_cols) = (h * d..(h + 1) * d, g * d..(g + 1) * d);
             for (q0, q1, row0) in blocks(a, b) {
+                let row0 = row0 + prefix;
+                let keys = a..q1 + prefix;
                 let qh = block(q, q0..q1, cols.clone());
-                let kh = block(k, a..q1, kv_cols.clone());
-                let vh = block(v, a..q1, kv_cols.clone());
+                let kh = block(k, keys.clone(), kv_cols.clone());
+                let vh = block(v, keys.clone(), kv_cols.clone());
                 let doh = block(dout, q0..q1, cols.clone());
                 let oh = block(o, q0..q1, cols.clone());
                 let l: Vec<f32> = (q0..q1).map(|t| lse[[t, h]]).collect();
                 let (p, _) = probs(qh, kh, row0, scale, Some(&l));
                 // dV += P^T dO
-                matmul_acc(&mut block_mut(&mut dv, a..q1, kv_cols.clone()), p.t(), doh);
+                matmul_acc(
+                    &mut block_mut(&mut dv, keys.clone(), kv_cols.clone()),
+                    p.t(),
+                    doh,
+                );
                 // dP = dO V^T; dS = P ∘ (dP - D), D_i = Σ_j dO_ij O_ij
                 let mut ds = matmul(doh, vh.t());
                 for (i, mut row) in ds.rows_mut().into_iter().enumerate() {
@@ -275,7 +300,7 @@ pub fn attention_backward(
                 }
                 // dQ = dS K, dK += dS^T Q (scale folded into dS)
                 matmul_acc(&mut block_mut(&mut dq, q0..q1, cols.clone()), ds.view(), kh);
-                matmul_acc(&mut block_mut(&mut dk, a..q1, kv_cols.clone()), ds.t(), qh);
+                matmul_acc(&mut block_mut(&mut dk, keys, kv_cols.clone()), ds.t(), qh);
             }
         }
     }
@@ -442,7 +467,7 @@ pub(crate) mod tests {
         let x = randn(&mut rng, (7, 16), 1.0);
         let cu = [0, 3, 7];
         let mut y = x.clone();
-        rope(&mut y.view_mut(), &cu, 8, false);
+        rope(&mut y.view_mut(), &cu, 8, false, 0);
         // Position 0 of each sequence is unrotated; norms are preserved.
         assert_eq!(y.row(0), x.row(0));
         assert_eq!(y.row(3), x.row(3));
@@ -452,14 +477,14 @@ pub(crate) mod tests {
         }
         // Same relative position, same rotation: row 1 and row 4 rotate by pos 1.
         let mut one = block(x.view(), 1..2, 0..16).to_owned();
-        rope(&mut one.view_mut(), &[0, 1], 8, false);
+        rope(&mut one.view_mut(), &[0, 1], 8, false, 0);
         assert_ne!(
             one.row(0),
             y.row(1),
             "pos 0 of a one-token sequence is unrotated"
         );
         // The inverse undoes it (the backward of the rotation).
-        rope(&mut y.view_mut(), &cu, 8, true);
+        rope(&mut y.view_mut(), &cu, 8, true, 0);
         for (a, b) in x.iter().zip(y.iter()) {
             assert!((a - b).abs() < 1e-5);
         }
@@ -492,7 +517,7 @@ pub(crate) mod tests {
     ) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let r = randn(&mut rng, q.dim(), 1.0);
-        let (o, lse) = attention(q.view(), k.view(), v.view(), cu, dims);
+        let (o, lse) = attention(q.view(), k.view(), v.view(), cu, dims, 0);
         let (dq, dk, dv) = attention_backward(
             r.view(),
             q.view(),
@@ -502,9 +527,10 @@ pub(crate) mod tests {
             lse.view(),
             cu,
             dims,
+            0,
         );
         let f = |q: &Array2<f32>, k: &Array2<f32>, v: &Array2<f32>| {
-            proj(&attention(q.view(), k.view(), v.view(), cu, dims).0, &r)
+            proj(&attention(q.view(), k.view(), v.view(), cu, dims, 0).0, &r)
         };
         assert!(directional(q, &dq, &|x| f(x, k, v), seed + 1) < TOL, "dq");
         assert!(directional(k, &dk, &|x| f(q, x, v), seed + 2) < TOL, "dk");
@@ -547,6 +573,65 @@ pub(crate) mod tests {
         o
     }
 
+    /// A chunk (queries at positions 70..150 of one 150-token sequence, keys and values of all
+    /// 150) computes exactly the unsplit attention's rows 70..150, forward and backward (with an
+    /// output gradient on those rows only, the unsplit backward's dq rows and its whole dk, dv).
+    #[test]
+    fn chunked_attention_is_the_unsplit_attention_restricted_to_its_rows() {
+        let mut rng = ChaCha8Rng::seed_from_u64(31);
+        let dims = AttnDims {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+        };
+        let (t, o0) = (150usize, 70usize);
+        let q = randn(&mut rng, (t, 8), 1.0);
+        let k = randn(&mut rng, (t, 4), 1.0);
+        let v = randn(&mut rng, (t, 4), 1.0);
+        let (o, lse) = attention(q.view(), k.view(), v.view(), &[0, t], dims, 0);
+        let qc = q.slice(ndarray::s![o0.., ..]).to_owned();
+        let (oc, lsec) = attention(qc.view(), k.view(), v.view(), &[0, t - o0], dims, o0);
+        let close = |a: ArrayView2<f32>, b: ArrayView2<f32>| {
+            a.iter().zip(b.iter()).all(|(x, y)| (x - y).abs() <= 1e-5)
+        };
+        assert!(close(oc.view(), o.slice(ndarray::s![o0.., ..])));
+        assert!(close(lsec.view(), lse.slice(ndarray::s![o0.., ..])));
+        let mut dout = randn(&mut rng, (t, 8), 1.0);
+        dout.slice_mut(ndarray::s![..o0, ..]).fill(0.0);
+        let (dq, dk, dv) = attention_backward(
+            dout.view(),
+            q.view(),
+            k.view(),
+            v.view(),
+            o.view(),
+            lse.view(),
+            &[0, t],
+            dims,
+            0,
+        );
+        let doc = dout.slice(ndarray::s![o0.., ..]).to_owned();
+        let (dqc, dkc, dvc) = attention_backward(
+            doc.view(),
+            qc.view(),
+            k.view(),
+            v.view(),
+            oc.view(),
+            lsec.view(),
+            &[0, t - o0],
+            dims,
+            o0,
+        );
+        assert!(close(dqc.view(), dq.slice(ndarray::s![o0.., ..])));
+        assert!(close(dkc.view(), dk.view()));
+        assert!(close(dvc.view(), dv.view()));
+        // Rotary at an offset is the unsplit rotary's rows.
+        let mut whole = q.clone();
+        rope(&mut whole.view_mut(), &[0, t], 4, false, 0);
+        let mut part = qc.clone();
+        rope(&mut part.view_mut(), &[0, t - o0], 4, false, o0);
+        assert!(close(part.view(), whole.slice(ndarray::s![o0.., ..])));
+    }
+
     #[test]
     fn blocked_attention_equals_the_definition_across_blocks() {
         let mut rng = ChaCha8Rng::seed_from_u64(21);
@@ -560,7 +645,7 @@ pub(crate) mod tests {
         let q = randn(&mut rng, (217, 8), 1.0);
         let k = randn(&mut rng, (217, 4), 1.0);
         let v = randn(&mut rng, (217, 4), 1.0);
-        let (o, _) = attention(q.view(), k.view(), v.view(), &cu, dims);
+        let (o, _) = attention(q.view(), k.view(), v.view(), &cu, dims, 0);
         let want = naive_attention(&q, &k, &v, &cu, dims);
         for (a, b) in o.iter().zip(want.iter()) {
             assert!((*a as f64 - b).abs() < 1e-5, "{a} vs {b}");
@@ -580,16 +665,16 @@ pub(crate) mod tests {
         let q = randn(&mut rng, (6, 8), 1.0);
         let k = randn(&mut rng, (6, 4), 1.0);
         let mut v = randn(&mut rng, (6, 4), 1.0);
-        let (o1, _) = attention(q.view(), k.view(), v.view(), &[0, 2, 6], dims);
+        let (o1, _) = attention(q.view(), k.view(), v.view(), &[0, 2, 6], dims, 0);
         // Changing token 3's value changes nothing before it nor the first sequence.
         v.row_mut(3).fill(7.0);
-        let (o2, _) = attention(q.view(), k.view(), v.view(), &[0, 2, 6], dims);
+        let (o2, _) = attention(q.view(), k.view(), v.view(), &[0, 2, 6], dims, 0);
         for t in [0, 1, 2] {
             assert_eq!(o1.row(t), o2.row(t), "token {t}");
         }
         assert_ne!(o1.row(3), o2.row(3));
         // Token 0 of a sequence attends only to itself: its output is its value.
-        let (o, _) = attention(q.view(), k.view(), v.view(), &[0, 2, 6], dims);
+        let (o, _) = attention(q.view(), k.view(), v.view(), &[0, 2, 6], dims, 0);
         for c in 0..4 {
             assert!((o[[2, c]] - v[[2, c]]).abs() < 1e-6);
         }

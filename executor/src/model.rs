@@ -230,7 +230,8 @@ pub trait OpSet: Send + Debug + 'static {
         h: usize,
     ) -> Result<Self::Tensor>;
     /// Rotary embedding of `x [t, heads * head_dim]` in place (`inverse`: its transpose, for
-    /// the backward), positions restarting in every sequence.
+    /// the backward), positions restarting in every sequence (a chunk's starting at its
+    /// offset, [`MicrobatchData::chunk`]).
     ///
     /// # Errors
     /// A backend failure.
@@ -242,7 +243,9 @@ pub trait OpSet: Send + Debug + 'static {
         head_dim: usize,
         inverse: bool,
     ) -> Result<()>;
-    /// Varlen causal grouped-query attention: `(o [t, heads * d], lse [t, heads])`.
+    /// Varlen causal grouped-query attention: `(o [t, heads * d], lse [t, heads])`. For a chunk
+    /// of a longer sequence ([`MicrobatchData::chunk`] at offset `o`), `k` and `v` hold the
+    /// `o` earlier rows of its sequence then its own `t`.
     ///
     /// # Errors
     /// A backend failure.
@@ -272,6 +275,32 @@ pub trait OpSet: Send + Debug + 'static {
         data: &Self::Data,
         dims: AttnDims,
     ) -> Result<(Self::Tensor, Self::Tensor, Self::Tensor)>;
+    /// `[rows_0 + rows_1 + .., cols]`: the parts one under the other (a chunk's keys after the
+    /// earlier chunks'). Default: unsupported (chunked sequences need it).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on a backend without it; a backend failure.
+    fn concat_rows(&self, parts: &[&Self::Tensor], cols: usize) -> Result<Self::Tensor> {
+        let _ = (parts, cols);
+        Err(Error::Unsupported(
+            "chunked sequences (keys of earlier chunks) run on the CPU backend only".into(),
+        ))
+    }
+    /// Rows `rows` of a `[_, cols]` tensor, as a tensor of their own. Default: unsupported.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on a backend without it; a backend failure.
+    fn slice_rows(
+        &self,
+        t: &Self::Tensor,
+        rows: Range<usize>,
+        cols: usize,
+    ) -> Result<Self::Tensor> {
+        let _ = (t, rows, cols);
+        Err(Error::Unsupported(
+            "chunked sequences (keys of earlier chunks) run on the CPU backend only".into(),
+        ))
+    }
     /// `silu(gate) * up` over `n` values.
     ///
     /// # Errors
@@ -640,11 +669,15 @@ impl<O: OpSet> WCtx<O> {
 
 /// A decoder's forward: pre-norm attention then pre-norm SwiGLU MLP, each on the residual
 /// stream (Llama 3 as torchtitan implements it). `x [T, H]` -> `y [T, H]` and what I needs.
+///
+/// `prefix`: for a chunk of a longer sequence, the earlier chunks' rotated keys and values on
+/// this layer `[offset, kv]` (the forward keeps only the chunk's own).
 pub(crate) fn decoder_forward<O: OpSet>(
     ops: &O,
     p: &Decoder<O::Tensor>,
     x: &O::Tensor,
     data: &O::Data,
+    prefix: Option<(&O::Tensor, &O::Tensor)>,
 ) -> Result<(O::Tensor, DecoderF<O::Tensor>)> {
     let (t, h, f, kv) = (O::tokens(data), p.hidden, p.ffn, p.kv());
     let d = p.dims;
@@ -654,7 +687,14 @@ pub(crate) fn decoder_forward<O: OpSet>(
     let v = ops.linear(&h1, &p.wv.value, t, h, kv)?;
     ops.rope(&mut q, data, d.heads, d.head_dim, false)?;
     ops.rope(&mut k, data, d.kv_heads, d.head_dim, false)?;
-    let (o, lse) = ops.attention(&q, &k, &v, data, d)?;
+    let (o, lse) = match prefix {
+        Some((kp, vp)) => {
+            let kf = ops.concat_rows(&[kp, &k], kv)?;
+            let vf = ops.concat_rows(&[vp, &v], kv)?;
+            ops.attention(&q, &kf, &vf, data, d)?
+        }
+        None => ops.attention(&q, &k, &v, data, d)?,
+    };
     let mut x2 = ops.linear(&o, &p.wo.value, t, h, h)?;
     ops.add_inplace(&mut x2, x, t * h)?;
     let (h2, xhat2, rstd2) = ops.rmsnorm(&x2, &p.ffn_norm.value, t, h)?;
@@ -684,15 +724,29 @@ pub(crate) fn decoder_forward<O: OpSet>(
     ))
 }
 
+/// What a chunk's dgrad adds to a decoder's: the earlier chunks' keys and values on this layer
+/// (`[offset, kv]`, `None` for the first chunk) and the gradients of this chunk's own keys and
+/// values that the later chunks' dgrads produced (`None` for the last).
+pub(crate) struct ChunkDgrad<'a, T> {
+    /// The chunk's offset in its sequence: the rows of `prefix`.
+    pub(crate) offset: usize,
+    pub(crate) prefix: Option<(&'a T, &'a T)>,
+    pub(crate) later: Option<(T, T)>,
+}
+
 /// A decoder's dgrad: from `dy [T, H]` (kept for W as the MLP output GEMM's gradient) to the
-/// input gradient, and what W needs.
+/// input gradient, and what W needs. For a chunk, also the gradients of the earlier chunks'
+/// keys and values `[offset, kv]` (rotated; each earlier chunk adds its rows to its own in its
+/// dgrad).
+#[allow(clippy::type_complexity)]
 pub(crate) fn decoder_dgrad<O: OpSet>(
     ops: &O,
     p: &Decoder<O::Tensor>,
     c: DecoderF<O::Tensor>,
     dy_hidden: O::Hidden,
     data: &O::Data,
-) -> Result<(O::Tensor, WCtx<O>)> {
+    chunk: Option<ChunkDgrad<'_, O::Tensor>>,
+) -> Result<(O::Tensor, WCtx<O>, Option<(O::Tensor, O::Tensor)>)> {
     let (t, h, f, kv) = (O::tokens(data), p.hidden, p.ffn, p.kv());
     let d = p.dims;
     let dy = O::tensor(&dy_hidden);
@@ -704,8 +758,40 @@ pub(crate) fn decoder_dgrad<O: OpSet>(
     let dx2 = ops.rmsnorm_dx(&dh2, &c.xhat2, &c.rstd2, &p.ffn_norm.value, Some(dy), t, h)?;
     // Attention: x2 = x + o Wo
     let dout = ops.linear_dx(&dx2, &p.wo.value, t, h, h)?;
-    let (mut dq, mut dk, dv) =
-        ops.attention_backward(&dout, (&c.q, &c.k, &c.v, &c.o, &c.lse), data, d)?;
+    let (mut dq, mut dk, mut dv, earlier) = match &chunk {
+        Some(ChunkDgrad {
+            offset: o,
+            prefix: Some((kp, vp)),
+            ..
+        }) => {
+            let o = *o;
+            let kf = ops.concat_rows(&[kp, &c.k], kv)?;
+            let vf = ops.concat_rows(&[vp, &c.v], kv)?;
+            let (dq, dkf, dvf) =
+                ops.attention_backward(&dout, (&c.q, &kf, &vf, &c.o, &c.lse), data, d)?;
+            let own = |x: &O::Tensor| ops.slice_rows(x, o..o + t, kv);
+            let before = |x: &O::Tensor| ops.slice_rows(x, 0..o, kv);
+            (
+                dq,
+                own(&dkf)?,
+                own(&dvf)?,
+                Some((before(&dkf)?, before(&dvf)?)),
+            )
+        }
+        _ => {
+            let (dq, dk, dv) =
+                ops.attention_backward(&dout, (&c.q, &c.k, &c.v, &c.o, &c.lse), data, d)?;
+            (dq, dk, dv, None)
+        }
+    };
+    if let Some(ChunkDgrad {
+        later: Some((lk, lv)),
+        ..
+    }) = &chunk
+    {
+        ops.add_inplace(&mut dk, lk, t * kv)?;
+        ops.add_inplace(&mut dv, lv, t * kv)?;
+    }
     ops.rope(&mut dq, data, d.heads, d.head_dim, true)?;
     ops.rope(&mut dk, data, d.kv_heads, d.head_dim, true)?;
     let mut dh1 = ops.linear_dx(&dq, &p.wq.value, t, h, h)?;
@@ -737,7 +823,7 @@ pub(crate) fn decoder_dgrad<O: OpSet>(
         dh1,
         dh2,
     }));
-    Ok((dx, w))
+    Ok((dx, w, earlier))
 }
 
 /// The head's forward: final RMSNorm, LM head, weighted cross-entropy.
@@ -918,6 +1004,12 @@ pub struct Stage<O: OpSet> {
     /// Microbatch data moved to the device before the step, by (microbatch, forward-only).
     staged: HashMap<(u32, bool), O::Data>,
     peak_saved: usize,
+    /// Chunked sequences on this stage: sequence -> its chunks' `(index, offset, tokens,
+    /// microbatch)` as their forwards ran.
+    chains: HashMap<u32, Vec<(u32, usize, usize, u32)>>,
+    /// Per (chunk microbatch, layer position): the gradients of its rotated keys and values
+    /// that its later chunks' dgrads produced, summed, `[tokens, kv]` each.
+    later_kv: HashMap<(u32, usize), (O::Tensor, O::Tensor)>,
 }
 
 impl<O: OpSet> Stage<O> {
@@ -938,6 +1030,8 @@ impl<O: OpSet> Stage<O> {
             pending: Vec::new(),
             staged: HashMap::new(),
             peak_saved: 0,
+            chains: HashMap::new(),
+            later_kv: HashMap::new(),
         }
     }
 
@@ -956,7 +1050,12 @@ impl<O: OpSet> Stage<O> {
             .flat_map(|(_, c)| c)
             .map(WCtx::bytes)
             .sum();
-        f + w
+        let kv: usize = self
+            .later_kv
+            .values()
+            .map(|(k, v)| O::bytes(k) + O::bytes(v))
+            .sum();
+        f + w + kv
     }
 
     /// The most [`Stage::saved_bytes`] seen after any action (this stage's share of its rank's
@@ -988,6 +1087,71 @@ impl<O: OpSet> Stage<O> {
         self.peak_saved = self.peak_saved.max(self.saved_bytes());
     }
 
+    /// The earlier chunks' rotated keys and values of every layer (`None` for a layer that is
+    /// not a decoder), from their saved forwards, for chunk `c` (microbatch `mb`); `None` when
+    /// `c` is the first chunk. Their forwards ran and their dgrads have not (the schedule runs a
+    /// sequence's forwards in chunk order and its backwards in reverse).
+    #[allow(clippy::type_complexity)]
+    fn chunk_prefix(
+        &self,
+        mb: u32,
+        c: flatpipe_simulator::microbatch::Chunk,
+    ) -> Result<Option<Vec<Option<(O::Tensor, O::Tensor)>>>> {
+        if c.index == 0 {
+            return Ok(None);
+        }
+        let misuse = |why| Misuse::ChunkOrder {
+            mb,
+            sequence: c.sequence,
+            index: c.index,
+            why,
+        };
+        let mut earlier: Vec<(u32, u32)> = self
+            .chains
+            .get(&c.sequence)
+            .map(|v| {
+                v.iter()
+                    .filter(|x| x.0 < c.index)
+                    .map(|x| (x.0, x.3))
+                    .collect()
+            })
+            .unwrap_or_default();
+        earlier.sort_unstable();
+        if earlier.len() != c.index as usize {
+            return Err(misuse("an earlier chunk's forward has not run on this stage").into());
+        }
+        let mut ctxs = Vec::with_capacity(earlier.len());
+        for (_, m) in &earlier {
+            let (_, c) = self.fctx.get(m).ok_or(misuse(
+                "an earlier chunk's backward ran before this chunk's",
+            ))?;
+            ctxs.push(c);
+        }
+        let mut out = Vec::with_capacity(self.layers.len());
+        for (l, (_, layer)) in self.layers.iter().enumerate() {
+            let Layer::Decoder(d) = layer else {
+                out.push(None);
+                continue;
+            };
+            let mut ks = Vec::with_capacity(ctxs.len());
+            let mut vs = Vec::with_capacity(ctxs.len());
+            for c in &ctxs {
+                match c.get(l) {
+                    Some(FCtx::Decoder(f)) => {
+                        ks.push(&f.k);
+                        vs.push(&f.v);
+                    }
+                    _ => return Err(Misuse::ActivationsOfAnotherKind.into()),
+                }
+            }
+            out.push(Some((
+                self.ops.concat_rows(&ks, d.kv())?,
+                self.ops.concat_rows(&vs, d.kv())?,
+            )));
+        }
+        Ok(Some(out))
+    }
+
     fn run_layer(
         ops: &O,
         layer: &Layer<O::Tensor>,
@@ -995,6 +1159,7 @@ impl<O: OpSet> Stage<O> {
         data: &O::Data,
         keep: bool,
         recompute: Recompute,
+        prefix: Option<(&O::Tensor, &O::Tensor)>,
     ) -> Result<(Flow<O>, Option<FCtx<O>>)> {
         let t = O::tokens(data);
         Ok(match (layer, flow) {
@@ -1003,7 +1168,7 @@ impl<O: OpSet> Stage<O> {
                 keep.then_some(FCtx::Embedding),
             ),
             (Layer::Decoder(d), Flow::Hidden(x)) => {
-                let (y, c) = decoder_forward(ops, d, O::tensor(&x), data)?;
+                let (y, c) = decoder_forward(ops, d, O::tensor(&x), data, prefix)?;
                 let ctx = match (keep, recompute) {
                     (false, _) => None,
                     (true, Recompute::Full) => Some(FCtx::Input(x)),
@@ -1082,9 +1247,33 @@ impl<O: OpSet> StageWorker for Stage<O> {
             StageInput::Tokens => Flow::Tokens,
             StageInput::Hidden(h) => Flow::Hidden(h),
         };
+        let prefix = match data.chunk {
+            Some(c) => {
+                if !keep || self.recompute != Recompute::None {
+                    return Err(Error::Unsupported(format!(
+                        "chunk {} of {} (microbatch {mb}): chunked sequences run only as training microbatches without recomputation (their later chunks read this chunk's saved keys and values)",
+                        c.index, c.of
+                    )));
+                }
+                let prefix = self.chunk_prefix(mb, c)?;
+                self.chains.entry(c.sequence).or_default().push((
+                    c.index,
+                    c.offset as usize,
+                    data.tokens(),
+                    mb,
+                ));
+                prefix
+            }
+            None => None,
+        };
         let mut ctxs = Vec::with_capacity(self.layers.len());
-        for (_, layer) in &self.layers {
-            let (next, ctx) = Self::run_layer(&self.ops, layer, flow, &dev, keep, self.recompute)?;
+        for (l, (_, layer)) in self.layers.iter().enumerate() {
+            let p = prefix
+                .as_ref()
+                .and_then(|p| p[l].as_ref())
+                .map(|(k, v)| (k, v));
+            let (next, ctx) =
+                Self::run_layer(&self.ops, layer, flow, &dev, keep, self.recompute, p)?;
             flow = next;
             ctxs.extend(ctx);
         }
@@ -1110,9 +1299,30 @@ impl<O: OpSet> StageWorker for Stage<O> {
     fn backward_input(
         &mut self,
         mb: u32,
-        _data: &MicrobatchData,
+        data: &MicrobatchData,
         grad: Option<O::Hidden>,
     ) -> Result<Option<O::Hidden>> {
+        // A chunk: every later chunk's dgrad ran (they produced this chunk's key/value
+        // gradients); the earlier chunks' keys and values are still saved.
+        let (chunk, prefix) = match data.chunk {
+            Some(c) => {
+                let chain = self.chains.get(&c.sequence).cloned().unwrap_or_default();
+                let later_pending = chain
+                    .iter()
+                    .any(|x| x.0 > c.index && self.fctx.contains_key(&x.3));
+                if later_pending || chain.len() != c.of as usize {
+                    return Err(Misuse::ChunkOrder {
+                        mb,
+                        sequence: c.sequence,
+                        index: c.index,
+                        why: "a later chunk's backward has not run on this stage (a sequence's backwards run in reverse chunk order)",
+                    }
+                    .into());
+                }
+                (Some((c, chain)), self.chunk_prefix(mb, c)?)
+            }
+            None => (None, None),
+        };
         let (dev, ctxs) = self
             .fctx
             .remove(&mb)
@@ -1121,12 +1331,12 @@ impl<O: OpSet> StageWorker for Stage<O> {
         let t = O::tokens(&dev);
         let mut dy = grad;
         let mut wctxs = Vec::with_capacity(ctxs.len());
-        for ((_, layer), ctx) in self.layers.iter().zip(ctxs).rev() {
+        for (pos, ((_, layer), ctx)) in self.layers.iter().zip(ctxs).enumerate().rev() {
             let ctx = match (ctx, layer) {
                 // Full recomputation: rerun this layer's forward from its saved input.
-                (FCtx::Input(x), Layer::Decoder(d)) => {
-                    FCtx::Decoder(Box::new(decoder_forward(ops, d, O::tensor(&x), &dev)?.1))
-                }
+                (FCtx::Input(x), Layer::Decoder(d)) => FCtx::Decoder(Box::new(
+                    decoder_forward(ops, d, O::tensor(&x), &dev, None)?.1,
+                )),
                 (
                     FCtx::Input(x),
                     Layer::Head {
@@ -1161,7 +1371,32 @@ impl<O: OpSet> StageWorker for Stage<O> {
                 }
                 (Layer::Decoder(d), FCtx::Decoder(c)) => {
                     let dy = dy.take().ok_or(Misuse::NoOutputGradient(mb))?;
-                    let (dx, w) = decoder_dgrad(ops, d, *c, dy, &dev)?;
+                    let cg = chunk.as_ref().map(|(ch, _)| ChunkDgrad {
+                        offset: ch.offset as usize,
+                        prefix: prefix
+                            .as_ref()
+                            .and_then(|p| p[pos].as_ref())
+                            .map(|(k, v)| (k, v)),
+                        later: self.later_kv.remove(&(mb, pos)),
+                    });
+                    let (dx, w, earlier) = decoder_dgrad(ops, d, *c, dy, &dev, cg)?;
+                    // Hand each earlier chunk its rows of the key/value gradients.
+                    if let (Some((dkp, dvp)), Some((ch, chain))) = (earlier, &chunk) {
+                        let kv = d.kv();
+                        for &(_, off, len, m) in chain.iter().filter(|x| x.0 < ch.index) {
+                            let gk = ops.slice_rows(&dkp, off..off + len, kv)?;
+                            let gv = ops.slice_rows(&dvp, off..off + len, kv)?;
+                            match self.later_kv.get_mut(&(m, pos)) {
+                                Some((k, v)) => {
+                                    ops.add_inplace(k, &gk, len * kv)?;
+                                    ops.add_inplace(v, &gv, len * kv)?;
+                                }
+                                None => {
+                                    self.later_kv.insert((m, pos), (gk, gv));
+                                }
+                            }
+                        }
+                    }
                     (Some(ops.hidden(dx, t * d.hidden)), w)
                 }
                 (Layer::Embedding { .. }, FCtx::Embedding) => {
@@ -1176,6 +1411,12 @@ impl<O: OpSet> StageWorker for Stage<O> {
             wctxs.push(w);
         }
         wctxs.reverse();
+        if let Some((c, _)) = chunk
+            && c.index == 0
+        {
+            // The sequence's last backward on this stage.
+            self.chains.remove(&c.sequence);
+        }
         self.wctx.insert(mb, (dev, wctxs));
         self.note_peak();
         dy.map(|h| self.ops.ready(h)).transpose()

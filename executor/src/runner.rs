@@ -4,7 +4,7 @@
 //! reference that `--verify` and the tests compare against.
 
 use crate::cpu::CpuStage;
-use crate::data::{LossReduction, MicrobatchData, build_step};
+use crate::data::{LossReduction, MicrobatchData, build_step_of, join_chunks};
 use crate::interpreter::{Replica, StepOptions, StepRun, run_step};
 use crate::worker::{AdamW, StageInput, StageWorker};
 use crate::{Error, Result};
@@ -276,10 +276,10 @@ impl Setup {
             )));
         }
         let plan = plan_step(&self.config, self.profile.as_deref(), step, &cut)?;
-        let seq_lens: Vec<Vec<Vec<u32>>> = plan
+        let planned: Vec<Vec<Microbatch>> = plan
             .replicas
             .iter()
-            .map(|r| r.microbatches.iter().map(|m| m.seq_lens.clone()).collect())
+            .map(|r| r.microbatches.clone())
             .collect();
         let vocab = self
             .model
@@ -287,7 +287,7 @@ impl Setup {
             .first()
             .map(|l| l.vocab as u32)
             .unwrap_or(1);
-        let data = build_step(&seq_lens, vocab, self.seed, step, self.reduction);
+        let data = build_step_of(&planned, vocab, self.seed, step, self.reduction);
         let replicas = plan
             .replicas
             .iter()
@@ -581,7 +581,13 @@ impl Reference {
     ) -> Result<ReferenceStep> {
         self.stage.zero_grads()?;
         let mut loss = 0.0;
-        for (i, mb) in step.all_microbatches().enumerate() {
+        // A chunked sequence runs whole: the reference is the unsplit run on the same tokens.
+        let whole: Vec<MicrobatchData> = step
+            .replicas
+            .iter()
+            .flat_map(|r| join_chunks(&r.microbatches))
+            .collect();
+        for (i, mb) in whole.iter().enumerate() {
             let i = i as u32;
             match self.stage.forward(i, mb, StageInput::Tokens, true)? {
                 crate::worker::StageOutput::Loss(l) => loss += l.weighted,

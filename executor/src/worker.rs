@@ -32,6 +32,13 @@ pub(crate) enum Misuse {
     GradientsOfAnotherKind,
     #[error("a stage has no layers")]
     NoLayers,
+    #[error("chunk {index} of sequence {sequence} (microbatch {mb}): {why}")]
+    ChunkOrder {
+        mb: u32,
+        sequence: u32,
+        index: u32,
+        why: &'static str,
+    },
 }
 
 impl From<Misuse> for Error {

@@ -215,7 +215,7 @@ fn rotary_swiglu_and_embedding_match_the_cpu() {
     let mut pos = launch::positions(&cu);
     for inverse in [false, true] {
         let mut want = x.clone();
-        k::rope(&mut want.view_mut(), &cu, D, inverse);
+        k::rope(&mut want.view_mut(), &cu, D, inverse, 0);
         let mut got = x.clone();
         emu.launch(
             "rope",
@@ -376,7 +376,7 @@ fn varlen_gqa_attention_forward_and_backward_match_the_cpu() {
     let mut q = randn(&mut rng, (t, dims.heads * D));
     let mut kk = randn(&mut rng, (t, dims.kv_heads * D));
     let mut v = randn(&mut rng, (t, dims.kv_heads * D));
-    let (o, lse) = k::attention(q.view(), kk.view(), v.view(), &cu, dims);
+    let (o, lse) = k::attention(q.view(), kk.view(), v.view(), &cu, dims, 0);
     let mut tiles = launch::tiles(&cu);
     let scale = 1.0 / (D as f32).sqrt();
     let (mut go, mut glse) = (Array2::zeros(o.raw_dim()), Array2::zeros(lse.raw_dim()));
@@ -413,6 +413,7 @@ fn varlen_gqa_attention_forward_and_backward_match_the_cpu() {
         lse.view(),
         &cu,
         dims,
+        0,
     );
     let mut delta = vec![0.0f32; t * dims.heads];
     emu.launch(

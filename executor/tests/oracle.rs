@@ -326,3 +326,92 @@ fn forward_only_work_runs_in_the_interpreter_and_leaves_training_unchanged() {
         assert_eq!(n_fo, 5 * s.config.stages.len());
     }
 }
+
+/// Issue 24: a 2,048-token sequence with a 512-token budget runs as 4 chunks whose forwards
+/// read the earlier chunks' keys and values and whose dgrads hand back their key/value
+/// gradients; loss and every gradient equal the single-rank run of the whole sequence unsplit
+/// (the reference joins the chunks back), for every schedule kind that orders chunks, with
+/// short sequences alongside and under both loss reductions.
+#[test]
+fn chunked_sequences_match_the_unsplit_single_rank_run() {
+    use flatpipe_profiles::{LengthDistribution, Workload};
+    use flatpipe_simulator::policy::{Policy, PolicyParams};
+    let chunked = |kind: ScheduleKind, pp: u32, lengths: LengthDistribution, seqs: u32| {
+        let v = kind.stages_per_rank(None).unwrap();
+        let mut w = Workload::empirical("long".into(), "t".into(), vec![1]);
+        w.lengths = lengths;
+        let mut s = common::setup(model(), w, ScheduleSource::Kind(kind), (pp, v, 1));
+        s.config.policy = Policy::FlatFfd;
+        s.config.params = PolicyParams {
+            token_budget: 512,
+            chunk_tokens: Some(512),
+            ..PolicyParams::default()
+        };
+        s.step_size = StepSize::Seqs(seqs);
+        s
+    };
+    let one = LengthDistribution::Fixed { tokens: 2048 };
+    for kind in [
+        ScheduleKind::OneFOneB,
+        ScheduleKind::ZbH1,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::ZbV,
+        ScheduleKind::DualPipeV,
+    ] {
+        let s = chunked(kind, 2, one.clone(), 1);
+        let step = s.prepare(0).unwrap();
+        let mbs = &step.replicas[0].microbatches;
+        assert_eq!(mbs.len(), 4, "{kind}");
+        assert!(mbs.iter().all(|m| m.tokens() == 512 && m.chunk.is_some()));
+        assert_eq!(step.replicas[0].schedule.chunks.len(), 1);
+        check(&s);
+    }
+    // Two long sequences among short ones, per-sequence reduction: chunks of two chains and
+    // whole microbatches in one step.
+    let mut s = chunked(
+        ScheduleKind::OneFOneB,
+        2,
+        LengthDistribution::Lognormal {
+            median: 300.0,
+            sigma: 1.2,
+            min: 16,
+            max: 2048,
+        },
+        8,
+    );
+    s.reduction = LossReduction::PerSequence;
+    let step = s.prepare(0).unwrap();
+    let chains = step.replicas[0].schedule.chunks.len();
+    assert!(
+        chains >= 1,
+        "the sampled step has no sequence over 512 tokens"
+    );
+    check(&s);
+}
+
+/// Chunked sequences with recomputation are refused with the reason (a chunk's later chunks
+/// read its saved keys and values), not run wrong.
+#[test]
+fn chunked_sequences_refuse_recomputation() {
+    use flatpipe_profiles::{LengthDistribution, Workload};
+    use flatpipe_simulator::policy::PolicyParams;
+    let mut w = Workload::empirical("long".into(), "t".into(), vec![1]);
+    w.lengths = LengthDistribution::Fixed { tokens: 1024 };
+    let mut s = common::setup(
+        model(),
+        w,
+        ScheduleSource::Kind(ScheduleKind::OneFOneB),
+        (2, 1, 1),
+    );
+    s.config.params = PolicyParams {
+        token_budget: 512,
+        chunk_tokens: Some(512),
+        ..PolicyParams::default()
+    };
+    s.config.recompute = vec![Recompute::Selective; 2];
+    s.step_size = StepSize::Seqs(1);
+    let step = s.prepare(0).unwrap();
+    let mut exec = Executor::cpu(&s).unwrap();
+    let e = exec.gradients(&step).unwrap_err().to_string();
+    assert!(e.contains("without recomputation"), "{e}");
+}

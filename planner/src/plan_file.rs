@@ -63,6 +63,7 @@ pub fn candidate_plan(
             .collect(),
         microbatches: None,
         token_budget: Some(c.token_budget),
+        chunk_tokens: c.chunk_tokens,
         seqs_per_step: inputs.seqs_per_step,
         tokens_per_step: inputs.tokens_per_step,
         policy: Some(policy),

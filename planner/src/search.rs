@@ -61,6 +61,10 @@ pub struct SearchSpace {
     pub tp: Vec<u32>,
     /// Sequence parallelism with tensor parallelism (Korthikanti et al. 2022).
     pub sequence_parallel: bool,
+    /// Where a sampled step holds a sequence longer than a token budget, also try cutting
+    /// such sequences into chunks of the budget and of half of it
+    /// ([`flatpipe_simulator::policy::PolicyParams::chunk_tokens`]).
+    pub chunk: bool,
 }
 
 impl SearchSpace {
@@ -83,6 +87,7 @@ impl SearchSpace {
             ],
             tp: Vec::new(),
             sequence_parallel: true,
+            chunk: true,
         }
     }
 }
@@ -139,6 +144,9 @@ pub struct Candidate {
     pub schedule: ScheduleKind,
     /// Token budget per microbatch.
     pub token_budget: u64,
+    /// Sequences longer than the budget cut into chunks of at most this many tokens (`None`:
+    /// each gets a microbatch of its own).
+    pub chunk_tokens: Option<u64>,
     /// How the replicas shard weights, gradients and optimizer state.
     pub sharding: Sharding,
     /// Layer range of every stage.
@@ -178,6 +186,7 @@ impl Candidate {
     pub fn run_config(&self, policy: Policy, config: &SearchConfig) -> RunConfig {
         run_config(
             (self.schedule, self.dp, self.pp, self.vpp, self.token_budget),
+            self.chunk_tokens,
             self.sharding,
             &self.partition,
             policy,
@@ -185,10 +194,11 @@ impl Candidate {
         )
     }
 
-    /// `schedule tp=.. dp=.. pp=.. v=.. budget=.. sharding` (`tp=..` only above 1).
+    /// `schedule tp=.. dp=.. pp=.. v=.. budget=..[ chunk=..] sharding` (`tp=..` only above 1,
+    /// `chunk=..` only when long sequences are cut).
     pub fn describe(&self) -> String {
         format!(
-            "{} {}dp={} pp={} v={} budget={} {}",
+            "{} {}dp={} pp={} v={} budget={}{} {}",
             self.schedule_name(),
             if self.tp > 1 {
                 format!("tp={} ", self.tp)
@@ -199,6 +209,8 @@ impl Candidate {
             self.pp,
             self.vpp,
             self.token_budget,
+            self.chunk_tokens
+                .map_or(String::new(), |c| format!(" chunk={c}")),
             self.sharding
         )
     }
@@ -218,6 +230,7 @@ impl Candidate {
 /// recomputation ([`Candidate::run_config`]).
 fn run_config(
     (kind, dp, pp, v, budget): (ScheduleKind, u32, u32, u32, u64),
+    chunk_tokens: Option<u64>,
     sharding: Sharding,
     partition: &Partition,
     policy: Policy,
@@ -239,6 +252,7 @@ fn run_config(
     run.forward_only = config.forward_only;
     run.params = PolicyParams {
         token_budget: budget,
+        chunk_tokens,
         ..Default::default()
     };
     run
@@ -268,6 +282,9 @@ pub fn plan_schedule(
     space.recompute = vec![Recompute::None];
     space.sharding = vec![Sharding::Ddp];
     space.tp = vec![1];
+    // The CUDA executor does not run chunked sequences yet, and calibrate compares schedules on
+    // the same microbatches.
+    space.chunk = false;
     let config = SearchConfig {
         steps: 16,
         seed: workload.seed,
@@ -312,6 +329,9 @@ pub struct SearchResult {
     pub zb_auto_not_finalist: usize,
     /// zb-auto finalists not built: [`ZB_AUTO_TIME_LIMIT_S`] had passed.
     pub zb_auto_out_of_time: usize,
+    /// Candidates cutting long sequences into chunks not evaluated: their layout was not a
+    /// finalist's.
+    pub chunked_not_finalist: usize,
 }
 
 /// Branch-and-bound nodes one search spends on its splits at most, spread evenly over its
@@ -346,6 +366,7 @@ struct Pending {
     v: u32,
     kind: ScheduleKind,
     budget: u64,
+    chunk: Option<u64>,
     stats: usize,
     lower_bound_s: f64,
 }
@@ -366,7 +387,7 @@ fn batch_stats(
     steps: &[Vec<u32>],
     dp: u32,
     policy: Policy,
-    budget: u64,
+    (budget, chunk_tokens): (u64, Option<u64>),
 ) -> Result<BatchStats> {
     let (tok, pair) = profile.layers.iter().fold((0.0, 0.0), |acc, l| {
         (
@@ -382,6 +403,7 @@ fn batch_stats(
     let cost = move |t: u64, a: u64| tok * t as f64 + pair * a as f64;
     let params = PolicyParams {
         token_budget: budget,
+        chunk_tokens,
         ..Default::default()
     };
     let (mut n, mut t_sum, mut a_sum, mut max_count) = (0usize, 0.0, 0.0, 0u32);
@@ -492,8 +514,22 @@ pub fn search(
                 continue;
             }
             let shardings = shardings_for(profile, space, pp, dp);
-            for &budget in &space.token_budgets {
-                let stats = batch_stats(profile, &steps, dp, space.policy, budget)?;
+            let longest = steps.iter().flatten().copied().max().unwrap_or(0) as u64;
+            let options = space.token_budgets.iter().flat_map(|&budget| {
+                // Long sequences: whole (a microbatch each), or in chunks of the budget or half
+                // (with a pipeline to fill: pp = 1 runs the chunks one after the other).
+                let chunks = if space.chunk && pp > 1 && longest > budget {
+                    vec![None, Some(budget), Some(budget / 2)]
+                } else {
+                    vec![None]
+                };
+                chunks
+                    .into_iter()
+                    .filter(|c| *c != Some(0))
+                    .map(move |c| (budget, c))
+            });
+            for (budget, chunk) in options {
+                let stats = batch_stats(profile, &steps, dp, space.policy, (budget, chunk))?;
                 let work_lb = stats.replica_work_s.iter().sum::<f64>()
                     / stats.replica_work_s.len().max(1) as f64
                     / pp as f64;
@@ -532,6 +568,7 @@ pub fn search(
                                 v,
                                 kind,
                                 budget,
+                                chunk,
                                 stats: stats_idx,
                                 lower_bound_s: work_lb + collectives_lb(profile, sharding, pp, dp),
                             });
@@ -564,9 +601,11 @@ pub fn search(
     // schedule: it runs for the finalists only, the layouts (tp, dp, pp, budget, sharding) of
     // the candidates ranked once the others are evaluated, in order of their lower bound, until
     // ZB_AUTO_TIME_LIMIT_S has passed.
-    let (zb_auto, mut queue): (Vec<Pending>, Vec<Pending>) = pending
+    // Cutting long sequences into chunks refines a layout: those variants too run for the
+    // finalists' layouts only.
+    let (deferred, mut queue): (Vec<Pending>, Vec<Pending>) = pending
         .into_iter()
-        .partition(|c| c.kind == ScheduleKind::ZbAuto);
+        .partition(|c| c.kind == ScheduleKind::ZbAuto || c.chunk.is_some());
     let (mut finals, mut done) = (false, 0usize);
     let mut zb_auto_started: Option<std::time::Instant> = None;
     let inflight = InflightCache::default();
@@ -575,13 +614,14 @@ pub fn search(
         u32,
         u32,
         ScheduleKind,
-        u64,
+        (u64, Option<u64>),
         Vec<Range<usize>>,
         Vec<Recompute>,
     );
     let mut screens: std::collections::HashMap<ScreenKey, Vec<montecarlo::ScreenBase>> =
         Default::default();
     let (mut zb_auto_not_finalist, mut zb_auto_out_of_time) = (0usize, 0usize);
+    let mut chunked_not_finalist = 0usize;
     loop {
         let items = std::mem::take(&mut queue);
         // The splits of the next few candidates are solved in parallel (independent of the
@@ -618,7 +658,9 @@ pub fn search(
                     progress(i + 1, total);
                     continue;
                 }
-                if zb_auto_started.is_some_and(|t| t.elapsed().as_secs_f64() > ZB_AUTO_TIME_LIMIT_S)
+                if c.kind == ScheduleKind::ZbAuto
+                    && zb_auto_started
+                        .is_some_and(|t| t.elapsed().as_secs_f64() > ZB_AUTO_TIME_LIMIT_S)
                 {
                     zb_auto_out_of_time += 1;
                     progress(i + 1, total);
@@ -626,7 +668,7 @@ pub fn search(
                 }
                 let (tp, profile) = (profiles[c.tpi].0, &profiles[c.tpi].1);
                 let what = format!(
-                    "{} {}dp={} pp={} v={} budget={} {}",
+                    "{} {}dp={} pp={} v={} budget={}{} {}",
                     c.kind,
                     if tp > 1 {
                         format!("tp={tp} ")
@@ -637,6 +679,7 @@ pub fn search(
                     c.pp,
                     c.v,
                     c.budget,
+                    c.chunk.map_or(String::new(), |n| format!(" chunk={n}")),
                     c.sharding
                 );
                 let state = state_bytes(profile, config, c.sharding, c.pp, c.dp);
@@ -671,6 +714,7 @@ pub fn search(
                     // zb-auto builds each step's schedule under the same memory limit.
                     let run = run_config(
                         (c.kind, c.dp, c.pp, c.v, c.budget),
+                        c.chunk,
                         c.sharding,
                         &partition,
                         space.policy,
@@ -689,7 +733,7 @@ pub fn search(
                         c.pp,
                         c.v,
                         c.kind,
-                        c.budget,
+                        (c.budget, c.chunk),
                         partition.stages.clone(),
                         partition.recompute.clone(),
                     );
@@ -715,7 +759,8 @@ pub fn search(
                         Ok(s)
                     }) {
                         Ok(s) => s,
-                        Err(e) if c.kind == ScheduleKind::ZbAuto => {
+                        // A schedule that cannot order a step's chunks: a rejected candidate too.
+                        Err(e) if c.kind == ScheduleKind::ZbAuto || c.chunk.is_some() => {
                             break Evaluation::Rejected(e.to_string());
                         }
                         Err(e) => return Err(e.into()),
@@ -764,7 +809,8 @@ pub fn search(
                     ) {
                         Ok(mc) => mc,
                         // zb-auto finds no schedule under the limit on some step: a rejected candidate.
-                        Err(e) if c.kind == ScheduleKind::ZbAuto => {
+                        // A schedule that cannot order a step's chunks: a rejected candidate too.
+                        Err(e) if c.kind == ScheduleKind::ZbAuto || c.chunk.is_some() => {
                             break Evaluation::Rejected(e.to_string());
                         }
                         Err(e) => return Err(e.into()),
@@ -814,6 +860,7 @@ pub fn search(
                     vpp: c.v,
                     schedule: c.kind,
                     token_budget: c.budget,
+                    chunk_tokens: c.chunk,
                     sharding: c.sharding,
                     lower_bound_s: c.lower_bound_s,
                     partition,
@@ -843,9 +890,13 @@ pub fn search(
                 (r.tp, r.dp, r.pp, r.token_budget, r.sharding) == (tp, dp, pp, budget, sharding)
             })
         };
-        for c in &zb_auto {
+        for c in &deferred {
             if ranked.is_empty() || layout(profiles[c.tpi].0, c.dp, c.pp, c.budget, c.sharding) {
                 queue.push(c.clone());
+            } else if c.kind != ScheduleKind::ZbAuto {
+                chunked_not_finalist += 1;
+                done += 1;
+                progress(done, total);
             } else {
                 zb_auto_not_finalist += 1;
                 done += 1;
@@ -910,6 +961,7 @@ pub fn search(
         evaluated,
         zb_auto_not_finalist,
         zb_auto_out_of_time,
+        chunked_not_finalist,
     })
 }
 

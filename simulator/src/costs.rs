@@ -737,6 +737,7 @@ mod tests {
         let placement = Placement::looped(1, 1);
         let mbs = vec![
             Microbatch {
+                chunk: None,
                 seq_lens: vec![128],
                 shape: Default::default(),
             };
@@ -759,6 +760,7 @@ mod tests {
             placement,
             num_microbatches: 2,
             num_fo_microbatches: 0,
+            chunks: Vec::new(),
             ranks: vec![
                 actions
                     .iter()
@@ -875,6 +877,7 @@ mod tests {
                 .sum()
         };
         let mbs = [Microbatch {
+            chunk: None,
             seq_lens: vec![100],
             shape: Default::default(),
         }];

@@ -7,6 +7,7 @@
 //! ```text
 //! data:     F(s) -> [send] -> F(s+1)      I|B(s+1) -> [send] -> I|B(s)
 //!           F(s) -> I|B(s)                I(s) -> W(s)          Fo(s) -> [send] -> Fo(s+1)
+//! chunks:   F(s, k-1) -> F(s, k)          I|B(s, k) -> I|B(s, k-1)   (one sequence's chunks)
 //! rank:     each rank's entries in program order
 //! link:     transfers on one ordered rank pair in the order the sender issues them (FIFO)
 //! ```
@@ -85,6 +86,7 @@ impl Dag {
         let none = NodeIndex::end();
         let mut f_node = vec![none; s_count * m];
         let mut i_node = vec![none; s_count * m];
+        let mut bwd_node = vec![none; s_count * m];
         let mut entries = Vec::with_capacity(schedule.ranks.len());
         for (r, actions) in schedule.ranks.iter().enumerate() {
             let mut ids = Vec::with_capacity(actions.len());
@@ -98,7 +100,11 @@ impl Dag {
                     let k = a.stage.idx() * m + a.microbatch.idx();
                     match a.kind {
                         ActionKind::F => f_node[k] = id,
-                        ActionKind::I => i_node[k] = id,
+                        ActionKind::I => {
+                            i_node[k] = id;
+                            bwd_node[k] = id;
+                        }
+                        ActionKind::B => bwd_node[k] = id,
                         _ => {}
                     }
                 }
@@ -166,6 +172,26 @@ impl Dag {
                     };
                     for p in preds.into_iter().flatten().filter(|p| *p != none) {
                         g.add_edge(p, id, ());
+                    }
+                }
+            }
+        }
+        // Chunk edges: on each stage, chunk k's F after chunk k-1's, chunk k-1's backward
+        // after chunk k's.
+        for chain in &schedule.chunks {
+            for pair in chain.windows(2) {
+                let (a, b) = (pair[0].idx(), pair[1].idx());
+                if a >= m || b >= m {
+                    continue;
+                }
+                for s in 0..s_count {
+                    for (from, to) in [
+                        (f_node[s * m + a], f_node[s * m + b]),
+                        (bwd_node[s * m + b], bwd_node[s * m + a]),
+                    ] {
+                        if from != none && to != none {
+                            g.add_edge(from, to, ());
+                        }
                     }
                 }
             }

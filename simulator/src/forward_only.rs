@@ -87,6 +87,7 @@ pub fn forward_only_pass(train: &Schedule, k: u32) -> Schedule {
         placement: train.placement.clone(),
         num_microbatches: 0,
         num_fo_microbatches: k,
+        chunks: Vec::new(),
         ranks,
     }
 }

@@ -281,6 +281,7 @@ fn schedule(name: &str, placement: Placement, m: u32, ranks: Vec<Vec<Action>>) -
         placement,
         num_microbatches: m,
         num_fo_microbatches: 0,
+        chunks: Vec::new(),
         ranks,
     }
 }

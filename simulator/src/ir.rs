@@ -285,6 +285,28 @@ pub struct Schedule {
     pub num_fo_microbatches: u32,
     /// `ranks[r]` is rank `r`'s action list.
     pub ranks: Vec<Vec<Action>>,
+    /// Chunk chains: each lists the training microbatches that are the chunks of one sequence
+    /// longer than the token budget, in chunk order ([`crate::microbatch::Chunk`]). On every
+    /// stage, chunk k's F needs chunk k-1's F (the keys and values of the earlier chunks) and
+    /// chunk k-1's backward (I or B) needs chunk k's (the key/value gradients chunk k's input
+    /// gradient produces), so a sequence's forwards run in chunk order and its backwards in
+    /// reverse chunk order. Empty when no sequence was cut.
+    pub chunks: Vec<Vec<MicrobatchId>>,
+}
+
+/// Per training microbatch, the previous and the next chunk of its sequence
+/// ([`Schedule::chunks`]); `u32::MAX` where there is none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkLinks {
+    /// `prev[mb]`: the chunk before `mb` in its sequence.
+    pub prev: Vec<u32>,
+    /// `next[mb]`: the chunk after `mb` in its sequence.
+    pub next: Vec<u32>,
+}
+
+impl ChunkLinks {
+    /// No chunk before or after.
+    pub const NONE: u32 = u32::MAX;
 }
 
 impl Schedule {
@@ -298,11 +320,57 @@ impl Schedule {
         self.ranks.iter().flatten().map(|a| a.parts().count()).sum()
     }
 
+    /// The chunk links of [`Schedule::chunks`], or `None` when no sequence was cut.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSchedule`] for a chain naming a microbatch out of range, one in two
+    /// chains or twice, or a chain of fewer than two chunks.
+    pub fn chunk_links(&self) -> Result<Option<ChunkLinks>> {
+        if self.chunks.is_empty() {
+            return Ok(None);
+        }
+        let m = self.num_microbatches as usize;
+        let mut links = ChunkLinks {
+            prev: vec![ChunkLinks::NONE; m],
+            next: vec![ChunkLinks::NONE; m],
+        };
+        let mut seen = vec![false; m];
+        for (c, chain) in self.chunks.iter().enumerate() {
+            let fail = |reason: String| {
+                Err(Error::InvalidSchedule {
+                    schedule: self.name.clone(),
+                    reason: format!("chunk chain {c}: {reason}"),
+                })
+            };
+            if chain.len() < 2 {
+                return fail(format!(
+                    "{} chunk(s); a chain holds >= 2 chunks of one sequence",
+                    chain.len()
+                ));
+            }
+            for (k, mb) in chain.iter().enumerate() {
+                if mb.idx() >= m {
+                    return fail(format!("names microbatch {mb}; microbatches are 0..{m}"));
+                }
+                if std::mem::replace(&mut seen[mb.idx()], true) {
+                    return fail(format!("microbatch {mb} is already a chunk of a chain"));
+                }
+                if k > 0 {
+                    links.prev[mb.idx()] = chain[k - 1].0;
+                    links.next[chain[k - 1].idx()] = mb.0;
+                }
+            }
+        }
+        Ok(Some(links))
+    }
+
     /// Checks the schedule's validity: every action on the rank its stage is placed on; every
     /// (stage, microbatch) has exactly one F and exactly one backward, either a fused B or an I
     /// and a W, with W after I when both are on one rank; forward-only microbatches one Fo per
-    /// stage; overlapped pairs hold a forward then a backward (I or B). Dependencies across
-    /// ranks are checked by the replay (a violation is a deadlock).
+    /// stage; overlapped pairs hold a forward then a backward (I or B); the chunks of a
+    /// sequence ([`Schedule::chunks`]) forward in chunk order and backward in reverse chunk
+    /// order on every stage. Dependencies across ranks are checked by the replay (a violation
+    /// is a deadlock).
     ///
     /// # Errors
     /// [`Error::InvalidSchedule`] naming the rank, position and action.
@@ -380,6 +448,9 @@ impl Schedule {
                 }
             }
         }
+        if let Some(links) = self.chunk_links()? {
+            self.check_chunk_order(&links)?;
+        }
         for s in 0..s_count {
             for mb in 0..m {
                 let [f, i, w, b] = counts[s * m + mb];
@@ -401,6 +472,56 @@ impl Schedule {
                     return fail(format!(
                         "stage {s} forward-only microbatch {k} has {c} Fo actions; exactly 1 is needed"
                     ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// On every rank, a chunk's F after its previous chunk's F and its backward (I or B) before
+    /// its previous chunk's backward, when both are on the rank (a stage's actions are all on
+    /// one rank).
+    fn check_chunk_order(&self, links: &ChunkLinks) -> Result<()> {
+        let m = self.num_microbatches as usize;
+        let s_count = self.num_stages() as usize;
+        // Program position + 1 of each (stage, mb)'s F and backward on its rank; 0: not yet.
+        let mut f_pos = vec![0usize; s_count * m];
+        let mut b_pos = vec![0usize; s_count * m];
+        for (r, actions) in self.ranks.iter().enumerate() {
+            for (pos, action) in actions.iter().enumerate() {
+                for a in action.parts() {
+                    let (s, mb) = (a.stage.idx(), a.microbatch.idx());
+                    if a.kind == ActionKind::Fo || s >= s_count || mb >= m {
+                        continue;
+                    }
+                    let slot = match a.kind {
+                        ActionKind::F => &mut f_pos,
+                        ActionKind::I | ActionKind::B => &mut b_pos,
+                        _ => continue,
+                    };
+                    slot[s * m + mb] = pos + 1;
+                    let before = links.prev[mb];
+                    let after = links.next[mb];
+                    let broken = match a.kind {
+                        ActionKind::F => {
+                            before != ChunkLinks::NONE && f_pos[s * m + before as usize] == 0
+                        }
+                        _ => after != ChunkLinks::NONE && b_pos[s * m + after as usize] == 0,
+                    };
+                    if broken {
+                        let reason = match a.kind {
+                            ActionKind::F => format!(
+                                "rank {r}, position {pos}: {a} must come after {s}F{before}: its forward needs the keys and values of the chunk before it"
+                            ),
+                            _ => format!(
+                                "rank {r}, position {pos}: {a} must come after stage {s}'s backward (I or B) of microbatch {after}: the later chunk's input gradient produces this chunk's key/value gradients"
+                            ),
+                        };
+                        return Err(Error::InvalidSchedule {
+                            schedule: self.name.clone(),
+                            reason,
+                        });
+                    }
                 }
             }
         }

@@ -37,6 +37,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod chunks;
 pub mod costs;
 pub mod dag;
 mod error;

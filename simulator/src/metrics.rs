@@ -59,7 +59,13 @@ pub struct Metrics {
 ///   pairs, which hold a backward) come after that, then its optimizer step. With one stage
 ///   per rank, uniform costs and no comm it is `p f + (p - 1 - r) b + m (b + w)` (Zero Bubble's
 ///   B = our I); it holds for any placement, V shapes and per-stage costs included, since it
-///   only uses each stage's own chain.
+///   only uses each stage's own chain;
+/// - with chunked sequences ([`Schedule::chunks`]), the critical path through each sequence's
+///   chunks: on every stage the forwards run in chunk order and the backwards in reverse, so
+///   the earliest end of F(s, k) is `EF[s][k] = max(EF[s][k-1], EF[s-1][k] + comm) + f(s, k)`
+///   and of its backward `EB[s][k] = max(EB[s][k+1], EB[s+1][k] + comm, EF[S-1][k] if s is
+///   last) + b(s, k)` (then its W): the longest path of that grid DAG, resources ignored. Its
+///   backward starts also sharpen the third term's `first_backward_r`.
 ///
 /// At p = 8, m = 8, f = 1, b = 3, w = 1 the third term gives 61 on rank 0 where the others
 /// give 47 (`tests/closed_forms.rs`); zb-auto and the Zero Bubble repository's heuristic reach
@@ -89,6 +95,71 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
     // Per rank, the earliest start of any of its backward passes (I or B).
     let mut first_backward = vec![u64::MAX; first_stage.len()];
     let mut critical = 0u64;
+    // Chunked sequences: the earliest start of each (stage, chunk)'s backward on its chain.
+    let mut chunk_bwd_start = vec![
+        0u64;
+        if schedule.chunks.is_empty() {
+            0
+        } else {
+            (s_count * m) as usize
+        }
+    ];
+    for ch in &schedule.chunks {
+        let n = ch.len();
+        let sc = s_count as usize;
+        let id = |s: usize, k: usize, kind| CA {
+            stage: StageId(s as u32),
+            microbatch: ch[k],
+            kind,
+        };
+        let is_split = |s: usize, k: usize| split[s * m as usize + ch[k].idx()];
+        let bwd_kind = |s, k| {
+            if is_split(s, k) {
+                ActionKind::I
+            } else {
+                ActionKind::B
+            }
+        };
+        let mut ef = vec![0u64; sc * n];
+        for s in 0..sc {
+            for k in 0..n {
+                let mut start = if k > 0 { ef[s * n + k - 1] } else { 0 };
+                if s > 0 {
+                    let c = if crosses(s as u32 - 1, s as u32) {
+                        costs.comm_ns(StageId(s as u32 - 1), ch[k], ActionKind::F)
+                    } else {
+                        0
+                    };
+                    start = start.max(ef[(s - 1) * n + k] + c);
+                }
+                ef[s * n + k] = start + costs.compute_ns(id(s, k, ActionKind::F));
+            }
+        }
+        let mut eb = vec![0u64; sc * n];
+        for s in (0..sc).rev() {
+            for k in (0..n).rev() {
+                let mut start = if k + 1 < n { eb[s * n + k + 1] } else { 0 };
+                if s + 1 < sc {
+                    let c = if crosses(s as u32 + 1, s as u32) {
+                        costs.comm_ns(StageId(s as u32 + 1), ch[k], bwd_kind(s + 1, k))
+                    } else {
+                        0
+                    };
+                    start = start.max(eb[(s + 1) * n + k] + c);
+                } else {
+                    start = start.max(ef[s * n + k]);
+                }
+                chunk_bwd_start[s * m as usize + ch[k].idx()] = start;
+                eb[s * n + k] = start + costs.compute_ns(id(s, k, bwd_kind(s, k)));
+                let w = if is_split(s, k) {
+                    costs.compute_ns(id(s, k, ActionKind::W))
+                } else {
+                    0
+                };
+                critical = critical.max(eb[s * n + k] + w);
+            }
+        }
+    }
     let mut chain = |kind: ActionKind, count: u32| {
         for mb in 0..count {
             let mut t = 0u64;
@@ -118,7 +189,12 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
                 };
                 let is_split = split[(s * m + mb) as usize];
                 let r = rank_of[s as usize].idx();
-                first_backward[r] = first_backward[r].min(t);
+                let chained = chunk_bwd_start
+                    .get((s * m + mb) as usize)
+                    .filter(|_| kind == ActionKind::F)
+                    .copied()
+                    .unwrap_or(0);
+                first_backward[r] = first_backward[r].min(t.max(chained));
                 t += costs.compute_ns(id(if is_split {
                     ActionKind::I
                 } else {

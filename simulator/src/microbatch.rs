@@ -38,12 +38,34 @@ pub enum Shape {
     },
 }
 
+/// Where a chunk sits in its sequence: a sequence longer than the token budget cut along the
+/// token dimension (TeraPipe, Li et al. ICML 2021; Seq1F1B, Ao et al. 2024).
+///
+/// Chunk `index` covers tokens `offset .. offset + len` of its sequence. Its queries attend
+/// causally to themselves and to every earlier chunk's keys, so its forward on a stage needs
+/// that stage's keys and values of the earlier chunks, and its input-gradient pass produces
+/// their key/value gradients: on each stage a sequence's forwards run in chunk order and its
+/// backwards in reverse chunk order ([`crate::ir::Schedule::chunks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Chunk {
+    /// The sequence's index in the replica's share of the step.
+    pub sequence: u32,
+    /// 0-based chunk index within the sequence.
+    pub index: u32,
+    /// Chunks the sequence was cut into.
+    pub of: u32,
+    /// Tokens of the sequence before this chunk (`o_k`).
+    pub offset: u32,
+}
+
 /// One microbatch: the lengths of the sequences it holds and their layout.
 ///
 /// `tokens = Σ s_i` (true tokens), `attn_pairs = Σ s_i (s_i + 1) / 2` (the query-key pairs
 /// causal attention needs with no attention across sequence boundaries),
-/// `cu_seqlens = [0, s_0, s_0 + s_1, ..]`. What the kernels compute depends on the [`Shape`]:
-/// [`Microbatch::computed_tokens`] and [`Microbatch::computed_attn_pairs`].
+/// `cu_seqlens = [0, s_0, s_0 + s_1, ..]`. A chunk of a longer sequence ([`Chunk`]) holds one
+/// sequence of `c` tokens at offset `o` and computes `c (c + 1) / 2 + c o` pairs. What the
+/// kernels compute depends on the [`Shape`]: [`Microbatch::computed_tokens`] and
+/// [`Microbatch::computed_attn_pairs`].
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Microbatch {
     /// Sequence lengths in tokens.
@@ -51,6 +73,10 @@ pub struct Microbatch {
     /// Layout (flat unless a padded or packed policy made it).
     #[serde(default)]
     pub shape: Shape,
+    /// Set when the microbatch is one chunk of a sequence longer than the token budget (it
+    /// then holds exactly that chunk: `seq_lens == [len]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<Chunk>,
 }
 
 impl Microbatch {
@@ -59,12 +85,19 @@ impl Microbatch {
         self.seq_lens.iter().map(|&s| s as u64).sum()
     }
 
-    /// Causal attention query-key pairs: `Σ s (s + 1) / 2`.
+    /// Causal attention query-key pairs: `Σ s (s + 1) / 2`; a chunk of `c` tokens at offset
+    /// `o` also attends to the `o` earlier tokens of its sequence: `c (c + 1) / 2 + c o`
+    /// (over a sequence's chunks these sum to the unsplit `s (s + 1) / 2`).
     pub fn attn_pairs(&self) -> u64 {
-        self.seq_lens
+        let own = self
+            .seq_lens
             .iter()
             .map(|&s| s as u64 * (s as u64 + 1) / 2)
-            .fold(0, u64::saturating_add)
+            .fold(0, u64::saturating_add);
+        match self.chunk {
+            Some(c) => own.saturating_add(self.tokens() * c.offset as u64),
+            None => own,
+        }
     }
 
     /// Tokens the kernels process: true tokens plus padding.
@@ -102,7 +135,40 @@ impl Microbatch {
         Microbatch {
             seq_lens,
             shape: Shape::Flat,
+            chunk: None,
         }
+    }
+
+    /// The chunks of sequence `sequence` (`len` tokens) cut into `ceil(len / chunk_tokens)`
+    /// flat microbatches of near-equal length (they differ by at most one token), each at most
+    /// `chunk_tokens`, in chunk order.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `chunk_tokens` is 0.
+    pub fn chunks(sequence: u32, len: u32, chunk_tokens: u64) -> Result<Vec<Microbatch>> {
+        if chunk_tokens == 0 {
+            return Err(Error::invalid("chunk_tokens", 0, ">= 1 token"));
+        }
+        let of = (len as u64).div_ceil(chunk_tokens).max(1) as u32;
+        let (base, extra) = (len / of, len % of);
+        let mut offset = 0u32;
+        Ok((0..of)
+            .map(|index| {
+                let c = base + u32::from(index < extra);
+                let mb = Microbatch {
+                    seq_lens: vec![c],
+                    shape: Shape::Flat,
+                    chunk: Some(Chunk {
+                        sequence,
+                        index,
+                        of,
+                        offset,
+                    }),
+                };
+                offset += c;
+                mb
+            })
+            .collect())
     }
 
     /// Cumulative sequence boundaries `[0, s_0, s_0 + s_1, .., T]` (length `n + 1`).
@@ -219,6 +285,28 @@ mod tests {
         assert_eq!(mb.attn_pairs() * 8193, one.attn_pairs() * 1025);
         assert_eq!(mb.cu_seqlens().last(), Some(&8192));
         assert_eq!(mb.cu_seqlens().len(), 9);
+    }
+
+    #[test]
+    fn chunk_pairs_by_hand() {
+        // 10 tokens in chunks of at most 4: 3 chunks of 4, 3, 3 at offsets 0, 4, 7.
+        let c = Microbatch::chunks(5, 10, 4).unwrap();
+        let lens: Vec<(u32, u32)> = c
+            .iter()
+            .map(|m| (m.seq_lens[0], m.chunk.unwrap().offset))
+            .collect();
+        assert_eq!(lens, vec![(4, 0), (3, 4), (3, 7)]);
+        // Pairs by hand: 4*5/2 = 10; 3*4/2 + 3*4 = 18; 3*4/2 + 3*7 = 27; sum 55 = 10*11/2.
+        let pairs: Vec<u64> = c.iter().map(Microbatch::attn_pairs).collect();
+        assert_eq!(pairs, vec![10, 18, 27]);
+        assert_eq!(pairs.iter().sum::<u64>(), 55);
+        assert!(
+            c.iter()
+                .all(|m| m.chunk.unwrap().of == 3 && m.chunk.unwrap().sequence == 5)
+        );
+        // A sequence within the chunk size is one chunk at offset 0.
+        assert_eq!(Microbatch::chunks(0, 4, 4).unwrap().len(), 1);
+        assert!(Microbatch::chunks(0, 4, 0).is_err());
     }
 
     #[test]

@@ -92,6 +92,10 @@ pub struct Plan {
     /// Sequences per step (default: the workload's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seqs_per_step: Option<u32>,
+    /// Sequences longer than the token budget are cut into chunks of at most this many
+    /// tokens ([`crate::policy::PolicyParams::chunk_tokens`]); absent: not cut.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_tokens: Option<u64>,
     /// Tokens per step (instead of sequences).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_step: Option<u64>,
@@ -198,6 +202,7 @@ impl Plan {
             microbatches: None,
             token_budget: Some(token_budget),
             seqs_per_step: None,
+            chunk_tokens: None,
             tokens_per_step: None,
             policy: None,
             recompute: Vec::new(),
@@ -282,6 +287,7 @@ impl Plan {
         c.params = PolicyParams {
             token_budget,
             microbatches,
+            chunk_tokens: self.chunk_tokens,
             ..PolicyParams::default()
         };
         c.dp = self.dp.unwrap_or(1);

@@ -91,6 +91,11 @@ pub struct PolicyParams {
     pub pack_len: u32,
     /// Padded policy: cap on S (longer sequences are truncated); `None`: the step's longest.
     pub max_seq_len: Option<u32>,
+    /// Flat policies under a token budget: cut a sequence longer than the budget into chunks
+    /// of at most this many tokens (1..=the budget), each a microbatch of its own, pipelined
+    /// along the token dimension ([`crate::microbatch::Chunk`]). `None`: such a sequence gets
+    /// one microbatch of its own.
+    pub chunk_tokens: Option<u64>,
 }
 
 /// The default token budget of a flat microbatch, tokens: 16,384, decided here once for
@@ -105,6 +110,7 @@ impl Default for PolicyParams {
             microbatches: None,
             pack_len: 4096,
             max_seq_len: None,
+            chunk_tokens: None,
         }
     }
 }
@@ -114,7 +120,8 @@ impl Default for PolicyParams {
 pub struct Batched {
     /// The microbatches.
     pub microbatches: Vec<Microbatch>,
-    /// Sequences longer than the token budget (flat policies: a microbatch of their own).
+    /// Sequences longer than the token budget (flat policies: a microbatch of their own, or
+    /// chunks with `chunk_tokens`).
     pub oversize: Vec<Oversize>,
     /// Tokens cut off by `max_seq_len` (padded policy).
     pub truncated_tokens: u64,
@@ -140,6 +147,19 @@ pub fn batch(
     }
     if params.microbatches == Some(0) {
         return Err(Error::invalid("microbatches", 0, ">= 1"));
+    }
+    if let Some(c) = params.chunk_tokens {
+        if c == 0 || c > params.token_budget {
+            return Err(Error::invalid(
+                "chunk_tokens",
+                c,
+                format!("in 1..={} (the token budget)", params.token_budget),
+            ));
+        }
+        let flat = matches!(policy, Policy::FlatFfd | Policy::FlatBalanced);
+        if flat && params.microbatches.is_none() {
+            return chunked(policy, seqs, params, c, cost);
+        }
     }
     let plain = |microbatches| Batched {
         microbatches,
@@ -167,6 +187,45 @@ pub fn batch(
     }
 }
 
+/// A flat policy with sequences longer than the budget cut into chunks of at most
+/// `chunk_tokens`: the chunks first (each sequence's in chunk order, sequences in step order),
+/// then the policy's microbatches of the other sequences.
+fn chunked(
+    policy: Policy,
+    seqs: &[u32],
+    params: &PolicyParams,
+    chunk_tokens: u64,
+    cost: &dyn Fn(u64, u64) -> f64,
+) -> Result<Batched> {
+    let budget = params.token_budget;
+    let mut microbatches = Vec::new();
+    let mut oversize = Vec::new();
+    let mut short = Vec::with_capacity(seqs.len());
+    for (i, &s) in seqs.iter().enumerate() {
+        if s as u64 > budget {
+            oversize.push(Oversize {
+                index: i,
+                tokens: s,
+            });
+            microbatches.extend(Microbatch::chunks(i as u32, s, chunk_tokens)?);
+        } else {
+            short.push(s);
+        }
+    }
+    if !short.is_empty() {
+        let rest = PolicyParams {
+            chunk_tokens: None,
+            ..*params
+        };
+        microbatches.extend(batch(policy, &short, &rest, cost)?.microbatches);
+    }
+    Ok(Batched {
+        microbatches,
+        oversize,
+        truncated_tokens: 0,
+    })
+}
+
 fn padded(seqs: &[u32], params: &PolicyParams) -> Batched {
     let longest = *seqs.iter().max().expect("non-empty");
     let s = params
@@ -181,6 +240,7 @@ fn padded(seqs: &[u32], params: &PolicyParams) -> Batched {
     let microbatches = seqs
         .chunks(b)
         .map(|c| Microbatch {
+            chunk: None,
             seq_lens: c.iter().map(|&x| x.min(s)).collect(),
             shape: Shape::Padded {
                 rows: c.len() as u32,
@@ -240,6 +300,7 @@ fn packed(seqs: &[u32], params: &PolicyParams) -> Result<Vec<Microbatch>> {
                 .map(|r| r[0] as u64)
                 .collect();
             Microbatch {
+                chunk: None,
                 seq_lens: c.iter().flatten().copied().collect(),
                 shape: Shape::Packed {
                     rows: (c.len() - long.len()) as u32,
@@ -322,6 +383,36 @@ mod tests {
 
     fn tok(t: u64, _: u64) -> f64 {
         t as f64
+    }
+
+    #[test]
+    fn long_sequences_become_chunks() {
+        let params = PolicyParams {
+            token_budget: 8,
+            chunk_tokens: Some(8),
+            ..PolicyParams::default()
+        };
+        // 20 tokens > 8: chunks 7, 7, 6 at offsets 0, 7, 14; the rest by FFD: 5+3 | 2.
+        let b = batch(Policy::FlatFfd, &[5, 20, 3, 2], &params, &tok).unwrap();
+        let lens: Vec<Vec<u32>> = b.microbatches.iter().map(|m| m.seq_lens.clone()).collect();
+        assert_eq!(lens, vec![vec![7], vec![7], vec![6], vec![5, 3], vec![2]]);
+        let offs: Vec<Option<u32>> = b
+            .microbatches
+            .iter()
+            .map(|m| m.chunk.map(|c| c.offset))
+            .collect();
+        assert_eq!(offs, vec![Some(0), Some(7), Some(14), None, None]);
+        assert_eq!(b.oversize.len(), 1);
+        assert!(b.microbatches.iter().all(|m| m.tokens() <= 8));
+        // Pairs over the chunks sum to the unsplit sequence's 20 * 21 / 2.
+        let pairs: u64 = b.microbatches[..3].iter().map(Microbatch::attn_pairs).sum();
+        assert_eq!(pairs, 210);
+        // A chunk size above the budget is refused.
+        let bad = PolicyParams {
+            chunk_tokens: Some(9),
+            ..params
+        };
+        assert!(batch(Policy::FlatFfd, &[5, 20], &bad, &tok).is_err());
     }
 
     #[test]

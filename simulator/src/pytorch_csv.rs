@@ -98,6 +98,7 @@ pub fn read_pytorch_csv(text: &str, origin: &str) -> Result<Schedule> {
         placement,
         num_microbatches: m,
         num_fo_microbatches: mfo,
+        chunks: Vec::new(),
         ranks,
     };
     schedule.validate()?;

@@ -2,7 +2,8 @@
 //!
 //! The DAG (see [`crate::dag`]) has one node per compute action and per transfer, and edges for
 //! (1) data dependencies: F(s) -> F(s+1); I or B of stage s+1 -> I or B of s; F -> I or B and
-//! I -> W on one stage; (2) each rank's action order; (3) each link's FIFO order: one link per
+//! I -> W on one stage; between the chunks of one sequence ([`crate::ir::Schedule::chunks`]),
+//! on each stage F(k-1) -> F(k) and backward(k) -> backward(k-1); (2) each rank's action order; (3) each link's FIFO order: one link per
 //! ordered rank pair, transfers in the order the sender issues them. An op starts when all its
 //! predecessors have ended; its end is its start plus its duration.
 //!
@@ -15,7 +16,7 @@
 //! with work left, it finds the dependency cycle to report.
 
 use crate::costs::CostModel;
-use crate::ir::{Action, ActionKind, ComputeAction, Rank, Schedule};
+use crate::ir::{Action, ActionKind, ChunkLinks, ComputeAction, Rank, Schedule};
 use crate::timeline::{TimedOp, TimedTransfer, Timeline};
 use crate::{Result, dag};
 use std::collections::VecDeque;
@@ -35,6 +36,10 @@ struct State<'a, C: CostModel> {
     grad_ready: Vec<u64>,
     f_end: Vec<u64>,
     i_end: Vec<u64>,
+    /// End of (stage, mb)'s I or B (read only for chunk chains).
+    bwd_end: Vec<u64>,
+    /// The chunk chains' links, when a sequence was cut.
+    chunk: Option<ChunkLinks>,
     fo_ready: Vec<u64>,
     /// Per sender rank: (receiver, time the link is free).
     links: Vec<Vec<(u32, u64)>>,
@@ -61,7 +66,20 @@ impl<C: CostModel> State<'_, C> {
             }
             ActionKind::W => self.i_end[s * self.m + mb],
         };
-        (t != UNSET).then_some(t)
+        if t == UNSET {
+            return None;
+        }
+        // A chunk's F waits for the previous chunk's F, its backward for the next chunk's.
+        let dep = match (&self.chunk, a.kind) {
+            (Some(c), ActionKind::F) if c.prev[mb] != ChunkLinks::NONE => {
+                self.f_end[s * self.m + c.prev[mb] as usize]
+            }
+            (Some(c), ActionKind::I | ActionKind::B) if c.next[mb] != ChunkLinks::NONE => {
+                self.bwd_end[s * self.m + c.next[mb] as usize]
+            }
+            _ => 0,
+        };
+        (dep != UNSET).then_some(t.max(dep))
     }
 
     #[inline]
@@ -119,6 +137,9 @@ impl<C: CostModel> State<'_, C> {
                 if a.kind == ActionKind::I {
                     self.i_end[s * self.m + mb] = end;
                 }
+                if self.chunk.is_some() {
+                    self.bwd_end[s * self.m + mb] = end;
+                }
                 if s > 0 {
                     let t = self.send(r, s - 1, a, end);
                     self.grad_ready[(s - 1) * self.m + mb] = t;
@@ -152,6 +173,8 @@ fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timel
     let s_count = schedule.num_stages() as usize;
     let m = schedule.num_microbatches as usize;
     let mfo = schedule.num_fo_microbatches as usize;
+    // A malformed chain is a schedule no replay can finish.
+    let chunk = schedule.chunk_links().ok()?;
     let mut st = State {
         schedule,
         costs,
@@ -163,6 +186,12 @@ fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timel
         grad_ready: vec![UNSET; s_count * m],
         f_end: vec![UNSET; s_count * m],
         i_end: vec![UNSET; s_count * m],
+        bwd_end: if chunk.is_some() {
+            vec![UNSET; s_count * m]
+        } else {
+            Vec::new()
+        },
+        chunk,
         fo_ready: vec![UNSET; s_count * mfo],
         links: vec![Vec::new(); p],
         timeline: Timeline {

@@ -312,6 +312,20 @@ pub fn plan_replica(
             Some(s) => Arc::clone(s),
             None => training_schedule(config, profile, k, costs.as_ref())?,
         };
+        // Sequences cut into chunks: the same schedule, ordered for their dependencies.
+        let chains = crate::chunks::chains(&slots)?;
+        if !chains.is_empty() && !fo.is_empty() {
+            return Err(Error::invalid(
+                "forward-only work with chunked sequences",
+                format!("{} chunked sequence(s)", chains.len()),
+                "not supported: a chunk's forward-only pass would need the earlier chunks' keys and values, which a forward-only pass does not keep; plan without chunks",
+            ));
+        }
+        let train = if chains.is_empty() {
+            train
+        } else {
+            Arc::new(crate::chunks::order_chunks(&train, &chains)?)
+        };
         let schedule = match fo_spec {
             Some((f, kf)) => Arc::new(match &costs {
                 Some(costs) => with_forward_only(&train, kf, f.mode, f.loss_dependency, costs)?,

@@ -337,6 +337,7 @@ pub fn zb_auto<C: CostModel>(
                         placement: placement.clone(),
                         num_microbatches: m,
                         num_fo_microbatches: 0,
+                        chunks: Vec::new(),
                         ranks,
                     };
                     consider(s, &mut best);
@@ -567,6 +568,7 @@ mod props {
             placement: placement(p, 1).unwrap(),
             num_microbatches: m,
             num_fo_microbatches: 0,
+            chunks: Vec::new(),
             ranks,
         };
         s.validate().unwrap();

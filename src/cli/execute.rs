@@ -63,6 +63,11 @@ pub(super) struct ExecuteArgs {
     /// The fewest microbatches of at most this many tokens (inline).
     #[arg(long)]
     token_budget: Option<u64>,
+    /// Cut a sequence longer than the token budget into chunks of at most this many tokens
+    /// (inline; needs --token-budget; the CPU backend, no recomputation): chunk k attends to the
+    /// keys and values of chunks < k, its backward hands back their gradients.
+    #[arg(long, requires = "token_budget")]
+    chunk_tokens: Option<u64>,
     /// Sequences per step (default: the workload's).
     #[arg(long, conflicts_with = "tokens_per_step")]
     seqs_per_step: Option<u32>,
@@ -528,6 +533,7 @@ fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
                 PolicyParams {
                     token_budget: a.token_budget.unwrap_or(sim::policy::DEFAULT_TOKEN_BUDGET),
                     microbatches,
+                    chunk_tokens: a.chunk_tokens,
                     ..PolicyParams::default()
                 },
             )

@@ -139,6 +139,7 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
         }
         let mbs = vec![
             Microbatch {
+                chunk: None,
                 seq_lens: lens,
                 shape: Default::default(),
             };

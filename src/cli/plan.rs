@@ -54,6 +54,10 @@ pub(super) struct PlanArgs {
     /// Token budgets per microbatch to try (default 4096,8192,16384,32768,65536,131072).
     #[arg(long, value_delimiter = ',')]
     token_budgets: Vec<u64>,
+    /// Never cut a sequence longer than the token budget into chunks (by default the search
+    /// also tries chunks of the budget and of half of it for the finalists' layouts).
+    #[arg(long)]
+    no_chunk: bool,
     /// Recomputation modes the split may use per stage (default none,selective,full).
     #[arg(long, value_delimiter = ',')]
     recompute: Vec<String>,
@@ -223,6 +227,7 @@ fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         space.tp = dedup(a.tp.clone());
     }
     space.sequence_parallel = !a.no_sequence_parallel;
+    space.chunk = !a.no_chunk;
     if a.keep == 0 {
         bail!("--keep = 0 is invalid: >= 1 plan");
     }
@@ -372,8 +377,13 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         let (longer, total) = longer_than_budget(&a, &workload, seed, size, best.token_budget);
         if longer > 0 {
             let warning = format!(
-                "# warning: {longer} of the {total} sampled sequences are longer than seq_len = {}: torchtitan cuts them across rows, where flatpipe's prediction gives each a microbatch of its own (plan with --token-budgets at least the longest to train what was predicted)\n",
-                best.token_budget
+                "# warning: {longer} of the {total} sampled sequences are longer than seq_len = {}: torchtitan cuts them across rows, where flatpipe's prediction {} (plan with --token-budgets at least the longest and --no-chunk to train what was predicted)\n",
+                best.token_budget,
+                if best.chunk_tokens.is_some() {
+                    "pipelines them in chunks that attend to the earlier chunks"
+                } else {
+                    "gives each a microbatch of its own"
+                }
             );
             let at = text.find('\n').map_or(0, |i| i + 1);
             text.insert_str(at, &warning);
@@ -415,7 +425,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         ));
     }
     let header = format!(
-        "{} on {} x {} ({} profile), workload {} seed {seed}, {} sampled steps, memory limit {:.1} GiB per rank: {} candidates evaluated, {} pruned by their lower bound or screen, {} rejected{}",
+        "{} on {} x {} ({} profile), workload {} seed {seed}, {} sampled steps, memory limit {:.1} GiB per rank: {} candidates evaluated, {} pruned by their lower bound or screen, {} rejected{}{}",
         profile.model,
         a.ranks,
         profile.hardware.name,
@@ -433,6 +443,12 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             (n, t) => format!(
                 ", zb-auto built for the finalists' layouts only ({n} others not built, {t} finalists past the {} s limit)",
                 planner::search::ZB_AUTO_TIME_LIMIT_S
+            ),
+        },
+        match result.chunked_not_finalist {
+            0 => String::new(),
+            n => format!(
+                ", chunked long sequences tried for the finalists' layouts only ({n} others not tried)"
             ),
         }
     );
@@ -664,8 +680,12 @@ fn sizing_notes(
     let (longer, total) = longer_than_budget(a, workload, seed, size, best.token_budget);
     if longer > 0 {
         notes.push(format!(
-            "{longer} of the {total} sampled sequences are longer than the chosen token budget of {} tokens: each gets a microbatch of its own",
-            best.token_budget
+            "{longer} of the {total} sampled sequences are longer than the chosen token budget of {} tokens: {}",
+            best.token_budget,
+            match best.chunk_tokens {
+                Some(c) => format!("each is cut into chunks of at most {c} tokens"),
+                None => "each gets a microbatch of its own".into(),
+            }
         ));
     }
     // The sampled steps' peak is not every step's: say when the chosen plan leaves little room.
@@ -759,6 +779,7 @@ fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
         "pp",
         "v",
         "budget",
+        "chunk",
         "sharding",
         "mean",
         "p90",
@@ -786,6 +807,7 @@ fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
             c.pp.to_string(),
             c.vpp.to_string(),
             c.token_budget.to_string(),
+            c.chunk_tokens.map_or("-".into(), |n| n.to_string()),
             c.sharding.to_string(),
             fmt_s(c.summary.step_time_s.mean),
             fmt_s(c.summary.step_time_s.p90),

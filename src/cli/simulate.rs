@@ -43,6 +43,11 @@ pub(super) struct SimulateArgs {
     /// The fewest microbatches of at most this many tokens (first-fit decreasing). Default 16384.
     #[arg(long)]
     token_budget: Option<u64>,
+    /// Cut a sequence longer than the token budget into chunks of at most this many tokens
+    /// (<= the budget), pipelined along the token dimension (TeraPipe / Seq1F1B); without it,
+    /// such a sequence gets one microbatch of its own.
+    #[arg(long, conflicts_with = "microbatches")]
+    chunk_tokens: Option<u64>,
     /// Sequences per step (default: the workload's, 128).
     #[arg(long, conflicts_with = "tokens_per_step")]
     seqs_per_step: Option<u32>,
@@ -571,6 +576,9 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
         microbatches,
         pack_len: a.pack_len.unwrap_or(4096),
         max_seq_len: a.max_seq_len,
+        chunk_tokens: a
+            .chunk_tokens
+            .or(base.as_ref().and_then(|c| c.params.chunk_tokens)),
     };
     let policies: Vec<Policy> = if a.policy.is_empty() {
         vec![base.as_ref().map_or(Policy::FlatFfd, |c| c.policy)]
@@ -748,8 +756,13 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
     );
     if mc.oversize_sequences > 0 {
         tracing::warn!(
-            "{} sequence(s) longer than the token budget {token_budget} got a microbatch of their own",
-            mc.oversize_sequences
+            "{} sequence(s) longer than the token budget {token_budget} {}",
+            mc.oversize_sequences,
+            match a.chunk_tokens {
+                Some(c) => format!("were cut into chunks of at most {c} tokens"),
+                None =>
+                    "got a microbatch of their own (--chunk-tokens cuts them into chunks)".into(),
+            }
         );
     }
     if mc.truncated_tokens > 0 {

@@ -211,6 +211,13 @@ impl OpSet for CudaOps {
     const DEFERRED_LOSS: bool = true;
 
     fn upload_data(&self, d: &MicrobatchData) -> Result<Data> {
+        // The CUDA rotary and attention kernels know no position offset or earlier keys.
+        if let Some(c) = d.chunk {
+            return Err(crate::Error::Unsupported(format!(
+                "a chunk of a longer sequence (chunk {} of {}, offset {}): the CUDA backend does not run chunked sequences yet; run on the CPU backend or plan without chunks",
+                c.index, c.of, c.offset
+            )));
+        }
         Data::new(&self.gpu, d)
     }
     fn tokens(d: &Data) -> usize {
