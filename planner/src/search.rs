@@ -327,8 +327,8 @@ pub struct SearchResult {
     pub evaluated: usize,
     /// zb-auto candidates not built: their layout was not a finalist's.
     pub zb_auto_not_finalist: usize,
-    /// zb-auto finalists not built: [`ZB_AUTO_TIME_LIMIT_S`] had passed.
-    pub zb_auto_out_of_time: usize,
+    /// zb-auto finalists not built: [`ZB_AUTO_MAX_FINALISTS`] were built already.
+    pub zb_auto_over_limit: usize,
     /// Candidates cutting long sequences into chunks not evaluated: their layout was not a
     /// finalist's.
     pub chunked_not_finalist: usize,
@@ -343,8 +343,10 @@ pub const SEARCH_NODE_BUDGET: u64 = 20_000_000;
 /// The fewest branch-and-bound nodes a feasibility question gets in a search.
 pub const MIN_NODE_BUDGET: u64 = 2_000;
 
-/// Seconds the search spends building zb-auto for its finalists before it skips the rest.
-pub const ZB_AUTO_TIME_LIMIT_S: f64 = 5.0;
+/// The most zb-auto finalists a search builds and evaluates (in order of their lower bound);
+/// it reports the rest. A count, not a time: the same search gives the same plan on a busy
+/// machine (a 5 s wall-clock limit made `plan` depend on the machine's load).
+pub const ZB_AUTO_MAX_FINALISTS: usize = 128;
 
 /// What evaluating one candidate came to.
 enum Evaluation {
@@ -600,14 +602,14 @@ pub fn search(
     // zb-auto builds every step's schedule by list scheduling, far costlier than a handcrafted
     // schedule: it runs for the finalists only, the layouts (tp, dp, pp, budget, sharding) of
     // the candidates ranked once the others are evaluated, in order of their lower bound, until
-    // ZB_AUTO_TIME_LIMIT_S has passed.
+    // ZB_AUTO_MAX_FINALISTS were built.
     // Cutting long sequences into chunks refines a layout: those variants too run for the
     // finalists' layouts only.
     let (deferred, mut queue): (Vec<Pending>, Vec<Pending>) = pending
         .into_iter()
         .partition(|c| c.kind == ScheduleKind::ZbAuto || c.chunk.is_some());
     let (mut finals, mut done) = (false, 0usize);
-    let mut zb_auto_started: Option<std::time::Instant> = None;
+    let mut zb_auto_built = 0usize;
     let inflight = InflightCache::default();
     type ScreenKey = (
         usize,
@@ -620,7 +622,7 @@ pub fn search(
     );
     let mut screens: std::collections::HashMap<ScreenKey, Vec<montecarlo::ScreenBase>> =
         Default::default();
-    let (mut zb_auto_not_finalist, mut zb_auto_out_of_time) = (0usize, 0usize);
+    let (mut zb_auto_not_finalist, mut zb_auto_over_limit) = (0usize, 0usize);
     let mut chunked_not_finalist = 0usize;
     loop {
         let items = std::mem::take(&mut queue);
@@ -658,11 +660,11 @@ pub fn search(
                     progress(i + 1, total);
                     continue;
                 }
-                if c.kind == ScheduleKind::ZbAuto
-                    && zb_auto_started
-                        .is_some_and(|t| t.elapsed().as_secs_f64() > ZB_AUTO_TIME_LIMIT_S)
-                {
-                    zb_auto_out_of_time += 1;
+                if c.kind == ScheduleKind::ZbAuto {
+                    zb_auto_built += 1;
+                }
+                if c.kind == ScheduleKind::ZbAuto && zb_auto_built > ZB_AUTO_MAX_FINALISTS {
+                    zb_auto_over_limit += 1;
                     progress(i + 1, total);
                     continue;
                 }
@@ -906,7 +908,6 @@ pub fn search(
         if queue.is_empty() {
             break;
         }
-        zb_auto_started = Some(std::time::Instant::now());
     }
     if ranked.is_empty() {
         let mut reasons: Vec<String> = rejected
@@ -960,7 +961,7 @@ pub fn search(
         pruned,
         evaluated,
         zb_auto_not_finalist,
-        zb_auto_out_of_time,
+        zb_auto_over_limit,
         chunked_not_finalist,
     })
 }

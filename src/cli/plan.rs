@@ -436,13 +436,13 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         result.evaluated,
         result.pruned,
         result.rejected.len(),
-        match (result.zb_auto_not_finalist, result.zb_auto_out_of_time) {
+        match (result.zb_auto_not_finalist, result.zb_auto_over_limit) {
             (0, 0) => String::new(),
             (n, 0) =>
                 format!(", zb-auto built for the finalists' layouts only ({n} others not built)"),
             (n, t) => format!(
-                ", zb-auto built for the finalists' layouts only ({n} others not built, {t} finalists past the {} s limit)",
-                planner::search::ZB_AUTO_TIME_LIMIT_S
+                ", zb-auto built for the finalists' layouts only ({n} others not built, {t} finalists past the limit of {} builds)",
+                planner::search::ZB_AUTO_MAX_FINALISTS
             ),
         },
         match result.chunked_not_finalist {
