@@ -1,6 +1,6 @@
 """Type stubs of flatpipe's native module (python/src/lib.rs)."""
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -97,7 +97,12 @@ class Microbatch:
         """``[0, s_0, s_0 + s_1, ..., T]``, ``[n + 1]``."""
     @property
     def attn_pairs(self) -> int:
-        """Causal attention query-key pairs, ``sum s (s + 1) / 2``."""
+        """Causal attention query-key pairs, ``sum s (s + 1) / 2`` (a chunk at offset ``o``:
+        ``T (T + 1) / 2 + T o``)."""
+    @property
+    def chunk(self) -> Optional[Tuple[int, int, int, int]]:
+        """``None``, or ``(sequence, index, of, offset)`` for one chunk of a sequence longer
+        than the token budget."""
 
 class StepPlan:
     """One step, planned: per replica its microbatches and every rank's actions in PyTorch's
@@ -145,6 +150,7 @@ class Pipeline:
         profile: Optional[Profile] = None,
         forward_only: Optional[int] = None,
         forward_only_mode: str = "fused",
+        chunk_tokens: Optional[int] = None,
     ) -> None: ...
     @staticmethod
     def from_plan(path: str) -> Pipeline:

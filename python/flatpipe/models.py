@@ -11,18 +11,21 @@ single-process run of one model start from the same parameters.
 
 Attention is causal inside each sequence and never crosses a ``cu_seqlens`` boundary; rotary
 positions restart at 0 at each sequence's first token (as FlashAttention's varlen kernels and
-torchtitan's document masking see them).
+torchtitan's document masking see them). A chunk of a longer sequence (``forward(x, cu_seqlens,
+kv=ChunkKV(...))``) holds one sequence's tokens ``offset ..``: its positions start at the
+offset and its queries attend to the earlier chunks' keys and values, then its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ModelConfig", "Stage", "causal_document_mask", "positions"]
+__all__ = ["ModelConfig", "Stage", "ChunkKV", "causal_document_mask", "positions"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,35 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return out.flatten(-2)
 
 
+@dataclass
+class ChunkKV:
+    """What one chunk of a longer sequence attends to on one stage, layer by layer.
+
+    ``offset``: the tokens of the sequence before the chunk. ``prefix``: per decoder layer of the
+    stage, in order, the earlier chunks' rotated keys and values ``([offset, kv_heads, d],
+    [offset, kv_heads, d])`` (``None`` for the first chunk). The forward appends each layer's
+    own rotated keys and values ``[T, kv_heads, d]`` to ``own`` (the runtime keeps them for the
+    later chunks and feeds their gradients back in this chunk's backward).
+    """
+
+    offset: int
+    prefix: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+    own: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Records this layer's own ``k, v`` and returns the keys and values to attend to: the
+        earlier chunks' then these."""
+        i = len(self.own)
+        # Not views: the runtime passes them as outputs of the chunk's backward, which detaches
+        # its outputs in place (torch's stage_backward_input).
+        k, v = k.clone(), v.clone()
+        self.own.append((k, v))
+        if self.prefix is None:
+            return k, v
+        pk, pv = self.prefix[i]
+        return torch.cat([pk, k]), torch.cat([pv, v])
+
+
 class _RMSNorm(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -108,13 +140,21 @@ class _Decoder(nn.Module):
         self.w_up = _init((h, cfg.ffn), g, s)
         self.w_down = _init((cfg.ffn, h), g, cfg.ffn**-0.5)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        kv: Optional[ChunkKV] = None,
+    ) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         a = self.attn_norm(x)
         q = (a @ self.wq).view(t, cfg.heads, cfg.head_dim)
         k = (a @ self.wk).view(t, cfg.kv_heads, cfg.head_dim)
         v = (a @ self.wv).view(t, cfg.kv_heads, cfg.head_dim)
         q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
+        if kv is not None:
+            k, v = kv.extend(k, v)
         rep = cfg.heads // cfg.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         o = F.scaled_dot_product_attention(
@@ -149,13 +189,28 @@ class Stage(nn.Module):
             self.norm = _RMSNorm(cfg.hidden)
             self.output = _init((cfg.hidden, cfg.vocab), g, cfg.hidden**-0.5)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, kv: Optional[ChunkKV] = None
+    ) -> torch.Tensor:
+        """``kv``: for one chunk of a longer sequence (``cu_seqlens = [0, T]``), the earlier
+        chunks' keys and values (:class:`ChunkKV`)."""
         if self.embedding is not None:
             x = self.embedding[x]
         if len(self.decoders):
-            mask, pos = causal_document_mask(cu_seqlens), positions(cu_seqlens)
+            if kv is None:
+                mask, pos = causal_document_mask(cu_seqlens), positions(cu_seqlens)
+            else:
+                if cu_seqlens.numel() != 2:
+                    raise ValueError(
+                        f"a chunk holds one sequence: cu_seqlens has {cu_seqlens.numel() - 1}"
+                    )
+                t, o = x.shape[0], kv.offset
+                idx = torch.arange(t, device=x.device)
+                pos = idx + o
+                # Query i (position o + i) sees keys 0 ..= o + i of its sequence.
+                mask = torch.arange(o + t, device=x.device)[None, :] <= pos[:, None]
             for d in self.decoders:
-                x = d(x, mask, pos)
+                x = d(x, mask, pos, kv)
         if self.output is not None:
             x = self.norm(x) @ self.output
         return x

@@ -32,6 +32,17 @@ The stage contract (:class:`StageModule`): one forward signature for every stage
 ``forward(x, cu_seqlens) -> Tensor``, where ``x`` is ``[T]`` int64 token ids on the first stage
 and ``[T, H]`` hidden states on the others, and ``cu_seqlens`` is ``[n + 1]`` int64; the last
 stage returns logits ``[T, V]``, the others ``[T, H]``.
+
+Chunked sequences (a plan with ``chunk_tokens``: ``Microbatch.chunk`` is set): a chunk's
+forward is ``forward(x, cu_seqlens, kv=ChunkKV(offset, prefix))``
+(:class:`flatpipe.models.ChunkKV`): the module attends to the earlier chunks' keys and values
+in ``prefix`` and records its own layer by layer. The runtime feeds ``prefix`` as fresh leaf
+tensors, so a chunk's input-gradient pass yields the earlier chunks' key/value gradients
+without touching their graphs; each earlier chunk's backward then adds them as the gradients of
+its own keys and values (extra outputs of its backward). The plan runs a sequence's backwards
+in reverse chunk order on every stage, so they are complete by then. On the first stage (whose
+I does nothing for whole microbatches) a chunk's whole backward runs in I, since the earlier
+chunks need its key/value gradients before theirs.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ from torch.distributed.pipelining._backward import (
 )
 
 from . import StepPlan
+from .models import ChunkKV
 
 __all__ = [
     "StageModule",
@@ -77,6 +89,7 @@ class StageModule(Protocol):
     """
 
     def __call__(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor: ...
+    # With chunked sequences also ``__call__(x, cu_seqlens, kv=ChunkKV)`` (module docstring).
 
     def parameters(self, recurse: bool = True): ...
 
@@ -301,6 +314,12 @@ class PipelineRuntime:
             )
         first, last = 0, num_stages - 1
         tokens = [mb.tokens for mb in mbs]
+        chunks = [mb.chunk for mb in mbs]
+        if any(c is not None for c in chunks) and self.loss_reduction != "token":
+            raise ValueError(
+                "loss_reduction = 'sequence' with chunked sequences is not supported yet (a "
+                "sequence's mean spans its chunks): use 'token', or plan without chunk_tokens"
+            )
         cu = [torch.as_tensor(mb.cu_seqlens, dtype=torch.int64, device=self.device) for mb in mbs]
         fo_tokens = [mb.tokens for mb in fo_mbs]
         fo_cu = [
@@ -388,6 +407,91 @@ class PipelineRuntime:
             sends.append((dist.isend(t, dst=self._global(dst), group=self.group), t))
             acc["post"] += time.perf_counter() - p0
 
+        # Chunked sequences: per (stage, sequence) its chunks' ChunkKV by chunk index (their own
+        # keys and values, with their graphs, until the chunk's backward), the microbatch of each
+        # chunk, and per (stage, mb) the key/value gradients its later chunks handed back.
+        chain_kv: Dict[Tuple[int, int], Dict[int, ChunkKV]] = {}
+        chunk_mb: Dict[Tuple[int, int, int], int] = {}
+        later: Dict[Tuple[int, int], List[Optional[torch.Tensor]]] = {}
+        chunk_bwd_done: set = set()
+
+        def chunk_kv(stage: int, mb: int, grad: bool) -> ChunkKV:
+            seq, idx, _, off = chunks[mb]
+            earlier = chain_kv.setdefault((stage, seq), {})
+            prefix = None
+            if idx > 0:
+                missing = [j for j in range(idx) if j not in earlier]
+                if missing:
+                    raise RuntimeError(
+                        f"rank {me}: {stage}F{mb} is chunk {idx} of sequence {seq}, but chunk(s) "
+                        f"{missing} have not run F on stage {stage} (an invalid schedule)"
+                    )
+                prefix = []
+                for layer in range(len(earlier[0].own)):
+                    pair = []
+                    for which in (0, 1):
+                        t = torch.cat([earlier[j].own[layer][which].detach() for j in range(idx)])
+                        pair.append(t.requires_grad_(grad))
+                    prefix.append((pair[0], pair[1]))
+            kv = ChunkKV(off, prefix)
+            earlier[idx] = kv
+            chunk_mb[(stage, seq, idx)] = mb
+            return kv
+
+        def chunk_backward(stage, kind, mb, x, out, grad, params):
+            """A chunk's I or B: its output and its own keys and values (with the gradients
+            its later chunks handed back) backward; the earlier chunks' key/value gradients
+            handed on. Returns ``(dx, param groups for W or None)``."""
+            seq, idx, of, _ = chunks[mb]
+            pending_later = [j for j in range(idx + 1, of) if (stage, seq, j) not in chunk_bwd_done]
+            if pending_later:
+                raise RuntimeError(
+                    f"rank {me}: {stage}{kind}{mb} is chunk {idx} of sequence {seq}, but the "
+                    f"backward of chunk(s) {pending_later} has not run on stage {stage} (a "
+                    "sequence's backwards run in reverse chunk order)"
+                )
+            chain = chain_kv[(stage, seq)]
+            kv = chain[idx]
+            own = [t for pair in kv.own for t in pair]
+            handed = later.pop((stage, mb), None)
+            own_grads = [
+                handed[i] if handed is not None and handed[i] is not None else torch.zeros_like(t)
+                for i, t in enumerate(own)
+            ]
+            leaves = [t for pair in (kv.prefix or []) for t in pair]
+            outs = [out] + own
+            grads = [torch.ones_like(out) if grad is None else grad] + own_grads
+            groups = None
+            if kind == "B" or stage == first:
+                torch.autograd.backward(outs, grad_tensors=grads)
+                dx = x.grad if stage != first else None
+                dleaves = [t.grad for t in leaves]
+            else:
+                dxs, groups = stage_backward_input(outs, grads, [x] + leaves, iter(params))
+                dx, dleaves = dxs[0], list(dxs[1:])
+            # Hand each earlier chunk its rows of the key/value gradients.
+            for layer in range(len(dleaves) // 2):
+                start = 0
+                for j in range(idx):
+                    n = chain[j].own[layer][0].shape[0]
+                    slot = later.setdefault(
+                        (stage, chunk_mb[(stage, seq, j)]), [None] * (2 * len(kv.own))
+                    )
+                    for which in (0, 1):
+                        d = dleaves[2 * layer + which]
+                        if d is None:
+                            continue
+                        part = d[start : start + n]
+                        i = 2 * layer + which
+                        slot[i] = part if slot[i] is None else slot[i] + part
+                    start += n
+            chunk_bwd_done.add((stage, seq, idx))
+            # The chain's own tensors go once its first chunk's backward has run.
+            kv.own = []
+            if idx == 0:
+                del chain_kv[(stage, seq)]
+            return dx, groups
+
         # Per (stage, mb): the stage's input and output (or loss), and I's saved state for W.
         saved: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
         param_groups: Dict[Tuple[int, int], list] = {}
@@ -444,10 +548,14 @@ class PipelineRuntime:
                             else:
                                 send(stage + 1, out, "Fo", mb)
                             continue
+                        kv = (
+                            chunk_kv(stage, mb, train) if chunks[mb] is not None else None
+                        )
+                        call = (lambda x, c: module(x, c, kv=kv)) if kv is not None else module
                         if not train:
                             c0 = time.perf_counter()
                             with torch.no_grad():
-                                out = module(x, c)
+                                out = call(x, c)
                                 if stage == last:
                                     loss_sum += (
                                         self._loss(out, targets[mb], c) / denominator
@@ -459,7 +567,7 @@ class PipelineRuntime:
                         if stage != first:
                             x = x.detach().requires_grad_(True)
                         c0 = time.perf_counter()
-                        out = module(x, c)
+                        out = call(x, c)
                         if stage == last:
                             out = self._loss(out, targets[mb], c) / denominator
                             loss_sum += out.detach().to(torch.float64)
@@ -477,7 +585,16 @@ class PipelineRuntime:
                         else:
                             grad = got.pop(("B", stage, mb))
                         c0 = time.perf_counter()
-                        if kind == "B":
+                        if chunks[mb] is not None:
+                            dx, groups = chunk_backward(
+                                stage, kind, mb, x, out, grad, list(module.parameters())
+                            )
+                            if kind == "B":
+                                del saved[(stage, mb)]
+                            else:
+                                # None: the whole backward ran here (first stage), W is empty.
+                                param_groups[(stage, mb)] = groups
+                        elif kind == "B":
                             torch.autograd.backward(out, grad_tensors=grad)
                             dx = x.grad if stage != first else None
                             del saved[(stage, mb)]
@@ -502,7 +619,10 @@ class PipelineRuntime:
                     elif kind == "W":
                         groups = param_groups.pop((stage, mb))
                         c0 = time.perf_counter()
-                        if stage == first:
+                        if groups is None:
+                            # A chunk on the first stage: its backward ran whole in I.
+                            saved.pop((stage, mb), None)
+                        elif stage == first:
                             _, out = saved.pop((stage, mb))
                             torch.autograd.backward(out, grad_tensors=groups[0])
                         else:

@@ -395,10 +395,13 @@ impl PyPipeline {
     /// adds K forward-only microbatches per replica and step (a frozen reference or teacher
     /// forward over the step's microbatches, cycled to K), fused into the training schedule's
     /// bubbles (`forward_only_mode = "fused"`) or run as a pass before it (`"separate"`).
+    /// `chunk_tokens = C` cuts a sequence longer than the token budget into chunks of at most
+    /// C tokens (<= the budget), each a microbatch, pipelined along the token dimension
+    /// (`Microbatch.chunk`; TeraPipe / Seq1F1B).
     #[new]
     #[pyo3(signature = (schedule, pp, num_layers = None, *, vpp = None, stages = None,
         token_budget = None, microbatches = None, policy = None, dp = 1, profile = None,
-        forward_only = None, forward_only_mode = "fused"))]
+        forward_only = None, forward_only_mode = "fused", chunk_tokens = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         schedule: &str,
@@ -413,6 +416,7 @@ impl PyPipeline {
         profile: Option<PyRef<'_, PyProfile>>,
         forward_only: Option<u32>,
         forward_only_mode: &str,
+        chunk_tokens: Option<u64>,
     ) -> PyResult<Self> {
         let kind = parse_schedule(schedule)?;
         let profile = profile.map(|p| p.inner.clone());
@@ -451,6 +455,20 @@ impl PyPipeline {
             }
         };
         let mut config = config;
+        if let Some(c) = chunk_tokens {
+            if microbatches.is_some() {
+                return Err(err(
+                    "chunk_tokens cuts sequences longer than the token budget: give token_budget, not microbatches",
+                ));
+            }
+            if c == 0 || c > config.params.token_budget {
+                return Err(err(format!(
+                    "chunk_tokens = {c} is invalid: 1..={} (the token budget)",
+                    config.params.token_budget
+                )));
+            }
+            config.params.chunk_tokens = Some(c);
+        }
         config.forward_only = match forward_only {
             None => None,
             Some(0) => {
@@ -508,6 +526,7 @@ impl PyPipeline {
         config.recompute = plan.recompute.clone();
         config.sharding = plan.sharding;
         config.forward_only = plan.forward_only;
+        config.params.chunk_tokens = plan.chunk_tokens;
         config.memory_limit_bytes = plan.predicted.as_ref().map(|p| p.memory_limit_bytes);
         Ok(PyPipeline {
             config,
@@ -708,10 +727,21 @@ impl PyMicrobatch {
         v.to_pyarray(py)
     }
 
-    /// Causal attention query-key pairs, `sum s (s + 1) / 2`.
+    /// Causal attention query-key pairs, `sum s (s + 1) / 2` (a chunk at offset `o`: `T (T + 1)
+    /// / 2 + T o`).
     #[getter]
     fn attn_pairs(&self) -> u64 {
         self.mb.attn_pairs()
+    }
+
+    /// `None`, or for one chunk of a sequence longer than the token budget `(sequence, index,
+    /// of, offset)`: the sequence's index in the replica's share of the step, the chunk's index
+    /// among its `of` chunks, and the tokens of the sequence before it. A chunk's forward reads
+    /// the earlier chunks' keys and values on each stage; its backward hands back their
+    /// gradients.
+    #[getter]
+    fn chunk(&self) -> Option<(u32, u32, u32, u32)> {
+        self.mb.chunk.map(|c| (c.sequence, c.index, c.of, c.offset))
     }
 
     fn __repr__(&self) -> String {

@@ -26,9 +26,29 @@ def step_data(cfg: ModelConfig, mbs, step: int):
     return inputs, targets
 
 
+def join_chunks(mbs, inputs, targets):
+    """Chunked sequences joined back into one microbatch each (in the place of their first
+    chunk): ``(cu_seqlens, inputs, targets)`` per microbatch of the unsplit step."""
+    out, at = [], {}
+    for mb, x, y in zip(mbs, inputs, targets):
+        c = mb.chunk
+        if c is None:
+            out.append([torch.as_tensor(mb.cu_seqlens, dtype=torch.int64), x, y])
+        elif c[0] in at:
+            whole = out[at[c[0]]]
+            whole[1] = torch.cat([whole[1], x])
+            whole[2] = torch.cat([whole[2], y])
+            whole[0] = torch.tensor([0, whole[1].numel()], dtype=torch.int64)
+        else:
+            at[c[0]] = len(out)
+            out.append([torch.tensor([0, x.numel()], dtype=torch.int64), x, y])
+    return out
+
+
 def reference(cfg: ModelConfig, mbs, inputs, targets, reduction: str):
     """The whole model in one process: the loss with the same explicit reduction, and every
-    parameter's gradient by its whole-model name."""
+    parameter's gradient by its whole-model name. A chunked sequence runs whole (its chunks
+    joined back, in chunk order: the plan lists a sequence's chunks in order)."""
     model = Stage(cfg, 0, cfg.num_layers)
     total = 0.0
     if reduction == "token":
@@ -36,8 +56,7 @@ def reference(cfg: ModelConfig, mbs, inputs, targets, reduction: str):
     else:
         denom = sum(len(mb.seq_lens) for mb in mbs)
     loss = 0.0
-    for mb, x, y in zip(mbs, inputs, targets):
-        cu = torch.as_tensor(mb.cu_seqlens, dtype=torch.int64)
+    for cu, x, y in join_chunks(mbs, inputs, targets):
         per_token = F.cross_entropy(model(x, cu), y, reduction="none")
         if reduction == "token":
             loss = loss + per_token.sum() / denom
@@ -69,6 +88,7 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
             token_budget=spec["budget"],
             dp=dp,
             forward_only=spec.get("forward_only"),
+            chunk_tokens=spec.get("chunk_tokens"),
         )
         stages = {
             s: Stage(cfg, *pipe.stages[s])
@@ -139,6 +159,7 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
                 {
                     "step": step,
                     "microbatches": [mb.tokens for mb in plan.microbatches(replica)],
+                    "chunks": [mb.chunk for mb in plan.microbatches(replica)],
                     "actions": plan.actions(prank, replica),
                     # With dp > 1 each pipeline returns its replica's share of the step's loss.
                     "loss": result.loss,

@@ -32,6 +32,24 @@ def test_microbatches_and_cu_seqlens_by_hand():
     assert step.predicted_step_time_s() is None and step.timeline() == []
 
 
+def test_chunked_sequences_by_hand():
+    """A 300-token sequence, budget 64, chunk_tokens 64: 5 chunks of 60 at offsets 0..240, whose
+    pairs (60 * 61 / 2 + 60 * o each) add up to the unsplit 300 * 301 / 2; the short sequences
+    are packed as usual."""
+    pipe = flatpipe.Pipeline("1f1b", pp=2, num_layers=6, token_budget=64, chunk_tokens=64)
+    plan = pipe.plan_step([300, 30, 25], 0)
+    mbs = plan.microbatches()
+    assert [mb.chunk for mb in mbs[:5]] == [(0, k, 5, 60 * k) for k in range(5)]
+    assert all(mb.chunk is None for mb in mbs[5:])
+    assert [mb.attn_pairs for mb in mbs[:2]] == [1830, 1830 + 60 * 60]
+    assert sum(mb.attn_pairs for mb in mbs[:5]) == 300 * 301 // 2
+    # The last stage runs chunk 1's backward before chunk 0's.
+    acts = plan.actions(1)
+    assert acts.index("1B1") < acts.index("1B0"), acts
+    with pytest.raises(flatpipe.FlatpipeError, match="chunk_tokens = 65"):
+        flatpipe.Pipeline("1f1b", pp=2, num_layers=6, token_budget=64, chunk_tokens=65)
+
+
 def test_v_placement_and_split_backward():
     pipe = flatpipe.Pipeline("zb-v", pp=2, num_layers=6, microbatches=2)
     assert pipe.vpp == 2

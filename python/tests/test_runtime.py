@@ -131,3 +131,24 @@ def test_ranks_with_different_plans_raise_a_clear_error(tmp_path):
     for r in range(2):
         e = json.load(open(tmp_path / f"rank{r}.json"))["error"]
         assert e and "different step plans" in e and "tokens" in e, e
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
+def test_chunked_sequences_equal_the_unsplit_single_process_run(tmp_path, schedule):
+    """Issue 24: a 300-token sequence with a 64-token budget and chunk_tokens = 64 runs as 5
+    chunks of 60 whose forwards attend to the earlier chunks' keys and values and whose
+    backwards hand back their gradients (a split backward, I then W, in ZB-H1 and ZB-V); the
+    loss and every gradient equal the single-process run of the whole sequence unsplit."""
+    spec = {
+        "schedule": schedule,
+        "decoders": 4,
+        "budget": 64,
+        "chunk_tokens": 64,
+        "steps": [[300, 30, 25, 35, 28], [150, 200]],
+    }
+    reports = launch(tmp_path, 2, spec)
+    check(reports)
+    first = reports[0][0]
+    assert first["microbatches"][:5] == [60] * 5, first["microbatches"]
+    assert [c[1] for c in first["chunks"][:5]] == [0, 1, 2, 3, 4], first["chunks"]
+    assert all(c is None for c in first["chunks"][5:])
