@@ -69,12 +69,27 @@ impl<C: CostModel> State<'_, C> {
         if t == UNSET {
             return None;
         }
-        // A chunk's F waits for the previous chunk's F, its backward for the next chunk's.
-        let dep = match (&self.chunk, a.kind) {
-            (Some(c), ActionKind::F) if c.prev[mb] != ChunkLinks::NONE => {
+        match &self.chunk {
+            None => Some(t),
+            Some(c) => self.chunk_ready(c, (s, mb), a.kind, t),
+        }
+    }
+
+    /// [`State::ready`] for a schedule with chunk chains: a chunk's F also waits for the
+    /// previous chunk's F, its backward for the next chunk's (kept out of the common path).
+    #[inline(never)]
+    fn chunk_ready(
+        &self,
+        c: &ChunkLinks,
+        (s, mb): (usize, usize),
+        kind: ActionKind,
+        t: u64,
+    ) -> Option<u64> {
+        let dep = match kind {
+            ActionKind::F if c.prev[mb] != ChunkLinks::NONE => {
                 self.f_end[s * self.m + c.prev[mb] as usize]
             }
-            (Some(c), ActionKind::I | ActionKind::B) if c.next[mb] != ChunkLinks::NONE => {
+            ActionKind::I | ActionKind::B if c.next[mb] != ChunkLinks::NONE => {
                 self.bwd_end[s * self.m + c.next[mb] as usize]
             }
             _ => 0,
