@@ -72,10 +72,76 @@ pub fn chains(slots: &[Microbatch]) -> Result<Vec<Vec<MicrobatchId>>> {
 /// chunk order) and its actions reordered so that every chain's dependencies hold (the module
 /// doc's two moves). With no chains, the schedule unchanged.
 ///
+/// When that schedule deadlocks (a forward hoisted on one rank waits, through the other ranks,
+/// for one this rank runs later: interleaved 1F1B at some p, v, m), it tries once more with
+/// each chain's forwards first gathered, on every stage, right after the chain's first forward
+/// (so the chain crosses the pipeline as one block), then the two moves.
+///
 /// # Errors
-/// [`Error::InvalidSchedule`] for a malformed chain; [`Error::Deadlock`] (with the cycle)
-/// when the reordered schedule still cannot run.
+/// [`Error::InvalidSchedule`] for a malformed chain; [`Error::Deadlock`] (with the cycle of
+/// the first attempt) when neither reordered schedule can run.
 pub fn order_chunks(schedule: &Schedule, chains: &[Vec<MicrobatchId>]) -> Result<Schedule> {
+    match reorder(schedule, chains, false) {
+        Err(first @ Error::Deadlock { .. }) => reorder(schedule, chains, true).map_err(|_| first),
+        other => other,
+    }
+}
+
+/// Each chain's forwards on every stage moved to right after the chain's first forward there
+/// (an overlapped pair losing its forward keeps its backward in place).
+fn gather_forwards(out: &mut Schedule, chain_of: &[Option<(usize, usize)>]) {
+    let m = out.num_microbatches as usize;
+    let key = |a: &ComputeAction| {
+        (a.kind == ActionKind::F && a.microbatch.idx() < m)
+            .then(|| chain_of[a.microbatch.idx()].map(|(c, _)| (a.stage.0, c)))
+            .flatten()
+    };
+    for actions in &mut out.ranks {
+        let mut first: Vec<(u32, usize)> = Vec::new();
+        let mut moved: Vec<((u32, usize), ComputeAction)> = Vec::new();
+        let mut keep: Vec<Action> = Vec::with_capacity(actions.len());
+        for action in actions.iter() {
+            let mut remaining: Vec<ComputeAction> = Vec::with_capacity(2);
+            for a in action.parts() {
+                match key(&a) {
+                    Some(k) if first.contains(&k) => moved.push((k, a)),
+                    Some(k) => {
+                        first.push(k);
+                        remaining.push(a);
+                    }
+                    None => remaining.push(a),
+                }
+            }
+            match remaining.len() {
+                0 => {}
+                2 => keep.push(*action),
+                _ => keep.push(Action::Compute(remaining[0])),
+            }
+        }
+        let mut placed: Vec<(u32, usize)> = Vec::new();
+        let mut rebuilt = Vec::with_capacity(actions.len());
+        for action in keep {
+            rebuilt.push(action);
+            for a in action.parts() {
+                if let Some(k) = key(&a)
+                    && !placed.contains(&k)
+                {
+                    placed.push(k);
+                    rebuilt.extend(
+                        moved
+                            .iter()
+                            .filter(|(mk, _)| *mk == k)
+                            .map(|(_, f)| Action::Compute(*f)),
+                    );
+                }
+            }
+        }
+        *actions = rebuilt;
+    }
+}
+
+/// [`order_chunks`]' two moves, after [`gather_forwards`] when `gather`.
+fn reorder(schedule: &Schedule, chains: &[Vec<MicrobatchId>], gather: bool) -> Result<Schedule> {
     let mut out = schedule.clone();
     out.chunks = chains.to_vec();
     if chains.is_empty() {
@@ -90,6 +156,9 @@ pub fn order_chunks(schedule: &Schedule, chains: &[Vec<MicrobatchId>]) -> Result
         for (k, mb) in chain.iter().enumerate() {
             chain_of[mb.idx()] = Some((c, k));
         }
+    }
+    if gather {
+        gather_forwards(&mut out, &chain_of);
     }
     // Move 1: per stage and chain, rename forwards to chunk order and backwards to reverse
     // chunk order, in program order; W follows its I's renaming.
