@@ -107,6 +107,7 @@ fn costs_refuse_workload_options() {
         ["--token-budget", "4096"],
         ["--seqs-per-step", "8"],
         ["--tokens-per-step", "9000"],
+        ["--chunk-tokens", "4096"],
     ] {
         let mut args = vec!["simulate", "--costs", "f=1"];
         args.extend(extra);

@@ -350,7 +350,7 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
     let highs = run(ExactSplit::Highs {
         time_limit_s: MILP_TIME_LIMIT_S,
     });
-    // A candidate's layout and budget; with its split, the whole plan.
+    // A candidate's layout, budget and chunk size; with its split, the whole plan.
     let layout = |c: &flatpipe::planner::search::Candidate| {
         (
             c.schedule,
@@ -360,6 +360,7 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
             c.pp,
             c.vpp,
             c.token_budget,
+            c.chunk_tokens,
         )
     };
     let key = |c: &flatpipe::planner::search::Candidate| {

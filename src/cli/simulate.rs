@@ -81,7 +81,7 @@ pub(super) struct SimulateArgs {
     histogram: Option<PathBuf>,
     /// Uniform costs instead of a profile and workload: one rank's share of the model per
     /// microbatch in seconds, e.g. f=1,b=1,w=1,comm=0 (keys f, b, w, comm, fb, fo).
-    #[arg(long, conflicts_with_all = ["profile", "model", "hardware", "workload", "plan", "token_budget", "seqs_per_step", "tokens_per_step", "policy", "capacity", "pack_len", "max_seq_len", "keep_prob", "histogram", "memory_limit"])]
+    #[arg(long, conflicts_with_all = ["profile", "model", "hardware", "workload", "plan", "token_budget", "chunk_tokens", "seqs_per_step", "tokens_per_step", "policy", "capacity", "pack_len", "max_seq_len", "keep_prob", "histogram", "memory_limit"])]
     costs: Option<String>,
     /// zb-auto under --costs: the most activation memory a rank may hold, in units (one rank's
     /// share of one microbatch's activations; default p, 1F1B's memory; 2p behaves like ZB-2p).
