@@ -484,9 +484,9 @@ impl Schedule {
     fn check_chunk_order(&self, links: &ChunkLinks) -> Result<()> {
         let m = self.num_microbatches as usize;
         let s_count = self.num_stages() as usize;
-        // Program position + 1 of each (stage, mb)'s F and backward on its rank; 0: not yet.
-        let mut f_pos = vec![0usize; s_count * m];
-        let mut b_pos = vec![0usize; s_count * m];
+        // Whether each (stage, mb)'s F and backward have come yet in its rank's program.
+        let mut f_seen = vec![false; s_count * m];
+        let mut b_seen = vec![false; s_count * m];
         for (r, actions) in self.ranks.iter().enumerate() {
             for (pos, action) in actions.iter().enumerate() {
                 for a in action.parts() {
@@ -495,18 +495,18 @@ impl Schedule {
                         continue;
                     }
                     let slot = match a.kind {
-                        ActionKind::F => &mut f_pos,
-                        ActionKind::I | ActionKind::B => &mut b_pos,
+                        ActionKind::F => &mut f_seen,
+                        ActionKind::I | ActionKind::B => &mut b_seen,
                         _ => continue,
                     };
-                    slot[s * m + mb] = pos + 1;
+                    slot[s * m + mb] = true;
                     let before = links.prev[mb];
                     let after = links.next[mb];
                     let broken = match a.kind {
                         ActionKind::F => {
-                            before != ChunkLinks::NONE && f_pos[s * m + before as usize] == 0
+                            before != ChunkLinks::NONE && !f_seen[s * m + before as usize]
                         }
-                        _ => after != ChunkLinks::NONE && b_pos[s * m + after as usize] == 0,
+                        _ => after != ChunkLinks::NONE && !b_seen[s * m + after as usize],
                     };
                     if broken {
                         let reason = match a.kind {
