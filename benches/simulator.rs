@@ -92,11 +92,44 @@ fn bench_packing(c: &mut Criterion) {
     for policy in [
         Policy::FlatBalanced,
         Policy::FlatFfd,
+        Policy::VerlKk,
         Policy::Packed,
         Policy::Padded,
     ] {
         g.bench_function(policy.name(), |b| {
             b.iter(|| batch(policy, black_box(&seqs), &params, &cost).unwrap())
+        });
+    }
+    g.finish();
+}
+
+/// `flat-planned` on one step of 1,024 ShareGPT sequences (sharegpt-v3, seed 0), Llama-3.1-8B
+/// on H200 at p = 8, token budget 16,384 with chunks of 16,384: the per-step planner alone
+/// (its candidates' schedules and replays), on one core.
+fn bench_mb_plan(c: &mut Criterion) {
+    let profile = profile();
+    let w = builtins::workload("sharegpt-v3").unwrap();
+    let seqs = w.sample_step(0, 0, StepSize::Seqs(1024));
+    let mut g = c.benchmark_group("flat_planned_1024_sequences_p8");
+    for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbV] {
+        let v = kind.stages_per_rank(None).unwrap();
+        let stages = even_split(profile.layers.len(), (8 * v) as usize).unwrap();
+        let mut config = RunConfig::new(
+            ScheduleSource::Kind(kind),
+            8,
+            v,
+            stages,
+            Policy::FlatPlanned,
+            Capacity::Dynamic,
+        );
+        config.params.chunk_tokens = Some(config.params.token_budget);
+        let cost = montecarlo::balance_cost(&profile);
+        let cut = flatpipe::simulator::step::cut_step(&config, &seqs, &cost).unwrap();
+        let mbs = &cut[0].microbatches;
+        g.bench_function(kind.name(), |b| {
+            b.iter(|| {
+                flatpipe::simulator::mb_plan::plan(&config, &profile, black_box(mbs), 0).unwrap()
+            })
         });
     }
     g.finish();
@@ -230,6 +263,7 @@ criterion_group!(
     bench_1f1b,
     bench_every_schedule,
     bench_packing,
+    bench_mb_plan,
     bench_monte_carlo
 );
 criterion_main!(benches);

@@ -14,7 +14,6 @@ use flatpipe_simulator::costs::Recompute;
 use flatpipe_simulator::ir::{Placement, Rank, Schedule};
 use flatpipe_simulator::microbatch::Microbatch;
 use flatpipe_simulator::montecarlo::{Capacity, ScheduleSource};
-use flatpipe_simulator::policy::Policy;
 use flatpipe_simulator::step::{RunConfig, StepPlan, cut_step, plan_step};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -185,9 +184,9 @@ impl Setup {
     /// [`Error::Invalid`] / [`Error::Unsupported`] naming what is wrong.
     pub fn check(&self) -> Result<()> {
         let c = &self.config;
-        if !matches!(c.policy, Policy::FlatFfd | Policy::FlatBalanced) {
+        if !c.policy.is_flat() {
             return Err(Error::Unsupported(format!(
-                "policy {}: the executor runs flat [T] microbatches with cu_seqlens (flat-ffd or flat-balanced); padded and packed are simulated baselines",
+                "policy {}: the executor runs flat [T] microbatches with cu_seqlens (flat-ffd, flat-balanced, verl-kk or flat-planned); padded and packed are simulated baselines",
                 c.policy
             )));
         }

@@ -664,6 +664,29 @@ impl TableCosts {
         self
     }
 
+    /// The same costs with the microbatches reordered: microbatch `j` of the result is
+    /// microbatch `order[j]` of these (no forward-only microbatches; the per-step planner
+    /// prices one cut in several orders without rebuilding the table).
+    ///
+    /// # Panics
+    /// If `order` is not a permutation of `0..m` (a caller bug; [`crate::mb_plan`] builds it).
+    pub(crate) fn permuted(&self, order: &[usize]) -> TableCosts {
+        assert_eq!(order.len(), self.m, "a permutation of the microbatches");
+        let stages = self.cells.len() / self.m.max(1);
+        let mut cells = Vec::with_capacity(self.cells.len());
+        for s in 0..stages {
+            cells.extend(order.iter().map(|&k| self.cells[s * self.m + k]));
+        }
+        TableCosts {
+            m: self.m,
+            cells,
+            fo: Vec::new(),
+            mfo: 0,
+            optimizer: self.optimizer.clone(),
+            static_bytes: self.static_bytes.clone(),
+        }
+    }
+
     #[inline]
     fn cell(&self, s: StageId, mb: MicrobatchId) -> &Cell {
         &self.cells[s.idx() * self.m + mb.idx()]

@@ -47,6 +47,7 @@ pub mod generators;
 pub mod histogram;
 pub mod ir;
 pub mod kineto;
+pub mod mb_plan;
 pub mod metrics;
 pub mod microbatch;
 pub mod montecarlo;
@@ -58,6 +59,7 @@ pub mod sharding;
 pub mod step;
 pub mod timeline;
 pub mod trace;
+pub mod verl_kk;
 pub mod zb_auto;
 
 pub use costs::{CostModel, MemoryUnit, TableCosts, UniformCostSpec, UniformCosts};

@@ -17,7 +17,7 @@ use crate::costs::{CostModel, TableCosts, ns_to_s};
 use crate::generators::ScheduleKind;
 use crate::ir::{Rank, Schedule};
 use crate::microbatch::Microbatch;
-use crate::policy::{Batched, Policy, PolicyParams};
+use crate::policy::{Batched, Policy};
 pub use crate::step::RunConfig;
 use crate::{Error, Result, Simulation};
 use flatpipe_profiles::{Profile, StepSize, Workload};
@@ -201,6 +201,9 @@ pub struct StepOutcome {
     /// With forward-only work: the training schedule alone and the forward-only pass alone,
     /// seconds (the step time is the combined schedule's).
     pub fo: Option<(f64, f64)>,
+    /// Under `flat-planned`: the step-time bound over every cut and order of the step's
+    /// sequences (the slower replica's, [`crate::mb_plan::lower_bound_s`]), seconds.
+    pub lower_bound_s: Option<f64>,
 }
 
 /// Generated schedules by (kind, p, v, m): steps of a Monte Carlo share their microbatch counts,
@@ -350,6 +353,10 @@ pub(crate) fn merge_replicas(a: StepOutcome, b: StepOutcome) -> StepOutcome {
             (Some(x), Some(y)) => Some((x.0.max(y.0), x.1.max(y.1))),
             (x, y) => x.or(y),
         },
+        lower_bound_s: match (a.lower_bound_s, b.lower_bound_s) {
+            (Some(x), Some(y)) => Some(x.max(y)),
+            (x, y) => x.or(y),
+        },
     }
 }
 
@@ -406,6 +413,10 @@ pub struct Summary {
     pub peak_memory_bytes: f64,
     /// Mean microbatches per step.
     pub microbatches_mean: f64,
+    /// Under `flat-planned`: the mean per-step lower bound over every cut and order of the
+    /// step's sequences, seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lower_bound_mean_s: Option<f64>,
     /// With forward-only work: mean time of the forward-only pass alone, seconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fo_separate_s: Option<f64>,
@@ -449,6 +460,11 @@ pub fn summarize(outcomes: &[StepOutcome], p: u32, peak_flops: f64) -> Summary {
             .flat_map(|o| o.rank_memory_bytes.iter().copied())
             .fold(0.0, f64::max),
         microbatches_mean: outcomes.iter().map(|o| o.microbatches as f64).sum::<f64>() / n,
+        lower_bound_mean_s: outcomes
+            .iter()
+            .map(|o| o.lower_bound_s)
+            .sum::<Option<f64>>()
+            .map(|s| s / n),
         fo_separate_s: outcomes.iter().all(|o| o.fo.is_some()).then(|| {
             outcomes
                 .iter()
@@ -563,9 +579,9 @@ pub fn estimated_memory_bytes(
         (std::mem::size_of::<(StepOutcome, Option<(Schedule, Simulation)>)>() + 8 * ranks) as f64;
     let kept = 2.0 * f64::from(steps) * configs.len() as f64 * outcome;
     let first: f64 = configs.iter().map(pairs).sum::<f64>() * BYTES_PER_STAGE_MICROBATCH;
-    let mut cuts: Vec<(u32, Policy, PolicyParams)> = Vec::new();
+    let mut cuts: Vec<crate::step::CutKey> = Vec::new();
     for c in configs {
-        let key = (c.dp.max(1), c.policy, c.params);
+        let key = c.cut_key();
         if !cuts.contains(&key) {
             cuts.push(key);
         }
@@ -621,9 +637,9 @@ pub fn run(
         .map(|i| -> Result<StepResult> {
             let seqs = workload.sample_step(seed, i as u64, size);
             // (dp, policy, parameters) -> each replica's microbatches, cut once per step.
-            let mut cuts: Vec<((u32, Policy, PolicyParams), Vec<Batched>)> = Vec::new();
+            let mut cuts: Vec<(crate::step::CutKey, Vec<Batched>)> = Vec::new();
             for c in configs {
-                let key = (c.dp.max(1), c.policy, c.params);
+                let key = c.cut_key();
                 if !cuts.iter().any(|(k, _)| *k == key) {
                     cuts.push((key, crate::step::cut_step(c, &seqs, &cost)?));
                 }
@@ -642,7 +658,7 @@ pub fn run(
                 .unwrap_or(0);
             let mut row = Vec::with_capacity(configs.len());
             for c in configs {
-                let key = (c.dp.max(1), c.policy, c.params);
+                let key = c.cut_key();
                 let cut = &cuts
                     .iter()
                     .find(|(k, _)| *k == key)

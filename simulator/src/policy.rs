@@ -5,7 +5,9 @@
 //! | `padded` | `[B, S]`, S = the step's longest sequence (or `max_seq_len`) | `B·S` tokens, `B·S(S+1)/2` pairs |
 //! | `packed` | rows of M tokens, greedy in order, dense block-causal mask | `n·M` tokens, `n·M²` pairs (a longer sequence: a row of its own, `s` and `s²`) |
 //! | `flat-ffd` | flat `[T]` + `cu_seqlens`, first-fit decreasing by tokens | true tokens, `Σ s(s+1)/2` pairs |
-//! | `flat-balanced` | flat, balanced by predicted cost (LPT, as verl's dynamic batch size) | true tokens, `Σ s(s+1)/2` pairs |
+//! | `flat-balanced` | flat, balanced by predicted cost (LPT) under the token budget | true tokens, `Σ s(s+1)/2` pairs |
+//! | `verl-kk` | flat, verl's dynamic batch size ([`crate::verl_kk`]): Karmarkar-Karp on verl's workload, count shared over data-parallel ranks | true tokens, `Σ s(s+1)/2` pairs |
+//! | `flat-planned` | flat, count, contents and order chosen per step for the schedule by the predicted step time ([`crate::mb_plan`]) | true tokens, `Σ s(s+1)/2` pairs |
 //!
 //! With an exact microbatch count (`microbatches`) both flat policies split the step into
 //! exactly that many microbatches balanced by predicted cost; padded takes `ceil(n / M)`
@@ -35,6 +37,11 @@ pub enum Policy {
     FlatFfd,
     /// Flat, balanced by predicted cost (attention included) under the token budget.
     FlatBalanced,
+    /// Flat, verl's dynamic batch size ([`crate::verl_kk`]).
+    VerlKk,
+    /// Flat, planned per step for the schedule ([`crate::mb_plan`]); cut as `flat-ffd` where
+    /// no profile predicts the step.
+    FlatPlanned,
 }
 
 impl Policy {
@@ -44,7 +51,15 @@ impl Policy {
         Policy::Packed,
         Policy::FlatFfd,
         Policy::FlatBalanced,
+        Policy::VerlKk,
+        Policy::FlatPlanned,
     ];
+
+    /// Whether the policy makes flat `[T]` microbatches with `cu_seqlens` (what the executor
+    /// runs): every one but `padded` and `packed`.
+    pub fn is_flat(self) -> bool {
+        !matches!(self, Policy::Padded | Policy::Packed)
+    }
 
     /// The command-line name.
     pub fn name(self) -> &'static str {
@@ -53,6 +68,8 @@ impl Policy {
             Policy::Packed => "packed",
             Policy::FlatFfd => "flat-ffd",
             Policy::FlatBalanced => "flat-balanced",
+            Policy::VerlKk => "verl-kk",
+            Policy::FlatPlanned => "flat-planned",
         }
     }
 }
@@ -74,7 +91,7 @@ impl FromStr for Policy {
                 Error::invalid(
                     "policy",
                     s,
-                    "one of padded, packed, flat-ffd, flat-balanced",
+                    "one of padded, packed, flat-ffd, flat-balanced, verl-kk, flat-planned",
                 )
             })
     }
@@ -156,8 +173,11 @@ pub fn batch(
                 format!("in 1..={} (the token budget)", params.token_budget),
             ));
         }
-        let flat = matches!(policy, Policy::FlatFfd | Policy::FlatBalanced);
-        if flat && params.microbatches.is_none() {
+        let own = matches!(
+            policy,
+            Policy::FlatFfd | Policy::FlatBalanced | Policy::FlatPlanned
+        );
+        if own && params.microbatches.is_none() {
             return chunked(policy, seqs, params, c, cost);
         }
     }
@@ -169,7 +189,24 @@ pub fn batch(
     match policy {
         Policy::Padded => Ok(padded(seqs, params)),
         Policy::Packed => packed(seqs, params).map(plain),
-        Policy::FlatFfd => match params.microbatches {
+        Policy::VerlKk => match params.microbatches {
+            Some(m) => split_balanced(seqs, m as usize, cost).map(plain),
+            None => {
+                let c = crate::verl_kk::cut(
+                    &[seqs.to_vec()],
+                    params.token_budget,
+                    1,
+                    params.chunk_tokens,
+                )?
+                .remove(0);
+                Ok(Batched {
+                    microbatches: c.microbatches,
+                    oversize: c.oversize,
+                    truncated_tokens: 0,
+                })
+            }
+        },
+        Policy::FlatFfd | Policy::FlatPlanned => match params.microbatches {
             Some(m) => split_balanced(seqs, m as usize, cost).map(plain),
             None => {
                 let (microbatches, oversize) = pack_token_budget(seqs, params.token_budget)?;

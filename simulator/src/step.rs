@@ -110,6 +110,29 @@ impl RunConfig {
         }
     }
 
+    /// What decides this configuration's cut of a step ([`cut_step`]): two configurations
+    /// with the same key cut every step the same way. The data-parallel degree, the policy
+    /// and its parameters, and verl-kk's count divisor ([`RunConfig::verl_divisor`]).
+    pub fn cut_key(&self) -> CutKey {
+        (
+            self.dp.max(1),
+            self.policy,
+            self.params,
+            self.verl_divisor(),
+        )
+    }
+
+    /// verl-kk's microbatch-count divisor: Megatron's microbatch group per virtual stage (the
+    /// pipeline size) with virtual stages (`v > 1`), else 1 (verl's
+    /// `num_batches_divided_by`, [`crate::verl_kk`]).
+    pub fn verl_divisor(&self) -> u32 {
+        if self.policy == Policy::VerlKk && self.v > 1 {
+            self.pp.max(1)
+        } else {
+            1
+        }
+    }
+
     /// The capacity the schedule is built for: a given schedule's is its microbatch count.
     pub fn effective_capacity(&self) -> Capacity {
         match &self.source {
@@ -118,6 +141,9 @@ impl RunConfig {
         }
     }
 }
+
+/// [`RunConfig::cut_key`]: data-parallel degree, policy, its parameters, verl-kk's divisor.
+pub type CutKey = (u32, Policy, PolicyParams, u32);
 
 /// One round of a replica's step: the schedule that runs and what it runs on.
 #[derive(Debug, Clone)]
@@ -158,6 +184,9 @@ pub struct ReplicaPlan {
     pub microbatches: Vec<Microbatch>,
     /// The rounds, in order (one unless a fixed capacity overflowed).
     pub rounds: Vec<RoundPlan>,
+    /// Under `flat-planned`: the replica's step-time bound over every cut and order of its
+    /// sequences ([`crate::mb_plan::lower_bound_s`]), seconds.
+    pub lower_bound_s: Option<f64>,
 }
 
 /// One step, planned: what every replica runs and, with a profile, what it is predicted to
@@ -193,6 +222,23 @@ pub fn cut_step(
             ),
         ));
     }
+    if config.policy == Policy::VerlKk && config.params.microbatches.is_none() {
+        // verl's count is shared over the data-parallel ranks and, with virtual stages,
+        // rounded to Megatron's microbatch group (the pipeline size).
+        return Ok(crate::verl_kk::cut(
+            &shares,
+            config.params.token_budget,
+            config.verl_divisor(),
+            config.params.chunk_tokens,
+        )?
+        .into_iter()
+        .map(|c| Batched {
+            microbatches: c.microbatches,
+            oversize: c.oversize,
+            truncated_tokens: 0,
+        })
+        .collect());
+    }
     shares
         .iter()
         .map(|share| batch(config.policy, share, &config.params, cost))
@@ -213,7 +259,15 @@ pub fn plan_step(
     let replicas = cut
         .iter()
         .enumerate()
-        .map(|(d, b)| plan_replica(config, profile, b.microbatches.clone(), d))
+        .map(|(d, b)| match (config.policy, profile) {
+            (Policy::FlatPlanned, Some(profile)) => {
+                let planned = crate::mb_plan::plan(config, profile, &b.microbatches, d)?;
+                let mut r = plan_replica(config, Some(profile), planned.microbatches, d)?;
+                r.lower_bound_s = Some(planned.lower_bound_s);
+                Ok(r)
+            }
+            _ => plan_replica(config, profile, b.microbatches.clone(), d),
+        })
         .collect::<Result<_>>()?;
     Ok(StepPlan { step, replicas })
 }
@@ -355,13 +409,14 @@ pub fn plan_replica(
         replica,
         microbatches,
         rounds: out,
+        lower_bound_s: None,
     })
 }
 
 /// The profile's costs of one round: its slots and forward-only microbatches on the
 /// replica `replica` ([`crate::sharding::global_rank`]); only the `last` round carries the
 /// optimizer step.
-fn round_costs(
+pub(crate) fn round_costs(
     config: &RunConfig,
     profile: &Profile,
     placement: &Placement,
@@ -464,6 +519,7 @@ impl ReplicaPlan {
             microbatches: mbs.len() as u32,
             rounds: self.rounds.len() as u32,
             fo: None,
+            lower_bound_s: self.lower_bound_s,
         };
         for round in &self.rounds {
             let pred = round.prediction.as_ref()?;

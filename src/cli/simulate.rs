@@ -58,7 +58,8 @@ pub(super) struct SimulateArgs {
     #[arg(long)]
     steps: Option<u32>,
     /// Microbatching policies to compare, comma-separated: padded, packed, flat-ffd (default),
-    /// flat-balanced.
+    /// flat-balanced, verl-kk (verl's dynamic batch size), flat-planned (count, contents and
+    /// order planned per step for the schedule; its rows add the mean per-step lower bound).
     #[arg(long, value_delimiter = ',')]
     policy: Vec<String>,
     /// Schedule capacities to compare, comma-separated: `dynamic` (default: each step's schedule
@@ -1056,7 +1057,11 @@ fn comparison_table(reports: &[&McReport], steps: u32) -> PlainTable {
         }
         t
     } else {
-        let mut t = new_table(&[
+        // flat-planned rows carry the mean per-step bound over every cut and order.
+        let bound = reports
+            .iter()
+            .any(|r| r.summary.lower_bound_mean_s.is_some());
+        let mut head = vec![
             "schedule",
             "policy",
             "capacity",
@@ -1071,10 +1076,14 @@ fn comparison_table(reports: &[&McReport], steps: u32) -> PlainTable {
             "peak act.",
             "memory (max rank)",
             "mean m",
-        ]);
+        ];
+        if bound {
+            head.push("mean bound");
+        }
+        let mut t = new_table(&head);
         for r in reports {
             let s = &r.summary;
-            t.add_row([
+            let mut row = vec![
                 r.schedule.clone(),
                 r.policy.clone(),
                 r.capacity.clone(),
@@ -1089,7 +1098,11 @@ fn comparison_table(reports: &[&McReport], steps: u32) -> PlainTable {
                 fmt_bytes(s.peak_activation_bytes),
                 memory_cell(r),
                 format!("{:.1}", s.microbatches_mean),
-            ]);
+            ];
+            if bound {
+                row.push(s.lower_bound_mean_s.map_or("-".into(), fmt_s));
+            }
+            t.add_row(row);
         }
         t
     }

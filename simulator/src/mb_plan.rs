@@ -1,0 +1,498 @@
+//! `flat-planned`: one step's microbatches planned for the schedule that runs them.
+//!
+//! The flat policies fill microbatches to the token budget; none of them decides how many
+//! microbatches a step should have or in which order the pipeline should meet them, and both
+//! decide the bubbles: in 1F1B the first microbatch's forward makes every later rank wait
+//! (the fill) and the last one's backward makes every earlier rank wait (the drain), and with
+//! fewer microbatches than ranks whole ranks idle. [`plan`] searches, per replica and step:
+//!
+//! - **count**: the first-fit-decreasing count m₀ (the fewest the budget allows, within
+//!   11/9 of optimal), m₀ + 1, and the multiples of the pipeline size p from m₀ up
+//!   (`ceil(m₀/p)·p` and one and two p more: more, smaller microbatches shorten the fill and
+//!   drain by what they add in fixed costs), at most the number of sequences;
+//! - **contents**: LPT (Graham 1969) on each sequence's predicted time (attention included,
+//!   [`crate::montecarlo::balance_cost`]) under the token budget, into bins of equal target,
+//!   or with the first and last bins' targets halved ("tapered": a short first microbatch
+//!   shortens the fill, a short last one the drain);
+//! - **order**: verl's (light microbatches at both ends, [`crate::verl_kk::verl_order`]) for
+//!   equal targets, the two light bins first and last for tapered ones; then the best count's
+//!   equal-target bins heaviest first and lightest first;
+//!
+//! plus the step's own first-fit-decreasing cut (so the result is never slower than
+//! `flat-ffd` on the same step). Each candidate is priced by the replay of the schedule kind
+//! on it under the profile's costs (the prediction every other policy gets); the fastest
+//! wins, ties to the earlier. zb-auto, whose schedule is searched per step, is ranked with
+//! ZB-H1 (v = 1) or ZB-V (v = 2), then the winner and the first-fit-decreasing cut are both
+//! built with zb-auto and the faster kept. A given schedule (fixed microbatch count) or a
+//! fixed capacity keeps the cut.
+//!
+//! Sequences longer than the budget (a microbatch of their own, or their chunks) stay as they
+//! are, first.
+//!
+//! [`lower_bound_s`] is the replica's step-time bound that holds for *every* way of cutting
+//! and ordering its sequences, so the gap between any policy's step time and it is what any
+//! microbatching could still gain.
+
+use crate::costs::{CostModel, TableCosts, ns_to_s};
+use crate::generators::ScheduleKind;
+use crate::ir::{ActionKind, ComputeAction, MicrobatchId, Placement, Rank, Schedule, StageId};
+use crate::microbatch::Microbatch;
+use crate::montecarlo::{
+    Capacity, ScheduleSource, balance_cost, cached_schedule, zb_auto_activation_limit,
+};
+use crate::step::{RunConfig, round_costs};
+use crate::{Result, replay};
+use flatpipe_profiles::Profile;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// One replica's planned microbatches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MicrobatchPlan {
+    /// The microbatches, in the order the schedule runs them.
+    pub microbatches: Vec<Microbatch>,
+    /// The replay's step time of the chosen candidate (the kind that ranked it), seconds.
+    pub predicted_s: f64,
+    /// [`lower_bound_s`] of the replica, seconds.
+    pub lower_bound_s: f64,
+    /// Candidates priced.
+    pub candidates: u32,
+}
+
+/// How a candidate's bins are put in order.
+#[derive(Clone, Copy)]
+enum Order {
+    Verl,
+    HeaviestFirst,
+    LightestFirst,
+    /// Tapered bins: bin 0 first, the last bin last, the rest heaviest first.
+    Ends,
+}
+
+/// Plans one replica's microbatches for `config`'s schedule (module doc). `cut` is the
+/// replica's first-fit-decreasing cut ([`crate::step::cut_step`] under `flat-planned`).
+///
+/// # Errors
+/// Generation, cost-table and replay errors.
+pub fn plan(
+    config: &RunConfig,
+    profile: &Profile,
+    cut: &[Microbatch],
+    replica: usize,
+) -> Result<MicrobatchPlan> {
+    let budget = config.params.token_budget;
+    let (fixed, short): (Vec<&Microbatch>, Vec<&Microbatch>) = cut
+        .iter()
+        .partition(|m| m.chunk.is_some() || m.tokens() > budget);
+    let fixed: Vec<Microbatch> = fixed.into_iter().cloned().collect();
+    let seqs: Vec<u32> = short
+        .iter()
+        .flat_map(|m| m.seq_lens.iter().copied())
+        .collect();
+    let kind = match (&config.source, config.effective_capacity()) {
+        (ScheduleSource::Kind(k), Capacity::Dynamic) => Some(*k),
+        _ => None,
+    };
+    let rank_kind = kind.map(|k| match (k, config.v) {
+        (ScheduleKind::ZbAuto, 1) => ScheduleKind::ZbH1,
+        (ScheduleKind::ZbAuto, _) => ScheduleKind::ZbV,
+        (k, _) => k,
+    });
+    let placement = config.placement()?;
+    let lower_bound_s = lower_bound_s(config, profile, &placement, &fixed, &seqs, replica)?;
+    let keep = |predicted_s| MicrobatchPlan {
+        microbatches: cut.to_vec(),
+        predicted_s,
+        lower_bound_s,
+        candidates: 0,
+    };
+    let Some(rank_kind) = rank_kind else {
+        return Ok(keep(f64::NAN));
+    };
+    let mut pricer = Pricer {
+        config,
+        profile,
+        replica,
+        schedules: HashMap::new(),
+    };
+    if seqs.len() <= 1 {
+        let t = pricer.price(rank_kind, cut, None)?;
+        return Ok(keep(ns_to_s(t)));
+    }
+    let cost = balance_cost(profile);
+    let item_cost = |s: u32| cost(s as u64, s as u64 * (s as u64 + 1) / 2);
+    let mut order: Vec<(f64, u32)> = seqs.iter().map(|&s| (item_cost(s), s)).collect();
+    order.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)));
+
+    let m0 = short.len().max(1);
+    let p = config.pp.max(1) as usize;
+    let mut counts: Vec<usize> = vec![m0, m0 + 1];
+    let up = m0.div_ceil(p) * p;
+    counts.extend([up, up + p, up + 2 * p]);
+    counts.retain(|&m| m >= 1 && m <= seqs.len());
+    counts.sort_unstable();
+    counts.dedup();
+
+    let mut best = (pricer.price(rank_kind, cut, None)?, cut.to_vec());
+    let mut best_count: Option<usize> = None;
+    let mut candidates = 1u32;
+    let nf = fixed.len();
+    // Every count in verl's order and tapered; then the best count's bins heaviest and
+    // lightest first (they rarely win: measured on sampled ShareGPT steps, 1F1B, ZB-H1, ZB-V
+    // and interleaved 1F1B at p = 8).
+    let mut try_bins = |m: usize,
+                        taper: bool,
+                        orders: &[Order],
+                        best: &mut (u64, Vec<Microbatch>)|
+     -> Result<bool> {
+        let Some(bins) = lpt_under_budget(&order, m, budget, taper) else {
+            return Ok(false);
+        };
+        // One cost table per cut, permuted per order.
+        let mut mbs = fixed.clone();
+        mbs.extend(bins.iter().map(|(_, mb)| mb.clone()));
+        let base = pricer.costs(rank_kind, &mbs)?;
+        let mut won = false;
+        for &o in orders {
+            let perm: Vec<usize> = (0..nf)
+                .chain(ordered(&bins, o).into_iter().map(|j| nf + j))
+                .collect();
+            let t = pricer.price(rank_kind, &mbs, Some((&base, &perm)))?;
+            candidates += 1;
+            if t < best.0 {
+                *best = (t, perm.iter().map(|&k| mbs[k].clone()).collect());
+                won = true;
+            }
+        }
+        Ok(won)
+    };
+    for &m in &counts {
+        if try_bins(m, false, &[Order::Verl], &mut best)? {
+            best_count = Some(m);
+        }
+        if m >= 3 && try_bins(m, true, &[Order::Ends], &mut best)? {
+            best_count = Some(m);
+        }
+    }
+    if let Some(m) = best_count {
+        try_bins(
+            m,
+            false,
+            &[Order::HeaviestFirst, Order::LightestFirst],
+            &mut best,
+        )?;
+    }
+    let (mut t, mut chosen) = best;
+    if kind == Some(ScheduleKind::ZbAuto) {
+        // Ranked with a handcrafted proxy; zb-auto itself decides between the winner and the
+        // first-fit-decreasing cut.
+        let t_win = pricer.price(ScheduleKind::ZbAuto, &chosen, None)?;
+        let t_cut = pricer.price(ScheduleKind::ZbAuto, cut, None)?;
+        if t_cut <= t_win {
+            chosen = cut.to_vec();
+        }
+        t = t_win.min(t_cut);
+    }
+    Ok(MicrobatchPlan {
+        microbatches: chosen,
+        predicted_s: ns_to_s(t),
+        lower_bound_s,
+        candidates,
+    })
+}
+
+/// Prices candidates: the schedule of each microbatch count (chunk chains ordered) built once.
+struct Pricer<'a> {
+    config: &'a RunConfig,
+    profile: &'a Profile,
+    replica: usize,
+    /// (count, positions of the chunk microbatches) -> the schedule.
+    schedules: HashMap<(u32, Vec<u32>), Arc<Schedule>>,
+}
+
+impl Pricer<'_> {
+    /// The cost table of `mbs` on `kind`'s placement.
+    fn costs(&self, kind: ScheduleKind, mbs: &[Microbatch]) -> Result<TableCosts> {
+        let placement = kind.placement_on(self.config.pp, self.config.v)?;
+        round_costs(
+            self.config,
+            self.profile,
+            &placement,
+            (mbs, &[]),
+            self.replica,
+            true,
+        )
+    }
+
+    /// The replay's makespan of `kind` on `mbs`, ns; with `permuted`, on `mbs` reordered by the
+    /// permutation, whose cost table (of `mbs` in their order) is given.
+    fn price(
+        &mut self,
+        kind: ScheduleKind,
+        mbs: &[Microbatch],
+        permuted: Option<(&TableCosts, &[usize])>,
+    ) -> Result<u64> {
+        let m = mbs.len() as u32;
+        if kind == ScheduleKind::ZbAuto {
+            let costs = self.costs(kind, mbs)?;
+            let limit = zb_auto_activation_limit(
+                self.profile,
+                self.config.memory_limit_bytes,
+                &costs,
+                self.config.pp,
+            )?;
+            let s = kind.build(self.config.pp, self.config.v, m, &costs, limit)?;
+            let chains = crate::chunks::chains(mbs)?;
+            let s = if chains.is_empty() {
+                s
+            } else {
+                crate::chunks::order_chunks(&s, &chains)?
+            };
+            return Ok(replay::replay(&s, &costs)?.makespan_ns());
+        }
+        let order: Vec<usize> = match permuted {
+            Some((_, perm)) => perm.to_vec(),
+            None => (0..mbs.len()).collect(),
+        };
+        let key: Vec<u32> = order
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| mbs[**k].chunk.is_some())
+            .map(|(j, _)| j as u32)
+            .collect();
+        let schedule = match self.schedules.get(&(m, key.clone())) {
+            Some(s) => Arc::clone(s),
+            None => {
+                let s = cached_schedule(kind, self.config.pp, self.config.v, m)?;
+                let ordered: Vec<Microbatch> = order.iter().map(|&k| mbs[k].clone()).collect();
+                let chains = crate::chunks::chains(&ordered)?;
+                let s = if chains.is_empty() {
+                    s
+                } else {
+                    Arc::new(crate::chunks::order_chunks(&s, &chains)?)
+                };
+                self.schedules.insert((m, key), Arc::clone(&s));
+                s
+            }
+        };
+        let t = match permuted {
+            Some((base, perm)) => replay::replay(&schedule, &base.permuted(perm))?,
+            None => replay::replay(&schedule, &self.costs(kind, mbs)?)?,
+        };
+        Ok(t.makespan_ns())
+    }
+}
+
+/// LPT of `order` (cost, tokens; heaviest first) into `m` bins of at most `budget` tokens:
+/// each sequence to the bin with the least load per target among those it fits (targets 1,
+/// or ½ for the first and last bins when `taper`). `None` when a sequence fits no bin.
+/// Returns each bin's load and microbatch.
+fn lpt_under_budget(
+    order: &[(f64, u32)],
+    m: usize,
+    budget: u64,
+    taper: bool,
+) -> Option<Vec<(f64, Microbatch)>> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    /// A bin in a heap: least load first, then lowest index.
+    #[derive(Clone, Copy, PartialEq)]
+    struct Bin(f64, usize);
+    impl Eq for Bin {}
+    impl PartialOrd for Bin {
+        fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+            Some(self.cmp(o))
+        }
+    }
+    impl Ord for Bin {
+        fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+            self.0.total_cmp(&o.0).then(self.1.cmp(&o.1))
+        }
+    }
+    let tapered = |j: usize| taper && (j == 0 || j + 1 == m);
+    // Two heaps by load: bins of target 1 and the tapered bins (target 1/2), so each sequence
+    // finds the least `(load + c) / target` among the bins it fits in O(log m).
+    let mut heaps: [BinaryHeap<Reverse<Bin>>; 2] = [BinaryHeap::new(), BinaryHeap::new()];
+    for j in 0..m {
+        heaps[tapered(j) as usize].push(Reverse(Bin(0.0, j)));
+    }
+    let mut tokens = vec![0u64; m];
+    let mut bins = vec![Microbatch::default(); m];
+    let mut stash: Vec<Reverse<Bin>> = Vec::new();
+    for &(c, s) in order {
+        // The least-loaded bin of each heap that the sequence fits.
+        let mut pick: Option<(f64, usize, usize)> = None;
+        for (h, heap) in heaps.iter_mut().enumerate() {
+            while let Some(&Reverse(Bin(load, j))) = heap.peek() {
+                if tokens[j] + s as u64 <= budget {
+                    let key = (load + c) * if h == 1 { 2.0 } else { 1.0 };
+                    if pick.is_none_or(|(k, pj, _)| key < k || (key == k && j < pj)) {
+                        pick = Some((key, j, h));
+                    }
+                    break;
+                }
+                stash.push(heap.pop().expect("peeked"));
+            }
+            heap.extend(stash.drain(..));
+        }
+        let (_, j, h) = pick?;
+        let Reverse(Bin(load, _)) = {
+            // The picked bin is its heap's top (the first that fits after the stash went back
+            // may not be the top when an earlier bin did not fit): remove it by index.
+            let mut rest = Vec::new();
+            let mut found = None;
+            while let Some(Reverse(b)) = heaps[h].pop() {
+                if b.1 == j {
+                    found = Some(Reverse(b));
+                    break;
+                }
+                rest.push(Reverse(b));
+            }
+            heaps[h].extend(rest);
+            found.expect("the picked bin is in its heap")
+        };
+        tokens[j] += s as u64;
+        bins[j].seq_lens.push(s);
+        heaps[h].push(Reverse(Bin(load + c, j)));
+    }
+    if bins.iter().any(|b| b.seq_lens.is_empty()) {
+        return None;
+    }
+    let mut load = vec![0.0f64; m];
+    for heap in heaps {
+        for Reverse(Bin(l, j)) in heap {
+            load[j] = l;
+        }
+    }
+    Some(load.into_iter().zip(bins).collect())
+}
+
+/// The bins of one candidate in order `o`: their indices.
+fn ordered(bins: &[(f64, Microbatch)], o: Order) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..bins.len()).collect();
+    let heavy_first = |idx: &mut Vec<usize>| {
+        idx.sort_by(|&a, &b| bins[b].0.total_cmp(&bins[a].0).then(a.cmp(&b)));
+    };
+    match o {
+        Order::HeaviestFirst => heavy_first(&mut idx),
+        Order::LightestFirst => {
+            heavy_first(&mut idx);
+            idx.reverse();
+        }
+        Order::Verl => {
+            heavy_first(&mut idx);
+            let mut out: Vec<usize> = idx.iter().step_by(2).rev().copied().collect();
+            out.extend(idx.iter().skip(1).step_by(2).copied());
+            idx = out;
+        }
+        Order::Ends => {
+            let last = bins.len() - 1;
+            let mut mid: Vec<usize> = (1..last).collect();
+            heavy_first(&mut mid);
+            idx = std::iter::once(0).chain(mid).chain([last]).collect();
+        }
+    }
+    idx
+}
+
+/// A lower bound on one replica's step time (seconds) that holds for every cut and order of
+/// its sequences: the microbatches `fixed` (chunks and sequences over the budget, as they
+/// are) and the sequences `short` cut in any way into microbatches of at most the token
+/// budget. Per rank r, `fill_r + work_r + optimizer_r`, the most over ranks:
+///
+/// - `work_r`: everything r computes, `Σ_{stages on r} F + min(B, I + W)` over the step.
+///   Stage time is affine in (tokens, pairs) (`c0 + c_tok·t + c_attn·a`, [`crate::costs`]), so
+///   over any cut of `short` into m microbatches it is the cost of one microbatch holding all
+///   of them plus `m - 1` times an empty one's (`c0`), and `m >= ceil(Σ short / budget)`;
+/// - `fill_r`: r computes nothing before a first microbatch has crossed every stage before
+///   r's first (forward and transfers); every microbatch holds at least one sequence (or is
+///   one of `fixed`), and time grows with tokens and pairs, so the shortest sequence alone
+///   (or the cheapest of `fixed`) bounds it;
+/// - `optimizer_r`: r's optimizer step after its last compute.
+///
+/// Per-microbatch data-parallel collectives (`fsdp-mb`) are priced as the profile's costs
+/// price them; the bound does not include the per-step collectives of `dp > 1`. A few ns of
+/// rounding slack per cell are subtracted (stage times are whole ns).
+///
+/// # Errors
+/// Cost-table errors (stages not matching the profile).
+pub fn lower_bound_s(
+    config: &RunConfig,
+    profile: &Profile,
+    placement: &Placement,
+    fixed: &[Microbatch],
+    short: &[u32],
+    replica: usize,
+) -> Result<f64> {
+    let budget = config.params.token_budget.max(1);
+    let mut mbs: Vec<Microbatch> = fixed.to_vec();
+    let n_fixed = mbs.len();
+    let total: u64 = short.iter().map(|&s| s as u64).sum();
+    let m_short = total.div_ceil(budget) as usize;
+    if !short.is_empty() {
+        mbs.push(Microbatch::flat(short.to_vec()));
+        mbs.push(Microbatch::default());
+        mbs.push(Microbatch::flat(vec![
+            *short.iter().min().expect("non-empty"),
+        ]));
+    }
+    if mbs.is_empty() {
+        return Ok(0.0);
+    }
+    let costs = round_costs(config, profile, placement, (&mbs, &[]), replica, true)?;
+    let stages = placement.num_stages();
+    let cell = |s: u32, mb: usize, kind| {
+        costs.compute_ns(ComputeAction {
+            stage: StageId(s),
+            microbatch: MicrobatchId(mb as u32),
+            kind,
+        })
+    };
+    let step_work = |s: u32, mb: usize| {
+        let split = cell(s, mb, ActionKind::I) + cell(s, mb, ActionKind::W);
+        cell(s, mb, ActionKind::F) + split.min(cell(s, mb, ActionKind::B))
+    };
+    // The items that can open the pipeline: each fixed microbatch and the shortest sequence.
+    let mut openers: Vec<usize> = (0..n_fixed).collect();
+    if !short.is_empty() {
+        openers.push(n_fixed + 2);
+    }
+    let crosses = |s: u32| placement.rank_of[s as usize] != placement.rank_of[s as usize + 1];
+    let mut best = 0u64;
+    for r in 0..placement.num_ranks {
+        let mine = placement.stages_of(Rank(r));
+        let Some(first) = mine.first().map(|s| s.0) else {
+            continue;
+        };
+        let mut work = 0u64;
+        for s in &mine {
+            for mb in 0..n_fixed {
+                work += step_work(s.0, mb);
+            }
+            if !short.is_empty() {
+                work += step_work(s.0, n_fixed);
+                work += (m_short.saturating_sub(1)) as u64 * step_work(s.0, n_fixed + 1);
+            }
+        }
+        let fill = openers
+            .iter()
+            .map(|&mb| {
+                (0..first)
+                    .map(|s| {
+                        cell(s, mb, ActionKind::F)
+                            + if crosses(s) {
+                                costs.comm_ns(StageId(s), MicrobatchId(mb as u32), ActionKind::F)
+                            } else {
+                                0
+                            }
+                    })
+                    .sum::<u64>()
+            })
+            .min()
+            .unwrap_or(0);
+        let slack = 4 * (n_fixed + m_short.max(1)) as u64 * stages as u64;
+        let t = (fill + work + costs.optimizer_ns(Rank(r))).saturating_sub(slack);
+        best = best.max(t);
+    }
+    Ok(ns_to_s(best))
+}
