@@ -65,8 +65,8 @@ enum Order {
     Verl,
     HeaviestFirst,
     LightestFirst,
-    /// Tapered bins: bin 0 first, the last bin last, the rest heaviest first.
-    Ends,
+    /// Ramped bins: the first and last `ramp` bins in place, the rest heaviest first.
+    Ends(usize),
 }
 
 /// Plans one replica's microbatches for `config`'s schedule (module doc). `cut` is the
@@ -137,15 +137,15 @@ pub fn plan(
     let mut best_count: Option<usize> = None;
     let mut candidates = 1u32;
     let nf = fixed.len();
-    // Every count in verl's order and tapered; then the best count's bins heaviest and
-    // lightest first (they rarely win: measured on sampled ShareGPT steps, 1F1B, ZB-H1, ZB-V
-    // and interleaved 1F1B at p = 8).
+    // Every count in verl's order and with the middle ramp; then the best count with the
+    // other ramps, and its bins heaviest and lightest first (these rarely win: measured on
+    // sampled ShareGPT steps, 1F1B, ZB-H1, ZB-V and interleaved 1F1B at p = 8).
     let mut try_bins = |m: usize,
-                        taper: bool,
+                        ramp: usize,
                         orders: &[Order],
                         best: &mut (u64, Vec<Microbatch>)|
      -> Result<bool> {
-        let Some(bins) = lpt_under_budget(&order, m, budget, taper) else {
+        let Some(bins) = lpt_under_budget(&order, m, budget, ramp) else {
             return Ok(false);
         };
         // One cost table per cut, permuted per order.
@@ -167,20 +167,43 @@ pub fn plan(
         Ok(won)
     };
     for &m in &counts {
-        if try_bins(m, false, &[Order::Verl], &mut best)? {
+        if try_bins(m, 0, &[Order::Verl], &mut best)? {
             best_count = Some(m);
         }
-        if m >= 3 && try_bins(m, true, &[Order::Ends], &mut best)? {
+        let ramp = RAMPS[1];
+        if m > 2 * ramp && try_bins(m, ramp, &[Order::Ends(ramp)], &mut best)? {
             best_count = Some(m);
         }
     }
     if let Some(m) = best_count {
+        for ramp in [RAMPS[0], RAMPS[2]] {
+            if m > 2 * ramp {
+                try_bins(m, ramp, &[Order::Ends(ramp)], &mut best)?;
+            }
+        }
         try_bins(
             m,
-            false,
+            0,
             &[Order::HeaviestFirst, Order::LightestFirst],
             &mut best,
         )?;
+    }
+    // Chunked sequences first (as above), last, or in the middle: their chains hold memory
+    // and order the stages differently in each place.
+    if !crate::chunks::chains(&best.1)?.is_empty() {
+        let (chunked, rest): (Vec<Microbatch>, Vec<Microbatch>) =
+            best.1.iter().cloned().partition(|m| m.chunk.is_some());
+        let half = rest.len() / 2;
+        for at in [rest.len(), half] {
+            let mut mbs = rest[..at].to_vec();
+            mbs.extend(chunked.iter().cloned());
+            mbs.extend(rest[at..].iter().cloned());
+            let t = pricer.price(rank_kind, &mbs, None)?;
+            candidates += 1;
+            if t < best.0 {
+                best = (t, mbs);
+            }
+        }
     }
     let (mut t, mut chosen) = best;
     if kind == Some(ScheduleKind::ZbAuto) {
@@ -200,6 +223,9 @@ pub fn plan(
         candidates,
     })
 }
+
+/// The ramps tried at both ends of a count's bins (besides none).
+const RAMPS: [usize; 3] = [1, 2, 4];
 
 /// Prices candidates: the schedule of each microbatch count (chunk chains ordered) built once.
 struct Pricer<'a> {
@@ -284,15 +310,39 @@ impl Pricer<'_> {
 }
 
 /// LPT of `order` (cost, tokens; heaviest first) into `m` bins of at most `budget` tokens:
-/// each sequence to the bin with the least load per target among those it fits (targets 1,
-/// or ½ for the first and last bins when `taper`). `None` when a sequence fits no bin.
+/// each sequence to the bin with the least load per target among those it fits. Targets ramp
+/// up over the first `ramp` bins and down over the last `ramp` (bin j's is
+/// `min(j + 1, m - j, ramp + 1) / (ramp + 1)`; `ramp` 0: all equal). `None` when a sequence
+/// fits no bin, or for a ramp when the bins must be filled by the budget's rule.
 /// Returns each bin's load and microbatch.
 fn lpt_under_budget(
     order: &[(f64, u32)],
     m: usize,
     budget: u64,
-    taper: bool,
+    ramp: usize,
 ) -> Option<Vec<(f64, Microbatch)>> {
+    // Without the budget first (each sequence to its heap's top: O(log m)); where that
+    // overfills a bin, again with the budget checked (O(m log m) per sequence when the bins are
+    // nearly full: only for equal targets, the ramps skip such a count).
+    if let Some(bins) = lpt_levels(order, m, None, ramp) {
+        if bins.iter().all(|(_, b)| b.tokens() <= budget) {
+            return Some(bins);
+        }
+    }
+    if ramp > 0 {
+        return None;
+    }
+    lpt_levels(order, m, Some(budget), ramp)
+}
+
+/// [`lpt_under_budget`]'s LPT, with the budget checked (`Some`) or not.
+fn lpt_levels(
+    order: &[(f64, u32)],
+    m: usize,
+    budget: Option<u64>,
+    ramp: usize,
+) -> Option<Vec<(f64, Microbatch)>> {
+    let budget = budget.unwrap_or(u64::MAX);
     use std::cmp::Reverse;
     use std::collections::BinaryHeap;
     /// A bin in a heap: least load first, then lowest index.
@@ -309,48 +359,66 @@ fn lpt_under_budget(
             self.0.total_cmp(&o.0).then(self.1.cmp(&o.1))
         }
     }
-    let tapered = |j: usize| taper && (j == 0 || j + 1 == m);
-    // Two heaps by load: bins of target 1 and the tapered bins (target 1/2), so each sequence
-    // finds the least `(load + c) / target` among the bins it fits in O(log m).
-    let mut heaps: [BinaryHeap<Reverse<Bin>>; 2] = [BinaryHeap::new(), BinaryHeap::new()];
+    // Bin j's level: its distance from the nearer end, at most ramp + 1 (target 1). One heap
+    // per level, by load, so each sequence finds the least `(load + c) / target` among the
+    // bins it fits in O(levels · log m).
+    let level = |j: usize| (j + 1).min(m - j).min(ramp + 1);
+    let target = |h: usize| h as f64 / (ramp + 1) as f64;
+    let mut heaps: Vec<BinaryHeap<Reverse<Bin>>> =
+        (0..ramp + 2).map(|_| BinaryHeap::new()).collect();
     for j in 0..m {
-        heaps[tapered(j) as usize].push(Reverse(Bin(0.0, j)));
+        heaps[level(j)].push(Reverse(Bin(0.0, j)));
     }
     let mut tokens = vec![0u64; m];
     let mut bins = vec![Microbatch::default(); m];
     let mut stash: Vec<Reverse<Bin>> = Vec::new();
+    let mut tops: Vec<(usize, Bin)> = Vec::with_capacity(heaps.len());
     for &(c, s) in order {
-        // The least-loaded bin of each heap that the sequence fits.
-        let mut pick: Option<(f64, usize, usize)> = None;
-        for (h, heap) in heaps.iter_mut().enumerate() {
-            while let Some(&Reverse(Bin(load, j))) = heap.peek() {
-                if tokens[j] + s as u64 <= budget {
-                    let key = (load + c) * if h == 1 { 2.0 } else { 1.0 };
+        if budget == u64::MAX {
+            // No budget: the least `(load + c) / target` of the heaps' tops.
+            let mut pick: Option<(f64, usize, usize)> = None;
+            for (h, heap) in heaps.iter().enumerate() {
+                if let Some(&Reverse(Bin(load, j))) = heap.peek() {
+                    let key = (load + c) / target(h);
                     if pick.is_none_or(|(k, pj, _)| key < k || (key == k && j < pj)) {
                         pick = Some((key, j, h));
                     }
-                    break;
                 }
-                stash.push(heap.pop().expect("peeked"));
             }
-            heap.extend(stash.drain(..));
+            let (_, j, h) = pick?;
+            let Reverse(Bin(load, _)) = heaps[h].pop().expect("peeked");
+            tokens[j] += s as u64;
+            bins[j].seq_lens.push(s);
+            heaps[h].push(Reverse(Bin(load + c, j)));
+            continue;
         }
-        let (_, j, h) = pick?;
-        let Reverse(Bin(load, _)) = {
-            // The picked bin is its heap's top (the first that fits after the stash went back
-            // may not be the top when an earlier bin did not fit): remove it by index.
-            let mut rest = Vec::new();
-            let mut found = None;
-            while let Some(Reverse(b)) = heaps[h].pop() {
-                if b.1 == j {
-                    found = Some(Reverse(b));
+        // Each heap's least-loaded bin that the sequence fits, popped; the bins above it that
+        // it does not fit wait in the stash.
+        tops.clear();
+        for (h, heap) in heaps.iter_mut().enumerate() {
+            while let Some(Reverse(bin)) = heap.pop() {
+                if tokens[bin.1] + s as u64 <= budget {
+                    tops.push((h, bin));
                     break;
                 }
-                rest.push(Reverse(b));
+                stash.push(Reverse(bin));
             }
-            heaps[h].extend(rest);
-            found.expect("the picked bin is in its heap")
-        };
+            for b in stash.drain(..) {
+                heap.push(b);
+            }
+        }
+        let key = |&(h, Bin(load, j)): &(usize, Bin)| ((load + c) / target(h), j);
+        let pick = tops.iter().copied().min_by(|a, b| {
+            let (ka, ja) = key(a);
+            let (kb, jb) = key(b);
+            ka.total_cmp(&kb).then(ja.cmp(&jb))
+        });
+        let (h, Bin(load, j)) = pick?;
+        for &(g, bin) in &tops {
+            if bin.1 != j {
+                heaps[g].push(Reverse(bin));
+            }
+        }
         tokens[j] += s as u64;
         bins[j].seq_lens.push(s);
         heaps[h].push(Reverse(Bin(load + c, j)));
@@ -385,11 +453,11 @@ fn ordered(bins: &[(f64, Microbatch)], o: Order) -> Vec<usize> {
             out.extend(idx.iter().skip(1).step_by(2).copied());
             idx = out;
         }
-        Order::Ends => {
-            let last = bins.len() - 1;
-            let mut mid: Vec<usize> = (1..last).collect();
+        Order::Ends(ramp) => {
+            let m = bins.len();
+            let mut mid: Vec<usize> = (ramp..m - ramp).collect();
             heavy_first(&mut mid);
-            idx = std::iter::once(0).chain(mid).chain([last]).collect();
+            idx = (0..ramp).chain(mid).chain(m - ramp..m).collect();
         }
     }
     idx
@@ -494,5 +562,49 @@ pub fn lower_bound_s(
         let t = (fill + work + costs.optimizer_ns(Rank(r))).saturating_sub(slack);
         best = best.max(t);
     }
-    Ok(ns_to_s(best))
+    Ok(ns_to_s(
+        best.max(chain_bound_ns(config, profile, fixed, replica)?),
+    ))
+}
+
+/// The bound of the chunked sequences alone: [`crate::metrics::lower_bound_ns`] of the
+/// schedule kind run on the `fixed` microbatches only (its chunk chains' critical paths, their
+/// fill and work). Every term of it holds in any schedule of the whole step, which runs the
+/// same chains and more work on the same ranks. 0 without chains, for a given schedule, or
+/// when the kind cannot run that few microbatches.
+fn chain_bound_ns(
+    config: &RunConfig,
+    profile: &Profile,
+    fixed: &[Microbatch],
+    replica: usize,
+) -> Result<u64> {
+    let chains = crate::chunks::chains(fixed)?;
+    let ScheduleSource::Kind(kind) = config.source else {
+        return Ok(0);
+    };
+    if chains.is_empty() {
+        return Ok(0);
+    }
+    let kind = match (kind, config.v) {
+        (ScheduleKind::ZbAuto, 1) => ScheduleKind::ZbH1,
+        (ScheduleKind::ZbAuto, _) => ScheduleKind::ZbV,
+        (k, _) => k,
+    };
+    let Ok(schedule) = cached_schedule(kind, config.pp, config.v, fixed.len() as u32) else {
+        return Ok(0);
+    };
+    let Ok(schedule) = crate::chunks::order_chunks(&schedule, &chains) else {
+        return Ok(0);
+    };
+    let costs = round_costs(
+        config,
+        profile,
+        &schedule.placement,
+        (fixed, &[]),
+        replica,
+        true,
+    )?;
+    // Whole-ns rounding of each cell: a few ns per action of slack.
+    let slack = 4 * schedule.num_compute_actions() as u64;
+    Ok(crate::metrics::lower_bound_ns(&schedule, &costs).saturating_sub(slack))
 }
