@@ -209,8 +209,9 @@ fn flat_planned_near_the_exact_optimum_of_small_steps() {
     eprintln!("worst gap to the exact optimum: {:.2}%", worst * 100.0);
 }
 
-/// On sampled ShareGPT steps, flat-planned is never slower than flat-ffd on the same step,
-/// and no policy's step is faster than the step's lower bound.
+/// On sampled ShareGPT steps, flat-planned is never slower than flat-ffd on the same step nor
+/// over the memory limit where flat-ffd is not, and no policy's step is faster than the
+/// step's lower bound.
 #[test]
 fn flat_planned_never_slower_than_flat_ffd_and_bound_holds() {
     let prof = profile();
@@ -228,6 +229,7 @@ fn flat_planned_never_slower_than_flat_ffd_and_bound_holds() {
             let budget = 16_384u64.max(longest);
             let mut times = Vec::new();
             let mut bound = None;
+            let mut peak = std::collections::HashMap::new();
             for policy in [
                 Policy::FlatFfd,
                 Policy::FlatBalanced,
@@ -235,7 +237,9 @@ fn flat_planned_never_slower_than_flat_ffd_and_bound_holds() {
                 Policy::FlatPlanned,
                 Policy::Packed,
             ] {
-                let c = config(kind, 4, policy, budget);
+                let mut c = config(kind, 4, policy, budget);
+                // A limit every cut is over: flat-planned may then use at most flat-ffd's peak.
+                c.memory_limit_bytes = Some(1.0);
                 let cut = cut_step(&c, &seqs, &cost).unwrap();
                 let o = plan_step(&c, Some(&prof), step, &cut)
                     .unwrap()
@@ -244,12 +248,22 @@ fn flat_planned_never_slower_than_flat_ffd_and_bound_holds() {
                 if policy == Policy::FlatPlanned {
                     bound = o.lower_bound_s;
                 }
+                peak.insert(
+                    policy,
+                    o.rank_memory_bytes.iter().copied().fold(0.0, f64::max),
+                );
                 times.push((policy, o.step_time_s));
             }
             let t = |p| times.iter().find(|(q, _)| *q == p).unwrap().1;
             assert!(
                 t(Policy::FlatPlanned) <= t(Policy::FlatFfd) * (1.0 + 1e-12),
                 "{kind} step {step}: {times:?}"
+            );
+            // Within the memory limit, or within flat-ffd's own peak where that is over it.
+            let cap = peak[&Policy::FlatFfd];
+            assert!(
+                peak[&Policy::FlatPlanned] <= cap * (1.0 + 1e-9),
+                "{kind} step {step}: {peak:?}"
             );
             let bound = bound.unwrap();
             for (p, s) in &times {

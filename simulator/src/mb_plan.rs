@@ -12,22 +12,26 @@
 //!   drain by what they add in fixed costs), at most the number of sequences;
 //! - **contents**: LPT (Graham 1969) on each sequence's predicted time (attention included,
 //!   [`crate::montecarlo::balance_cost`]) under the token budget, into bins of equal target,
-//!   or with the first and last bins' targets halved ("tapered": a short first microbatch
-//!   shortens the fill, a short last one the drain);
+//!   or with targets ramped up over the first r bins and down over the last r (r = 2 for every
+//!   count, then 1 and 4 for the best count): a short first microbatch shortens the fill, a
+//!   short last one the drain;
 //! - **order**: verl's (light microbatches at both ends, [`crate::verl_kk::verl_order`]) for
-//!   equal targets, the two light bins first and last for tapered ones; then the best count's
-//!   equal-target bins heaviest first and lightest first;
+//!   equal targets, the ramp's own for ramped ones; then the best count's equal-target bins
+//!   heaviest first and lightest first; and the best candidate with its chunked sequences
+//!   moved from first to the middle or last;
 //!
 //! plus the step's own first-fit-decreasing cut (so the result is never slower than
 //! `flat-ffd` on the same step). Each candidate is priced by the replay of the schedule kind
 //! on it under the profile's costs (the prediction every other policy gets); the fastest
-//! wins, ties to the earlier. zb-auto, whose schedule is searched per step, is ranked with
-//! ZB-H1 (v = 1) or ZB-V (v = 2), then the winner and the first-fit-decreasing cut are both
-//! built with zb-auto and the faster kept. A given schedule (fixed microbatch count) or a
+//! whose peak memory (state plus activations, the most of any rank) fits the memory limit,
+//! or the cut's own peak where the cut is over it, wins; ties to the earlier. zb-auto, whose
+//! schedule is searched per step under the limit, is ranked with ZB-H1 (v = 1) or ZB-V
+//! (v = 2), then the winner and the first-fit-decreasing cut are both built with zb-auto and
+//! the faster kept. A given schedule (fixed microbatch count) or a
 //! fixed capacity keeps the cut.
 //!
-//! Sequences longer than the budget (a microbatch of their own, or their chunks) stay as they
-//! are, first.
+//! Sequences longer than the budget (a microbatch of their own, or their chunks) keep their
+//! microbatches.
 //!
 //! [`lower_bound_s`] is the replica's step-time bound that holds for *every* way of cutting
 //! and ordering its sequences, so the gap between any policy's step time and it is what any
@@ -134,6 +138,8 @@ pub fn plan(
     counts.dedup();
 
     let mut best = (pricer.price(rank_kind, cut, None)?, cut.to_vec());
+    // Every candidate priced, the cut first: the fastest that fits memory wins.
+    let mut pool: Vec<(u64, Vec<Microbatch>)> = vec![best.clone()];
     let mut best_count: Option<usize> = None;
     let mut candidates = 1u32;
     let nf = fixed.len();
@@ -159,10 +165,12 @@ pub fn plan(
                 .collect();
             let t = pricer.price(rank_kind, &mbs, Some((&base, &perm)))?;
             candidates += 1;
+            let ordered: Vec<Microbatch> = perm.iter().map(|&k| mbs[k].clone()).collect();
             if t < best.0 {
-                *best = (t, perm.iter().map(|&k| mbs[k].clone()).collect());
+                *best = (t, ordered.clone());
                 won = true;
             }
+            pool.push((t, ordered));
         }
         Ok(won)
     };
@@ -200,21 +208,43 @@ pub fn plan(
             mbs.extend(rest[at..].iter().cloned());
             let t = pricer.price(rank_kind, &mbs, None)?;
             candidates += 1;
-            if t < best.0 {
-                best = (t, mbs);
-            }
+            pool.push((t, mbs));
         }
     }
-    let (mut t, mut chosen) = best;
+    // The fastest candidate within the memory limit, or within the cut's own peak where the
+    // cut is over it (more, smaller microbatches can hold more in flight).
+    let (mut t, mut chosen) = if kind == Some(ScheduleKind::ZbAuto) {
+        // zb-auto keeps its own schedules under the limit.
+        pool.into_iter().min_by_key(|c| c.0).expect("the cut")
+    } else {
+        let limit = config
+            .memory_limit_bytes
+            .unwrap_or_else(|| crate::montecarlo::default_memory_limit(profile));
+        let cap = limit.max(pricer.peak_bytes(rank_kind, cut)?);
+        let mut order: Vec<usize> = (0..pool.len()).collect();
+        order.sort_by_key(|&i| (pool[i].0, i));
+        let mut pick = 0;
+        for i in order {
+            if i == 0 || pricer.peak_bytes(rank_kind, &pool[i].1)? <= cap {
+                pick = i;
+                break;
+            }
+        }
+        pool.swap_remove(pick)
+    };
     if kind == Some(ScheduleKind::ZbAuto) {
         // Ranked with a handcrafted proxy; zb-auto itself decides between the winner and the
         // first-fit-decreasing cut.
-        let t_win = pricer.price(ScheduleKind::ZbAuto, &chosen, None)?;
+        // A winner zb-auto cannot schedule under the memory limit falls back to the cut.
+        let t_win = pricer.price(ScheduleKind::ZbAuto, &chosen, None).ok();
         let t_cut = pricer.price(ScheduleKind::ZbAuto, cut, None)?;
-        if t_cut <= t_win {
-            chosen = cut.to_vec();
+        match t_win {
+            Some(w) if w < t_cut => t = w,
+            _ => {
+                chosen = cut.to_vec();
+                t = t_cut;
+            }
         }
-        t = t_win.min(t_cut);
     }
     Ok(MicrobatchPlan {
         microbatches: chosen,
@@ -237,6 +267,59 @@ struct Pricer<'a> {
 }
 
 impl Pricer<'_> {
+    /// `kind`'s schedule for `mbs` (reordered by `perm`), chunk chains ordered; built once per
+    /// count and chunk positions.
+    fn schedule(
+        &mut self,
+        kind: ScheduleKind,
+        mbs: &[Microbatch],
+        perm: Option<&[usize]>,
+    ) -> Result<Arc<Schedule>> {
+        let m = mbs.len() as u32;
+        let order: Vec<usize> = match perm {
+            Some(perm) => perm.to_vec(),
+            None => (0..mbs.len()).collect(),
+        };
+        let key: Vec<u32> = order
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| mbs[**k].chunk.is_some())
+            .map(|(j, _)| j as u32)
+            .collect();
+        if let Some(s) = self.schedules.get(&(m, key.clone())) {
+            return Ok(Arc::clone(s));
+        }
+        let s = cached_schedule(kind, self.config.pp, self.config.v, m)?;
+        let ordered: Vec<Microbatch> = order.iter().map(|&k| mbs[k].clone()).collect();
+        let chains = crate::chunks::chains(&ordered)?;
+        let s = if chains.is_empty() {
+            s
+        } else {
+            Arc::new(crate::chunks::order_chunks(&s, &chains)?)
+        };
+        self.schedules.insert((m, key), Arc::clone(&s));
+        Ok(s)
+    }
+
+    /// The most memory a rank holds running `kind` on `mbs`: parameters, gradients and
+    /// optimizer state plus its peak activations, bytes.
+    fn peak_bytes(&mut self, kind: ScheduleKind, mbs: &[Microbatch]) -> Result<f64> {
+        let schedule = self.schedule(kind, mbs, None)?;
+        let costs = self.costs(kind, mbs)?;
+        let timeline = replay::replay(&schedule, &costs)?;
+        let levels = crate::metrics::memory_levels(crate::metrics::memory_events(
+            &schedule, &costs, &timeline,
+        ));
+        Ok(levels
+            .iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let peak = l.iter().map(|&(_, x)| x).fold(0.0, f64::max);
+                costs.static_bytes(Rank(r as u32)) + peak
+            })
+            .fold(0.0, f64::max))
+    }
+
     /// The cost table of `mbs` on `kind`'s placement.
     fn costs(&self, kind: ScheduleKind, mbs: &[Microbatch]) -> Result<TableCosts> {
         let placement = kind.placement_on(self.config.pp, self.config.v)?;
@@ -276,31 +359,7 @@ impl Pricer<'_> {
             };
             return Ok(replay::replay(&s, &costs)?.makespan_ns());
         }
-        let order: Vec<usize> = match permuted {
-            Some((_, perm)) => perm.to_vec(),
-            None => (0..mbs.len()).collect(),
-        };
-        let key: Vec<u32> = order
-            .iter()
-            .enumerate()
-            .filter(|(_, k)| mbs[**k].chunk.is_some())
-            .map(|(j, _)| j as u32)
-            .collect();
-        let schedule = match self.schedules.get(&(m, key.clone())) {
-            Some(s) => Arc::clone(s),
-            None => {
-                let s = cached_schedule(kind, self.config.pp, self.config.v, m)?;
-                let ordered: Vec<Microbatch> = order.iter().map(|&k| mbs[k].clone()).collect();
-                let chains = crate::chunks::chains(&ordered)?;
-                let s = if chains.is_empty() {
-                    s
-                } else {
-                    Arc::new(crate::chunks::order_chunks(&s, &chains)?)
-                };
-                self.schedules.insert((m, key), Arc::clone(&s));
-                s
-            }
-        };
+        let schedule = self.schedule(kind, mbs, permuted.map(|p| p.1))?;
         let t = match permuted {
             Some((base, perm)) => replay::replay(&schedule, &base.permuted(perm))?,
             None => replay::replay(&schedule, &self.costs(kind, mbs)?)?,
@@ -607,4 +666,85 @@ fn chain_bound_ns(
     // Whole-ns rounding of each cell: a few ns per action of slack.
     let slack = 4 * schedule.num_compute_actions() as u64;
     Ok(crate::metrics::lower_bound_ns(&schedule, &costs).saturating_sub(slack))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::montecarlo::Capacity;
+    use crate::policy::Policy;
+
+    fn setup(kind: ScheduleKind) -> (RunConfig, Profile) {
+        let model = flatpipe_profiles::builtins::model("llama3.1-8b").unwrap();
+        let hw = flatpipe_profiles::builtins::hardware("h200").unwrap();
+        let profile =
+            flatpipe_profiles::analytic_profile(&model, &hw, &Default::default()).unwrap();
+        let v = kind.stages_per_rank(None).unwrap();
+        let stages = crate::plan::even_split(profile.layers.len(), (4 * v) as usize).unwrap();
+        let c = RunConfig::new(
+            ScheduleSource::Kind(kind),
+            4,
+            v,
+            stages,
+            Policy::FlatPlanned,
+            Capacity::Dynamic,
+        );
+        (c, profile)
+    }
+
+    /// The memory rule's peak (replay + memory events) is `simulate`'s: the most of any rank's
+    /// state plus peak activations.
+    #[test]
+    fn peak_bytes_is_the_simulated_peak() {
+        for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbV] {
+            let (c, profile) = setup(kind);
+            let mut mbs: Vec<Microbatch> = [900u32, 5_000, 3_000, 12_000, 700, 2_500, 8_000]
+                .iter()
+                .map(|&s| Microbatch::flat(vec![s]))
+                .collect();
+            mbs.extend(Microbatch::chunks(7, 40_000, 16_384).unwrap());
+            let mut pricer = Pricer {
+                config: &c,
+                profile: &profile,
+                replica: 0,
+                schedules: HashMap::new(),
+            };
+            let got = pricer.peak_bytes(kind, &mbs).unwrap();
+            let schedule = pricer.schedule(kind, &mbs, None).unwrap();
+            let costs = pricer.costs(kind, &mbs).unwrap();
+            let sim = crate::simulate(&schedule, &costs).unwrap();
+            let want = sim
+                .metrics
+                .ranks
+                .iter()
+                .enumerate()
+                .map(|(r, m)| costs.static_bytes(Rank(r as u32)) + m.peak_activation_bytes.unwrap())
+                .fold(0.0, f64::max);
+            assert!((got - want).abs() <= 1e-6 * want, "{kind}: {got} vs {want}");
+        }
+    }
+
+    /// Under a limit every cut is over, the planned microbatches hold at most the cut's peak.
+    #[test]
+    fn over_the_limit_the_plan_keeps_within_the_cuts_peak() {
+        let (mut c, profile) = setup(ScheduleKind::ZbV);
+        c.memory_limit_bytes = Some(1.0);
+        let seqs: Vec<u32> = (0..48).map(|i| 200 + (i * 7919 % 5_000) as u32).collect();
+        let cut = crate::policy::batch(Policy::FlatFfd, &seqs, &c.params, &balance_cost(&profile))
+            .unwrap()
+            .microbatches;
+        let planned = plan(&c, &profile, &cut, 0).unwrap();
+        let mut pricer = Pricer {
+            config: &c,
+            profile: &profile,
+            replica: 0,
+            schedules: HashMap::new(),
+        };
+        let cap = pricer.peak_bytes(ScheduleKind::ZbV, &cut).unwrap();
+        let got = pricer
+            .peak_bytes(ScheduleKind::ZbV, &planned.microbatches)
+            .unwrap();
+        assert!(got <= cap, "{got} > {cap}");
+        assert!(planned.candidates > 1);
+    }
 }
