@@ -220,12 +220,25 @@ pub fn plan(
         let limit = config
             .memory_limit_bytes
             .unwrap_or_else(|| crate::montecarlo::default_memory_limit(profile));
-        let cap = limit.max(pricer.peak_bytes(rank_kind, cut)?);
+        // The cut's peak only when a faster candidate is over the limit.
+        let mut cap: Option<f64> = None;
         let mut order: Vec<usize> = (0..pool.len()).collect();
         order.sort_by_key(|&i| (pool[i].0, i));
         let mut pick = 0;
         for i in order {
-            if i == 0 || pricer.peak_bytes(rank_kind, &pool[i].1)? <= cap {
+            if i == 0 {
+                break;
+            }
+            let peak = pricer.peak_bytes(rank_kind, &pool[i].1)?;
+            if peak <= limit {
+                pick = i;
+                break;
+            }
+            let cap = match cap {
+                Some(c) => c,
+                None => *cap.insert(pricer.peak_bytes(rank_kind, cut)?),
+            };
+            if peak <= cap {
                 pick = i;
                 break;
             }
