@@ -11,3 +11,4 @@ mod sharding;
 mod tensor_parallel;
 mod traces;
 mod variable_length;
+mod zb_parity;

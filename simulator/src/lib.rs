@@ -62,7 +62,7 @@ pub mod trace;
 pub mod verl_kk;
 pub mod zb_auto;
 
-pub use costs::{CostModel, MemoryUnit, TableCosts, UniformCostSpec, UniformCosts};
+pub use costs::{CostModel, MemoryUnit, StageCosts, TableCosts, UniformCostSpec, UniformCosts};
 pub use error::{Error, Result};
 pub use generators::ScheduleKind;
 pub use ir::{

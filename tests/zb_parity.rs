@@ -1,0 +1,106 @@
+//! zb-auto against the Zero Bubble authors' heuristic (issue 26, part 3): the same settings,
+//! the same costs and memory limits, the heuristic's figures written by its own code
+//! (`scripts/zb_parity.py`, `tests/data/zb_heuristic.json`).
+
+use flatpipe::simulator::{ScheduleKind, StageCosts, replay};
+
+/// One setting of the committed grid.
+struct Setting {
+    p: u32,
+    m: u32,
+    f: Vec<f64>,
+    b: Vec<f64>,
+    w: Vec<f64>,
+    comm: f64,
+    limit: f64,
+    heuristic: Option<u64>,
+    heuristic_makespan: Option<u64>,
+}
+
+fn settings() -> Vec<Setting> {
+    let text = include_str!("data/zb_heuristic.json");
+    let data: serde_json::Value = serde_json::from_str(text).unwrap();
+    let nums = |v: &serde_json::Value| -> Vec<f64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    data["settings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| Setting {
+            p: s["p"].as_u64().unwrap() as u32,
+            m: s["m"].as_u64().unwrap() as u32,
+            f: nums(&s["f"]),
+            b: nums(&s["b"]),
+            w: nums(&s["w"]),
+            comm: s["comm"].as_f64().unwrap(),
+            limit: s["limit_microbatches"].as_f64().unwrap(),
+            heuristic: s["heuristic_span"].as_u64(),
+            heuristic_makespan: s["heuristic_makespan"].as_u64(),
+        })
+        .collect()
+}
+
+/// zb-auto's figure in the heuristic's terms: over the ranks, the longest span from a rank's
+/// first action's start to its last action's end (one stage per rank), in cost units; and its
+/// makespan.
+fn zb_auto_span(s: &Setting) -> (u64, u64) {
+    let costs = StageCosts::new(&s.f, &s.b, &s.w, s.comm).unwrap();
+    let schedule = ScheduleKind::ZbAuto
+        .build(s.p, 1, s.m, &costs, s.limit)
+        .unwrap();
+    let t = replay::replay(&schedule, &costs).unwrap();
+    let span = t
+        .compute
+        .iter()
+        .map(|ops| ops.last().unwrap().end_ns - ops.first().unwrap().start_ns)
+        .max()
+        .unwrap();
+    let unit = 1_000_000_000;
+    (span / unit, t.makespan_ns() / unit)
+}
+
+/// The comparison, printed (`cargo test --release --test integration zb_parity::report --
+/// --ignored --nocapture`): on 2026-12-03, of the 258 settings the heuristic ran, zb-auto's
+/// makespan was better on 76, the same on 144 and worse on 38 (by at most 2.5%); by the
+/// heuristic's own figure (the longest per-stage span, which zb-auto does not minimise) better
+/// on 55, the same on 110, worse on 93. The issue's requirement, never worse, is not met yet,
+/// so this is a report, not an assertion.
+#[test]
+#[ignore]
+fn report() {
+    // (better, same, worse) by makespan and by the heuristic's span.
+    let mut by_makespan = [0u32; 3];
+    let mut by_span = [0u32; 3];
+    let mut worst = 1.0f64;
+    let tally = |ours: u64, theirs: u64, t: &mut [u32; 3]| {
+        t[match ours.cmp(&theirs) {
+            std::cmp::Ordering::Less => 0,
+            std::cmp::Ordering::Equal => 1,
+            std::cmp::Ordering::Greater => 2,
+        }] += 1;
+    };
+    for s in settings() {
+        let (Some(h_span), Some(h_make)) = (s.heuristic, s.heuristic_makespan) else {
+            continue;
+        };
+        let (span, make) = zb_auto_span(&s);
+        tally(make, h_make, &mut by_makespan);
+        tally(span, h_span, &mut by_span);
+        worst = worst.max(make as f64 / h_make as f64);
+        if make > h_make {
+            eprintln!(
+                "worse: p {} m {} comm {} limit {} f {:?}: zb-auto {make} vs {h_make}",
+                s.p, s.m, s.comm, s.limit, s.f
+            );
+        }
+    }
+    eprintln!(
+        "makespan: better {}, same {}, worse {} (worst {:.3}x); span: better {}, same {}, worse {}",
+        by_makespan[0], by_makespan[1], by_makespan[2], worst, by_span[0], by_span[1], by_span[2]
+    );
+}
