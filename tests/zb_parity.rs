@@ -64,19 +64,15 @@ fn zb_auto_span(s: &Setting) -> (u64, u64) {
     (span / unit, t.makespan_ns() / unit)
 }
 
-/// The comparison, printed (`cargo test --release --test integration zb_parity::report --
-/// --ignored --nocapture`): on 2026-12-03, of the 258 settings the heuristic ran, zb-auto's
-/// makespan was better on 76, the same on 144 and worse on 38 (by at most 2.5%); by the
-/// heuristic's own figure (the longest per-stage span, which zb-auto does not minimise) better
-/// on 55, the same on 110, worse on 93. The requirement, never worse, is not met yet,
-/// so this is a report, not an assertion.
+/// zb-auto's makespan is at most the heuristic's on every committed setting the heuristic
+/// ran (258 of 288; on 30 its own assertions fail). Also counts, by makespan and by the
+/// heuristic's own figure (the longest per-stage span, which zb-auto does not minimise), where
+/// zb-auto is better, the same or worse (`-- --nocapture` prints them).
 #[test]
-#[ignore]
-fn report() {
+fn zb_auto_never_worse_than_the_heuristic() {
     // (better, same, worse) by makespan and by the heuristic's span.
     let mut by_makespan = [0u32; 3];
     let mut by_span = [0u32; 3];
-    let mut worst = 1.0f64;
     let tally = |ours: u64, theirs: u64, t: &mut [u32; 3]| {
         t[match ours.cmp(&theirs) {
             std::cmp::Ordering::Less => 0,
@@ -84,23 +80,30 @@ fn report() {
             std::cmp::Ordering::Greater => 2,
         }] += 1;
     };
+    let mut compared = 0;
     for s in settings() {
         let (Some(h_span), Some(h_make)) = (s.heuristic, s.heuristic_makespan) else {
             continue;
         };
+        compared += 1;
         let (span, make) = zb_auto_span(&s);
         tally(make, h_make, &mut by_makespan);
         tally(span, h_span, &mut by_span);
-        worst = worst.max(make as f64 / h_make as f64);
-        if make > h_make {
-            eprintln!(
-                "worse: p {} m {} comm {} limit {} f {:?}: zb-auto {make} vs {h_make}",
-                s.p, s.m, s.comm, s.limit, s.f
-            );
-        }
+        assert!(
+            make <= h_make,
+            "p {} m {} comm {} limit {} f {:?} b {:?} w {:?}: zb-auto {make} vs the heuristic's {h_make}",
+            s.p,
+            s.m,
+            s.comm,
+            s.limit,
+            s.f,
+            s.b,
+            s.w
+        );
     }
+    assert_eq!(compared, 258);
     eprintln!(
-        "makespan: better {}, same {}, worse {} (worst {:.3}x); span: better {}, same {}, worse {}",
-        by_makespan[0], by_makespan[1], by_makespan[2], worst, by_span[0], by_span[1], by_span[2]
+        "makespan: better {}, same {}, worse {}; span: better {}, same {}, worse {}",
+        by_makespan[0], by_makespan[1], by_makespan[2], by_span[0], by_span[1], by_span[2]
     );
 }

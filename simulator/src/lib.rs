@@ -61,6 +61,7 @@ pub mod timeline;
 pub mod trace;
 pub mod verl_kk;
 pub mod zb_auto;
+pub mod zb_waves;
 
 pub use costs::{CostModel, MemoryUnit, StageCosts, TableCosts, UniformCostSpec, UniformCosts};
 pub use error::{Error, Result};

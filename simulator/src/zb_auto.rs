@@ -18,7 +18,9 @@
 //! short, or as soon as possible; on V placement, the later or the earlier chunk's F first), each
 //! is replayed under the real cost model, and the fastest that fits the limit is kept, together
 //! with the handcrafted schedules of the same placement (1F1B, ZB-H1, ZB-H2 in loop placement;
-//! ZB-V in V placement) when they fit: zb-auto is never worse than the best of them. When
+//! ZB-V in V placement) and, in loop placement, the eight orders of the Zero Bubble authors'
+//! wave construction ([`crate::zb_waves`]) when they fit: zb-auto is never worse than the best
+//! of them. When
 //! nothing fits, the error names the limit and the smallest peak found.
 //!
 //! Expected quality (one step, comm = 0): with a limit of 2p units and m >= 2p - 1 it reaches the
@@ -343,6 +345,20 @@ pub fn zb_auto<C: CostModel>(
                     consider(s, &mut best);
                 }
             }
+        }
+    }
+    // The Zero Bubble authors' wave construction (loop placement), its eight settings.
+    if v == 1 {
+        for ranks in crate::zb_waves::wave_orders(p, m, costs, limit) {
+            let s = Schedule {
+                name: "zb-auto".into(),
+                placement: placement.clone(),
+                num_microbatches: m,
+                num_fo_microbatches: 0,
+                chunks: Vec::new(),
+                ranks,
+            };
+            consider(s, &mut best);
         }
     }
     for mut s in handcrafted {

@@ -1,0 +1,320 @@
+//! The wave construction of the Zero Bubble authors' heuristic scheduler, one of zb-auto's
+//! candidate families (loop placement, one stage per rank).
+//!
+//! Source of the method: Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), and its
+//! public implementation's `Graph.manual_order` (sail-sg/zero-bubble-pipeline-parallelism,
+//! tag zero-bubble-v0.1.0, `megatron/core/pipeline_parallel/auto_schedule.py`), written here
+//! afresh over flatpipe's cost model (costs and memory per stage and microbatch, transfers by
+//! the cost model). Microbatch by microbatch, each stage's clock advances as actions are put:
+//!
+//! - microbatch 0: every stage's F, then as many further F per stage as fit before the first
+//!   backward can arrive (or, `allow_bubble_before_first_b`, as long as they end by then) and
+//!   under the memory limit, at most as many as the stage before; then B (dgrad) from the last
+//!   stage down;
+//! - microbatch i > 0: an F on every stage that should take one (with `prioritize_b`, a stage
+//!   two or more F ahead of the next one skips its F when that would delay the next stage's
+//!   B, or when the bubble it would leave is at most the largest bubble so far less its own),
+//!   never more than the next stage; before an F or a B, the W that fit before its input
+//!   arrives, and W to make room under the limit (`no_bubble_greedy`: also a W that overruns
+//!   the arrival when the bubble is within the largest so far); then B of microbatch i from the
+//!   last stage down (the first stage finishes its W once every F is done);
+//! - finally every stage's remaining W.
+//!
+//! Eight settings of the three switches; [`wave_orders`] returns each one's per-rank action
+//! lists. A setting that cannot keep the limit gives none; one whose order is not a valid
+//! schedule (the heuristic's own assertions fail on some per-stage costs) is rejected by
+//! zb-auto's validation and replay like any candidate.
+
+use crate::costs::CostModel;
+use crate::ir::{Action, ActionKind, ComputeAction, MicrobatchId, StageId};
+
+/// One setting of the wave construction's three switches.
+#[derive(Debug, Clone, Copy)]
+struct Switches {
+    allow_bubble_before_first_b: bool,
+    prioritize_b: bool,
+    no_bubble_greedy: bool,
+}
+
+/// The wave state of `p` stages (one per rank) and `m` microbatches.
+struct Waves<'a, C: CostModel> {
+    costs: &'a C,
+    p: usize,
+    m: usize,
+    limit: f64,
+    /// Per stage: F, I and W put so far.
+    nf: Vec<usize>,
+    ni: Vec<usize>,
+    nw: Vec<usize>,
+    /// Per stage: its clock (the end of its last action), its activation memory, the idle time
+    /// its actions waited since its first F.
+    clock: Vec<u64>,
+    mem: Vec<f64>,
+    bubble: Vec<u64>,
+    /// Completion times of F and I per (stage, microbatch).
+    done_f: Vec<u64>,
+    done_i: Vec<u64>,
+    order: Vec<Vec<Action>>,
+}
+
+impl<C: CostModel> Waves<'_, C> {
+    fn cost(&self, kind: ActionKind, s: usize, mb: usize) -> u64 {
+        self.costs
+            .compute_ns(ComputeAction::new(s as u32, kind, mb as u32))
+    }
+    /// The activation change of `kind` on (s, mb): F keeps both parts, I frees its part, W
+    /// the rest.
+    fn delta(&self, kind: ActionKind, s: usize, mb: usize) -> f64 {
+        let (ai, aw) = self
+            .costs
+            .activation(StageId(s as u32), MicrobatchId(mb as u32));
+        match kind {
+            ActionKind::F => ai + aw,
+            ActionKind::I => -ai,
+            _ => -aw,
+        }
+    }
+    /// The transfer into stage `to` from its neighbour (F from `to - 1`, I from `to + 1`).
+    fn comm(&self, from: usize, mb: usize, kind: ActionKind) -> u64 {
+        self.costs
+            .comm_ns(StageId(from as u32), MicrobatchId(mb as u32), kind)
+    }
+    fn max_bubble(&self) -> u64 {
+        self.bubble.iter().copied().max().unwrap_or(0)
+    }
+    /// Puts the next `kind` action of stage `s`; `None` when it would exceed the limit.
+    fn put(&mut self, s: usize, kind: ActionKind) -> Option<()> {
+        let mb = match kind {
+            ActionKind::F => self.nf[s],
+            ActionKind::I => self.ni[s],
+            _ => self.nw[s],
+        };
+        if mb >= self.m {
+            return None;
+        }
+        let d = self.delta(kind, s, mb);
+        if self.mem[s] + d > self.limit * (1.0 + 1e-9) + 1e-9 {
+            return None;
+        }
+        let cost = self.cost(kind, s, mb);
+        let packed = self.clock[s] + cost;
+        let mut end = packed;
+        if kind == ActionKind::F && s > 0 {
+            end = end.max(self.done_f[(s - 1) * self.m + mb] + self.comm(s - 1, mb, kind) + cost);
+        }
+        if kind == ActionKind::I && s + 1 < self.p {
+            end = end.max(self.done_i[(s + 1) * self.m + mb] + self.comm(s + 1, mb, kind) + cost);
+        }
+        if self.nf[s] > 0 {
+            self.bubble[s] += end - packed;
+        }
+        self.clock[s] = end;
+        self.mem[s] += d;
+        match kind {
+            ActionKind::F => {
+                self.done_f[s * self.m + mb] = end;
+                self.nf[s] += 1;
+            }
+            ActionKind::I => {
+                self.done_i[s * self.m + mb] = end;
+                self.ni[s] += 1;
+            }
+            _ => self.nw[s] += 1,
+        }
+        self.order[s].push(Action::Compute(ComputeAction::new(
+            s as u32, kind, mb as u32,
+        )));
+        Some(())
+    }
+    /// Before stage `s`'s next action whose input arrives at `arrive`: the W that fit before
+    /// it, and one more that overruns it unless the bubble it avoids is within the largest so
+    /// far and `no_bubble_greedy` is off.
+    fn fill_with_w(&mut self, s: usize, arrive: u64, sw: Switches) -> Option<()> {
+        while self.nw[s] < self.ni[s]
+            && self.clock[s] + self.cost(ActionKind::W, s, self.nw[s]) <= arrive
+        {
+            self.put(s, ActionKind::W)?;
+        }
+        if self.nw[s] < self.ni[s] && self.clock[s] < arrive {
+            let within = arrive - self.clock[s] <= self.max_bubble().saturating_sub(self.bubble[s]);
+            if !within || sw.no_bubble_greedy {
+                self.put(s, ActionKind::W)?;
+            }
+        }
+        Some(())
+    }
+    /// W until `kind`'s next action on `s` fits the limit; `None` when no W is left.
+    fn make_room(&mut self, s: usize, kind: ActionKind, mb: usize) -> Option<()> {
+        let d = self.delta(kind, s, mb);
+        while self.mem[s] + d > self.limit * (1.0 + 1e-9) + 1e-9 {
+            if self.nw[s] >= self.ni[s] {
+                return None;
+            }
+            self.put(s, ActionKind::W)?;
+        }
+        Some(())
+    }
+
+    fn first_wave(&mut self, sw: Switches) -> Option<()> {
+        let (p, m) = (self.p, self.m);
+        for s in 0..p {
+            self.put(s, ActionKind::F)?;
+        }
+        let mut extra = vec![0usize; p];
+        let mut last = 0u64;
+        for s in (0..p).rev() {
+            if s == p - 1 {
+                last = self.done_f[s * m] + self.cost(ActionKind::I, s, 0);
+                continue;
+            }
+            let comm = self.comm(s + 1, 0, ActionKind::I);
+            let (mut mem, mut clock) = (self.mem[s], self.clock[s]);
+            loop {
+                let mb = self.nf[s] + extra[s];
+                if mb >= m || mem + self.delta(ActionKind::F, s, mb) > self.limit {
+                    break;
+                }
+                let c = self.cost(ActionKind::F, s, mb);
+                let stop = if sw.allow_bubble_before_first_b {
+                    clock + c > last + comm
+                } else {
+                    clock >= last + comm
+                };
+                if stop {
+                    break;
+                }
+                mem += self.delta(ActionKind::F, s, mb);
+                clock += c;
+                extra[s] += 1;
+            }
+            last = clock.max(last + comm) + self.cost(ActionKind::I, s, 0);
+        }
+        for s in 1..p {
+            while extra[s] > 0 && extra[s] >= extra[s - 1] && self.nf[s] + extra[s] < m {
+                extra[s] -= 1;
+            }
+        }
+        for (s, &k) in extra.iter().enumerate() {
+            for _ in 0..k {
+                self.put(s, ActionKind::F)?;
+            }
+        }
+        for s in (0..p).rev() {
+            self.put(s, ActionKind::I)?;
+        }
+        Some(())
+    }
+
+    /// Whether stage `s` takes an F in this wave (before the next stage's limit).
+    fn wants_f(&self, s: usize, sw: Switches) -> bool {
+        let (p, m) = (self.p, self.m);
+        if self.nf[s] >= m {
+            return false;
+        }
+        if !(sw.prioritize_b && s + 1 < p && self.nf[s] >= self.nf[s + 1] + 2) {
+            return true;
+        }
+        let next = self.clock[s + 1]
+            + self.cost(ActionKind::F, s + 1, self.nf[s + 1].min(m - 1))
+            + self.cost(ActionKind::I, s + 1, self.ni[s + 1].min(m - 1))
+            + self.comm(s + 1, self.ni[s + 1].min(m - 1), ActionKind::I);
+        if self.clock[s] >= next {
+            return false;
+        }
+        let mb = self.nf[s];
+        let mut mem = self.mem[s] + self.delta(ActionKind::F, s, mb);
+        let (mut w_cost, mut k) = (0u64, 0usize);
+        while mem > self.limit && self.nw[s] + k < self.ni[s] {
+            w_cost += self.cost(ActionKind::W, s, self.nw[s] + k);
+            mem += self.delta(ActionKind::W, s, self.nw[s] + k);
+            k += 1;
+        }
+        if self.clock[s] + self.cost(ActionKind::F, s, mb) + w_cost <= next {
+            return true;
+        }
+        next - self.clock[s] > self.max_bubble().saturating_sub(self.bubble[s])
+    }
+
+    fn wave(&mut self, i: usize, sw: Switches) -> Option<()> {
+        let (p, m) = (self.p, self.m);
+        let mut take: Vec<bool> = (0..p).map(|s| self.wants_f(s, sw)).collect();
+        for s in (0..p.saturating_sub(1)).rev() {
+            take[s] = take[s] && take[s + 1];
+        }
+        for (s, &t) in take.iter().enumerate() {
+            if !t {
+                continue;
+            }
+            let mb = self.nf[s];
+            self.make_room(s, ActionKind::F, mb)?;
+            if s > 0 {
+                let arrive = self.done_f[(s - 1) * m + mb] + self.comm(s - 1, mb, ActionKind::F);
+                self.fill_with_w(s, arrive, sw)?;
+            }
+            self.put(s, ActionKind::F)?;
+        }
+        for s in (0..p).rev() {
+            self.make_room(s, ActionKind::I, i)?;
+            if s + 1 < p {
+                let arrive = self.done_i[(s + 1) * m + i] + self.comm(s + 1, i, ActionKind::I);
+                self.fill_with_w(s, arrive, sw)?;
+            }
+            if s == 0 && self.nf[s] == m {
+                while self.nw[s] < self.ni[s] {
+                    self.put(s, ActionKind::W)?;
+                }
+            }
+            self.put(s, ActionKind::I)?;
+        }
+        Some(())
+    }
+}
+
+/// The wave construction's per-rank action lists for `p` stages in loop placement (one per
+/// rank) and `m` microbatches under `costs` and the per-rank activation `limit`, one list per
+/// setting of its switches that keeps the limit.
+pub fn wave_orders<C: CostModel>(p: u32, m: u32, costs: &C, limit: f64) -> Vec<Vec<Vec<Action>>> {
+    let (p, m) = (p as usize, m as usize);
+    let mut out = Vec::new();
+    if p == 0 || m == 0 {
+        return out;
+    }
+    for bits in 0..8u8 {
+        let sw = Switches {
+            allow_bubble_before_first_b: bits & 1 != 0,
+            prioritize_b: bits & 2 != 0,
+            no_bubble_greedy: bits & 4 != 0,
+        };
+        let mut w = Waves {
+            costs,
+            p,
+            m,
+            limit,
+            nf: vec![0; p],
+            ni: vec![0; p],
+            nw: vec![0; p],
+            clock: vec![0; p],
+            mem: vec![0.0; p],
+            bubble: vec![0; p],
+            done_f: vec![0; p * m],
+            done_i: vec![0; p * m],
+            order: vec![Vec::new(); p],
+        };
+        let built = (|| {
+            w.first_wave(sw)?;
+            for i in 1..m {
+                w.wave(i, sw)?;
+            }
+            for s in 0..p {
+                while w.nw[s] < m {
+                    w.put(s, ActionKind::W)?;
+                }
+            }
+            Some(())
+        })();
+        if built.is_some() && w.nf.iter().all(|&n| n == m) && w.ni.iter().all(|&n| n == m) {
+            out.push(w.order);
+        }
+    }
+    out
+}
