@@ -170,3 +170,21 @@ def test_submodules_load_on_first_use():
     assert fp.torch.PipelineRuntime and fp.models.Stage and fp.fit.fit_costs
     with pytest.raises(AttributeError):
         fp.nope
+
+
+def test_verl_kk_and_flat_planned_policies():
+    # verl-kk, verl PR #7553's case: lengths [7] * 8 with budget 8 give 8 microbatches of one
+    # sequence each (ceil(56 / 8) = 7 parts cannot all fit).
+    pipe = flatpipe.Pipeline("1f1b", pp=2, num_layers=6, token_budget=8, policy="verl-kk")
+    assert [mb.tokens for mb in pipe.plan_step([7] * 8).microbatches()] == [7] * 8
+    # flat-planned with a profile: never slower than flat-ffd's cut of the same step, every
+    # sequence kept once, every microbatch within the budget.
+    profile = flatpipe.Profile.analytic("llama3.1-8b", "h200")
+    seqs = [3000, 2500, 1200, 900, 800, 700, 400, 300, 200, 100, 60, 50]
+    ffd = flatpipe.Pipeline("1f1b", pp=4, profile=profile, token_budget=4096).plan_step(seqs)
+    planned = flatpipe.Pipeline(
+        "1f1b", pp=4, profile=profile, token_budget=4096, policy="flat-planned"
+    ).plan_step(seqs)
+    assert planned.predicted_step_time_s() <= ffd.predicted_step_time_s()
+    assert sorted(int(s) for mb in planned.microbatches() for s in mb.seq_lens) == sorted(seqs)
+    assert all(mb.tokens <= 4096 for mb in planned.microbatches())
