@@ -27,8 +27,8 @@
 //! or the cut's own peak where the cut is over it, wins; ties to the earlier. zb-auto, whose
 //! schedule is searched per step under the limit, is ranked with ZB-H1 (v = 1) or ZB-V
 //! (v = 2), then the winner and the first-fit-decreasing cut are both built with zb-auto and
-//! the faster kept. A given schedule (fixed microbatch count) or a
-//! fixed capacity keeps the cut.
+//! the faster kept. A given schedule (fixed microbatch count), a fixed capacity or an exact
+//! microbatch count (`microbatches`) keeps the cut.
 //!
 //! Sequences longer than the budget (a microbatch of their own, or their chunks) keep their
 //! microbatches.
@@ -84,7 +84,13 @@ pub fn plan(
     cut: &[Microbatch],
     replica: usize,
 ) -> Result<MicrobatchPlan> {
-    let budget = config.params.token_budget;
+    // An exact microbatch count (`microbatches`) has no token budget: nothing is fixed.
+    let exact = config.params.microbatches.is_some();
+    let budget = if exact {
+        u64::MAX
+    } else {
+        config.params.token_budget
+    };
     let (fixed, short): (Vec<&Microbatch>, Vec<&Microbatch>) = cut
         .iter()
         .partition(|m| m.chunk.is_some() || m.tokens() > budget);
@@ -110,7 +116,8 @@ pub fn plan(
         lower_bound_s,
         candidates: 0,
     };
-    let Some(rank_kind) = rank_kind else {
+    // A given schedule, a fixed capacity or an exact microbatch count keeps the cut.
+    let Some(rank_kind) = rank_kind.filter(|_| !exact) else {
         return Ok(keep(f64::NAN));
     };
     let mut pricer = Pricer {
@@ -568,7 +575,12 @@ pub fn lower_bound_s(
     let mut mbs: Vec<Microbatch> = fixed.to_vec();
     let n_fixed = mbs.len();
     let total: u64 = short.iter().map(|&s| s as u64).sum();
-    let m_short = total.div_ceil(budget) as usize;
+    // The fewest microbatches `short` can make: under the budget, or the exact count asked for
+    // (which ignores the budget).
+    let m_short = match config.params.microbatches {
+        Some(m) => (m as usize).saturating_sub(n_fixed).max(1),
+        None => total.div_ceil(budget) as usize,
+    };
     if !short.is_empty() {
         mbs.push(Microbatch::flat(short.to_vec()));
         mbs.push(Microbatch::default());
@@ -759,5 +771,32 @@ mod tests {
             .unwrap();
         assert!(got <= cap, "{got} > {cap}");
         assert!(planned.candidates > 1);
+    }
+
+    /// An exact microbatch count is the user's: the plan keeps the cut (the old planner changed
+    /// the count), and the bound counts the fixed costs of that many microbatches.
+    #[test]
+    fn an_exact_count_keeps_the_cut() {
+        let (mut c, profile) = setup(ScheduleKind::OneFOneB);
+        c.params.microbatches = Some(2);
+        let seqs = [20_000u32, 15_000, 9_000, 4_000, 3_000];
+        let cut = crate::policy::batch(
+            Policy::FlatPlanned,
+            &seqs,
+            &c.params,
+            &balance_cost(&profile),
+        )
+        .unwrap()
+        .microbatches;
+        assert_eq!(cut.len(), 2);
+        let planned = plan(&c, &profile, &cut, 0).unwrap();
+        assert_eq!(planned.microbatches, cut);
+        let r = crate::step::plan_replica(&c, Some(&profile), cut, 0).unwrap();
+        let t = r.outcome(&c, &profile).unwrap().step_time_s;
+        assert!(
+            planned.lower_bound_s <= t,
+            "{} > {t}",
+            planned.lower_bound_s
+        );
     }
 }
