@@ -103,11 +103,7 @@ pub fn plan(
         (ScheduleSource::Kind(k), Capacity::Dynamic) => Some(*k),
         _ => None,
     };
-    let rank_kind = kind.map(|k| match (k, config.v) {
-        (ScheduleKind::ZbAuto, 1) => ScheduleKind::ZbH1,
-        (ScheduleKind::ZbAuto, _) => ScheduleKind::ZbV,
-        (k, _) => k,
-    });
+    let rank_kind = kind.map(|k| ranking_kind(k, config.v));
     let placement = config.placement()?;
     let lower_bound_s = lower_bound_s(config, profile, &placement, &fixed, &seqs, replica)?;
     let keep = |predicted_s| MicrobatchPlan {
@@ -272,6 +268,16 @@ pub fn plan(
         lower_bound_s,
         candidates,
     })
+}
+
+/// The kind that prices candidates for `kind` with `v` stages per rank: zb-auto, searched per
+/// step, by the handcrafted zero-bubble schedule of its placement (ZB-H1 in loop, ZB-V in V).
+fn ranking_kind(kind: ScheduleKind, v: u32) -> ScheduleKind {
+    match (kind, v) {
+        (ScheduleKind::ZbAuto, 1) => ScheduleKind::ZbH1,
+        (ScheduleKind::ZbAuto, _) => ScheduleKind::ZbV,
+        (k, _) => k,
+    }
 }
 
 /// The ramps tried at both ends of a count's bins (besides none).
@@ -669,11 +675,7 @@ fn chain_bound_ns(
     if chains.is_empty() {
         return Ok(0);
     }
-    let kind = match (kind, config.v) {
-        (ScheduleKind::ZbAuto, 1) => ScheduleKind::ZbH1,
-        (ScheduleKind::ZbAuto, _) => ScheduleKind::ZbV,
-        (k, _) => k,
-    };
+    let kind = ranking_kind(kind, config.v);
     let Ok(schedule) = cached_schedule(kind, config.pp, config.v, fixed.len() as u32) else {
         return Ok(0);
     };

@@ -321,6 +321,15 @@ pub fn zb_auto<C: CostModel>(
             *best = Some((key, s));
         }
     };
+    // A candidate's per-rank action lists as a zb-auto schedule.
+    let of_ranks = |ranks| Schedule {
+        name: "zb-auto".into(),
+        placement: placement.clone(),
+        num_microbatches: m,
+        num_fo_microbatches: 0,
+        chunks: Vec::new(),
+        ranks,
+    };
     for i_first in [true, false] {
         for w in [WRule::BubblesOnly, WRule::WhenTight, WRule::Eager] {
             for later_chunk_first in if v == 2 {
@@ -334,15 +343,7 @@ pub fn zb_auto<C: CostModel>(
                     later_chunk_first,
                 };
                 if let Some(ranks) = greedy(&placement, m, costs, limit, prio) {
-                    let s = Schedule {
-                        name: "zb-auto".into(),
-                        placement: placement.clone(),
-                        num_microbatches: m,
-                        num_fo_microbatches: 0,
-                        chunks: Vec::new(),
-                        ranks,
-                    };
-                    consider(s, &mut best);
+                    consider(of_ranks(ranks), &mut best);
                 }
             }
         }
@@ -350,15 +351,7 @@ pub fn zb_auto<C: CostModel>(
     // The Zero Bubble authors' wave construction (loop placement), its eight settings.
     if v == 1 {
         for ranks in crate::zb_waves::wave_orders(p, m, costs, limit) {
-            let s = Schedule {
-                name: "zb-auto".into(),
-                placement: placement.clone(),
-                num_microbatches: m,
-                num_fo_microbatches: 0,
-                chunks: Vec::new(),
-                ranks,
-            };
-            consider(s, &mut best);
+            consider(of_ranks(ranks), &mut best);
         }
     }
     for mut s in handcrafted {
