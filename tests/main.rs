@@ -3,6 +3,7 @@
 mod chunks;
 mod cli;
 mod closed_forms;
+mod exact;
 mod microbatch_planning;
 mod planner;
 mod properties;

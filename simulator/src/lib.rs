@@ -41,6 +41,7 @@ pub mod chunks;
 pub mod costs;
 pub mod dag;
 mod error;
+pub mod exact;
 pub mod forward_only;
 pub mod gantt;
 pub mod generators;

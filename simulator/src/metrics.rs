@@ -46,31 +46,70 @@ pub struct Metrics {
     pub ranks: Vec<RankMetrics>,
 }
 
-/// The lower bound on the makespan, ns: the largest of three terms (DESIGN.md; after the
-/// makespan bounds of dslab-dag):
-/// - the critical path of one microbatch: its forwards and transfers through every stage, then
-///   its backwards back (I then W where the schedule splits them, a fused B otherwise);
-/// - per rank r, `fill_r + work_r`: the least forward time (with transfers) any microbatch
-///   needs to reach rank r's first stage, then all of rank r's compute and its optimizer step;
-/// - per rank r, `first_backward_r + backward_work_r`: no backward pass of rank r can start
-///   before some microbatch's forward has crossed every stage and its backward has come back
-///   through the stages after rank r's stage (the least such time over the rank's stages and
-///   the microbatches, transfers included), and all of the rank's I, W and B (and overlapped
-///   pairs, which hold a backward) come after that, then its optimizer step. With one stage
-///   per rank, uniform costs and no comm it is `p f + (p - 1 - r) b + m (b + w)` (Zero Bubble's
-///   B = our I); it holds for any placement, V shapes and per-stage costs included, since it
-///   only uses each stage's own chain;
-/// - with chunked sequences ([`Schedule::chunks`]), the critical path through each sequence's
-///   chunks: on every stage the forwards run in chunk order and the backwards in reverse, so
-///   the earliest end of F(s, k) is `EF[s][k] = max(EF[s][k-1], EF[s-1][k] + comm) + f(s, k)`
-///   and of its backward `EB[s][k] = max(EB[s][k+1], EB[s+1][k] + comm, EF[S-1][k] if s is
-///   last) + b(s, k)` (then its W): the longest path of that grid DAG, resources ignored. Its
-///   backward starts also sharpen the third term's `first_backward_r`.
-///
-/// At p = 8, m = 8, f = 1, b = 3, w = 1 the third term gives 61 on rank 0 where the others
-/// give 47 (`tests/closed_forms.rs`); zb-auto and the Zero Bubble repository's heuristic reach
-/// 61 there, which is then optimal.
+/// The terms of the makespan's lower bound ([`lower_bound_ns`] is their largest), ns; each holds
+/// for every schedule with the same placement, microbatches, split of the backward (I + W or
+/// fused B) and costs, whatever its action order (DESIGN.md; laid out after dslab-dag's
+/// `makespan_lower_bound.rs`). `tests/exact.rs` checks each against the exact optimum
+/// ([`crate::exact`]) on random small instances.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct LowerBoundTerms {
+    /// The critical path of one microbatch: its forwards and transfers through every stage,
+    /// then its backwards back (I then W where the schedule splits them, a fused B otherwise);
+    /// the longest over the microbatches.
+    pub critical_path_ns: u64,
+    /// Per rank r, `fill_r + work_r` (the largest): the least forward time (with transfers)
+    /// any microbatch needs to reach rank r's first stage, then all of rank r's compute and
+    /// its optimizer step.
+    pub fill_and_work_ns: u64,
+    /// Per rank r, `first_backward_r + backward_work_r` (the largest): no backward pass of rank
+    /// r can start before some microbatch's forward has crossed every stage and its backward
+    /// has come back through the stages after rank r's stage (the least such time over the
+    /// rank's stages and the microbatches, transfers included), and all of the rank's I, W and
+    /// B (and overlapped pairs, which hold a backward) come after that, then its optimizer
+    /// step. With one stage per rank, uniform costs and no comm it is
+    /// `p f + (p - 1 - r) b + m (b + w)` (Zero Bubble's B = our I). The general form (per-stage
+    /// costs, comm, several stages per rank as in V placement) takes, per rank, the least over
+    /// its stages s and the microbatches of `Σ_{t >= 0} (f_t + comm) + Σ_{t > s} (b_t + comm)`
+    /// along the stage chain: it holds for any placement since it only uses each stage's own
+    /// chain. At p = 8, m = 8, f = 1, b = 3, w = 1 it gives 61 on rank 0 where the others give
+    /// 47 (`tests/closed_forms.rs`); zb-auto and the Zero Bubble repository's heuristic reach
+    /// 61 there, which is then optimal.
+    pub first_backward_and_backward_work_ns: u64,
+    /// With chunked sequences ([`Schedule::chunks`]), the critical path through each
+    /// sequence's chunks: on every stage the forwards run in chunk order and the backwards in
+    /// reverse, so the earliest end of F(s, k) is `EF[s][k] = max(EF[s][k-1], EF[s-1][k] +
+    /// comm) + f(s, k)` and of its backward `EB[s][k] = max(EB[s][k+1], EB[s+1][k] + comm,
+    /// EF[S-1][k] if s is last) + b(s, k)` (then its W): the longest path of that grid DAG,
+    /// resources ignored. Its backward starts also sharpen `first_backward_r`. 0 without
+    /// chunks.
+    pub chunk_chains_ns: u64,
+    /// Per link (ordered rank pair; the replay runs its transfers one at a time): the least
+    /// time any of its transfers can be sent (its microbatch's path up to the sending action's
+    /// end), plus all its transfers, plus the least of what follows a transfer's arrival on its
+    /// microbatch's path (through stage 0's backward and W): a one-machine bound on the link.
+    /// 0 without transfers.
+    pub link_ns: u64,
+}
+
+impl LowerBoundTerms {
+    /// The largest term, ns.
+    pub fn max(&self) -> u64 {
+        self.critical_path_ns
+            .max(self.fill_and_work_ns)
+            .max(self.first_backward_and_backward_work_ns)
+            .max(self.chunk_chains_ns)
+            .max(self.link_ns)
+    }
+}
+
+/// The lower bound on the makespan, ns: the largest of [`LowerBoundTerms`] (critical path,
+/// fill + work, first backward + backward work, chunk chains, links).
 pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
+    lower_bound_terms(schedule, costs).max()
+}
+
+/// The terms of the lower bound of `schedule` under `costs`, ns (see [`LowerBoundTerms`]).
+pub fn lower_bound_terms<C: CostModel>(schedule: &Schedule, costs: &C) -> LowerBoundTerms {
     use crate::ir::{ComputeAction as CA, MicrobatchId, StageId};
     let s_count = schedule.num_stages();
     let m = schedule.num_microbatches;
@@ -95,6 +134,7 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
     // Per rank, the earliest start of any of its backward passes (I or B).
     let mut first_backward = vec![u64::MAX; first_stage.len()];
     let mut critical = 0u64;
+    let mut chunk_critical = 0u64;
     // Chunked sequences: the earliest start of each (stage, chunk)'s backward on its chain.
     let mut chunk_bwd_start = vec![
         0u64;
@@ -156,13 +196,18 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
                 } else {
                     0
                 };
-                critical = critical.max(eb[s * n + k] + w);
+                chunk_critical = chunk_critical.max(eb[s * n + k] + w);
             }
         }
     }
+    let p = schedule.placement.num_ranks as usize;
+    // Per ordered rank pair: (Σ transfer time, least head, least tail), for the link term.
+    let mut links = vec![(0u64, u64::MAX, u64::MAX); p * p];
+    let mut sends: Vec<(usize, u64, u64)> = Vec::new();
     let mut chain = |kind: ActionKind, count: u32| {
         for mb in 0..count {
             let mut t = 0u64;
+            sends.clear();
             for s in 0..s_count {
                 let r = rank_of[s as usize].idx();
                 if first_stage[r] == s {
@@ -174,55 +219,72 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
                     kind,
                 });
                 if s + 1 < s_count && crosses(s, s + 1) {
-                    t += costs.comm_ns(StageId(s), MicrobatchId(mb), kind);
+                    let c = costs.comm_ns(StageId(s), MicrobatchId(mb), kind);
+                    sends.push((r * p + rank_of[s as usize + 1].idx(), t, c));
+                    t += c;
                 }
             }
             critical = critical.max(t);
-            if kind == ActionKind::Fo {
-                continue;
-            }
-            for s in (0..s_count).rev() {
-                let id = |kind| CA {
-                    stage: StageId(s),
-                    microbatch: MicrobatchId(mb),
-                    kind,
-                };
-                let is_split = split[(s * m + mb) as usize];
-                let r = rank_of[s as usize].idx();
-                let chained = chunk_bwd_start
-                    .get((s * m + mb) as usize)
-                    .filter(|_| kind == ActionKind::F)
-                    .copied()
-                    .unwrap_or(0);
-                first_backward[r] = first_backward[r].min(t.max(chained));
-                t += costs.compute_ns(id(if is_split {
-                    ActionKind::I
-                } else {
-                    ActionKind::B
-                }));
-                let w = if is_split {
-                    costs.compute_ns(id(ActionKind::W))
-                } else {
-                    0
-                };
-                critical = critical.max(t + w);
-                if s > 0 && crosses(s, s - 1) {
-                    t += costs.comm_ns(
-                        StageId(s),
-                        MicrobatchId(mb),
-                        if is_split {
-                            ActionKind::I
-                        } else {
-                            ActionKind::B
-                        },
-                    );
+            if kind != ActionKind::Fo {
+                for s in (0..s_count).rev() {
+                    let id = |kind| CA {
+                        stage: StageId(s),
+                        microbatch: MicrobatchId(mb),
+                        kind,
+                    };
+                    let is_split = split[(s * m + mb) as usize];
+                    let r = rank_of[s as usize].idx();
+                    let chained = chunk_bwd_start
+                        .get((s * m + mb) as usize)
+                        .filter(|_| kind == ActionKind::F)
+                        .copied()
+                        .unwrap_or(0);
+                    first_backward[r] = first_backward[r].min(t.max(chained));
+                    let bwd = if is_split {
+                        ActionKind::I
+                    } else {
+                        ActionKind::B
+                    };
+                    t += costs.compute_ns(id(bwd));
+                    let w = if is_split {
+                        costs.compute_ns(id(ActionKind::W))
+                    } else {
+                        0
+                    };
+                    critical = critical.max(t + w);
+                    if s == 0 {
+                        // The path's end: stage 0's backward, then its W.
+                        t += w;
+                    } else if crosses(s, s - 1) {
+                        let c = costs.comm_ns(StageId(s), MicrobatchId(mb), bwd);
+                        sends.push((r * p + rank_of[s as usize - 1].idx(), t, c));
+                        t += c;
+                    }
                 }
+            }
+            // `t` is now the length of this microbatch's path; each transfer's tail is what
+            // of the path follows its arrival.
+            for &(l, head, c) in &sends {
+                let e = &mut links[l];
+                e.0 += c;
+                e.1 = e.1.min(head);
+                e.2 = e.2.min(t - head - c);
             }
         }
     };
     chain(ActionKind::F, m);
     chain(ActionKind::Fo, schedule.num_fo_microbatches);
-    let mut bound = critical;
+    let mut terms = LowerBoundTerms {
+        critical_path_ns: critical,
+        chunk_chains_ns: chunk_critical,
+        link_ns: links
+            .iter()
+            .filter(|e| e.0 > 0)
+            .map(|e| e.1 + e.0 + e.2)
+            .max()
+            .unwrap_or(0),
+        ..LowerBoundTerms::default()
+    };
     for (r, actions) in schedule.ranks.iter().enumerate() {
         let opt = costs.optimizer_ns(Rank(r as u32));
         let work: u64 = actions
@@ -234,12 +296,14 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
             .sum::<u64>()
             + opt;
         let f = if fill[r] == u64::MAX { 0 } else { fill[r] };
-        bound = bound.max(f + work);
+        terms.fill_and_work_ns = terms.fill_and_work_ns.max(f + work);
         if first_backward[r] != u64::MAX {
-            bound = bound.max(first_backward[r] + backward_work_ns(actions, costs) + opt);
+            terms.first_backward_and_backward_work_ns = terms
+                .first_backward_and_backward_work_ns
+                .max(first_backward[r] + backward_work_ns(actions, costs) + opt);
         }
     }
-    bound
+    terms
 }
 
 /// The compute of a rank's actions that cannot start before the rank's first backward pass:
