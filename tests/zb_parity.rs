@@ -119,3 +119,49 @@ fn zb_auto_never_worse_than_the_heuristic() {
         100.0 * gap_theirs / compared as f64
     );
 }
+
+/// Where the exact optimum is within reach (the grid's p = 4 settings with m <= 8, issue 26
+/// part 2), zb-auto is at least as close to it as the heuristic: optimum <= zb-auto <=
+/// heuristic, and the counts of settings each reaches the optimum on are printed.
+#[test]
+fn zb_auto_and_the_heuristic_against_the_exact_optimum() {
+    use flatpipe::simulator::exact::{self, ExactOptions};
+    use flatpipe::simulator::ir::Placement;
+    let (mut n, mut heur_n, mut zb_opt, mut heur_opt) = (0, 0, 0, 0);
+    let (mut zb_gap, mut heur_gap) = (0.0, 0.0);
+    for s in settings().iter().filter(|s| s.p == 4 && s.m <= 8) {
+        let costs = StageCosts::new(&s.f, &s.b, &s.w, s.comm).unwrap();
+        let zb = ScheduleKind::ZbAuto
+            .build(s.p, 1, s.m, &costs, s.limit)
+            .unwrap();
+        let zb_t = replay::replay(&zb, &costs).unwrap().makespan_ns();
+        let got = exact::solve(
+            &Placement::looped(s.p, 1),
+            s.m,
+            &costs,
+            s.limit,
+            Some(&zb),
+            &ExactOptions::default(),
+        )
+        .unwrap();
+        assert!(got.optimal);
+        let opt = got.makespan_ns.unwrap();
+        assert!(opt <= zb_t);
+        n += 1;
+        zb_opt += u32::from(zb_t == opt);
+        zb_gap += zb_t as f64 / opt as f64 - 1.0;
+        if let Some(h) = s.heuristic_makespan {
+            let h = h * 1_000_000_000;
+            assert!(opt <= h, "the heuristic below the optimum: {h} < {opt}");
+            heur_n += 1;
+            heur_opt += u32::from(h == opt);
+            heur_gap += h as f64 / opt as f64 - 1.0;
+        }
+    }
+    eprintln!(
+        "exact optimum on {n} settings: zb-auto optimal on {zb_opt} (mean gap {:.2}%); the heuristic (where it ran, {heur_n}) on {heur_opt} (mean gap {:.2}%)",
+        100.0 * zb_gap / f64::from(n),
+        100.0 * heur_gap / f64::from(heur_n)
+    );
+    assert_eq!(n, 32);
+}

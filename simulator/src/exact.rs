@@ -579,7 +579,7 @@ impl<'a> Search<'a> {
             self.stopped = Some(Stop::NodeLimit);
             return;
         }
-        if self.nodes.is_multiple_of(1024) && self.deadline.is_some_and(|d| Instant::now() >= d) {
+        if self.nodes % 1024 == 0 && self.deadline.is_some_and(|d| Instant::now() >= d) {
             self.stopped = Some(Stop::TimeLimit);
             return;
         }
