@@ -22,7 +22,8 @@ as the file's own examples), under `max_mem` per stage. The grid: p in {4, 6, 8,
 m in {p, 2p, 4p}; uniform costs (f, b, w) = (1, 1, 1) and (5, 6, 4), and per-stage costs drawn
 around them (seeded); comm 0 and 1; a limit of p and of 2p microbatches' activations.
 Where the heuristic's own assertion fails (some per-stage settings), the setting is recorded
-with the error and no figure.
+with the error and no figure. The last setting is the authors' own heterogeneous 8-stage
+example from the file's `__main__` (with the grid's uniform memory per stage).
 """
 
 import importlib.util
@@ -83,6 +84,22 @@ def main():
                                 row["heuristic_error"] = f"AssertionError {e}"
                             settings.append(row)
         print(f"p = {p}: {len(settings)} settings", file=sys.stderr)
+    # The authors' own heterogeneous 8-stage example (the file's `__main__`: p = 8, m = 32,
+    # measured per-stage costs, comm 473, max_mem 16 microbatches of the middle stages), with
+    # the grid's uniform memory per stage (flatpipe's StageCosts has one unit per F).
+    f = [30715, 29233, 29106, 29078, 28850, 28919, 28924, 41678]
+    b = [31308, 29344, 29357, 29455, 29217, 29384, 29354, 38731]
+    w = [18746, 18789, 19062, 19367, 19455, 19967, 20096, 32833]
+    cfg = zb.GraphConfig(
+        cost_f=f, cost_b=b, cost_w=w, cost_comm=473,
+        mem_f=[2] * 8, mem_b=[-1] * 8, mem_w=[-1] * 8, max_mem=[2 * 16] * 8,
+    )
+    best, _, complete = zb.do_heuristic_search(8, 32, cfg)
+    settings.append({
+        "name": "the authors' 8-stage heterogeneous example",
+        "p": 8, "m": 32, "f": f, "b": b, "w": w, "comm": 473, "limit_microbatches": 16,
+        "heuristic_span": int(best), "heuristic_makespan": int(max(complete)),
+    })
     with open(out, "w") as fh:
         json.dump({
             "source": "sail-sg/zero-bubble-pipeline-parallelism zero-bubble-v0.1.0 megatron/core/pipeline_parallel/auto_schedule.py do_heuristic_search",

@@ -2916,3 +2916,70 @@ fn more_gpus_than_the_cluster_has_are_refused() {
     );
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Per-rank `--costs` lists and `--exact` (issue 26): GPipe with one microbatch on two ranks
+/// takes f0 + f1 + b1 + w1 + b0 + w0 = 1 + 2 + 3 + 1 + 1 + 1 = 9 s; the exact solver proves
+/// 61 s optimal at p = 8, m = 8, f = 1, b = 3, w = 1 with 8 units (the issue's closed form);
+/// list lengths that do not match --pp are refused with both numbers.
+#[test]
+fn per_rank_costs_and_exact_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--costs",
+            "f=1/2,b=1/3,w=1",
+            "--pp",
+            "2",
+            "--microbatches",
+            "1",
+            "--schedule",
+            "gpipe",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    assert_eq!(v[0]["makespan_s"].as_f64().unwrap(), 9.0);
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--costs",
+            "f=1,b=3,w=1",
+            "--pp",
+            "8",
+            "--microbatches",
+            "8",
+            "--schedule",
+            "1f1b,zb-auto",
+            "--max-activation-units",
+            "8",
+            "--exact",
+            "30",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("exact: the optimal makespan is 61.000 s under 8 units"),
+        "{out}"
+    );
+    let exact_row = out.lines().find(|l| l.starts_with("exact ")).unwrap();
+    assert!(exact_row.contains("61.000 s"), "{exact_row}");
+    for (costs, want) in [
+        ("f=1/2/3,b=1", "3 values"),
+        ("f=1/2/3/4,b=1/2", "2 values"),
+        ("f=1/2/3/4,fo=1", "fb and fo only with one value"),
+    ] {
+        let o = flatpipe(
+            dir.path(),
+            &["simulate", "--costs", costs, "--pp", "4", "--gantt", "none"],
+        );
+        assert_eq!(o.status.code(), Some(2), "{costs}");
+        assert!(stderr(&o).contains(want), "{costs}: {}", stderr(&o));
+    }
+}

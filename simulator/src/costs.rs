@@ -120,6 +120,144 @@ pub const MIN_COST_S: f64 = 1e-9;
 /// The largest `--costs` value, seconds (11.6 days per action).
 pub const MAX_COST_S: f64 = 1e6;
 
+/// One `--costs` value in seconds, checked: 0 or [`MIN_COST_S`]..=[`MAX_COST_S`].
+fn parse_cost_s(key: &str, v: &str) -> Result<f64> {
+    let x: f64 = v
+        .trim()
+        .parse()
+        .map_err(|_| Error::invalid(format!("costs {key}"), v, "a number of seconds"))?;
+    // Time is integer nanoseconds (u64): a cost must not round to 0 ns unless it is 0, and a
+    // step of many such actions must stay far below 2^64 ns (584 years).
+    if !(x.is_finite() && (x == 0.0 || (MIN_COST_S..=MAX_COST_S).contains(&x))) {
+        return Err(Error::invalid(
+            format!("costs {key}"),
+            v,
+            format!(
+                "0 or {MIN_COST_S:e} to {MAX_COST_S} seconds (time is counted in whole ns: 1 ns is the least, and 1000000 s per action keeps a step's makespan in range)"
+            ),
+        ));
+    }
+    Ok(x)
+}
+
+/// `--costs` with per-rank values: `f=1/1/2/2,b=2/2/3/3,w=1,comm=0.1` gives each rank's share
+/// of the model per microbatch, seconds, one value per rank separated by `/` (a single value
+/// applies to every rank); with v stages per rank each of its stages costs its share / v
+/// ([`StageCosts::per_rank`]). Heterogeneous pipelines, such as the Zero Bubble repository's
+/// 8-stage example, are written this way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PerRankCostSpec {
+    /// Forward per rank, seconds (one value: every rank).
+    pub f: Vec<f64>,
+    /// Backward for inputs (dgrad) per rank, seconds.
+    pub b: Vec<f64>,
+    /// Backward for weights (wgrad) per rank, seconds.
+    pub w: Vec<f64>,
+    /// One transfer between adjacent stages on different ranks, seconds.
+    pub comm: f64,
+}
+
+impl PerRankCostSpec {
+    /// The number of ranks the lists give, if any list has more than one value.
+    pub fn num_ranks(&self) -> Option<usize> {
+        [&self.f, &self.b, &self.w]
+            .iter()
+            .map(|x| x.len())
+            .find(|&n| n > 1)
+    }
+
+    /// The three lists for `p` ranks (single values repeated).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when a list's length is neither 1 nor `p`.
+    pub fn for_ranks(&self, p: u32) -> Result<[Vec<f64>; 3]> {
+        let mut out: [Vec<f64>; 3] = Default::default();
+        for (o, (name, xs)) in out
+            .iter_mut()
+            .zip([("f", &self.f), ("b", &self.b), ("w", &self.w)])
+        {
+            *o = match xs.len() {
+                1 => vec![xs[0]; p as usize],
+                n if n == p as usize => xs.clone(),
+                n => {
+                    return Err(Error::invalid(
+                        format!("costs {name}"),
+                        format!("{n} values"),
+                        format!("one value per rank (pp = {p}) or a single value"),
+                    ));
+                }
+            };
+        }
+        Ok(out)
+    }
+}
+
+impl FromStr for PerRankCostSpec {
+    type Err = Error;
+    /// Parses `f=1/2/1/1,b=2/3/2/2,w=1,comm=0` (keys f, b, w, comm; missing ones keep
+    /// f = b = w = 1, comm = 0; comm takes one value).
+    fn from_str(s: &str) -> Result<Self> {
+        let mut spec = PerRankCostSpec {
+            f: vec![1.0],
+            b: vec![1.0],
+            w: vec![1.0],
+            comm: 0.0,
+        };
+        let mut seen: Vec<&str> = Vec::new();
+        for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+            let (k, v) = item.split_once('=').ok_or_else(|| {
+                Error::invalid(
+                    "costs",
+                    item,
+                    "key=seconds pairs such as f=1/2/1/1,b=2,w=1,comm=0",
+                )
+            })?;
+            let key = k.trim();
+            if seen.contains(&key) {
+                return Err(Error::invalid(
+                    "costs",
+                    s,
+                    format!("each key at most once ({key} is given twice)"),
+                ));
+            }
+            seen.push(key);
+            let list = || {
+                v.split('/')
+                    .map(|x| parse_cost_s(key, x))
+                    .collect::<Result<Vec<f64>>>()
+            };
+            match key {
+                "f" => spec.f = list()?,
+                "b" => spec.b = list()?,
+                "w" => spec.w = list()?,
+                "comm" => spec.comm = parse_cost_s(key, v)?,
+                "fb" | "fo" => {
+                    return Err(Error::invalid(
+                        "costs",
+                        key,
+                        "f, b, w and comm with per-rank values (fb and fo only with one value per key)",
+                    ));
+                }
+                other => {
+                    return Err(Error::invalid("costs", other, "keys are f, b, w, comm"));
+                }
+            }
+        }
+        if let Some(n) = spec.num_ranks() {
+            for (name, xs) in [("f", &spec.f), ("b", &spec.b), ("w", &spec.w)] {
+                if xs.len() != 1 && xs.len() != n {
+                    return Err(Error::invalid(
+                        format!("costs {name}"),
+                        format!("{} values", xs.len()),
+                        format!("{n} values (one per rank, as another key gives) or one"),
+                    ));
+                }
+            }
+        }
+        Ok(spec)
+    }
+}
+
 impl FromStr for UniformCostSpec {
     type Err = Error;
     /// Parses `f=1,b=1,w=1,comm=0` (any subset, in any order; missing keys keep the defaults
@@ -135,21 +273,7 @@ impl FromStr for UniformCostSpec {
                     "key=seconds pairs such as f=1,b=1,w=1,comm=0",
                 )
             })?;
-            let x: f64 = v
-                .trim()
-                .parse()
-                .map_err(|_| Error::invalid(format!("costs {k}"), v, "a number of seconds"))?;
-            // Time is integer nanoseconds (u64): a cost must not round to 0 ns unless it is 0,
-            // and a step of many such actions must stay far below 2^64 ns (584 years).
-            if !(x.is_finite() && (x == 0.0 || (MIN_COST_S..=MAX_COST_S).contains(&x))) {
-                return Err(Error::invalid(
-                    format!("costs {k}"),
-                    v,
-                    format!(
-                        "0 or {MIN_COST_S:e} to {MAX_COST_S} seconds (time is counted in whole ns: 1 ns is the least, and 1000000 s per action keeps a step's makespan in range)"
-                    ),
-                ));
-            }
+            let x = parse_cost_s(k, v)?;
             let key = k.trim();
             if seen.contains(&key) {
                 return Err(Error::invalid(
@@ -254,6 +378,8 @@ pub struct StageCosts {
     i_ns: Vec<u64>,
     w_ns: Vec<u64>,
     comm_ns: u64,
+    /// Activation units one F of a stage keeps (1; 1/v for [`StageCosts::per_rank`]).
+    unit_per_stage: f64,
 }
 
 impl StageCosts {
@@ -285,7 +411,42 @@ impl StageCosts {
             i_ns: ns(b),
             w_ns: ns(w),
             comm_ns: s_to_ns(comm),
+            unit_per_stage: 1.0,
         })
+    }
+
+    /// Costs from per-rank shares (`f[r]`, `b[r]`, `w[r]`: rank r's share of the model per
+    /// microbatch, seconds, as [`UniformCostSpec`]'s): on `placement` with v stages per rank,
+    /// each stage of rank r costs its share / v and keeps 1/v unit of activations per
+    /// microbatch (a rank's microbatch is one unit, as under [`UniformCosts`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when a list's length is not the placement's rank count, or
+    /// for a time [`StageCosts::new`] refuses.
+    pub fn per_rank(
+        f: &[f64],
+        b: &[f64],
+        w: &[f64],
+        comm: f64,
+        placement: &crate::ir::Placement,
+    ) -> Result<Self> {
+        let p = placement.num_ranks as usize;
+        for (name, xs) in [("f", f), ("b", b), ("w", w)] {
+            if xs.len() != p {
+                return Err(Error::invalid(
+                    format!("costs {name}"),
+                    format!("{} values", xs.len()),
+                    format!("one per rank ({p})"),
+                ));
+            }
+        }
+        let v = (placement.num_stages() as usize / p.max(1)).max(1) as f64;
+        let per_stage = |xs: &[f64]| -> Vec<f64> {
+            placement.rank_of.iter().map(|r| xs[r.idx()] / v).collect()
+        };
+        let mut c = StageCosts::new(&per_stage(f), &per_stage(b), &per_stage(w), comm)?;
+        c.unit_per_stage = 1.0 / v;
+        Ok(c)
     }
 
     /// The number of stages.
@@ -311,7 +472,7 @@ impl CostModel for StageCosts {
     }
     #[inline]
     fn activation(&self, _: StageId, _: MicrobatchId) -> (f64, f64) {
-        (0.5, 0.5)
+        (self.unit_per_stage / 2.0, self.unit_per_stage / 2.0)
     }
     fn optimizer_ns(&self, _: Rank) -> u64 {
         0

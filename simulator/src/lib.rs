@@ -64,7 +64,9 @@ pub mod verl_kk;
 pub mod zb_auto;
 pub mod zb_waves;
 
-pub use costs::{CostModel, MemoryUnit, StageCosts, TableCosts, UniformCostSpec, UniformCosts};
+pub use costs::{
+    CostModel, MemoryUnit, PerRankCostSpec, StageCosts, TableCosts, UniformCostSpec, UniformCosts,
+};
 pub use error::{Error, Result};
 pub use generators::ScheduleKind;
 pub use ir::{

@@ -81,13 +81,22 @@ pub(super) struct SimulateArgs {
     #[arg(long)]
     histogram: Option<PathBuf>,
     /// Uniform costs instead of a profile and workload: one rank's share of the model per
-    /// microbatch in seconds, e.g. f=1,b=1,w=1,comm=0 (keys f, b, w, comm, fb, fo).
+    /// microbatch in seconds, e.g. f=1,b=1,w=1,comm=0 (keys f, b, w, comm, fb, fo). Per-rank
+    /// values separated by `/` give heterogeneous ranks, e.g. f=1/1/1/2,b=2/2/2/3,w=1 (one
+    /// value per rank of --pp, or one for all; with v stages per rank each stage costs its
+    /// rank's share / v).
     #[arg(long, conflicts_with_all = ["profile", "model", "hardware", "workload", "plan", "token_budget", "chunk_tokens", "seqs_per_step", "tokens_per_step", "policy", "capacity", "pack_len", "max_seq_len", "keep_prob", "histogram", "memory_limit"])]
     costs: Option<String>,
     /// zb-auto under --costs: the most activation memory a rank may hold, in units (one rank's
     /// share of one microbatch's activations; default p, 1F1B's memory; 2p behaves like ZB-2p).
     #[arg(long, requires = "costs")]
     max_activation_units: Option<f64>,
+    /// Under --costs, also solve for the optimal schedule (branch and bound over every order of
+    /// F, I and W under --max-activation-units; zb-auto's placement: loop, or V with --vpp 2),
+    /// for at most this many seconds: prints the optimum, or the best schedule found and a
+    /// lower bound when the time runs out. Exact in seconds for p <= 4 and m <= 8.
+    #[arg(long, requires = "costs", value_name = "SECONDS")]
+    exact: Option<f64>,
     /// zb-auto with a profile: the memory limit per rank (e.g. 120GiB); its activations get this
     /// minus parameters, gradients and optimizer state. Default: the hardware's memory minus a
     /// reserve of 4 GiB (at most 1/8).
@@ -213,7 +222,7 @@ pub(super) fn simulate(a: SimulateArgs) -> Result<ExitCode> {
                 "the argument '--costs' cannot be used with '--steps' > 1: uniform costs describe one step"
             )
         }
-        Some(spec) => simulate_uniform(&a, &spec.parse()?, schedules),
+        Some(spec) => simulate_uniform(&a, &CostsArg::parse(spec)?, schedules),
         None => simulate_profile(&a, schedules),
     }
 }
@@ -290,9 +299,122 @@ pub(super) fn peak_of(m: &sim::Metrics) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// `--costs`: one value per key, or per-rank lists.
+pub(super) enum CostsArg {
+    Uniform(UniformCostSpec),
+    PerRank(sim::PerRankCostSpec),
+}
+
+impl CostsArg {
+    fn parse(s: &str) -> Result<Self> {
+        Ok(if s.contains('/') {
+            CostsArg::PerRank(s.parse()?)
+        } else {
+            CostsArg::Uniform(s.parse()?)
+        })
+    }
+
+    /// The cost model on `placement` (its ranks and stages per rank).
+    fn model(&self, placement: &sim::ir::Placement) -> Result<CliCosts> {
+        let p = placement.num_ranks;
+        Ok(match self {
+            CostsArg::Uniform(spec) => {
+                CliCosts::Uniform(UniformCosts::new(spec, placement.num_stages() / p.max(1)))
+            }
+            CostsArg::PerRank(spec) => {
+                let [f, b, w] = spec.for_ranks(p)?;
+                CliCosts::PerRank(sim::StageCosts::per_rank(&f, &b, &w, spec.comm, placement)?)
+            }
+        })
+    }
+
+    /// The longest a rank's share of one microbatch can take, training (f + b + w + two
+    /// transfers) and forward-only, seconds.
+    fn serial_s(&self) -> (f64, f64) {
+        match self {
+            CostsArg::Uniform(s) => (s.f + s.b + s.w + 2.0 * s.comm, s.fo.unwrap_or(s.f)),
+            CostsArg::PerRank(s) => {
+                let most = |xs: &[f64]| xs.iter().copied().fold(0.0, f64::max);
+                (
+                    most(&s.f) + most(&s.b) + most(&s.w) + 2.0 * s.comm,
+                    most(&s.f),
+                )
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for CostsArg {
+    fn fmt(&self, out: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |xs: &[f64]| {
+            xs.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join("/")
+        };
+        match self {
+            CostsArg::Uniform(s) => write!(
+                out,
+                "uniform costs f={} b={} w={} comm={} s",
+                s.f, s.b, s.w, s.comm
+            ),
+            CostsArg::PerRank(s) => write!(
+                out,
+                "per-rank costs f={} b={} w={} comm={} s",
+                list(&s.f),
+                list(&s.b),
+                list(&s.w),
+                s.comm
+            ),
+        }
+    }
+}
+
+/// The cost model of `--costs`: uniform, or per rank.
+#[derive(Debug, Clone)]
+pub(super) enum CliCosts {
+    Uniform(UniformCosts),
+    PerRank(sim::StageCosts),
+}
+
+macro_rules! delegate {
+    ($self:ident, $c:ident => $e:expr) => {
+        match $self {
+            CliCosts::Uniform($c) => $e,
+            CliCosts::PerRank($c) => $e,
+        }
+    };
+}
+
+impl sim::CostModel for CliCosts {
+    fn compute_ns(&self, a: sim::ir::ComputeAction) -> u64 {
+        delegate!(self, c => c.compute_ns(a))
+    }
+    fn overlap_ns(&self, f: sim::ir::ComputeAction, b: sim::ir::ComputeAction) -> u64 {
+        delegate!(self, c => c.overlap_ns(f, b))
+    }
+    fn comm_ns(
+        &self,
+        s: sim::ir::StageId,
+        mb: sim::ir::MicrobatchId,
+        kind: sim::ir::ActionKind,
+    ) -> u64 {
+        delegate!(self, c => c.comm_ns(s, mb, kind))
+    }
+    fn activation(&self, s: sim::ir::StageId, mb: sim::ir::MicrobatchId) -> (f64, f64) {
+        delegate!(self, c => c.activation(s, mb))
+    }
+    fn optimizer_ns(&self, r: sim::ir::Rank) -> u64 {
+        delegate!(self, c => c.optimizer_ns(r))
+    }
+    fn memory_unit(&self) -> sim::MemoryUnit {
+        delegate!(self, c => c.memory_unit())
+    }
+}
+
 pub(super) fn simulate_uniform(
     a: &SimulateArgs,
-    spec: &UniformCostSpec,
+    spec: &CostsArg,
     schedules: Schedules,
 ) -> Result<ExitCode> {
     let built: Vec<(String, u32, sim::Schedule)> = match schedules {
@@ -330,7 +452,8 @@ pub(super) fn simulate_uniform(
                     if a.max_activation_units.is_some() && !(units.is_finite() && units > 0.0) {
                         bail!("--max-activation-units = {units} is invalid: > 0 units (1F1B's rank 0 holds p)");
                     }
-                    let s = k.build(p, v, m, &UniformCosts::new(spec, v), units)?;
+                    let costs = spec.model(&k.placement_on(p, v)?)?;
+                    let s = k.build(p, v, m, &costs, units)?;
                     Ok((k.name().to_string(), v, s))
                 })
                 .collect::<Result<_>>()?
@@ -346,9 +469,8 @@ pub(super) fn simulate_uniform(
     // given).
     if let [(_, _, s), ..] = &built[..] {
         let p = s.placement.num_ranks;
-        let serial_s = f64::from(p)
-            * (f64::from(m) * (spec.f + spec.b + spec.w + 2.0 * spec.comm)
-                + f64::from(k) * spec.fo.unwrap_or(spec.f));
+        let (train_s, fo_s) = spec.serial_s();
+        let serial_s = f64::from(p) * (f64::from(m) * train_s + f64::from(k) * fo_s);
         if serial_s > 1e10 {
             bail!(
                 "--costs with --pp {p}, {m} microbatches and {k} forward-only microbatches: a step could last up to {serial_s:.3e} s, beyond the simulator's range of 1e10 s (time is counted in u64 nanoseconds); use smaller costs or fewer microbatches"
@@ -358,7 +480,7 @@ pub(super) fn simulate_uniform(
     let mut runs = Vec::new();
     let mut fo_reports = std::collections::HashMap::new();
     for (name, v, train) in built {
-        let costs = UniformCosts::new(spec, v);
+        let costs = spec.model(&train.placement)?;
         let schedule = if k > 0 {
             let t_train = sim::simulate(&train, &costs)?.metrics.makespan_s;
             let pass = sim::forward_only::forward_only_pass(&train, k);
@@ -389,6 +511,10 @@ pub(super) fn simulate_uniform(
         let sim = sim::simulate(&schedule, &costs)?;
         runs.push((name, v, schedule, sim));
     }
+    let exact_notes = match a.exact {
+        Some(secs) => exact_row(a, spec, secs, k, &mut runs)?,
+        None => Vec::new(),
+    };
     runs.sort_by(|x, y| {
         let (a, b) = (&x.3.metrics, &y.3.metrics);
         a.makespan_s
@@ -411,12 +537,10 @@ pub(super) fn simulate_uniform(
         .iter()
         .map(|(n, v, s, sim)| (n.clone(), gantt_title(n, s, *v, &sim.metrics), sim))
         .collect();
-    let notes = write_charts(a, &charts)?;
+    let mut notes = write_charts(a, &charts)?;
+    notes.extend(exact_notes);
     let m = runs.first().map_or(0, |r| r.2.num_microbatches);
-    let header = format!(
-        "uniform costs f={} b={} w={} comm={} s (one rank's share per microbatch), {m} microbatches",
-        spec.f, spec.b, spec.w, spec.comm
-    );
+    let header = format!("{spec} (one rank's share per microbatch), {m} microbatches");
     let mut cols = vec![
         "schedule",
         "pp",
@@ -463,6 +587,100 @@ pub(super) fn simulate_uniform(
         t.add_row(row);
     }
     emit(a.format, &reports, &header, &t, &notes)
+}
+
+/// `--exact SECONDS`: solves for the optimal schedule on zb-auto's placement (or the CSV
+/// schedule's), starting from the fastest compared schedule of that placement within the
+/// limit, adds it as a row and returns the notes that say what was proved.
+fn exact_row(
+    a: &SimulateArgs,
+    spec: &CostsArg,
+    secs: f64,
+    fo: u32,
+    runs: &mut Vec<(String, u32, sim::Schedule, Simulation)>,
+) -> Result<Vec<String>> {
+    if !(secs.is_finite() && secs > 0.0 && secs <= 86_400.0) {
+        bail!("--exact = {secs} is invalid: a time limit of > 0 to 86400 seconds");
+    }
+    if fo > 0 {
+        bail!(
+            "--exact solves training steps only; drop --fo-microbatches (the solver has no forward-only work)"
+        );
+    }
+    let Some((_, _, first, _)) = runs.first() else {
+        return Ok(Vec::new());
+    };
+    let (p, m) = (first.placement.num_ranks, first.num_microbatches);
+    let placement = if a.schedule_csv.is_some() {
+        first.placement.clone()
+    } else {
+        sim::zb_auto::placement(p, a.vpp.unwrap_or(1))
+            .map_err(|e| anyhow::anyhow!("--exact with --vpp: {e}"))?
+    };
+    let v = placement.num_stages() / p.max(1);
+    let costs = spec.model(&placement)?;
+    let limit = a.max_activation_units.unwrap_or(f64::from(p));
+    let incumbent = runs
+        .iter()
+        .filter(|r| r.2.placement == placement && peak_of(&r.3.metrics) <= limit * (1.0 + 1e-9))
+        .min_by_key(|r| r.3.timeline.makespan_ns())
+        .map(|r| &r.2);
+    let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
+        "exact: searching (at most {secs} s, p = {p}, m = {m})"
+    ));
+    spinner.enable_steady_tick(std::time::Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    let out = sim::exact::solve(
+        &placement,
+        m,
+        &costs,
+        limit,
+        incumbent,
+        &sim::exact::ExactOptions {
+            time_limit: Some(std::time::Duration::from_secs_f64(secs)),
+            ..Default::default()
+        },
+    )?;
+    spinner.finish_and_clear();
+    let took = started.elapsed().as_secs_f64();
+    let bound = sim::costs::ns_to_s(out.lower_bound_ns);
+    let Some(schedule) = out.schedule else {
+        if out.optimal {
+            bail!(
+                "--exact: no schedule of {m} microbatches on pp = {p} fits {limit} activation units per rank (one microbatch needs 1 unit on every rank)"
+            );
+        }
+        return Ok(vec![format!(
+            "exact: no schedule found within {secs} s ({} nodes); lower bound {}",
+            out.nodes,
+            fmt_s(bound)
+        )]);
+    };
+    let makespan = sim::costs::ns_to_s(out.makespan_ns.unwrap_or(0));
+    let (name, note) = if out.optimal {
+        (
+            "exact".to_string(),
+            format!(
+                "exact: the optimal makespan is {} under {limit} units per rank (proved: {} search node(s) in {took:.2} s)",
+                fmt_s(makespan),
+                out.nodes
+            ),
+        )
+    } else {
+        (
+            "exact (best found)".to_string(),
+            format!(
+                "exact: stopped at the {secs} s limit after {} nodes; best found {}, lower bound {}: the optimum lies between (gap {:.1}%)",
+                out.nodes,
+                fmt_s(makespan),
+                fmt_s(bound),
+                100.0 * (makespan / bound - 1.0)
+            ),
+        )
+    };
+    let sim = sim::simulate(&schedule, &costs)?;
+    runs.push((name, v, schedule, sim));
+    Ok(vec![note])
 }
 
 /// A comparison on a profile, resolved from the flags and an optional plan file: every default
