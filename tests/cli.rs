@@ -2983,3 +2983,44 @@ fn per_rank_costs_and_exact_from_the_command_line() {
         assert!(stderr(&o).contains(want), "{costs}: {}", stderr(&o));
     }
 }
+
+/// `--consecutive-steps` (issue 27): with f = b = w = 1, p = 4, m = 8, ZB-H2's steady step is
+/// m (f + b + w) = 24 s under optimizer post-validation (the next step's warm-up fills its
+/// tail) and its single step, (p - 1) f + 24 = 27 s, under a global sync; 1F1B's is
+/// (m + p - 1)(f + b + w) = 33 s either way (rank 0 ends last).
+#[test]
+fn consecutive_steps_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--costs",
+            "f=1,b=1,w=1",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--schedule",
+            "1f1b,zb-h2",
+            "--consecutive-steps",
+            "6",
+            "--format",
+            "json",
+        ],
+    );
+    let v = json(&o);
+    let row = |name: &str| {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["schedule"] == name)
+            .unwrap()["consecutive_steps"]
+            .clone()
+    };
+    assert_eq!(row("zb-h2")["post_validation_step_s"].as_f64(), Some(24.0));
+    assert_eq!(row("zb-h2")["global_sync_step_s"].as_f64(), Some(27.0));
+    assert_eq!(row("1f1b")["post_validation_step_s"].as_f64(), Some(33.0));
+    assert_eq!(row("1f1b")["global_sync_step_s"].as_f64(), Some(33.0));
+    assert_eq!(row("1f1b")["steps"].as_u64(), Some(6));
+}

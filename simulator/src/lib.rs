@@ -52,6 +52,7 @@ pub mod mb_plan;
 pub mod metrics;
 pub mod microbatch;
 pub mod montecarlo;
+pub mod multistep;
 pub mod plan;
 pub mod policy;
 pub mod pytorch_csv;

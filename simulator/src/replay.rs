@@ -185,6 +185,32 @@ pub fn is_deadlock_free(schedule: &Schedule) -> bool {
 /// The replay, or `None` when ranks stop with work left.
 fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timeline> {
     let p = schedule.placement.num_ranks as usize;
+    let mut links = vec![Vec::new(); p];
+    let (mut timeline, clock) = replay_from(schedule, costs, &vec![0; p], &mut links)?;
+    for (r, &end) in clock.iter().enumerate() {
+        let opt = costs.optimizer_ns(Rank(r as u32));
+        if opt > 0 {
+            timeline.optimizer[r] = Some((end, end + opt));
+        }
+    }
+    Some(timeline)
+}
+
+/// Link clocks carried from one step to the next: per sender rank, (receiver, time the link is
+/// free), ns.
+pub(crate) type LinkClocks = Vec<Vec<(u32, u64)>>;
+
+/// The replay of one step whose ranks may start no earlier than `ready[r]` (ns) and whose links
+/// are busy until `links` says (updated in place): the timeline without optimizer steps and
+/// each rank's clock at its last action's end. `None` when ranks stop with work left. Used by
+/// [`crate::multistep`] to chain consecutive steps.
+pub(crate) fn replay_from<C: CostModel>(
+    schedule: &Schedule,
+    costs: &C,
+    ready: &[u64],
+    links: &mut LinkClocks,
+) -> Option<(Timeline, Vec<u64>)> {
+    let p = schedule.placement.num_ranks as usize;
     let s_count = schedule.num_stages() as usize;
     let m = schedule.num_microbatches as usize;
     let mfo = schedule.num_fo_microbatches as usize;
@@ -208,7 +234,7 @@ fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timel
         },
         chunk,
         fo_ready: vec![UNSET; s_count * mfo],
-        links: vec![Vec::new(); p],
+        links: std::mem::take(links),
         timeline: Timeline {
             compute: schedule
                 .ranks
@@ -223,7 +249,7 @@ fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timel
     st.act_ready[..m].fill(0);
     st.fo_ready[..mfo].fill(0);
     let mut pc = vec![0usize; p];
-    let mut clock = vec![0u64; p];
+    let mut clock = ready.to_vec();
     let mut queued = vec![true; p];
     let mut queue: VecDeque<u32> = (0..p as u32).collect();
     while let Some(r) = queue.pop_front() {
@@ -264,13 +290,8 @@ fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timel
     if (0..p).any(|r| pc[r] < schedule.ranks[r].len()) {
         return None;
     }
-    for (r, &end) in clock.iter().enumerate() {
-        let opt = costs.optimizer_ns(Rank(r as u32));
-        if opt > 0 {
-            st.timeline.optimizer[r] = Some((end, end + opt));
-        }
-    }
-    Some(st.timeline)
+    *links = std::mem::take(&mut st.links);
+    Some((st.timeline, clock))
 }
 
 #[cfg(test)]

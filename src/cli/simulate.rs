@@ -97,6 +97,12 @@ pub(super) struct SimulateArgs {
     /// lower bound when the time runs out. Exact in seconds for p <= 4 and m <= 8.
     #[arg(long, requires = "costs", value_name = "SECONDS")]
     exact: Option<f64>,
+    /// Under --costs, also replay K consecutive steps of each schedule and report the
+    /// steady-state step time with a global synchronisation before the optimizer
+    /// (gradient-norm clipping) and with the Zero Bubble paper's optimizer post-validation
+    /// (each rank steps after its own last W and starts the next step).
+    #[arg(long, requires = "costs", value_name = "K", value_parser = clap::value_parser!(u32).range(2..=100_000))]
+    consecutive_steps: Option<u32>,
     /// zb-auto with a profile: the memory limit per rank (e.g. 120GiB); its activations get this
     /// minus parameters, gradients and optimizer state. Default: the hardware's memory minus a
     /// reserve of 4 GiB (at most 1/8).
@@ -136,6 +142,19 @@ pub(super) struct Report {
     metrics: sim::Metrics,
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     forward_only: Option<FoReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    consecutive_steps: Option<ConsecutiveReport>,
+}
+
+/// `--consecutive-steps K`: the steady-state step time of K steps under both synchronisations
+/// (`simulator::multistep`).
+#[derive(Debug, Serialize, Clone)]
+pub(super) struct ConsecutiveReport {
+    steps: u32,
+    /// With a global synchronisation before the optimizer, seconds per step.
+    global_sync_step_s: f64,
+    /// With optimizer post-validation, seconds per step.
+    post_validation_step_s: f64,
 }
 
 /// Forward-only work of a `--costs` row (`--fo-microbatches K > 0`).
@@ -524,15 +543,35 @@ pub(super) fn simulate_uniform(
     });
     let reports: Vec<Report> = runs
         .iter()
-        .map(|(name, v, s, sim)| Report {
-            schedule: name.clone(),
-            pp: s.placement.num_ranks,
-            vpp: *v,
-            microbatches: s.num_microbatches,
-            metrics: sim.metrics.clone(),
-            forward_only: fo_reports.get(name).cloned(),
+        .map(|(name, v, s, sim)| {
+            let consecutive_steps = match a.consecutive_steps {
+                Some(k) => {
+                    let costs = spec.model(&s.placement)?;
+                    let steady = |sync| -> Result<f64> {
+                        Ok(sim::costs::ns_to_s(
+                            sim::multistep::consecutive_steps(s, &costs, k, sync)?
+                                .steady_state_step_ns,
+                        ))
+                    };
+                    Some(ConsecutiveReport {
+                        steps: k,
+                        global_sync_step_s: steady(sim::multistep::StepSync::Global)?,
+                        post_validation_step_s: steady(sim::multistep::StepSync::PostValidation)?,
+                    })
+                }
+                None => None,
+            };
+            Ok(Report {
+                schedule: name.clone(),
+                pp: s.placement.num_ranks,
+                vpp: *v,
+                microbatches: s.num_microbatches,
+                metrics: sim.metrics.clone(),
+                forward_only: fo_reports.get(name).cloned(),
+                consecutive_steps,
+            })
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let charts: Vec<_> = runs
         .iter()
         .map(|(n, v, s, sim)| (n.clone(), gantt_title(n, s, *v, &sim.metrics), sim))
@@ -555,6 +594,9 @@ pub(super) fn simulate_uniform(
     ];
     if k > 0 {
         cols.extend(["train only", "fo separate", "fo hidden"]);
+    }
+    if a.consecutive_steps.is_some() {
+        cols.extend(["steady step, sync", "steady step, post-validation"]);
     }
     let mut t = new_table(&cols);
     for r in &reports {
@@ -583,6 +625,9 @@ pub(super) fn simulate_uniform(
                 fmt_s(f.fo_separate_s),
                 pct(f.fo_hidden_fraction),
             ]);
+        }
+        if let Some(c) = &r.consecutive_steps {
+            row.extend([fmt_s(c.global_sync_step_s), fmt_s(c.post_validation_step_s)]);
         }
         t.add_row(row);
     }
