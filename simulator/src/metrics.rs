@@ -445,6 +445,23 @@ pub fn memory_levels(events: Vec<Vec<(u64, f64)>>) -> Vec<Vec<(u64, f64)>> {
         .collect()
 }
 
+/// The largest peak activation memory over the ranks of `timeline` (the replay of `schedule`
+/// under `costs`), in the cost model's unit: what [`metrics`] reports per rank, without the
+/// rest (zb-auto ranks its candidates by it).
+pub fn peak_activation<C: CostModel>(schedule: &Schedule, costs: &C, timeline: &Timeline) -> f64 {
+    memory_events(schedule, costs, timeline)
+        .iter()
+        .map(|events| {
+            let (mut level, mut peak) = (0.0f64, 0.0f64);
+            for &(_, d) in events {
+                level += d;
+                peak = peak.max(level);
+            }
+            peak
+        })
+        .fold(0.0, f64::max)
+}
+
 /// Computes the metrics of `timeline`, the replay of `schedule` under `costs`.
 pub fn metrics<C: CostModel>(schedule: &Schedule, costs: &C, timeline: &Timeline) -> Metrics {
     metrics_with_events(
