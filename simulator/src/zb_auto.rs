@@ -99,8 +99,9 @@ fn greedy<C: CostModel>(
     for mb in 0..m {
         act_ready[idx(0, mb)] = 0;
     }
-    let mut f_done = vec![false; s_count * m];
-    let mut i_done = vec![false; s_count * m];
+    // Per stage, the microbatches whose F is done and I is not, in F order (= microbatch
+    // order): the only candidates for I, so a decision scans the in-flight microbatches only.
+    let mut pending_i: Vec<Vec<usize>> = vec![Vec::new(); s_count];
     let mut next_f = vec![0usize; s_count];
     let mut pending_w: Vec<Vec<usize>> = vec![Vec::new(); p];
     let mut pending_w_stage: Vec<Vec<usize>> = vec![Vec::new(); p];
@@ -158,13 +159,10 @@ fn greedy<C: CostModel>(
         // Ready I: the earliest-arrived gradient among this rank's stages.
         let mut ready_i: Option<(u64, usize, usize)> = None;
         for &s in &rank_stages[r] {
-            for mb in 0..next_f[s] {
-                let k = idx(s, mb);
-                if f_done[k] && !i_done[k] {
-                    let g = if s == last { 0 } else { grad_ready[k] };
-                    if g != UNSET && g <= t && ready_i.is_none_or(|(g0, _, _)| g < g0) {
-                        ready_i = Some((g, s, mb));
-                    }
+            for &mb in &pending_i[s] {
+                let g = if s == last { 0 } else { grad_ready[idx(s, mb)] };
+                if g != UNSET && g <= t && ready_i.is_none_or(|(g0, _, _)| g < g0) {
+                    ready_i = Some((g, s, mb));
                 }
             }
         }
@@ -216,9 +214,9 @@ fn greedy<C: CostModel>(
                     if mb < m && act_ready[idx(s, mb)] > t && act_ready[idx(s, mb)] != UNSET {
                         next = next.min(act_ready[idx(s, mb)]);
                     }
-                    for mb in 0..next_f[s] {
+                    for &mb in &pending_i[s] {
                         let k = idx(s, mb);
-                        if f_done[k] && !i_done[k] && grad_ready[k] != UNSET && grad_ready[k] > t {
+                        if grad_ready[k] != UNSET && grad_ready[k] > t {
                             next = next.min(grad_ready[k]);
                         }
                     }
@@ -234,11 +232,10 @@ fn greedy<C: CostModel>(
             }
         };
         let (s, mb) = (action.stage.idx(), action.microbatch.idx());
-        let k = idx(s, mb);
         let end = t + costs.compute_ns(action);
         match action.kind {
             ActionKind::F => {
-                f_done[k] = true;
+                pending_i[s].push(mb);
                 next_f[s] += 1;
                 mem[r] += act(s, mb);
                 if s < last {
@@ -252,7 +249,9 @@ fn greedy<C: CostModel>(
                 }
             }
             ActionKind::I => {
-                i_done[k] = true;
+                if let Some(at) = pending_i[s].iter().position(|&x| x == mb) {
+                    pending_i[s].remove(at);
+                }
                 let (sid, mid) = (StageId(s as u32), MicrobatchId(mb as u32));
                 // I frees the dgrad-only part and holds what it recomputes until W.
                 mem[r] += costs.recomputed(sid, mid) - costs.activation(sid, mid).0;
@@ -282,6 +281,33 @@ fn greedy<C: CostModel>(
         }
     }
     Some(out)
+}
+
+/// A 64-bit fingerprint of per-rank action lists (a multiply-xorshift mix over each action's
+/// stage, microbatch and kind, and each rank's length): equal lists give equal fingerprints,
+/// distinct ones collide with probability ~2^-64. Several times cheaper than SipHash here.
+fn fingerprint(ranks: &[Vec<Action>]) -> u64 {
+    let mut h: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut mix = |x: u64| {
+        h = (h ^ x).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+    };
+    let word = |a: &ComputeAction| {
+        (u64::from(a.stage.0) << 40) ^ (u64::from(a.microbatch.0) << 8) ^ a.kind as u64
+    };
+    for actions in ranks {
+        mix(actions.len() as u64);
+        for a in actions {
+            match a {
+                Action::Compute(c) => mix(word(c)),
+                Action::Overlap(f, b) => {
+                    mix(word(f) | 1 << 63);
+                    mix(word(b));
+                }
+            }
+        }
+    }
+    h
 }
 
 /// Builds the zb-auto schedule for `p` ranks, `v` stages per rank (1: loop, 2: V placement) and
@@ -314,7 +340,12 @@ pub fn zb_auto<C: CostModel>(
     let mut smallest_peak = f64::INFINITY;
     // `built`: a list schedule or wave order, valid by construction (the tests validate them);
     // the handcrafted ones are checked here.
+    // Several settings often build the same orders: each distinct one is replayed once.
+    let mut seen = std::collections::HashSet::new();
     let mut consider = |s: Schedule, built: bool, best: &mut Option<((u64, f64), Schedule)>| {
+        if !seen.insert(fingerprint(&s.ranks)) {
+            return;
+        }
         debug_assert!(!built || s.validate().is_ok(), "{}", s.grid());
         if !built && s.validate().is_err() {
             return;
