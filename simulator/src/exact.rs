@@ -218,6 +218,17 @@ impl Inst {
                 link_b[s] = rank_of[s] * p + rank_of[s - 1];
             }
         }
+        // Number the links in use 0.. (the dominance test compares their clocks).
+        let mut ids: Vec<usize> = link_f.iter().chain(&link_b).copied().collect();
+        ids.retain(|&l| l != NONE);
+        ids.sort_unstable();
+        ids.dedup();
+        for l in link_f.iter_mut().chain(link_b.iter_mut()) {
+            if *l != NONE {
+                *l = ids.binary_search(l).expect("a link in use");
+            }
+        }
+        let num_links = ids.len();
         let (mut alloc_f, mut alloc_i, mut free_i, mut free_w) = (vec![], vec![], vec![], vec![]);
         for s in 0..s_count {
             let sid = StageId(s as u32);
@@ -259,7 +270,7 @@ impl Inst {
             comm_b,
             link_f,
             link_b,
-            num_links: p * p,
+            num_links,
             alloc_f,
             alloc_i,
             free_i,
