@@ -140,6 +140,34 @@ fn parse_cost_s(key: &str, v: &str) -> Result<f64> {
     Ok(x)
 }
 
+/// The `key=value` pairs of a `--costs` string, keys trimmed, in order.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for an item without `=` (naming it and `example`) or a key given
+/// twice.
+fn cost_pairs<'a>(s: &'a str, example: &str) -> Result<Vec<(&'a str, &'a str)>> {
+    let mut pairs: Vec<(&str, &str)> = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+        let (k, v) = item.split_once('=').ok_or_else(|| {
+            Error::invalid(
+                "costs",
+                item,
+                format!("key=seconds pairs such as {example}"),
+            )
+        })?;
+        let key = k.trim();
+        if pairs.iter().any(|(seen, _)| *seen == key) {
+            return Err(Error::invalid(
+                "costs",
+                s,
+                format!("each key at most once ({key} is given twice)"),
+            ));
+        }
+        pairs.push((key, v));
+    }
+    Ok(pairs)
+}
+
 /// `--costs` with per-rank values: `f=1/1/2/2,b=2/2/3/3,w=1,comm=0.1` gives each rank's share
 /// of the model per microbatch, seconds, one value per rank separated by `/` (a single value
 /// applies to every rank); with v stages per rank each of its stages costs its share / v
@@ -203,24 +231,7 @@ impl FromStr for PerRankCostSpec {
             w: vec![1.0],
             comm: 0.0,
         };
-        let mut seen: Vec<&str> = Vec::new();
-        for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-            let (k, v) = item.split_once('=').ok_or_else(|| {
-                Error::invalid(
-                    "costs",
-                    item,
-                    "key=seconds pairs such as f=1/2/1/1,b=2,w=1,comm=0",
-                )
-            })?;
-            let key = k.trim();
-            if seen.contains(&key) {
-                return Err(Error::invalid(
-                    "costs",
-                    s,
-                    format!("each key at most once ({key} is given twice)"),
-                ));
-            }
-            seen.push(key);
+        for (key, v) in cost_pairs(s, "f=1/2/1/1,b=2,w=1,comm=0")? {
             let list = || {
                 v.split('/')
                     .map(|x| parse_cost_s(key, x))
@@ -264,25 +275,8 @@ impl FromStr for UniformCostSpec {
     /// f = b = w = 1, comm = 0).
     fn from_str(s: &str) -> Result<Self> {
         let mut spec = UniformCostSpec::default();
-        let mut seen: Vec<&str> = Vec::new();
-        for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-            let (k, v) = item.split_once('=').ok_or_else(|| {
-                Error::invalid(
-                    "costs",
-                    item,
-                    "key=seconds pairs such as f=1,b=1,w=1,comm=0",
-                )
-            })?;
-            let x = parse_cost_s(k, v)?;
-            let key = k.trim();
-            if seen.contains(&key) {
-                return Err(Error::invalid(
-                    "costs",
-                    s,
-                    format!("each key at most once ({key} is given twice)"),
-                ));
-            }
-            seen.push(key);
+        for (key, v) in cost_pairs(s, "f=1,b=1,w=1,comm=0")? {
+            let x = parse_cost_s(key, v)?;
             match key {
                 "f" => spec.f = x,
                 "b" => spec.b = x,
