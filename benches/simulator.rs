@@ -6,7 +6,7 @@ use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
 use flatpipe::simulator::montecarlo::{self, Capacity, RunConfig, ScheduleSource};
 use flatpipe::simulator::plan::even_split;
 use flatpipe::simulator::policy::{Policy, PolicyParams, batch};
-use flatpipe::simulator::{ScheduleKind, UniformCostSpec, UniformCosts, metrics, replay};
+use flatpipe::simulator::{ScheduleKind, UniformCostSpec, UniformCosts, metrics, replay, summary};
 use std::hint::black_box;
 
 /// The allocator the `flatpipe` binary runs with (src/main.rs): mimalloc, keeping freed memory,
@@ -46,6 +46,9 @@ fn bench_1f1b(c: &mut Criterion) {
     });
     g.bench_function("replay", |b| {
         b.iter(|| replay::replay(black_box(&schedule), &costs).unwrap())
+    });
+    g.bench_function("replay without timeline (summary)", |b| {
+        b.iter(|| summary::replay_summary(black_box(&schedule), &costs).unwrap())
     });
     g.bench_function("replay+metrics", |b| {
         b.iter(|| {

@@ -9,6 +9,7 @@ mod planner;
 mod properties;
 mod schedules;
 mod sharding;
+mod summary;
 mod tensor_parallel;
 mod traces;
 mod variable_length;

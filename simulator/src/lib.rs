@@ -17,6 +17,7 @@
 //! - [`costs`]: the [`CostModel`] trait, [`UniformCosts`] and [`TableCosts`].
 //! - [`replay`] and [`dag`]: the longest path through the step's DAG of compute ops and
 //!   transfers (one FIFO link per ordered rank pair); a cycle is a deadlock naming its ops.
+//! - [`summary`]: the same metrics from a replay that keeps no timeline (faster; no charts).
 //! - [`metrics`]: makespan, bubble ratio, peak activation memory and in-flight microbatches per
 //!   rank, and the lower bound.
 //! - [`gantt`], [`trace`]: charts and Perfetto traces of a [`Timeline`].
@@ -59,6 +60,7 @@ pub mod pytorch_csv;
 pub mod replay;
 pub mod sharding;
 pub mod step;
+pub mod summary;
 pub mod timeline;
 pub mod trace;
 pub mod verl_kk;

@@ -338,7 +338,6 @@ pub fn memory_events<C: CostModel>(
     let p = timeline.num_ranks();
     let last = schedule.num_stages().saturating_sub(1);
     let mut events: Vec<Vec<(u64, f64)>> = vec![Vec::new(); p];
-    let mut unsorted = vec![false; p];
     for (r, ops) in timeline.compute.iter().enumerate() {
         let ev = &mut events[r];
         ev.reserve(2 * ops.len());
@@ -373,7 +372,6 @@ pub fn memory_events<C: CostModel>(
                 };
                 if rec > 0.0 && matches!(a.kind, ActionKind::I | ActionKind::B) {
                     ev.push((op.start_ns, rec));
-                    unsorted[r] = true;
                 }
                 let freed = match a.kind {
                     ActionKind::I => ai,
@@ -391,13 +389,15 @@ pub fn memory_events<C: CostModel>(
             let out = costs.output_bytes(t.stage, t.microbatch);
             if out > 0.0 {
                 events[t.from.idx()].push((t.end_ns, -out));
-                unsorted[t.from.idx()] = true;
             }
         }
     }
-    for (ev, unsorted) in events.iter_mut().zip(unsorted) {
-        if unsorted {
-            ev.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+    // Program order is time order except for transfer-end frees and ties (a zero-length op's
+    // own free): the sort is stable and near-linear on such runs.
+    let order = |a: &(u64, f64), b: &(u64, f64)| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1));
+    for ev in &mut events {
+        if !ev.is_sorted_by(|a, b| order(a, b).is_le()) {
+            ev.sort_by(order);
         }
     }
     events
@@ -479,17 +479,11 @@ pub fn metrics_with_events<C: CostModel>(
     timeline: &Timeline,
     events: &[Vec<(u64, f64)>],
 ) -> Metrics {
-    let makespan = timeline.makespan_ns();
-    let p = timeline.num_ranks();
     let m = schedule.num_microbatches as usize;
-    let unit = costs.memory_unit();
-    let mut ranks = Vec::with_capacity(p);
-    let mut total_busy = 0u64;
     let mut seen = vec![false; m];
     let mut remaining = vec![0u32; m];
+    let mut totals = Vec::with_capacity(events.len());
     for (r, rank_events) in events.iter().enumerate() {
-        let busy = timeline.busy_ns(r);
-        total_busy += busy;
         let v = schedule.placement.stages_of(Rank(r as u32)).len() as u32;
         seen.fill(false);
         remaining.fill(v);
@@ -520,6 +514,41 @@ pub fn metrics_with_events<C: CostModel>(
             level += d;
             peak = peak.max(level);
         }
+        totals.push(RankTotals {
+            busy_ns: timeline.busy_ns(r),
+            peak_activation: peak,
+            peak_inflight,
+        });
+    }
+    assemble(schedule, costs, timeline.makespan_ns(), &totals)
+}
+
+/// One rank's totals over a replayed step, from its timeline or from
+/// [`crate::summary::Summary`].
+pub(crate) struct RankTotals {
+    /// Compute and optimizer time, ns.
+    pub busy_ns: u64,
+    /// Peak activation memory, cost model's unit.
+    pub peak_activation: f64,
+    /// Most microbatches in flight.
+    pub peak_inflight: u32,
+}
+
+/// The [`Metrics`] of a step of makespan `makespan` ns with per-rank `totals`.
+pub(crate) fn assemble<C: CostModel>(
+    schedule: &Schedule,
+    costs: &C,
+    makespan: u64,
+    totals: &[RankTotals],
+) -> Metrics {
+    let p = totals.len();
+    let unit = costs.memory_unit();
+    let mut ranks = Vec::with_capacity(p);
+    let mut total_busy = 0u64;
+    for (r, t) in totals.iter().enumerate() {
+        let busy = t.busy_ns;
+        total_busy += busy;
+        let peak = t.peak_activation;
         let (bytes, units) = match unit {
             MemoryUnit::Bytes => (Some(peak), None),
             MemoryUnit::Units => (None, Some(peak)),
@@ -536,7 +565,7 @@ pub fn metrics_with_events<C: CostModel>(
             peak_activation_bytes: bytes,
             peak_activation_units: units,
             static_bytes: (unit == MemoryUnit::Bytes).then_some(static_bytes),
-            peak_inflight_microbatches: peak_inflight,
+            peak_inflight_microbatches: t.peak_inflight,
         });
     }
     let lb = lower_bound_ns(schedule, costs);

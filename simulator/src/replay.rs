@@ -23,19 +23,86 @@ use std::collections::VecDeque;
 
 const UNSET: u64 = u64::MAX;
 
-struct State<'a, C: CostModel> {
+/// One (stage, microbatch)'s times, ns (`UNSET` until known).
+#[derive(Clone, Copy)]
+#[repr(align(32))]
+struct Cell {
+    /// The activation is available at this stage.
+    act_ready: u64,
+    /// The output gradient is available at this stage.
+    grad_ready: u64,
+    f_end: u64,
+    i_end: u64,
+}
+
+const UNSET_CELL: Cell = Cell {
+    act_ready: UNSET,
+    grad_ready: UNSET,
+    f_end: UNSET,
+    i_end: UNSET,
+};
+
+/// What a replay keeps of each op as it computes the times: the whole [`Timeline`], or only
+/// what the metrics need ([`crate::summary::Summary`]).
+pub(crate) trait Recorder {
+    /// Compute op `op` of `rank` (in the rank's program order). `false` stops the replay
+    /// (the caller no longer needs it: too slow or over the memory limit).
+    fn op(&mut self, rank: usize, op: TimedOp) -> bool;
+    /// A transfer, when the replay issues it (in each sender's program order).
+    fn transfer(&mut self, t: TimedTransfer);
+}
+
+impl Recorder for Timeline {
+    #[inline]
+    fn op(&mut self, rank: usize, op: TimedOp) -> bool {
+        self.compute[rank].push(op);
+        true
+    }
+    #[inline]
+    fn transfer(&mut self, t: TimedTransfer) {
+        self.transfers.push(t);
+    }
+}
+
+/// Hints the cache to load the line at `p` (no effect on results; never faults, so a pointer
+/// past the end is harmless).
+#[inline(always)]
+#[allow(unsafe_code)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetching is a hint that never dereferences `p` architecturally and never faults.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// How far ahead the replay prefetches a rank's actions and a stage's cells.
+const PREFETCH_ACTIONS: usize = 16;
+const PREFETCH_CELLS: usize = 2;
+
+/// How a replay ended.
+pub(crate) enum Outcome {
+    /// Every action ran: each rank's clock at its last action's end, ns.
+    Done(Vec<u64>),
+    /// Ranks stopped with work left (a dependency cycle).
+    Stuck,
+    /// The recorder stopped it.
+    Stopped,
+}
+
+struct State<'a, C: CostModel, R: Recorder> {
     schedule: &'a Schedule,
     costs: &'a C,
     s_count: usize,
     m: usize,
     mfo: usize,
     rank_of: Vec<u32>,
-    /// Time the activation of (stage, mb) is available at that stage.
-    act_ready: Vec<u64>,
-    /// Time the output gradient of (stage, mb) is available at that stage.
-    grad_ready: Vec<u64>,
-    f_end: Vec<u64>,
-    i_end: Vec<u64>,
+    /// Per (stage, mb), `s * m + mb`: the times one action reads and writes, side by side
+    /// (one cache line holds two cells; separate arrays cost 4 cache misses per I where this
+    /// costs 2: the step's state far exceeds the cache at p = 64, m = 4096).
+    cells: Vec<Cell>,
     /// End of (stage, mb)'s I or B (read only for chunk chains).
     bwd_end: Vec<u64>,
     /// The chunk chains' links, when a sequence was cut.
@@ -43,28 +110,28 @@ struct State<'a, C: CostModel> {
     fo_ready: Vec<u64>,
     /// Per sender rank: (receiver, time the link is free).
     links: Vec<Vec<(u32, u64)>>,
-    timeline: Timeline,
+    rec: R,
     wake: Vec<u32>,
 }
 
-impl<C: CostModel> State<'_, C> {
+impl<C: CostModel, R: Recorder> State<'_, C, R> {
     /// Time the data `a` needs are available, or None if they are not yet.
     #[inline]
     fn ready(&self, a: ComputeAction) -> Option<u64> {
         let (s, mb) = (a.stage.idx(), a.microbatch.idx());
         let t = match a.kind {
-            ActionKind::F => self.act_ready[s * self.m + mb],
+            ActionKind::F => self.cells[s * self.m + mb].act_ready,
             ActionKind::Fo => self.fo_ready[s * self.mfo + mb],
             ActionKind::I | ActionKind::B => {
-                let f = self.f_end[s * self.m + mb];
-                let g = self.grad_ready[s * self.m + mb];
+                let c = &self.cells[s * self.m + mb];
+                let (f, g) = (c.f_end, c.grad_ready);
                 if f == UNSET || g == UNSET {
                     UNSET
                 } else {
                     f.max(g)
                 }
             }
-            ActionKind::W => self.i_end[s * self.m + mb],
+            ActionKind::W => self.cells[s * self.m + mb].i_end,
         };
         if t == UNSET {
             return None;
@@ -87,7 +154,7 @@ impl<C: CostModel> State<'_, C> {
     ) -> Option<u64> {
         let dep = match kind {
             ActionKind::F if c.prev[mb] != ChunkLinks::NONE => {
-                self.f_end[s * self.m + c.prev[mb] as usize]
+                self.cells[s * self.m + c.prev[mb] as usize].f_end
             }
             ActionKind::I | ActionKind::B if c.next[mb] != ChunkLinks::NONE => {
                 self.bwd_end[s * self.m + c.next[mb] as usize]
@@ -115,7 +182,7 @@ impl<C: CostModel> State<'_, C> {
         let start = end.max(links[slot].1);
         let arrive = start + dur;
         links[slot].1 = arrive;
-        self.timeline.transfers.push(TimedTransfer {
+        self.rec.transfer(TimedTransfer {
             from: Rank(from),
             to: Rank(to),
             stage: a.stage,
@@ -133,13 +200,13 @@ impl<C: CostModel> State<'_, C> {
         let (s, mb) = (a.stage.idx(), a.microbatch.idx());
         match a.kind {
             ActionKind::F => {
-                self.f_end[s * self.m + mb] = end;
+                self.cells[s * self.m + mb].f_end = end;
                 if s + 1 < self.s_count {
                     let t = self.send(r, s + 1, a, end);
-                    self.act_ready[(s + 1) * self.m + mb] = t;
+                    self.cells[(s + 1) * self.m + mb].act_ready = t;
                 } else {
                     // The loss gradient is available once the last stage's forward ends.
-                    self.grad_ready[s * self.m + mb] = end;
+                    self.cells[s * self.m + mb].grad_ready = end;
                 }
             }
             ActionKind::Fo => {
@@ -150,14 +217,14 @@ impl<C: CostModel> State<'_, C> {
             }
             ActionKind::I | ActionKind::B => {
                 if a.kind == ActionKind::I {
-                    self.i_end[s * self.m + mb] = end;
+                    self.cells[s * self.m + mb].i_end = end;
                 }
                 if self.chunk.is_some() {
                     self.bwd_end[s * self.m + mb] = end;
                 }
                 if s > 0 {
                     let t = self.send(r, s - 1, a, end);
-                    self.grad_ready[(s - 1) * self.m + mb] = t;
+                    self.cells[(s - 1) * self.m + mb].grad_ready = t;
                 }
             }
             ActionKind::W => {}
@@ -210,12 +277,38 @@ pub(crate) fn replay_from<C: CostModel>(
     ready: &[u64],
     links: &mut LinkClocks,
 ) -> Option<(Timeline, Vec<u64>)> {
+    let timeline = Timeline {
+        compute: schedule
+            .ranks
+            .iter()
+            .map(|a| Vec::with_capacity(a.len()))
+            .collect(),
+        transfers: Vec::with_capacity(schedule.num_compute_actions()),
+        optimizer: vec![None; schedule.placement.num_ranks as usize],
+    };
+    match run(schedule, costs, ready, links, timeline) {
+        (Outcome::Done(clock), timeline) => Some((timeline, clock)),
+        _ => None,
+    }
+}
+
+/// The replay loop, recording into `rec` (returned with the outcome). `links` is updated in
+/// place when the replay finishes.
+pub(crate) fn run<C: CostModel, R: Recorder>(
+    schedule: &Schedule,
+    costs: &C,
+    ready: &[u64],
+    links: &mut LinkClocks,
+    rec: R,
+) -> (Outcome, R) {
     let p = schedule.placement.num_ranks as usize;
     let s_count = schedule.num_stages() as usize;
     let m = schedule.num_microbatches as usize;
     let mfo = schedule.num_fo_microbatches as usize;
     // A malformed chain is a schedule no replay can finish.
-    let chunk = schedule.chunk_links().ok()?;
+    let Ok(chunk) = schedule.chunk_links() else {
+        return (Outcome::Stuck, rec);
+    };
     let mut st = State {
         schedule,
         costs,
@@ -223,10 +316,7 @@ pub(crate) fn replay_from<C: CostModel>(
         m,
         mfo,
         rank_of: schedule.placement.rank_of.iter().map(|r| r.0).collect(),
-        act_ready: vec![UNSET; s_count * m],
-        grad_ready: vec![UNSET; s_count * m],
-        f_end: vec![UNSET; s_count * m],
-        i_end: vec![UNSET; s_count * m],
+        cells: vec![UNSET_CELL; s_count * m],
         bwd_end: if chunk.is_some() {
             vec![UNSET; s_count * m]
         } else {
@@ -235,18 +325,12 @@ pub(crate) fn replay_from<C: CostModel>(
         chunk,
         fo_ready: vec![UNSET; s_count * mfo],
         links: std::mem::take(links),
-        timeline: Timeline {
-            compute: schedule
-                .ranks
-                .iter()
-                .map(|a| Vec::with_capacity(a.len()))
-                .collect(),
-            transfers: Vec::with_capacity(schedule.num_compute_actions()),
-            optimizer: vec![None; p],
-        },
+        rec,
         wake: Vec::new(),
     };
-    st.act_ready[..m].fill(0);
+    for c in &mut st.cells[..m] {
+        c.act_ready = 0;
+    }
     st.fo_ready[..mfo].fill(0);
     let mut pc = vec![0usize; p];
     let mut clock = ready.to_vec();
@@ -257,7 +341,16 @@ pub(crate) fn replay_from<C: CostModel>(
         queued[ri] = false;
         let actions = &st.schedule.ranks[ri];
         while pc[ri] < actions.len() {
+            // The step's actions and cells far exceed the cache, and 64 ranks' streams are more
+            // than the hardware prefetcher follows: ask for this rank's next lines ahead.
+            prefetch(actions.as_ptr().wrapping_add(pc[ri] + PREFETCH_ACTIONS));
             let action = actions[pc[ri]];
+            if let Action::Compute(a) = action {
+                // This stage's cell of a later microbatch (prefetching the neighbour stage's
+                // too measured no better).
+                let k = a.stage.idx() * st.m + a.microbatch.idx() + PREFETCH_CELLS;
+                prefetch(st.cells.as_ptr().wrapping_add(k));
+            }
             let (start, dur) = match action {
                 Action::Compute(a) => match st.ready(a) {
                     Some(t) => (t.max(clock[ri]), st.costs.compute_ns(a)),
@@ -269,15 +362,24 @@ pub(crate) fn replay_from<C: CostModel>(
                 },
             };
             let end = start + dur;
-            st.timeline.compute[ri].push(TimedOp {
-                action,
-                start_ns: start,
-                end_ns: end,
-            });
+            if !st.rec.op(
+                ri,
+                TimedOp {
+                    action,
+                    start_ns: start,
+                    end_ns: end,
+                },
+            ) {
+                return (Outcome::Stopped, st.rec);
+            }
             clock[ri] = end;
             pc[ri] += 1;
-            for a in action.parts() {
-                st.complete(r, a, end);
+            match action {
+                Action::Compute(a) => st.complete(r, a, end),
+                Action::Overlap(a, b) => {
+                    st.complete(r, a, end);
+                    st.complete(r, b, end);
+                }
             }
             for w in st.wake.drain(..) {
                 if !queued[w as usize] {
@@ -288,10 +390,10 @@ pub(crate) fn replay_from<C: CostModel>(
         }
     }
     if (0..p).any(|r| pc[r] < schedule.ranks[r].len()) {
-        return None;
+        return (Outcome::Stuck, st.rec);
     }
     *links = std::mem::take(&mut st.links);
-    Some((st.timeline, clock))
+    (Outcome::Done(clock), st.rec)
 }
 
 #[cfg(test)]
