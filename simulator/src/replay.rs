@@ -293,7 +293,8 @@ pub(crate) fn replay_from<C: CostModel>(
 }
 
 /// The replay loop, recording into `rec` (returned with the outcome). `links` is updated in
-/// place when the replay finishes.
+/// place when the replay finishes; after [`Outcome::Stuck`] or [`Outcome::Stopped`] its
+/// contents are unspecified (no caller reuses them then).
 pub(crate) fn run<C: CostModel, R: Recorder>(
     schedule: &Schedule,
     costs: &C,
