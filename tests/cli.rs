@@ -3024,3 +3024,47 @@ fn consecutive_steps_from_the_command_line() {
     assert_eq!(row("1f1b")["global_sync_step_s"].as_f64(), Some(33.0));
     assert_eq!(row("1f1b")["steps"].as_u64(), Some(6));
 }
+
+/// `--zb-objective post-validation`: zb-auto ranks its candidates by the steady-state step
+/// under optimizer post-validation and reaches a rank's work, m (f + b + w) = 24 s, at p = 4,
+/// m = 8 under 2p = 8 units; ranking by one step (the default) it keeps a shape that takes
+/// 27 s per step either way. Without --costs the flag is refused.
+#[test]
+fn zb_objective_post_validation_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let steady = |objective: &str| {
+        let o = flatpipe(
+            dir.path(),
+            &[
+                "simulate",
+                "--costs",
+                "f=1,b=1,w=1",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+                "--schedule",
+                "zb-auto",
+                "--max-activation-units",
+                "8",
+                "--consecutive-steps",
+                "6",
+                "--zb-objective",
+                objective,
+                "--format",
+                "json",
+            ],
+        );
+        json(&o)[0]["consecutive_steps"]["post_validation_step_s"]
+            .as_f64()
+            .unwrap()
+    };
+    assert_eq!(steady("post-validation"), 24.0);
+    assert_eq!(steady("step"), 27.0);
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--zb-objective", "post-validation", "--gantt", "none"],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--costs"), "{}", stderr(&o));
+}

@@ -227,6 +227,30 @@ impl ScheduleKind {
         costs: &C,
         activation_limit: f64,
     ) -> Result<Schedule> {
+        self.build_for(
+            p,
+            v,
+            m,
+            costs,
+            activation_limit,
+            crate::zb_auto::Objective::Step,
+        )
+    }
+
+    /// [`ScheduleKind::build`] with zb-auto minimising `objective` (one step, or the steady
+    /// state under optimizer post-validation); the handcrafted kinds ignore it.
+    ///
+    /// # Errors
+    /// As [`ScheduleKind::build`].
+    pub fn build_for<C: crate::costs::CostModel>(
+        self,
+        p: u32,
+        v: u32,
+        m: u32,
+        costs: &C,
+        activation_limit: f64,
+        objective: crate::zb_auto::Objective,
+    ) -> Result<Schedule> {
         if self != ScheduleKind::ZbAuto {
             return self.generate(p, v, m);
         }
@@ -243,7 +267,7 @@ impl ScheduleKind {
             .iter()
             .filter_map(|k| k.generate(p, v, m).ok())
             .collect();
-        crate::zb_auto::zb_auto(p, v, m, costs, activation_limit, candidates)
+        crate::zb_auto::zb_auto_for(p, v, m, costs, activation_limit, candidates, objective)
     }
 }
 

@@ -73,7 +73,7 @@ pub fn consecutive_steps<C: CostModel>(
     let mut links = vec![Vec::new(); p];
     let mut step_end_ns = Vec::with_capacity(k as usize);
     for _ in 0..k {
-        let (_, clock) = replay::replay_from(schedule, costs, &ready, &mut links)
+        let clock = replay::replay_from(schedule, costs, &ready, &mut links)
             .ok_or_else(|| dag::deadlock_error(schedule))?;
         let barrier = clock.iter().copied().max().unwrap_or(0);
         for r in 0..p {

@@ -253,7 +253,19 @@ pub fn is_deadlock_free(schedule: &Schedule) -> bool {
 fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timeline> {
     let p = schedule.placement.num_ranks as usize;
     let mut links = vec![Vec::new(); p];
-    let (mut timeline, clock) = replay_from(schedule, costs, &vec![0; p], &mut links)?;
+    let timeline = Timeline {
+        compute: schedule
+            .ranks
+            .iter()
+            .map(|a| Vec::with_capacity(a.len()))
+            .collect(),
+        transfers: Vec::with_capacity(schedule.num_compute_actions()),
+        optimizer: vec![None; p],
+    };
+    let (Outcome::Done(clock), mut timeline) = run(schedule, costs, &vec![0; p], &mut links, timeline)
+    else {
+        return None;
+    };
     for (r, &end) in clock.iter().enumerate() {
         let opt = costs.optimizer_ns(Rank(r as u32));
         if opt > 0 {
@@ -267,27 +279,30 @@ fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timel
 /// free), ns.
 pub(crate) type LinkClocks = Vec<Vec<(u32, u64)>>;
 
+/// Records nothing: for replays that only need each rank's clock at the end.
+pub(crate) struct NoRecord;
+
+impl Recorder for NoRecord {
+    #[inline]
+    fn op(&mut self, _: usize, _: TimedOp) -> bool {
+        true
+    }
+    #[inline]
+    fn transfer(&mut self, _: TimedTransfer) {}
+}
+
 /// The replay of one step whose ranks may start no earlier than `ready[r]` (ns) and whose links
-/// are busy until `links` says (updated in place): the timeline without optimizer steps and
-/// each rank's clock at its last action's end. `None` when ranks stop with work left. Used by
-/// [`crate::multistep`] to chain consecutive steps.
+/// are busy until `links` says (updated in place): each rank's clock at its last action's end,
+/// without optimizer steps and without a timeline. `None` when ranks stop with work left. Used
+/// by [`crate::multistep`] to chain consecutive steps.
 pub(crate) fn replay_from<C: CostModel>(
     schedule: &Schedule,
     costs: &C,
     ready: &[u64],
     links: &mut LinkClocks,
-) -> Option<(Timeline, Vec<u64>)> {
-    let timeline = Timeline {
-        compute: schedule
-            .ranks
-            .iter()
-            .map(|a| Vec::with_capacity(a.len()))
-            .collect(),
-        transfers: Vec::with_capacity(schedule.num_compute_actions()),
-        optimizer: vec![None; schedule.placement.num_ranks as usize],
-    };
-    match run(schedule, costs, ready, links, timeline) {
-        (Outcome::Done(clock), timeline) => Some((timeline, clock)),
+) -> Option<Vec<u64>> {
+    match run(schedule, costs, ready, links, NoRecord) {
+        (Outcome::Done(clock), _) => Some(clock),
         _ => None,
     }
 }

@@ -103,6 +103,12 @@ pub(super) struct SimulateArgs {
     /// (each rank steps after its own last W and starts the next step).
     #[arg(long, requires = "costs", value_name = "K", value_parser = clap::value_parser!(u32).range(2..=100_000))]
     consecutive_steps: Option<u32>,
+    /// Under --costs, what zb-auto minimises: one step's makespan (`step`, with a global
+    /// synchronisation before the optimizer), or the steady-state step time under the Zero
+    /// Bubble paper's optimizer post-validation (`post-validation`, 4 steps replayed per
+    /// candidate; where ZB-H2's shape pays).
+    #[arg(long, requires = "costs", value_enum, default_value_t = ZbObjective::Step)]
+    zb_objective: ZbObjective,
     /// zb-auto with a profile: the memory limit per rank (e.g. 120GiB); its activations get this
     /// minus parameters, gradients and optimizer state. Default: the hardware's memory minus a
     /// reserve of 4 GiB (at most 1/8).
@@ -195,6 +201,24 @@ pub(super) struct McReport {
     memory_limit_bytes: f64,
     /// Whether the largest per-rank total (`peak_memory_bytes`) fits the limit.
     fits: bool,
+}
+
+/// `--zb-objective`: what zb-auto minimises (`sim::zb_auto::Objective`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum ZbObjective {
+    /// One step's makespan.
+    Step,
+    /// The steady-state step time under optimizer post-validation.
+    PostValidation,
+}
+
+impl From<ZbObjective> for sim::zb_auto::Objective {
+    fn from(o: ZbObjective) -> Self {
+        match o {
+            ZbObjective::Step => sim::zb_auto::Objective::Step,
+            ZbObjective::PostValidation => sim::zb_auto::Objective::PostValidation,
+        }
+    }
 }
 
 /// The schedules a `simulate` call compares: generated kinds, or one loaded from a CSV file.
@@ -472,7 +496,7 @@ pub(super) fn simulate_uniform(
                         bail!("--max-activation-units = {units} is invalid: > 0 units (1F1B's rank 0 holds p)");
                     }
                     let costs = spec.model(&k.placement_on(p, v)?)?;
-                    let s = k.build(p, v, m, &costs, units)?;
+                    let s = k.build_for(p, v, m, &costs, units, a.zb_objective.into())?;
                     Ok((k.name().to_string(), v, s))
                 })
                 .collect::<Result<_>>()?
