@@ -3063,7 +3063,13 @@ fn zb_objective_post_validation_from_the_command_line() {
     assert_eq!(steady("step"), 27.0);
     let o = flatpipe(
         dir.path(),
-        &["simulate", "--zb-objective", "post-validation", "--gantt", "none"],
+        &[
+            "simulate",
+            "--zb-objective",
+            "post-validation",
+            "--gantt",
+            "none",
+        ],
     );
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("--costs"), "{}", stderr(&o));

@@ -262,7 +262,8 @@ fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timel
         transfers: Vec::with_capacity(schedule.num_compute_actions()),
         optimizer: vec![None; p],
     };
-    let (Outcome::Done(clock), mut timeline) = run(schedule, costs, &vec![0; p], &mut links, timeline)
+    let (Outcome::Done(clock), mut timeline) =
+        run(schedule, costs, &vec![0; p], &mut links, timeline)
     else {
         return None;
     };

@@ -561,7 +561,11 @@ mod tests {
             let t = steady(&pick, &c);
             let work = (f64::from(m) * (f + b + w) * 1e9).round() as u64;
             assert!(t >= work, "p={p} m={m}: {t} < {work}");
-            for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbH1, ScheduleKind::ZbH2] {
+            for kind in [
+                ScheduleKind::OneFOneB,
+                ScheduleKind::ZbH1,
+                ScheduleKind::ZbH2,
+            ] {
                 let s = kind.generate(p, 1, m).unwrap();
                 let peak = metrics::peak_activation(&s, &c, &replay::replay(&s, &c).unwrap());
                 if peak <= units {
