@@ -177,3 +177,37 @@ fn deadlock_is_reported() {
     let e = replay_summary(&s, &costs).unwrap_err().to_string();
     assert!(e.contains("deadlocks") && e.contains("1B0"), "{e}");
 }
+
+/// Forward-only microbatches (their own ids, no memory kept) in the training schedule's
+/// bubbles or as a separate pass: the summary still equals the timeline's metrics.
+#[test]
+fn summary_equals_the_timeline_metrics_with_forward_only_work() {
+    use flatpipe::simulator::forward_only::{FoMode, with_forward_only};
+    let costs = UniformCosts::new(
+        &UniformCostSpec {
+            f: 1.0,
+            b: 2.0,
+            w: 1.0,
+            comm: 0.25,
+            fb: None,
+            fo: Some(0.5),
+        },
+        1,
+    );
+    for kind in [
+        ScheduleKind::OneFOneB,
+        ScheduleKind::ZbH1,
+        ScheduleKind::GPipe,
+    ] {
+        for mode in [FoMode::Fused, FoMode::Separate] {
+            let train = kind.generate(4, 1, 8).unwrap();
+            let s = with_forward_only(&train, 6, mode, false, &costs).unwrap();
+            assert!(s.num_fo_microbatches == 6, "{kind} {mode:?}");
+            assert_same(
+                &reference(&s, &costs),
+                &metrics_without_timeline(&s, &costs).unwrap(),
+                &format!("{kind} {mode:?}"),
+            );
+        }
+    }
+}

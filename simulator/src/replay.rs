@@ -309,8 +309,8 @@ pub(crate) fn replay_from<C: CostModel>(
 }
 
 /// The replay loop, recording into `rec` (returned with the outcome). `links` is updated in
-/// place when the replay finishes; after [`Outcome::Stuck`] or [`Outcome::Stopped`] its
-/// contents are unspecified (no caller reuses them then).
+/// place: after [`Outcome::Stuck`] or [`Outcome::Stopped`] it holds the clocks of the
+/// transfers issued so far (no caller reuses them then).
 pub(crate) fn run<C: CostModel, R: Recorder>(
     schedule: &Schedule,
     costs: &C,
@@ -387,6 +387,7 @@ pub(crate) fn run<C: CostModel, R: Recorder>(
                     end_ns: end,
                 },
             ) {
+                *links = std::mem::take(&mut st.links);
                 return (Outcome::Stopped, st.rec);
             }
             clock[ri] = end;
@@ -406,10 +407,10 @@ pub(crate) fn run<C: CostModel, R: Recorder>(
             }
         }
     }
+    *links = std::mem::take(&mut st.links);
     if (0..p).any(|r| pc[r] < schedule.ranks[r].len()) {
         return (Outcome::Stuck, st.rec);
     }
-    *links = std::mem::take(&mut st.links);
     (Outcome::Done(clock), st.rec)
 }
 

@@ -4,8 +4,9 @@
 //! p = 64, m = 4096 1F1B step is ~45 MB of stores; without it the replay runs ~1.6x faster,
 //! README "Performance").
 //!
-//! The numbers equal those [`crate::metrics::metrics`] computes from the full timeline
-//! (`tests` below and the property test in `tests/summary.rs` check it on every generator):
+//! The numbers equal those [`crate::metrics::metrics`] computes from the full timeline, the
+//! peaks up to the order of their floating-point sums (the property tests in
+//! `tests/summary.rs` check it on every generator, to a relative 1e-9):
 //! memory follows [`crate::metrics::memory_events`]'s rules, the level being a step function of
 //! time whose peak is taken after all the changes at one instant (frees before allocations
 //! at equal times). Per rank, compute ops come in program order with non-decreasing times, and
@@ -81,11 +82,15 @@ impl RankMemory {
         }
     }
 
-    /// Closes the last instant.
+    /// Closes the last instant (with the frees due at it).
     fn finish(&mut self) {
+        self.advance(self.now);
         self.peak = self.peak.max(self.level);
     }
 }
+
+/// `Lean::mb_state`'s flag: the microbatch's first F ran on the rank.
+const SEEN: u32 = 1 << 31;
 
 /// The recorder of a [`Summary`], with the limits of [`replay_within`].
 struct Lean<'a, C: CostModel> {
@@ -102,8 +107,9 @@ struct Lean<'a, C: CostModel> {
     inflight: Vec<u32>,
     peak_inflight: Vec<u32>,
     /// With several stages per rank: per (rank, microbatch), whether its first F ran here
-    /// (bit 7) and how many of its W or B remain (low bits). Empty with one stage per rank.
-    mb_state: Vec<u8>,
+    /// (`SEEN`) and how many of its W or B remain (the other bits). Empty with one stage per
+    /// rank.
+    mb_state: Vec<u32>,
     m: usize,
 }
 
@@ -156,8 +162,8 @@ impl<C: CostModel> Lean<'_, C> {
             self.inflight[r] += 1;
         } else {
             let st = &mut self.mb_state[r * self.m + a.microbatch.idx()];
-            if *st & 0x80 == 0 {
-                *st |= 0x80;
+            if *st & SEEN == 0 {
+                *st |= SEEN;
                 self.inflight[r] += 1;
             }
         }
@@ -201,8 +207,8 @@ impl<C: CostModel> Lean<'_, C> {
             self.inflight[r] = self.inflight[r].saturating_sub(1);
         } else {
             let st = &mut self.mb_state[r * self.m + a.microbatch.idx()];
-            let left = (*st & 0x7f).saturating_sub(1);
-            *st = (*st & 0x80) | left;
+            let left = (*st & !SEEN).saturating_sub(1);
+            *st = (*st & SEEN) | left;
             if left == 0 {
                 self.inflight[r] = self.inflight[r].saturating_sub(1);
             }
@@ -258,7 +264,8 @@ impl<C: CostModel> Recorder for Lean<'_, C> {
 }
 
 /// Replays `schedule` under `costs` and returns its [`Summary`]; the same numbers as
-/// [`crate::replay::replay`] followed by [`crate::metrics::metrics`], without the timeline.
+/// [`crate::replay::replay`] followed by [`crate::metrics::metrics`] (peaks up to the order of
+/// their floating-point sums), without the timeline.
 ///
 /// # Errors
 /// [`crate::Error::Deadlock`] naming the actions on a dependency cycle.
@@ -282,10 +289,10 @@ pub fn replay_within<C: CostModel>(
     let m = schedule.num_microbatches as usize;
     let one_stage_each = (0..p as u32).all(|r| schedule.placement.stages_of(Rank(r)).len() == 1);
     let mb_state = if !one_stage_each {
-        let mut st = vec![0u8; p * m];
+        let mut st = vec![0u32; p * m];
         for (r, chunk) in st.chunks_mut(m.max(1)).enumerate() {
-            let v = schedule.placement.stages_of(Rank(r as u32)).len().min(0x7f) as u8;
-            chunk.fill(v);
+            let v = schedule.placement.stages_of(Rank(r as u32)).len() as u32;
+            chunk.fill(v & !SEEN);
         }
         st
     } else {

@@ -20,8 +20,10 @@
 //! with the handcrafted schedules of the same placement (1F1B, ZB-H1, ZB-H2 in loop placement;
 //! ZB-V in V placement) and, in loop placement, the eight orders of the Zero Bubble authors'
 //! wave construction ([`crate::zb_waves`]) when they fit: zb-auto is never worse than the best
-//! of them. When
-//! nothing fits, the error names the limit and the smallest peak found.
+//! of them. "Fastest" is one step's makespan ([`Objective::Step`], the default) or, with
+//! [`Objective::PostValidation`], the steady-state step time across consecutive steps under
+//! optimizer post-validation ([`crate::multistep`]). When nothing fits, the error names the
+//! limit and the smallest peak found.
 //!
 //! Expected quality (one step, comm = 0): with a limit of 2p units and m >= 2p - 1 it reaches the
 //! lower bound `(p - 1) f + m (f + b + w)` when `b <= 2w` and `b <= 2f` (ZB-H2's regime); with p

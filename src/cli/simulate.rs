@@ -259,6 +259,11 @@ pub(super) fn simulate(a: SimulateArgs) -> Result<ExitCode> {
             "--max-activation-units / --memory-limit bound zb-auto only, which is not among the schedules"
         );
     }
+    if a.zb_objective != ZbObjective::Step
+        && matches!(&schedules, Schedules::Kinds(k) if !k.contains(&ScheduleKind::ZbAuto))
+    {
+        tracing::warn!("--zb-objective applies to zb-auto only, which is not among the schedules");
+    }
     match &a.costs {
         Some(_) if a.steps.is_some_and(|n| n > 1) => {
             bail!(
