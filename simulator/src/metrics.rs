@@ -2,7 +2,7 @@
 //! lower bound.
 
 use crate::costs::{CostModel, MemoryUnit, ns_to_s};
-use crate::ir::{Action, ActionKind, Rank, Schedule};
+use crate::ir::{Action, ActionKind, ComputeAction, Rank, Schedule};
 use crate::timeline::Timeline;
 use serde::Serialize;
 
@@ -322,6 +322,78 @@ fn backward_work_ns<C: CostModel>(actions: &[Action], costs: &C) -> u64 {
         .sum()
 }
 
+/// What one compute action does to the activation memory of its rank, in the cost model's unit:
+/// the rules of [`memory_events`], in one place for it and for [`crate::summary`].
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PartMemory {
+    /// Allocated at the action's start: an F's activations, what an I recomputes (until its
+    /// W ends) or a fused B (while it runs).
+    pub(crate) at_start: f64,
+    /// An F's output buffer, allocated at its start (0 on the last stage and for other kinds).
+    pub(crate) out: f64,
+    /// The output buffer is freed at the F's end (its next stage is on the same rank) rather
+    /// than when its transfer ends.
+    pub(crate) out_freed_at_end: bool,
+    /// Freed at the action's end: I the part only dgrad needed, W the rest and what I
+    /// recomputed, a fused B all of it.
+    pub(crate) at_end: f64,
+}
+
+/// The [`PartMemory`] of `a` on rank `r` (`last`: the last stage's index). Forward-only
+/// microbatches have their own ids and keep nothing: they are never looked up among the
+/// training microbatches.
+#[inline]
+pub(crate) fn part_memory<C: CostModel>(
+    schedule: &Schedule,
+    costs: &C,
+    last: u32,
+    r: usize,
+    a: ComputeAction,
+) -> PartMemory {
+    let (s, mb) = (a.stage, a.microbatch);
+    match a.kind {
+        ActionKind::Fo => PartMemory::default(),
+        ActionKind::F => {
+            let (ai, aw) = costs.activation(s, mb);
+            let out = if s.0 < last {
+                costs.output_bytes(s, mb).max(0.0)
+            } else {
+                0.0
+            };
+            PartMemory {
+                at_start: ai + aw,
+                out,
+                out_freed_at_end: out > 0.0 && schedule.placement.rank_of[s.idx() + 1].idx() == r,
+                at_end: 0.0,
+            }
+        }
+        ActionKind::I => {
+            let (ai, _) = costs.activation(s, mb);
+            PartMemory {
+                at_start: costs.recomputed(s, mb),
+                at_end: ai,
+                ..PartMemory::default()
+            }
+        }
+        ActionKind::W => {
+            let (_, aw) = costs.activation(s, mb);
+            PartMemory {
+                at_end: aw + costs.recomputed(s, mb),
+                ..PartMemory::default()
+            }
+        }
+        ActionKind::B => {
+            let (ai, aw) = costs.activation(s, mb);
+            let rec = costs.recomputed_in_b(s, mb);
+            PartMemory {
+                at_start: rec,
+                at_end: ai + aw + rec,
+                ..PartMemory::default()
+            }
+        }
+    }
+}
+
 /// Activation memory events of each rank: `(time_ns, change)` in the cost model's unit, in time
 /// order (frees before allocations at equal times). An F allocates its stage's activations for
 /// the microbatch, and its output buffer when it sends to another rank, at its start; I
@@ -343,43 +415,22 @@ pub fn memory_events<C: CostModel>(
         ev.reserve(2 * ops.len());
         for op in ops {
             for a in op.action.parts().filter(|a| a.kind == ActionKind::F) {
-                let (ai, aw) = costs.activation(a.stage, a.microbatch);
-                ev.push((op.start_ns, ai + aw));
-                if a.stage.0 < last {
-                    let out = costs.output_bytes(a.stage, a.microbatch);
-                    if out > 0.0 {
-                        ev.push((op.start_ns, out));
-                        let next = schedule.placement.rank_of[a.stage.idx() + 1];
-                        if next.idx() == r {
-                            ev.push((op.end_ns, -out));
-                        }
+                let pm = part_memory(schedule, costs, last, r, a);
+                ev.push((op.start_ns, pm.at_start));
+                if pm.out > 0.0 {
+                    ev.push((op.start_ns, pm.out));
+                    if pm.out_freed_at_end {
+                        ev.push((op.end_ns, -pm.out));
                     }
                 }
             }
-            for a in op.action.parts() {
-                // Forward-only microbatches have their own ids and keep nothing: never look
-                // them up among the training microbatches.
-                if matches!(a.kind, ActionKind::F | ActionKind::Fo) {
-                    continue;
+            for a in op.action.parts().filter(|a| a.kind != ActionKind::F) {
+                let pm = part_memory(schedule, costs, last, r, a);
+                if pm.at_start > 0.0 {
+                    ev.push((op.start_ns, pm.at_start));
                 }
-                let (ai, aw) = costs.activation(a.stage, a.microbatch);
-                // What I recomputes exists from I's start until W ends (inside a fused B, only
-                // while B runs).
-                let rec = if a.kind == ActionKind::B {
-                    costs.recomputed_in_b(a.stage, a.microbatch)
-                } else {
-                    costs.recomputed(a.stage, a.microbatch)
-                };
-                if rec > 0.0 && matches!(a.kind, ActionKind::I | ActionKind::B) {
-                    ev.push((op.start_ns, rec));
-                }
-                let freed = match a.kind {
-                    ActionKind::I => ai,
-                    ActionKind::W => aw + rec,
-                    _ => ai + aw + rec,
-                };
-                if freed > 0.0 {
-                    ev.push((op.end_ns, -freed));
+                if pm.at_end > 0.0 {
+                    ev.push((op.end_ns, -pm.at_end));
                 }
             }
         }

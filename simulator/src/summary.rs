@@ -19,7 +19,7 @@
 
 use crate::costs::CostModel;
 use crate::ir::{Action, ActionKind, ComputeAction, Rank, Schedule};
-use crate::metrics::{self, Metrics};
+use crate::metrics::{self, Metrics, PartMemory};
 use crate::replay::{self, Outcome, Recorder};
 use crate::timeline::{TimedOp, TimedTransfer};
 use crate::{Result, dag};
@@ -122,33 +122,14 @@ impl<C: CostModel> Lean<'_, C> {
         mem.level += d;
     }
 
-    /// What `a` allocates at its start on rank `r`: F its activations and its output buffer,
-    /// I or B what it recomputes.
+    /// What a part allocates at its start on rank `r` ([`metrics::part_memory`]).
     #[inline]
-    fn allocate(&mut self, r: usize, a: ComputeAction, start: u64) {
-        let costs = self.costs;
-        match a.kind {
-            ActionKind::F => {
-                let (ai, aw) = costs.activation(a.stage, a.microbatch);
-                self.change(r, start, ai + aw);
-                if a.stage.0 < self.last_stage {
-                    let out = costs.output_bytes(a.stage, a.microbatch);
-                    if out > 0.0 {
-                        self.change(r, start, out);
-                    }
-                }
-            }
-            ActionKind::I | ActionKind::B => {
-                let rec = if a.kind == ActionKind::B {
-                    costs.recomputed_in_b(a.stage, a.microbatch)
-                } else {
-                    costs.recomputed(a.stage, a.microbatch)
-                };
-                if rec > 0.0 {
-                    self.change(r, start, rec);
-                }
-            }
-            ActionKind::W | ActionKind::Fo => {}
+    fn allocate(&mut self, r: usize, pm: &PartMemory, start: u64) {
+        if pm.at_start > 0.0 {
+            self.change(r, start, pm.at_start);
+        }
+        if pm.out > 0.0 {
+            self.change(r, start, pm.out);
         }
     }
 
@@ -169,38 +150,17 @@ impl<C: CostModel> Lean<'_, C> {
         }
     }
 
-    /// What `a` frees at its end on rank `r` (I the dgrad-only part, W the rest and what I
-    /// recomputed, B all; an F whose next stage is on the same rank its output buffer), and
-    /// the in-flight count after its last W or B there.
+    /// What part `a` frees at its end on rank `r` ([`metrics::part_memory`]), and the
+    /// in-flight count after its last W or B there.
     #[inline]
-    fn free(&mut self, r: usize, a: ComputeAction, end: u64) {
-        let costs = self.costs;
-        let freed = match a.kind {
-            ActionKind::Fo => return,
-            ActionKind::F => {
-                if a.stage.0 < self.last_stage
-                    && self.schedule.placement.rank_of[a.stage.idx() + 1].idx() == r
-                {
-                    let out = costs.output_bytes(a.stage, a.microbatch);
-                    if out > 0.0 {
-                        self.change(r, end, -out);
-                    }
-                }
-                return;
-            }
-            ActionKind::I => costs.activation(a.stage, a.microbatch).0,
-            ActionKind::W => {
-                costs.activation(a.stage, a.microbatch).1 + costs.recomputed(a.stage, a.microbatch)
-            }
-            ActionKind::B => {
-                let (ai, aw) = costs.activation(a.stage, a.microbatch);
-                ai + aw + costs.recomputed_in_b(a.stage, a.microbatch)
-            }
-        };
-        if freed > 0.0 {
-            self.change(r, end, -freed);
+    fn free(&mut self, r: usize, a: ComputeAction, pm: &PartMemory, end: u64) {
+        if pm.out_freed_at_end {
+            self.change(r, end, -pm.out);
         }
-        if a.kind == ActionKind::I {
+        if pm.at_end > 0.0 {
+            self.change(r, end, -pm.at_end);
+        }
+        if !matches!(a.kind, ActionKind::W | ActionKind::B) {
             return;
         }
         if self.mb_state.is_empty() {
@@ -229,19 +189,22 @@ impl<C: CostModel> Recorder for Lean<'_, C> {
         // in-flight count, then every part's frees at the end.
         match op.action {
             Action::Compute(a) => {
-                self.allocate(r, a, start);
+                let pa = metrics::part_memory(self.schedule, self.costs, self.last_stage, r, a);
+                self.allocate(r, &pa, start);
                 self.count_f(r, a);
                 self.peak_inflight[r] = self.peak_inflight[r].max(self.inflight[r]);
-                self.free(r, a, end);
+                self.free(r, a, &pa, end);
             }
             Action::Overlap(a, b) => {
-                self.allocate(r, a, start);
-                self.allocate(r, b, start);
+                let pa = metrics::part_memory(self.schedule, self.costs, self.last_stage, r, a);
+                let pb = metrics::part_memory(self.schedule, self.costs, self.last_stage, r, b);
+                self.allocate(r, &pa, start);
+                self.allocate(r, &pb, start);
                 self.count_f(r, a);
                 self.count_f(r, b);
                 self.peak_inflight[r] = self.peak_inflight[r].max(self.inflight[r]);
-                self.free(r, a, end);
-                self.free(r, b, end);
+                self.free(r, a, &pa, end);
+                self.free(r, b, &pb, end);
             }
         }
         // Instants before `start` are closed: their levels are final (an instant's level is
