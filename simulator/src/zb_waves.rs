@@ -51,6 +51,10 @@ struct Waves<'a, C: CostModel> {
     clock: Vec<u64>,
     mem: Vec<f64>,
     bubble: Vec<u64>,
+    /// The largest of `bubble` (bubbles only grow, so a running maximum).
+    max_bubble: u64,
+    /// Per stage, whether it takes an F in the current wave (kept to reuse its allocation).
+    take: Vec<bool>,
     /// Completion times of F and I per (stage, microbatch).
     done_f: Vec<u64>,
     done_i: Vec<u64>,
@@ -79,9 +83,6 @@ impl<C: CostModel> Waves<'_, C> {
         self.costs
             .comm_ns(StageId(from as u32), MicrobatchId(mb as u32), kind)
     }
-    fn max_bubble(&self) -> u64 {
-        self.bubble.iter().copied().max().unwrap_or(0)
-    }
     /// Puts the next `kind` action of stage `s`; `None` when it would exceed the limit.
     fn put(&mut self, s: usize, kind: ActionKind) -> Option<()> {
         let mb = match kind {
@@ -107,6 +108,7 @@ impl<C: CostModel> Waves<'_, C> {
         }
         if self.nf[s] > 0 {
             self.bubble[s] += end - packed;
+            self.max_bubble = self.max_bubble.max(self.bubble[s]);
         }
         self.clock[s] = end;
         self.mem[s] += d;
@@ -136,7 +138,7 @@ impl<C: CostModel> Waves<'_, C> {
             self.put(s, ActionKind::W)?;
         }
         if self.nw[s] < self.ni[s] && self.clock[s] < arrive {
-            let within = arrive - self.clock[s] <= self.max_bubble().saturating_sub(self.bubble[s]);
+            let within = arrive - self.clock[s] <= self.max_bubble.saturating_sub(self.bubble[s]);
             if !within || sw.no_bubble_greedy {
                 self.put(s, ActionKind::W)?;
             }
@@ -232,17 +234,19 @@ impl<C: CostModel> Waves<'_, C> {
         if self.clock[s] + self.cost(ActionKind::F, s, mb) + w_cost <= next {
             return true;
         }
-        next - self.clock[s] > self.max_bubble().saturating_sub(self.bubble[s])
+        next - self.clock[s] > self.max_bubble.saturating_sub(self.bubble[s])
     }
 
     fn wave(&mut self, i: usize, sw: Switches) -> Option<()> {
         let (p, m) = (self.p, self.m);
-        let mut take: Vec<bool> = (0..p).map(|s| self.wants_f(s, sw)).collect();
+        let mut take = std::mem::take(&mut self.take);
+        take.clear();
+        take.extend((0..p).map(|s| self.wants_f(s, sw)));
         for s in (0..p.saturating_sub(1)).rev() {
             take[s] = take[s] && take[s + 1];
         }
-        for (s, &t) in take.iter().enumerate() {
-            if !t {
+        for s in 0..p {
+            if !take[s] {
                 continue;
             }
             let mb = self.nf[s];
@@ -253,6 +257,7 @@ impl<C: CostModel> Waves<'_, C> {
             }
             self.put(s, ActionKind::F)?;
         }
+        self.take = take;
         for s in (0..p).rev() {
             self.make_room(s, ActionKind::I, i)?;
             if s + 1 < p {
@@ -296,9 +301,11 @@ pub fn wave_orders<C: CostModel>(p: u32, m: u32, costs: &C, limit: f64) -> Vec<V
             clock: vec![0; p],
             mem: vec![0.0; p],
             bubble: vec![0; p],
+            max_bubble: 0,
+            take: Vec::with_capacity(p),
             done_f: vec![0; p * m],
             done_i: vec![0; p * m],
-            order: vec![Vec::new(); p],
+            order: (0..p).map(|_| Vec::with_capacity(3 * m)).collect(),
         };
         let built = (|| {
             w.first_wave(sw)?;
