@@ -245,8 +245,8 @@ impl<C: CostModel> Waves<'_, C> {
         for s in (0..p.saturating_sub(1)).rev() {
             take[s] = take[s] && take[s + 1];
         }
-        for s in 0..p {
-            if !take[s] {
+        for (s, &t) in take.iter().enumerate() {
+            if !t {
                 continue;
             }
             let mb = self.nf[s];
