@@ -3074,3 +3074,61 @@ fn zb_objective_post_validation_from_the_command_line() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("--costs"), "{}", stderr(&o));
 }
+
+/// Without a chart, trace or memory CSV, `simulate --costs` replays without a timeline
+/// (`summary::metrics_without_timeline`); with one it keeps the full simulation. Both must
+/// report the same metrics, row for row: every schedule, V and interleaved placements,
+/// heterogeneous ranks, forward-only work (three replays per schedule) and the exact solver's
+/// row.
+#[test]
+fn simulate_reports_the_same_metrics_with_and_without_a_timeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [&[&str]; 3] = [
+        &[
+            "--costs",
+            "f=1,b=2,w=1,comm=0.1",
+            "--pp",
+            "4",
+            "--microbatches",
+            "12",
+        ],
+        &[
+            "--costs",
+            "f=1/1/1/2,b=2/2/2/3,w=1,comm=0.05",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--fo-microbatches",
+            "4",
+        ],
+        &[
+            "--costs",
+            "f=1,b=1,w=1",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--schedule",
+            "zb-h1,zb-auto",
+            "--exact",
+            "10",
+        ],
+    ];
+    for case in cases {
+        let run = |extra: &[&str]| {
+            let mut args = vec!["simulate", "--format", "json"];
+            args.extend_from_slice(case);
+            args.extend_from_slice(extra);
+            json(&flatpipe(dir.path(), &args))
+        };
+        let lean = run(&["--gantt", "none"]);
+        let full = run(&["--gantt", "none", "--memory", "memory.csv"]);
+        assert!(dir.path().join("memory.csv").exists());
+        assert!(
+            lean.as_array().is_some_and(|rows| rows.len() >= 2),
+            "{lean}"
+        );
+        assert_eq!(lean, full, "{case:?}");
+    }
+}

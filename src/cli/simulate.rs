@@ -460,6 +460,54 @@ impl sim::CostModel for CliCosts {
     }
 }
 
+/// One compared schedule under uniform costs: its name, stages per rank, schedule, metrics,
+/// and its full simulation (timeline and memory levels) when an output draws it.
+struct UniformRun {
+    name: String,
+    v: u32,
+    schedule: sim::Schedule,
+    metrics: sim::Metrics,
+    simulation: Option<Simulation>,
+}
+
+/// Whether an output of `a` needs the replay's timeline: a Gantt chart (the default), a
+/// Chrome trace or the memory CSV. Without one, `simulate` replays through
+/// [`sim::summary::metrics_without_timeline`], which gives the same metrics and keeps no
+/// per-action record (at p = 64, m = 4,096 the timeline is ~1 M entries and the memory
+/// events twice that).
+fn needs_timeline(a: &SimulateArgs) -> bool {
+    super::chart_path(&a.gantt, "flatpipe-gantt.png").is_some()
+        || a.trace.is_some()
+        || a.memory.is_some()
+}
+
+/// Validates and replays `schedule`: the full [`Simulation`] when `keep_timeline`, else the
+/// metrics alone.
+///
+/// # Errors
+/// The schedule's validation error or a deadlock.
+fn simulate_run<C: sim::CostModel>(
+    schedule: &sim::Schedule,
+    costs: &C,
+    keep_timeline: bool,
+) -> Result<(sim::Metrics, Option<Simulation>)> {
+    if keep_timeline {
+        let simulation = sim::simulate(schedule, costs)?;
+        Ok((simulation.metrics.clone(), Some(simulation)))
+    } else {
+        schedule.validate()?;
+        Ok((
+            sim::summary::metrics_without_timeline(schedule, costs)?,
+            None,
+        ))
+    }
+}
+
+/// One step's makespan in seconds, without a timeline.
+fn makespan_s<C: sim::CostModel>(schedule: &sim::Schedule, costs: &C) -> Result<f64> {
+    Ok(simulate_run(schedule, costs, false)?.0.makespan_s)
+}
+
 pub(super) fn simulate_uniform(
     a: &SimulateArgs,
     spec: &CostsArg,
@@ -525,14 +573,15 @@ pub(super) fn simulate_uniform(
             );
         }
     }
+    let keep_timeline = needs_timeline(a);
     let mut runs = Vec::new();
     let mut fo_reports = std::collections::HashMap::new();
     for (name, v, train) in built {
         let costs = spec.model(&train.placement)?;
         let schedule = if k > 0 {
-            let t_train = sim::simulate(&train, &costs)?.metrics.makespan_s;
+            let t_train = makespan_s(&train, &costs)?;
             let pass = sim::forward_only::forward_only_pass(&train, k);
-            let t_fo = sim::simulate(&pass, &costs)?.metrics.makespan_s;
+            let t_fo = makespan_s(&pass, &costs)?;
             let combined = sim::forward_only::with_forward_only(
                 &train,
                 k,
@@ -540,7 +589,7 @@ pub(super) fn simulate_uniform(
                 a.fo.fo_loss_dependency,
                 &costs,
             )?;
-            let t = sim::simulate(&combined, &costs)?.metrics.makespan_s;
+            let t = makespan_s(&combined, &costs)?;
             fo_reports.insert(
                 name.clone(),
                 FoReport {
@@ -556,23 +605,30 @@ pub(super) fn simulate_uniform(
         } else {
             train
         };
-        let sim = sim::simulate(&schedule, &costs)?;
-        runs.push((name, v, schedule, sim));
+        let (metrics, simulation) = simulate_run(&schedule, &costs, keep_timeline)?;
+        runs.push(UniformRun {
+            name,
+            v,
+            schedule,
+            metrics,
+            simulation,
+        });
     }
     let exact_notes = match a.exact {
-        Some(secs) => exact_row(a, spec, secs, k, &mut runs)?,
+        Some(secs) => exact_row(a, spec, secs, k, keep_timeline, &mut runs)?,
         None => Vec::new(),
     };
     runs.sort_by(|x, y| {
-        let (a, b) = (&x.3.metrics, &y.3.metrics);
+        let (a, b) = (&x.metrics, &y.metrics);
         a.makespan_s
             .total_cmp(&b.makespan_s)
             .then(peak_of(a).total_cmp(&peak_of(b)))
-            .then(x.0.cmp(&y.0))
+            .then(x.name.cmp(&y.name))
     });
     let reports: Vec<Report> = runs
         .iter()
-        .map(|(name, v, s, sim)| {
+        .map(|run| {
+            let (name, v, s) = (&run.name, &run.v, &run.schedule);
             let consecutive_steps = match a.consecutive_steps {
                 Some(k) => {
                     let costs = spec.model(&s.placement)?;
@@ -595,7 +651,7 @@ pub(super) fn simulate_uniform(
                 pp: s.placement.num_ranks,
                 vpp: *v,
                 microbatches: s.num_microbatches,
-                metrics: sim.metrics.clone(),
+                metrics: run.metrics.clone(),
                 forward_only: fo_reports.get(name).cloned(),
                 consecutive_steps,
             })
@@ -603,11 +659,18 @@ pub(super) fn simulate_uniform(
         .collect::<Result<_>>()?;
     let charts: Vec<_> = runs
         .iter()
-        .map(|(n, v, s, sim)| (n.clone(), gantt_title(n, s, *v, &sim.metrics), sim))
+        .filter_map(|r| {
+            let sim = r.simulation.as_ref()?;
+            Some((
+                r.name.clone(),
+                gantt_title(&r.name, &r.schedule, r.v, &r.metrics),
+                sim,
+            ))
+        })
         .collect();
     let mut notes = write_charts(a, &charts)?;
     notes.extend(exact_notes);
-    let m = runs.first().map_or(0, |r| r.2.num_microbatches);
+    let m = runs.first().map_or(0, |r| r.schedule.num_microbatches);
     let header = format!("{spec} (one rank's share per microbatch), {m} microbatches");
     let mut cols = vec![
         "schedule",
@@ -671,7 +734,8 @@ fn exact_row(
     spec: &CostsArg,
     secs: f64,
     fo: u32,
-    runs: &mut Vec<(String, u32, sim::Schedule, Simulation)>,
+    keep_timeline: bool,
+    runs: &mut Vec<UniformRun>,
 ) -> Result<Vec<String>> {
     if !(secs.is_finite() && secs > 0.0 && secs <= 86_400.0) {
         bail!("--exact = {secs} is invalid: a time limit of > 0 to 86400 seconds");
@@ -681,7 +745,10 @@ fn exact_row(
             "--exact solves training steps only; drop --fo-microbatches (the solver has no forward-only work)"
         );
     }
-    let Some((_, _, first, _)) = runs.first() else {
+    let Some(UniformRun {
+        schedule: first, ..
+    }) = runs.first()
+    else {
         return Ok(Vec::new());
     };
     let (p, m) = (first.placement.num_ranks, first.num_microbatches);
@@ -696,9 +763,11 @@ fn exact_row(
     let limit = a.max_activation_units.unwrap_or(f64::from(p));
     let incumbent = runs
         .iter()
-        .filter(|r| r.2.placement == placement && peak_of(&r.3.metrics) <= limit * (1.0 + 1e-9))
-        .min_by_key(|r| r.3.timeline.makespan_ns())
-        .map(|r| &r.2);
+        .filter(|r| {
+            r.schedule.placement == placement && peak_of(&r.metrics) <= limit * (1.0 + 1e-9)
+        })
+        .min_by(|x, y| x.metrics.makespan_s.total_cmp(&y.metrics.makespan_s))
+        .map(|r| &r.schedule);
     let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
         "exact: searching (at most {secs} s, p = {p}, m = {m})"
     ));
@@ -752,8 +821,14 @@ fn exact_row(
             ),
         )
     };
-    let sim = sim::simulate(&schedule, &costs)?;
-    runs.push((name, v, schedule, sim));
+    let (metrics, simulation) = simulate_run(&schedule, &costs, keep_timeline)?;
+    runs.push(UniformRun {
+        name,
+        v,
+        schedule,
+        metrics,
+        simulation,
+    });
     Ok(vec![note])
 }
 
