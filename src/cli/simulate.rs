@@ -470,6 +470,29 @@ struct UniformRun {
     simulation: Option<Simulation>,
 }
 
+impl UniformRun {
+    /// Validates and replays `schedule` under `costs` ([`simulate_run`]).
+    ///
+    /// # Errors
+    /// The schedule's validation error or a deadlock.
+    fn simulated<C: sim::CostModel>(
+        name: String,
+        v: u32,
+        schedule: sim::Schedule,
+        costs: &C,
+        keep_timeline: bool,
+    ) -> Result<Self> {
+        let (metrics, simulation) = simulate_run(&schedule, costs, keep_timeline)?;
+        Ok(UniformRun {
+            name,
+            v,
+            schedule,
+            metrics,
+            simulation,
+        })
+    }
+}
+
 /// Whether an output of `a` needs the replay's timeline: a Gantt chart (the default), a
 /// Chrome trace or the memory CSV. Without one, `simulate` replays through
 /// [`sim::summary::metrics_without_timeline`], which gives the same metrics and keeps no
@@ -605,14 +628,13 @@ pub(super) fn simulate_uniform(
         } else {
             train
         };
-        let (metrics, simulation) = simulate_run(&schedule, &costs, keep_timeline)?;
-        runs.push(UniformRun {
+        runs.push(UniformRun::simulated(
             name,
             v,
             schedule,
-            metrics,
-            simulation,
-        });
+            &costs,
+            keep_timeline,
+        )?);
     }
     let exact_notes = match a.exact {
         Some(secs) => exact_row(a, spec, secs, k, keep_timeline, &mut runs)?,
@@ -821,14 +843,13 @@ fn exact_row(
             ),
         )
     };
-    let (metrics, simulation) = simulate_run(&schedule, &costs, keep_timeline)?;
-    runs.push(UniformRun {
+    runs.push(UniformRun::simulated(
         name,
         v,
         schedule,
-        metrics,
-        simulation,
-    });
+        &costs,
+        keep_timeline,
+    )?);
     Ok(vec![note])
 }
 
