@@ -8,7 +8,9 @@ use flatpipe::profiles::{AnalyticOptions, analytic_profile, builtins};
 use flatpipe::simulator::costs::{CostModel, CostOptions, Recompute};
 use flatpipe::simulator::metrics::{self, Metrics};
 use flatpipe::simulator::plan::even_split;
-use flatpipe::simulator::summary::{metrics_without_timeline, replay_summary, replay_within};
+use flatpipe::simulator::summary::{
+    ToBeat, metrics_without_timeline, rank_work_ns, replay_summary, replay_to_beat, replay_within,
+};
 use flatpipe::simulator::{
     Microbatch, Schedule, ScheduleKind, TableCosts, UniformCostSpec, UniformCosts, replay,
 };
@@ -68,6 +70,92 @@ proptest! {
         let s = kind.build(p, v, m, &costs, 2.0 * p as f64).unwrap();
         assert_same(&reference(&s, &costs), &metrics_without_timeline(&s, &costs).unwrap(), &s.name);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// A search's replay (`replay_to_beat`) gives up only on candidates that cannot win: a
+    /// schedule whose full replay has a smaller makespan than the best, or the same makespan
+    /// and a smaller peak, within the memory cap, is always returned, and whatever is returned
+    /// is the full replay's summary. The best's makespan and peak are placed just below, at and
+    /// above the candidate's own, with and without the per-rank compute bound.
+    #[test]
+    fn a_replay_to_beat_gives_up_only_on_candidates_that_cannot_win(
+        kind in kind(), p in 1u32..=6, v in 1u32..=2, m in 1u32..=16,
+        f in 1u32..5, b in 1u32..5, w in 0u32..3, comm in 0u32..3,
+        dm in -1i64..=1, dp in -1i32..=1, with_work: bool, cap_at_peak: bool,
+    ) {
+        let v = kind.stages_per_rank(Some(v)).unwrap_or(2);
+        let spec = UniformCostSpec {
+            f: f as f64, b: b as f64, w: w as f64, comm: comm as f64 * 0.5, fb: None, fo: None,
+        };
+        let costs = UniformCosts::new(&spec, v);
+        let s = kind.build(p, v, m, &costs, 2.0 * p as f64).unwrap();
+        let full = replay_summary(&s, &costs).unwrap();
+        let peak = full.max_peak_activation();
+        let best_makespan = (full.makespan_ns as i64 + dm * 1_000_000) as u64;
+        let best_peak = peak + 0.5 * dp as f64;
+        let work = if with_work { rank_work_ns(&s, &costs) } else { Vec::new() };
+        let memory_cap = if cap_at_peak { peak } else { peak - 0.5 };
+        let got = replay_to_beat(&s, &costs, &ToBeat {
+            makespan_ns: best_makespan,
+            peak: best_peak,
+            memory_cap,
+            rank_work_ns: &work,
+        });
+        let wins = full.makespan_ns < best_makespan
+            || (full.makespan_ns == best_makespan && peak < best_peak);
+        if let Some(got) = &got {
+            prop_assert_eq!(got, &full);
+        }
+        if wins && cap_at_peak {
+            prop_assert!(got.is_some(), "{} would win and was stopped", s.name);
+        }
+        if !cap_at_peak {
+            prop_assert!(got.is_none(), "{} passes its memory cap", s.name);
+        }
+    }
+}
+
+/// Two ranks, one microbatch, f = b = w = 1 s (ZB-H1): each rank's compute is 3 s by hand, and
+/// a candidate that can only tie the best's makespan is refused unless its peak is smaller.
+#[test]
+fn a_tie_on_the_makespan_needs_a_smaller_peak() {
+    let costs = UniformCosts::new(
+        &UniformCostSpec {
+            f: 1.0,
+            b: 1.0,
+            w: 1.0,
+            comm: 0.0,
+            fb: None,
+            fo: None,
+        },
+        1,
+    );
+    let s = ScheduleKind::ZbH1.generate(2, 1, 1).unwrap();
+    let full = replay_summary(&s, &costs).unwrap();
+    let work = rank_work_ns(&s, &costs);
+    assert_eq!(work, vec![3_000_000_000, 3_000_000_000]);
+    // Stage 0's F, stage 1's F and I, stage 0's I and W, one after another: 5 s.
+    assert_eq!(full.makespan_ns, 5_000_000_000);
+    let beat = |makespan_ns: u64, peak: f64| {
+        replay_to_beat(
+            &s,
+            &costs,
+            &ToBeat {
+                makespan_ns,
+                peak,
+                memory_cap: f64::INFINITY,
+                rank_work_ns: &work,
+            },
+        )
+    };
+    let peak = full.max_peak_activation();
+    assert_eq!(beat(full.makespan_ns, f64::INFINITY), Some(full.clone()));
+    assert_eq!(beat(full.makespan_ns, peak + 0.5), Some(full.clone()));
+    assert_eq!(beat(full.makespan_ns, peak), None);
+    assert_eq!(beat(full.makespan_ns - 1, f64::INFINITY), None);
 }
 
 /// Profile costs: activation bytes by lifetime, output buffers (freed at their transfer's end,

@@ -14,8 +14,10 @@
 //! they wait in a small heap until the rank's clock reaches them.
 //!
 //! [`replay_within`] also stops a replay as soon as it cannot matter to a search: an op ends
-//! after a makespan to beat, or a rank's memory passes a limit (zb-auto replays ~15 candidates
-//! per call this way).
+//! after a makespan to beat, or a rank's memory passes a limit. [`replay_to_beat`] stops
+//! sooner, on lower bounds: a rank's clock plus the compute it has left already exceeds the
+//! makespan to beat, or that bound reaches it while the peak so far is no smaller than the
+//! best's (zb-auto replays ~15 candidates per call this way).
 
 use crate::costs::CostModel;
 use crate::ir::{Action, ActionKind, ComputeAction, Rank, Schedule};
@@ -101,6 +103,15 @@ struct Lean<'a, C: CostModel> {
     makespan_cap: u64,
     /// A rank whose memory passes this stops the replay.
     memory_cap: f64,
+    /// Per rank, the compute time of all its ops, ns ([`ToBeat::rank_work_ns`]); empty when
+    /// unknown.
+    work: &'a [u64],
+    /// A replay that cannot end before `makespan_cap` stops once its peak reaches this.
+    tie_peak: f64,
+    /// Some rank's clock plus the compute it has left reached `makespan_cap`.
+    cannot_end_sooner: bool,
+    /// The largest closed-instant peak over the ranks so far.
+    max_peak: f64,
     end_ns: u64,
     busy: Vec<u64>,
     mem: Vec<RankMemory>,
@@ -185,6 +196,16 @@ impl<C: CostModel> Recorder for Lean<'_, C> {
         }
         self.end_ns = self.end_ns.max(end);
         self.busy[r] += end - start;
+        // The rank's later ops run after `end`: the makespan is at least `end` plus their
+        // compute.
+        let bound = match self.work.get(r) {
+            Some(&w) => end + w.saturating_sub(self.busy[r]),
+            None => end,
+        };
+        if bound > self.makespan_cap {
+            return false;
+        }
+        self.cannot_end_sooner |= bound == self.makespan_cap;
         // As `metrics::memory_events`: every part's allocations at the start, then the
         // in-flight count, then every part's frees at the end.
         match op.action {
@@ -208,8 +229,10 @@ impl<C: CostModel> Recorder for Lean<'_, C> {
             }
         }
         // Instants before `start` are closed: their levels are final (an instant's level is
-        // only known once all its changes are in, so the cap is checked one instant late).
-        self.mem[r].peak <= self.memory_cap
+        // only known once all its changes are in, so the caps are checked one instant late).
+        let peak = self.mem[r].peak;
+        self.max_peak = self.max_peak.max(peak);
+        peak <= self.memory_cap && !(self.cannot_end_sooner && self.max_peak >= self.tie_peak)
     }
 
     #[inline]
@@ -248,6 +271,64 @@ pub fn replay_within<C: CostModel>(
     makespan_cap: u64,
     memory_cap: f64,
 ) -> Option<Summary> {
+    replay_to_beat(
+        schedule,
+        costs,
+        &ToBeat {
+            makespan_ns: makespan_cap,
+            peak: f64::INFINITY,
+            memory_cap,
+            rank_work_ns: &[],
+        },
+    )
+}
+
+/// What a candidate of a search must beat to win: a makespan no later than the best's, and
+/// when it cannot end sooner, a smaller peak (zb-auto's order: the makespan, then the peak).
+#[derive(Debug, Clone, Copy)]
+pub struct ToBeat<'a> {
+    /// The best makespan so far, ns.
+    pub makespan_ns: u64,
+    /// The best candidate's peak activation (cost model's unit); `f64::INFINITY` for none.
+    pub peak: f64,
+    /// No rank's activation memory may pass this (cost model's unit).
+    pub memory_cap: f64,
+    /// Per rank, the compute time of all the candidate's ops on it, ns (the sum of
+    /// [`CostModel::compute_ns`], or `overlap_ns` for an overlapped pair), or empty when not
+    /// known: with it, a rank at clock `t` bounds the makespan from below by `t` plus the
+    /// compute it has left, and the replay stops when that bound passes `makespan_ns`. It must
+    /// be exact: a larger figure would stop a replay that could win.
+    pub rank_work_ns: &'a [u64],
+}
+
+/// Per rank, the compute time of all its ops in `schedule`, ns: [`ToBeat::rank_work_ns`].
+pub fn rank_work_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> Vec<u64> {
+    schedule
+        .ranks
+        .iter()
+        .map(|actions| {
+            actions
+                .iter()
+                .map(|a| match *a {
+                    Action::Compute(c) => costs.compute_ns(c),
+                    Action::Overlap(f, b) => costs.overlap_ns(f, b),
+                })
+                .sum()
+        })
+        .collect()
+}
+
+/// [`replay_within`] for a candidate that must beat `to_beat`: `None` as soon as it cannot
+/// (its makespan will pass `to_beat.makespan_ns`, or will not be sooner while its peak is
+/// already no smaller than `to_beat.peak`), when a rank's memory passes `to_beat.memory_cap`,
+/// or when the schedule cannot finish. A returned summary is exact, and may still lose to the
+/// best (a tie on both, or a last transfer or optimizer step past the makespan).
+pub fn replay_to_beat<C: CostModel>(
+    schedule: &Schedule,
+    costs: &C,
+    to_beat: &ToBeat,
+) -> Option<Summary> {
+    let (makespan_cap, memory_cap) = (to_beat.makespan_ns, to_beat.memory_cap);
     let p = schedule.placement.num_ranks as usize;
     let m = schedule.num_microbatches as usize;
     let one_stage_each = (0..p as u32).all(|r| schedule.placement.stages_of(Rank(r)).len() == 1);
@@ -267,6 +348,10 @@ pub fn replay_within<C: CostModel>(
         last_stage: schedule.num_stages().saturating_sub(1),
         makespan_cap,
         memory_cap,
+        work: to_beat.rank_work_ns,
+        tie_peak: to_beat.peak,
+        cannot_end_sooner: false,
+        max_peak: 0.0,
         end_ns: 0,
         busy: vec![0; p],
         mem: vec![RankMemory::default(); p],

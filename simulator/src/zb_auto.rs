@@ -431,6 +431,22 @@ pub fn zb_auto_for<C: CostModel>(
     // the handcrafted ones are checked here.
     // Several settings often build the same orders: each distinct one is replayed once.
     let mut seen = std::collections::HashSet::new();
+    // Per rank, the compute of every F, I and W of its stages: each list schedule and wave
+    // order runs exactly these ops, so its replay can stop as soon as a rank's clock plus the
+    // compute it has left cannot beat the best (`summary::ToBeat::rank_work_ns`).
+    let full_work: Vec<u64> = (0..p as usize)
+        .map(|r| {
+            let mut w = 0;
+            for s in (0..placement.rank_of.len()).filter(|&s| placement.rank_of[s].idx() == r) {
+                for mb in 0..m {
+                    for kind in [ActionKind::F, ActionKind::I, ActionKind::W] {
+                        w += costs.compute_ns(ComputeAction::new(s as u32, kind, mb));
+                    }
+                }
+            }
+            w
+        })
+        .collect();
     let mut consider = |s: Schedule, built: bool, best: &mut Option<(Key, Schedule)>| {
         if !seen.insert(fingerprint(&s.ranks)) {
             return;
@@ -440,15 +456,37 @@ pub fn zb_auto_for<C: CostModel>(
             return;
         }
         let cap = limit * (1.0 + 1e-9) + 1e-9;
-        // A replay that cannot beat the best so far is stopped early (`summary::replay_within`),
-        // unless no candidate fits yet: then its peak is wanted for the error message.
-        let summary = match best {
-            Some((key, _)) if objective == Objective::Step => {
-                summary::replay_within(&s, costs, key.0, cap)
-            }
-            Some(_) => summary::replay_within(&s, costs, u64::MAX, cap),
-            None => summary::replay_within(&s, costs, u64::MAX, f64::INFINITY),
+        let handcrafted_work;
+        let rank_work_ns: &[u64] = if built {
+            debug_assert_eq!(summary::rank_work_ns(&s, costs), full_work);
+            &full_work
+        } else {
+            handcrafted_work = summary::rank_work_ns(&s, costs);
+            &handcrafted_work
         };
+        // A replay that cannot beat the best so far is stopped early (`summary::replay_to_beat`),
+        // unless no candidate fits yet: then its peak is wanted for the error message.
+        let to_beat = match best {
+            Some((key, _)) if objective == Objective::Step => summary::ToBeat {
+                makespan_ns: key.0,
+                peak: key.2,
+                memory_cap: cap,
+                rank_work_ns,
+            },
+            Some(_) => summary::ToBeat {
+                makespan_ns: u64::MAX,
+                peak: f64::INFINITY,
+                memory_cap: cap,
+                rank_work_ns,
+            },
+            None => summary::ToBeat {
+                makespan_ns: u64::MAX,
+                peak: f64::INFINITY,
+                memory_cap: f64::INFINITY,
+                rank_work_ns,
+            },
+        };
+        let summary = summary::replay_to_beat(&s, costs, &to_beat);
         let Some(summary) = summary else {
             return;
         };
