@@ -2,7 +2,7 @@
 //! lower bound.
 
 use crate::costs::{CostModel, MemoryUnit, ns_to_s};
-use crate::ir::{Action, ActionKind, ComputeAction, Rank, Schedule};
+use crate::ir::{Action, ActionKind, ComputeAction, Placement, Rank, Schedule};
 use crate::timeline::Timeline;
 use serde::Serialize;
 
@@ -344,7 +344,7 @@ pub(crate) struct PartMemory {
 /// training microbatches.
 #[inline]
 pub(crate) fn part_memory<C: CostModel>(
-    schedule: &Schedule,
+    placement: &Placement,
     costs: &C,
     last: u32,
     r: usize,
@@ -363,7 +363,7 @@ pub(crate) fn part_memory<C: CostModel>(
             PartMemory {
                 at_start: ai + aw,
                 out,
-                out_freed_at_end: out > 0.0 && schedule.placement.rank_of[s.idx() + 1].idx() == r,
+                out_freed_at_end: out > 0.0 && placement.rank_of[s.idx() + 1].idx() == r,
                 at_end: 0.0,
             }
         }
@@ -415,7 +415,7 @@ pub fn memory_events<C: CostModel>(
         ev.reserve(2 * ops.len());
         for op in ops {
             for a in op.action.parts().filter(|a| a.kind == ActionKind::F) {
-                let pm = part_memory(schedule, costs, last, r, a);
+                let pm = part_memory(&schedule.placement, costs, last, r, a);
                 ev.push((op.start_ns, pm.at_start));
                 if pm.out > 0.0 {
                     ev.push((op.start_ns, pm.out));
@@ -425,7 +425,7 @@ pub fn memory_events<C: CostModel>(
                 }
             }
             for a in op.action.parts().filter(|a| a.kind != ActionKind::F) {
-                let pm = part_memory(schedule, costs, last, r, a);
+                let pm = part_memory(&schedule.placement, costs, last, r, a);
                 if pm.at_start > 0.0 {
                     ev.push((op.start_ns, pm.at_start));
                 }

@@ -16,7 +16,7 @@
 //! with work left, it finds the dependency cycle to report.
 
 use crate::costs::CostModel;
-use crate::ir::{Action, ActionKind, ChunkLinks, ComputeAction, Rank, Schedule};
+use crate::ir::{Action, ActionKind, ChunkLinks, ComputeAction, Placement, Rank, Schedule};
 use crate::timeline::{TimedOp, TimedTransfer, Timeline};
 use crate::{Result, dag};
 use std::collections::VecDeque;
@@ -93,7 +93,6 @@ pub(crate) enum Outcome {
 }
 
 struct State<'a, C: CostModel, R: Recorder> {
-    schedule: &'a Schedule,
     costs: &'a C,
     s_count: usize,
     m: usize,
@@ -327,7 +326,6 @@ pub(crate) fn run<C: CostModel, R: Recorder>(
         return (Outcome::Stuck, rec);
     };
     let mut st = State {
-        schedule,
         costs,
         s_count,
         m,
@@ -356,7 +354,7 @@ pub(crate) fn run<C: CostModel, R: Recorder>(
     while let Some(r) = queue.pop_front() {
         let ri = r as usize;
         queued[ri] = false;
-        let actions = &st.schedule.ranks[ri];
+        let actions = &schedule.ranks[ri];
         while pc[ri] < actions.len() {
             // The step's actions and cells far exceed the cache, and 64 ranks' streams are more
             // than the hardware prefetcher follows: ask for this rank's next lines ahead.
@@ -412,6 +410,76 @@ pub(crate) fn run<C: CostModel, R: Recorder>(
         return (Outcome::Stuck, st.rec);
     }
     (Outcome::Done(clock), st.rec)
+}
+
+/// The replay of a schedule built action by action (zb-auto's list scheduler): each action is
+/// pushed, in its rank's program order, once every action it depends on has been pushed, so its
+/// times are final at once: the same longest path as [`replay`], with no pass over a finished
+/// schedule. Loop or V placement, F, I and W actions, no chunk chains and no forward-only work.
+pub(crate) struct Incremental<'a, C: CostModel, R: Recorder> {
+    st: State<'a, C, R>,
+    clock: Vec<u64>,
+}
+
+impl<'a, C: CostModel, R: Recorder> Incremental<'a, C, R> {
+    /// `m` microbatches over `placement`, recording into `rec`.
+    pub(crate) fn new(placement: &Placement, m: usize, costs: &'a C, rec: R) -> Self {
+        let p = placement.num_ranks as usize;
+        let s_count = placement.rank_of.len();
+        let mut cells = vec![UNSET_CELL; s_count * m];
+        for c in &mut cells[..m] {
+            c.act_ready = 0;
+        }
+        Incremental {
+            st: State {
+                costs,
+                s_count,
+                m,
+                mfo: 0,
+                rank_of: placement.rank_of.iter().map(|r| r.0).collect(),
+                cells,
+                bwd_end: Vec::new(),
+                chunk: None,
+                fo_ready: Vec::new(),
+                links: vec![Vec::new(); p],
+                rec,
+                wake: Vec::new(),
+            },
+            clock: vec![0; p],
+        }
+    }
+
+    /// Runs `a` (compute time `dur` ns, [`CostModel::compute_ns`]) next on rank `r`: it starts
+    /// when the rank is free and its data are ready. `false` when the recorder stops the replay.
+    ///
+    /// # Panics
+    /// When an action `a` depends on was not pushed before it (a bug of the caller).
+    #[inline]
+    pub(crate) fn push(&mut self, r: usize, a: ComputeAction, dur: u64) -> bool {
+        let ready = self
+            .st
+            .ready(a)
+            .expect("an action is pushed after the actions it depends on");
+        let start = ready.max(self.clock[r]);
+        let end = start + dur;
+        let op = TimedOp {
+            action: Action::Compute(a),
+            start_ns: start,
+            end_ns: end,
+        };
+        if !self.st.rec.op(r, op) {
+            return false;
+        }
+        self.clock[r] = end;
+        self.st.complete(r as u32, a, end);
+        self.st.wake.clear();
+        true
+    }
+
+    /// Each rank's clock at its last action's end (ns) and the recorder.
+    pub(crate) fn finish(self) -> (Vec<u64>, R) {
+        (self.clock, self.st.rec)
+    }
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@
 //! best's (zb-auto replays ~15 candidates per call this way).
 
 use crate::costs::CostModel;
-use crate::ir::{Action, ActionKind, ComputeAction, Rank, Schedule};
+use crate::ir::{Action, ActionKind, ComputeAction, Placement, Rank, Schedule};
 use crate::metrics::{self, Metrics, PartMemory};
 use crate::replay::{self, Outcome, Recorder};
 use crate::timeline::{TimedOp, TimedTransfer};
@@ -95,8 +95,8 @@ impl RankMemory {
 const SEEN: u32 = 1 << 31;
 
 /// The recorder of a [`Summary`], with the limits of [`replay_within`].
-struct Lean<'a, C: CostModel> {
-    schedule: &'a Schedule,
+pub(crate) struct Lean<'a, C: CostModel> {
+    placement: &'a Placement,
     costs: &'a C,
     last_stage: u32,
     /// An op ending later than this stops the replay, ns.
@@ -210,15 +210,15 @@ impl<C: CostModel> Recorder for Lean<'_, C> {
         // in-flight count, then every part's frees at the end.
         match op.action {
             Action::Compute(a) => {
-                let pa = metrics::part_memory(self.schedule, self.costs, self.last_stage, r, a);
+                let pa = metrics::part_memory(self.placement, self.costs, self.last_stage, r, a);
                 self.allocate(r, &pa, start);
                 self.count_f(r, a);
                 self.peak_inflight[r] = self.peak_inflight[r].max(self.inflight[r]);
                 self.free(r, a, &pa, end);
             }
             Action::Overlap(a, b) => {
-                let pa = metrics::part_memory(self.schedule, self.costs, self.last_stage, r, a);
-                let pb = metrics::part_memory(self.schedule, self.costs, self.last_stage, r, b);
+                let pa = metrics::part_memory(self.placement, self.costs, self.last_stage, r, a);
+                let pb = metrics::part_memory(self.placement, self.costs, self.last_stage, r, b);
                 self.allocate(r, &pa, start);
                 self.allocate(r, &pb, start);
                 self.count_f(r, a);
@@ -328,68 +328,91 @@ pub fn replay_to_beat<C: CostModel>(
     costs: &C,
     to_beat: &ToBeat,
 ) -> Option<Summary> {
-    let (makespan_cap, memory_cap) = (to_beat.makespan_ns, to_beat.memory_cap);
     let p = schedule.placement.num_ranks as usize;
-    let m = schedule.num_microbatches as usize;
-    let one_stage_each = (0..p as u32).all(|r| schedule.placement.stages_of(Rank(r)).len() == 1);
-    let mb_state = if !one_stage_each {
-        let mut st = vec![0u32; p * m];
-        for (r, chunk) in st.chunks_mut(m.max(1)).enumerate() {
-            let v = schedule.placement.stages_of(Rank(r as u32)).len() as u32;
-            chunk.fill(v & !SEEN);
-        }
-        st
-    } else {
-        Vec::new()
-    };
-    let lean = Lean {
-        schedule,
+    let lean = Lean::new(
+        &schedule.placement,
+        schedule.num_microbatches as usize,
         costs,
-        last_stage: schedule.num_stages().saturating_sub(1),
-        makespan_cap,
-        memory_cap,
-        work: to_beat.rank_work_ns,
-        tie_peak: to_beat.peak,
-        cannot_end_sooner: false,
-        max_peak: 0.0,
-        end_ns: 0,
-        busy: vec![0; p],
-        mem: vec![RankMemory::default(); p],
-        inflight: vec![0; p],
-        peak_inflight: vec![0; p],
-        mb_state,
-        m,
-    };
+        to_beat,
+    );
     let mut links = vec![Vec::new(); p];
-    let (outcome, mut lean) = replay::run(schedule, costs, &vec![0; p], &mut links, lean);
+    let (outcome, lean) = replay::run(schedule, costs, &vec![0; p], &mut links, lean);
     let Outcome::Done(clock) = outcome else {
         return None;
     };
-    let mut makespan = lean.end_ns;
-    for (r, &end) in clock.iter().enumerate() {
-        let opt = costs.optimizer_ns(Rank(r as u32));
-        if opt > 0 {
-            lean.busy[r] += opt;
-            makespan = makespan.max(end + opt);
+    lean.finish(&clock)
+}
+
+impl<'a, C: CostModel> Lean<'a, C> {
+    /// The recorder of a replay of `m` microbatches over `placement` that must beat `to_beat`.
+    pub(crate) fn new(
+        placement: &'a Placement,
+        m: usize,
+        costs: &'a C,
+        to_beat: &ToBeat<'a>,
+    ) -> Self {
+        let p = placement.num_ranks as usize;
+        let one_stage_each = (0..p as u32).all(|r| placement.stages_of(Rank(r)).len() == 1);
+        let mb_state = if !one_stage_each {
+            let mut st = vec![0u32; p * m];
+            for (r, chunk) in st.chunks_mut(m.max(1)).enumerate() {
+                let v = placement.stages_of(Rank(r as u32)).len() as u32;
+                chunk.fill(v & !SEEN);
+            }
+            st
+        } else {
+            Vec::new()
+        };
+        Lean {
+            placement,
+            costs,
+            last_stage: (placement.rank_of.len() as u32).saturating_sub(1),
+            makespan_cap: to_beat.makespan_ns,
+            memory_cap: to_beat.memory_cap,
+            work: to_beat.rank_work_ns,
+            tie_peak: to_beat.peak,
+            cannot_end_sooner: false,
+            max_peak: 0.0,
+            end_ns: 0,
+            busy: vec![0; p],
+            mem: vec![RankMemory::default(); p],
+            inflight: vec![0; p],
+            peak_inflight: vec![0; p],
+            mb_state,
+            m,
         }
     }
-    let peak_activation = lean
-        .mem
-        .iter_mut()
-        .map(|mem| {
-            mem.finish();
-            mem.peak
+
+    /// The summary of a replay that ran every action, each rank's last action ending at
+    /// `clock[r]` ns (each rank's optimizer step follows it); `None` when a rank's peak passed
+    /// the memory cap.
+    pub(crate) fn finish(mut self, clock: &[u64]) -> Option<Summary> {
+        let mut makespan = self.end_ns;
+        for (r, &end) in clock.iter().enumerate() {
+            let opt = self.costs.optimizer_ns(Rank(r as u32));
+            if opt > 0 {
+                self.busy[r] += opt;
+                makespan = makespan.max(end + opt);
+            }
+        }
+        let peak_activation = self
+            .mem
+            .iter_mut()
+            .map(|mem| {
+                mem.finish();
+                mem.peak
+            })
+            .collect::<Vec<f64>>();
+        if peak_activation.iter().any(|&peak| peak > self.memory_cap) {
+            return None;
+        }
+        Some(Summary {
+            makespan_ns: makespan,
+            busy_ns: self.busy,
+            peak_activation,
+            peak_inflight: self.peak_inflight,
         })
-        .collect::<Vec<f64>>();
-    if peak_activation.iter().any(|&peak| peak > memory_cap) {
-        return None;
     }
-    Some(Summary {
-        makespan_ns: makespan,
-        busy_ns: lean.busy,
-        peak_activation,
-        peak_inflight: lean.peak_inflight,
-    })
 }
 
 /// The [`Metrics`] of a [`Summary`] of `schedule` under `costs`: what

@@ -31,7 +31,7 @@
 
 use crate::costs::CostModel;
 use crate::ir::{Action, ActionKind, ComputeAction, MicrobatchId, Placement, Schedule, StageId};
-use crate::{Error, Result, multistep, summary};
+use crate::{Error, Result, multistep, replay, summary};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
@@ -136,7 +136,8 @@ fn greedy<C: CostModel>(
     costs: &C,
     limit: f64,
     prio: Priority,
-) -> Option<Vec<Vec<Action>>> {
+    to_beat: &summary::ToBeat,
+) -> Option<(Vec<Vec<Action>>, summary::Summary)> {
     let p = placement.num_ranks as usize;
     let s_count = placement.rank_of.len();
     let m = m as usize;
@@ -180,6 +181,15 @@ fn greedy<C: CostModel>(
         costs.comm_ns(StageId(s as u32), MicrobatchId(mb as u32), kind)
     };
     let ca = |s: usize, kind: ActionKind, mb: usize| ComputeAction::new(s as u32, kind, mb as u32);
+    // The replay of the order as it is built: the greedy's clocks decide, the replay's times
+    // (an action starts once its rank is free and its data are ready, transfers queue on their
+    // link) are the candidate's, exactly what `summary::replay_to_beat` would give.
+    let mut times = replay::Incremental::new(
+        placement,
+        m,
+        costs,
+        summary::Lean::new(placement, m, costs, to_beat),
+    );
     let mut waiting = vec![false; p];
     // Per rank, its clock when it can act (work left, not waiting), else `UNSET`.
     let mut key = EarliestRank::new(p);
@@ -286,7 +296,11 @@ fn greedy<C: CostModel>(
             }
         };
         let (s, mb) = (action.stage.idx(), action.microbatch.idx());
-        let end = t + costs.compute_ns(action);
+        let dur = costs.compute_ns(action);
+        let end = t + dur;
+        if !times.push(r, action, dur) {
+            return None; // this order cannot beat the best so far
+        }
         match action.kind {
             ActionKind::F => {
                 if s == last {
@@ -331,7 +345,8 @@ fn greedy<C: CostModel>(
         clock[r] = end;
         key.set(r, if left[r] > 0 { end } else { UNSET });
     }
-    Some(out)
+    let (clock, lean) = times.finish();
+    Some((out, lean.finish(&clock)?))
 }
 
 /// A 64-bit fingerprint of per-rank action lists (a multiply-xorshift mix over each action's
@@ -405,6 +420,119 @@ pub enum Objective {
 /// excluded, the other three give the period.
 pub const STEADY_STATE_STEPS: u32 = 4;
 
+/// Per rank, the compute of every F, I and W of its stages (ns): each list schedule and wave
+/// order runs exactly these ops, so its replay can stop as soon as a rank's clock plus the
+/// compute it has left cannot beat the best ([`summary::ToBeat::rank_work_ns`]).
+fn full_work<C: CostModel>(placement: &Placement, m: u32, costs: &C) -> Vec<u64> {
+    let mut work = vec![0; placement.num_ranks as usize];
+    for (s, r) in placement.rank_of.iter().enumerate() {
+        for mb in 0..m {
+            for kind in [ActionKind::F, ActionKind::I, ActionKind::W] {
+                work[r.idx()] += costs.compute_ns(ComputeAction::new(s as u32, kind, mb));
+            }
+        }
+    }
+    work
+}
+
+/// zb-auto's choice among its candidates as they come.
+struct Search<'a, C: CostModel> {
+    costs: &'a C,
+    objective: Objective,
+    /// The memory limit with a relative 1e-9 of slack for float sums.
+    cap: f64,
+    best: Option<(Key, Schedule)>,
+    /// The smallest peak of any candidate replayed: the error's figure when none fits.
+    smallest_peak: f64,
+    /// Fingerprints of the candidates replayed: several settings often build the same order.
+    seen: std::collections::HashSet<u64>,
+    full_work: Vec<u64>,
+}
+
+impl<C: CostModel> Search<'_, C> {
+    /// What a candidate running `rank_work_ns` must beat. A replay that cannot beat the best so
+    /// far is stopped early, unless no candidate fits yet: then its peak is wanted for the
+    /// error message.
+    fn to_beat<'w>(&self, rank_work_ns: &'w [u64]) -> summary::ToBeat<'w> {
+        match &self.best {
+            Some((key, _)) if self.objective == Objective::Step => summary::ToBeat {
+                makespan_ns: key.0,
+                peak: key.2,
+                memory_cap: self.cap,
+                rank_work_ns,
+            },
+            Some(_) => summary::ToBeat {
+                makespan_ns: u64::MAX,
+                peak: f64::INFINITY,
+                memory_cap: self.cap,
+                rank_work_ns,
+            },
+            None => summary::ToBeat {
+                makespan_ns: u64::MAX,
+                peak: f64::INFINITY,
+                memory_cap: f64::INFINITY,
+                rank_work_ns,
+            },
+        }
+    }
+
+    /// Replays candidate `s` and keeps it if it is the best so far. `built`: a list schedule
+    /// or wave order, valid by construction (the tests validate them) and running every F, I
+    /// and W of its ranks' stages; the handcrafted ones are checked here.
+    fn consider(&mut self, s: Schedule, built: bool) {
+        if !self.seen.insert(fingerprint(&s.ranks)) {
+            return;
+        }
+        debug_assert!(!built || s.validate().is_ok(), "{}", s.grid());
+        if !built && s.validate().is_err() {
+            return;
+        }
+        let handcrafted_work;
+        let rank_work_ns: &[u64] = if built {
+            debug_assert_eq!(summary::rank_work_ns(&s, self.costs), self.full_work);
+            &self.full_work
+        } else {
+            handcrafted_work = summary::rank_work_ns(&s, self.costs);
+            &handcrafted_work
+        };
+        let to_beat = self.to_beat(rank_work_ns);
+        if let Some(summary) = summary::replay_to_beat(&s, self.costs, &to_beat) {
+            self.judge(s, summary);
+        }
+    }
+
+    /// Keeps candidate `s`, whose replay gave `summary`, if it fits the limit and is the best
+    /// so far: fastest first (by the objective, then one step's makespan); on a tie, the
+    /// smaller peak.
+    fn judge(&mut self, s: Schedule, summary: summary::Summary) {
+        let peak = summary.max_peak_activation();
+        self.smallest_peak = self.smallest_peak.min(peak);
+        if peak > self.cap {
+            return;
+        }
+        let first = match self.objective {
+            Objective::Step => summary.makespan_ns,
+            Objective::PostValidation => {
+                match multistep::consecutive_steps(
+                    &s,
+                    self.costs,
+                    STEADY_STATE_STEPS,
+                    multistep::StepSync::PostValidation,
+                ) {
+                    Ok(c) => c.steady_state_step_ns,
+                    Err(_) => return,
+                }
+            }
+        };
+        let key = (first, summary.makespan_ns, peak);
+        if self.best.as_ref().is_none_or(|(b, _)| {
+            (key.0, key.1) < (b.0, b.1) || ((key.0, key.1) == (b.0, b.1) && key.2 < b.2)
+        }) {
+            self.best = Some((key, s));
+        }
+    }
+}
+
 /// [`zb_auto`] minimising `objective`.
 ///
 /// # Errors
@@ -425,98 +553,14 @@ pub fn zb_auto_for<C: CostModel>(
         return Err(Error::invalid("microbatches", 0, ">= 1"));
     }
     let placement = placement(p, v)?;
-    let mut best: Option<(Key, Schedule)> = None;
-    let mut smallest_peak = f64::INFINITY;
-    // `built`: a list schedule or wave order, valid by construction (the tests validate them);
-    // the handcrafted ones are checked here.
-    // Several settings often build the same orders: each distinct one is replayed once.
-    let mut seen = std::collections::HashSet::new();
-    // Per rank, the compute of every F, I and W of its stages: each list schedule and wave
-    // order runs exactly these ops, so its replay can stop as soon as a rank's clock plus the
-    // compute it has left cannot beat the best (`summary::ToBeat::rank_work_ns`).
-    let full_work: Vec<u64> = (0..p as usize)
-        .map(|r| {
-            let mut w = 0;
-            for s in (0..placement.rank_of.len()).filter(|&s| placement.rank_of[s].idx() == r) {
-                for mb in 0..m {
-                    for kind in [ActionKind::F, ActionKind::I, ActionKind::W] {
-                        w += costs.compute_ns(ComputeAction::new(s as u32, kind, mb));
-                    }
-                }
-            }
-            w
-        })
-        .collect();
-    let mut consider = |s: Schedule, built: bool, best: &mut Option<(Key, Schedule)>| {
-        if !seen.insert(fingerprint(&s.ranks)) {
-            return;
-        }
-        debug_assert!(!built || s.validate().is_ok(), "{}", s.grid());
-        if !built && s.validate().is_err() {
-            return;
-        }
-        let cap = limit * (1.0 + 1e-9) + 1e-9;
-        let handcrafted_work;
-        let rank_work_ns: &[u64] = if built {
-            debug_assert_eq!(summary::rank_work_ns(&s, costs), full_work);
-            &full_work
-        } else {
-            handcrafted_work = summary::rank_work_ns(&s, costs);
-            &handcrafted_work
-        };
-        // A replay that cannot beat the best so far is stopped early (`summary::replay_to_beat`),
-        // unless no candidate fits yet: then its peak is wanted for the error message.
-        let to_beat = match best {
-            Some((key, _)) if objective == Objective::Step => summary::ToBeat {
-                makespan_ns: key.0,
-                peak: key.2,
-                memory_cap: cap,
-                rank_work_ns,
-            },
-            Some(_) => summary::ToBeat {
-                makespan_ns: u64::MAX,
-                peak: f64::INFINITY,
-                memory_cap: cap,
-                rank_work_ns,
-            },
-            None => summary::ToBeat {
-                makespan_ns: u64::MAX,
-                peak: f64::INFINITY,
-                memory_cap: f64::INFINITY,
-                rank_work_ns,
-            },
-        };
-        let summary = summary::replay_to_beat(&s, costs, &to_beat);
-        let Some(summary) = summary else {
-            return;
-        };
-        let peak = summary.max_peak_activation();
-        smallest_peak = smallest_peak.min(peak);
-        if peak > cap {
-            return;
-        }
-        // Fastest first (by the objective, then one step's makespan); on a tie, the smaller
-        // peak.
-        let first = match objective {
-            Objective::Step => summary.makespan_ns,
-            Objective::PostValidation => {
-                match multistep::consecutive_steps(
-                    &s,
-                    costs,
-                    STEADY_STATE_STEPS,
-                    multistep::StepSync::PostValidation,
-                ) {
-                    Ok(c) => c.steady_state_step_ns,
-                    Err(_) => return,
-                }
-            }
-        };
-        let key = (first, summary.makespan_ns, peak);
-        if best.as_ref().is_none_or(|(b, _)| {
-            (key.0, key.1) < (b.0, b.1) || ((key.0, key.1) == (b.0, b.1) && key.2 < b.2)
-        }) {
-            *best = Some((key, s));
-        }
+    let mut search = Search {
+        costs,
+        objective,
+        cap: limit * (1.0 + 1e-9) + 1e-9,
+        best: None,
+        smallest_peak: f64::INFINITY,
+        seen: std::collections::HashSet::new(),
+        full_work: full_work(&placement, m, costs),
     };
     // A candidate's per-rank action lists as a zb-auto schedule.
     let of_ranks = |ranks| Schedule {
@@ -539,8 +583,20 @@ pub fn zb_auto_for<C: CostModel>(
                     w,
                     later_chunk_first,
                 };
-                if let Some(ranks) = greedy(&placement, m, costs, limit, prio) {
-                    consider(of_ranks(ranks), true, &mut best);
+                // The greedy replays its order as it builds it, and gives up as soon as the
+                // order cannot beat the best so far.
+                let to_beat = search.to_beat(&search.full_work);
+                if let Some((ranks, summary)) = greedy(&placement, m, costs, limit, prio, &to_beat)
+                {
+                    let s = of_ranks(ranks);
+                    debug_assert!(s.validate().is_ok(), "{}", s.grid());
+                    debug_assert_eq!(
+                        summary::replay_summary(&s, costs).ok().as_ref(),
+                        Some(&summary)
+                    );
+                    if search.seen.insert(fingerprint(&s.ranks)) {
+                        search.judge(s, summary);
+                    }
                 }
             }
         }
@@ -548,7 +604,7 @@ pub fn zb_auto_for<C: CostModel>(
     // The Zero Bubble authors' wave construction (loop placement), its eight settings.
     if v == 1 {
         for ranks in crate::zb_waves::wave_orders(p, m, costs, limit) {
-            consider(of_ranks(ranks), true, &mut best);
+            search.consider(of_ranks(ranks), true);
         }
     }
     for mut s in handcrafted {
@@ -556,8 +612,9 @@ pub fn zb_auto_for<C: CostModel>(
             continue;
         }
         s.name = "zb-auto".into();
-        consider(s, false, &mut best);
+        search.consider(s, false);
     }
+    let smallest_peak = search.smallest_peak;
     let show = |x: f64| match costs.memory_unit() {
         crate::costs::MemoryUnit::Bytes => format!("{:.2} GiB", x / (1u64 << 30) as f64),
         crate::costs::MemoryUnit::Units => format!("{x:.2} units"),
@@ -572,7 +629,7 @@ pub fn zb_auto_for<C: CostModel>(
             })
         })
         .fold(0.0, f64::max);
-    best.map(|(_, s)| s).ok_or_else(|| {
+    search.best.map(|(_, s)| s).ok_or_else(|| {
         Error::MemoryLimit {
             schedule: "zb-auto".into(),
             limit: format!("{} of activations", show(limit)),
@@ -867,7 +924,23 @@ mod props {
             w: WRule::BubblesOnly,
             later_chunk_first: false,
         };
-        let ranks = greedy(&placement(p, 1).unwrap(), m, &c, 2.0 * p as f64, prio).unwrap();
+        let unbounded = summary::ToBeat {
+            makespan_ns: u64::MAX,
+            peak: f64::INFINITY,
+            memory_cap: f64::INFINITY,
+            rank_work_ns: &[],
+        };
+        let (ranks, own) = greedy(
+            &placement(p, 1).unwrap(),
+            m,
+            &c,
+            2.0 * p as f64,
+            prio,
+            &unbounded,
+        )
+        .unwrap();
+        // The replay the greedy runs as it builds its order gives the bound too.
+        assert_eq!(own.makespan_ns, 593);
         let s = Schedule {
             name: "greedy".into(),
             placement: placement(p, 1).unwrap(),
