@@ -172,7 +172,8 @@ fn greedy<C: CostModel>(
     for r in &placement.rank_of {
         left[r.idx()] += 3 * m;
     }
-    let mut out: Vec<Vec<Action>> = vec![Vec::with_capacity(3 * m * 2); p];
+    // Each rank's exact length (`vec![v; p]` would clone an empty vector's capacity away).
+    let mut out: Vec<Vec<Action>> = left.iter().map(|&l| Vec::with_capacity(l)).collect();
     let act = |s: usize, mb: usize| {
         let (a, b) = costs.activation(StageId(s as u32), MicrobatchId(mb as u32));
         a + b
