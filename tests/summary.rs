@@ -158,6 +158,51 @@ fn a_tie_on_the_makespan_needs_a_smaller_peak() {
     assert_eq!(beat(full.makespan_ns - 1, f64::INFINITY), None);
 }
 
+/// Under a profile each rank's optimizer step follows its last op, and the makespan includes
+/// it: a candidate whose compute and optimizer step can only tie the best's makespan, with no
+/// smaller peak, is refused before the end of its replay, and one that ties with a smaller
+/// peak is kept (Llama-3.1-8B's analytic profile, p = 4, 8 microbatches).
+#[test]
+fn the_optimizer_step_counts_toward_a_tie() {
+    let prof = analytic_profile(
+        &builtins::model("llama3.1-8b").unwrap(),
+        &builtins::hardware("h200").unwrap(),
+        &AnalyticOptions::default(),
+    )
+    .unwrap();
+    let mbs: Vec<Microbatch> = (0..8)
+        .map(|k| Microbatch::flat(vec![1024 + 131 * k]))
+        .collect();
+    for kind in [
+        ScheduleKind::ZbH1,
+        ScheduleKind::ZbH2,
+        ScheduleKind::OneFOneB,
+    ] {
+        let placement = kind.placement_on(4, 1).unwrap();
+        let stages = even_split(prof.layers.len(), 4).unwrap();
+        let costs = TableCosts::from_profile(&prof, &stages, &placement, &mbs, &[]).unwrap();
+        assert!(costs.optimizer_ns(flatpipe::simulator::Rank(0)) > 0);
+        let s = kind.build(4, 1, 8, &costs, f64::INFINITY).unwrap();
+        let full = replay_summary(&s, &costs).unwrap();
+        let work = rank_work_ns(&s, &costs);
+        let peak = full.max_peak_activation();
+        let beat = |best_peak: f64| {
+            replay_to_beat(
+                &s,
+                &costs,
+                &ToBeat {
+                    makespan_ns: full.makespan_ns,
+                    peak: best_peak,
+                    memory_cap: f64::INFINITY,
+                    rank_work_ns: &work,
+                },
+            )
+        };
+        assert_eq!(beat(peak), None, "{kind}");
+        assert_eq!(beat(peak * 1.01), Some(full.clone()), "{kind}");
+    }
+}
+
 /// Profile costs: activation bytes by lifetime, output buffers (freed at their transfer's end,
 /// the out-of-order frees), selective and full recomputation, several stages per rank.
 #[test]

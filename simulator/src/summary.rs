@@ -108,7 +108,10 @@ pub(crate) struct Lean<'a, C: CostModel> {
     work: &'a [u64],
     /// A replay that cannot end before `makespan_cap` stops once its peak reaches this.
     tie_peak: f64,
-    /// Some rank's clock plus the compute it has left reached `makespan_cap`.
+    /// Per rank, its optimizer step's time, ns.
+    optimizer: Vec<u64>,
+    /// Some rank's clock plus the compute it has left and its optimizer step reached
+    /// `makespan_cap`.
     cannot_end_sooner: bool,
     /// The largest closed-instant peak over the ranks so far.
     max_peak: f64,
@@ -191,17 +194,15 @@ impl<C: CostModel> Recorder for Lean<'_, C> {
     #[inline]
     fn op(&mut self, r: usize, op: TimedOp) -> bool {
         let (start, end) = (op.start_ns, op.end_ns);
-        if end > self.makespan_cap {
-            return false;
-        }
         self.end_ns = self.end_ns.max(end);
         self.busy[r] += end - start;
-        // The rank's later ops run after `end`: the makespan is at least `end` plus their
-        // compute.
-        let bound = match self.work.get(r) {
-            Some(&w) => end + w.saturating_sub(self.busy[r]),
-            None => end,
+        // The rank's later ops and then its optimizer step run after `end`: the makespan is at
+        // least `end` plus their time.
+        let left = match self.work.get(r) {
+            Some(&w) => w.saturating_sub(self.busy[r]),
+            None => 0,
         };
+        let bound = end + left + self.optimizer[r];
         if bound > self.makespan_cap {
             return false;
         }
@@ -260,11 +261,11 @@ pub fn replay_summary<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Su
         .ok_or_else(|| dag::deadlock_error(schedule))
 }
 
-/// [`replay_summary`] that stops as soon as an op ends after `makespan_cap` ns or a rank's
-/// activation memory passes `memory_cap` (cost model's unit), and returns `None` then, or when
-/// the schedule cannot finish. A returned summary has `makespan_ns <= makespan_cap` unless
-/// optimizer steps or a last transfer carry it over (they are not capped), and every rank's
-/// peak within `memory_cap`. The caps only stop work: a summary that is returned is exact.
+/// [`replay_summary`] that stops as soon as an op ends after `makespan_cap` ns, or would leave
+/// its rank's optimizer step ending after it, or a rank's activation memory passes
+/// `memory_cap` (cost model's unit), and returns `None` then, or when the schedule cannot
+/// finish. A returned summary has `makespan_ns <= makespan_cap` unless a last transfer carries
+/// it over (transfers are not capped), and every rank's peak within `memory_cap`. The caps only stop work: a summary that is returned is exact.
 pub fn replay_within<C: CostModel>(
     schedule: &Schedule,
     costs: &C,
@@ -287,7 +288,8 @@ pub fn replay_within<C: CostModel>(
 /// when it cannot end sooner, a smaller peak (zb-auto's order: the makespan, then the peak).
 #[derive(Debug, Clone, Copy)]
 pub struct ToBeat<'a> {
-    /// The best makespan so far, ns.
+    /// The best makespan so far (each rank's optimizer step included, [`Summary::makespan_ns`]),
+    /// ns.
     pub makespan_ns: u64,
     /// The best candidate's peak activation (cost model's unit); `f64::INFINITY` for none.
     pub peak: f64,
@@ -296,7 +298,8 @@ pub struct ToBeat<'a> {
     /// Per rank, the compute time of all the candidate's ops on it, ns (the sum of
     /// [`CostModel::compute_ns`], or `overlap_ns` for an overlapped pair), or empty when not
     /// known: with it, a rank at clock `t` bounds the makespan from below by `t` plus the
-    /// compute it has left, and the replay stops when that bound passes `makespan_ns`. It must
+    /// compute it has left and its optimizer step, and the replay stops when that bound passes
+    /// `makespan_ns`. It must
     /// be exact: a larger figure would stop a replay that could win.
     pub rank_work_ns: &'a [u64],
 }
@@ -373,6 +376,7 @@ impl<'a, C: CostModel> Lean<'a, C> {
             tie_peak: to_beat.peak,
             cannot_end_sooner: false,
             max_peak: 0.0,
+            optimizer: (0..p as u32).map(|r| costs.optimizer_ns(Rank(r))).collect(),
             end_ns: 0,
             busy: vec![0; p],
             mem: vec![RankMemory::default(); p],
@@ -389,7 +393,7 @@ impl<'a, C: CostModel> Lean<'a, C> {
     pub(crate) fn finish(mut self, clock: &[u64]) -> Option<Summary> {
         let mut makespan = self.end_ns;
         for (r, &end) in clock.iter().enumerate() {
-            let opt = self.costs.optimizer_ns(Rank(r as u32));
+            let opt = self.optimizer[r];
             if opt > 0 {
                 self.busy[r] += opt;
                 makespan = makespan.max(end + opt);
