@@ -79,12 +79,13 @@ proptest! {
     /// schedule whose full replay has a smaller makespan than the best, or the same makespan
     /// and a smaller peak, within the memory cap, is always returned, and whatever is returned
     /// is the full replay's summary. The best's makespan and peak are placed just below, at and
-    /// above the candidate's own, with and without the per-rank compute bound.
+    /// above the candidate's own, with and without the per-rank compute bound, for a candidate
+    /// that wins a full tie (earlier in the search's order) and one that does not.
     #[test]
     fn a_replay_to_beat_gives_up_only_on_candidates_that_cannot_win(
         kind in kind(), p in 1u32..=6, v in 1u32..=2, m in 1u32..=16,
         f in 1u32..5, b in 1u32..5, w in 0u32..3, comm in 0u32..3,
-        dm in -1i64..=1, dp in -1i32..=1, with_work: bool, cap_at_peak: bool,
+        dm in -1i64..=1, dp in -1i32..=1, with_work: bool, cap_at_peak: bool, wins_full_tie: bool,
     ) {
         let v = kind.stages_per_rank(Some(v)).unwrap_or(2);
         let spec = UniformCostSpec {
@@ -103,9 +104,11 @@ proptest! {
             peak: best_peak,
             memory_cap,
             rank_work_ns: &work,
+            wins_full_tie,
         });
         let wins = full.makespan_ns < best_makespan
-            || (full.makespan_ns == best_makespan && peak < best_peak);
+            || (full.makespan_ns == best_makespan
+                && (peak < best_peak || (wins_full_tie && peak == best_peak)));
         if let Some(got) = &got {
             prop_assert_eq!(got, &full);
         }
@@ -119,7 +122,8 @@ proptest! {
 }
 
 /// Two ranks, one microbatch, f = b = w = 1 s (ZB-H1): each rank's compute is 3 s by hand, and
-/// a candidate that can only tie the best's makespan is refused unless its peak is smaller.
+/// a candidate that can only tie the best's makespan is refused unless its peak is smaller, or
+/// the same while it wins full ties.
 #[test]
 fn a_tie_on_the_makespan_needs_a_smaller_peak() {
     let costs = UniformCosts::new(
@@ -139,7 +143,7 @@ fn a_tie_on_the_makespan_needs_a_smaller_peak() {
     assert_eq!(work, vec![3_000_000_000, 3_000_000_000]);
     // Stage 0's F, stage 1's F and I, stage 0's I and W, one after another: 5 s.
     assert_eq!(full.makespan_ns, 5_000_000_000);
-    let beat = |makespan_ns: u64, peak: f64| {
+    let beat = |makespan_ns: u64, peak: f64, wins_full_tie: bool| {
         replay_to_beat(
             &s,
             &costs,
@@ -148,14 +152,24 @@ fn a_tie_on_the_makespan_needs_a_smaller_peak() {
                 peak,
                 memory_cap: f64::INFINITY,
                 rank_work_ns: &work,
+                wins_full_tie,
             },
         )
     };
     let peak = full.max_peak_activation();
-    assert_eq!(beat(full.makespan_ns, f64::INFINITY), Some(full.clone()));
-    assert_eq!(beat(full.makespan_ns, peak + 0.5), Some(full.clone()));
-    assert_eq!(beat(full.makespan_ns, peak), None);
-    assert_eq!(beat(full.makespan_ns - 1, f64::INFINITY), None);
+    assert_eq!(
+        beat(full.makespan_ns, f64::INFINITY, false),
+        Some(full.clone())
+    );
+    assert_eq!(
+        beat(full.makespan_ns, peak + 0.5, false),
+        Some(full.clone())
+    );
+    assert_eq!(beat(full.makespan_ns, peak, false), None);
+    // Earlier in the search's order, the same makespan and peak win.
+    assert_eq!(beat(full.makespan_ns, peak, true), Some(full.clone()));
+    assert_eq!(beat(full.makespan_ns, peak - 0.5, true), None);
+    assert_eq!(beat(full.makespan_ns - 1, f64::INFINITY, true), None);
 }
 
 /// Under a profile each rank's optimizer step follows its last op, and the makespan includes
@@ -195,6 +209,7 @@ fn the_optimizer_step_counts_toward_a_tie() {
                     peak: best_peak,
                     memory_cap: f64::INFINITY,
                     rank_work_ns: &work,
+                    wins_full_tie: false,
                 },
             )
         };

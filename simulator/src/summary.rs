@@ -106,8 +106,10 @@ pub(crate) struct Lean<'a, C: CostModel> {
     /// Per rank, the compute time of all its ops, ns ([`ToBeat::rank_work_ns`]); empty when
     /// unknown.
     work: &'a [u64],
-    /// A replay that cannot end before `makespan_cap` stops once its peak reaches this.
+    /// A replay that cannot end before `makespan_cap` stops once its peak reaches this (passes
+    /// it, with `wins_full_tie`).
     tie_peak: f64,
+    wins_full_tie: bool,
     /// Per rank, its optimizer step's time, ns.
     optimizer: Vec<u64>,
     /// Some rank's clock plus the compute it has left and its optimizer step reached
@@ -233,7 +235,9 @@ impl<C: CostModel> Recorder for Lean<'_, C> {
         // only known once all its changes are in, so the caps are checked one instant late).
         let peak = self.mem[r].peak;
         self.max_peak = self.max_peak.max(peak);
-        peak <= self.memory_cap && !(self.cannot_end_sooner && self.max_peak >= self.tie_peak)
+        let loses_tie = self.max_peak > self.tie_peak
+            || (!self.wins_full_tie && self.max_peak >= self.tie_peak);
+        peak <= self.memory_cap && !(self.cannot_end_sooner && loses_tie)
     }
 
     #[inline]
@@ -280,12 +284,14 @@ pub fn replay_within<C: CostModel>(
             peak: f64::INFINITY,
             memory_cap,
             rank_work_ns: &[],
+            wins_full_tie: false,
         },
     )
 }
 
 /// What a candidate of a search must beat to win: a makespan no later than the best's, and
-/// when it cannot end sooner, a smaller peak (zb-auto's order: the makespan, then the peak).
+/// when it cannot end sooner, a smaller peak, or the same one if it wins full ties (zb-auto's
+/// order: the makespan, then the peak, then the order of preference).
 #[derive(Debug, Clone, Copy)]
 pub struct ToBeat<'a> {
     /// The best makespan so far (each rank's optimizer step included, [`Summary::makespan_ns`]),
@@ -302,6 +308,9 @@ pub struct ToBeat<'a> {
     /// `makespan_ns`. It must
     /// be exact: a larger figure would stop a replay that could win.
     pub rank_work_ns: &'a [u64],
+    /// Whether a candidate that ties the best on both the makespan and the peak wins (it comes
+    /// earlier in the search's order of preference).
+    pub wins_full_tie: bool,
 }
 
 /// Per rank, the compute time of all its ops in `schedule`, ns: [`ToBeat::rank_work_ns`].
@@ -374,6 +383,7 @@ impl<'a, C: CostModel> Lean<'a, C> {
             memory_cap: to_beat.memory_cap,
             work: to_beat.rank_work_ns,
             tie_peak: to_beat.peak,
+            wins_full_tie: to_beat.wins_full_tie,
             cannot_end_sooner: false,
             max_peak: 0.0,
             optimizer: (0..p as u32).map(|r| costs.optimizer_ns(Rank(r))).collect(),

@@ -25,6 +25,13 @@
 //! optimizer post-validation ([`crate::multistep`]). When nothing fits, the error names the
 //! limit and the smallest peak found.
 //!
+//! Speed (it is rebuilt per step and per candidate by the planner). Every candidate is replayed
+//! under bounds that stop it once it cannot win ([`summary::replay_to_beat`]); a list schedule
+//! is replayed as the greedy builds it ([`replay::Incremental`]), so a losing one is not even
+//! finished. The wave orders and handcrafted schedules are replayed first, the list schedules
+//! last; on a full tie (makespan and peak) the order of preference decides, list schedules
+//! first, so the choice does not depend on the order of evaluation.
+//!
 //! Expected quality (one step, comm = 0): with a limit of 2p units and m >= 2p - 1 it reaches the
 //! lower bound `(p - 1) f + m (f + b + w)` when `b <= 2w` and `b <= 2f` (ZB-H2's regime); with p
 //! units it is no worse than ZB-H1 (Qi et al. 2024, Table 1's ZB-1p and ZB-2p).
@@ -72,8 +79,9 @@ enum WRule {
 
 const UNSET: u64 = u64::MAX;
 
-/// A candidate's rank: (objective ns, one step's makespan ns, peak activation).
-type Key = (u64, u64, f64);
+/// A candidate's rank: (objective ns, one step's makespan ns, peak activation, place in the
+/// order of preference: list schedules, then wave orders, then handcrafted ones).
+type Key = (u64, u64, f64, usize);
 
 /// The rank whose key is least (the lowest rank on a tie) among `p` keys, kept in a tournament
 /// tree: a key's change replays the log2(p) matches above it, and the winner is the root.
@@ -451,36 +459,41 @@ struct Search<'a, C: CostModel> {
 }
 
 impl<C: CostModel> Search<'_, C> {
-    /// What a candidate running `rank_work_ns` must beat. A replay that cannot beat the best so
-    /// far is stopped early, unless no candidate fits yet: then its peak is wanted for the
-    /// error message.
-    fn to_beat<'w>(&self, rank_work_ns: &'w [u64]) -> summary::ToBeat<'w> {
+    /// What a candidate running `rank_work_ns`, at place `order` in the order of preference,
+    /// must beat. A replay that cannot beat the best so far is stopped early, unless no
+    /// candidate fits yet: then its peak is wanted for the error message.
+    fn to_beat<'w>(&self, rank_work_ns: &'w [u64], order: usize) -> summary::ToBeat<'w> {
         match &self.best {
             Some((key, _)) if self.objective == Objective::Step => summary::ToBeat {
                 makespan_ns: key.0,
                 peak: key.2,
                 memory_cap: self.cap,
                 rank_work_ns,
+                // A candidate earlier in the order wins a tie on both the makespan and the peak.
+                wins_full_tie: order < key.3,
             },
             Some(_) => summary::ToBeat {
                 makespan_ns: u64::MAX,
                 peak: f64::INFINITY,
                 memory_cap: self.cap,
                 rank_work_ns,
+                wins_full_tie: false,
             },
             None => summary::ToBeat {
                 makespan_ns: u64::MAX,
                 peak: f64::INFINITY,
                 memory_cap: f64::INFINITY,
                 rank_work_ns,
+                wins_full_tie: false,
             },
         }
     }
 
-    /// Replays candidate `s` and keeps it if it is the best so far. `built`: a list schedule
-    /// or wave order, valid by construction (the tests validate them) and running every F, I
-    /// and W of its ranks' stages; the handcrafted ones are checked here.
-    fn consider(&mut self, s: Schedule, built: bool) {
+    /// Replays candidate `s`, at place `order` in the order of preference, and keeps it if it
+    /// is the best so far. `built`: a wave order, valid by construction (the tests validate
+    /// them) and running every F, I and W of its ranks' stages; the handcrafted ones are
+    /// checked here.
+    fn consider(&mut self, s: Schedule, built: bool, order: usize) {
         if !self.seen.insert(fingerprint(&s.ranks)) {
             return;
         }
@@ -496,16 +509,16 @@ impl<C: CostModel> Search<'_, C> {
             handcrafted_work = summary::rank_work_ns(&s, self.costs);
             &handcrafted_work
         };
-        let to_beat = self.to_beat(rank_work_ns);
+        let to_beat = self.to_beat(rank_work_ns, order);
         if let Some(summary) = summary::replay_to_beat(&s, self.costs, &to_beat) {
-            self.judge(s, summary);
+            self.judge(s, summary, order);
         }
     }
 
     /// Keeps candidate `s`, whose replay gave `summary`, if it fits the limit and is the best
     /// so far: fastest first (by the objective, then one step's makespan); on a tie, the
-    /// smaller peak.
-    fn judge(&mut self, s: Schedule, summary: summary::Summary) {
+    /// smaller peak, then the earlier `order`.
+    fn judge(&mut self, s: Schedule, summary: summary::Summary, order: usize) {
         let peak = summary.max_peak_activation();
         self.smallest_peak = self.smallest_peak.min(peak);
         if peak > self.cap {
@@ -525,9 +538,10 @@ impl<C: CostModel> Search<'_, C> {
                 }
             }
         };
-        let key = (first, summary.makespan_ns, peak);
+        let key = (first, summary.makespan_ns, peak, order);
         if self.best.as_ref().is_none_or(|(b, _)| {
-            (key.0, key.1) < (b.0, b.1) || ((key.0, key.1) == (b.0, b.1) && key.2 < b.2)
+            (key.0, key.1) < (b.0, b.1)
+                || ((key.0, key.1) == (b.0, b.1) && (key.2 < b.2 || (key.2 == b.2 && key.3 < b.3)))
         }) {
             self.best = Some((key, s));
         }
@@ -572,6 +586,7 @@ pub fn zb_auto_for<C: CostModel>(
         chunks: Vec::new(),
         ranks,
     };
+    let mut settings = Vec::new();
     for i_first in [true, false] {
         for w in [WRule::BubblesOnly, WRule::WhenTight, WRule::Eager] {
             for later_chunk_first in if v == 2 {
@@ -579,41 +594,51 @@ pub fn zb_auto_for<C: CostModel>(
             } else {
                 vec![false]
             } {
-                let prio = Priority {
+                settings.push(Priority {
                     i_first,
                     w,
                     later_chunk_first,
-                };
-                // The greedy replays its order as it builds it, and gives up as soon as the
-                // order cannot beat the best so far.
-                let to_beat = search.to_beat(&search.full_work);
-                if let Some((ranks, summary)) = greedy(&placement, m, costs, limit, prio, &to_beat)
-                {
-                    let s = of_ranks(ranks);
-                    debug_assert!(s.validate().is_ok(), "{}", s.grid());
-                    debug_assert_eq!(
-                        summary::replay_summary(&s, costs).ok().as_ref(),
-                        Some(&summary)
-                    );
-                    if search.seen.insert(fingerprint(&s.ranks)) {
-                        search.judge(s, summary);
-                    }
-                }
+                });
             }
         }
     }
+    // The order of preference on a full tie: the list schedules, then the wave orders, then
+    // the handcrafted ones. The last two are replayed first: they are often the best on
+    // uniform costs, and a list schedule built after them stops as soon as it cannot beat them
+    // (its greedy gives up), where the other way round each list schedule was built to its end.
+    let g = settings.len();
     // The Zero Bubble authors' wave construction (loop placement), its eight settings.
-    if v == 1 {
-        for ranks in crate::zb_waves::wave_orders(p, m, costs, limit) {
-            search.consider(of_ranks(ranks), true);
-        }
+    let waves = if v == 1 {
+        crate::zb_waves::wave_orders(p, m, costs, limit)
+    } else {
+        Vec::new()
+    };
+    let nw = waves.len();
+    for (j, ranks) in waves.into_iter().enumerate() {
+        search.consider(of_ranks(ranks), true, g + j);
     }
-    for mut s in handcrafted {
+    for (k, mut s) in handcrafted.into_iter().enumerate() {
         if s.placement != placement || s.num_microbatches != m {
             continue;
         }
         s.name = "zb-auto".into();
-        search.consider(s, false);
+        search.consider(s, false, g + nw + k);
+    }
+    for (order, prio) in settings.into_iter().enumerate() {
+        // The greedy replays its order as it builds it, and gives up as soon as the order
+        // cannot beat the best so far.
+        let to_beat = search.to_beat(&search.full_work, order);
+        if let Some((ranks, summary)) = greedy(&placement, m, costs, limit, prio, &to_beat) {
+            let s = of_ranks(ranks);
+            debug_assert!(s.validate().is_ok(), "{}", s.grid());
+            debug_assert_eq!(
+                summary::replay_summary(&s, costs).ok().as_ref(),
+                Some(&summary)
+            );
+            // Not deduplicated: its replay is done, and a copy of a candidate already judged
+            // differs from it only in its place in the order.
+            search.judge(s, summary, order);
+        }
     }
     let smallest_peak = search.smallest_peak;
     let show = |x: f64| match costs.memory_unit() {
@@ -930,6 +955,7 @@ mod props {
             peak: f64::INFINITY,
             memory_cap: f64::INFINITY,
             rank_work_ns: &[],
+            wins_full_tie: false,
         };
         let (ranks, own) = greedy(
             &placement(p, 1).unwrap(),
