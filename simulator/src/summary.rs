@@ -15,9 +15,9 @@
 //!
 //! [`replay_within`] also stops a replay as soon as it cannot matter to a search: an op ends
 //! after a makespan to beat, or a rank's memory passes a limit. [`replay_to_beat`] stops
-//! sooner, on lower bounds: a rank's clock plus the compute it has left already exceeds the
-//! makespan to beat, or that bound reaches it while the peak so far is no smaller than the
-//! best's (zb-auto replays ~15 candidates per call this way).
+//! sooner, on lower bounds: a rank's clock plus the compute it has left and its optimizer step
+//! already exceeds the makespan to beat, or that bound reaches it while the peak so far is no
+//! smaller than the best's (zb-auto replays ~15 candidates per call this way).
 
 use crate::costs::CostModel;
 use crate::ir::{Action, ActionKind, ComputeAction, Placement, Rank, Schedule};
@@ -94,12 +94,13 @@ impl RankMemory {
 /// `Lean::mb_state`'s flag: the microbatch's first F ran on the rank.
 const SEEN: u32 = 1 << 31;
 
-/// The recorder of a [`Summary`], with the limits of [`replay_within`].
+/// The recorder of a [`Summary`], with the bounds of [`replay_to_beat`].
 pub(crate) struct Lean<'a, C: CostModel> {
     placement: &'a Placement,
     costs: &'a C,
     last_stage: u32,
-    /// An op ending later than this stops the replay, ns.
+    /// A rank's bound on the makespan (its clock, the compute it has left, its optimizer step)
+    /// passing this stops the replay, ns.
     makespan_cap: u64,
     /// A rank whose memory passes this stops the replay.
     memory_cap: f64,
@@ -269,7 +270,8 @@ pub fn replay_summary<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Su
 /// its rank's optimizer step ending after it, or a rank's activation memory passes
 /// `memory_cap` (cost model's unit), and returns `None` then, or when the schedule cannot
 /// finish. A returned summary has `makespan_ns <= makespan_cap` unless a last transfer carries
-/// it over (transfers are not capped), and every rank's peak within `memory_cap`. The caps only stop work: a summary that is returned is exact.
+/// it over (transfers are not capped), and every rank's peak within `memory_cap`. The caps only
+/// stop work: a summary that is returned is exact.
 pub fn replay_within<C: CostModel>(
     schedule: &Schedule,
     costs: &C,
@@ -305,8 +307,7 @@ pub struct ToBeat<'a> {
     /// [`CostModel::compute_ns`], or `overlap_ns` for an overlapped pair), or empty when not
     /// known: with it, a rank at clock `t` bounds the makespan from below by `t` plus the
     /// compute it has left and its optimizer step, and the replay stops when that bound passes
-    /// `makespan_ns`. It must
-    /// be exact: a larger figure would stop a replay that could win.
+    /// `makespan_ns`. It must be exact: a larger figure would stop a replay that could win.
     pub rank_work_ns: &'a [u64],
     /// Whether a candidate that ties the best on both the makespan and the peak wins (it comes
     /// earlier in the search's order of preference).
