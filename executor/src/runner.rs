@@ -601,15 +601,73 @@ impl Reference {
         }
         let grad_norm = self.stage.grad_sq_norm()?.sqrt();
         if optimize {
-            self.steps_done += 1;
-            let scale = match setup.max_grad_norm {
-                Some(c) if grad_norm > c => (c / (grad_norm + 1e-6)) as f32,
-                _ => 1.0,
-            };
-            self.stage
-                .optimizer_step(&setup.adamw, self.steps_done, scale)?;
+            self.optimize(setup, grad_norm)?;
         }
         Ok(ReferenceStep { loss, grad_norm })
+    }
+
+    /// The optimizer step on the gradients held: clipping to `setup.max_grad_norm` by the
+    /// global norm `grad_norm`, then AdamW.
+    fn optimize(&mut self, setup: &Setup, grad_norm: f64) -> Result<()> {
+        self.steps_done += 1;
+        let scale = match setup.max_grad_norm {
+            Some(c) if grad_norm > c => (c / (grad_norm + 1e-6)) as f32,
+            _ => 1.0,
+        };
+        self.stage
+            .optimizer_step(&setup.adamw, self.steps_done, scale)
+    }
+
+    /// Replaces the reference's gradients with `grads` (by parameter name: another run's, as
+    /// [`Executor::named_grads`] returns them) and takes the optimizer step on them (global
+    /// norm, clipping, AdamW), so the parameters that follow are this reference's optimizer
+    /// applied to those gradients. `--verify` checks the pipelined run's optimizer step this
+    /// way ([`crate::verify::verify_step`]). Returns the global norm of `grads`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `grads` names other tensors or holds another number of values
+    /// than the model's; backend errors.
+    pub fn optimizer_step_with(
+        &mut self,
+        setup: &Setup,
+        grads: &BTreeMap<String, Vec<f32>>,
+    ) -> Result<f64> {
+        // The names in the order visit_grads walks the buffers.
+        let names: Vec<String> = self
+            .stage
+            .named_grads()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        if names.len() != grads.len() || names.iter().any(|n| !grads.contains_key(n)) {
+            return Err(Error::Invalid(format!(
+                "the gradients given name other tensors than the model's ({} given, {} in the model)",
+                grads.len(),
+                names.len()
+            )));
+        }
+        let mut at = 0;
+        let mut wrong = None;
+        self.stage.visit_grads(&mut |buf| {
+            let name = &names[at];
+            let g = &grads[name];
+            if g.len() == buf.len() {
+                buf.copy_from_slice(g);
+            } else if wrong.is_none() {
+                wrong = Some(format!(
+                    "{name}: {} gradient values given, the model holds {}",
+                    g.len(),
+                    buf.len()
+                ));
+            }
+            at += 1;
+        })?;
+        if let Some(w) = wrong {
+            return Err(Error::Invalid(w));
+        }
+        let grad_norm = self.stage.grad_sq_norm()?.sqrt();
+        self.optimize(setup, grad_norm)?;
+        Ok(grad_norm)
     }
 
     /// Gradients by parameter name.

@@ -115,7 +115,9 @@ pub(super) struct ExecuteArgs {
     fo: FoArgs,
     /// Also run the single-rank reference on the same steps; print the largest differences of
     /// loss, gradients and parameters, and exit 1 when they exceed the tolerance (loss 1e-5
-    /// relative, tensors 1e-4 normwise relative).
+    /// relative, tensors 1e-4 normwise relative). The parameters are checked against the
+    /// reference's AdamW on the pipelined run's gradients (AdamW turns rounding-level gradient
+    /// differences near zero into `2 lr` moves).
     #[arg(long)]
     verify: bool,
     /// Write the Gantt chart of the last step's measured timeline here (.svg or .png; `none`, as
@@ -843,7 +845,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     }
     if a.verify {
         notes.push(format!(
-            "--verify: the single-rank reference ran the same steps; tolerance: loss {VERIFY_LOSS_RTOL:.0e} relative, gradients and parameters {VERIFY_RTOL:.0e} normwise relative (max|a - b| / max|b| per tensor)"
+            "--verify: the single-rank reference ran the same steps; tolerance: loss {VERIFY_LOSS_RTOL:.0e} relative, gradients and parameters {VERIFY_RTOL:.0e} normwise relative (max|a - b| / max|b| per tensor; parameters against the reference's AdamW on the pipelined gradients)"
         ));
     }
     let code = emit(a.format, &report, &header, &t, &notes)?;
