@@ -805,6 +805,18 @@ fn a_profile_written_by_the_profiler_drives_simulate_plan_and_execute() {
         ],
     );
     let v = json(&o);
+    // Not on a terminal (the bar draws nothing there): one progress line per measurement, 33 of
+    // them: 3 layer kinds x 5 token counts x 2 compositions, the link, the optimizer, and the
+    // GEMMs split 2 ways (2 divides the 2 key/value heads, 4 does not).
+    let err = stderr(&o);
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("profiling "))
+        .collect();
+    assert_eq!(lines.len(), 33, "{err}");
+    for (k, l) in lines.iter().enumerate() {
+        assert!(l.starts_with(&format!("profiling {}/33 at ", k + 1)), "{l}");
+    }
     // F, I, W, Fo for each of the three layer kinds, all non-negative, W without attention.
     let fits = v["fits"].as_array().unwrap();
     assert_eq!(fits.len(), 12);

@@ -99,8 +99,19 @@ pub(super) fn measure(
     {
         bar.set_style(style);
     }
+    // Without a terminal (a batch job, a pipe) the bar draws nothing, and a GPU profile runs
+    // minutes (181 s for scripts/gpu-check.sh's on an H200): one line per measurement instead.
+    let plain = !std::io::IsTerminal::is_terminal(&std::io::stderr());
     let progress = |what: &str| {
         tracing::info!("profile: {what}");
+        if plain {
+            eprintln!(
+                "profiling {}/{} at {:.0} s: {what}",
+                bar.position() + 1,
+                bar.length().unwrap_or(0),
+                bar.elapsed().as_secs_f64()
+            );
+        }
         bar.set_message(what.to_string());
         bar.inc(1);
     };
