@@ -23,12 +23,15 @@
 #      with Gantt charts and Chrome traces of the measured timelines;
 #   4. a small run checked against the CPU reference (--verify) on the GPU.
 # Expected to take a few minutes on an H200 (an estimate: it has not yet run on one).
+# FLATPIPE_STEP_TIMEOUT=SECONDS stops any one command that runs longer (a hung kernel or a slow
+# step then costs that much, and the steps after it still run); unset or 0, no limit.
 set -euo pipefail
 
 out=${1:-gpu-check-out}
 bin=${FLATPIPE_BIN:-target/release/flatpipe}
 model=examples/gpu/llama3.1-8b-8layers.yaml
 mkdir -p "$out"
+limit=${FLATPIPE_STEP_TIMEOUT:-0}
 
 if [ ! -x "$bin" ]; then
     echo "no flatpipe binary at $bin: build it with cargo build --release (or set FLATPIPE_BIN)" >&2
@@ -61,16 +64,16 @@ export LD_LIBRARY_PATH
 status=0
 
 echo "== 1. GPU tests ($gpu_test)"
-FLATPIPE_REQUIRE_GPU=1 "$gpu_test" --nocapture --test-threads 1 2>&1 | tee "$out/gpu-tests.txt" || status=1
+FLATPIPE_REQUIRE_GPU=1 timeout "$limit" "$gpu_test" --nocapture --test-threads 1 2>&1 | tee "$out/gpu-tests.txt" || status=1
 
 echo "== 2. profile of Llama-3.1-8B layers (bf16 GEMM math, 4 streams busy)"
-"$bin" profile --backend cuda --precision bf16 --model "$model" --concurrency 4 \
+timeout "$limit" "$bin" profile --backend cuda --precision bf16 --model "$model" --concurrency 4 \
     -o "$out/h200-llama3.1-8b-profile.yaml" 2>&1 | tee "$out/profile.txt" || status=1
 
 echo "== 3. 4-rank 1F1B and ZB-H1 on ShareGPT lengths, predicted vs measured"
 if [ -f "$out/h200-llama3.1-8b-profile.yaml" ]; then
     for s in 1f1b zb-h1; do
-        "$bin" execute --backend cuda --precision bf16 --init-on-device \
+        timeout "$limit" "$bin" execute --backend cuda --precision bf16 --init-on-device \
             --model "$model" --workload sharegpt-v3 --profile "$out/h200-llama3.1-8b-profile.yaml" \
             --pp 4 --schedule "$s" --token-budget 4096 --tokens-per-step 32768 --warmup-steps 1 --steps 3 \
             --gantt "$out/gantt-$s.png" --trace "$out/trace-$s.json" 2>&1 | tee "$out/execute-$s.txt" || status=1
@@ -81,7 +84,7 @@ else
 fi
 
 echo "== 4. the CPU example on the GPU, checked against the CPU reference"
-"$bin" execute --backend cuda --plan examples/cpu-tiny/plan.yaml --steps 2 --seqs-per-step 8 --verify \
+timeout "$limit" "$bin" execute --backend cuda --plan examples/cpu-tiny/plan.yaml --steps 2 --seqs-per-step 8 --verify \
     --gantt "$out/cpu-tiny-on-gpu.png" 2>&1 | tee "$out/verify.txt" || status=1
 
 echo "results in $out/ (exit $status)"
