@@ -794,6 +794,7 @@ fn a_profile_written_by_the_profiler_drives_simulate_plan_and_execute() {
     let o = flatpipe(
         dir.path(),
         &[
+            "-v",
             "profile",
             "--model",
             "small.yaml",
@@ -814,6 +815,8 @@ fn a_profile_written_by_the_profiler_drives_simulate_plan_and_execute() {
         .filter(|l| l.starts_with("profiling "))
         .collect();
     assert_eq!(lines.len(), 33, "{err}");
+    // With -v, each grid point's medians: 3 kinds x 5 token counts x 2 compositions.
+    assert_eq!(err.matches("ms per layer").count(), 30, "{err}");
     for (k, l) in lines.iter().enumerate() {
         assert!(l.starts_with(&format!("profiling {}/33 at ", k + 1)), "{l}");
     }

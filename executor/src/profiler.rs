@@ -426,6 +426,15 @@ fn profile_kind<W: Profiled + 'static>(
                 .map(|&s| s as f64 * (s as f64 + 1.0) / 2.0)
                 .sum();
             let med = time_phases(&mut stage, &mb, first, last, cfg.warmup, cfg.reps)?;
+            // The raw medians behind the fit (`flatpipe -v profile`), per layer.
+            tracing::info!(
+                "profile: {kind:?} T = {t}, {} sequence(s): F {:.3} ms, I {:.3} ms, W {:.3} ms, Fo {:.3} ms per layer",
+                mb.seq_lens.len(),
+                med[0] * 1e3 / n as f64,
+                med[1] * 1e3 / n as f64,
+                med[2] * 1e3 / n as f64,
+                med[3] * 1e3 / n as f64
+            );
             for (k, secs) in med.into_iter().enumerate() {
                 samples[k].push(Sample {
                     tokens: t as f64,
