@@ -77,6 +77,86 @@ enum WRule {
     Eager,
 }
 
+/// The greedy's priority settings for `v` stages per rank, in zb-auto's order of preference:
+/// 6 on loop placement, 12 on V placement (the stage order too).
+fn priority_settings(v: u32) -> Vec<Priority> {
+    let mut settings = Vec::new();
+    for i_first in [true, false] {
+        for w in [WRule::BubblesOnly, WRule::WhenTight, WRule::Eager] {
+            for later_chunk_first in if v == 2 {
+                vec![true, false]
+            } else {
+                vec![false]
+            } {
+                settings.push(Priority {
+                    i_first,
+                    w,
+                    later_chunk_first,
+                });
+            }
+        }
+    }
+    settings
+}
+
+/// What a greedy decision depends on besides its priority setting: whether an I is ready, an
+/// F is ready under the limit, an F is held back by the limit alone (tight), a W is pending.
+/// Bits 0-3 of an index into [`Agreement`]'s table.
+const HAS_I: usize = 1;
+const HAS_F: usize = 2;
+const TIGHT: usize = 4;
+const HAS_W: usize = 8;
+
+impl Priority {
+    /// The kind of action this setting takes in decision `state` (bits [`HAS_I`] ..
+    /// [`HAS_W`]); `None`: it idles. Which I or F is fixed by the rank's state and its stage
+    /// order alone ([`Priority::later_chunk_first`]).
+    fn decide(self, state: usize) -> Option<ActionKind> {
+        let (has_i, has_f) = (state & HAS_I != 0, state & HAS_F != 0);
+        let (tight, has_w) = (state & TIGHT != 0, state & HAS_W != 0);
+        let w_first = has_w
+            && match self.w {
+                WRule::Eager => true,
+                WRule::WhenTight => tight,
+                WRule::BubblesOnly => false,
+            };
+        if w_first {
+            Some(ActionKind::W)
+        } else if has_i && (self.i_first || !has_f) {
+            Some(ActionKind::I)
+        } else if has_f {
+            Some(ActionKind::F)
+        } else if has_w {
+            Some(ActionKind::W)
+        } else {
+            None
+        }
+    }
+}
+
+/// Per decision state, the settings (bits, by their index among zb-auto's settings) that
+/// decide as a given one does. A greedy run ANDs the entries of the states it meets: the
+/// settings left decided alike at every step, so they build the same order (the state that
+/// follows a decision is the same), and zb-auto need not build them.
+struct Agreement([u32; 16]);
+
+impl Agreement {
+    fn new(settings: &[Priority], me: Priority) -> Self {
+        let mut table = [0u32; 16];
+        for (state, t) in table.iter_mut().enumerate() {
+            for (k, other) in settings.iter().enumerate() {
+                // Another stage order picks other I and F: never counted as alike.
+                if other.later_chunk_first == me.later_chunk_first
+                    && other.decide(state) == me.decide(state)
+                {
+                    *t |= 1 << k;
+                }
+            }
+        }
+        Agreement(table)
+    }
+}
+
 const UNSET: u64 = u64::MAX;
 
 /// A candidate's rank: (objective ns, one step's makespan ns, peak activation, place in the
@@ -138,6 +218,11 @@ impl EarliestRank {
 }
 
 /// Runs the greedy for one priority setting; `None` when it cannot finish under the limit.
+/// The greedy list schedule of one priority setting, replayed as it is built: its per-rank
+/// action lists and summary, or `None` when it deadlocks under `limit` or cannot beat
+/// `to_beat`. `alike` is set to the settings of `agreement` that decided as `prio` at every
+/// step taken (so they would build the same order, or give up at the same point).
+#[allow(clippy::too_many_arguments)]
 fn greedy<C: CostModel>(
     placement: &Placement,
     m: u32,
@@ -145,7 +230,10 @@ fn greedy<C: CostModel>(
     limit: f64,
     prio: Priority,
     to_beat: &summary::ToBeat,
+    agreement: &Agreement,
+    alike: &mut u32,
 ) -> Option<(Vec<Vec<Action>>, summary::Summary)> {
+    *alike = u32::MAX;
     let p = placement.num_ranks as usize;
     let s_count = placement.rank_of.len();
     let m = m as usize;
@@ -257,6 +345,10 @@ fn greedy<C: CostModel>(
         }
         let has_w = !pending_w[r].is_empty();
         let tight = ready_f.is_none() && f_blocked_by_memory;
+        *alike &= agreement.0[usize::from(ready_i.is_some()) * HAS_I
+            + usize::from(ready_f.is_some()) * HAS_F
+            + usize::from(tight) * TIGHT
+            + usize::from(has_w) * HAS_W];
         let run_w_first = has_w
             && match prio.w {
                 WRule::Eager => true,
@@ -586,22 +678,7 @@ pub fn zb_auto_for<C: CostModel>(
         chunks: Vec::new(),
         ranks,
     };
-    let mut settings = Vec::new();
-    for i_first in [true, false] {
-        for w in [WRule::BubblesOnly, WRule::WhenTight, WRule::Eager] {
-            for later_chunk_first in if v == 2 {
-                vec![true, false]
-            } else {
-                vec![false]
-            } {
-                settings.push(Priority {
-                    i_first,
-                    w,
-                    later_chunk_first,
-                });
-            }
-        }
-    }
+    let settings = priority_settings(v);
     // The order of preference on a full tie: the list schedules, then the wave orders, then
     // the handcrafted ones. The last two are replayed first: they are often the best on
     // uniform costs, and a list schedule built after them stops as soon as it cannot beat them
@@ -614,8 +691,12 @@ pub fn zb_auto_for<C: CostModel>(
         Vec::new()
     };
     let nw = waves.len();
+    // A wave setting that would build an earlier one's order is not built (`None`): it would
+    // lose the tie to that order.
     for (j, ranks) in waves.into_iter().enumerate() {
-        search.consider(of_ranks(ranks), true, g + j);
+        if let Some(ranks) = ranks {
+            search.consider(of_ranks(ranks), true, g + j);
+        }
     }
     for (k, mut s) in handcrafted.into_iter().enumerate() {
         if s.placement != placement || s.num_microbatches != m {
@@ -624,11 +705,23 @@ pub fn zb_auto_for<C: CostModel>(
         s.name = "zb-auto".into();
         search.consider(s, false, g + nw + k);
     }
-    for (order, prio) in settings.into_iter().enumerate() {
+    // Settings that would build an earlier setting's order (they decided alike at every step)
+    // are not built: they would give up as it did, or lose the tie to it.
+    let mut copies = 0u32;
+    for (order, &prio) in settings.iter().enumerate() {
+        if copies & (1 << order) != 0 {
+            continue;
+        }
         // The greedy replays its order as it builds it, and gives up as soon as the order
         // cannot beat the best so far.
         let to_beat = search.to_beat(&search.full_work, order);
-        if let Some((ranks, summary)) = greedy(&placement, m, costs, limit, prio, &to_beat) {
+        let agreement = Agreement::new(&settings, prio);
+        let mut alike = 0;
+        let built = greedy(
+            &placement, m, costs, limit, prio, &to_beat, &agreement, &mut alike,
+        );
+        copies |= alike & !((2u32 << order) - 1);
+        if let Some((ranks, summary)) = built {
             let s = of_ranks(ranks);
             debug_assert!(s.validate().is_ok(), "{}", s.grid());
             debug_assert_eq!(
@@ -933,6 +1026,102 @@ mod props {
         }
     }
 
+    /// The greedy of every priority setting, unbounded: (the settings that decided alike at
+    /// every step, its order or `None`).
+    fn every_greedy(
+        p: u32,
+        v: u32,
+        m: u32,
+        c: &StageCosts,
+        limit: f64,
+    ) -> Vec<(u32, Option<Vec<Vec<Action>>>)> {
+        let settings = priority_settings(v);
+        let unbounded = summary::ToBeat {
+            makespan_ns: u64::MAX,
+            peak: f64::INFINITY,
+            memory_cap: f64::INFINITY,
+            rank_work_ns: &[],
+            wins_full_tie: false,
+        };
+        let pl = placement(p, v).unwrap();
+        settings
+            .iter()
+            .map(|&prio| {
+                let mut alike = 0;
+                let built = greedy(
+                    &pl,
+                    m,
+                    c,
+                    limit,
+                    prio,
+                    &unbounded,
+                    &Agreement::new(&settings, prio),
+                    &mut alike,
+                );
+                (alike, built.map(|(ranks, _)| ranks))
+            })
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// Settings that decided alike at every step build the same order (or none), so
+        /// zb-auto skips them: per-stage costs, loop and V placement, memory limits from tight
+        /// to none.
+        #[test]
+        fn settings_that_decide_alike_build_the_same_order(
+            p in 2u32..6,
+            v in 1u32..3,
+            m in 1u32..12,
+            f in proptest::collection::vec(1u64..40, 12),
+            i in proptest::collection::vec(1u64..40, 12),
+            w in proptest::collection::vec(1u64..40, 12),
+            comm in 0u64..5,
+            limit_units in prop_oneof![Just(1.0), Just(2.0), Just(3.0), Just(1e9)],
+        ) {
+            let n = (p * v) as usize;
+            let c = StageCosts { f: f[..n].to_vec(), i: i[..n].to_vec(), w: w[..n].to_vec(), comm };
+            let limit = limit_units * p as f64;
+            let runs = every_greedy(p, v, m, &c, limit);
+            for (k, (alike, order)) in runs.iter().enumerate() {
+                prop_assert!(alike & (1 << k) != 0, "setting {k} disagrees with itself");
+                for (j, (_, other)) in runs.iter().enumerate() {
+                    if alike & (1 << j) != 0 {
+                        prop_assert_eq!(order, other, "settings {} and {} decided alike", k, j);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The skipping pays on the uniform and uneven stages zb-auto sees: a share of the
+    /// settings decide alike with an earlier one.
+    #[test]
+    fn some_settings_decide_alike() {
+        let (mut alike, mut all) = (0, 0);
+        for p in [2u32, 4, 8] {
+            for v in [1u32, 2] {
+                let n = (p * v) as usize;
+                let c = StageCosts {
+                    f: (0..n as u64).map(|s| 10 + s % 3).collect(),
+                    i: vec![12; n],
+                    w: vec![7; n],
+                    comm: 1,
+                };
+                for limit in [p as f64, 2.0 * p as f64, 1e9] {
+                    let runs = every_greedy(p, v, 2 * p, &c, limit);
+                    for (k, (a, _)) in runs.iter().enumerate() {
+                        all += 1;
+                        if a & ((1u32 << k) - 1) != 0 {
+                            alike += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(alike > 0 && alike < all, "{alike} of {all}");
+    }
+
     #[test]
     fn the_greedy_reaches_the_bound_on_uneven_stages() {
         // A heavy last stage (the LM head): its 8 microbatches take 8 x (25 + 25 + 20) = 560 ns
@@ -964,6 +1153,8 @@ mod props {
             2.0 * p as f64,
             prio,
             &unbounded,
+            &Agreement::new(&[prio], prio),
+            &mut 0,
         )
         .unwrap();
         // The replay the greedy runs as it builds its order gives the bound too.

@@ -36,6 +36,21 @@ struct Switches {
     no_bubble_greedy: bool,
 }
 
+/// The switches' bits in a setting's index (`0..8`) and in [`Waves::mattered`].
+const ALLOW_BUBBLE_BEFORE_FIRST_B: u8 = 1;
+const PRIORITIZE_B: u8 = 2;
+const NO_BUBBLE_GREEDY: u8 = 4;
+
+impl Switches {
+    fn of(bits: u8) -> Self {
+        Switches {
+            allow_bubble_before_first_b: bits & ALLOW_BUBBLE_BEFORE_FIRST_B != 0,
+            prioritize_b: bits & PRIORITIZE_B != 0,
+            no_bubble_greedy: bits & NO_BUBBLE_GREEDY != 0,
+        }
+    }
+}
+
 /// The wave state of `p` stages (one per rank) and `m` microbatches.
 struct Waves<'a, C: CostModel> {
     costs: &'a C,
@@ -59,6 +74,11 @@ struct Waves<'a, C: CostModel> {
     done_f: Vec<u64>,
     done_i: Vec<u64>,
     order: Vec<Vec<Action>>,
+    /// The switches (bits as in a setting's index) whose value decided something so far: at
+    /// every other decision both values of the switch agree, so the settings that differ from
+    /// this one only in switches outside `mattered` take the same path and build the same
+    /// order (each decision reads one switch and the state, and the state is the same).
+    mattered: u8,
 }
 
 impl<C: CostModel> Waves<'_, C> {
@@ -139,6 +159,9 @@ impl<C: CostModel> Waves<'_, C> {
         }
         if self.nw[s] < self.ni[s] && self.clock[s] < arrive {
             let within = arrive - self.clock[s] <= self.max_bubble.saturating_sub(self.bubble[s]);
+            if within {
+                self.mattered |= NO_BUBBLE_GREEDY;
+            }
             if !within || sw.no_bubble_greedy {
                 self.put(s, ActionKind::W)?;
             }
@@ -177,10 +200,14 @@ impl<C: CostModel> Waves<'_, C> {
                     break;
                 }
                 let c = self.cost(ActionKind::F, s, mb);
+                let (ends_late, starts_late) = (clock + c > last + comm, clock >= last + comm);
+                if ends_late != starts_late {
+                    self.mattered |= ALLOW_BUBBLE_BEFORE_FIRST_B;
+                }
                 let stop = if sw.allow_bubble_before_first_b {
-                    clock + c > last + comm
+                    ends_late
                 } else {
-                    clock >= last + comm
+                    starts_late
                 };
                 if stop {
                     break;
@@ -208,14 +235,26 @@ impl<C: CostModel> Waves<'_, C> {
     }
 
     /// Whether stage `s` takes an F in this wave (before the next stage's limit).
-    fn wants_f(&self, s: usize, sw: Switches) -> bool {
-        let (p, m) = (self.p, self.m);
-        if self.nf[s] >= m {
+    fn wants_f(&mut self, s: usize, sw: Switches) -> bool {
+        if self.nf[s] >= self.m {
             return false;
         }
-        if !(sw.prioritize_b && s + 1 < p && self.nf[s] >= self.nf[s + 1] + 2) {
+        if !(s + 1 < self.p && self.nf[s] >= self.nf[s + 1] + 2) {
             return true;
         }
+        // Two or more F ahead of the next stage: `prioritize_b` decides when its rule says no.
+        let prioritized = self.prioritized_wants_f(s);
+        if !prioritized {
+            self.mattered |= PRIORITIZE_B;
+        }
+        prioritized || !sw.prioritize_b
+    }
+
+    /// `prioritize_b`'s answer for stage `s`, two or more F ahead of stage `s + 1`: no F when
+    /// it would delay the next stage's B, or when the bubble it would leave is at most the
+    /// largest so far less its own.
+    fn prioritized_wants_f(&self, s: usize) -> bool {
+        let m = self.m;
         let next = self.clock[s + 1]
             + self.cost(ActionKind::F, s + 1, self.nf[s + 1].min(m - 1))
             + self.cost(ActionKind::I, s + 1, self.ni[s + 1].min(m - 1))
@@ -241,7 +280,10 @@ impl<C: CostModel> Waves<'_, C> {
         let (p, m) = (self.p, self.m);
         let mut take = std::mem::take(&mut self.take);
         take.clear();
-        take.extend((0..p).map(|s| self.wants_f(s, sw)));
+        for s in 0..p {
+            let t = self.wants_f(s, sw);
+            take.push(t);
+        }
         for s in (0..p.saturating_sub(1)).rev() {
             take[s] = take[s] && take[s + 1];
         }
@@ -276,20 +318,43 @@ impl<C: CostModel> Waves<'_, C> {
 }
 
 /// The wave construction's per-rank action lists for `p` stages in loop placement (one per
-/// rank) and `m` microbatches under `costs` and the per-rank activation `limit`, one list per
-/// setting of its switches that keeps the limit.
-pub fn wave_orders<C: CostModel>(p: u32, m: u32, costs: &C, limit: f64) -> Vec<Vec<Vec<Action>>> {
+/// rank) and `m` microbatches under `costs` and the per-rank activation `limit`, per setting of
+/// its switches (index = the switches' bits) that keeps the limit: `Some(order)`, or `None` for
+/// a setting whose order is the same as an earlier setting's in the list (not built: it differs
+/// from it only in switches that decided nothing on the way; [`Waves::mattered`]). Settings
+/// that cannot keep the limit are left out, as are their copies.
+pub fn wave_orders<C: CostModel>(
+    p: u32,
+    m: u32,
+    costs: &C,
+    limit: f64,
+) -> Vec<Option<Vec<Vec<Action>>>> {
+    wave_orders_with(p, m, costs, limit, true)
+}
+
+/// [`wave_orders`], or with `skip_copies` off every setting built (each copy as `Some`).
+fn wave_orders_with<C: CostModel>(
+    p: u32,
+    m: u32,
+    costs: &C,
+    limit: f64,
+    skip_copies: bool,
+) -> Vec<Option<Vec<Vec<Action>>>> {
     let (p, m) = (p as usize, m as usize);
     let mut out = Vec::new();
     if p == 0 || m == 0 {
         return out;
     }
+    // Per setting not built: whether the setting whose copy it is kept the limit.
+    let mut copy_of_built: [Option<bool>; 8] = [None; 8];
     for bits in 0..8u8 {
-        let sw = Switches {
-            allow_bubble_before_first_b: bits & 1 != 0,
-            prioritize_b: bits & 2 != 0,
-            no_bubble_greedy: bits & 4 != 0,
-        };
+        if let Some(built) = copy_of_built[bits as usize] {
+            if built {
+                out.push(None);
+            }
+            continue;
+        }
+        let sw = Switches::of(bits);
         let mut w = Waves {
             costs,
             p,
@@ -306,6 +371,7 @@ pub fn wave_orders<C: CostModel>(p: u32, m: u32, costs: &C, limit: f64) -> Vec<V
             done_f: vec![0; p * m],
             done_i: vec![0; p * m],
             order: (0..p).map(|_| Vec::with_capacity(3 * m)).collect(),
+            mattered: 0,
         };
         let built = (|| {
             w.first_wave(sw)?;
@@ -319,9 +385,140 @@ pub fn wave_orders<C: CostModel>(p: u32, m: u32, costs: &C, limit: f64) -> Vec<V
             }
             Some(())
         })();
-        if built.is_some() && w.nf.iter().all(|&n| n == m) && w.ni.iter().all(|&n| n == m) {
-            out.push(w.order);
+        let built = built.is_some() && w.nf.iter().all(|&n| n == m) && w.ni.iter().all(|&n| n == m);
+        if skip_copies {
+            for other in bits + 1..8 {
+                if (other ^ bits) & w.mattered == 0 {
+                    copy_of_built[other as usize] = Some(built);
+                }
+            }
+        }
+        if built {
+            out.push(Some(w.order));
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::costs::{MemoryUnit, StageCosts, UniformCostSpec, UniformCosts};
+    use crate::ir::Rank;
+
+    /// Costs per (stage, microbatch) from a fixed hash, as a step of variable-length
+    /// microbatches gives: F in [1, 3) ms, I = 1.1-2 F, W = 0.3-1.3 F, activations in proportion
+    /// to F (units: F's milliseconds), comm 0.1 ms.
+    struct Varied;
+
+    impl Varied {
+        fn f(s: StageId, mb: MicrobatchId) -> u64 {
+            let h = (s.0 as u64 * 0x9e37_79b9 + mb.0 as u64 * 0x85eb_ca6b) % 2000;
+            1_000_000 + h * 1000
+        }
+    }
+
+    impl CostModel for Varied {
+        fn compute_ns(&self, a: ComputeAction) -> u64 {
+            let f = Self::f(a.stage, a.microbatch);
+            let x = (a.stage.0 as u64 * 7 + a.microbatch.0 as u64 * 13) % 10;
+            match a.kind {
+                ActionKind::F | ActionKind::Fo => f,
+                ActionKind::I => f * (11 + x) / 10,
+                ActionKind::W => f * (3 + x) / 10,
+                ActionKind::B => f * (11 + x) / 10 + f * (3 + x) / 10,
+            }
+        }
+        fn comm_ns(&self, _: StageId, _: MicrobatchId, _: ActionKind) -> u64 {
+            100_000
+        }
+        fn activation(&self, s: StageId, mb: MicrobatchId) -> (f64, f64) {
+            let a = Self::f(s, mb) as f64 / 1e6;
+            (0.4 * a, 0.6 * a)
+        }
+        fn optimizer_ns(&self, _: Rank) -> u64 {
+            0
+        }
+        fn memory_unit(&self) -> MemoryUnit {
+            MemoryUnit::Units
+        }
+    }
+
+    /// Skipping the settings that take an earlier one's path leaves every other setting's
+    /// order as it was, and each skipped one is a copy of an earlier order: on uniform,
+    /// per-stage and per-microbatch costs, p = 2-8, m = 1-24, limits from tight to none.
+    #[test]
+    fn skipped_settings_are_copies_of_earlier_orders() {
+        let (mut skipped, mut settings) = (0, 0);
+        let mut count = |(s, n): (usize, usize)| {
+            skipped += s;
+            settings += n;
+        };
+        for p in 2..=8u32 {
+            for m in [1, 2, p - 1, p, p + 1, 2 * p, 24] {
+                for (f, b, w) in [
+                    (1.0, 1.0, 1.0),
+                    (1.0, 2.0, 1.0),
+                    (1.0, 1.2, 0.5),
+                    (2.0, 1.0, 3.0),
+                ] {
+                    let spec = UniformCostSpec {
+                        f,
+                        b,
+                        w,
+                        comm: 0.1,
+                        fb: None,
+                        fo: None,
+                    };
+                    let c = UniformCosts::new(&spec, 1);
+                    for limit in [
+                        p as f64 / 2.0,
+                        p as f64,
+                        1.5 * p as f64,
+                        2.0 * p as f64,
+                        1e9,
+                    ] {
+                        count(compare(p, m, &c, limit));
+                    }
+                }
+                // Uneven stages: the first and last heavier, as with an embedding and a head.
+                let f: Vec<f64> = (0..p)
+                    .map(|s| if s == 0 || s == p - 1 { 1.5 } else { 1.0 })
+                    .collect();
+                let b: Vec<f64> = f.iter().map(|x| 2.0 * x).collect();
+                let w: Vec<f64> = (0..p).map(|s| 0.5 + 0.25 * s as f64).collect();
+                let c = StageCosts::new(&f, &b, &w, 0.05).unwrap();
+                for limit in [p as f64, 2.0 * p as f64, 1e9] {
+                    count(compare(p, m, &c, limit));
+                }
+                for limit in [2.0 * p as f64, 4.0 * p as f64, 1e9] {
+                    count(compare(p, m, &Varied, limit));
+                }
+            }
+        }
+        // The skipping is worth having: a share of the settings are copies.
+        assert!(skipped > 0 && skipped < settings, "{skipped} of {settings}");
+    }
+
+    /// (settings skipped, settings built or skipped) for one case, after checking it.
+    fn compare<C: CostModel>(p: u32, m: u32, c: &C, limit: f64) -> (usize, usize) {
+        let all = wave_orders_with(p, m, c, limit, false);
+        let fast = wave_orders(p, m, c, limit);
+        assert_eq!(all.len(), fast.len(), "p={p} m={m} limit={limit}");
+        let mut skipped = 0;
+        for (j, (a, f)) in all.iter().zip(&fast).enumerate() {
+            let a = a.as_ref().expect("every setting built");
+            match f {
+                Some(f) => assert_eq!(a, f, "p={p} m={m} limit={limit} setting {j}"),
+                None => {
+                    skipped += 1;
+                    assert!(
+                        fast[..j].iter().flatten().any(|e| e == a),
+                        "p={p} m={m} limit={limit}: skipped setting {j} is no copy of an earlier order"
+                    );
+                }
+            }
+        }
+        (skipped, all.len())
+    }
 }
