@@ -267,7 +267,17 @@ impl ScheduleKind {
             .iter()
             .filter_map(|k| k.generate(p, v, m).ok())
             .collect();
-        crate::zb_auto::zb_auto_for(p, v, m, costs, activation_limit, candidates, objective)
+        // flatpipe's own generators: valid schedules (tests/schedules.rs validates them).
+        crate::zb_auto::search(
+            p,
+            v,
+            m,
+            costs,
+            activation_limit,
+            candidates,
+            objective,
+            false,
+        )
     }
 }
 
