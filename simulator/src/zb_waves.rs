@@ -321,7 +321,7 @@ impl<C: CostModel> Waves<'_, C> {
 /// rank) and `m` microbatches under `costs` and the per-rank activation `limit`, per setting of
 /// its switches (index = the switches' bits) that keeps the limit: `Some(order)`, or `None` for
 /// a setting whose order is the same as an earlier setting's in the list (not built: it differs
-/// from it only in switches that decided nothing on the way; [`Waves::mattered`]). Settings
+/// from it only in switches that decided nothing on the way; `Waves::mattered`). Settings
 /// that cannot keep the limit are left out, as are their copies.
 pub fn wave_orders<C: CostModel>(
     p: u32,
