@@ -217,7 +217,6 @@ impl EarliestRank {
     }
 }
 
-/// Runs the greedy for one priority setting; `None` when it cannot finish under the limit.
 /// The greedy list schedule of one priority setting, replayed as it is built: its per-rank
 /// action lists and summary, or `None` when it deadlocks under `limit` or cannot beat
 /// `to_beat`. `alike` is set to the settings of `agreement` that decided as `prio` at every
