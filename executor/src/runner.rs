@@ -632,39 +632,28 @@ impl Reference {
         setup: &Setup,
         grads: &BTreeMap<String, Vec<f32>>,
     ) -> Result<f64> {
-        // The names in the order visit_grads walks the buffers.
-        let names: Vec<String> = self
-            .stage
-            .named_grads()
-            .into_iter()
-            .map(|(n, _)| n)
-            .collect();
-        if names.len() != grads.len() || names.iter().any(|n| !grads.contains_key(n)) {
+        // The names in the order visit_grads walks the buffers; everything is checked before
+        // a gradient is replaced.
+        let held = self.stage.named_grads();
+        if held.len() != grads.len() || held.iter().any(|(n, _)| !grads.contains_key(n)) {
             return Err(Error::Invalid(format!(
                 "the gradients given name other tensors than the model's ({} given, {} in the model)",
                 grads.len(),
-                names.len()
+                held.len()
+            )));
+        }
+        if let Some((name, h)) = held.iter().find(|(n, h)| grads[n].len() != h.len()) {
+            return Err(Error::Invalid(format!(
+                "{name}: {} gradient values given, the model holds {}",
+                grads[name].len(),
+                h.len()
             )));
         }
         let mut at = 0;
-        let mut wrong = None;
         self.stage.visit_grads(&mut |buf| {
-            let name = &names[at];
-            let g = &grads[name];
-            if g.len() == buf.len() {
-                buf.copy_from_slice(g);
-            } else if wrong.is_none() {
-                wrong = Some(format!(
-                    "{name}: {} gradient values given, the model holds {}",
-                    g.len(),
-                    buf.len()
-                ));
-            }
+            buf.copy_from_slice(&grads[&held[at].0]);
             at += 1;
         })?;
-        if let Some(w) = wrong {
-            return Err(Error::Invalid(w));
-        }
         let grad_norm = self.stage.grad_sq_norm()?.sqrt();
         self.optimize(setup, grad_norm)?;
         Ok(grad_norm)

@@ -496,3 +496,36 @@ fn gradients_apart_by_rounding_pass_the_parameter_check_and_a_skipped_update_doe
         "a skipped update of {name} passed the check: {v:?}"
     );
 }
+
+/// Gradients of other tensors, or of another size, are refused by name before any is replaced:
+/// the reference's parameters stay as they were.
+#[test]
+fn the_reference_refuses_gradients_that_do_not_fit_its_model() {
+    let s = setup(ScheduleSource::Kind(ScheduleKind::OneFOneB), 2, 1, 2);
+    let step = s.prepare(0).unwrap();
+    let mut reference = Reference::new(&s).unwrap();
+    reference.step(&s, &step, false).unwrap();
+    let before = reference.named_params();
+    let mut grads = reference.named_grads();
+    let (name, _) = grads.pop_first().unwrap();
+    let e = reference
+        .optimizer_step_with(&s, &grads)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("name other tensors"), "{e}");
+    let mut grads = reference.named_grads();
+    grads.get_mut(&name).unwrap().pop();
+    let e = reference
+        .optimizer_step_with(&s, &grads)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&name) && e.contains("gradient values given"),
+        "{e}"
+    );
+    assert_eq!(reference.named_params(), before);
+    // Its own gradients fit, and the step moves the parameters.
+    let own = reference.named_grads();
+    reference.optimizer_step_with(&s, &own).unwrap();
+    assert_ne!(reference.named_params(), before);
+}
