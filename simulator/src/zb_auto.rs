@@ -1050,6 +1050,15 @@ mod props {
         }
     }
 
+    /// Nothing to beat: a greedy runs to its end (or its deadlock).
+    const UNBOUNDED: summary::ToBeat<'static> = summary::ToBeat {
+        makespan_ns: u64::MAX,
+        peak: f64::INFINITY,
+        memory_cap: f64::INFINITY,
+        rank_work_ns: &[],
+        wins_full_tie: false,
+    };
+
     /// The greedy of every priority setting, unbounded: (the settings that decided alike at
     /// every step, its order or `None`).
     fn every_greedy(
@@ -1060,13 +1069,7 @@ mod props {
         limit: f64,
     ) -> Vec<(u32, Option<Vec<Vec<Action>>>)> {
         let settings = priority_settings(v);
-        let unbounded = summary::ToBeat {
-            makespan_ns: u64::MAX,
-            peak: f64::INFINITY,
-            memory_cap: f64::INFINITY,
-            rank_work_ns: &[],
-            wins_full_tie: false,
-        };
+        let unbounded = UNBOUNDED;
         let pl = placement(p, v).unwrap();
         settings
             .iter()
@@ -1163,13 +1166,7 @@ mod props {
             w: WRule::BubblesOnly,
             later_chunk_first: false,
         };
-        let unbounded = summary::ToBeat {
-            makespan_ns: u64::MAX,
-            peak: f64::INFINITY,
-            memory_cap: f64::INFINITY,
-            rank_work_ns: &[],
-            wins_full_tie: false,
-        };
+        let unbounded = UNBOUNDED;
         let (ranks, own) = greedy(
             &placement(p, 1).unwrap(),
             m,
