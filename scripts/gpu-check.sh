@@ -22,7 +22,7 @@
 #   3. 4-rank 1F1B and ZB-H1 runs of that model on ShareGPT lengths, predicted against measured,
 #      with Gantt charts and Chrome traces of the measured timelines;
 #   4. a small run checked against the CPU reference (--verify) on the GPU.
-# On an H200 (2026-12-04) the steps took 5 s, 181 s, 35 s per run and 3 s: about 4.5 minutes
+# On an H200 (2026-12-04, one pass) the steps took 6 s, 185 s, 35 s per run and 2 s: 267 s in all
 # (docs/gpu/h200-2026-12-04/).
 # FLATPIPE_STEP_TIMEOUT=SECONDS stops any one command that runs longer (a hung kernel or a slow
 # step then costs that much, and the steps after it still run); unset or 0, no limit.
