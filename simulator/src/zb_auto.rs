@@ -164,56 +164,65 @@ const UNSET: u64 = u64::MAX;
 type Key = (u64, u64, f64, usize);
 
 /// The rank whose key is least (the lowest rank on a tie) among `p` keys, kept in a tournament
-/// tree: a key's change replays the log2(p) matches above it, and the winner is the root.
-/// zb-auto's greedy asks for it once per decision; a scan of p keys per decision was most of
-/// the greedy's time at p = 16 (perf).
+/// tree: a key's change replays the matches above it, up to log2(p), and the winner is the
+/// root. zb-auto's greedy asks for it once per decision; a scan of p keys per decision was most
+/// of the greedy's time at p = 16 (perf).
 struct EarliestRank {
     /// Leaves: the next power of two >= p; the padding leaves hold `UNSET`.
     leaves: usize,
-    key: Vec<u64>,
-    /// `winner[i]` for the internal node i (1 is the root; node i's children are 2i, 2i + 1).
-    winner: Vec<u32>,
+    /// `node[i]`: the (key, rank) that wins node i's subtree. Node 1 is the root, node i's
+    /// children are 2i and 2i + 1 (side by side, so a match reads one pair), the leaves are
+    /// `leaves..2 * leaves`. Keeping the key in the node saves a dependent load per match.
+    node: Vec<(u64, u32)>,
 }
 
 impl EarliestRank {
     /// `p` ranks, all keys `UNSET`.
     fn new(p: usize) -> Self {
         let leaves = p.max(1).next_power_of_two();
-        let mut t = EarliestRank {
-            leaves,
-            key: vec![UNSET; leaves],
-            winner: vec![0; 2 * leaves],
-        };
+        let mut node = vec![(UNSET, 0); 2 * leaves];
         for q in 0..leaves {
-            t.winner[leaves + q] = q as u32;
+            node[leaves + q].1 = q as u32;
         }
         for i in (1..leaves).rev() {
-            t.winner[i] = t.play(t.winner[2 * i], t.winner[2 * i + 1]);
+            node[i] = Self::play(node[2 * i], node[2 * i + 1]);
         }
-        t
+        EarliestRank { leaves, node }
     }
+    /// The winner of a match: the right side only when its key is less (the left side holds
+    /// the lower ranks, so a tie goes to the lowest rank).
     #[inline]
-    fn play(&self, left: u32, right: u32) -> u32 {
-        if self.key[right as usize] < self.key[left as usize] {
-            right
-        } else {
-            left
-        }
+    fn play(left: (u64, u32), right: (u64, u32)) -> (u64, u32) {
+        if right.0 < left.0 { right } else { left }
     }
     #[inline]
     fn set(&mut self, q: usize, key: u64) {
-        self.key[q] = key;
-        let mut i = (self.leaves + q) / 2;
-        while i >= 1 {
-            self.winner[i] = self.play(self.winner[2 * i], self.winner[2 * i + 1]);
+        let mut i = self.leaves + q;
+        // The winner so far stays in registers: each level reads only the sibling (a chain of
+        // stores and loads of the same nodes was a third of the tree's time, perf).
+        let mut cur = (key, q as u32);
+        self.node[i] = cur;
+        while i > 1 {
+            let sibling = self.node[i ^ 1];
+            let won = if i & 1 == 0 {
+                Self::play(cur, sibling)
+            } else {
+                Self::play(sibling, cur)
+            };
             i /= 2;
+            // A node whose winner and key stay the same changes nothing above it.
+            if self.node[i] == won {
+                break;
+            }
+            self.node[i] = won;
+            cur = won;
         }
     }
     /// The least key and its rank (the lowest on a tie).
     #[inline]
     fn earliest(&self) -> (u64, usize) {
-        let r = self.winner[1] as usize;
-        (self.key[r], r)
+        let (k, r) = self.node[1];
+        (k, r as usize)
     }
 }
 
