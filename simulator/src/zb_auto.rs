@@ -28,9 +28,10 @@
 //! Speed (it is rebuilt per step and per candidate by the planner). Every candidate is replayed
 //! under bounds that stop it once it cannot win ([`summary::replay_to_beat`]); a list schedule
 //! is replayed as the greedy builds it (`replay::Incremental`), so a losing one is not even
-//! finished. The wave orders and handcrafted schedules are replayed first, the list schedules
-//! last; on a full tie (makespan and peak) the order of preference decides, list schedules
-//! first, so the choice does not depend on the order of evaluation.
+//! finished. The wave orders (the one whose construction reaches the least makespan first) and
+//! the handcrafted schedules are replayed first, the list schedules last; on a full tie
+//! (makespan and peak) the order of preference decides, list schedules first, so the choice
+//! does not depend on the order of evaluation.
 //!
 //! Expected quality (one step, comm = 0): with a limit of 2p units and m >= 2p - 1 it reaches the
 //! lower bound `(p - 1) f + m (f + b + w)` when `b <= 2w` and `b <= 2f` (ZB-H2's regime); with p
@@ -597,6 +598,9 @@ impl<C: CostModel> Search<'_, C> {
     /// them) and running every F, I and W of its ranks' stages; the handcrafted ones are
     /// checked here.
     fn consider(&mut self, s: Schedule, built: bool, order: usize) {
+        // A copy can only lose the tie to the candidate replayed before it, which is at an
+        // earlier place in the order of preference: identical wave orders have the same
+        // estimate, so they are replayed in place order, and the handcrafted ones come last.
         if !self.seen.insert(fingerprint(&s.ranks)) {
             return;
         }
@@ -725,11 +729,17 @@ pub(crate) fn search<C: CostModel>(
     };
     let nw = waves.len();
     // A wave setting that would build an earlier one's order is not built (`None`): it would
-    // lose the tie to that order.
-    for (j, ranks) in waves.into_iter().enumerate() {
-        if let Some(ranks) = ranks {
-            search.consider(of_ranks(ranks), true, g + j);
-        }
+    // lose the tie to that order. The others are replayed in the order of their construction's
+    // makespan, the likely best first, so that the rest stop early; the choice does not depend
+    // on the order of evaluation (ties go by place in the order of preference).
+    let mut waves: Vec<(usize, crate::zb_waves::WaveOrder)> = waves
+        .into_iter()
+        .enumerate()
+        .filter_map(|(j, w)| Some((j, w?)))
+        .collect();
+    waves.sort_by_key(|(j, w)| (w.makespan_estimate_ns, *j));
+    for (j, w) in waves {
+        search.consider(of_ranks(w.ranks), true, g + j);
     }
     for (k, mut s) in handcrafted.into_iter().enumerate() {
         if s.placement != placement || s.num_microbatches != m {
@@ -1126,6 +1136,79 @@ mod props {
                         prop_assert_eq!(order, other, "settings {} and {} decided alike", k, j);
                     }
                 }
+            }
+        }
+    }
+
+    /// zb-auto's choice by the definition: every candidate built to its end and replayed in
+    /// full, the fastest that fits, then the smaller peak, then the earlier place in the order
+    /// of preference (list schedules, wave orders, 1F1B, ZB-H1, ZB-H2 or ZB-V). `None` when
+    /// nothing fits.
+    fn reference_choice(p: u32, v: u32, m: u32, c: &StageCosts, limit: f64) -> Option<Schedule> {
+        let pl = placement(p, v).unwrap();
+        let of_ranks = |ranks| Schedule {
+            name: "zb-auto".into(),
+            placement: pl.clone(),
+            num_microbatches: m,
+            num_fo_microbatches: 0,
+            chunks: Vec::new(),
+            ranks,
+        };
+        let mut candidates: Vec<Option<Schedule>> = every_greedy(p, v, m, c, limit)
+            .into_iter()
+            .map(|(_, ranks)| ranks.map(of_ranks))
+            .collect();
+        if v == 1 {
+            let waves = crate::zb_waves::wave_orders(p, m, c, limit);
+            candidates.extend(waves.into_iter().map(|w| w.map(|w| of_ranks(w.ranks))));
+        }
+        let handcrafted: &[ScheduleKind] = if v == 2 {
+            &[ScheduleKind::ZbV]
+        } else {
+            &[
+                ScheduleKind::OneFOneB,
+                ScheduleKind::ZbH1,
+                ScheduleKind::ZbH2,
+            ]
+        };
+        candidates.extend(handcrafted.iter().map(|k| k.generate(p, v, m).ok()));
+        let cap = limit * (1.0 + 1e-9) + 1e-9;
+        candidates
+            .into_iter()
+            .enumerate()
+            .filter_map(|(order, s)| {
+                let s = s?;
+                let sum = summary::replay_summary(&s, c).ok()?;
+                let peak = sum.max_peak_activation();
+                (peak <= cap).then_some(((sum.makespan_ns, peak, order), s))
+            })
+            .min_by(|a, b| a.0.partial_cmp(&b.0).unwrap())
+            .map(|(_, s)| s)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// zb-auto's search (copies skipped, wave orders replayed best-estimate first,
+        /// candidates stopped once they cannot win) picks the schedule the definition picks:
+        /// per-stage costs (many ties), loop and V placement, limits from tight to none.
+        #[test]
+        fn the_search_picks_what_replaying_every_candidate_picks(
+            p in 2u32..7,
+            v in 1u32..3,
+            m in 1u32..14,
+            f in proptest::collection::vec(1u64..12, 14),
+            i in proptest::collection::vec(1u64..12, 14),
+            w in proptest::collection::vec(1u64..12, 14),
+            comm in 0u64..4,
+            limit_units in prop_oneof![Just(0.75), Just(1.0), Just(1.5), Just(2.0), Just(1e9)],
+        ) {
+            let n = (p * v) as usize;
+            let c = StageCosts { f: f[..n].to_vec(), i: i[..n].to_vec(), w: w[..n].to_vec(), comm };
+            let limit = limit_units * p as f64;
+            let reference = reference_choice(p, v, m, &c, limit);
+            match zb_auto(p, v, m, &c, limit) {
+                Ok(s) => prop_assert_eq!(Some(&s.ranks), reference.as_ref().map(|r| &r.ranks)),
+                Err(e) => prop_assert!(reference.is_none(), "{e}, but the reference fits"),
             }
         }
     }

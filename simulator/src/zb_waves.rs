@@ -21,7 +21,7 @@
 //! - finally every stage's remaining W.
 //!
 //! Eight settings of the three switches; [`wave_orders`] returns each one's per-rank action
-//! lists. A setting that cannot keep the limit gives none; one whose order is not a valid
+//! lists and the makespan its construction's clocks reach. A setting that cannot keep the limit gives none; one whose order is not a valid
 //! schedule (the heuristic's own assertions fail on some per-stage costs) is rejected by
 //! zb-auto's validation and replay like any candidate.
 
@@ -317,18 +317,25 @@ impl<C: CostModel> Waves<'_, C> {
     }
 }
 
+/// One setting's order from the wave construction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WaveOrder {
+    /// Per rank (= stage), its actions in order.
+    pub ranks: Vec<Vec<Action>>,
+    /// The latest stage clock of the construction (ns): the makespan of `ranks` when no
+    /// transfer waits for its link (the construction does not queue transfers; a replay does,
+    /// so a replay's makespan is never less). zb-auto replays the orders in this order, the
+    /// likely best first, so the others stop early.
+    pub makespan_estimate_ns: u64,
+}
+
 /// The wave construction's per-rank action lists for `p` stages in loop placement (one per
 /// rank) and `m` microbatches under `costs` and the per-rank activation `limit`, per setting of
 /// its switches (index = the switches' bits) that keeps the limit: `Some(order)`, or `None` for
 /// a setting whose order is the same as an earlier setting's in the list (not built: it differs
 /// from it only in switches that decided nothing on the way; `Waves::mattered`). Settings
 /// that cannot keep the limit are left out, as are their copies.
-pub fn wave_orders<C: CostModel>(
-    p: u32,
-    m: u32,
-    costs: &C,
-    limit: f64,
-) -> Vec<Option<Vec<Vec<Action>>>> {
+pub fn wave_orders<C: CostModel>(p: u32, m: u32, costs: &C, limit: f64) -> Vec<Option<WaveOrder>> {
     wave_orders_with(p, m, costs, limit, true)
 }
 
@@ -339,7 +346,7 @@ fn wave_orders_with<C: CostModel>(
     costs: &C,
     limit: f64,
     skip_copies: bool,
-) -> Vec<Option<Vec<Vec<Action>>>> {
+) -> Vec<Option<WaveOrder>> {
     let (p, m) = (p as usize, m as usize);
     let mut out = Vec::new();
     if p == 0 || m == 0 {
@@ -394,7 +401,10 @@ fn wave_orders_with<C: CostModel>(
             }
         }
         if built {
-            out.push(Some(w.order));
+            out.push(Some(WaveOrder {
+                makespan_estimate_ns: w.clock.iter().copied().max().unwrap_or(0),
+                ranks: w.order,
+            }));
         }
     }
     out
@@ -441,6 +451,63 @@ mod tests {
         }
         fn memory_unit(&self) -> MemoryUnit {
             MemoryUnit::Units
+        }
+    }
+
+    /// The construction's makespan is the replay's when no transfer takes time (both compute
+    /// the same as-soon-as-possible times), and never more than the replay's when transfers do
+    /// (the replay also queues them on their link): uniform, per-stage and per-microbatch
+    /// costs, p = 2-8, limits from tight to none.
+    #[test]
+    fn the_makespan_estimate_is_the_replays_without_transfer_time() {
+        for p in 2..=8u32 {
+            for m in [1, p, 2 * p + 1, 24] {
+                for comm in [0.0, 0.1] {
+                    let spec = UniformCostSpec {
+                        f: 1.0,
+                        b: 1.2,
+                        w: 0.5,
+                        comm,
+                        fb: None,
+                        fo: None,
+                    };
+                    estimate_vs_replay(p, m, &UniformCosts::new(&spec, 1), comm == 0.0);
+                    let f: Vec<f64> = (0..p).map(|s| 1.0 + 0.5 * f64::from(s % 3)).collect();
+                    let b: Vec<f64> = f.iter().map(|x| 2.0 * x).collect();
+                    let w: Vec<f64> = (0..p).map(|s| 0.5 + 0.25 * f64::from(s)).collect();
+                    let c = StageCosts::new(&f, &b, &w, comm).unwrap();
+                    estimate_vs_replay(p, m, &c, comm == 0.0);
+                }
+                estimate_vs_replay(p, m, &Varied, false);
+            }
+        }
+    }
+
+    fn estimate_vs_replay<C: CostModel>(p: u32, m: u32, c: &C, exact: bool) {
+        for limit in [p as f64, 2.0 * p as f64, 1e9] {
+            for order in wave_orders_with(p, m, c, limit, false)
+                .into_iter()
+                .flatten()
+            {
+                let s = crate::ir::Schedule {
+                    name: "waves".into(),
+                    placement: crate::ir::Placement::looped(p, 1),
+                    num_microbatches: m,
+                    num_fo_microbatches: 0,
+                    chunks: Vec::new(),
+                    ranks: order.ranks,
+                };
+                let replayed = crate::replay::replay(&s, c).unwrap().makespan_ns();
+                let estimate = order.makespan_estimate_ns;
+                if exact {
+                    assert_eq!(estimate, replayed, "p={p} m={m} limit={limit}");
+                } else {
+                    assert!(
+                        estimate <= replayed,
+                        "p={p} m={m} limit={limit}: {estimate} > {replayed}"
+                    );
+                }
+            }
         }
     }
 
