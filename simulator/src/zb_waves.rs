@@ -75,9 +75,10 @@ struct Waves<'a, C: CostModel> {
     done_i: Vec<u64>,
     order: Vec<Vec<Action>>,
     /// The switches (bits as in a setting's index) whose value decided something so far: at
-    /// every other decision both values of the switch agree, so the settings that differ from
-    /// this one only in switches outside `mattered` take the same path and build the same
-    /// order (each decision reads one switch and the state, and the state is the same).
+    /// every other decision both values of the switch agree (for the first wave's switch: on
+    /// every stage's count of extra F, after the clamp), so the settings that differ from this
+    /// one only in switches outside `mattered` take the same path and build the same order
+    /// (each decision reads one switch and the state, and the state is the same).
     mattered: u8,
 }
 
@@ -181,10 +182,33 @@ impl<C: CostModel> Waves<'_, C> {
     }
 
     fn first_wave(&mut self, sw: Switches) -> Option<()> {
-        let (p, m) = (self.p, self.m);
+        let p = self.p;
         for s in 0..p {
             self.put(s, ActionKind::F)?;
         }
+        // The switch decides only how many F each stage adds; both answers are worked out, and
+        // it matters only when they differ (often they differ at some stage and not after the
+        // clamp below, and the settings then build the same order).
+        let extra = self.first_wave_extra(sw.allow_bubble_before_first_b);
+        if extra != self.first_wave_extra(!sw.allow_bubble_before_first_b) {
+            self.mattered |= ALLOW_BUBBLE_BEFORE_FIRST_B;
+        }
+        for (s, &k) in extra.iter().enumerate() {
+            for _ in 0..k {
+                self.put(s, ActionKind::F)?;
+            }
+        }
+        for s in (0..p).rev() {
+            self.put(s, ActionKind::I)?;
+        }
+        Some(())
+    }
+
+    /// After microbatch 0's F on every stage: the further F each stage takes before the first
+    /// backward can arrive (`allow_bubble`: as long as they end by then; else as long as they
+    /// start before it) under the memory limit, at most as many as the stage before.
+    fn first_wave_extra(&self, allow_bubble: bool) -> Vec<usize> {
+        let (p, m) = (self.p, self.m);
         let mut extra = vec![0usize; p];
         let mut last = 0u64;
         for s in (0..p).rev() {
@@ -200,14 +224,10 @@ impl<C: CostModel> Waves<'_, C> {
                     break;
                 }
                 let c = self.cost(ActionKind::F, s, mb);
-                let (ends_late, starts_late) = (clock + c > last + comm, clock >= last + comm);
-                if ends_late != starts_late {
-                    self.mattered |= ALLOW_BUBBLE_BEFORE_FIRST_B;
-                }
-                let stop = if sw.allow_bubble_before_first_b {
-                    ends_late
+                let stop = if allow_bubble {
+                    clock + c > last + comm
                 } else {
-                    starts_late
+                    clock >= last + comm
                 };
                 if stop {
                     break;
@@ -223,15 +243,7 @@ impl<C: CostModel> Waves<'_, C> {
                 extra[s] -= 1;
             }
         }
-        for (s, &k) in extra.iter().enumerate() {
-            for _ in 0..k {
-                self.put(s, ActionKind::F)?;
-            }
-        }
-        for s in (0..p).rev() {
-            self.put(s, ActionKind::I)?;
-        }
-        Some(())
+        extra
     }
 
     /// Whether stage `s` takes an F in this wave (before the next stage's limit).
@@ -565,6 +577,35 @@ mod tests {
         }
         // The skipping is worth having: a share of the settings are copies.
         assert!(skipped > 0 && skipped < settings, "{skipped} of {settings}");
+    }
+
+    /// At p = 16, m = 64, f = b = w = 1 (comm 0.05) under p units the first wave's switch gives
+    /// other extra F at some stage before the clamp to "no more than the stage before" and the
+    /// same after it, so its two values build the same order: 8 settings, 2 distinct orders,
+    /// and only those 2 are built (the switch was counted as deciding, and 4 were built,
+    /// before the first wave compared the clamped answers).
+    #[test]
+    fn only_distinct_orders_are_built_when_the_first_wave_clamp_agrees() {
+        let spec = UniformCostSpec {
+            f: 1.0,
+            b: 1.0,
+            w: 1.0,
+            comm: 0.05,
+            fb: None,
+            fo: None,
+        };
+        let c = UniformCosts::new(&spec, 1);
+        let all = wave_orders_with(16, 64, &c, 16.0, false);
+        let mut distinct: Vec<&WaveOrder> = Vec::new();
+        for o in all.iter().flatten() {
+            if !distinct.contains(&o) {
+                distinct.push(o);
+            }
+        }
+        assert_eq!((all.len(), distinct.len()), (8, 2));
+        let built = wave_orders(16, 64, &c, 16.0);
+        assert_eq!(built.iter().flatten().count(), 2);
+        compare(16, 64, &c, 16.0);
     }
 
     /// (settings skipped, settings built or skipped) for one case, after checking it.
