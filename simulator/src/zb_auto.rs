@@ -739,6 +739,17 @@ pub(crate) fn search<C: CostModel>(
         .collect();
     waves.sort_by_key(|(j, w)| (w.makespan_estimate_ns, *j));
     for (j, w) in waves {
+        // The estimate is at most the replay's makespan (which also queues transfers on their
+        // link): an order whose estimate is past the best single step cannot win by it, nor
+        // can the orders after it.
+        if objective == Objective::Step
+            && search
+                .best
+                .as_ref()
+                .is_some_and(|(key, _)| w.makespan_estimate_ns > key.1)
+        {
+            break;
+        }
         search.consider(of_ranks(w.ranks), true, g + j);
     }
     for (k, mut s) in handcrafted.into_iter().enumerate() {
