@@ -28,8 +28,9 @@
 //! Speed (it is rebuilt per step and per candidate by the planner). Every candidate is replayed
 //! under bounds that stop it once it cannot win ([`summary::replay_to_beat`]); a list schedule
 //! is replayed as the greedy builds it (`replay::Incremental`), so a losing one is not even
-//! finished. The wave orders (the one whose construction reaches the least makespan first) and
-//! the handcrafted schedules are replayed first, the list schedules last; on a full tie
+//! finished. The wave orders (the one whose construction reaches the least makespan first; none
+//! whose construction is already slower than the best) and the handcrafted schedules are
+//! replayed first, the list schedules last; on a full tie
 //! (makespan and peak) the order of preference decides, list schedules first, so the choice
 //! does not depend on the order of evaluation.
 //!
