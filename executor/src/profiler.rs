@@ -13,9 +13,10 @@
 //! the least-squares solution on its support with all coefficients positive, Lawson and Hanson
 //! 1974), each by an SVD from `nalgebra`.
 //!
-//! Optionally `concurrency - 1` extra threads run the same layer at the same time, so the
-//! figures hold when p ranks share the machine (caches, memory bandwidth, clocks) or, on a GPU,
-//! its multiprocessors (each extra thread drives its own stream).
+//! Optionally `concurrency - 1` extra threads run the same layers at the same time, each on its
+//! own copy made once, on the T being measured in short sequences, so the figures hold when p
+//! ranks share the machine (caches, memory bandwidth, clocks) or, on a GPU, its multiprocessors
+//! (each extra thread drives its own stream).
 //!
 //! The measurements are generic over the backend ([`Profiled`]): the CPU backend is timed with the
 //! host clock ([`profile_cpu`]), the CUDA backend with CUDA events (`profile_cuda`, feature
@@ -33,8 +34,8 @@ use flatpipe_simulator::costs::Recompute;
 use nalgebra::{DMatrix, DVector};
 use ndarray::Array2;
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// What the profiler needs of a backend's stage beyond [`StageWorker`].
@@ -339,26 +340,65 @@ fn time_phases<W: Profiled>(
     Ok(times.map(median))
 }
 
-/// Runs `work` on `n` extra threads until the returned guard is dropped.
+/// The other ranks sharing the machine while the profiler measures (`--concurrency`): `n`
+/// threads, each with its own copy of the stage made once, running F, I, W and Fo round after
+/// round on the microbatch it is told ([`Load::follow`]: the profiler's current T, in short
+/// sequences), until dropped.
+///
+/// Each thread used to make a fresh stage per round (weights allocated and drawn, on a GPU a
+/// new stream, cuBLAS handle and module), so the other ranks' load was mostly set-up, and ran
+/// one fixed T throughout. Two profiles of Llama-3.1-8B with 4 streams busy on one H200, taken
+/// that way, disagreed by 7x on the decoder's F per token and predicted the same steps 17%
+/// short and 5% over (`docs/gpu/h200-2026-12-04/`).
 struct Load {
     stop: Arc<AtomicBool>,
+    current: Arc<Mutex<Arc<MicrobatchData>>>,
     handles: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Load {
-    fn start(n: usize, work: impl Fn() + Send + Sync + Clone + 'static) -> Self {
+    /// `n` threads; each makes its stage with `make` (a thread whose stage cannot be made, on
+    /// a GPU out of memory, stays idle and says so) and runs `round` on it with the current
+    /// microbatch, starting from `mb`.
+    fn start<S: 'static>(
+        n: usize,
+        mb: MicrobatchData,
+        make: impl Fn() -> Result<S> + Send + Sync + Clone + 'static,
+        round: impl Fn(&mut S, &MicrobatchData) + Send + Sync + Clone + 'static,
+    ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
+        let current = Arc::new(Mutex::new(Arc::new(mb)));
         let handles = (0..n)
             .map(|_| {
-                let (stop, work) = (Arc::clone(&stop), work.clone());
+                let (stop, current) = (Arc::clone(&stop), Arc::clone(&current));
+                let (make, round) = (make.clone(), round.clone());
                 std::thread::spawn(move || {
+                    let mut stage = match make() {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::warn!(
+                                "profile: a concurrent rank's stage: {e}; it stays idle"
+                            );
+                            return;
+                        }
+                    };
                     while !stop.load(Ordering::Relaxed) {
-                        work();
+                        let mb = Arc::clone(&current.lock().unwrap_or_else(|e| e.into_inner()));
+                        round(&mut stage, &mb);
                     }
                 })
             })
             .collect();
-        Load { stop, handles }
+        Load {
+            stop,
+            current,
+            handles,
+        }
+    }
+
+    /// The microbatch the threads run from their next round on.
+    fn follow(&self, mb: &MicrobatchData) {
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(mb.clone());
     }
 }
 
@@ -396,16 +436,17 @@ fn profile_kind<W: Profiled + 'static>(
     let range = layer.index..layer.index + n;
     let (first, last) = (layer.index == 0, range.end == layers.len());
     let mut stage = make(range.clone(), 0)?;
-    let _load = (cfg.concurrency > 1).then(|| {
+    let load = (cfg.concurrency > 1).then(|| {
         let make = Arc::clone(make);
         let range = range.clone();
-        let t = cfg.tokens[cfg.tokens.len() / 2];
-        Load::start(cfg.concurrency - 1, move || {
-            if let Ok(mut st) = make(range.clone(), 1) {
-                let mb = microbatch(vec![t as u32], vocab);
-                let _ = time_phases(&mut st, &mb, first, last, 0, 1);
-            }
-        })
+        Load::start(
+            cfg.concurrency - 1,
+            microbatch(vec![cfg.tokens[0].min(cfg.short_seq).max(1) as u32], vocab),
+            move || make(range.clone(), 1),
+            move |st: &mut W, mb| {
+                let _ = time_phases(st, mb, first, last, 0, 1);
+            },
+        )
     });
     let mut samples: [Vec<Sample>; 4] = Default::default();
     let (mut act_i, mut act_w) = (Vec::new(), Vec::new());
@@ -414,6 +455,12 @@ fn profile_kind<W: Profiled + 'static>(
         let mut short = vec![s as u32; t / s];
         if t % s != 0 {
             short.push((t % s) as u32);
+        }
+        // The other ranks run the same T in short sequences, as the other ranks of a step of
+        // real lengths do (and a round of T = 16,384 in one sequence would hold the measured
+        // rank's GPU for most of a minute).
+        if let Some(load) = &load {
+            load.follow(&microbatch(short.clone(), vocab));
         }
         for lens in [vec![t as u32], short] {
             progress(
@@ -834,6 +881,61 @@ pub fn cpu_name() -> String {
 
 #[cfg(test)]
 mod tests {
+    /// The concurrent ranks make their stage once each, run the microbatch being measured and
+    /// move to the next one when told; a rank whose stage cannot be made stays idle.
+    #[test]
+    fn the_concurrent_ranks_make_their_stage_once_and_follow_the_measured_microbatch() {
+        use std::sync::atomic::AtomicUsize;
+        use std::time::Duration;
+        let made = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (m, s) = (Arc::clone(&made), Arc::clone(&seen));
+        let load = Load::start(
+            3,
+            microbatch(vec![4], 10),
+            move || {
+                // The third stage fails, as on a GPU out of memory.
+                match m.fetch_add(1, Ordering::SeqCst) {
+                    2 => Err(Error::Invalid("out of memory".into())),
+                    k => Ok(k),
+                }
+            },
+            move |rank: &mut usize, mb| {
+                s.lock().unwrap().push((*rank, mb.tokens()));
+                std::thread::sleep(Duration::from_millis(1));
+            },
+        );
+        // The last `k` rounds recorded ran `tokens`, on both ranks that run.
+        let settled = |tokens: usize, k: usize| {
+            for _ in 0..5000 {
+                let v = seen.lock().unwrap().clone();
+                let tail = &v[v.len().saturating_sub(k)..];
+                if tail.len() == k
+                    && tail.iter().all(|&(_, t)| t == tokens)
+                    && [0, 1].iter().all(|r| tail.iter().any(|&(q, _)| q == *r))
+                {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            false
+        };
+        assert!(settled(4, 10));
+        load.follow(&microbatch(vec![3, 5], 10));
+        assert!(settled(8, 10));
+        drop(load);
+        assert_eq!(
+            made.load(Ordering::SeqCst),
+            3,
+            "one stage per concurrent rank"
+        );
+        let v = seen.lock().unwrap();
+        assert!(
+            v.iter().all(|&(r, _)| r < 2),
+            "the rank without a stage ran nothing"
+        );
+    }
+
     #[test]
     fn gemm_split_is_the_flop_rate_ratio_with_a_fixed_cost_per_gemm() {
         let model = flatpipe_profiles::builtins::model("tiny").unwrap();
