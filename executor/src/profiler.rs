@@ -345,8 +345,8 @@ fn time_phases<W: Profiled>(
 /// round on the microbatch it is told ([`Load::follow`]: the profiler's current T, in short
 /// sequences), until dropped.
 ///
-/// Each thread used to make a fresh stage per round (weights allocated and drawn, on a GPU a
-/// new stream, cuBLAS handle and module), so the other ranks' load was mostly set-up, and ran
+/// Each thread used to make a fresh stage per round (weights allocated and drawn; on a GPU
+/// also new streams and a cuBLAS handle), so the other ranks' load was largely set-up, and ran
 /// one fixed T throughout. Two profiles of Llama-3.1-8B with 4 streams busy on one H200, taken
 /// that way, disagreed by 7x on the decoder's F per token and predicted the same steps 17%
 /// short and 5% over (`docs/gpu/h200-2026-12-04/`).

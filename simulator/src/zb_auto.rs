@@ -30,9 +30,9 @@
 //! is replayed as the greedy builds it (`replay::Incremental`), so a losing one is not even
 //! finished. The wave orders (the one whose construction reaches the least makespan first; none
 //! whose construction is already slower than the best) and the handcrafted schedules are
-//! replayed first, the list schedules last; on a full tie
-//! (makespan and peak) the order of preference decides, list schedules first, so the choice
-//! does not depend on the order of evaluation.
+//! replayed first, the list schedules last; on a full tie (makespan and peak) the order of
+//! preference decides, list schedules first, so the choice does not depend on the order of
+//! evaluation.
 //!
 //! Expected quality (one step, comm = 0): with a limit of 2p units and m >= 2p - 1 it reaches the
 //! lower bound `(p - 1) f + m (f + b + w)` when `b <= 2w` and `b <= 2f` (ZB-H2's regime); with p
