@@ -357,38 +357,57 @@ struct Load {
 }
 
 impl Load {
-    /// `n` threads; each makes its stage with `make` (a thread whose stage cannot be made, on
-    /// a GPU out of memory, stays idle and says so) and runs `round` on it with the current
-    /// microbatch, starting from `mb`.
+    /// `n` threads; each makes its stage with `make` and runs `round` on it with the current
+    /// microbatch, starting from `mb`. Returns once every thread has made its stage, so no
+    /// measurement runs against their set-up. A thread whose stage cannot be made (on a GPU,
+    /// out of memory) says so and stays idle; one whose round fails (its stage may be left
+    /// mid-step) says so and makes a fresh stage.
     fn start<S: 'static>(
         n: usize,
         mb: MicrobatchData,
         make: impl Fn() -> Result<S> + Send + Sync + Clone + 'static,
-        round: impl Fn(&mut S, &MicrobatchData) + Send + Sync + Clone + 'static,
+        round: impl Fn(&mut S, &MicrobatchData) -> Result<()> + Send + Sync + Clone + 'static,
     ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let current = Arc::new(Mutex::new(Arc::new(mb)));
+        let ready = Arc::new(std::sync::Barrier::new(n + 1));
         let handles = (0..n)
             .map(|_| {
                 let (stop, current) = (Arc::clone(&stop), Arc::clone(&current));
-                let (make, round) = (make.clone(), round.clone());
+                let (make, round, ready) = (make.clone(), round.clone(), Arc::clone(&ready));
                 std::thread::spawn(move || {
-                    let mut stage = match make() {
+                    let made = make();
+                    ready.wait();
+                    let mut stage = match made {
                         Ok(s) => s,
                         Err(e) => {
                             tracing::warn!(
-                                "profile: a concurrent rank's stage: {e}; it stays idle"
+                                "profile: a concurrent rank's stage: {e}; it stays idle, so fewer ranks than --concurrency are busy"
                             );
                             return;
                         }
                     };
+                    let mut warned = false;
                     while !stop.load(Ordering::Relaxed) {
                         let mb = Arc::clone(&current.lock().unwrap_or_else(|e| e.into_inner()));
-                        round(&mut stage, &mb);
+                        if let Err(e) = round(&mut stage, &mb) {
+                            if !warned {
+                                tracing::warn!(
+                                    "profile: a concurrent rank's round at T = {}: {e}; it makes a fresh stage",
+                                    mb.tokens()
+                                );
+                                warned = true;
+                            }
+                            match make() {
+                                Ok(s) => stage = s,
+                                Err(_) => return,
+                            }
+                        }
                     }
                 })
             })
             .collect();
+        ready.wait();
         Load {
             stop,
             current,
@@ -443,9 +462,7 @@ fn profile_kind<W: Profiled + 'static>(
             cfg.concurrency - 1,
             microbatch(vec![cfg.tokens[0].min(cfg.short_seq).max(1) as u32], vocab),
             move || make(range.clone(), 1),
-            move |st: &mut W, mb| {
-                let _ = time_phases(st, mb, first, last, 0, 1);
-            },
+            move |st: &mut W, mb| time_phases(st, mb, first, last, 0, 1).map(drop),
         )
     });
     let mut samples: [Vec<Sample>; 4] = Default::default();
@@ -881,15 +898,17 @@ pub fn cpu_name() -> String {
 
 #[cfg(test)]
 mod tests {
-    /// The concurrent ranks make their stage once each, run the microbatch being measured and
-    /// move to the next one when told; a rank whose stage cannot be made stays idle.
+    /// The concurrent ranks make their stage once each before the measurement starts, run the
+    /// microbatch being measured and move to the next one when told; a rank whose stage
+    /// cannot be made stays idle, one whose round fails makes a fresh stage.
     #[test]
     fn the_concurrent_ranks_make_their_stage_once_and_follow_the_measured_microbatch() {
         use std::sync::atomic::AtomicUsize;
         use std::time::Duration;
         let made = Arc::new(AtomicUsize::new(0));
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let (m, s) = (Arc::clone(&made), Arc::clone(&seen));
+        let failed = Arc::new(AtomicBool::new(false));
+        let (m, s, f) = (Arc::clone(&made), Arc::clone(&seen), Arc::clone(&failed));
         let load = Load::start(
             3,
             microbatch(vec![4], 10),
@@ -903,16 +922,23 @@ mod tests {
             move |rank: &mut usize, mb| {
                 s.lock().unwrap().push((*rank, mb.tokens()));
                 std::thread::sleep(Duration::from_millis(1));
+                // One failed round (a stage left mid-step): that rank makes a fresh stage.
+                if mb.tokens() == 8 && !f.swap(true, Ordering::SeqCst) {
+                    return Err(Error::Invalid("out of memory".into()));
+                }
+                Ok(())
             },
         );
-        // The last `k` rounds recorded ran `tokens`, on both ranks that run.
+        // Every stage was made before `start` returned.
+        assert_eq!(made.load(Ordering::SeqCst), 3);
+        // The last `k` rounds recorded ran `tokens`, on two stages (the two ranks that run).
         let settled = |tokens: usize, k: usize| {
             for _ in 0..5000 {
                 let v = seen.lock().unwrap().clone();
                 let tail = &v[v.len().saturating_sub(k)..];
                 if tail.len() == k
                     && tail.iter().all(|&(_, t)| t == tokens)
-                    && [0, 1].iter().all(|r| tail.iter().any(|&(q, _)| q == *r))
+                    && tail.iter().any(|&(q, _)| q != tail[0].0)
                 {
                     return true;
                 }
@@ -926,13 +952,13 @@ mod tests {
         drop(load);
         assert_eq!(
             made.load(Ordering::SeqCst),
-            3,
-            "one stage per concurrent rank"
+            4,
+            "one stage per concurrent rank, and a fresh one after the failed round"
         );
         let v = seen.lock().unwrap();
         assert!(
-            v.iter().all(|&(r, _)| r < 2),
-            "the rank without a stage ran nothing"
+            v.iter().all(|&(r, _)| r != 2),
+            "the stage that was not made ran nothing"
         );
     }
 
