@@ -237,6 +237,20 @@ impl ScheduleKind {
         )
     }
 
+    /// The handcrafted schedules zb-auto weighs against its own on `v` stages per rank, in its
+    /// order of preference: ZB-V in V placement (v = 2), else 1F1B, ZB-H1 and ZB-H2.
+    pub(crate) fn zb_auto_handcrafted(v: u32) -> &'static [ScheduleKind] {
+        if v == 2 {
+            &[ScheduleKind::ZbV]
+        } else {
+            &[
+                ScheduleKind::OneFOneB,
+                ScheduleKind::ZbH1,
+                ScheduleKind::ZbH2,
+            ]
+        }
+    }
+
     /// [`ScheduleKind::build`] with zb-auto minimising `objective` (one step, or the steady
     /// state under optimizer post-validation); the handcrafted kinds ignore it.
     ///
@@ -254,16 +268,7 @@ impl ScheduleKind {
         if self != ScheduleKind::ZbAuto {
             return self.generate(p, v, m);
         }
-        let handcrafted: &[ScheduleKind] = if v == 2 {
-            &[ScheduleKind::ZbV]
-        } else {
-            &[
-                ScheduleKind::OneFOneB,
-                ScheduleKind::ZbH1,
-                ScheduleKind::ZbH2,
-            ]
-        };
-        let candidates = handcrafted
+        let candidates = Self::zb_auto_handcrafted(v)
             .iter()
             .filter_map(|k| k.generate(p, v, m).ok())
             .collect();

@@ -1202,16 +1202,11 @@ mod props {
             let waves = crate::zb_waves::wave_orders(p, m, c, limit);
             candidates.extend(waves.into_iter().map(|w| w.map(|w| of_ranks(w.ranks))));
         }
-        let handcrafted: &[ScheduleKind] = if v == 2 {
-            &[ScheduleKind::ZbV]
-        } else {
-            &[
-                ScheduleKind::OneFOneB,
-                ScheduleKind::ZbH1,
-                ScheduleKind::ZbH2,
-            ]
-        };
-        candidates.extend(handcrafted.iter().map(|k| k.generate(p, v, m).ok()));
+        candidates.extend(
+            ScheduleKind::zb_auto_handcrafted(v)
+                .iter()
+                .map(|k| k.generate(p, v, m).ok()),
+        );
         let cap = limit * (1.0 + 1e-9) + 1e-9;
         candidates
             .into_iter()

@@ -21,9 +21,9 @@
 //! - finally every stage's remaining W.
 //!
 //! Eight settings of the three switches; [`wave_orders`] returns each one's per-rank action
-//! lists and the makespan its construction's clocks reach. A setting that cannot keep the limit gives none; one whose order is not a valid
-//! schedule (the heuristic's own assertions fail on some per-stage costs) is rejected by
-//! zb-auto's validation and replay like any candidate.
+//! lists and the makespan its construction's clocks reach. A setting that cannot keep the limit
+//! gives none; one whose order is not a valid schedule (the heuristic's own assertions fail on
+//! some per-stage costs) is rejected by zb-auto's validation and replay like any candidate.
 
 use crate::costs::CostModel;
 use crate::ir::{Action, ActionKind, ComputeAction, MicrobatchId, StageId};
@@ -605,6 +605,13 @@ mod tests {
         assert_eq!((all.len(), distinct.len()), (8, 2));
         let built = wave_orders(16, 64, &c, 16.0);
         assert_eq!(built.iter().flatten().count(), 2);
+        // Exactly the distinct orders, each once.
+        assert_eq!(built.iter().flatten().count(), distinct.len());
+        assert!(
+            distinct
+                .iter()
+                .all(|d| built.iter().flatten().any(|b| b == *d))
+        );
         compare(16, 64, &c, 16.0);
     }
 
