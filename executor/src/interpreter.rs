@@ -270,19 +270,22 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
 
     /// Gets the inputs of one compute action (blocking on receives).
     fn inputs(&mut self, a: &ComputeAction) -> Result<Option<W::Hidden>> {
-        let last = self.schedule.num_stages() - 1;
-        Ok(match a.kind {
-            ActionKind::F if a.stage.0 > 0 => Some(self.recv(Dir::Forward, a)?),
-            ActionKind::Fo if a.stage.0 > 0 => Some(self.recv(Dir::ForwardOnly, a)?),
-            ActionKind::I | ActionKind::B if a.stage.0 < last => Some(self.recv(Dir::Backward, a)?),
-            _ => None,
-        })
+        if a.receives(self.schedule.num_stages()).is_none() {
+            return Ok(None);
+        }
+        let dir = match a.kind {
+            ActionKind::F => Dir::Forward,
+            ActionKind::Fo => Dir::ForwardOnly,
+            _ => Dir::Backward,
+        };
+        Ok(Some(self.recv(dir, a)?))
     }
 
     /// Runs one compute action on its inputs and sends its output.
     fn compute(&mut self, a: &ComputeAction, input: Option<W::Hidden>) -> Result<()> {
         let last = self.schedule.num_stages() - 1;
         let (s, mb) = (a.stage.0, a.microbatch.0);
+        let to = a.sends(self.schedule.num_stages());
         let data = self.data(a)?;
         match a.kind {
             ActionKind::F | ActionKind::Fo => {
@@ -302,12 +305,12 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
                     None => StageInput::Tokens,
                 };
                 let out = self.stage(s)?.forward(mb, data, input, keep)?;
-                match (out, s == last) {
-                    (StageOutput::Hidden(h), false) => {
+                match (out, to) {
+                    (StageOutput::Hidden(h), Some(to)) => {
                         let dir = if keep { Dir::Forward } else { Dir::ForwardOnly };
-                        self.send(dir, a, s + 1, h)?;
+                        self.send(dir, a, to.0, h)?;
                     }
-                    (StageOutput::Loss(l), true) => {
+                    (StageOutput::Loss(l), None) => {
                         if keep {
                             self.out.losses.push((mb, l));
                         } else {
@@ -315,7 +318,7 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
                         }
                     }
                     // Filled in by `take_losses` at the end of the rank's run.
-                    (StageOutput::LossPending, true) => {
+                    (StageOutput::LossPending, None) => {
                         if keep {
                             self.out.losses.push((mb, LossSums::default()));
                         } else {
@@ -331,11 +334,11 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
             }
             ActionKind::I | ActionKind::B => {
                 let dx = self.stage(s)?.backward_input(mb, data, input)?;
-                if s > 0 {
+                if let Some(to) = to {
                     let dx = dx.ok_or_else(|| {
                         Error::Invalid(format!("stage {s} produced no input gradient"))
                     })?;
-                    self.send(Dir::Backward, a, s - 1, dx)?;
+                    self.send(Dir::Backward, a, to.0, dx)?;
                 }
                 if a.kind == ActionKind::B {
                     self.stage(s)?.backward_weight(mb, data)?;

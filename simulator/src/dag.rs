@@ -19,7 +19,7 @@
 
 use crate::Error;
 use crate::costs::CostModel;
-use crate::ir::{Action, ActionKind, ComputeAction, Schedule};
+use crate::ir::{Action, ActionKind, ComputeAction, Schedule, StageId};
 use petgraph::Direction;
 use petgraph::algo::toposort;
 use petgraph::graph::{DiGraph, NodeIndex};
@@ -124,18 +124,14 @@ impl Dag {
             for (pos, action) in actions.iter().enumerate() {
                 let id = entries[r][pos];
                 for a in action.parts() {
-                    let (s, mb) = (a.stage.idx(), a.microbatch.idx());
-                    let (target, slot) = match a.kind {
-                        ActionKind::F if s + 1 < s_count => {
-                            (s + 1, &mut act_arrival[(s + 1) * m + mb])
-                        }
-                        ActionKind::Fo if s + 1 < s_count => {
-                            (s + 1, &mut fo_arrival[(s + 1) * mfo + mb])
-                        }
-                        ActionKind::I | ActionKind::B if s > 0 => {
-                            (s - 1, &mut grad_arrival[(s - 1) * m + mb])
-                        }
-                        _ => continue,
+                    let Some(target) = a.sends(s_count as u32).map(StageId::idx) else {
+                        continue;
+                    };
+                    let mb = a.microbatch.idx();
+                    let slot = match a.kind {
+                        ActionKind::F => &mut act_arrival[target * m + mb],
+                        ActionKind::Fo => &mut fo_arrival[target * mfo + mb],
+                        _ => &mut grad_arrival[target * m + mb],
                     };
                     let to = schedule.placement.rank_of[target].0;
                     if to == r as u32 {
@@ -162,11 +158,12 @@ impl Dag {
                 for a in action.parts() {
                     let (s, mb) = (a.stage.idx(), a.microbatch.idx());
                     let k = s * m + mb;
+                    let receives = a.receives(s_count as u32).is_some();
                     let preds = match a.kind {
-                        ActionKind::F => [(s > 0).then(|| act_arrival[k]), None],
-                        ActionKind::Fo => [(s > 0).then(|| fo_arrival[s * mfo + mb]), None],
+                        ActionKind::F => [receives.then(|| act_arrival[k]), None],
+                        ActionKind::Fo => [receives.then(|| fo_arrival[s * mfo + mb]), None],
                         ActionKind::I | ActionKind::B => {
-                            [Some(f_node[k]), (s + 1 < s_count).then(|| grad_arrival[k])]
+                            [Some(f_node[k]), receives.then(|| grad_arrival[k])]
                         }
                         ActionKind::W => [Some(i_node[k]), None],
                     };

@@ -109,6 +109,10 @@ struct Inst {
     comm_f: Vec<u64>,
     /// Transfer after I of s to s - 1 (0 on one rank or at stage 0).
     comm_b: Vec<u64>,
+    /// The stage F of s sends its activations to ([`ComputeAction::sends`]), or [`NONE`].
+    to_f: Vec<usize>,
+    /// The stage I of s sends its input gradient to, or [`NONE`].
+    to_b: Vec<usize>,
     /// The link (ordered rank pair) F of s sends on, or [`NONE`].
     link_f: Vec<usize>,
     link_b: Vec<usize>,
@@ -208,14 +212,20 @@ impl Inst {
         let mut comm_b = vec![0; s_count];
         let mut link_f = vec![NONE; s_count];
         let mut link_b = vec![NONE; s_count];
+        let to = |s: usize, kind| {
+            let a = ComputeAction::new(s as u32, kind, 0);
+            a.sends(s_count as u32).map_or(NONE, StageId::idx)
+        };
+        let to_f: Vec<usize> = (0..s_count).map(|s| to(s, ActionKind::F)).collect();
+        let to_b: Vec<usize> = (0..s_count).map(|s| to(s, ActionKind::I)).collect();
         for s in 0..s_count {
-            if s + 1 < s_count && rank_of[s] != rank_of[s + 1] {
+            if to_f[s] != NONE && rank_of[s] != rank_of[to_f[s]] {
                 comm_f[s] = costs.comm_ns(StageId(s as u32), MicrobatchId(0), ActionKind::F);
-                link_f[s] = rank_of[s] * p + rank_of[s + 1];
+                link_f[s] = rank_of[s] * p + rank_of[to_f[s]];
             }
-            if s > 0 && rank_of[s] != rank_of[s - 1] {
+            if to_b[s] != NONE && rank_of[s] != rank_of[to_b[s]] {
                 comm_b[s] = costs.comm_ns(StageId(s as u32), MicrobatchId(0), ActionKind::I);
-                link_b[s] = rank_of[s] * p + rank_of[s - 1];
+                link_b[s] = rank_of[s] * p + rank_of[to_b[s]];
             }
         }
         // Number the links in use 0.. (the dominance test compares their clocks).
@@ -268,6 +278,8 @@ impl Inst {
             w,
             comm_f,
             comm_b,
+            to_f,
+            to_b,
             link_f,
             link_b,
             num_links,
@@ -420,10 +432,10 @@ impl<'a> Search<'a> {
                 let end = start + inst.f[s];
                 self.f_end[s * m + k] = end;
                 self.mem[r] += inst.alloc_f[s];
-                if s + 1 < inst.s_count {
+                if inst.to_f[s] != NONE {
                     let (l, old, arrive) = self.send(inst.link_f[s], end, inst.comm_f[s]);
                     (undo.link, undo.link_free) = (l, old);
-                    self.act_ready[(s + 1) * m + k] = arrive;
+                    self.act_ready[inst.to_f[s] * m + k] = arrive;
                 } else {
                     self.grad_ready[s * m + k] = end;
                 }
@@ -435,10 +447,10 @@ impl<'a> Search<'a> {
                 let end = start + inst.i[s];
                 self.i_end[s * m + k] = end;
                 self.mem[r] += inst.alloc_i[s] - inst.free_i[s];
-                if s > 0 {
+                if inst.to_b[s] != NONE {
                     let (l, old, arrive) = self.send(inst.link_b[s], end, inst.comm_b[s]);
                     (undo.link, undo.link_free) = (l, old);
-                    self.grad_ready[(s - 1) * m + k] = arrive;
+                    self.grad_ready[inst.to_b[s] * m + k] = arrive;
                 }
                 self.ni[s] += 1;
                 self.free[r] = end;

@@ -100,6 +100,34 @@ impl ComputeAction {
             kind,
         }
     }
+
+    /// The stage this action's result goes to, in a pipeline of `num_stages` stages: F and Fo
+    /// send their output activations to stage s + 1, I and B their input gradient to stage
+    /// s - 1; W sends nothing, nor does the last stage's forward (its loss gradient stays on
+    /// the rank) or stage 0's backward. This is the pipeline's one transfer rule: the replay,
+    /// the DAG, the exact solver, the executor's interpreter and the Python runtime all ask it.
+    #[inline]
+    pub fn sends(self, num_stages: u32) -> Option<StageId> {
+        let s = self.stage.0;
+        match self.kind {
+            ActionKind::F | ActionKind::Fo => (s + 1 < num_stages).then_some(StageId(s + 1)),
+            ActionKind::I | ActionKind::B => s.checked_sub(1).map(StageId),
+            ActionKind::W => None,
+        }
+    }
+
+    /// The stage this action waits on for its input, the mirror of [`ComputeAction::sends`]:
+    /// F and Fo of stage s > 0 receive stage s - 1's activations, I and B of a stage before the
+    /// last receive stage s + 1's gradient; W and the ends of the pipeline receive nothing.
+    #[inline]
+    pub fn receives(self, num_stages: u32) -> Option<StageId> {
+        let s = self.stage.0;
+        match self.kind {
+            ActionKind::F | ActionKind::Fo => s.checked_sub(1).map(StageId),
+            ActionKind::I | ActionKind::B => (s + 1 < num_stages).then_some(StageId(s + 1)),
+            ActionKind::W => None,
+        }
+    }
 }
 
 /// One entry of a rank's action list.
@@ -588,6 +616,33 @@ mod tests {
         assert_eq!(pair.to_string(), "(0F7;7B3)OVERLAP_F_B");
         for bad in ["", "F1", "0X1", "0F", "0F1x", "(0F1;1B0)", "0SEND_F1"] {
             assert!(bad.parse::<Action>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn transfer_rule() {
+        // Four stages, written out by hand: forwards go down the pipeline, input backwards up.
+        let table = [
+            ("0F3", Some(1), None),
+            ("2F3", Some(3), Some(1)),
+            ("3F3", None, Some(2)),
+            ("1Fo0", Some(2), Some(0)),
+            ("3Fo0", None, Some(2)),
+            ("0I1", None, Some(1)),
+            ("2I1", Some(1), Some(3)),
+            ("3B1", Some(2), None),
+            ("0B1", None, Some(1)),
+            ("1W5", None, None),
+        ];
+        for (text, to, from) in table {
+            let a: ComputeAction = text.parse().unwrap();
+            assert_eq!(a.sends(4), to.map(StageId), "{text} sends");
+            assert_eq!(a.receives(4), from.map(StageId), "{text} receives");
+        }
+        // One stage: nothing moves.
+        for text in ["0F0", "0I0", "0B0", "0Fo0", "0W0"] {
+            let a: ComputeAction = text.parse().unwrap();
+            assert_eq!((a.sends(1), a.receives(1)), (None, None), "{text}");
         }
     }
 

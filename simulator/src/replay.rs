@@ -16,7 +16,9 @@
 //! with work left, it finds the dependency cycle to report.
 
 use crate::costs::CostModel;
-use crate::ir::{Action, ActionKind, ChunkLinks, ComputeAction, Placement, Rank, Schedule};
+use crate::ir::{
+    Action, ActionKind, ChunkLinks, ComputeAction, Placement, Rank, Schedule, StageId,
+};
 use crate::timeline::{TimedOp, TimedTransfer, Timeline};
 use crate::{Result, dag};
 use std::collections::VecDeque;
@@ -197,21 +199,22 @@ impl<C: CostModel, R: Recorder> State<'_, C, R> {
     #[inline]
     fn complete(&mut self, r: u32, a: ComputeAction, end: u64) {
         let (s, mb) = (a.stage.idx(), a.microbatch.idx());
+        let to = a.sends(self.s_count as u32).map(StageId::idx);
         match a.kind {
             ActionKind::F => {
                 self.cells[s * self.m + mb].f_end = end;
-                if s + 1 < self.s_count {
-                    let t = self.send(r, s + 1, a, end);
-                    self.cells[(s + 1) * self.m + mb].act_ready = t;
+                if let Some(to) = to {
+                    let t = self.send(r, to, a, end);
+                    self.cells[to * self.m + mb].act_ready = t;
                 } else {
                     // The loss gradient is available once the last stage's forward ends.
                     self.cells[s * self.m + mb].grad_ready = end;
                 }
             }
             ActionKind::Fo => {
-                if s + 1 < self.s_count {
-                    let t = self.send(r, s + 1, a, end);
-                    self.fo_ready[(s + 1) * self.mfo + mb] = t;
+                if let Some(to) = to {
+                    let t = self.send(r, to, a, end);
+                    self.fo_ready[to * self.mfo + mb] = t;
                 }
             }
             ActionKind::I | ActionKind::B => {
@@ -221,9 +224,9 @@ impl<C: CostModel, R: Recorder> State<'_, C, R> {
                 if self.chunk.is_some() {
                     self.bwd_end[s * self.m + mb] = end;
                 }
-                if s > 0 {
-                    let t = self.send(r, s - 1, a, end);
-                    self.cells[(s - 1) * self.m + mb].grad_ready = t;
+                if let Some(to) = to {
+                    let t = self.send(r, to, a, end);
+                    self.cells[to * self.m + mb].grad_ready = t;
                 }
             }
             ActionKind::W => {}
