@@ -1,0 +1,122 @@
+//! `flatpipe execute`'s refusals: what the executor does not run, and steps too small for it.
+
+use crate::cli::common::{flatpipe, repo_file};
+
+#[test]
+fn execute_refuses_too_many_stages_or_microbatches_and_padded_plans() {
+    let dir = tempfile::tempdir().unwrap();
+    // tiny has 10 layers: 12 stages cannot each hold one.
+    let o = flatpipe(dir.path(), &["execute", "--pp", "12", "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(o.stderr.contains("12"), "{}", o.stderr);
+    // More microbatches than sequences.
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--microbatches",
+            "9",
+            "--seqs-per-step",
+            "4",
+            "--steps",
+            "1",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(o.stderr.contains("--microbatches"), "{}", o.stderr);
+    // A padded plan: the executor runs flat microbatches only.
+    let plan = std::fs::read_to_string(repo_file("examples/cpu-tiny/plan.yaml"))
+        .unwrap()
+        .replace("policy: flat-ffd", "policy: padded");
+    std::fs::write(dir.path().join("p.yaml"), plan).unwrap();
+    let o = flatpipe(dir.path(), &["execute", "--plan", "p.yaml", "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(o.stderr.contains("flat"), "{}", o.stderr);
+}
+
+/// The executor's replicas hold full state: a plan sharded over dp > 1 replicas is refused with
+/// the reason (sharding is priced and planned, not executed) and nothing runs.
+#[test]
+fn execute_refuses_a_sharded_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(repo_file("examples/cpu-tiny/plan.yaml")).unwrap();
+    let sharded = text
+        .replace("dp: 1\n", "dp: 2\nsharding: fsdp\n")
+        .replace("predicted:", "predicted_unused:");
+    let sharded = sharded
+        .split("predicted_unused:")
+        .next()
+        .unwrap()
+        .to_string();
+    std::fs::write(dir.path().join("s.yaml"), sharded).unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute", "--plan", "s.yaml", "--steps", "1", "--gantt", "none",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
+    let err = &o.stderr;
+    assert!(
+        err.contains("sharding fsdp") && err.contains("not executed"),
+        "{err}"
+    );
+}
+
+/// A step too small for `execute`'s default microbatch count says that the count is the default
+/// p·v and what to give instead (it named a `--microbatches = 2` the user never typed).
+#[test]
+fn a_step_too_small_for_the_default_microbatches_says_what_to_give() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = [
+        "execute",
+        "--model",
+        "tiny",
+        "--hardware",
+        "cpu",
+        "--workload",
+        "tiny-chat",
+        "--steps",
+        "1",
+        "--gantt",
+        "none",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--tokens-per-step", "1"]);
+    let o = flatpipe(dir.path(), &args);
+    assert_eq!(o.status.code(), Some(2));
+    let err = &o.stderr;
+    assert!(
+        err.contains("default of pp x vpp = 2 microbatches") && err.contains("--token-budget"),
+        "{err}"
+    );
+}
+
+/// The note on execute's default microbatch count is added only to the refusal of that count:
+/// too few sequences for the replicas is said as such.
+#[test]
+fn execute_blames_its_default_microbatches_only_when_they_are_the_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--model",
+            "tiny",
+            "--hardware",
+            "cpu",
+            "--workload",
+            "tiny-chat",
+            "--dp",
+            "4",
+            "--seqs-per-step",
+            "2",
+            "--steps",
+            "1",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let err = &o.stderr;
+    assert!(err.contains("too few for dp = 4"), "{err}");
+    assert!(!err.contains("the default of pp x vpp"), "{err}");
+}

@@ -1,0 +1,345 @@
+//! `flatpipe execute`: running a plan on the CPU (or CUDA) backend, verifying it, and comparing
+//! the measurement with a prediction.
+
+use crate::cli::common::{flatpipe, repo_file};
+use serde_json::Value;
+
+// Running and verifying.
+
+#[test]
+fn execute_runs_the_shipped_plan_and_verifies_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = repo_file("examples/cpu-tiny/plan.yaml");
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--plan",
+            &plan,
+            "--steps",
+            "1",
+            "--seqs-per-step",
+            "8",
+            "--verify",
+            "--gantt",
+            "g.svg",
+            "--trace",
+            "t.json",
+            "--format",
+            "json",
+        ],
+    );
+    let v = o.json();
+    assert_eq!(v["schedule"], "zb-h2");
+    assert_eq!(v["pp"], 2);
+    let step = &v["steps"][0];
+    assert_eq!(step["verify"]["within_tolerance"], true, "{step}");
+    assert!(step["verify"]["grad_max_rel_diff"].as_f64().unwrap() <= 1e-4);
+    // The loss of random-ish tokens over a 4096-token vocabulary starts near ln(4096) = 8.32.
+    let loss = step["loss"].as_f64().unwrap();
+    assert!((loss - 4096f64.ln()).abs() < 0.5, "{loss}");
+    assert!(step["measured_makespan_s"].as_f64().unwrap() > 0.0);
+    // No measured profile: no prediction, and the output says so.
+    assert!(step.get("predicted_makespan_s").is_none());
+    assert!(
+        o.stderr.contains("No profile measured on the cpu backend"),
+        "{}",
+        o.stderr
+    );
+    let svg = std::fs::read_to_string(dir.path().join("g.svg")).unwrap();
+    assert!(svg.contains("measured on cpu") && svg.contains("rank 1"));
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("t.json")).unwrap()).unwrap();
+    let names: Vec<&str> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    // ZB-H2 runs separate I and W actions, and the last stage's first F is 1F0.
+    assert!(names.iter().any(|n| n.starts_with("1I")), "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("1W")), "{names:?}");
+    assert!(names.contains(&"1F0"), "{names:?}");
+}
+
+#[test]
+fn execute_takes_inline_options_like_simulate() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--schedule",
+            "zb-v",
+            "--pp",
+            "2",
+            "--microbatches",
+            "3",
+            "--seqs-per-step",
+            "6",
+            "--steps",
+            "2",
+            "--format",
+            "json",
+        ],
+    );
+    let v = o.json();
+    assert_eq!(v["schedule"], "zb-v");
+    assert_eq!(v["vpp"], 2);
+    let steps = v["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2);
+    for s in steps {
+        assert_eq!(s["microbatches"], serde_json::json!([3]));
+        let b = s["bubble_ratio"].as_f64().unwrap();
+        assert!((0.0..1.0).contains(&b), "{b}");
+    }
+}
+
+#[test]
+fn a_plan_with_selective_recomputation_executes_and_verifies() {
+    // The CPU executor used to refuse selective recomputation, which `plan` may choose.
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "plan",
+            "--model",
+            "tiny",
+            "--hardware",
+            "cpu",
+            "--workload",
+            "tiny-chat",
+            "--ranks",
+            "2",
+            "--pp",
+            "2",
+            "--schedule",
+            "zb-h1",
+            "--recompute",
+            "none",
+            "--token-budgets",
+            "512",
+            "-o",
+            "none.yaml",
+        ],
+    );
+    assert!(o.status.success(), "{}", o.stderr);
+    let plan = std::fs::read_to_string(dir.path().join("none.yaml")).unwrap();
+    assert!(plan.contains("recompute:\n- none\n- none"), "{plan}");
+    std::fs::write(
+        dir.path().join("selective.yaml"),
+        plan.replace("- none", "- selective"),
+    )
+    .unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--plan",
+            "selective.yaml",
+            "--steps",
+            "1",
+            "--verify",
+            "--format",
+            "json",
+        ],
+    );
+    let v = o.json();
+    let step = &v["steps"][0];
+    assert!(
+        step["microbatches"][0].as_u64().unwrap() >= 2,
+        "several microbatches in flight: {step}"
+    );
+    assert_eq!(step["verify"]["within_tolerance"], true, "{step}");
+    assert!(step["verify"]["grad_max_rel_diff"].as_f64().unwrap() <= 1e-4);
+}
+
+#[test]
+fn warmup_steps_run_before_the_reported_ones_and_are_not_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |warmup: &str| {
+        let o = flatpipe(
+            dir.path(),
+            &[
+                "execute",
+                "--steps",
+                "1",
+                "--warmup-steps",
+                warmup,
+                "--seqs-per-step",
+                "4",
+                "--verify",
+                "--format",
+                "json",
+            ],
+        );
+        assert!(o.status.success(), "{}", o.stderr);
+        o.json()
+    };
+    let (cold, warm) = (run("0"), run("1"));
+    for v in [&cold, &warm] {
+        assert_eq!(v["steps"].as_array().unwrap().len(), 1);
+        assert_eq!(v["steps"][0]["step"], 0);
+    }
+    // The same step 0 (same tokens), after one AdamW update of the weights: another loss, and
+    // the reference still agrees.
+    assert_eq!(cold["steps"][0]["tokens"], warm["steps"][0]["tokens"]);
+    assert_ne!(cold["steps"][0]["loss"], warm["steps"][0]["loss"]);
+    assert_eq!(warm["steps"][0]["verify"]["within_tolerance"], true);
+}
+
+// Prediction against measurement.
+
+#[test]
+fn execute_compares_with_a_profile_measured_on_its_backend() {
+    use flatpipe::profiles::{AnalyticOptions, ProfileSource, analytic_profile, builtins};
+    let dir = tempfile::tempdir().unwrap();
+    // Stand-in for a profiler output: the analytic tiny@cpu profile marked as measured on a CPU.
+    let model = builtins::model("tiny").unwrap();
+    let hw = builtins::hardware("cpu").unwrap();
+    let mut p = analytic_profile(&model, &hw, &AnalyticOptions::default()).unwrap();
+    p.provenance.source = ProfileSource::Measured;
+    p.provenance.device = "test CPU".into();
+    p.provenance.date = Some("2026-11-30".into());
+    std::fs::write(dir.path().join("measured.yaml"), p.to_yaml().unwrap()).unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--profile",
+            "measured.yaml",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--seqs-per-step",
+            "4",
+            "--steps",
+            "2",
+            "--format",
+            "json",
+        ],
+    );
+    let v = o.json();
+    let mut errs = Vec::new();
+    for s in v["steps"].as_array().unwrap() {
+        let (pred, meas) = (
+            s["predicted_makespan_s"].as_f64().unwrap(),
+            s["measured_makespan_s"].as_f64().unwrap(),
+        );
+        assert!(pred > 0.0 && meas > 0.0);
+        let e = s["rel_error"].as_f64().unwrap();
+        assert!((e - (pred - meas) / meas).abs() < 1e-9);
+        errs.push(e.abs());
+    }
+    errs.sort_by(f64::total_cmp);
+    // Median of two values: nearest rank (the smaller).
+    let m = v["median_abs_rel_error"].as_f64().unwrap();
+    assert!(errs.contains(&m), "{m} {errs:?}");
+}
+
+// Notes, charts and backends.
+
+/// `execute` says when sequences are longer than the token budget (each runs alone).
+#[test]
+fn execute_notes_sequences_longer_than_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--token-budget",
+            "64",
+            "--steps",
+            "1",
+            "--pp",
+            "2",
+        ],
+    );
+    assert!(o.status.success(), "{}", o.stderr);
+    let out = &o.stdout;
+    let line = out
+        .lines()
+        .find(|l| l.contains("longer than the token budget of 64 tokens"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let longest: u64 = line
+        .split("the longest ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(longest > 64, "{line}");
+}
+
+/// `execute --gantt none` means no chart, as in the other commands (it was taken for a file
+/// name without an extension and refused).
+#[test]
+fn execute_takes_gantt_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = [
+        "execute",
+        "--model",
+        "tiny",
+        "--hardware",
+        "cpu",
+        "--workload",
+        "tiny-chat",
+        "--steps",
+        "1",
+        "--gantt",
+        "none",
+    ];
+    let o = flatpipe(dir.path(), &base);
+    assert!(o.status.success(), "{}", o.stderr);
+    assert!(!dir.path().join("none").exists());
+}
+
+#[test]
+fn the_cuda_backend_without_a_gpu_is_a_clear_error_and_auto_falls_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--backend",
+            "cuda",
+            "--steps",
+            "1",
+            "--seqs-per-step",
+            "4",
+        ],
+    );
+    let e = &o.stderr;
+    assert!(!e.contains("panicked"), "{e}");
+    let gpu_here = o.status.success();
+    if !gpu_here {
+        // No driver, no device or no NVRTC here (CI): the reason, and what to use instead.
+        assert_eq!(o.status.code(), Some(2));
+        assert!(
+            e.contains("--backend cuda: CUDA is not usable here") && e.contains("--backend cpu"),
+            "{e}"
+        );
+    }
+    // auto takes the GPU when there is one, else the CPU and says why.
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--backend",
+            "auto",
+            "--steps",
+            "1",
+            "--seqs-per-step",
+            "4",
+            "--format",
+            "json",
+        ],
+    );
+    let v = o.json();
+    if gpu_here {
+        assert_eq!(v["backend"], "cuda (fp32 GEMMs)");
+    } else {
+        assert_eq!(v["backend"], "cpu");
+        assert!(o.stderr.contains("--backend auto"), "{}", o.stderr);
+    }
+}
