@@ -3,6 +3,8 @@
 The Rust core plans each step from its sequence lengths: microbatches as flat ``[T]`` tokens
 with ``cu_seqlens`` (no padding), every rank's actions in PyTorch's notation (``0F3``, ``1I2``,
 ``1W2``, ``0B1``), and with a cost profile the predicted timeline and memory.
+``StepPlan.actions_of`` gives the same actions structured (:class:`Action`, its
+:class:`ComputeAction` parts with the stages each sends to and receives from).
 ``flatpipe.torch`` runs a step plan on torch.distributed with every receive sized from the plan:
 no padding and no shape exchange.
 
@@ -16,6 +18,8 @@ no padding and no shape exchange.
 """
 
 from ._core import (
+    Action,
+    ComputeAction,
     FlatpipeError,
     Microbatch,
     Pipeline,
@@ -24,10 +28,13 @@ from ._core import (
     Workload,
     __version__,
     import_trace,
+    parse_action,
     plan,
 )
 
 __all__ = [
+    "Action",
+    "ComputeAction",
     "FlatpipeError",
     "Microbatch",
     "Pipeline",
@@ -36,6 +43,7 @@ __all__ = [
     "Workload",
     "__version__",
     "import_trace",
+    "parse_action",
     "plan",
 ]
 

@@ -104,6 +104,48 @@ class Microbatch:
         """``None``, or ``(sequence, index, of, offset)`` for one chunk of a sequence longer
         than the token budget."""
 
+class ComputeAction:
+    """One compute action: ``stage`` runs ``kind`` (``"F"``, ``"I"``, ``"W"``, ``"B"``,
+    ``"Fo"``) on ``microbatch``, with the stages it sends its result to and receives its input
+    from (the core's transfer rule: F and Fo send activations ``[T, H]`` to stage s + 1, I and B
+    the input gradient ``[T, H]`` to stage s - 1). Frozen, hashable; ``str()`` gives PyTorch's
+    notation (``2F3``)."""
+
+    @property
+    def stage(self) -> int: ...
+    @property
+    def kind(self) -> str:
+        """``"F"``, ``"I"``, ``"W"``, ``"B"`` or ``"Fo"``."""
+    @property
+    def microbatch(self) -> int:
+        """The microbatch (forward-only microbatches have their own id space)."""
+    @property
+    def sends_to(self) -> Optional[int]:
+        """The stage this action's result goes to; ``None`` for W, the last stage's forward and
+        stage 0's backward."""
+    @property
+    def receives_from(self) -> Optional[int]:
+        """The stage whose result this action waits on; ``None`` for W, stage 0's forward and
+        the last stage's backward."""
+
+class Action:
+    """One entry of a rank's action list: a compute action or an overlapped pair
+    (``(0F3;1B2)OVERLAP_F_B``, forward first). Frozen, hashable; ``str()`` is ``text``."""
+
+    @property
+    def text(self) -> str:
+        """PyTorch's notation, as ``StepPlan.actions`` gives it."""
+    @property
+    def parts(self) -> list[ComputeAction]:
+        """One compute action, or the pair's forward then backward."""
+    @property
+    def is_overlap(self) -> bool: ...
+
+def parse_action(text: str) -> list[tuple[int, str, int]]:
+    """``"0F3"`` -> ``[(0, "F", 3)]``; ``"(0F3;1B2)OVERLAP_F_B"`` -> both halves, forward first,
+    as ``(stage, kind, microbatch)`` (the core's parser). Raises ``ValueError`` naming the
+    text."""
+
 class StepPlan:
     """One step, planned: per replica its microbatches and every rank's actions in PyTorch's
     notation, and with a profile the predicted timeline (seconds) and memory (bytes)."""
@@ -125,6 +167,9 @@ class StepPlan:
     def actions(self, rank: int, replica: int = 0) -> list[str]:
         """``rank``'s actions in run order: ``0F3``, ``1I2``, ``1W2``, ``0B1``, ``2Fo0``,
         ``(0F3;1B2)OVERLAP_F_B``."""
+    def actions_of(self, rank: int, replica: int = 0) -> list[Action]:
+        """``rank``'s actions in run order, structured: the same entries as ``actions``, each
+        with its compute actions and the stages they send to and receive from."""
     def schedule_name(self, replica: int = 0) -> str: ...
     def predicted_step_time_s(self, replica: int = 0) -> Optional[float]: ...
     def predicted_bubble_ratio(self, replica: int = 0) -> Optional[float]: ...

@@ -3,7 +3,8 @@
 //! What Python gets: cost profiles ([`PyProfile`]), a pipeline configuration ([`PyPipeline`],
 //! the Rust [`RunConfig`]) that plans each step from its sequence lengths into a
 //! [`PyStepPlan`] (microbatches with `cu_seqlens` as numpy arrays, every rank's actions in
-//! PyTorch's notation, the predicted timeline and memory), Monte Carlo simulation over a
+//! PyTorch's notation and as structured [`PyAction`]s whose parts say which stage each sends
+//! to and receives from, the predicted timeline and memory), Monte Carlo simulation over a
 //! workload, and the planner's search. Every Rust error becomes a `flatpipe.FlatpipeError`
 //! carrying the Rust message. The torch.distributed runtime that executes a step plan is pure
 //! Python (`flatpipe/torch.py`).
@@ -14,7 +15,7 @@ use flatpipe_profiles::{
 };
 use flatpipe_simulator::forward_only::FoMode;
 use flatpipe_simulator::generators::ScheduleKind;
-use flatpipe_simulator::ir::{Placement, Rank, StageId};
+use flatpipe_simulator::ir::{Action, ComputeAction, Placement, Rank, StageId};
 use flatpipe_simulator::microbatch::Microbatch;
 use flatpipe_simulator::montecarlo::{
     Capacity, ForwardOnlySpec, ScheduleSource, StepOutcome, balance_cost, default_memory_limit,
@@ -25,7 +26,7 @@ use flatpipe_simulator::policy::{Policy, PolicyParams};
 use flatpipe_simulator::step::{RunConfig, StepPlan, cut_step, plan_step};
 use numpy::{PyArray1, ToPyArray};
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::fmt::Display;
@@ -754,6 +755,135 @@ impl PyMicrobatch {
     }
 }
 
+/// One compute action of a step plan: stage `stage` runs `kind` (`"F"`, `"I"`, `"W"`, `"B"`,
+/// `"Fo"`) on microbatch `microbatch`, with the pipeline's transfers it takes part in: the stage
+/// its result goes to (`sends_to`: F and Fo send activations `[T, H]` to stage s + 1, I and B
+/// the input gradient `[T, H]` to stage s - 1) and the stage whose result it waits on
+/// (`receives_from`). Both are the core's rule (`ComputeAction::sends` / `receives`), given the
+/// plan's stage count; `None` at the ends of the pipeline and for W.
+#[pyclass(module = "flatpipe._core", name = "ComputeAction", frozen, eq, hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PyComputeAction {
+    action: ComputeAction,
+    num_stages: u32,
+}
+
+#[pymethods]
+impl PyComputeAction {
+    /// The stage (global index over all virtual stages).
+    #[getter]
+    fn stage(&self) -> u32 {
+        self.action.stage.0
+    }
+
+    /// What is done: `"F"`, `"I"`, `"W"`, `"B"` or `"Fo"` (PyTorch's letters, plus
+    /// forward-only).
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.action.kind.letter()
+    }
+
+    /// The microbatch (forward-only microbatches, `Fo`, have their own id space).
+    #[getter]
+    fn microbatch(&self) -> u32 {
+        self.action.microbatch.0
+    }
+
+    /// The stage this action's result is sent to, or `None` (W, the last stage's forward,
+    /// stage 0's backward).
+    #[getter]
+    fn sends_to(&self) -> Option<u32> {
+        self.action.sends(self.num_stages).map(|s| s.0)
+    }
+
+    /// The stage whose result this action waits on, or `None` (W, stage 0's forward, the last
+    /// stage's backward).
+    #[getter]
+    fn receives_from(&self) -> Option<u32> {
+        self.action.receives(self.num_stages).map(|s| s.0)
+    }
+
+    /// PyTorch's notation: `0F3`, `1I2`, `2Fo0`.
+    fn __str__(&self) -> String {
+        self.action.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        let opt = |s: Option<u32>| s.map_or_else(|| "None".to_string(), |s| s.to_string());
+        format!(
+            "ComputeAction({:?}, sends_to={}, receives_from={})",
+            self.action.to_string(),
+            opt(self.sends_to()),
+            opt(self.receives_from())
+        )
+    }
+}
+
+/// One entry of a rank's action list: a compute action, or an overlapped pair (DualPipe's
+/// `(0F3;1B2)OVERLAP_F_B`: a forward and a backward the rank runs together, forward first).
+#[pyclass(module = "flatpipe._core", name = "Action", frozen, eq, hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PyAction {
+    action: Action,
+    num_stages: u32,
+}
+
+#[pymethods]
+impl PyAction {
+    /// The entry in PyTorch's notation, as [`PyStepPlan::actions`] gives it (`0F3`,
+    /// `(0F3;1B2)OVERLAP_F_B`).
+    #[getter]
+    fn text(&self) -> String {
+        self.action.to_string()
+    }
+
+    /// Its compute actions: one, or an overlapped pair's forward then backward.
+    #[getter]
+    fn parts(&self) -> Vec<PyComputeAction> {
+        self.action
+            .parts()
+            .map(|action| PyComputeAction {
+                action,
+                num_stages: self.num_stages,
+            })
+            .collect()
+    }
+
+    /// Whether this is an overlapped pair.
+    #[getter]
+    fn is_overlap(&self) -> bool {
+        matches!(self.action, Action::Overlap(..))
+    }
+
+    fn __str__(&self) -> String {
+        self.text()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Action({:?})", self.text())
+    }
+}
+
+/// One action in PyTorch's notation, read by the core's parser (`Action::from_str`):
+/// `"0F3"` -> `[(0, "F", 3)]`, an overlapped pair `"(0F3;1B2)OVERLAP_F_B"` -> both halves,
+/// forward first, as `(stage, kind, microbatch)`.
+///
+/// # Errors
+/// `ValueError` (the text is the caller's value) naming the text and what is wrong with it.
+#[pyfunction]
+fn parse_action(text: &str) -> PyResult<Vec<(u32, &'static str, u32)>> {
+    let action: Action = text.parse().map_err(|e| match &e {
+        flatpipe_simulator::Error::ParseAction { text: part, .. } if part != text => {
+            PyValueError::new_err(format!("{text:?}: {e}"))
+        }
+        _ => PyValueError::new_err(e.to_string()),
+    })?;
+    Ok(action
+        .parts()
+        .map(|a| (a.stage.0, a.kind.letter(), a.microbatch.0))
+        .collect())
+}
+
 /// One step, planned: per data-parallel replica its microbatches and every rank's actions in
 /// PyTorch's notation (`0F3`, `1I2`, `1W2`, `0B1`, `(0F3;1B2)OVERLAP_F_B`), and with a profile
 /// the predicted timeline and memory.
@@ -880,6 +1010,24 @@ impl PyStepPlan {
         Ok(r.rounds[0].schedule.ranks[rank as usize]
             .iter()
             .map(ToString::to_string)
+            .collect())
+    }
+
+    /// `rank`'s actions in the replica's step, in the order it runs them, as structured
+    /// [`PyAction`]s: the same entries as [`PyStepPlan::actions`], each with its one or two
+    /// compute actions and the stages they send to and receive from (the core's
+    /// `ComputeAction::sends` / `receives` over this plan's stages).
+    ///
+    /// # Errors
+    /// `FlatpipeError` for a rank or replica out of range, or a replica of several rounds.
+    #[pyo3(signature = (rank, replica = 0))]
+    fn actions_of(&self, rank: u32, replica: usize) -> PyResult<Vec<PyAction>> {
+        self.check_rank(rank)?;
+        let r = self.replica(replica)?;
+        let num_stages = self.placement.num_stages();
+        Ok(r.rounds[0].schedule.ranks[rank as usize]
+            .iter()
+            .map(|&action| PyAction { action, num_stages })
             .collect())
     }
 
@@ -1109,6 +1257,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyWorkload>()?;
     m.add_class::<PyMicrobatch>()?;
     m.add_class::<PyStepPlan>()?;
+    m.add_class::<PyComputeAction>()?;
+    m.add_class::<PyAction>()?;
+    m.add_function(wrap_pyfunction!(parse_action, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(import_trace, m)?)?;
     Ok(())
