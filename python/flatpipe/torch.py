@@ -2,8 +2,10 @@
 no shape exchange.
 
 A :class:`flatpipe.StepPlan` says, before the step starts, every microbatch's token count ``T_k``
-and every rank's actions in PyTorch's notation (``0F3``, ``1I2``, ``1W2``, ``0B1``). So every
-transfer's size is known in advance: the boundary tensor of microbatch ``k`` is ``[T_k, H]``.
+and every rank's actions in PyTorch's notation (``0F3``, ``1I2``, ``1W2``, ``0B1``), also as
+structured actions (:meth:`flatpipe.StepPlan.actions_of`) whose parts name the stage each one
+sends to and receives from (the core's one transfer rule). So every transfer's size is known in
+advance: the boundary tensor of microbatch ``k`` is ``[T_k, H]``.
 :class:`PipelineRuntime` runs the local rank's actions with point-to-point operations:
 
 * Sends are ``isend`` of the stage's output (F) or input gradient (I, B), posted in the
@@ -48,7 +50,6 @@ chunks need its key/value gradients before theirs.
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
@@ -62,7 +63,7 @@ from torch.distributed.pipelining._backward import (
     stage_backward_weight,
 )
 
-from . import StepPlan
+from . import ComputeAction, StepPlan, parse_action
 from .models import ChunkKV
 
 __all__ = [
@@ -74,9 +75,6 @@ __all__ = [
     "token_loss_scale",
     "clip_grad_norm_",
 ]
-
-_ACTION = re.compile(r"^(\d+)(Fo|F|I|W|B)(\d+)$")
-_OVERLAP = re.compile(r"^\((.+);(.+)\)OVERLAP_F_B$")
 
 
 class StageModule(Protocol):
@@ -92,22 +90,6 @@ class StageModule(Protocol):
     # With chunked sequences also ``__call__(x, cu_seqlens, kv=ChunkKV)`` (module docstring).
 
     def parameters(self, recurse: bool = True): ...
-
-
-def parse_action(text: str) -> List[Tuple[int, str, int]]:
-    """``"0F3"`` -> ``[(0, "F", 3)]``; an overlapped pair ``"(0F3;1B2)OVERLAP_F_B"`` -> both
-    halves, forward first (they run in sequence). Raises ``ValueError`` naming the text."""
-    m = _OVERLAP.match(text)
-    parts = [m.group(1), m.group(2)] if m else [text]
-    out = []
-    for p in parts:
-        a = _ACTION.match(p.strip())
-        if a is None:
-            raise ValueError(
-                f"{text!r} is not a compute action (stage, one of F, I, W, B, Fo, microbatch: '0F3')"
-            )
-        out.append((int(a.group(1)), a.group(2), int(a.group(3))))
-    return out
 
 
 def token_loss_scale(targets: Sequence[torch.Tensor], ignore_index: int = -100) -> int:
@@ -145,13 +127,6 @@ class StepResult:
     actions: List[ActionTiming] = field(default_factory=list)
     #: Forward-only outputs of the last stage, by forward-only microbatch id (last stage only).
     forward_only: Dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class _Transfer:
-    kind: str  # "F" (activation), "Fo" (forward-only activation) or "B" (input gradient)
-    stage: int  # the receiving stage
-    mb: int
 
 
 class PipelineRuntime:
@@ -300,362 +275,13 @@ class PipelineRuntime:
         train: bool,
         skip: frozenset,
     ) -> StepResult:
-        mbs = plan.microbatches(replica)
-        fo_mbs = plan.forward_only_microbatches(replica)
-        stage_rank = plan.stage_ranks
-        num_stages = plan.num_stages
-        me = self.rank
-        if me >= plan.num_ranks:
-            raise ValueError(f"rank = {me} is out of range: the plan has {plan.num_ranks} ranks")
-        mine = set(plan.stages_of(me))
-        if set(self.stages) != mine:
-            raise ValueError(
-                f"rank {me} holds stages {sorted(self.stages)}, the plan puts stages {sorted(mine)} on it"
-            )
-        first, last = 0, num_stages - 1
-        tokens = [mb.tokens for mb in mbs]
-        chunks = [mb.chunk for mb in mbs]
-        if any(c is not None for c in chunks) and self.loss_reduction != "token":
-            raise ValueError(
-                "loss_reduction = 'sequence' with chunked sequences is not supported yet (a "
-                "sequence's mean spans its chunks): use 'token', or plan without chunk_tokens"
-            )
-        cu = [torch.as_tensor(mb.cu_seqlens, dtype=torch.int64, device=self.device) for mb in mbs]
-        fo_tokens = [mb.tokens for mb in fo_mbs]
-        fo_cu = [
-            torch.as_tensor(mb.cu_seqlens, dtype=torch.int64, device=self.device) for mb in fo_mbs
-        ]
-        if not train:
-            fo_mbs, fo_tokens, fo_cu = [], [], []
-        if first in mine:
-            self._check("inputs", inputs, tokens)
-            if fo_mbs:
-                if forward_only_inputs is None:
-                    raise ValueError(
-                        f"the plan has {len(fo_mbs)} forward-only microbatches: give forward_only_inputs"
-                    )
-                self._check("forward_only_inputs", forward_only_inputs, fo_tokens)
-        if last in mine:
-            self._check("targets", targets, tokens)
-        if self.dp_group is not None and loss_denominator is None:
-            raise ValueError(
-                "with dp_group, give loss_denominator: the loss-bearing tokens (or sequences) of "
-                "every replica's step, so that the summed gradients are the step's"
-            )
-        denominator = loss_denominator
-        if denominator is None:
-            denominator = self._denominator(mbs, targets) if last in mine else 1.0
-        if last in mine and denominator <= 0:
-            raise ValueError(f"loss denominator = {denominator}: the step has no loss-bearing token")
-
+        state = _StepState(self, plan, replica, train)
+        state.take_inputs(inputs, targets, forward_only_inputs, loss_denominator)
         if self.check_plan and dist.is_initialized():
-            self._check_same_plan(plan, replica, tokens)
-
-        # Every rank's actions, to order the receives as their senders post them.
-        all_actions = [plan.actions(r, replica) for r in range(plan.num_ranks)]
-        if not train:
-            # An evaluation step: the forwards only, in the plan's order.
-            all_actions = [
-                [f"{s}F{m}" for text in acts for s, k, m in parse_action(text) if k == "F"]
-                for acts in all_actions
-            ]
-        incoming: Dict[int, List[_Transfer]] = {}
-        for src, acts in enumerate(all_actions):
-            if src == me:
-                continue
-            for text in acts:
-                for stage, kind, mb in parse_action(text):
-                    t = self._transfer_of(stage, kind, mb, num_stages)
-                    if t is not None and stage_rank[t.stage] == me:
-                        incoming.setdefault(src, []).append(t)
-        posted: Dict[int, int] = {src: 0 for src in incoming}
-        pending: Dict[Tuple[str, int, int], Tuple[object, torch.Tensor]] = {}
-        sends: List[Tuple[object, torch.Tensor]] = []
-        local: Dict[Tuple[str, int, int], torch.Tensor] = {}
-
-        def rows(t: _Transfer) -> int:
-            return fo_tokens[t.mb] if t.kind == "Fo" else tokens[t.mb]
-
-        acc = {"post": 0.0}
-
-        def receive(src: int, key: Tuple[str, int, int]) -> Tuple[torch.Tensor, float]:
-            queue = incoming.get(src, [])
-            while key not in pending:
-                if posted[src] >= len(queue):
-                    raise RuntimeError(
-                        f"rank {me}: {key} was never sent by rank {src} in the plan (an invalid schedule)"
-                    )
-                t = queue[posted[src]]
-                posted[src] += 1
-                buf = torch.empty(rows(t), self.hidden_size, dtype=self.dtype, device=self.device)
-                p0 = time.perf_counter()
-                work = dist.irecv(buf, src=self._global(src), group=self.group)
-                acc["post"] += time.perf_counter() - p0
-                pending[(t.kind, t.stage, t.mb)] = (work, buf)
-            work, buf = pending.pop(key)
-            w0 = time.perf_counter()
-            work.wait()
-            return buf, time.perf_counter() - w0
-
-        def send(dst_stage: int, tensor: torch.Tensor, kind: str, mb: int) -> None:
-            dst = stage_rank[dst_stage]
-            if dst == me:
-                local[(kind, dst_stage, mb)] = tensor
-                return
-            t = tensor.contiguous()
-            p0 = time.perf_counter()
-            sends.append((dist.isend(t, dst=self._global(dst), group=self.group), t))
-            acc["post"] += time.perf_counter() - p0
-
-        # Chunked sequences: per (stage, sequence) its chunks' ChunkKV by chunk index (their own
-        # keys and values, with their graphs, until the chunk's backward), the microbatch of each
-        # chunk, and per (stage, mb) the key/value gradients its later chunks handed back.
-        chain_kv: Dict[Tuple[int, int], Dict[int, ChunkKV]] = {}
-        chunk_mb: Dict[Tuple[int, int, int], int] = {}
-        later: Dict[Tuple[int, int], List[Optional[torch.Tensor]]] = {}
-        chunk_bwd_done: set = set()
-
-        def chunk_kv(stage: int, mb: int, grad: bool) -> ChunkKV:
-            seq, idx, _, off = chunks[mb]
-            earlier = chain_kv.setdefault((stage, seq), {})
-            prefix = None
-            if idx > 0:
-                missing = [j for j in range(idx) if j not in earlier]
-                if missing:
-                    raise RuntimeError(
-                        f"rank {me}: {stage}F{mb} is chunk {idx} of sequence {seq}, but chunk(s) "
-                        f"{missing} have not run F on stage {stage} (an invalid schedule)"
-                    )
-                prefix = []
-                for layer in range(len(earlier[0].own)):
-                    pair = []
-                    for which in (0, 1):
-                        t = torch.cat([earlier[j].own[layer][which].detach() for j in range(idx)])
-                        pair.append(t.requires_grad_(grad))
-                    prefix.append((pair[0], pair[1]))
-            kv = ChunkKV(off, prefix)
-            earlier[idx] = kv
-            chunk_mb[(stage, seq, idx)] = mb
-            return kv
-
-        def chunk_backward(stage, kind, mb, x, out, grad, params):
-            """A chunk's I or B: its output and its own keys and values (with the gradients
-            its later chunks handed back) backward; the earlier chunks' key/value gradients
-            handed on. Returns ``(dx, param groups for W or None)``."""
-            seq, idx, of, _ = chunks[mb]
-            pending_later = [j for j in range(idx + 1, of) if (stage, seq, j) not in chunk_bwd_done]
-            if pending_later:
-                raise RuntimeError(
-                    f"rank {me}: {stage}{kind}{mb} is chunk {idx} of sequence {seq}, but the "
-                    f"backward of chunk(s) {pending_later} has not run on stage {stage} (a "
-                    "sequence's backwards run in reverse chunk order)"
-                )
-            chain = chain_kv[(stage, seq)]
-            kv = chain[idx]
-            own = [t for pair in kv.own for t in pair]
-            handed = later.pop((stage, mb), None)
-            own_grads = [
-                handed[i] if handed is not None and handed[i] is not None else torch.zeros_like(t)
-                for i, t in enumerate(own)
-            ]
-            leaves = [t for pair in (kv.prefix or []) for t in pair]
-            outs = [out] + own
-            grads = [torch.ones_like(out) if grad is None else grad] + own_grads
-            groups = None
-            if kind == "B" or stage == first:
-                torch.autograd.backward(outs, grad_tensors=grads)
-                dx = x.grad if stage != first else None
-                dleaves = [t.grad for t in leaves]
-            else:
-                dxs, groups = stage_backward_input(outs, grads, [x] + leaves, iter(params))
-                dx, dleaves = dxs[0], list(dxs[1:])
-            # Hand each earlier chunk its rows of the key/value gradients.
-            for layer in range(len(dleaves) // 2):
-                start = 0
-                for j in range(idx):
-                    n = chain[j].own[layer][0].shape[0]
-                    slot = later.setdefault(
-                        (stage, chunk_mb[(stage, seq, j)]), [None] * (2 * len(kv.own))
-                    )
-                    for which in (0, 1):
-                        d = dleaves[2 * layer + which]
-                        if d is None:
-                            continue
-                        part = d[start : start + n]
-                        i = 2 * layer + which
-                        slot[i] = part if slot[i] is None else slot[i] + part
-                    start += n
-            chunk_bwd_done.add((stage, seq, idx))
-            # The chain's own tensors go once its first chunk's backward has run.
-            kv.own = []
-            if idx == 0:
-                del chain_kv[(stage, seq)]
-            return dx, groups
-
-        # Per (stage, mb): the stage's input and output (or loss), and I's saved state for W.
-        saved: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
-        param_groups: Dict[Tuple[int, int], list] = {}
-        last_backward = self._last_backward(all_actions[me])
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        fo_out: Dict[int, torch.Tensor] = {}
-        reductions: List[object] = []
-        timings: List[ActionTiming] = []
-        t_start = time.perf_counter()
-
-        for text in all_actions[me]:
-            if text in skip:
-                continue
-            a0 = time.perf_counter()
-            wait = compute = 0.0
-            acc["post"] = 0.0
-            parts = parse_action(text)
-            # The inputs from other ranks first, each wait its own profiler event
-            # (PP:<stage>RECV_F<mb> / RECV_B), so the action's span is its work.
-            got: Dict[Tuple[str, int, int], torch.Tensor] = {}
-            for stage, kind, mb in parts:
-                if kind in ("F", "Fo") and stage != first and stage_rank[stage - 1] != me:
-                    key, name = (kind, stage, mb), f"PP:{stage}RECV_F{mb}"
-                    src = stage_rank[stage - 1]
-                elif kind in ("I", "B") and stage != last and stage_rank[stage + 1] != me:
-                    key, name = ("B", stage, mb), f"PP:{stage}RECV_B{mb}"
-                    src = stage_rank[stage + 1]
-                else:
-                    continue
-                with self._annotate(name):
-                    got[key], w = receive(src, key)
-                wait += w
-            span = self._annotate(f"PP:{text}")
-            with span:
-                for stage, kind, mb in parts:
-                    module = self.stages[stage]
-                    if kind in ("F", "Fo"):
-                        fo = kind == "Fo"
-                        key = ("Fo" if fo else "F", stage, mb)
-                        if stage == first:
-                            x = (forward_only_inputs if fo else inputs)[mb]
-                        elif stage_rank[stage - 1] == me:
-                            x = local.pop(key)
-                        else:
-                            x = got.pop(key)
-                        c = fo_cu[mb] if fo else cu[mb]
-                        if fo:
-                            c0 = time.perf_counter()
-                            with torch.no_grad():
-                                out = module(x, c)
-                            compute += time.perf_counter() - c0
-                            if stage == last:
-                                fo_out[mb] = out
-                            else:
-                                send(stage + 1, out, "Fo", mb)
-                            continue
-                        kv = (
-                            chunk_kv(stage, mb, train) if chunks[mb] is not None else None
-                        )
-                        call = (lambda x, c: module(x, c, kv=kv)) if kv is not None else module
-                        if not train:
-                            c0 = time.perf_counter()
-                            with torch.no_grad():
-                                out = call(x, c)
-                                if stage == last:
-                                    loss_sum += (
-                                        self._loss(out, targets[mb], c) / denominator
-                                    ).to(torch.float64)
-                            compute += time.perf_counter() - c0
-                            if stage != last:
-                                send(stage + 1, out, "F", mb)
-                            continue
-                        if stage != first:
-                            x = x.detach().requires_grad_(True)
-                        c0 = time.perf_counter()
-                        out = call(x, c)
-                        if stage == last:
-                            out = self._loss(out, targets[mb], c) / denominator
-                            loss_sum += out.detach().to(torch.float64)
-                            compute += time.perf_counter() - c0
-                        else:
-                            compute += time.perf_counter() - c0
-                            send(stage + 1, out.detach(), "F", mb)
-                        saved[(stage, mb)] = (x, out)
-                    elif kind in ("I", "B"):
-                        x, out = saved[(stage, mb)]
-                        if stage == last:
-                            grad = None
-                        elif stage_rank[stage + 1] == me:
-                            grad = local.pop(("B", stage, mb))
-                        else:
-                            grad = got.pop(("B", stage, mb))
-                        c0 = time.perf_counter()
-                        if chunks[mb] is not None:
-                            dx, groups = chunk_backward(
-                                stage, kind, mb, x, out, grad, list(module.parameters())
-                            )
-                            if kind == "B":
-                                del saved[(stage, mb)]
-                            else:
-                                # None: the whole backward ran here (first stage), W is empty.
-                                param_groups[(stage, mb)] = groups
-                        elif kind == "B":
-                            torch.autograd.backward(out, grad_tensors=grad)
-                            dx = x.grad if stage != first else None
-                            del saved[(stage, mb)]
-                        elif stage == first:
-                            # As PipelineStage: token ids have no gradient, so the whole backward
-                            # runs in W (stage_backward_input would not capture the parameters).
-                            saved[(stage, mb)] = (x, out)
-                            param_groups[(stage, mb)] = [grad]
-                            dx = None
-                        else:
-                            params = list(module.parameters())
-                            dxs, groups = stage_backward_input(
-                                [out], None if grad is None else [grad], [x], iter(params)
-                            )
-                            dx = dxs[0]
-                            param_groups[(stage, mb)] = groups
-                        compute += time.perf_counter() - c0
-                        if stage != first:
-                            if dx is None:
-                                dx = torch.zeros_like(x)
-                            send(stage - 1, dx.detach(), "B", mb)
-                    elif kind == "W":
-                        groups = param_groups.pop((stage, mb))
-                        c0 = time.perf_counter()
-                        if groups is None:
-                            # A chunk on the first stage: its backward ran whole in I.
-                            saved.pop((stage, mb), None)
-                        elif stage == first:
-                            _, out = saved.pop((stage, mb))
-                            torch.autograd.backward(out, grad_tensors=groups[0])
-                        else:
-                            stage_backward_weight(iter(list(module.parameters())), groups)
-                            saved.pop((stage, mb), None)
-                        compute += time.perf_counter() - c0
-                    if last_backward.get(stage) == (kind, mb):
-                        reductions.extend(self._stage_done(stage))
-            timings.append(
-                ActionTiming(
-                    text,
-                    a0 - t_start,
-                    time.perf_counter() - t_start,
-                    wait,
-                    compute,
-                    acc["post"],
-                )
-            )
-
-        for work, _ in sends:
-            work.wait()
-        for work in reductions:
-            work.wait()
-        if local:
-            raise RuntimeError(f"rank {me}: handed over but never used: {sorted(local)}")
-        total = loss_sum.clone()
-        dist.all_reduce(total, group=self.group)
-        return StepResult(
-            loss=float(total),
-            wall_s=time.perf_counter() - t_start,
-            actions=timings,
-            forward_only=fo_out,
-        )
+            self._check_same_plan(plan, replica, state.tokens)
+        state.order_receives(plan, replica)
+        state.run_actions(skip)
+        return state.finish()
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -683,22 +309,16 @@ class PipelineRuntime:
         return self.pipeline_ranks[pipeline_rank]
 
     @staticmethod
-    def _transfer_of(stage: int, kind: str, mb: int, num_stages: int) -> Optional[_Transfer]:
-        """What an action sends, if anything: F/Fo its output to stage + 1, I/B its input
-        gradient to stage - 1."""
-        if kind in ("F", "Fo") and stage + 1 < num_stages:
-            return _Transfer(kind, stage + 1, mb)
-        if kind in ("I", "B") and stage > 0:
-            return _Transfer("B", stage - 1, mb)
-        return None
-
-    @staticmethod
-    def _last_backward(actions: Sequence[str]) -> Dict[int, Tuple[str, int]]:
+    def _last_backward(
+        entries: Sequence[Tuple[str, Sequence[ComputeAction]]],
+    ) -> Dict[int, Tuple[str, int]]:
+        """Per stage, its last backward (I, B or W) in this rank's ``(text, parts)`` entries,
+        as ``(kind, microbatch)``."""
         last: Dict[int, Tuple[str, int]] = {}
-        for text in actions:
-            for stage, kind, mb in parse_action(text):
-                if kind in ("I", "B", "W"):
-                    last[stage] = (kind, mb)
+        for _, parts in entries:
+            for p in parts:
+                if p.kind in ("I", "B", "W"):
+                    last[p.stage] = (p.kind, p.microbatch)
         return last
 
     def _stage_done(self, stage: int) -> List[object]:
@@ -744,6 +364,460 @@ class PipelineRuntime:
         sums.index_add_(0, seq, per_token * valid)
         counts.index_add_(0, seq, valid)
         return (sums / counts.clamp(min=1)).sum()
+
+
+#: A transfer's key: what it carries (``"F"`` activations, ``"Fo"`` forward-only activations,
+#: ``"B"`` an input gradient), the receiving stage, the microbatch.
+_Key = Tuple[str, int, int]
+
+
+def _carried(kind: str) -> str:
+    """What the transfer of an action of ``kind`` carries (I and B both send an input
+    gradient, ``"B"``)."""
+    return "B" if kind in ("I", "B") else kind
+
+
+class _ChunkChains:
+    """Chunked sequences on this rank: per (stage, sequence) its chunks' :class:`ChunkKV` by
+    chunk index (their own keys and values, with their graphs, until the chunk's backward), the
+    microbatch of each chunk, and per (stage, microbatch) the key/value gradients (``[t, ...]``
+    per layer, keys then values) its later chunks handed back."""
+
+    def __init__(self, chunks: Sequence[Optional[Tuple[int, int, int, int]]], rank: int) -> None:
+        self.chunks = chunks
+        self.rank = rank
+        self.kv: Dict[Tuple[int, int], Dict[int, ChunkKV]] = {}
+        self.mb_of: Dict[Tuple[int, int, int], int] = {}
+        self.later: Dict[Tuple[int, int], List[Optional[torch.Tensor]]] = {}
+        self.backward_done: set = set()
+
+    def forward_kv(self, stage: int, mb: int, grad: bool) -> ChunkKV:
+        """The :class:`ChunkKV` of chunk ``mb``'s forward on ``stage``: the earlier chunks' keys
+        and values concatenated along tokens as fresh leaves (``requires_grad`` = ``grad``).
+        Raises ``RuntimeError`` when an earlier chunk has not run F on the stage."""
+        seq, idx, _, off = self.chunks[mb]
+        earlier = self.kv.setdefault((stage, seq), {})
+        prefix = None
+        if idx > 0:
+            missing = [j for j in range(idx) if j not in earlier]
+            if missing:
+                raise RuntimeError(
+                    f"rank {self.rank}: {stage}F{mb} is chunk {idx} of sequence {seq}, but "
+                    f"chunk(s) {missing} have not run F on stage {stage} (an invalid schedule)"
+                )
+            prefix = []
+            for layer in range(len(earlier[0].own)):
+                pair = []
+                for which in (0, 1):
+                    t = torch.cat([earlier[j].own[layer][which].detach() for j in range(idx)])
+                    pair.append(t.requires_grad_(grad))
+                prefix.append((pair[0], pair[1]))
+        kv = ChunkKV(off, prefix)
+        earlier[idx] = kv
+        self.mb_of[(stage, seq, idx)] = mb
+        return kv
+
+    def backward(self, stage, kind, mb, x, out, grad, params, first: bool):
+        """A chunk's I or B: its output and its own keys and values (with the gradients its
+        later chunks handed back) backward; the earlier chunks' key/value gradients handed on.
+        On the first stage (``first``) the whole backward runs here. Returns ``(dx, param
+        groups for W or None)``. Raises ``RuntimeError`` when a later chunk's backward has not
+        run on the stage."""
+        seq, idx, of, _ = self.chunks[mb]
+        pending_later = [j for j in range(idx + 1, of) if (stage, seq, j) not in self.backward_done]
+        if pending_later:
+            raise RuntimeError(
+                f"rank {self.rank}: {stage}{kind}{mb} is chunk {idx} of sequence {seq}, but the "
+                f"backward of chunk(s) {pending_later} has not run on stage {stage} (a "
+                "sequence's backwards run in reverse chunk order)"
+            )
+        chain = self.kv[(stage, seq)]
+        kv = chain[idx]
+        own = [t for pair in kv.own for t in pair]
+        handed = self.later.pop((stage, mb), None)
+        own_grads = [
+            handed[i] if handed is not None and handed[i] is not None else torch.zeros_like(t)
+            for i, t in enumerate(own)
+        ]
+        leaves = [t for pair in (kv.prefix or []) for t in pair]
+        outs = [out] + own
+        grads = [torch.ones_like(out) if grad is None else grad] + own_grads
+        groups = None
+        if kind == "B" or first:
+            torch.autograd.backward(outs, grad_tensors=grads)
+            dx = x.grad if not first else None
+            dleaves = [t.grad for t in leaves]
+        else:
+            dxs, groups = stage_backward_input(outs, grads, [x] + leaves, iter(params))
+            dx, dleaves = dxs[0], list(dxs[1:])
+        self._hand_back(stage, seq, idx, chain, dleaves, 2 * len(kv.own))
+        self.backward_done.add((stage, seq, idx))
+        # The chain's own tensors go once its first chunk's backward has run.
+        kv.own = []
+        if idx == 0:
+            del self.kv[(stage, seq)]
+        return dx, groups
+
+    def _hand_back(self, stage, seq, idx, chain, dleaves, slots: int) -> None:
+        """Hands each earlier chunk of ``chain`` its rows of the key/value gradients
+        ``dleaves`` (per layer keys then values, the earlier chunks' rows in chunk order)."""
+        for layer in range(len(dleaves) // 2):
+            start = 0
+            for j in range(idx):
+                n = chain[j].own[layer][0].shape[0]
+                slot = self.later.setdefault((stage, self.mb_of[(stage, seq, j)]), [None] * slots)
+                for which in (0, 1):
+                    d = dleaves[2 * layer + which]
+                    if d is None:
+                        continue
+                    part = d[start : start + n]
+                    i = 2 * layer + which
+                    slot[i] = part if slot[i] is None else slot[i] + part
+                start += n
+
+
+class _StepState:
+    """One step of :class:`PipelineRuntime` on its rank: the plan's sizes (``T_k`` per
+    microbatch), every rank's actions, the receives this rank posts in each sender's order, and
+    what the rank's actions hand each other: per (stage, microbatch) the stage's input and
+    output (or loss) that F saves for I and B, I's parameter groups for W, the tensors handed
+    between two stages of this rank, the chunks' keys and values, the loss, the timings.
+
+    Which stage an action receives from and sends to is the core's rule
+    (:attr:`flatpipe.ComputeAction.receives_from` / ``sends_to``); nothing here re-derives it.
+    """
+
+    def __init__(self, rt: PipelineRuntime, plan: StepPlan, replica: int, train: bool) -> None:
+        me = rt.rank
+        if me >= plan.num_ranks:
+            raise ValueError(f"rank = {me} is out of range: the plan has {plan.num_ranks} ranks")
+        mine = set(plan.stages_of(me))
+        if set(rt.stages) != mine:
+            raise ValueError(
+                f"rank {me} holds stages {sorted(rt.stages)}, the plan puts stages {sorted(mine)} on it"
+            )
+        self.rt, self.me, self.mine, self.train = rt, me, mine, train
+        self.stage_rank = plan.stage_ranks
+        self.first, self.last = 0, plan.num_stages - 1
+        self.mbs = plan.microbatches(replica)
+        self.tokens = [mb.tokens for mb in self.mbs]
+        self.chunks = [mb.chunk for mb in self.mbs]
+        if any(c is not None for c in self.chunks) and rt.loss_reduction != "token":
+            raise ValueError(
+                "loss_reduction = 'sequence' with chunked sequences is not supported yet (a "
+                "sequence's mean spans its chunks): use 'token', or plan without chunk_tokens"
+            )
+        self.cu = [self._cu(mb) for mb in self.mbs]
+        fo_mbs = plan.forward_only_microbatches(replica) if train else []
+        self.fo_mbs = fo_mbs
+        self.fo_tokens = [mb.tokens for mb in fo_mbs]
+        self.fo_cu = [self._cu(mb) for mb in fo_mbs]
+        self.chains = _ChunkChains(self.chunks, me)
+        # Transfers: receives posted per sender, sends in flight, hand-offs within the rank.
+        self.incoming: Dict[int, List[_Key]] = {}
+        self.posted: Dict[int, int] = {}
+        self.pending: Dict[_Key, Tuple[object, torch.Tensor]] = {}
+        self.sends: List[Tuple[object, torch.Tensor]] = []
+        self.local: Dict[_Key, torch.Tensor] = {}
+        # Per (stage, mb): the stage's input and output (or loss), and I's saved state for W.
+        self.saved: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.param_groups: Dict[Tuple[int, int], Optional[list]] = {}
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.fo_out: Dict[int, torch.Tensor] = {}
+        self.reductions: List[object] = []
+        self.timings: List[ActionTiming] = []
+        # The current action's seconds in compute and in posting transfers.
+        self.compute_s = self.post_s = 0.0
+
+    def _cu(self, mb) -> torch.Tensor:
+        return torch.as_tensor(mb.cu_seqlens, dtype=torch.int64, device=self.rt.device)
+
+    def take_inputs(self, inputs, targets, forward_only_inputs, loss_denominator) -> None:
+        """Checks the step's token ids ``[T_k]`` (first stage), targets ``[T_k]`` (last stage)
+        and forward-only token ids against the plan and fixes the loss's denominator. Raises
+        ``ValueError`` naming what does not match."""
+        rt = self.rt
+        if self.first in self.mine:
+            rt._check("inputs", inputs, self.tokens)
+            if self.fo_mbs:
+                if forward_only_inputs is None:
+                    raise ValueError(
+                        f"the plan has {len(self.fo_mbs)} forward-only microbatches: give forward_only_inputs"
+                    )
+                rt._check("forward_only_inputs", forward_only_inputs, self.fo_tokens)
+        if self.last in self.mine:
+            rt._check("targets", targets, self.tokens)
+        if rt.dp_group is not None and loss_denominator is None:
+            raise ValueError(
+                "with dp_group, give loss_denominator: the loss-bearing tokens (or sequences) of "
+                "every replica's step, so that the summed gradients are the step's"
+            )
+        denominator = loss_denominator
+        if denominator is None:
+            denominator = rt._denominator(self.mbs, targets) if self.last in self.mine else 1.0
+        if self.last in self.mine and denominator <= 0:
+            raise ValueError(f"loss denominator = {denominator}: the step has no loss-bearing token")
+        self.inputs, self.targets = inputs, targets
+        self.fo_inputs = forward_only_inputs
+        self.denominator = denominator
+
+    def order_receives(self, plan: StepPlan, replica: int) -> None:
+        """Reads every rank's actions (an evaluation step: their F parts only, in the plan's
+        order) and lists, per peer, the transfers it sends this rank in its action order: the
+        order this rank posts their receives in."""
+        entries = []
+        for r in range(plan.num_ranks):
+            acts = plan.actions_of(r, replica)
+            if self.train:
+                entries.append([(a.text, a.parts) for a in acts])
+            else:
+                entries.append([(str(p), [p]) for a in acts for p in a.parts if p.kind == "F"])
+        self.actions: List[List[Tuple[str, List[ComputeAction]]]] = entries
+        for src, acts in enumerate(entries):
+            if src == self.me:
+                continue
+            for _, parts in acts:
+                for p in parts:
+                    dst = p.sends_to
+                    if dst is not None and self.stage_rank[dst] == self.me:
+                        key = (_carried(p.kind), dst, p.microbatch)
+                        self.incoming.setdefault(src, []).append(key)
+        self.posted = {src: 0 for src in self.incoming}
+        self.last_backward = PipelineRuntime._last_backward(entries[self.me])
+
+    def run_actions(self, skip: frozenset) -> None:
+        """Runs this rank's actions in order (but those whose text is in ``skip``); the step's
+        clock starts here."""
+        self.t_start = time.perf_counter()
+        for text, parts in self.actions[self.me]:
+            if text not in skip:
+                self.run_action(text, parts)
+
+    def run_action(self, text: str, parts: Sequence[ComputeAction]) -> None:
+        """One entry of the action list: its inputs from other ranks first, each wait its own
+        profiler event (``PP:<stage>RECV_F<mb>`` / ``RECV_B``), then its one or two compute
+        actions in the ``PP:<text>`` event, so the action's span is its work."""
+        a0 = time.perf_counter()
+        self.compute_s = self.post_s = 0.0
+        got, wait = self.receive_inputs(parts)
+        with self.rt._annotate(f"PP:{text}"):
+            for p in parts:
+                if p.kind in ("F", "Fo"):
+                    self.forward(p, got)
+                elif p.kind in ("I", "B"):
+                    self.input_backward(p, got)
+                else:
+                    self.weight_backward(p)
+                if self.last_backward.get(p.stage) == (p.kind, p.microbatch):
+                    self.reductions.extend(self.rt._stage_done(p.stage))
+        now = time.perf_counter()
+        self.timings.append(
+            ActionTiming(
+                text, a0 - self.t_start, now - self.t_start, wait, self.compute_s, self.post_s
+            )
+        )
+
+    # ---- transfers ------------------------------------------------------------------------
+
+    def receive_inputs(
+        self, parts: Sequence[ComputeAction]
+    ) -> Tuple[Dict[_Key, torch.Tensor], float]:
+        """The inputs of ``parts`` that come from other ranks (``[T, H]`` each), by transfer
+        key, and the seconds spent waiting for them."""
+        got: Dict[_Key, torch.Tensor] = {}
+        wait = 0.0
+        for p in parts:
+            src = p.receives_from
+            if src is None or self.stage_rank[src] == self.me:
+                continue
+            key = (_carried(p.kind), p.stage, p.microbatch)
+            name = f"PP:{p.stage}RECV_{'B' if key[0] == 'B' else 'F'}{p.microbatch}"
+            with self.rt._annotate(name):
+                got[key], w = self._receive(self.stage_rank[src], key)
+            wait += w
+        return got, wait
+
+    def _receive(self, src: int, key: _Key) -> Tuple[torch.Tensor, float]:
+        """Waits for ``key`` from rank ``src``, posting ``src``'s receives in its send order up
+        to it (each into a tensor of exactly ``[T_k, H]``). Returns the tensor and the wait's
+        seconds. Raises ``RuntimeError`` when ``src`` never sends ``key`` in the plan."""
+        queue = self.incoming.get(src, [])
+        while key not in self.pending:
+            if self.posted[src] >= len(queue):
+                raise RuntimeError(
+                    f"rank {self.me}: {key} was never sent by rank {src} in the plan (an invalid schedule)"
+                )
+            t = queue[self.posted[src]]
+            self.posted[src] += 1
+            rows = self.fo_tokens[t[2]] if t[0] == "Fo" else self.tokens[t[2]]
+            rt = self.rt
+            buf = torch.empty(rows, rt.hidden_size, dtype=rt.dtype, device=rt.device)
+            p0 = time.perf_counter()
+            work = dist.irecv(buf, src=rt._global(src), group=rt.group)
+            self.post_s += time.perf_counter() - p0
+            self.pending[t] = (work, buf)
+        work, buf = self.pending.pop(key)
+        w0 = time.perf_counter()
+        work.wait()
+        return buf, time.perf_counter() - w0
+
+    def _received(
+        self, part: ComputeAction, got: Dict[_Key, torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        """What ``part`` receives (activations for F / Fo, the output gradient for I / B),
+        handed over within the rank or received; ``None`` when it receives nothing."""
+        src = part.receives_from
+        if src is None:
+            return None
+        key = (_carried(part.kind), part.stage, part.microbatch)
+        return self.local.pop(key) if self.stage_rank[src] == self.me else got.pop(key)
+
+    def _send(self, part: ComputeAction, tensor: torch.Tensor) -> None:
+        """Sends ``part``'s result ``[T, H]`` to stage ``part.sends_to``: handed over when this
+        rank runs that stage, else an ``isend``."""
+        dst_stage = part.sends_to
+        dst = self.stage_rank[dst_stage]
+        if dst == self.me:
+            self.local[(_carried(part.kind), dst_stage, part.microbatch)] = tensor
+            return
+        t = tensor.contiguous()
+        p0 = time.perf_counter()
+        self.sends.append((dist.isend(t, dst=self.rt._global(dst), group=self.rt.group), t))
+        self.post_s += time.perf_counter() - p0
+
+    # ---- compute --------------------------------------------------------------------------
+
+    def forward(self, part: ComputeAction, got: Dict[_Key, torch.Tensor]) -> None:
+        """F or Fo: the stage module on the input (token ids ``[T]`` on the first stage, else
+        ``[T, H]``); the output ``[T, H]`` goes to ``part.sends_to``. On the last stage F's
+        logits become the loss (kept with the input for the backward) and Fo's output is kept
+        as the forward-only result. Fo and an evaluation step's F keep no graph."""
+        stage, mb = part.stage, part.microbatch
+        module = self.rt.stages[stage]
+        fo = part.kind == "Fo"
+        x = self._received(part, got)
+        if x is None:
+            x = (self.fo_inputs if fo else self.inputs)[mb]
+        c = self.fo_cu[mb] if fo else self.cu[mb]
+        if fo:
+            c0 = time.perf_counter()
+            with torch.no_grad():
+                out = module(x, c)
+            self.compute_s += time.perf_counter() - c0
+            if part.sends_to is None:
+                self.fo_out[mb] = out
+            else:
+                self._send(part, out)
+            return
+        kv = self.chains.forward_kv(stage, mb, self.train) if self.chunks[mb] is not None else None
+        call = (lambda x, c: module(x, c, kv=kv)) if kv is not None else module
+        if not self.train:
+            c0 = time.perf_counter()
+            with torch.no_grad():
+                out = call(x, c)
+                if stage == self.last:
+                    self.loss_sum += (self._loss(out, mb) / self.denominator).to(torch.float64)
+            self.compute_s += time.perf_counter() - c0
+            if part.sends_to is not None:
+                self._send(part, out)
+            return
+        if stage != self.first:
+            x = x.detach().requires_grad_(True)
+        c0 = time.perf_counter()
+        out = call(x, c)
+        if stage == self.last:
+            out = self._loss(out, mb) / self.denominator
+            self.loss_sum += out.detach().to(torch.float64)
+            self.compute_s += time.perf_counter() - c0
+        else:
+            self.compute_s += time.perf_counter() - c0
+            self._send(part, out.detach())
+        self.saved[(stage, mb)] = (x, out)
+
+    def _loss(self, logits: torch.Tensor, mb: int) -> torch.Tensor:
+        return self.rt._loss(logits, self.targets[mb], self.cu[mb])
+
+    def input_backward(self, part: ComputeAction, got: Dict[_Key, torch.Tensor]) -> None:
+        """I (the input gradient, keeping what W needs) or B (the whole backward) from the
+        output gradient ``[T, H]`` (none on the last stage, whose output is the loss); the input
+        gradient ``[T, H]`` goes to ``part.sends_to``. On the first stage, whose input (token
+        ids) has no gradient, I does nothing and leaves the whole backward to W, as PyTorch's
+        ``PipelineStage`` does (a chunk's runs whole in I: its earlier chunks need its key/value
+        gradients)."""
+        stage, kind, mb = part.stage, part.kind, part.microbatch
+        module = self.rt.stages[stage]
+        x, out = self.saved[(stage, mb)]
+        grad = self._received(part, got)
+        c0 = time.perf_counter()
+        if self.chunks[mb] is not None:
+            params = list(module.parameters())
+            dx, groups = self.chains.backward(
+                stage, kind, mb, x, out, grad, params, first=stage == self.first
+            )
+            if kind == "B":
+                del self.saved[(stage, mb)]
+            else:
+                # None: the whole backward ran here (first stage), W is empty.
+                self.param_groups[(stage, mb)] = groups
+        elif kind == "B":
+            torch.autograd.backward(out, grad_tensors=grad)
+            dx = x.grad if stage != self.first else None
+            del self.saved[(stage, mb)]
+        elif stage == self.first:
+            # As PipelineStage: token ids have no gradient, so the whole backward runs in W
+            # (stage_backward_input would not capture the parameters).
+            self.param_groups[(stage, mb)] = [grad]
+            dx = None
+        else:
+            params = list(module.parameters())
+            dxs, groups = stage_backward_input(
+                [out], None if grad is None else [grad], [x], iter(params)
+            )
+            dx = dxs[0]
+            self.param_groups[(stage, mb)] = groups
+        self.compute_s += time.perf_counter() - c0
+        if part.sends_to is not None:
+            if dx is None:
+                dx = torch.zeros_like(x)
+            self._send(part, dx.detach())
+
+    def weight_backward(self, part: ComputeAction) -> None:
+        """W: the weight gradient from I's saved parameter groups (on the first stage the whole
+        backward, from the output gradient I kept)."""
+        stage, mb = part.stage, part.microbatch
+        groups = self.param_groups.pop((stage, mb))
+        c0 = time.perf_counter()
+        if groups is None:
+            # A chunk on the first stage: its backward ran whole in I.
+            self.saved.pop((stage, mb), None)
+        elif stage == self.first:
+            _, out = self.saved.pop((stage, mb))
+            torch.autograd.backward(out, grad_tensors=groups[0])
+        else:
+            stage_backward_weight(iter(list(self.rt.stages[stage].parameters())), groups)
+            self.saved.pop((stage, mb), None)
+        self.compute_s += time.perf_counter() - c0
+
+    # ---- the end ----------------------------------------------------------------------------
+
+    def finish(self) -> StepResult:
+        """Waits for the sends and the gradient reductions, all-reduces the loss over the
+        pipeline and returns the step's result. Raises ``RuntimeError`` when a tensor handed
+        over within the rank was never used (an invalid schedule)."""
+        for work, _ in self.sends:
+            work.wait()
+        for work in self.reductions:
+            work.wait()
+        if self.local:
+            raise RuntimeError(f"rank {self.me}: handed over but never used: {sorted(self.local)}")
+        total = self.loss_sum.clone()
+        dist.all_reduce(total, group=self.rt.group)
+        return StepResult(
+            loss=float(total),
+            wall_s=time.perf_counter() - self.t_start,
+            actions=self.timings,
+            forward_only=self.fo_out,
+        )
 
 
 def clip_grad_norm_(

@@ -196,3 +196,32 @@ def run_mismatch(rank: int, world: int, init: str, out_dir: str) -> None:
             json.dump({"error": msg}, f)
     finally:
         dist.destroy_process_group()
+
+
+def run_traced(rank: int, world: int, init: str, out_dir: str) -> None:
+    """One ZB-V step (2 ranks) under the PyTorch profiler: writes the rank's actions and the
+    names of its ``PP:`` events in start order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        cfg = ModelConfig(num_decoders=2)
+        pipe = flatpipe.Pipeline("zb-v", pp=world, num_layers=cfg.num_layers, token_budget=64)
+        stages = {
+            s: Stage(cfg, *pipe.stages[s])
+            for s in range(len(pipe.stages))
+            if pipe.stage_ranks[s] == rank
+        }
+        rt = PipelineRuntime(stages, rank=rank, hidden_size=cfg.hidden)
+        plan = pipe.plan_step([30, 20, 50, 10, 44])
+        inputs, targets = step_data(cfg, plan.microbatches(), 0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            rt.step(plan, inputs, targets)
+        events = sorted(
+            (e for e in prof.events() if e.name.startswith("PP:")),
+            key=lambda e: e.time_range.start,
+        )
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"actions": plan.actions(rank), "events": [e.name for e in events]}, f)
+    finally:
+        dist.destroy_process_group()

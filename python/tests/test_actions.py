@@ -145,3 +145,9 @@ def test_parse_action_rejects(text):
     with pytest.raises(ValueError, match=re.escape(text) if text else None):
         parse_action(text)
 
+
+def test_parse_action_is_public():
+    import flatpipe.torch
+
+    assert "parse_action" in flatpipe.torch.__all__
+    assert flatpipe.torch.parse_action is flatpipe.parse_action

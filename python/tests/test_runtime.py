@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch.multiprocessing as mp
 
-from _workers import ATOL, run, run_mismatch
+from _workers import ATOL, run, run_mismatch, run_traced
 
 # Variable-length steps at a 64-token budget: different T per microbatch, a different number of
 # microbatches per step, a step with fewer microbatches than ranks (m < p), and a sequence 10x
@@ -152,3 +153,25 @@ def test_chunked_sequences_equal_the_unsplit_single_process_run(tmp_path, schedu
     assert first["microbatches"][:5] == [60] * 5, first["microbatches"]
     assert [c[1] for c in first["chunks"][:5]] == [0, 1, 2, 3, 4], first["chunks"]
     assert all(c is None for c in first["chunks"][5:])
+
+
+def test_profiler_events_name_each_action_and_each_wait(tmp_path):
+    """ZB-V on 2 ranks (stages 0 and 3 on rank 0, 1 and 2 on rank 1): each action is a
+    ``PP:<action>`` event, preceded by a ``PP:<stage>RECV_F<mb>`` / ``RECV_B<mb>`` event for
+    each input that comes from the other rank; the hand-off between stages 1 and 2 (both on
+    rank 1) is waited for by no event."""
+    # Per rank, (stage, kind) -> the wait event's name before the action, written by hand.
+    waits = {
+        0: {("3", "F"): "3RECV_F", ("0", "I"): "0RECV_B"},
+        1: {("1", "F"): "1RECV_F", ("2", "I"): "2RECV_B"},
+    }
+    mp.spawn(run_traced, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = json.load(open(tmp_path / f"rank{rank}.json"))
+        want = []
+        for text in got["actions"]:
+            stage, kind, mb = re.fullmatch(r"(\d+)([FIW])(\d+)", text).groups()
+            if (stage, kind) in waits[rank]:
+                want.append(f"PP:{waits[rank][(stage, kind)]}{mb}")
+            want.append(f"PP:{text}")
+        assert got["events"] == want, f"rank {rank}"
