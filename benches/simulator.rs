@@ -3,10 +3,15 @@
 
 use criterion::{Criterion, Throughput, criterion_group};
 use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
-use flatpipe::simulator::montecarlo::{self, Capacity, RunConfig, ScheduleSource};
-use flatpipe::simulator::plan::even_split;
-use flatpipe::simulator::policy::{Policy, PolicyParams, batch};
-use flatpipe::simulator::{ScheduleKind, UniformCostSpec, UniformCosts, metrics, replay, summary};
+use flatpipe::simulator::batching::policy::{Policy, PolicyParams, batch};
+use flatpipe::simulator::run::plan::even_split;
+use flatpipe::simulator::run::{
+    config::{Capacity, RunConfig, ScheduleSource},
+    montecarlo,
+};
+use flatpipe::simulator::{
+    ScheduleKind, UniformCostSpec, UniformCosts, replay, replay::metrics, replay::summary,
+};
 use std::hint::black_box;
 
 /// The allocator the `flatpipe` binary runs with (src/main.rs): mimalloc, keeping freed memory,
@@ -132,12 +137,13 @@ fn bench_mb_plan(c: &mut Criterion) {
             Capacity::Dynamic,
         );
         config.params.chunk_tokens = Some(config.params.token_budget);
-        let cost = montecarlo::balance_cost(&profile);
-        let cut = flatpipe::simulator::step::cut_step(&config, &seqs, &cost).unwrap();
+        let cost = flatpipe::simulator::run::config::balance_cost(&profile);
+        let cut = flatpipe::simulator::run::step::cut_step(&config, &seqs, &cost).unwrap();
         let mbs = &cut[0].microbatches;
         g.bench_function(kind.name(), |b| {
             b.iter(|| {
-                flatpipe::simulator::mb_plan::plan(&config, &profile, black_box(mbs), 0).unwrap()
+                flatpipe::simulator::run::mb_plan::plan(&config, &profile, black_box(mbs), 0)
+                    .unwrap()
             })
         });
     }
@@ -202,7 +208,7 @@ fn bench_monte_carlo(c: &mut Criterion) {
 /// uniform costs under p and 2p units, and Llama-3.1-8B's profile on one sampled ShareGPT step
 /// cut into 64 microbatches (costs differ by microbatch) under 1F1B's memory.
 fn bench_zb_auto(c: &mut Criterion) {
-    use flatpipe::simulator::zb_auto::placement;
+    use flatpipe::simulator::schedules::zb_auto::placement;
     let (p, m) = (16u32, 64u32);
     let uniform = UniformCosts::new(
         &UniformCostSpec {

@@ -2,10 +2,10 @@
 //! dimension and pipelined (TeraPipe, Seq1F1B).
 
 use flatpipe::profiles::{AnalyticOptions, analytic_profile, builtins};
-use flatpipe::simulator::montecarlo::{Capacity, RunConfig, ScheduleSource};
-use flatpipe::simulator::plan::even_split;
-use flatpipe::simulator::policy::{Policy, PolicyParams};
-use flatpipe::simulator::step::{cut_step, plan_step};
+use flatpipe::simulator::batching::policy::{Policy, PolicyParams};
+use flatpipe::simulator::run::config::{Capacity, RunConfig, ScheduleSource};
+use flatpipe::simulator::run::plan::even_split;
+use flatpipe::simulator::run::step::{cut_step, plan_step};
 use flatpipe::simulator::{
     ActionKind, ComputeAction, CostModel, Microbatch, ScheduleKind, TableCosts,
 };

@@ -1,6 +1,6 @@
 //! Simulated makespans and memory against the published closed forms.
 
-use flatpipe::simulator::dag::Dag;
+use flatpipe::simulator::replay::dag::Dag;
 use flatpipe::simulator::{ScheduleKind, UniformCostSpec, UniformCosts, simulate};
 
 fn costs(f: f64, b: f64, w: f64, comm: f64) -> UniformCosts {

@@ -1,9 +1,9 @@
 //! The exact solver (issue 26, part 2) against an independent brute force, and the lower
 //! bound's terms and zb-auto against the exact optimum.
 
-use flatpipe::simulator::exact::{self, ExactOptions};
 use flatpipe::simulator::ir::{Action, ActionKind, Placement, Schedule};
-use flatpipe::simulator::{ScheduleKind, StageCosts, metrics, replay};
+use flatpipe::simulator::schedules::exact::{self, ExactOptions};
+use flatpipe::simulator::{ScheduleKind, StageCosts, replay, replay::metrics};
 use proptest::prelude::*;
 
 /// Peak activation of a replayed schedule, units.

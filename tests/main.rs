@@ -1,5 +1,6 @@
 //! flatpipe's integration tests: one binary, modules by topic.
 
+mod architecture;
 mod chunks;
 mod cli;
 mod closed_forms;

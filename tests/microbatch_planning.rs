@@ -2,12 +2,12 @@
 //! `flat-planned` against `flat-ffd`, the exact optimum of small steps and its lower bound.
 
 use flatpipe::profiles::{AnalyticOptions, Profile, StepSize, analytic_profile, builtins};
-use flatpipe::simulator::mb_plan;
-use flatpipe::simulator::montecarlo::{Capacity, RunConfig, ScheduleSource};
-use flatpipe::simulator::plan::even_split;
-use flatpipe::simulator::policy::{Policy, PolicyParams};
-use flatpipe::simulator::step::{cut_step, plan_replica, plan_step};
-use flatpipe::simulator::{Microbatch, ScheduleKind, verl_kk};
+use flatpipe::simulator::batching::policy::{Policy, PolicyParams};
+use flatpipe::simulator::run::config::{Capacity, RunConfig, ScheduleSource};
+use flatpipe::simulator::run::mb_plan;
+use flatpipe::simulator::run::plan::even_split;
+use flatpipe::simulator::run::step::{cut_step, plan_replica, plan_step};
+use flatpipe::simulator::{Microbatch, ScheduleKind, batching::verl_kk};
 use proptest::prelude::*;
 
 fn profile() -> Profile {
@@ -216,7 +216,7 @@ fn flat_planned_near_the_exact_optimum_of_small_steps() {
 fn flat_planned_never_slower_than_flat_ffd_and_bound_holds() {
     let prof = profile();
     let workload = builtins::workload("sharegpt-v3").unwrap();
-    let cost = flatpipe::simulator::montecarlo::balance_cost(&prof);
+    let cost = flatpipe::simulator::run::config::balance_cost(&prof);
     for kind in [
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved1F1B,
@@ -297,7 +297,7 @@ fn lower_bound_on_one_rank_is_the_work() {
 /// cut once per policy gave ZB-V the 1F1B cut).
 #[test]
 fn verl_kk_rounds_its_count_per_configuration() {
-    use flatpipe::simulator::montecarlo;
+    use flatpipe::simulator::run::montecarlo;
     let prof = profile();
     let workload = builtins::workload("sharegpt-v3").unwrap();
     let configs = [

@@ -7,10 +7,13 @@ use flatpipe::planner::partition::{
 };
 use flatpipe::planner::search::{RankBy, SearchConfig, SearchSpace, search};
 use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
+use flatpipe::simulator::batching::policy::Policy;
 use flatpipe::simulator::costs::Recompute;
-use flatpipe::simulator::montecarlo::{self, Capacity, RunConfig, ScheduleSource};
-use flatpipe::simulator::plan::even_split;
-use flatpipe::simulator::policy::Policy;
+use flatpipe::simulator::run::plan::even_split;
+use flatpipe::simulator::run::{
+    config::{Capacity, RunConfig, ScheduleSource},
+    montecarlo,
+};
 use flatpipe::simulator::{Placement, PlacementKind, Plan, ScheduleKind};
 use proptest::prelude::*;
 
@@ -343,7 +346,7 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
         // (the main job's answer is now no pipeline at all, whose split is trivial).
         let mut space = SearchSpace::default_for(8);
         space.tp = vec![1];
-        space.sharding = vec![flatpipe::simulator::sharding::Sharding::Ddp];
+        space.sharding = vec![flatpipe::simulator::costs::sharding::Sharding::Ddp];
         search(&prof, &w, &space, &config, &|_, _| {}).unwrap()
     };
     let bnb = run(ExactSplit::DEFAULT);
@@ -531,7 +534,7 @@ fn megatron_exports_pass_megatrons_argument_checks() {
 /// the plan shards more), and the Megatron arguments still pass Megatron's rules.
 #[test]
 fn exports_carry_the_sharding() {
-    use flatpipe::simulator::sharding::Sharding;
+    use flatpipe::simulator::costs::sharding::Sharding;
     let prof = profile();
     let stages = even_split(34, 2).unwrap();
     let degrees = |text: &str| -> (u32, u32) {
@@ -602,7 +605,7 @@ fn tied_budgets_choose_the_one_that_holds_the_sequences() {
     space.pp = vec![2];
     space.tp = vec![1];
     space.kinds = vec![ScheduleKind::OneFOneB];
-    space.sharding = vec![flatpipe::simulator::sharding::Sharding::Ddp];
+    space.sharding = vec![flatpipe::simulator::costs::sharding::Sharding::Ddp];
     space.token_budgets = vec![4096, 8192];
     space.recompute = vec![Recompute::None, Recompute::Full];
     let config = SearchConfig {

@@ -1,9 +1,9 @@
 //! Property tests over every generator: validity, dependencies in the timeline, the lower
 //! bound, IR round trips.
 
-use flatpipe::simulator::dag::Dag;
+use flatpipe::simulator::ir::pytorch_csv::{read_pytorch_csv, write_pytorch_csv};
 use flatpipe::simulator::ir::{Action, ActionKind, ComputeAction};
-use flatpipe::simulator::pytorch_csv::{read_pytorch_csv, write_pytorch_csv};
+use flatpipe::simulator::replay::dag::Dag;
 use flatpipe::simulator::{ScheduleKind, UniformCostSpec, UniformCosts, simulate};
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -106,7 +106,7 @@ proptest! {
         first in 0u32..16, len in 2u32..=8, second in prop::option::of(2u32..=4),
         f in 1u32..4, b in 1u32..4, w in 0u32..3, comm in 0u32..2,
     ) {
-        use flatpipe::simulator::chunks::order_chunks;
+        use flatpipe::simulator::schedules::chunks::order_chunks;
         use flatpipe::simulator::ir::MicrobatchId;
         let v = kind.stages_per_rank(Some(v)).unwrap_or(2);
         let first = first % m;
@@ -130,7 +130,7 @@ proptest! {
         let sim = simulate(&ordered, &costs).unwrap();
         prop_assert_eq!(Dag::build(&ordered).replay_makespan_ns(&costs), Some(sim.timeline.makespan_ns()));
         // The lower bound (its chunk-chain term included) never exceeds the makespan.
-        let lb = flatpipe::simulator::metrics::lower_bound_ns(&ordered, &costs);
+        let lb = flatpipe::simulator::replay::metrics::lower_bound_ns(&ordered, &costs);
         prop_assert!(lb <= sim.timeline.makespan_ns(), "bound {} > makespan {}", lb, sim.timeline.makespan_ns());
         // (stage, mb) -> (F start, F end, backward start, backward end), from the timeline.
         let mut at: HashMap<(u32, u32), [u64; 4]> = HashMap::new();

@@ -2,8 +2,8 @@
 //! Costs are one rank's share of the model per microbatch; with v stages per rank each stage
 //! costs f/v, b/v, w/v.
 
-use flatpipe::simulator::generators::interleaved_1f1b;
-use flatpipe::simulator::pytorch_csv::{read_pytorch_csv, write_pytorch_csv};
+use flatpipe::simulator::ir::pytorch_csv::{read_pytorch_csv, write_pytorch_csv};
+use flatpipe::simulator::schedules::generators::interleaved_1f1b;
 use flatpipe::simulator::{ScheduleKind, Simulation, UniformCostSpec, UniformCosts, simulate};
 
 fn run(kind: ScheduleKind, p: u32, v: u32, m: u32, spec: UniformCostSpec) -> Simulation {

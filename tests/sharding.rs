@@ -3,14 +3,17 @@
 
 use flatpipe::planner::search::{RankBy, SearchConfig, SearchSpace, search};
 use flatpipe::profiles::{Profile, StepSize, analytic_profile, builtins};
+use flatpipe::simulator::batching::microbatch::Microbatch;
+use flatpipe::simulator::batching::policy::Policy;
+use flatpipe::simulator::costs::sharding::Sharding;
 use flatpipe::simulator::costs::{CostOptions, TableCosts};
 use flatpipe::simulator::ir::{ActionKind, ComputeAction, Rank};
-use flatpipe::simulator::microbatch::Microbatch;
-use flatpipe::simulator::montecarlo::{self, Capacity, RunConfig, ScheduleSource};
-use flatpipe::simulator::plan::even_split;
-use flatpipe::simulator::policy::Policy;
-use flatpipe::simulator::sharding::Sharding;
-use flatpipe::simulator::step::{cut_step, plan_step};
+use flatpipe::simulator::run::plan::even_split;
+use flatpipe::simulator::run::step::{cut_step, plan_step};
+use flatpipe::simulator::run::{
+    config::{Capacity, RunConfig, ScheduleSource},
+    montecarlo,
+};
 use flatpipe::simulator::{CostModel, Placement, Plan, ScheduleKind};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -111,10 +114,10 @@ fn memory_per_rank_for_each_sharding_mode_by_hand() {
 }
 
 /// The plan of one step of `config` on `prof`, and its predicted step time.
-fn step(prof: &Profile, config: &RunConfig) -> (flatpipe::simulator::step::StepPlan, f64) {
+fn step(prof: &Profile, config: &RunConfig) -> (flatpipe::simulator::run::step::StepPlan, f64) {
     let w = builtins::workload("sharegpt-v3").unwrap();
     let seqs = w.sample_step(0, 0, StepSize::Seqs(64));
-    let cost = montecarlo::balance_cost(prof);
+    let cost = flatpipe::simulator::run::config::balance_cost(prof);
     let cut = cut_step(config, &seqs, &cost).unwrap();
     let plan = plan_step(config, Some(prof), 0, &cut).unwrap();
     let t = plan.outcome(config, prof).unwrap().step_time_s;

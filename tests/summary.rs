@@ -1,4 +1,4 @@
-//! The replay without a timeline (`simulator::summary`) against the full replay and
+//! The replay without a timeline (`simulator::replay::summary`) against the full replay and
 //! `metrics::metrics` (the reference: memory from `metrics::memory_events`, in-flight counts from
 //! the timeline): every generator, uniform costs with transfers and zero-length W, and profile
 //! costs whose output buffers are freed when their transfer ends and whose recomputation holds
@@ -6,11 +6,11 @@
 
 use flatpipe::profiles::{AnalyticOptions, analytic_profile, builtins};
 use flatpipe::simulator::costs::{CostModel, CostOptions, Recompute};
-use flatpipe::simulator::metrics::{self, Metrics};
-use flatpipe::simulator::plan::even_split;
-use flatpipe::simulator::summary::{
+use flatpipe::simulator::replay::metrics::{self, Metrics};
+use flatpipe::simulator::replay::summary::{
     ToBeat, metrics_without_timeline, rank_work_ns, replay_summary, replay_to_beat, replay_within,
 };
+use flatpipe::simulator::run::plan::even_split;
 use flatpipe::simulator::{
     Microbatch, Schedule, ScheduleKind, TableCosts, UniformCostSpec, UniformCosts, replay,
 };
@@ -330,7 +330,7 @@ fn deadlock_is_reported() {
 /// bubbles or as a separate pass: the summary still equals the timeline's metrics.
 #[test]
 fn summary_equals_the_timeline_metrics_with_forward_only_work() {
-    use flatpipe::simulator::forward_only::{FoMode, with_forward_only};
+    use flatpipe::simulator::schedules::forward_only::{FoMode, with_forward_only};
     let costs = UniformCosts::new(
         &UniformCostSpec {
             f: 1.0,

@@ -2,9 +2,9 @@
 //! parameter and activation counts written out by hand, and the links transfers cross.
 
 use flatpipe::profiles::{AnalyticOptions, LayerKind, Profile, analytic_profile, builtins};
+use flatpipe::simulator::batching::microbatch::Microbatch;
 use flatpipe::simulator::costs::{CostOptions, TableCosts};
 use flatpipe::simulator::ir::{ActionKind, MicrobatchId, StageId};
-use flatpipe::simulator::microbatch::Microbatch;
 use flatpipe::simulator::{CostModel, Placement};
 
 fn profile(model: &str) -> Profile {
@@ -165,7 +165,7 @@ fn transfers_cross_the_link_their_ranks_sit_on() {
             "replica {replica}: {got} vs {want}"
         );
     }
-    use flatpipe::simulator::sharding::{DpGroup, Sharding};
+    use flatpipe::simulator::costs::sharding::{DpGroup, Sharding};
     for r in 0..2 {
         let g = DpGroup::of(Sharding::Fsdp, &p.hardware, 2, 2, r);
         assert_eq!(g.shard_link, p.hardware.intra_node, "pipeline rank {r}");

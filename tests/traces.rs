@@ -2,7 +2,7 @@
 //! with torch 2.15 on the CPU and gloo): PyTorch's own runtime and flatpipe's, two steps each,
 //! imported and checked against what the schedule objects say each rank ran (truth.json).
 
-use flatpipe::simulator::kineto::{ImportOptions, read_trace_file, read_traces};
+use flatpipe::simulator::io::kineto::{ImportOptions, read_trace_file, read_traces};
 
 const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/traces");
 

@@ -1,11 +1,14 @@
 //! Variable-length workloads: policies, capacity, Monte Carlo, accounting.
 
 use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
-use flatpipe::simulator::montecarlo::{self, Capacity, Quantiles, RunConfig, ScheduleSource};
-use flatpipe::simulator::plan::even_split;
-use flatpipe::simulator::policy::{Policy, PolicyParams};
+use flatpipe::simulator::batching::policy::{Policy, PolicyParams};
+use flatpipe::simulator::run::plan::even_split;
+use flatpipe::simulator::run::{
+    config::{Capacity, RunConfig, ScheduleSource},
+    montecarlo::{self, Quantiles},
+};
 use flatpipe::simulator::{
-    Microbatch, ScheduleKind, TableCosts, costs::CostModel, microbatch::Shape,
+    Microbatch, ScheduleKind, TableCosts, batching::microbatch::Shape, costs::CostModel,
 };
 
 fn profile() -> flatpipe::profiles::Profile {
@@ -257,9 +260,9 @@ fn frozen_forward_only_weights_add_to_a_ranks_memory() {
     );
     let mbs = vec![Microbatch::flat(vec![2048]); 4];
     let (without, _) = montecarlo::simulate_step(&prof, &c[0], &mbs).unwrap();
-    c[0].forward_only = Some(montecarlo::ForwardOnlySpec {
+    c[0].forward_only = Some(flatpipe::simulator::run::config::ForwardOnlySpec {
         microbatches: None,
-        mode: flatpipe::simulator::forward_only::FoMode::Fused,
+        mode: flatpipe::simulator::schedules::forward_only::FoMode::Fused,
         loss_dependency: false,
     });
     let (with, _) = montecarlo::simulate_step(&prof, &c[0], &mbs).unwrap();

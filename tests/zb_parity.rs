@@ -47,14 +47,14 @@ fn settings() -> Vec<Setting> {
 
 /// zb-auto's figure in the heuristic's terms: over the ranks, the longest span from a rank's
 /// first action's start to its last action's end (one stage per rank), in cost units; and its
-/// makespan; and the makespan's lower bound ([`flatpipe::simulator::metrics::lower_bound_ns`]).
+/// makespan; and the makespan's lower bound ([`flatpipe::simulator::replay::metrics::lower_bound_ns`]).
 fn zb_auto_span(s: &Setting) -> (u64, u64, u64) {
     let costs = StageCosts::new(&s.f, &s.b, &s.w, s.comm).unwrap();
     let schedule = ScheduleKind::ZbAuto
         .build(s.p, 1, s.m, &costs, s.limit)
         .unwrap();
     let t = replay::replay(&schedule, &costs).unwrap();
-    let bound = flatpipe::simulator::metrics::lower_bound_ns(&schedule, &costs);
+    let bound = flatpipe::simulator::replay::metrics::lower_bound_ns(&schedule, &costs);
     let span = t
         .compute
         .iter()
@@ -131,8 +131,8 @@ fn zb_auto_never_worse_than_the_heuristic() {
 /// heuristic, and the counts of settings each reaches the optimum on are printed.
 #[test]
 fn zb_auto_and_the_heuristic_against_the_exact_optimum() {
-    use flatpipe::simulator::exact::{self, ExactOptions};
     use flatpipe::simulator::ir::Placement;
+    use flatpipe::simulator::schedules::exact::{self, ExactOptions};
     let (mut n, mut heur_n, mut zb_opt, mut heur_opt) = (0, 0, 0, 0);
     let (mut zb_gap, mut heur_gap) = (0.0, 0.0);
     for s in settings().iter().filter(|s| s.p == 4 && s.m <= 8) {

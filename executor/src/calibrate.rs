@@ -252,7 +252,7 @@ mod tests {
 
     #[test]
     fn busy_time_per_phase_sums_the_ranks_actions() {
-        use flatpipe_simulator::timeline::TimedOp;
+        use flatpipe_simulator::replay::timeline::TimedOp;
         let op = |kind, start_ns, end_ns| TimedOp {
             action: Action::new(0, kind, 0),
             start_ns,

@@ -2,7 +2,7 @@
 //! loss reduction (DESIGN point 5).
 
 use flatpipe_simulator::Microbatch;
-use flatpipe_simulator::microbatch::Chunk;
+use flatpipe_simulator::batching::microbatch::Chunk;
 use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;

@@ -27,7 +27,7 @@ use crate::data::MicrobatchData;
 use crate::worker::{AdamW, LossSums, StageInput, StageOutput, StageWorker};
 use crate::{Error, Result};
 use flatpipe_simulator::ir::{ActionKind, ComputeAction, Rank, Schedule};
-use flatpipe_simulator::timeline::{TimedOp, TimedTransfer, Timeline};
+use flatpipe_simulator::replay::timeline::{TimedOp, TimedTransfer, Timeline};
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Barrier};

@@ -100,7 +100,7 @@ pub fn rmsnorm_dg(dg: &mut Array1<f32>, dy: ArrayView2<f32>, xhat: ArrayView2<f3
 /// transpose).
 ///
 /// `offset` shifts every position (a chunk of a longer sequence starts at its offset in the
-/// sequence, [`flatpipe_simulator::microbatch::Chunk`]); 0 otherwise.
+/// sequence, [`flatpipe_simulator::batching::microbatch::Chunk`]); 0 otherwise.
 pub fn rope(
     x: &mut ArrayViewMut2<f32>,
     cu_seqlens: &[usize],

@@ -41,13 +41,15 @@ pub mod interpreter;
 pub mod kernels;
 pub mod model;
 pub mod null;
+pub mod precision;
 pub mod profiler;
 pub mod runner;
 pub mod verify;
 
 pub mod worker;
 
-pub use backend::{AnyExecutor, Backend, BackendConfig, Precision};
+pub use backend::{AnyExecutor, Backend, BackendConfig};
 pub use data::{LossReduction, MicrobatchData};
 pub use error::{Error, Result};
+pub use precision::Precision;
 pub use worker::{AdamW, StageWorker};

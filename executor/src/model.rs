@@ -1095,7 +1095,7 @@ impl<O: OpSet> Stage<O> {
     fn chunk_prefix(
         &self,
         mb: u32,
-        c: flatpipe_simulator::microbatch::Chunk,
+        c: flatpipe_simulator::batching::microbatch::Chunk,
     ) -> Result<Option<Vec<Option<(O::Tensor, O::Tensor)>>>> {
         if c.index == 0 {
             return Ok(None);

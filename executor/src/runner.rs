@@ -10,11 +10,14 @@ use crate::worker::{AdamW, StageInput, StageWorker};
 use crate::{Error, Result};
 use flatpipe_profiles::Profile;
 use flatpipe_profiles::{ModelSpec, StepSize, Workload};
+use flatpipe_simulator::batching::microbatch::Microbatch;
 use flatpipe_simulator::costs::Recompute;
 use flatpipe_simulator::ir::{Placement, Rank, Schedule};
-use flatpipe_simulator::microbatch::Microbatch;
-use flatpipe_simulator::montecarlo::{Capacity, ScheduleSource};
-use flatpipe_simulator::step::{RunConfig, StepPlan, cut_step, plan_step};
+use flatpipe_simulator::run::config::{Capacity, ScheduleSource};
+use flatpipe_simulator::run::{
+    config::RunConfig,
+    step::{StepPlan, cut_step, plan_step},
+};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -48,7 +51,7 @@ pub struct Setup {
     pub max_grad_norm: Option<f64>,
     /// Cost used to balance microbatches and replicas.
     pub balance: BalanceCost,
-    /// The profile each step is planned with ([`flatpipe_simulator::step::plan_step`]): zb-auto
+    /// The profile each step is planned with ([`flatpipe_simulator::run::step::plan_step`]): zb-auto
     /// is built from its costs of the step's microbatches under the config's memory limit, the
     /// forward-only work fused by them, and the step predicted. Without one, zb-auto is built
     /// for unit costs under 1F1B's memory, forward-only work fused by unit costs, and nothing
@@ -113,7 +116,7 @@ impl PreparedStep {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prediction {
     /// The slowest replica's makespan with the data-parallel collectives
-    /// ([`flatpipe_simulator::step::StepPlan::step_time_with_collectives`]), seconds.
+    /// ([`flatpipe_simulator::run::step::StepPlan::step_time_with_collectives`]), seconds.
     pub makespan_s: f64,
     /// Replica 0's bubble ratio per rank, `1 - busy / makespan`.
     pub bubbles: Vec<f64>,
@@ -199,7 +202,7 @@ impl Setup {
         if c.dp == 0 || c.pp == 0 {
             return Err(Error::Invalid("dp and pp must be >= 1".into()));
         }
-        if c.dp > 1 && c.sharding != flatpipe_simulator::sharding::Sharding::Ddp {
+        if c.dp > 1 && c.sharding != flatpipe_simulator::costs::sharding::Sharding::Ddp {
             return Err(Error::Unsupported(format!(
                 "sharding {}: the executor's replicas each hold the full weights, gradients and optimizer state (ddp); sharded data parallelism is priced by the simulator and the planner, not executed (set the plan's sharding to ddp to run it)",
                 c.sharding
@@ -356,7 +359,7 @@ impl Executor<crate::cuda::stage::CudaStage> {
     /// than `devices`; [`Error::Invalid`] for `devices = 0`; stage errors.
     pub fn cuda(
         setup: &Setup,
-        precision: crate::cuda::ops::Precision,
+        precision: crate::precision::Precision,
         init: crate::cuda::stage::Init,
         devices: usize,
     ) -> Result<Self> {
@@ -485,7 +488,7 @@ impl<W: StageWorker> Executor<W> {
             .replicas
             .iter()
             .map(|r| {
-                flatpipe_simulator::forward_only::forward_only_pass(
+                flatpipe_simulator::schedules::forward_only::forward_only_pass(
                     &r.schedule,
                     r.microbatches.len() as u32,
                 )

@@ -17,7 +17,7 @@ use flatpipe_executor::worker::{StageInput, StageOutput, StageWorker};
 use flatpipe_profiles::ModelSpec;
 use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::costs::Recompute;
-use flatpipe_simulator::montecarlo::ScheduleSource;
+use flatpipe_simulator::run::config::ScheduleSource;
 use ndarray::Array2;
 use rand::{RngExt, SeedableRng, rngs::ChaCha8Rng};
 use std::sync::Arc;

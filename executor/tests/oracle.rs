@@ -13,7 +13,7 @@ use flatpipe_executor::runner::{Executor, Reference, Setup, compare};
 use flatpipe_profiles::{ModelSpec, StepSize};
 use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::costs::Recompute;
-use flatpipe_simulator::montecarlo::ScheduleSource;
+use flatpipe_simulator::run::config::ScheduleSource;
 
 use flatpipe_executor::verify::{LOSS_RTOL, TENSOR_RTOL as GRAD_RTOL, verify_step};
 
@@ -122,8 +122,8 @@ fn pp_one_runs_through_the_same_interpreter() {
 fn a_loaded_pytorch_csv_schedule_matches() {
     // ZB-H1 written to PyTorch's CSV and read back: a schedule given as data.
     let s = ScheduleKind::ZbH1.generate(2, 1, 4).unwrap();
-    let csv = flatpipe_simulator::pytorch_csv::write_pytorch_csv(&s, false).unwrap();
-    let loaded = flatpipe_simulator::pytorch_csv::read_pytorch_csv(&csv, "zb.csv").unwrap();
+    let csv = flatpipe_simulator::ir::pytorch_csv::write_pytorch_csv(&s, false).unwrap();
+    let loaded = flatpipe_simulator::ir::pytorch_csv::read_pytorch_csv(&csv, "zb.csv").unwrap();
     check(&setup(ScheduleSource::Given(loaded), 2, 1, 4));
 }
 
@@ -279,8 +279,8 @@ proptest::proptest! {
 
 #[test]
 fn forward_only_work_runs_in_the_interpreter_and_leaves_training_unchanged() {
-    use flatpipe_simulator::forward_only::FoMode;
-    use flatpipe_simulator::montecarlo::ForwardOnlySpec;
+    use flatpipe_simulator::run::config::ForwardOnlySpec;
+    use flatpipe_simulator::schedules::forward_only::FoMode;
     for (kind, mode, dep) in [
         (ScheduleKind::OneFOneB, FoMode::Fused, true),
         (ScheduleKind::ZbH1, FoMode::Fused, false),
@@ -335,7 +335,7 @@ fn forward_only_work_runs_in_the_interpreter_and_leaves_training_unchanged() {
 #[test]
 fn chunked_sequences_match_the_unsplit_single_rank_run() {
     use flatpipe_profiles::{LengthDistribution, Workload};
-    use flatpipe_simulator::policy::{Policy, PolicyParams};
+    use flatpipe_simulator::batching::policy::{Policy, PolicyParams};
     let chunked = |kind: ScheduleKind, pp: u32, lengths: LengthDistribution, seqs: u32| {
         let v = kind.stages_per_rank(None).unwrap();
         let mut w = Workload::empirical("long".into(), "t".into(), vec![1]);
@@ -394,7 +394,7 @@ fn chunked_sequences_match_the_unsplit_single_rank_run() {
 #[test]
 fn chunked_sequences_refuse_recomputation() {
     use flatpipe_profiles::{LengthDistribution, Workload};
-    use flatpipe_simulator::policy::PolicyParams;
+    use flatpipe_simulator::batching::policy::PolicyParams;
     let mut w = Workload::empirical("long".into(), "t".into(), vec![1]);
     w.lengths = LengthDistribution::Fixed { tokens: 1024 };
     let mut s = common::setup(

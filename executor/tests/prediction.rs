@@ -8,8 +8,11 @@ mod common;
 
 use flatpipe_profiles::{AnalyticOptions, analytic_profile, builtins};
 use flatpipe_simulator::ScheduleKind;
-use flatpipe_simulator::forward_only::FoMode;
-use flatpipe_simulator::montecarlo::{ForwardOnlySpec, ScheduleSource, simulate_replica};
+use flatpipe_simulator::run::{
+    config::{ForwardOnlySpec, ScheduleSource},
+    montecarlo::simulate_replica,
+};
+use flatpipe_simulator::schedules::forward_only::FoMode;
 use std::sync::Arc;
 
 /// For every schedule kind, with and without forward-only work, the schedule `execute` runs

@@ -2,10 +2,122 @@
 //! (formats: `shared/reference/interop.md`, gathered 2026-11).
 
 use crate::{Error, Result};
-use flatpipe_profiles::{LayerKind, Profile};
+use flatpipe_profiles::{LayerKind, Profile, StepSize, Workload};
+use flatpipe_simulator::costs::sharding::{DpGroup, Sharding};
 use flatpipe_simulator::ir::PlacementKind;
-use flatpipe_simulator::sharding::{DpGroup, Sharding};
-use flatpipe_simulator::{Plan, ScheduleKind};
+use flatpipe_simulator::run::config::balance_cost;
+use flatpipe_simulator::run::step::{StepPlan, cut_step, plan_step};
+use flatpipe_simulator::{Plan, Schedule, ScheduleKind};
+
+/// The step an export stands for: the schedule the plan's own prediction ran on one of its
+/// sampled steps, and what a target that runs one fixed schedule cannot run of the plan.
+#[derive(Debug, Clone)]
+pub struct ExportedStep {
+    /// The sampler's step id: of the plan's sampled steps, the first whose microbatch count is
+    /// the median ([`median_step`]).
+    pub step: u64,
+    /// Replica 0's training schedule of that step's first round, as the prediction built it
+    /// (zb-auto's search on that step's costs included), without forward-only work.
+    pub schedule: Schedule,
+    /// Microbatches of that step's replica 0.
+    pub microbatches: u32,
+    /// What the target will run instead of what the plan chose, one sentence each: sequence
+    /// chunks, forward-only work, a microbatch count that changes per step, several rounds.
+    pub warnings: Vec<String>,
+}
+
+/// The step whose schedule [`exported_step`] exports: with `counts[i]` the microbatch count of
+/// sampled step `i`, the first step whose count is the median count (the lower median of an
+/// even number of steps).
+/// `None` for no steps.
+pub fn median_step(counts: &[u32]) -> Option<usize> {
+    let mut sorted = counts.to_vec();
+    sorted.sort_unstable();
+    let median = *sorted.get(counts.len().checked_sub(1)? / 2)?;
+    counts.iter().position(|&c| c == median)
+}
+
+/// Plans the plan's `steps` sampled steps (`workload` drawn with the plan's seed at `size`,
+/// `profile` the GPU's: tensor parallelism already applied) exactly as its prediction did
+/// (`cut_step` then `plan_step`), and returns the median step's schedule with the warnings
+/// an export of it needs.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for `steps = 0`; the plan's and the simulator's errors.
+pub fn exported_step(
+    plan: &Plan,
+    profile: &Profile,
+    workload: &Workload,
+    size: StepSize,
+    steps: u32,
+) -> Result<ExportedStep> {
+    let config = plan.run_config()?;
+    let cost = balance_cost(profile);
+    let plan_one = |i: u64| -> Result<StepPlan> {
+        let seqs = workload.sample_step(plan.seed, i, size);
+        let cut = cut_step(&config, &seqs, &cost)?;
+        Ok(plan_step(&config, Some(profile), i, &cut)?)
+    };
+    let mut counts = Vec::with_capacity(steps as usize);
+    for i in 0..steps {
+        counts.push(plan_one(u64::from(i))?.replicas[0].microbatches.len() as u32);
+    }
+    let step = median_step(&counts)
+        .ok_or_else(|| Error::invalid("steps", 0, ">= 1 sampled step to export a schedule of"))?
+        as u64;
+    let planned = plan_one(step)?;
+    let replica = &planned.replicas[0];
+    let round = &replica.rounds[0];
+    let schedule = (*round.train).clone();
+    let microbatches = replica.microbatches.len() as u32;
+    let warnings = export_warnings(&schedule, replica.rounds.len(), &round.fo, &counts, step);
+    Ok(ExportedStep {
+        step,
+        schedule,
+        microbatches,
+        warnings,
+    })
+}
+
+/// What a target that runs one fixed schedule does instead of what the plan chose.
+fn export_warnings(
+    schedule: &Schedule,
+    rounds: usize,
+    fo: &[flatpipe_simulator::Microbatch],
+    counts: &[u32],
+    step: u64,
+) -> Vec<String> {
+    let mut warnings = Vec::new();
+    let m = counts[step as usize];
+    let (lo, hi) = (
+        counts.iter().copied().min().unwrap_or(m),
+        counts.iter().copied().max().unwrap_or(m),
+    );
+    if lo != hi {
+        warnings.push(format!(
+            "the plan's microbatch count changes per step ({lo} to {hi} over its {} sampled steps); this export is step {step}'s schedule for {m} microbatches, and the target runs that count every step",
+            counts.len()
+        ));
+    }
+    if !schedule.chunks.is_empty() {
+        warnings.push(format!(
+            "the plan cuts {} sequences longer than the token budget into chunks that share their keys and values; the target has no sequence chunks and runs each chunk as an unrelated microbatch (attention across chunks is lost)",
+            schedule.chunks.len()
+        ));
+    }
+    if !fo.is_empty() {
+        warnings.push(format!(
+            "the plan runs {} forward-only microbatches per step with the training schedule; the target has no forward-only actions and runs the training schedule alone",
+            fo.len()
+        ));
+    }
+    if rounds > 1 {
+        warnings.push(format!(
+            "the plan's fixed capacity runs step {step} in {rounds} rounds; this export is the first round's schedule"
+        ));
+    }
+    warnings
+}
 
 /// Whether torchtitan runs `plan` from a schedule CSV (its schedule has no torchtitan name:
 /// zb-h1, zb-h2, zb-auto, or interleaved 1F1B with one stage per rank).
@@ -511,5 +623,21 @@ fn stage_list(ids: &[String]) -> String {
         format!("stages {joined}")
     } else {
         format!("stage {joined}")
+    }
+}
+
+#[cfg(test)]
+mod median_tests {
+    use super::median_step;
+
+    #[test]
+    fn the_median_step_is_the_lower_median_with_ties_to_the_lower_index() {
+        // Counts 5, 3, 4, 3: sorted 3, 3, 4, 5; the lower median is 3, first at step 1.
+        assert_eq!(median_step(&[5, 3, 4, 3]), Some(1));
+        // Odd: 7, 2, 9 -> sorted (2@1, 7@0, 9@2), the middle: step 0.
+        assert_eq!(median_step(&[7, 2, 9]), Some(0));
+        // All equal: the lowest index.
+        assert_eq!(median_step(&[4, 4, 4]), Some(0));
+        assert_eq!(median_step(&[]), None);
     }
 }

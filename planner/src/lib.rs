@@ -5,7 +5,7 @@
 //! recompute activations, under a per-rank memory limit, for a model, a hardware and an
 //! input-length distribution.
 //!
-//! - [`partition`]: the contiguous layer split: an exact DP, a branch and bound ([`bnb`]) and
+//! - [`partition`]: the contiguous layer split: an exact DP, a branch and bound ([`partition::bnb`]) and
 //!   a MILP (good_lp; HiGHS with the `highs` feature).
 //! - [`search`]: the enumeration of candidates, each evaluated with the simulator's Monte
 //!   Carlo over sampled steps, pruned by lower bounds.
@@ -14,7 +14,6 @@
 //! The planner never executes anything.
 #![deny(missing_docs)]
 
-pub mod bnb;
 mod error;
 pub mod export;
 pub mod partition;

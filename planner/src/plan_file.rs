@@ -4,8 +4,8 @@
 use crate::search::{Candidate, SearchConfig};
 use crate::{Error, Result};
 use flatpipe_profiles::{LengthDistribution, Profile, Workload};
-use flatpipe_simulator::plan::{Plan, PlanProvenance, Predicted, StageLayers};
-use flatpipe_simulator::policy::Policy;
+use flatpipe_simulator::batching::policy::Policy;
+use flatpipe_simulator::run::plan::{Plan, PlanProvenance, Predicted, StageLayers};
 
 /// What a plan file names besides the candidate: how its inputs were given (built-in names or
 /// paths, as the user typed them) and how its steps are sampled.

@@ -4,7 +4,7 @@
 //! For every candidate:
 //! 1. `dp = ranks / pp` replicas, each taking its cost-balanced share of every step, sharding
 //!    weights, gradients and optimizer state as the candidate's mode says
-//!    ([`flatpipe_simulator::sharding`]): bytes per parameter and the data-parallel collectives.
+//!    ([`flatpipe_simulator::costs::sharding`]): bytes per parameter and the data-parallel collectives.
 //! 2. The schedule's peak in-flight microbatches per stage come from a replay of the
 //!    schedule (uniform costs, the largest sampled microbatch count).
 //! 3. [`crate::partition::solve`] splits the layers and picks recomputation under the memory
@@ -21,15 +21,16 @@
 use crate::partition::{ExactSplit, LayerCost, Partition, PartitionProblem, solve_with};
 use crate::{Error, Result};
 use flatpipe_profiles::{Profile, StepSize, Workload};
+use flatpipe_simulator::batching::policy::{Policy, PolicyParams, batch};
+use flatpipe_simulator::costs::sharding::{DpGroup, Sharding, StateBytes, StepCollectives};
 use flatpipe_simulator::costs::{
     Recompute, UniformCostSpec, UniformCosts, input_bytes_per_token, recompute_effect,
 };
-use flatpipe_simulator::metrics::stage_inflight_peaks;
-use flatpipe_simulator::montecarlo::{
-    self, Capacity, RunConfig, ScheduleSource, Summary, dp_shares,
+use flatpipe_simulator::replay::metrics::stage_inflight_peaks;
+use flatpipe_simulator::run::{
+    config::{Capacity, RunConfig, ScheduleSource, dp_shares},
+    montecarlo::{self, Summary},
 };
-use flatpipe_simulator::policy::{Policy, PolicyParams, batch};
-use flatpipe_simulator::sharding::{DpGroup, Sharding, StateBytes, StepCollectives};
 use flatpipe_simulator::{ScheduleKind, replay};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -63,7 +64,7 @@ pub struct SearchSpace {
     pub sequence_parallel: bool,
     /// Where a sampled step holds a sequence longer than a token budget, also try cutting
     /// such sequences into chunks of the budget and of half of it
-    /// ([`flatpipe_simulator::policy::PolicyParams::chunk_tokens`]).
+    /// ([`flatpipe_simulator::batching::policy::PolicyParams::chunk_tokens`]).
     pub chunk: bool,
 }
 
@@ -123,7 +124,7 @@ pub struct SearchConfig {
     /// one; [`ExactSplit::Off`] keeps the DP-based split with its certified gap.
     pub exact_split: ExactSplit,
     /// Forward-only work each step carries (fused or separate), planned with the training.
-    pub forward_only: Option<flatpipe_simulator::montecarlo::ForwardOnlySpec>,
+    pub forward_only: Option<flatpipe_simulator::run::config::ForwardOnlySpec>,
 }
 
 /// One evaluated candidate.
@@ -336,7 +337,7 @@ pub struct SearchResult {
 
 /// Branch-and-bound nodes one search spends on its splits at most, spread evenly over its
 /// candidates (see [`MIN_NODE_BUDGET`]): a search of 700 candidates keeps the full
-/// [`crate::bnb::NODE_BUDGET`] per question, one of 6,600 (Llama-3.1-405B on 1,024 GPUs) about
+/// [`crate::partition::bnb::NODE_BUDGET`] per question, one of 6,600 (Llama-3.1-405B on 1,024 GPUs) about
 /// 3,000.
 pub const SEARCH_NODE_BUDGET: u64 = 20_000_000;
 
@@ -351,7 +352,11 @@ pub const ZB_AUTO_MAX_FINALISTS: usize = 128;
 /// What evaluating one candidate came to.
 enum Evaluation {
     /// It fits: its split, its simulated steps and each rank's peak memory, bytes.
-    Fits(Partition, Vec<montecarlo::StepOutcome>, Vec<f64>),
+    Fits(
+        Partition,
+        Vec<flatpipe_simulator::run::step::StepOutcome>,
+        Vec<f64>,
+    ),
     /// Pruned by its screen: no better than the keep-th best (not a rejection).
     Screened,
     /// Rejected, with the reason.

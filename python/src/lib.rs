@@ -13,17 +13,21 @@ use flatpipe_planner::search::{self, RankBy, SearchConfig, SearchSpace};
 use flatpipe_profiles::{
     AnalyticOptions, CostCoeffs, LayerKind, Profile, ProfileSource, analytic_profile, builtins,
 };
-use flatpipe_simulator::forward_only::FoMode;
-use flatpipe_simulator::generators::ScheduleKind;
+use flatpipe_simulator::batching::microbatch::Microbatch;
+use flatpipe_simulator::batching::policy::{Policy, PolicyParams};
 use flatpipe_simulator::ir::{Action, ComputeAction, Placement, Rank, StageId};
-use flatpipe_simulator::microbatch::Microbatch;
-use flatpipe_simulator::montecarlo::{
-    Capacity, ForwardOnlySpec, ScheduleSource, StepOutcome, balance_cost, default_memory_limit,
-    summarize,
+use flatpipe_simulator::run::plan::{Plan, even_split};
+use flatpipe_simulator::run::{
+    config::RunConfig,
+    step::{StepPlan, cut_step, plan_step},
 };
-use flatpipe_simulator::plan::{Plan, even_split};
-use flatpipe_simulator::policy::{Policy, PolicyParams};
-use flatpipe_simulator::step::{RunConfig, StepPlan, cut_step, plan_step};
+use flatpipe_simulator::run::{
+    config::{Capacity, ForwardOnlySpec, ScheduleSource, balance_cost, default_memory_limit},
+    montecarlo::summarize,
+    step::StepOutcome,
+};
+use flatpipe_simulator::schedules::forward_only::FoMode;
+use flatpipe_simulator::schedules::generators::ScheduleKind;
 use numpy::{PyArray1, ToPyArray};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
@@ -895,7 +899,7 @@ pub struct PyStepPlan {
 }
 
 impl PyStepPlan {
-    fn replica(&self, replica: usize) -> PyResult<&flatpipe_simulator::step::ReplicaPlan> {
+    fn replica(&self, replica: usize) -> PyResult<&flatpipe_simulator::run::step::ReplicaPlan> {
         let n = self.plan.replicas.len();
         let r = self.plan.replicas.get(replica).ok_or_else(|| {
             err(format!(
@@ -915,7 +919,7 @@ impl PyStepPlan {
     fn prediction(
         &self,
         replica: usize,
-    ) -> PyResult<Option<&flatpipe_simulator::step::RoundPrediction>> {
+    ) -> PyResult<Option<&flatpipe_simulator::run::step::RoundPrediction>> {
         Ok(self.replica(replica)?.rounds[0].prediction.as_ref())
     }
 
@@ -1196,13 +1200,13 @@ fn import_trace<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut files = Vec::with_capacity(paths.len());
     for p in &paths {
-        let text =
-            flatpipe_simulator::kineto::read_trace_file(std::path::Path::new(p)).map_err(err)?;
+        let text = flatpipe_simulator::io::kineto::read_trace_file(std::path::Path::new(p))
+            .map_err(err)?;
         files.push((p.clone(), text));
     }
-    let t = flatpipe_simulator::kineto::read_traces(
+    let t = flatpipe_simulator::io::kineto::read_traces(
         &files,
-        &flatpipe_simulator::kineto::ImportOptions { step },
+        &flatpipe_simulator::io::kineto::ImportOptions { step },
     )
     .map_err(err)?;
     let d = PyDict::new(py);

@@ -10,22 +10,25 @@
 //! replay(Schedule, costs) --> Timeline --> Metrics, Gantt (plotters), Chrome trace
 //! ```
 //!
+//! The crate is in rooms, one folder an idea, each depending only on the rooms above it:
+//!
 //! - [`ir`]: [`Action`]s in PyTorch's notation (`0F1`, `3I0`, `3W0`, `2B1`), [`Placement`],
-//!   [`Schedule`] and its validation.
-//! - [`generators`]: GPipe, 1F1B, interleaved 1F1B, looped BFS, ZB-H1, ZB-H2, ZB-V and
-//!   DualPipeV for any `p, m >= 1`; [`pytorch_csv`] reads and writes PyTorch's pipeline-order CSV.
-//! - [`costs`]: the [`CostModel`] trait, [`UniformCosts`] and [`TableCosts`].
-//! - [`replay`] and [`dag`]: the longest path through the step's DAG of compute ops and
-//!   transfers (one FIFO link per ordered rank pair); a cycle is a deadlock naming its ops.
-//! - [`summary`]: the same metrics from a replay that keeps no timeline (faster; no charts).
-//! - [`metrics`]: makespan, bubble ratio, peak activation memory and in-flight microbatches per
-//!   rank, and the lower bound.
-//! - [`gantt`], [`trace`]: charts and Perfetto traces of a [`Timeline`].
-//! - [`plan`]: the [`Plan`] file.
-//! - [`sharding`]: DDP, ZeRO-1/2, FSDP (per step under PP, or per microbatch) and HSDP: bytes
-//!   per parameter and the data-parallel collectives.
-//! - [`step`]: one step planned once ([`step::RunConfig`] -> [`step::StepPlan`]): what the
-//!   Monte Carlo, the planner, `execute` and `calibrate` consume.
+//!   [`Schedule`], its validation, the transfer rule ([`ComputeAction::sends`]) and PyTorch's
+//!   pipeline-order CSV ([`ir::pytorch_csv`]).
+//! - [`batching`]: the flat [`Microbatch`] and the policies that cut a step into microbatches.
+//! - [`costs`]: the [`CostModel`] trait, [`UniformCosts`], [`StageCosts`] and [`TableCosts`],
+//!   and data-parallel sharding ([`costs::sharding`]: DDP, ZeRO-1/2, FSDP, HSDP).
+//! - [`replay`]: the longest path through the step's DAG of compute ops and transfers (one
+//!   FIFO link per ordered rank pair; a cycle is a deadlock naming its ops), the [`Timeline`],
+//!   the metrics (makespan, bubble ratio, peak memory, the lower bound), a replay that keeps no
+//!   timeline ([`replay::summary`]) and steps in a row ([`replay::multistep`]).
+//! - [`schedules`]: the generators (GPipe, 1F1B, interleaved 1F1B, looped BFS, ZB-H1, ZB-H2,
+//!   ZB-V, DualPipeV for any `p, m >= 1`), zb-auto, the exact solver, chunk ordering and
+//!   forward-only work.
+//! - [`run`]: what a run is ([`run::config::RunConfig`]), one step planned once ([`run::step`]:
+//!   what the Monte Carlo, the planner, `execute` and `calibrate` consume), the per-step
+//!   microbatch plan, the Monte Carlo, and the [`Plan`] file.
+//! - [`io`]: Gantt charts, Chrome traces, histograms and PyTorch profiler traces.
 //!
 //! ```
 //! use flatpipe_simulator::{ScheduleKind, UniformCostSpec, UniformCosts, simulate};
@@ -38,48 +41,28 @@
 //! ```
 #![deny(missing_docs)]
 
-pub mod chunks;
+pub mod batching;
 pub mod costs;
-pub mod dag;
 mod error;
-pub mod exact;
-pub mod forward_only;
-pub mod gantt;
-pub mod generators;
-pub mod histogram;
+pub mod io;
 pub mod ir;
-pub mod kineto;
-pub mod mb_plan;
-pub mod metrics;
-pub mod microbatch;
-pub mod montecarlo;
-pub mod multistep;
-pub mod plan;
-pub mod policy;
-pub mod pytorch_csv;
 pub mod replay;
-pub mod sharding;
-pub mod step;
-pub mod summary;
-pub mod timeline;
-pub mod trace;
-pub mod verl_kk;
-pub mod zb_auto;
-pub mod zb_waves;
+pub mod run;
+pub mod schedules;
 
+pub use batching::microbatch::Microbatch;
 pub use costs::{
     CostModel, MemoryUnit, PerRankCostSpec, StageCosts, TableCosts, UniformCostSpec, UniformCosts,
 };
 pub use error::{Error, Result};
-pub use generators::ScheduleKind;
 pub use ir::{
     Action, ActionKind, ComputeAction, MicrobatchId, Placement, PlacementKind, Rank, Schedule,
     StageId,
 };
-pub use metrics::Metrics;
-pub use microbatch::Microbatch;
-pub use plan::{Microbatching, Plan};
-pub use timeline::Timeline;
+pub use replay::metrics::Metrics;
+pub use replay::timeline::Timeline;
+pub use run::plan::{Microbatching, Plan};
+pub use schedules::generators::ScheduleKind;
 
 /// A simulated step: the timeline and its metrics.
 #[derive(Debug, Clone)]
@@ -100,11 +83,11 @@ pub struct Simulation {
 pub fn simulate<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Simulation> {
     schedule.validate()?;
     let timeline = replay::replay(schedule, costs)?;
-    let events = metrics::memory_events(schedule, costs, &timeline);
-    let metrics = metrics::metrics_with_events(schedule, costs, &timeline, &events);
+    let events = replay::metrics::memory_events(schedule, costs, &timeline);
+    let metrics = replay::metrics::metrics_with_events(schedule, costs, &timeline, &events);
     Ok(Simulation {
         timeline,
         metrics,
-        memory: metrics::memory_levels(events),
+        memory: replay::metrics::memory_levels(events),
     })
 }

@@ -221,7 +221,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             reduction: executor::LossReduction::PerToken,
             adamw: AdamW::default(),
             max_grad_norm: Some(1.0),
-            balance: Arc::new(montecarlo::balance_cost(&profile)),
+            balance: Arc::new(flatpipe_simulator::run::config::balance_cost(&profile)),
             profile: Some(Arc::clone(&profile)),
         };
         runs.push((kind, best.token_budget, setup, Vec::new()));

@@ -451,7 +451,7 @@ fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         profiles::check_writable(p)?;
     }
     if let Some(c) = &gantt {
-        sim::gantt::check_chart_path(c)?;
+        sim::io::gantt::check_chart_path(c)?;
     }
     let reduction = LossReduction::from(a.loss_reduction);
     let step_size =
@@ -490,7 +490,7 @@ fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         None => {
             let (source, pp, v) = match &a.schedule_csv {
                 Some(path) => {
-                    let s = sim::pytorch_csv::read_pytorch_csv(
+                    let s = sim::ir::pytorch_csv::read_pytorch_csv(
                         &profiles::read_to_string(path)?,
                         &path.display().to_string(),
                     )?;
@@ -533,7 +533,9 @@ fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
                 Vec::new(),
                 Policy::FlatBalanced,
                 PolicyParams {
-                    token_budget: a.token_budget.unwrap_or(sim::policy::DEFAULT_TOKEN_BUDGET),
+                    token_budget: a
+                        .token_budget
+                        .unwrap_or(sim::batching::policy::DEFAULT_TOKEN_BUDGET),
                     microbatches,
                     chunk_tokens: a.chunk_tokens,
                     ..PolicyParams::default()
@@ -565,13 +567,13 @@ fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
             dp * pp
         );
     }
-    let balance = montecarlo::balance_cost(&profile);
+    let balance = flatpipe_simulator::run::config::balance_cost(&profile);
     // zb-auto plans were searched under the plan's memory limit: build their steps under it too.
     let zb_limit = plan
         .as_ref()
         .and_then(|p| p.predicted.as_ref())
         .map(|p| p.memory_limit_bytes);
-    let mut config = montecarlo::RunConfig::new(
+    let mut config = flatpipe_simulator::run::config::RunConfig::new(
         source.clone(),
         pp,
         v,
@@ -868,11 +870,11 @@ fn write_step_charts(
 ) -> Result<Vec<String>> {
     let mut notes = Vec::new();
     if let Some(path) = gantt {
-        sim::gantt::write_gantt(path, title, timeline)?;
+        sim::io::gantt::write_gantt(path, title, timeline)?;
         notes.push(format!("Gantt chart of the last step: {}", path.display()));
     }
     if let Some(path) = trace {
-        let doc = sim::trace::chrome_trace(timeline);
+        let doc = sim::io::trace::chrome_trace(timeline);
         profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
         notes.push(format!("Chrome trace of the last step: {}", path.display()));
     }

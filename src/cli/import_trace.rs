@@ -3,8 +3,8 @@
 //! flatpipe's prediction of the same schedule.
 
 use super::*;
-use sim::kineto::{ImportOptions, read_traces};
-use sim::microbatch::Microbatch;
+use sim::batching::microbatch::Microbatch;
+use sim::io::kineto::{ImportOptions, read_traces};
 use std::collections::BTreeMap;
 
 /// Options of `flatpipe import-trace`.
@@ -83,11 +83,14 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
     let chart = a.gantt.as_ref().filter(|p| p.as_os_str() != "none");
     if let Some(c) = chart {
         super::check_outputs([c])?;
-        sim::gantt::check_chart_path(c)?;
+        sim::io::gantt::check_chart_path(c)?;
     }
     let mut files = Vec::with_capacity(a.traces.len());
     for p in &a.traces {
-        files.push((p.display().to_string(), sim::kineto::read_trace_file(p)?));
+        files.push((
+            p.display().to_string(),
+            sim::io::kineto::read_trace_file(p)?,
+        ));
     }
     let imported = read_traces(&files, &ImportOptions { step: a.step })?;
     for w in &imported.warnings {
@@ -223,7 +226,7 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
             "imported trace: {} ranks, {} stages, m={}",
             report.ranks, report.stages, report.microbatches
         );
-        sim::gantt::write_gantt(path, &title, t)?;
+        sim::io::gantt::write_gantt(path, &title, t)?;
         notes.push(format!("Gantt chart of the trace: {}", path.display()));
     }
     match (report.predicted_makespan_s, &report.profile) {

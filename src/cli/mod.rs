@@ -47,9 +47,12 @@ use flatpipe_planner as planner;
 use flatpipe_profiles::{self as profiles, AnalyticOptions, Profile, StepSize, Workload, builtins};
 use flatpipe_simulator::{
     self as sim, Plan, ScheduleKind, Simulation, UniformCostSpec, UniformCosts,
-    montecarlo::{self, Capacity, ScheduleSource},
-    plan::even_split,
-    policy::{Policy, PolicyParams},
+    batching::policy::{Policy, PolicyParams},
+    run::plan::even_split,
+    run::{
+        config::{Capacity, ScheduleSource},
+        montecarlo,
+    },
 };
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -281,7 +284,7 @@ fn check_monte_carlo_memory(
     size: StepSize,
     steps: u32,
     kept_steps: u32,
-    configs: &[montecarlo::RunConfig],
+    configs: &[flatpipe_simulator::run::config::RunConfig],
 ) -> Result<()> {
     let (seqs, _, _) = montecarlo::estimated_step(workload, seed, size);
     let kept = f64::from(kept_steps) * (seqs * 4.0 + 24.0);
@@ -411,7 +414,7 @@ struct FoArgs {
     fo_microbatches: Option<FoCount>,
     /// `fused` into the training schedule's bubbles (default) or a `separate` pass first.
     #[arg(long, default_value = "fused")]
-    fo_mode: sim::forward_only::FoMode,
+    fo_mode: sim::schedules::forward_only::FoMode,
     /// Training microbatch i's loss needs forward-only microbatch i (reference log-probs in the
     /// loss: PPO / GRPO with a KL term, DPO, distillation); needs as many Fo microbatches as m.
     #[arg(long)]
@@ -420,7 +423,7 @@ struct FoArgs {
 
 impl FoArgs {
     /// The forward-only work asked for; `None` without any (`--fo-microbatches 0` or absent).
-    fn spec(&self) -> Result<Option<montecarlo::ForwardOnlySpec>> {
+    fn spec(&self) -> Result<Option<flatpipe_simulator::run::config::ForwardOnlySpec>> {
         let microbatches = match self.fo_microbatches {
             None | Some(FoCount::Count(0)) => {
                 if self.fo_loss_dependency {
@@ -433,7 +436,7 @@ impl FoArgs {
             Some(FoCount::Same) => None,
             Some(FoCount::Count(k)) => Some(k),
         };
-        Ok(Some(montecarlo::ForwardOnlySpec {
+        Ok(Some(flatpipe_simulator::run::config::ForwardOnlySpec {
             microbatches,
             mode: self.fo_mode,
             loss_dependency: self.fo_loss_dependency,

@@ -152,7 +152,7 @@ fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
     let chart = super::chart_path(&a.gantt, "flatpipe-plan.png");
     super::check_outputs(chart.iter().chain(&a.output))?;
     if let Some(c) = &chart {
-        sim::gantt::check_chart_path(c)?;
+        sim::io::gantt::check_chart_path(c)?;
     }
     let profile = resolve_profile(
         a.inputs.profile.as_deref(),
@@ -200,7 +200,7 @@ fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         space.sharding = dedup(
             a.sharding
                 .iter()
-                .map(|m| m.trim().parse::<sim::sharding::Sharding>())
+                .map(|m| m.trim().parse::<sim::costs::sharding::Sharding>())
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?,
         );
@@ -262,7 +262,7 @@ fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
     };
     // The search keeps every sampled step and runs one Monte Carlo per candidate: the largest
     // candidate (most ranks per pipeline, most stages per rank, smallest budget) sets the peak.
-    let mut widest = montecarlo::RunConfig::new(
+    let mut widest = flatpipe_simulator::run::config::RunConfig::new(
         ScheduleSource::Kind(ScheduleKind::OneFOneB),
         space.pp.iter().copied().max().unwrap_or(1),
         space.vpp.iter().copied().max().unwrap_or(1).max(2),
@@ -418,7 +418,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             gantt_title(&best.schedule_name(), s, best.vpp, &simulation.metrics),
             best.dp
         );
-        sim::gantt::write_gantt(gantt, &title, &simulation.timeline)?;
+        sim::io::gantt::write_gantt(gantt, &title, &simulation.timeline)?;
         notes.push(format!(
             "Gantt chart of the chosen plan: {}",
             gantt.display()
@@ -540,7 +540,7 @@ fn fsdp_baseline(
     best: &planner::search::Candidate,
     ranked: &[planner::search::Candidate],
 ) -> Baseline {
-    use sim::sharding::Sharding;
+    use sim::costs::sharding::Sharding;
     let what = format!("no pipeline, FSDP over dp={}", space.ranks);
     if best.pp == 1 && best.tp == 1 && best.sharding == Sharding::Fsdp {
         // The best pipelined plan, against it: among the runners-up, else searched.
@@ -737,7 +737,7 @@ fn export(
                 let s = best.schedule.generate(best.pp, best.vpp, m_typical)?;
                 extra_files.push((
                     csv_path.clone(),
-                    sim::pytorch_csv::write_pytorch_csv(&s, false)?,
+                    sim::ir::pytorch_csv::write_pytorch_csv(&s, false)?,
                 ));
                 Some(
                     csv_path
@@ -760,7 +760,7 @@ fn export(
             let s = best.schedule.generate(best.pp, best.vpp, m_typical)?;
             Some((
                 "pytorch.csv",
-                sim::pytorch_csv::write_pytorch_csv(&s, false)?,
+                sim::ir::pytorch_csv::write_pytorch_csv(&s, false)?,
             ))
         }
     };

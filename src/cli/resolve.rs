@@ -5,13 +5,15 @@ use super::*;
 
 /// The per-rank memory limit, bytes: `--memory-limit` (a number of bytes or a size such as
 /// `120GiB`), or the hardware's memory less its reserve
-/// ([`montecarlo::default_memory_limit`]). A limit above the device's memory is warned of once.
+/// ([`flatpipe_simulator::run::config::default_memory_limit`]). A limit above the device's memory is warned of once.
 ///
 /// # Errors
 /// A limit that does not parse or is not positive, naming the flag.
 pub(super) fn memory_limit(arg: Option<&str>, profile: &Profile) -> Result<f64> {
     match arg {
-        None => Ok(montecarlo::default_memory_limit(profile)),
+        None => Ok(flatpipe_simulator::run::config::default_memory_limit(
+            profile,
+        )),
         Some(text) => {
             let bytes = match text.trim().parse::<f64>() {
                 Ok(b) => b,

@@ -48,10 +48,16 @@ pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
     if let Some(fo) = a.fo.spec()? {
         let costs = UniformCosts::new(&UniformCostSpec::default(), v);
         let k = fo.microbatches.unwrap_or(a.microbatches);
-        s = sim::forward_only::with_forward_only(&s, k, fo.mode, fo.loss_dependency, &costs)?;
+        s = sim::schedules::forward_only::with_forward_only(
+            &s,
+            k,
+            fo.mode,
+            fo.loss_dependency,
+            &costs,
+        )?;
     }
     if let Some(path) = &a.output {
-        let csv = sim::pytorch_csv::write_pytorch_csv(&s, a.fo_extension).map_err(|e| {
+        let csv = sim::ir::pytorch_csv::write_pytorch_csv(&s, a.fo_extension).map_err(|e| {
             anyhow::anyhow!("{e} (--fo-extension writes them as flatpipe's `2Fo5` cells)")
         })?;
         profiles::write_atomic(path, csv.as_bytes())?;

@@ -153,7 +153,7 @@ pub(super) struct Report {
 }
 
 /// `--consecutive-steps K`: the steady-state step time of K steps under both synchronisations
-/// (`simulator::multistep`).
+/// (`simulator::replay::multistep`).
 #[derive(Debug, Serialize, Clone)]
 pub(super) struct ConsecutiveReport {
     steps: u32,
@@ -167,7 +167,7 @@ pub(super) struct ConsecutiveReport {
 #[derive(Debug, Serialize, Clone)]
 pub(super) struct FoReport {
     fo_microbatches: u32,
-    fo_mode: sim::forward_only::FoMode,
+    fo_mode: sim::schedules::forward_only::FoMode,
     fo_loss_dependency: bool,
     /// The training schedule alone, seconds.
     train_only_s: f64,
@@ -203,7 +203,7 @@ pub(super) struct McReport {
     fits: bool,
 }
 
-/// `--zb-objective`: what zb-auto minimises (`sim::zb_auto::Objective`).
+/// `--zb-objective`: what zb-auto minimises (`sim::schedules::zb_auto::Objective`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(super) enum ZbObjective {
     /// One step's makespan.
@@ -212,11 +212,11 @@ pub(super) enum ZbObjective {
     PostValidation,
 }
 
-impl From<ZbObjective> for sim::zb_auto::Objective {
+impl From<ZbObjective> for sim::schedules::zb_auto::Objective {
     fn from(o: ZbObjective) -> Self {
         match o {
-            ZbObjective::Step => sim::zb_auto::Objective::Step,
-            ZbObjective::PostValidation => sim::zb_auto::Objective::PostValidation,
+            ZbObjective::Step => sim::schedules::zb_auto::Objective::Step,
+            ZbObjective::PostValidation => sim::schedules::zb_auto::Objective::PostValidation,
         }
     }
 }
@@ -238,12 +238,12 @@ pub(super) fn simulate(a: SimulateArgs) -> Result<ExitCode> {
             .chain(&a.histogram),
     )?;
     for c in gantt.iter().chain(&a.histogram) {
-        sim::gantt::check_chart_path(c)?;
+        sim::io::gantt::check_chart_path(c)?;
     }
     let schedules = match &a.schedule_csv {
         Some(path) => {
             let text = profiles::read_to_string(path)?;
-            Schedules::Csv(sim::pytorch_csv::read_pytorch_csv(
+            Schedules::Csv(sim::ir::pytorch_csv::read_pytorch_csv(
                 &text,
                 &path.display().to_string(),
             )?)
@@ -286,24 +286,24 @@ pub(super) fn write_charts(
     };
     let best = &best_sim.timeline;
     if let Some(gantt) = super::chart_path(&a.gantt, "flatpipe-gantt.png") {
-        sim::gantt::write_gantt(&gantt, best_title, best)?;
+        sim::io::gantt::write_gantt(&gantt, best_title, best)?;
         notes.push(format!("Gantt chart of {best_name}: {}", gantt.display()));
         if a.gantt.is_some() && runs.len() > 1 {
             for (name, title, s) in runs {
                 let path = sibling(&gantt, &sanitize(name));
-                sim::gantt::write_gantt(&path, title, &s.timeline)?;
+                sim::io::gantt::write_gantt(&path, title, &s.timeline)?;
                 notes.push(format!("Gantt chart of {name}: {}", path.display()));
             }
         }
     }
     if let Some(path) = &a.trace {
-        let doc = sim::trace::chrome_trace(best);
+        let doc = sim::io::trace::chrome_trace(best);
         profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
         notes.push(format!("Chrome trace of {best_name}: {}", path.display()));
         if runs.len() > 1 {
             for (name, _, s) in runs {
                 let path = sibling(path, &sanitize(name));
-                let doc = sim::trace::chrome_trace(&s.timeline);
+                let doc = sim::io::trace::chrome_trace(&s.timeline);
                 profiles::write_atomic(&path, serde_json::to_string(&doc)?.as_bytes())?;
                 notes.push(format!("Chrome trace of {name}: {}", path.display()));
             }
@@ -495,7 +495,7 @@ impl UniformRun {
 
 /// Whether an output of `a` needs the replay's timeline: a Gantt chart (the default), a
 /// Chrome trace or the memory CSV. Without one, `simulate` replays through
-/// [`sim::summary::metrics_without_timeline`], which gives the same metrics and keeps no
+/// [`sim::replay::summary::metrics_without_timeline`], which gives the same metrics and keeps no
 /// per-action record (at p = 64, m = 4,096 the timeline is ~1 M entries and the memory
 /// events twice that).
 fn needs_timeline(a: &SimulateArgs) -> bool {
@@ -520,7 +520,7 @@ fn simulate_run<C: sim::CostModel>(
     } else {
         schedule.validate()?;
         Ok((
-            sim::summary::metrics_without_timeline(schedule, costs)?,
+            sim::replay::summary::metrics_without_timeline(schedule, costs)?,
             None,
         ))
     }
@@ -603,9 +603,9 @@ pub(super) fn simulate_uniform(
         let costs = spec.model(&train.placement)?;
         let schedule = if k > 0 {
             let t_train = makespan_s(&train, &costs)?;
-            let pass = sim::forward_only::forward_only_pass(&train, k);
+            let pass = sim::schedules::forward_only::forward_only_pass(&train, k);
             let t_fo = makespan_s(&pass, &costs)?;
-            let combined = sim::forward_only::with_forward_only(
+            let combined = sim::schedules::forward_only::with_forward_only(
                 &train,
                 k,
                 a.fo.fo_mode,
@@ -656,14 +656,16 @@ pub(super) fn simulate_uniform(
                     let costs = spec.model(&s.placement)?;
                     let steady = |sync| -> Result<f64> {
                         Ok(sim::costs::ns_to_s(
-                            sim::multistep::consecutive_steps(s, &costs, k, sync)?
+                            sim::replay::multistep::consecutive_steps(s, &costs, k, sync)?
                                 .steady_state_step_ns,
                         ))
                     };
                     Some(ConsecutiveReport {
                         steps: k,
-                        global_sync_step_s: steady(sim::multistep::StepSync::Global)?,
-                        post_validation_step_s: steady(sim::multistep::StepSync::PostValidation)?,
+                        global_sync_step_s: steady(sim::replay::multistep::StepSync::Global)?,
+                        post_validation_step_s: steady(
+                            sim::replay::multistep::StepSync::PostValidation,
+                        )?,
                     })
                 }
                 None => None,
@@ -777,7 +779,7 @@ fn exact_row(
     let placement = if a.schedule_csv.is_some() {
         first.placement.clone()
     } else {
-        sim::zb_auto::placement(p, a.vpp.unwrap_or(1))
+        sim::schedules::zb_auto::placement(p, a.vpp.unwrap_or(1))
             .map_err(|e| anyhow::anyhow!("--exact with --vpp: {e}"))?
     };
     let v = placement.num_stages() / p.max(1);
@@ -795,13 +797,13 @@ fn exact_row(
     ));
     spinner.enable_steady_tick(std::time::Duration::from_millis(200));
     let started = std::time::Instant::now();
-    let out = sim::exact::solve(
+    let out = sim::schedules::exact::solve(
         &placement,
         m,
         &costs,
         limit,
         incumbent,
-        &sim::exact::ExactOptions {
+        &sim::schedules::exact::ExactOptions {
             time_limit: Some(std::time::Duration::from_secs_f64(secs)),
             ..Default::default()
         },
@@ -877,7 +879,7 @@ struct Comparison {
     limit: f64,
     limit_source: String,
     /// One configuration per (schedule, policy, capacity).
-    configs: Vec<montecarlo::RunConfig>,
+    configs: Vec<flatpipe_simulator::run::config::RunConfig>,
 }
 
 /// Resolves `simulate`'s flags and plan file into a [`Comparison`].
@@ -929,7 +931,7 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
     let sharding = match &a.sharding {
         Some(m) => m
             .trim()
-            .parse::<sim::sharding::Sharding>()
+            .parse::<sim::costs::sharding::Sharding>()
             .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?,
         None => Default::default(),
     };
@@ -957,7 +959,8 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
         Some(c) => (c.params.microbatches, c.params.token_budget),
         None => (
             a.microbatches.or(csv_m),
-            a.token_budget.unwrap_or(sim::policy::DEFAULT_TOKEN_BUDGET),
+            a.token_budget
+                .unwrap_or(sim::batching::policy::DEFAULT_TOKEN_BUDGET),
         ),
     };
     let params = PolicyParams {
@@ -1035,7 +1038,7 @@ fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparis
         };
         for &policy in &policies {
             for &capacity in &capacities {
-                let mut combo = montecarlo::RunConfig::new(
+                let mut combo = flatpipe_simulator::run::config::RunConfig::new(
                     source.clone(),
                     p,
                     v,
@@ -1251,7 +1254,7 @@ pub(super) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -> Result
             "{best}: step time over {steps} steps of {} (p={p})",
             workload.name
         );
-        sim::histogram::write_histogram(path, &title, &series)?;
+        sim::io::histogram::write_histogram(path, &title, &series)?;
         notes.push(format!(
             "Histogram of step times of {best}: {}",
             path.display()
@@ -1352,8 +1355,8 @@ type Row = (McReport, Option<(sim::Schedule, Simulation)>, u32, u32);
 /// steps, checked against the per-rank memory `limit` (bytes), with one step's metrics when a
 /// single step ran as one round.
 fn comparison_rows(
-    configs: &[montecarlo::RunConfig],
-    outcomes: &[Vec<montecarlo::StepOutcome>],
+    configs: &[flatpipe_simulator::run::config::RunConfig],
+    outcomes: &[Vec<flatpipe_simulator::run::step::StepOutcome>],
     first: Vec<Option<(sim::Schedule, Simulation)>>,
     steps: u32,
     profile: &Profile,

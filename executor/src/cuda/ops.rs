@@ -134,7 +134,7 @@ fn cfg(s: Shape) -> LaunchConfig {
 }
 
 /// GEMM arithmetic (defined with the backend selection, so that it exists without CUDA).
-pub use crate::backend::Precision;
+pub use crate::precision::Precision;
 
 /// One rank: its streams, compiled kernels, cuBLAS handle, device clock and the transfer
 /// buffers it holds until the step ends.

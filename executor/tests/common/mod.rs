@@ -6,9 +6,9 @@ use flatpipe_executor::AdamW;
 use flatpipe_executor::data::LossReduction;
 use flatpipe_executor::runner::Setup;
 use flatpipe_profiles::{LengthDistribution, ModelSpec, StepSize, Workload};
-use flatpipe_simulator::montecarlo::{Capacity, RunConfig, ScheduleSource};
-use flatpipe_simulator::plan::even_split;
-use flatpipe_simulator::policy::{Policy, PolicyParams};
+use flatpipe_simulator::batching::policy::{Policy, PolicyParams};
+use flatpipe_simulator::run::config::{Capacity, RunConfig, ScheduleSource};
+use flatpipe_simulator::run::plan::even_split;
 use std::sync::Arc;
 
 /// A workload of log-normal sequence lengths of this median, between 1 and `max` tokens.

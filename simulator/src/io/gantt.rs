@@ -8,7 +8,7 @@
 //! pale row background left uncovered.
 
 use crate::ir::{Action, ActionKind};
-use crate::timeline::Timeline;
+use crate::replay::timeline::Timeline;
 use crate::{Error, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -25,7 +25,7 @@ fn register_font() {
         let _ = plotters::style::register_font(
             "sans-serif",
             FontStyle::Normal,
-            include_bytes!("../assets/DejaVuSans.ttf"),
+            include_bytes!("../../assets/DejaVuSans.ttf"),
         );
     });
 }
@@ -51,7 +51,7 @@ fn chunk_color(kind: ActionKind, chunk: usize) -> RGBColor {
 }
 
 /// The stage ids a rank's ops run, ascending: its chunks, first to last.
-fn rank_stages(ops: &[crate::timeline::TimedOp]) -> Vec<u32> {
+fn rank_stages(ops: &[crate::replay::timeline::TimedOp]) -> Vec<u32> {
     let mut stages: Vec<u32> = ops
         .iter()
         .flat_map(|o| o.action.parts())

@@ -11,6 +11,8 @@
 //! are whatever time the replay leaves between actions. Send and receive are derived from the
 //! [`Placement`], never written in a schedule.
 
+pub mod pytorch_csv;
+
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -314,7 +316,7 @@ pub struct Schedule {
     /// `ranks[r]` is rank `r`'s action list.
     pub ranks: Vec<Vec<Action>>,
     /// Chunk chains: each lists the training microbatches that are the chunks of one sequence
-    /// longer than the token budget, in chunk order ([`crate::microbatch::Chunk`]). On every
+    /// longer than the token budget, in chunk order ([`crate::batching::microbatch::Chunk`]). On every
     /// stage, chunk k's F needs chunk k-1's F (the keys and values of the earlier chunks) and
     /// chunk k-1's backward (I or B) needs chunk k's (the key/value gradients chunk k's input
     /// gradient produces), so a sequence's forwards run in chunk order and its backwards in

@@ -6,8 +6,8 @@
 //! | `packed` | rows of M tokens, greedy in order, dense block-causal mask | `n·M` tokens, `n·M²` pairs (a longer sequence: a row of its own, `s` and `s²`) |
 //! | `flat-ffd` | flat `[T]` + `cu_seqlens`, first-fit decreasing by tokens | true tokens, `Σ s(s+1)/2` pairs |
 //! | `flat-balanced` | flat, balanced by predicted cost (LPT) under the token budget | true tokens, `Σ s(s+1)/2` pairs |
-//! | `verl-kk` | flat, verl's dynamic batch size ([`crate::verl_kk`]): Karmarkar-Karp on verl's workload, count shared over data-parallel ranks | true tokens, `Σ s(s+1)/2` pairs |
-//! | `flat-planned` | flat, count, contents and order chosen per step for the schedule by the predicted step time ([`crate::mb_plan`]) | true tokens, `Σ s(s+1)/2` pairs |
+//! | `verl-kk` | flat, verl's dynamic batch size ([`crate::batching::verl_kk`]): Karmarkar-Karp on verl's workload, count shared over data-parallel ranks | true tokens, `Σ s(s+1)/2` pairs |
+//! | `flat-planned` | flat, count, contents and order chosen per step for the schedule by the predicted step time ([`crate::run::mb_plan`]) | true tokens, `Σ s(s+1)/2` pairs |
 //!
 //! With an exact microbatch count (`microbatches`) both flat policies split the step into
 //! exactly that many microbatches balanced by predicted cost; padded takes `ceil(n / M)`
@@ -16,7 +16,7 @@
 //! The padded and packed costs follow the seed essay: padding computes every `[B, S]` cell and
 //! a causal kernel over it; a dense block mask computes the whole `M x M` block of every row.
 
-use crate::microbatch::{Microbatch, Oversize, Shape, pack_token_budget, split_balanced};
+use crate::batching::microbatch::{Microbatch, Oversize, Shape, pack_token_budget, split_balanced};
 use crate::{Error, Result};
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -37,9 +37,9 @@ pub enum Policy {
     FlatFfd,
     /// Flat, balanced by predicted cost (attention included) under the token budget.
     FlatBalanced,
-    /// Flat, verl's dynamic batch size ([`crate::verl_kk`]).
+    /// Flat, verl's dynamic batch size ([`crate::batching::verl_kk`]).
     VerlKk,
-    /// Flat, planned per step for the schedule ([`crate::mb_plan`]); cut as `flat-ffd` where
+    /// Flat, planned per step for the schedule ([`crate::run::mb_plan`]); cut as `flat-ffd` where
     /// no profile predicts the step.
     FlatPlanned,
 }
@@ -110,7 +110,7 @@ pub struct PolicyParams {
     pub max_seq_len: Option<u32>,
     /// Flat policies under a token budget: cut a sequence longer than the budget into chunks
     /// of at most this many tokens (1..=the budget), each a microbatch of its own, pipelined
-    /// along the token dimension ([`crate::microbatch::Chunk`]). `None`: such a sequence gets
+    /// along the token dimension ([`crate::batching::microbatch::Chunk`]). `None`: such a sequence gets
     /// one microbatch of its own.
     pub chunk_tokens: Option<u64>,
 }
@@ -192,7 +192,7 @@ pub fn batch(
         Policy::VerlKk => match params.microbatches {
             Some(m) => split_balanced(seqs, m as usize, cost).map(plain),
             None => {
-                let c = crate::verl_kk::cut(
+                let c = crate::batching::verl_kk::cut(
                     &[seqs.to_vec()],
                     params.token_budget,
                     1,

@@ -11,11 +11,11 @@
 //!   (`ceil(m₀/p)·p` and one and two p more: more, smaller microbatches shorten the fill and
 //!   drain by what they add in fixed costs), at most the number of sequences;
 //! - **contents**: LPT (Graham 1969) on each sequence's predicted time (attention included,
-//!   [`crate::montecarlo::balance_cost`]) under the token budget, into bins of equal target,
+//!   [`crate::run::config::balance_cost`]) under the token budget, into bins of equal target,
 //!   or with targets ramped up over the first r bins and down over the last r (r = 2 for every
 //!   count, then 1 and 4 for the best count): a short first microbatch shortens the fill, a
 //!   short last one the drain;
-//! - **order**: verl's (light microbatches at both ends, [`crate::verl_kk::verl_order`]) for
+//! - **order**: verl's (light microbatches at both ends, [`crate::batching::verl_kk::verl_order`]) for
 //!   equal targets, the ramp's own for ramped ones; then the best count's equal-target bins
 //!   heaviest first and lightest first; and the best candidate with its chunked sequences
 //!   moved from first to the middle or last;
@@ -37,14 +37,14 @@
 //! and ordering its sequences, so the gap between any policy's step time and it is what any
 //! microbatching could still gain.
 
+use crate::batching::microbatch::Microbatch;
 use crate::costs::{CostModel, TableCosts, ns_to_s};
-use crate::generators::ScheduleKind;
 use crate::ir::{ActionKind, ComputeAction, MicrobatchId, Placement, Rank, Schedule, StageId};
-use crate::microbatch::Microbatch;
-use crate::montecarlo::{
-    Capacity, ScheduleSource, balance_cost, cached_schedule, zb_auto_activation_limit,
+use crate::run::config::{
+    Capacity, RunConfig, ScheduleSource, balance_cost, cached_schedule, round_costs,
+    zb_auto_activation_limit,
 };
-use crate::step::{RunConfig, round_costs};
+use crate::schedules::generators::ScheduleKind;
 use crate::{Result, replay};
 use flatpipe_profiles::Profile;
 use std::collections::HashMap;
@@ -74,7 +74,7 @@ enum Order {
 }
 
 /// Plans one replica's microbatches for `config`'s schedule (module doc). `cut` is the
-/// replica's first-fit-decreasing cut ([`crate::step::cut_step`] under `flat-planned`).
+/// replica's first-fit-decreasing cut ([`crate::run::step::cut_step`] under `flat-planned`).
 ///
 /// # Errors
 /// Generation, cost-table and replay errors.
@@ -201,7 +201,7 @@ pub fn plan(
     }
     // Chunked sequences first (as above), last, or in the middle: their chains hold memory
     // and order the stages differently in each place.
-    if !crate::chunks::chains(&best.1)?.is_empty() {
+    if !crate::schedules::chunks::chains(&best.1)?.is_empty() {
         let (chunked, rest): (Vec<Microbatch>, Vec<Microbatch>) =
             best.1.iter().cloned().partition(|m| m.chunk.is_some());
         let half = rest.len() / 2;
@@ -222,7 +222,7 @@ pub fn plan(
     } else {
         let limit = config
             .memory_limit_bytes
-            .unwrap_or_else(|| crate::montecarlo::default_memory_limit(profile));
+            .unwrap_or_else(|| crate::run::config::default_memory_limit(profile));
         // The cut's peak only when a faster candidate is over the limit.
         let mut cap: Option<f64> = None;
         let mut order: Vec<usize> = (0..pool.len()).collect();
@@ -317,11 +317,11 @@ impl Pricer<'_> {
         }
         let s = cached_schedule(kind, self.config.pp, self.config.v, m)?;
         let ordered: Vec<Microbatch> = order.iter().map(|&k| mbs[k].clone()).collect();
-        let chains = crate::chunks::chains(&ordered)?;
+        let chains = crate::schedules::chunks::chains(&ordered)?;
         let s = if chains.is_empty() {
             s
         } else {
-            Arc::new(crate::chunks::order_chunks(&s, &chains)?)
+            Arc::new(crate::schedules::chunks::order_chunks(&s, &chains)?)
         };
         self.schedules.insert((m, key), Arc::clone(&s));
         Ok(s)
@@ -333,7 +333,7 @@ impl Pricer<'_> {
         let schedule = self.schedule(kind, mbs, None)?;
         let costs = self.costs(kind, mbs)?;
         let timeline = replay::replay(&schedule, &costs)?;
-        let levels = crate::metrics::memory_levels(crate::metrics::memory_events(
+        let levels = crate::replay::metrics::memory_levels(crate::replay::metrics::memory_events(
             &schedule, &costs, &timeline,
         ));
         Ok(levels
@@ -377,11 +377,11 @@ impl Pricer<'_> {
                 self.config.pp,
             )?;
             let s = kind.build(self.config.pp, self.config.v, m, &costs, limit)?;
-            let chains = crate::chunks::chains(mbs)?;
+            let chains = crate::schedules::chunks::chains(mbs)?;
             let s = if chains.is_empty() {
                 s
             } else {
-                crate::chunks::order_chunks(&s, &chains)?
+                crate::schedules::chunks::order_chunks(&s, &chains)?
             };
             return Ok(replay::replay(&s, &costs)?.makespan_ns());
         }
@@ -657,7 +657,7 @@ pub fn lower_bound_s(
     ))
 }
 
-/// The bound of the chunked sequences alone: [`crate::metrics::lower_bound_ns`] of the
+/// The bound of the chunked sequences alone: [`crate::replay::metrics::lower_bound_ns`] of the
 /// schedule kind run on the `fixed` microbatches only (its chunk chains' critical paths, their
 /// fill and work). Every term of it holds in any schedule of the whole step, which runs the
 /// same chains and more work on the same ranks. 0 without chains, for a given schedule, or
@@ -668,7 +668,7 @@ fn chain_bound_ns(
     fixed: &[Microbatch],
     replica: usize,
 ) -> Result<u64> {
-    let chains = crate::chunks::chains(fixed)?;
+    let chains = crate::schedules::chunks::chains(fixed)?;
     let ScheduleSource::Kind(kind) = config.source else {
         return Ok(0);
     };
@@ -679,7 +679,7 @@ fn chain_bound_ns(
     let Ok(schedule) = cached_schedule(kind, config.pp, config.v, fixed.len() as u32) else {
         return Ok(0);
     };
-    let Ok(schedule) = crate::chunks::order_chunks(&schedule, &chains) else {
+    let Ok(schedule) = crate::schedules::chunks::order_chunks(&schedule, &chains) else {
         return Ok(0);
     };
     let costs = round_costs(
@@ -692,14 +692,14 @@ fn chain_bound_ns(
     )?;
     // Whole-ns rounding of each cell: a few ns per action of slack.
     let slack = 4 * schedule.num_compute_actions() as u64;
-    Ok(crate::metrics::lower_bound_ns(&schedule, &costs).saturating_sub(slack))
+    Ok(crate::replay::metrics::lower_bound_ns(&schedule, &costs).saturating_sub(slack))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::montecarlo::Capacity;
-    use crate::policy::Policy;
+    use crate::batching::policy::Policy;
+    use crate::run::config::Capacity;
 
     fn setup(kind: ScheduleKind) -> (RunConfig, Profile) {
         let model = flatpipe_profiles::builtins::model("llama3.1-8b").unwrap();
@@ -707,7 +707,7 @@ mod tests {
         let profile =
             flatpipe_profiles::analytic_profile(&model, &hw, &Default::default()).unwrap();
         let v = kind.stages_per_rank(None).unwrap();
-        let stages = crate::plan::even_split(profile.layers.len(), (4 * v) as usize).unwrap();
+        let stages = crate::run::plan::even_split(profile.layers.len(), (4 * v) as usize).unwrap();
         let c = RunConfig::new(
             ScheduleSource::Kind(kind),
             4,
@@ -757,9 +757,14 @@ mod tests {
         let (mut c, profile) = setup(ScheduleKind::ZbV);
         c.memory_limit_bytes = Some(1.0);
         let seqs: Vec<u32> = (0..48).map(|i| 200 + (i * 7919 % 5_000) as u32).collect();
-        let cut = crate::policy::batch(Policy::FlatFfd, &seqs, &c.params, &balance_cost(&profile))
-            .unwrap()
-            .microbatches;
+        let cut = crate::batching::policy::batch(
+            Policy::FlatFfd,
+            &seqs,
+            &c.params,
+            &balance_cost(&profile),
+        )
+        .unwrap()
+        .microbatches;
         let planned = plan(&c, &profile, &cut, 0).unwrap();
         let mut pricer = Pricer {
             config: &c,
@@ -782,7 +787,7 @@ mod tests {
         let (mut c, profile) = setup(ScheduleKind::OneFOneB);
         c.params.microbatches = Some(2);
         let seqs = [20_000u32, 15_000, 9_000, 4_000, 3_000];
-        let cut = crate::policy::batch(
+        let cut = crate::batching::policy::batch(
             Policy::FlatPlanned,
             &seqs,
             &c.params,
@@ -793,7 +798,7 @@ mod tests {
         assert_eq!(cut.len(), 2);
         let planned = plan(&c, &profile, &cut, 0).unwrap();
         assert_eq!(planned.microbatches, cut);
-        let r = crate::step::plan_replica(&c, Some(&profile), cut, 0).unwrap();
+        let r = crate::run::step::plan_replica(&c, Some(&profile), cut, 0).unwrap();
         let t = r.outcome(&c, &profile).unwrap().step_time_s;
         assert!(
             planned.lower_bound_s <= t,

@@ -12,9 +12,11 @@
 //!
 //! Simulated time is integer nanoseconds, so replays are exact and deterministic.
 
+pub mod sharding;
+
+use crate::batching::microbatch::Microbatch;
+use crate::costs::sharding::{MicrobatchCollectives, Sharding, StateBytes, exposed_s, global_rank};
 use crate::ir::{ActionKind, ComputeAction, MicrobatchId, Placement, Rank, StageId};
-use crate::microbatch::Microbatch;
-use crate::sharding::{MicrobatchCollectives, Sharding, StateBytes, exposed_s, global_rank};
 use crate::{Error, Result};
 use flatpipe_profiles::{Phase, Profile};
 use serde::{Deserialize, Serialize};
@@ -606,11 +608,11 @@ pub struct CostOptions<'a> {
     /// Recomputation per stage (empty: none anywhere).
     pub recompute: &'a [Recompute],
     /// The data-parallel replica (0-based): pipeline rank r of replica d is global rank
-    /// `r * dp + d` ([`crate::sharding::global_rank`], Megatron's order), which decides which
+    /// `r * dp + d` ([`crate::costs::sharding::global_rank`], Megatron's order), which decides which
     /// transfers cross a node boundary.
     pub replica: usize,
     /// How the data-parallel replicas shard their state: bytes per parameter and the
-    /// per-microbatch collectives ([`crate::sharding`]).
+    /// per-microbatch collectives ([`crate::costs::sharding`]).
     pub sharding: Sharding,
     /// Data-parallel replicas (0 or 1: none).
     pub dp: u32,
@@ -903,7 +905,7 @@ impl TableCosts {
     /// prices one cut in several orders without rebuilding the table).
     ///
     /// # Panics
-    /// If `order` is not a permutation of `0..m` (a caller bug; [`crate::mb_plan`] builds it).
+    /// If `order` is not a permutation of `0..m` (a caller bug; [`crate::run::mb_plan`] builds it).
     pub(crate) fn permuted(&self, order: &[usize]) -> TableCosts {
         assert_eq!(order.len(), self.m, "a permutation of the microbatches");
         let stages = self.cells.len() / self.m.max(1);
@@ -980,8 +982,8 @@ impl CostModel for TableCosts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batching::microbatch::Microbatch;
     use crate::ir::{Action, ActionKind, Placement, Schedule};
-    use crate::microbatch::Microbatch;
 
     /// The peak activation bytes of rank 0 when one rank runs `actions` (stage 0, microbatches
     /// of `tokens` tokens in one sequence) over layers `layers` of the tiny model's analytic
@@ -1026,7 +1028,7 @@ mod tests {
             ],
         };
         let t = crate::replay::replay(&schedule, &costs).unwrap();
-        crate::metrics::metrics(&schedule, &costs, &t).ranks[0]
+        crate::replay::metrics::metrics(&schedule, &costs, &t).ranks[0]
             .peak_activation_bytes
             .unwrap()
     }

@@ -13,217 +13,17 @@
 //!   launches) and nothing else, and they hold no activations. Only the last round ends with
 //!   the optimizer step. The step time is the sum of the rounds' makespans.
 
-use crate::costs::{CostModel, TableCosts, ns_to_s};
-use crate::generators::ScheduleKind;
+use crate::batching::microbatch::Microbatch;
+use crate::batching::policy::{Batched, Policy};
+use crate::costs::{CostModel, TableCosts};
 use crate::ir::{Rank, Schedule};
-use crate::microbatch::Microbatch;
-use crate::policy::{Batched, Policy};
-pub use crate::step::RunConfig;
+use crate::run::config::{RunConfig, ScheduleSource, balance_cost};
+use crate::run::step::StepOutcome;
+use crate::schedules::generators::ScheduleKind;
 use crate::{Error, Result, Simulation};
 use flatpipe_profiles::{Profile, StepSize, Workload};
 use rayon::prelude::*;
 use serde::Serialize;
-use std::collections::HashMap;
-use std::fmt;
-use std::str::FromStr;
-use std::sync::{Arc, Mutex, OnceLock};
-
-/// How many microbatches a step's schedule holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Capacity {
-    /// Built per step for that step's microbatch count.
-    Dynamic,
-    /// Built once for K microbatches; overflow runs extra rounds, missing slots run empty.
-    Fixed(u32),
-}
-
-impl fmt::Display for Capacity {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Capacity::Dynamic => f.write_str("dynamic"),
-            Capacity::Fixed(k) => write!(f, "{k}"),
-        }
-    }
-}
-
-impl FromStr for Capacity {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        let t = s.trim();
-        if t == "dynamic" {
-            return Ok(Capacity::Dynamic);
-        }
-        match t.parse::<u32>() {
-            Ok(k) if k >= 1 => Ok(Capacity::Fixed(k)),
-            _ => Err(Error::invalid(
-                "capacity",
-                s,
-                "`dynamic` or a number of microbatches >= 1",
-            )),
-        }
-    }
-}
-
-/// Where a configuration's schedule comes from.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ScheduleSource {
-    /// Generated for the step (or for the fixed capacity).
-    Kind(ScheduleKind),
-    /// Given as data (e.g. a PyTorch CSV): a fixed-capacity schedule of its microbatch count.
-    Given(Schedule),
-}
-
-impl ScheduleSource {
-    /// The schedule's name.
-    pub fn name(&self) -> String {
-        match self {
-            ScheduleSource::Kind(k) => k.name().to_string(),
-            ScheduleSource::Given(s) => s.name.clone(),
-        }
-    }
-}
-
-/// Forward-only microbatches of each step (see [`crate::forward_only`]); in a plan file:
-///
-/// ```yaml
-/// forward_only: {mode: fused, loss_dependency: true}   # microbatches: K, or absent = one per
-///                                                      # training microbatch
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ForwardOnlySpec {
-    /// K forward-only microbatches per replica: the step's microbatches, cycled; `None`: one
-    /// per training microbatch (a reference model over the same batch).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub microbatches: Option<u32>,
-    /// Fused into bubbles or a separate pass.
-    #[serde(default)]
-    pub mode: crate::forward_only::FoMode,
-    /// Training microbatch i's loss needs forward-only microbatch i.
-    #[serde(default)]
-    pub loss_dependency: bool,
-}
-
-/// zb-auto's activation budget per rank, bytes: the memory limit (default
-/// [`default_memory_limit`]) minus the largest rank's parameters, gradients and optimizer state.
-///
-/// # Errors
-/// [`Error::MemoryLimit`] when the limit leaves nothing for activations.
-pub fn zb_auto_activation_limit(
-    profile: &Profile,
-    memory_limit_bytes: Option<f64>,
-    costs: &TableCosts,
-    p: u32,
-) -> Result<f64> {
-    let static_max = (0..p)
-        .map(|r| costs.static_bytes(Rank(r)))
-        .fold(0.0, f64::max);
-    let total = memory_limit_bytes.unwrap_or_else(|| default_memory_limit(profile));
-    if total <= static_max {
-        let gib = |b: f64| b / (1u64 << 30) as f64;
-        return Err(Error::MemoryLimit {
-            schedule: "zb-auto".into(),
-            limit: format!("{:.2} GiB", gib(total)),
-            reason: format!(
-                "a rank's parameters, gradients and optimizer state alone need {:.2} GiB, which leaves no room for activations",
-                gib(static_max)
-            ),
-        });
-    }
-    Ok(total - static_max)
-}
-
-/// The default memory limit of a rank: the hardware's memory minus a reserve (CUDA context,
-/// communication buffers, fragmentation) of 4 GiB, at most an eighth of the memory.
-pub fn default_memory_limit(profile: &Profile) -> f64 {
-    let memory = profile.hardware.memory_bytes as f64;
-    memory - (4.0 * (1u64 << 30) as f64).min(memory / 8.0)
-}
-
-/// The predicted compute time (F + I + W over every layer, seconds) of a flat microbatch of
-/// `tokens` tokens and `attn_pairs` causal pairs, without fixed costs: what `flat-balanced`
-/// microbatching and the data-parallel shares balance.
-pub fn balance_cost(profile: &Profile) -> impl Fn(u64, u64) -> f64 + Send + Sync + Clone + 'static {
-    let (tok, pair) = profile.layers.iter().fold((0.0, 0.0), |acc, l| {
-        (
-            acc.0 + l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s,
-            acc.1 + l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s,
-        )
-    });
-    move |t: u64, a: u64| tok * t as f64 + pair * a as f64
-}
-
-/// Splits a step's sequences into `dp` shares balanced by predicted cost (LPT; Graham 1969).
-pub fn dp_shares(seqs: &[u32], dp: u32, cost: &dyn Fn(u64, u64) -> f64) -> Vec<Vec<u32>> {
-    if dp <= 1 {
-        return vec![seqs.to_vec()];
-    }
-    let mut order: Vec<u32> = seqs.to_vec();
-    order.sort_by(|a, b| b.cmp(a));
-    let mut load = vec![0.0f64; dp as usize];
-    let mut out = vec![Vec::new(); dp as usize];
-    for s in order {
-        let (k, _) = load
-            .iter()
-            .enumerate()
-            .min_by(|a, b| a.1.total_cmp(b.1).then(a.0.cmp(&b.0)))
-            .expect("dp >= 1");
-        load[k] += cost(s as u64, s as u64 * (s as u64 + 1) / 2);
-        out[k].push(s);
-    }
-    out
-}
-
-/// What one simulated step cost.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct StepOutcome {
-    /// Step time (sum of the rounds' makespans), seconds.
-    pub step_time_s: f64,
-    /// Busy time summed over ranks, seconds.
-    pub busy_s: f64,
-    /// True tokens of the step.
-    pub true_tokens: u64,
-    /// Tokens the kernels computed (padding included).
-    pub computed_tokens: u64,
-    /// Model FLOPs of the step from true tokens and true attention pairs.
-    pub model_flops: f64,
-    /// Peak activation memory over ranks and rounds, bytes.
-    pub peak_activation_bytes: f64,
-    /// Largest parameters + gradients + optimizer state of a rank, bytes.
-    pub static_bytes: f64,
-    /// Per pipeline rank: parameters, gradients and optimizer state plus the peak activation
-    /// memory (largest over replicas and rounds), bytes.
-    pub rank_memory_bytes: Vec<f64>,
-    /// Microbatches of the step.
-    pub microbatches: u32,
-    /// Rounds of the schedule (1 unless a fixed capacity overflowed).
-    pub rounds: u32,
-    /// With forward-only work: the training schedule alone and the forward-only pass alone,
-    /// seconds (the step time is the combined schedule's).
-    pub fo: Option<(f64, f64)>,
-    /// Under `flat-planned`: the step-time bound over every cut and order of the step's
-    /// sequences (the slower replica's, [`crate::mb_plan::lower_bound_s`]), seconds.
-    pub lower_bound_s: Option<f64>,
-}
-
-/// Generated schedules by (kind, p, v, m): steps of a Monte Carlo share their microbatch counts,
-/// and interleaved 1F1B's deadlock-free group size search is worth doing once.
-pub(crate) fn cached_schedule(kind: ScheduleKind, p: u32, v: u32, m: u32) -> Result<Arc<Schedule>> {
-    type Cache = Mutex<HashMap<(ScheduleKind, u32, u32, u32), Arc<Schedule>>>;
-    static CACHE: OnceLock<Cache> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    let key = (kind, p, v, m);
-    if let Some(s) = cache.lock().expect("schedule cache").get(&key) {
-        return Ok(Arc::clone(s));
-    }
-    let s = Arc::new(kind.generate(p, v, m)?);
-    let mut c = cache.lock().expect("schedule cache");
-    if c.len() > 4096 {
-        c.clear();
-    }
-    c.insert(key, Arc::clone(&s));
-    Ok(s)
-}
 
 /// Simulates one step of `mbs` under `config` (one replica). Returns the outcome and the
 /// schedule that ran with its simulation (several rounds drawn one after the other).
@@ -238,8 +38,8 @@ pub fn simulate_step(
     simulate_replica(profile, config, mbs, 0)
 }
 
-/// [`simulate_step`] for replica `replica` (0-based; see [`crate::sharding::global_rank`]): the
-/// replica's [`crate::step::plan_replica`] and its predicted outcome.
+/// [`simulate_step`] for replica `replica` (0-based; see [`crate::costs::sharding::global_rank`]): the
+/// replica's [`crate::run::step::plan_replica`] and its predicted outcome.
 ///
 /// # Errors
 /// Generation, cost or simulation errors.
@@ -249,115 +49,11 @@ pub fn simulate_replica(
     mbs: &[Microbatch],
     replica: usize,
 ) -> Result<(StepOutcome, Option<(Schedule, Simulation)>)> {
-    let plan = crate::step::plan_replica(config, Some(profile), mbs.to_vec(), replica)?;
+    let plan = crate::run::step::plan_replica(config, Some(profile), mbs.to_vec(), replica)?;
     let outcome = plan
         .outcome(config, profile)
         .expect("a replica planned with a profile is predicted");
     Ok((outcome, plan.chart()))
-}
-
-/// The rounds of one step under a fixed capacity `k`, one after the other as they run (each
-/// starts when the previous one has flushed): round `r`'s times shift by the makespans of the
-/// rounds before it and its microbatch ids by `r·k` (ids `>= n` are the empty slots of the last
-/// round). Makespan and busy times add up, lower bounds too (every round ends with a flush);
-/// memory peaks are the largest round's.
-pub fn concat_rounds(rounds: Vec<Simulation>, k: u32) -> Simulation {
-    use crate::ir::{Action, ComputeAction, MicrobatchId};
-    let mut it = rounds.into_iter();
-    let Some(mut all) = it.next() else {
-        unreachable!("concat_rounds of no rounds")
-    };
-    let p = all.timeline.num_ranks();
-    let mut offset = all.timeline.makespan_ns();
-    let mut lower_bound_s = all.metrics.lower_bound_s;
-    for (r, sim) in it.enumerate() {
-        let shift_mb = |a: ComputeAction| ComputeAction {
-            microbatch: MicrobatchId(a.microbatch.0 + (r as u32 + 1) * k),
-            ..a
-        };
-        for (rank, ops) in sim.timeline.compute.into_iter().enumerate() {
-            all.timeline.compute[rank].extend(ops.into_iter().map(|mut o| {
-                o.action = match o.action {
-                    Action::Compute(a) => Action::Compute(shift_mb(a)),
-                    Action::Overlap(f, b) => Action::Overlap(shift_mb(f), shift_mb(b)),
-                };
-                o.start_ns += offset;
-                o.end_ns += offset;
-                o
-            }));
-        }
-        all.timeline
-            .transfers
-            .extend(sim.timeline.transfers.into_iter().map(|mut t| {
-                t.microbatch = MicrobatchId(t.microbatch.0 + (r as u32 + 1) * k);
-                t.start_ns += offset;
-                t.end_ns += offset;
-                t
-            }));
-        // Only the last round has the optimizer step.
-        for (rank, o) in sim.timeline.optimizer.into_iter().enumerate() {
-            if let Some((a, b)) = o {
-                all.timeline.optimizer[rank] = Some((a + offset, b + offset));
-            }
-        }
-        for (rank, events) in sim.memory.into_iter().enumerate() {
-            all.memory[rank].extend(events.into_iter().map(|(t, l)| (t + offset, l)));
-        }
-        for (a, b) in all.metrics.ranks.iter_mut().zip(&sim.metrics.ranks) {
-            a.busy_s += b.busy_s;
-            let max = |x: Option<f64>, y: Option<f64>| match (x, y) {
-                (Some(x), Some(y)) => Some(x.max(y)),
-                (x, y) => x.or(y),
-            };
-            a.peak_activation_bytes = max(a.peak_activation_bytes, b.peak_activation_bytes);
-            a.peak_activation_units = max(a.peak_activation_units, b.peak_activation_units);
-            a.peak_inflight_microbatches = a
-                .peak_inflight_microbatches
-                .max(b.peak_inflight_microbatches);
-        }
-        lower_bound_s += sim.metrics.lower_bound_s;
-        offset = all.timeline.makespan_ns();
-    }
-    let makespan_s = ns_to_s(offset);
-    let m = &mut all.metrics;
-    m.makespan_s = makespan_s;
-    for r in &mut m.ranks {
-        r.bubble_ratio = 1.0 - r.busy_s / makespan_s;
-    }
-    m.bubble_ratio = 1.0 - m.ranks.iter().map(|r| r.busy_s).sum::<f64>() / (p as f64 * makespan_s);
-    m.lower_bound_s = lower_bound_s;
-    m.gap_to_lower_bound = makespan_s / lower_bound_s - 1.0;
-    all
-}
-
-/// Combines two replicas' outcomes of one step: the step ends with the slower replica; tokens,
-/// FLOPs and busy time add up; memory is the larger.
-pub(crate) fn merge_replicas(a: StepOutcome, b: StepOutcome) -> StepOutcome {
-    StepOutcome {
-        step_time_s: a.step_time_s.max(b.step_time_s),
-        busy_s: a.busy_s + b.busy_s,
-        true_tokens: a.true_tokens + b.true_tokens,
-        computed_tokens: a.computed_tokens + b.computed_tokens,
-        model_flops: a.model_flops + b.model_flops,
-        peak_activation_bytes: a.peak_activation_bytes.max(b.peak_activation_bytes),
-        static_bytes: a.static_bytes.max(b.static_bytes),
-        rank_memory_bytes: a
-            .rank_memory_bytes
-            .iter()
-            .zip(&b.rank_memory_bytes)
-            .map(|(x, y)| x.max(*y))
-            .collect(),
-        microbatches: a.microbatches.max(b.microbatches),
-        rounds: a.rounds.max(b.rounds),
-        fo: match (a.fo, b.fo) {
-            (Some(x), Some(y)) => Some((x.0.max(y.0), x.1.max(y.1))),
-            (x, y) => x.or(y),
-        },
-        lower_bound_s: match (a.lower_bound_s, b.lower_bound_s) {
-            (Some(x), Some(y)) => Some(x.max(y)),
-            (x, y) => x.or(y),
-        },
-    }
 }
 
 /// Mean and nearest-rank percentiles.
@@ -579,7 +275,7 @@ pub fn estimated_memory_bytes(
         (std::mem::size_of::<(StepOutcome, Option<(Schedule, Simulation)>)>() + 8 * ranks) as f64;
     let kept = 2.0 * f64::from(steps) * configs.len() as f64 * outcome;
     let first: f64 = configs.iter().map(pairs).sum::<f64>() * BYTES_PER_STAGE_MICROBATCH;
-    let mut cuts: Vec<crate::step::CutKey> = Vec::new();
+    let mut cuts: Vec<crate::run::config::CutKey> = Vec::new();
     for c in configs {
         let key = c.cut_key();
         if !cuts.contains(&key) {
@@ -609,8 +305,8 @@ pub struct MonteCarlo {
 }
 
 /// Samples `steps` steps of `workload` (step `i` from `(seed, i)`), cuts each for every
-/// distinct (dp, policy, policy parameters) of the configurations ([`crate::step::cut_step`]),
-/// plans every configuration on every step ([`crate::step::plan_step`]) and keeps its
+/// distinct (dp, policy, policy parameters) of the configurations ([`crate::run::step::cut_step`]),
+/// plans every configuration on every step ([`crate::run::step::plan_step`]) and keeps its
 /// predicted outcome, in parallel (rayon). `progress` is called once per finished step. Results
 /// are independent of the thread count.
 ///
@@ -637,11 +333,11 @@ pub fn run(
         .map(|i| -> Result<StepResult> {
             let seqs = workload.sample_step(seed, i as u64, size);
             // (dp, policy, parameters) -> each replica's microbatches, cut once per step.
-            let mut cuts: Vec<(crate::step::CutKey, Vec<Batched>)> = Vec::new();
+            let mut cuts: Vec<(crate::run::config::CutKey, Vec<Batched>)> = Vec::new();
             for c in configs {
                 let key = c.cut_key();
                 if !cuts.iter().any(|(k, _)| *k == key) {
-                    cuts.push((key, crate::step::cut_step(c, &seqs, &cost)?));
+                    cuts.push((key, crate::run::step::cut_step(c, &seqs, &cost)?));
                 }
             }
             // Every cut sees the same sequences: count them once, as the most any one cut
@@ -664,7 +360,7 @@ pub fn run(
                     .find(|(k, _)| *k == key)
                     .expect("every configuration's cut is made")
                     .1;
-                let plan = crate::step::plan_step(c, Some(profile), i as u64, cut)?;
+                let plan = crate::run::step::plan_step(c, Some(profile), i as u64, cut)?;
                 let o = plan
                     .outcome(c, profile)
                     .expect("a step planned with a profile is predicted");
@@ -720,7 +416,7 @@ pub struct ScreenBase {
     /// The replica's rounds, optimizer included, seconds.
     pub pipeline_s: f64,
     /// Per pipeline rank: last compute end, first compute start, optimizer time, seconds
-    /// ([`crate::step::StepPlan::rank_times`]).
+    /// ([`crate::run::step::StepPlan::rank_times`]).
     pub rank_times: (Vec<f64>, Vec<f64>, Vec<f64>),
     /// Per pipeline rank: its memory less its parameters, gradients and optimizer state (peak
     /// activations, and a frozen model's weights), bytes.
@@ -751,9 +447,9 @@ impl ScreenBase {
             },
         )?;
         let step_time_s = if config.dp > 1 {
-            let params = crate::step::rank_params(config, profile, &placement);
+            let params = crate::run::step::rank_params(config, profile, &placement);
             let (end, start, opt) = &self.rank_times;
-            crate::step::collectives_tail(
+            crate::run::step::collectives_tail(
                 config,
                 profile,
                 &params,
@@ -797,7 +493,7 @@ pub fn screen_base(
         .into_par_iter()
         .map(|i| -> Result<ScreenBase> {
             let seqs = workload.sample_step(seed, i as u64, size);
-            let cut = crate::step::cut_step(config, &seqs, &cost)?;
+            let cut = crate::run::step::cut_step(config, &seqs, &cost)?;
             let work = |b: &Batched| -> f64 {
                 b.microbatches
                     .iter()
@@ -809,12 +505,16 @@ pub fn screen_base(
                 .enumerate()
                 .max_by(|a, b| work(a.1).total_cmp(&work(b.1)).then(b.0.cmp(&a.0)))
                 .expect("cut_step gives every replica a share");
-            let replica =
-                crate::step::plan_replica(config, Some(profile), heaviest.microbatches.clone(), d)?;
+            let replica = crate::run::step::plan_replica(
+                config,
+                Some(profile),
+                heaviest.microbatches.clone(),
+                d,
+            )?;
             let o = replica
                 .outcome(config, profile)
                 .expect("a replica planned with a profile is predicted");
-            let plan = crate::step::StepPlan {
+            let plan = crate::run::step::StepPlan {
                 step: i as u64,
                 replicas: vec![replica],
             };

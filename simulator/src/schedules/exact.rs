@@ -8,7 +8,7 @@
 //! I(s+1)'s gradient (the last stage's needs its own F), W needs I; a transfer between stages
 //! on different ranks takes the cost model's time on the link of that ordered rank pair, links
 //! carrying their transfers one at a time in the order the sender issues them; a rank runs its
-//! optimizer step after its last action. Memory follows [`crate::metrics`]: F allocates its
+//! optimizer step after its last action. Memory follows [`crate::replay::metrics`]: F allocates its
 //! activations at its start, I allocates what it recomputes at its start and frees the part only
 //! dgrad needed at its end, W frees the rest at its end. A fused B is I then W at once, so the
 //! split schedules include every fused one; overlapped F + B pairs are not searched.
@@ -40,7 +40,7 @@
 
 use crate::costs::CostModel;
 use crate::ir::{Action, ActionKind, ComputeAction, MicrobatchId, Placement, Schedule, StageId};
-use crate::{Error, Result, metrics, replay};
+use crate::{Error, Result, replay, replay::metrics};
 use std::collections::{BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,7 @@
 
 use crate::costs::{CostModel, MemoryUnit, ns_to_s};
 use crate::ir::{Action, ActionKind, ComputeAction, Placement, Rank, Schedule};
-use crate::timeline::Timeline;
+use crate::replay::timeline::Timeline;
 use serde::Serialize;
 
 /// Per-rank metrics.
@@ -50,7 +50,7 @@ pub struct Metrics {
 /// for every schedule with the same placement, microbatches, split of the backward (I + W or
 /// fused B) and costs, whatever its action order (DESIGN.md; laid out after dslab-dag's
 /// `makespan_lower_bound.rs`). `tests/exact.rs` checks each against the exact optimum
-/// ([`crate::exact`]) on random small instances.
+/// ([`crate::schedules::exact`]) on random small instances.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub struct LowerBoundTerms {
     /// The critical path of one microbatch: its forwards and transfers through every stage,
@@ -323,7 +323,7 @@ fn backward_work_ns<C: CostModel>(actions: &[Action], costs: &C) -> u64 {
 }
 
 /// What one compute action does to the activation memory of its rank, in the cost model's unit:
-/// the rules of [`memory_events`], in one place for it and for [`crate::summary`].
+/// the rules of [`memory_events`], in one place for it and for [`crate::replay::summary`].
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct PartMemory {
     /// Allocated at the action's start: an F's activations, what an I recomputes (until its
@@ -575,7 +575,7 @@ pub fn metrics_with_events<C: CostModel>(
 }
 
 /// One rank's totals over a replayed step, from its timeline or from
-/// [`crate::summary::Summary`].
+/// [`crate::replay::summary::Summary`].
 pub(crate) struct RankTotals {
     /// Compute and optimizer time, ns.
     pub busy_ns: u64,

@@ -1,7 +1,7 @@
 //! The plan file: everything needed to run one pipeline configuration on a workload.
 
-use crate::generators::ScheduleKind;
 use crate::ir::PlacementKind;
+use crate::schedules::generators::ScheduleKind;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -93,7 +93,7 @@ pub struct Plan {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seqs_per_step: Option<u32>,
     /// Sequences longer than the token budget are cut into chunks of at most this many
-    /// tokens ([`crate::policy::PolicyParams::chunk_tokens`]); absent: not cut.
+    /// tokens ([`crate::batching::policy::PolicyParams::chunk_tokens`]); absent: not cut.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunk_tokens: Option<u64>,
     /// Tokens per step (instead of sequences).
@@ -101,18 +101,18 @@ pub struct Plan {
     pub tokens_per_step: Option<u64>,
     /// Microbatching policy (`flat-ffd` when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub policy: Option<crate::policy::Policy>,
+    pub policy: Option<crate::batching::policy::Policy>,
     /// Activation recomputation per stage (none everywhere when absent).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recompute: Vec<crate::costs::Recompute>,
     /// How the data-parallel replicas shard their state (`ddp`, `zero1`, `zero2`, `fsdp`,
     /// `fsdp-mb`, `hsdp`; `ddp` when absent).
     #[serde(default, skip_serializing_if = "is_ddp")]
-    pub sharding: crate::sharding::Sharding,
+    pub sharding: crate::costs::sharding::Sharding,
     /// Forward-only work each step carries (a frozen reference or teacher forward), planned with
     /// the training schedule.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub forward_only: Option<crate::montecarlo::ForwardOnlySpec>,
+    pub forward_only: Option<crate::run::config::ForwardOnlySpec>,
     /// Seed of the step sampler.
     #[serde(default)]
     pub seed: u64,
@@ -163,8 +163,8 @@ impl Plan {
     }
 }
 
-fn is_ddp(s: &crate::sharding::Sharding) -> bool {
-    *s == crate::sharding::Sharding::Ddp
+fn is_ddp(s: &crate::costs::sharding::Sharding) -> bool {
+    *s == crate::costs::sharding::Sharding::Ddp
 }
 
 impl Plan {
@@ -268,15 +268,17 @@ impl Plan {
     /// # Errors
     /// [`Error::InvalidArgument`] for a vpp the schedule does not run or a microbatching that
     /// gives neither or both of `token_budget` and `microbatches`.
-    pub fn run_config(&self) -> Result<crate::step::RunConfig> {
-        use crate::montecarlo::{Capacity, ScheduleSource};
-        use crate::policy::{Policy, PolicyParams};
+    pub fn run_config(&self) -> Result<crate::run::config::RunConfig> {
+        use crate::batching::policy::{Policy, PolicyParams};
+        use crate::run::config::{Capacity, ScheduleSource};
         let v = self.schedule.stages_per_rank(self.vpp)?;
         let (microbatches, token_budget) = match self.microbatching()? {
-            Microbatching::Microbatches(m) => (Some(m), crate::policy::DEFAULT_TOKEN_BUDGET),
+            Microbatching::Microbatches(m) => {
+                (Some(m), crate::batching::policy::DEFAULT_TOKEN_BUDGET)
+            }
             Microbatching::TokenBudget(t) => (None, t),
         };
-        let mut c = crate::step::RunConfig::new(
+        let mut c = crate::run::config::RunConfig::new(
             ScheduleSource::Kind(self.schedule),
             self.pp,
             v,
@@ -507,13 +509,13 @@ mod tests {
         p.dp = Some(2);
         p.token_budget = None;
         p.microbatches = Some(6);
-        p.policy = Some(crate::policy::Policy::FlatBalanced);
+        p.policy = Some(crate::batching::policy::Policy::FlatBalanced);
         let c = p.run_config().unwrap();
         assert_eq!((c.pp, c.v, c.dp), (2, 1, 2));
         assert_eq!(c.stages, vec![0..5, 5..10]);
         assert_eq!(c.params.microbatches, Some(6));
-        assert_eq!(c.policy, crate::policy::Policy::FlatBalanced);
-        assert_eq!(c.capacity, crate::montecarlo::Capacity::Dynamic);
+        assert_eq!(c.policy, crate::batching::policy::Policy::FlatBalanced);
+        assert_eq!(c.capacity, crate::run::config::Capacity::Dynamic);
         p.microbatches = None;
         assert!(
             p.run_config().is_err(),

@@ -55,7 +55,7 @@ pub enum ScheduleKind {
     #[serde(rename = "dualpipev")]
     DualPipeV,
     /// zb-auto: built per step from its costs under an activation-memory limit (loop placement,
-    /// or V with 2 stages per rank); see [`crate::zb_auto`].
+    /// or V with 2 stages per rank); see [`crate::schedules::zb_auto`].
     #[serde(rename = "zb-auto")]
     ZbAuto,
 }
@@ -215,7 +215,7 @@ impl ScheduleKind {
     /// [`ScheduleKind::placement_on`]`(p, v)`) and each rank's activation memory limit (in the
     /// cost model's unit). The handcrafted kinds are fixed orders and use neither costs nor
     /// limit ([`ScheduleKind::generate`]); zb-auto searches for the fastest schedule under the
-    /// limit ([`crate::zb_auto::zb_auto`], the handcrafted zero-bubble schedules competing).
+    /// limit ([`crate::schedules::zb_auto::zb_auto`], the handcrafted zero-bubble schedules competing).
     ///
     /// # Errors
     /// [`ScheduleKind::generate`]'s; for zb-auto [`Error::MemoryLimit`] when nothing fits.
@@ -233,7 +233,7 @@ impl ScheduleKind {
             m,
             costs,
             activation_limit,
-            crate::zb_auto::Objective::Step,
+            crate::schedules::zb_auto::Objective::Step,
         )
     }
 
@@ -263,7 +263,7 @@ impl ScheduleKind {
         m: u32,
         costs: &C,
         activation_limit: f64,
-        objective: crate::zb_auto::Objective,
+        objective: crate::schedules::zb_auto::Objective,
     ) -> Result<Schedule> {
         if self != ScheduleKind::ZbAuto {
             return self.generate(p, v, m);
@@ -273,7 +273,7 @@ impl ScheduleKind {
             .filter_map(|k| k.generate(p, v, m).ok())
             .collect();
         // flatpipe's own generators: valid schedules (tests/schedules.rs validates them).
-        crate::zb_auto::search(
+        crate::schedules::zb_auto::search(
             p,
             v,
             m,
@@ -409,14 +409,14 @@ pub fn interleaved_1f1b(p: u32, v: u32, m: u32, g: Option<u32>) -> Result<(Sched
             return Ok((s, g));
         }
     }
-    Err(crate::dag::deadlock_error(&s))
+    Err(crate::replay::dag::deadlock_error(&s))
 }
 
 fn check_deadlock_free(s: &Schedule) -> Result<()> {
     if crate::replay::is_deadlock_free(s) {
         Ok(())
     } else {
-        Err(crate::dag::deadlock_error(s))
+        Err(crate::replay::dag::deadlock_error(s))
     }
 }
 

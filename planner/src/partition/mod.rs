@@ -10,7 +10,7 @@
 //! Three exact solvers:
 //! - [`solve_dp`]: dynamic program over (stage, last layer), `O(S L² modes)`, exact when every
 //!   rank holds one stage (then memory is per stage) or no memory limit binds.
-//! - branch and bound ([`crate::bnb`], the default for several stages per rank under a binding
+//! - branch and bound ([`crate::partition::bnb`], the default for several stages per rank under a binding
 //!   limit): a binary search over candidate bottlenecks with a depth-first feasibility search,
 //!   pure Rust, deterministic node budget.
 //! - [`solve_milp`]: a MILP (good_lp; HiGHS with the `highs` feature, which needs cmake and
@@ -22,6 +22,8 @@
 //! [`solve`] runs the DP without memory limits first: its optimum is a lower bound on every
 //! split; when it fits every rank it is optimal and nothing else runs.
 
+pub mod bnb;
+
 use crate::{Error, Result};
 use flatpipe_simulator::Placement;
 use flatpipe_simulator::costs::Recompute;
@@ -31,8 +33,8 @@ use good_lp::{
 use std::ops::Range;
 
 /// Bytes per parameter kept for the whole step (the simulator's
-/// [`flatpipe_simulator::sharding::StateBytes`]), split as the infeasibility report shows it.
-pub use flatpipe_simulator::sharding::StateBytes as StaticBytes;
+/// [`flatpipe_simulator::costs::sharding::StateBytes`]), split as the infeasibility report shows it.
+pub use flatpipe_simulator::costs::sharding::StateBytes as StaticBytes;
 
 /// One layer's costs for the partition.
 #[derive(Debug, Clone, PartialEq)]
@@ -604,7 +606,7 @@ pub const ACCEPT_GAP: f64 = 0.02;
 pub enum ExactSplit {
     /// Keep the DP-based split with its certified gap; search only when the DP finds none.
     Off,
-    /// Branch and bound ([`crate::bnb`]), pure Rust, `node_budget` search nodes per
+    /// Branch and bound ([`crate::partition::bnb`]), pure Rust, `node_budget` search nodes per
     /// feasibility question (deterministic).
     BranchAndBound {
         /// Search nodes per feasibility question.
@@ -619,9 +621,9 @@ pub enum ExactSplit {
 }
 
 impl ExactSplit {
-    /// Branch and bound with the default budget ([`crate::bnb::NODE_BUDGET`]).
+    /// Branch and bound with the default budget ([`crate::partition::bnb::NODE_BUDGET`]).
     pub const DEFAULT: ExactSplit = ExactSplit::BranchAndBound {
-        node_budget: crate::bnb::NODE_BUDGET,
+        node_budget: crate::partition::bnb::NODE_BUDGET,
     };
 }
 
@@ -753,9 +755,12 @@ pub fn solve_with(problem: &PartitionProblem, exact: ExactSplit) -> Result<Parti
             highs_or_heuristic(problem, lb, time_limit_s, heuristic.clone())
         }
         // Without a split from the DP, the search runs even when not asked for.
-        ExactSplit::Off => {
-            branch_and_bound(problem, lb, heuristic.as_ref(), crate::bnb::NODE_BUDGET)
-        }
+        ExactSplit::Off => branch_and_bound(
+            problem,
+            lb,
+            heuristic.as_ref(),
+            crate::partition::bnb::NODE_BUDGET,
+        ),
         ExactSplit::BranchAndBound { node_budget } => {
             branch_and_bound(problem, lb, heuristic.as_ref(), node_budget)
         }
@@ -780,7 +785,7 @@ fn branch_and_bound(
     heuristic: Option<&Partition>,
     node_budget: u64,
 ) -> Result<Partition> {
-    let out = crate::bnb::solve(
+    let out = crate::partition::bnb::solve(
         problem,
         lb,
         heuristic.map(|h| (h.stages.as_slice(), h.recompute.as_slice())),

@@ -19,7 +19,7 @@
 //! Events of one rank must not overlap.
 
 use crate::ir::{Action, Schedule};
-use crate::timeline::{TimedOp, Timeline};
+use crate::replay::timeline::{TimedOp, Timeline};
 use crate::{Error, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -461,7 +461,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
     } else {
         format!("{} trace files", files.len())
     };
-    let schedule = crate::pytorch_csv::read_pytorch_csv(&csv, &name)?;
+    let schedule = crate::ir::pytorch_csv::read_pytorch_csv(&csv, &name)?;
     Ok(ImportedTrace {
         timeline: Timeline {
             compute,

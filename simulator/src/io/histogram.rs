@@ -1,6 +1,6 @@
 //! Histograms of step times (SVG or PNG by the file extension), drawn with plotters.
 
-use crate::gantt::{Chart, render};
+use crate::io::gantt::{Chart, render};
 use crate::{Error, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;

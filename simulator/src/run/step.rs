@@ -14,136 +14,21 @@
 //! tensors to the [`StepPlan`]; it never derives a schedule of its own, so a prediction is the
 //! replay of the schedule that ran.
 
-use crate::costs::{
-    CostModel, CostOptions, Recompute, TableCosts, UniformCostSpec, UniformCosts, ns_to_s,
-};
-use crate::forward_only::{forward_only_pass, with_forward_only};
-use crate::generators::ScheduleKind;
+use crate::batching::microbatch::Microbatch;
+use crate::batching::policy::{Batched, Policy, batch};
+use crate::costs::sharding::StepCollectives;
+use crate::costs::{CostModel, TableCosts, UniformCostSpec, UniformCosts, ns_to_s};
 use crate::ir::{Placement, Rank, Schedule};
-use crate::microbatch::Microbatch;
-use crate::montecarlo::{
-    Capacity, ForwardOnlySpec, ScheduleSource, StepOutcome, cached_schedule, concat_rounds,
-    dp_shares, merge_replicas, zb_auto_activation_limit,
+use crate::run::config::{
+    Capacity, RunConfig, ScheduleSource, cached_schedule, dp_shares, round_costs,
+    zb_auto_activation_limit,
 };
-use crate::policy::{Batched, Policy, PolicyParams, batch};
-use crate::sharding::{Sharding, StateBytes, StepCollectives};
+use crate::schedules::forward_only::{forward_only_pass, with_forward_only};
+use crate::schedules::generators::ScheduleKind;
 use crate::{Error, Result, Simulation, replay, simulate};
 use flatpipe_profiles::Profile;
-use std::ops::Range;
+use serde::Serialize;
 use std::sync::Arc;
-
-/// What a run is, once: the fields a plan file, a Monte Carlo configuration and the executor
-/// share. The planner's candidates, `simulate`'s comparison rows and `execute`'s run are each
-/// one `RunConfig`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RunConfig {
-    /// Schedule family or given schedule.
-    pub source: ScheduleSource,
-    /// Ranks per pipeline (pipeline-parallel degree), >= 1.
-    pub pp: u32,
-    /// Stages per rank (virtual stages), >= 1.
-    pub v: u32,
-    /// Layer range of every stage, in stage order (`pp * v` of them).
-    pub stages: Vec<Range<usize>>,
-    /// Microbatching policy.
-    pub policy: Policy,
-    /// Token budget or exact microbatch count, and the padded / packed policies' parameters.
-    pub params: PolicyParams,
-    /// Schedule capacity (a given schedule always has the fixed capacity of its microbatch
-    /// count).
-    pub capacity: Capacity,
-    /// Data-parallel replicas (each runs the pipeline on its share of the step), >= 1.
-    pub dp: u32,
-    /// Recomputation per stage (empty: none).
-    pub recompute: Vec<Recompute>,
-    /// zb-auto's per-rank memory limit, bytes: its activations may use this minus the largest
-    /// rank's parameters, gradients and optimizer state (`None`: the hardware's memory minus a
-    /// reserve of 4 GiB, at most 1/8 of it).
-    pub memory_limit_bytes: Option<f64>,
-    /// Forward-only work per replica and step (a frozen reference or teacher forward over the
-    /// step's own microbatches, cycled to K).
-    pub forward_only: Option<ForwardOnlySpec>,
-    /// How the `dp` replicas shard weights, gradients and optimizer state
-    /// ([`crate::sharding`]): memory per rank and the data-parallel collectives.
-    pub sharding: Sharding,
-    /// Bytes per parameter in place of the sharding mode's (`None`: the mode's mixed-precision
-    /// layout; the CPU executor sets its fp32 one).
-    pub state_bytes: Option<StateBytes>,
-}
-
-impl RunConfig {
-    /// A configuration with one replica, no recomputation, no forward-only work and the default
-    /// policy parameters.
-    pub fn new(
-        source: ScheduleSource,
-        pp: u32,
-        v: u32,
-        stages: Vec<Range<usize>>,
-        policy: Policy,
-        capacity: Capacity,
-    ) -> Self {
-        RunConfig {
-            source,
-            pp,
-            v,
-            stages,
-            policy,
-            params: PolicyParams::default(),
-            capacity,
-            dp: 1,
-            recompute: Vec::new(),
-            memory_limit_bytes: None,
-            forward_only: None,
-            sharding: Sharding::Ddp,
-            state_bytes: None,
-        }
-    }
-
-    /// The stage -> rank placement (the same for every step).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a kind that does not run `v` stages per rank.
-    pub fn placement(&self) -> Result<Placement> {
-        match &self.source {
-            ScheduleSource::Kind(k) => k.placement_on(self.pp, self.v),
-            ScheduleSource::Given(s) => Ok(s.placement.clone()),
-        }
-    }
-
-    /// What decides this configuration's cut of a step ([`cut_step`]): two configurations
-    /// with the same key cut every step the same way. The data-parallel degree, the policy
-    /// and its parameters, and verl-kk's count divisor ([`RunConfig::verl_divisor`]).
-    pub fn cut_key(&self) -> CutKey {
-        (
-            self.dp.max(1),
-            self.policy,
-            self.params,
-            self.verl_divisor(),
-        )
-    }
-
-    /// verl-kk's microbatch-count divisor: Megatron's microbatch group per virtual stage (the
-    /// pipeline size) with virtual stages (`v > 1`), else 1 (verl's
-    /// `num_batches_divided_by`, [`crate::verl_kk`]).
-    pub fn verl_divisor(&self) -> u32 {
-        if self.policy == Policy::VerlKk && self.v > 1 {
-            self.pp.max(1)
-        } else {
-            1
-        }
-    }
-
-    /// The capacity the schedule is built for: a given schedule's is its microbatch count.
-    pub fn effective_capacity(&self) -> Capacity {
-        match &self.source {
-            ScheduleSource::Given(s) => Capacity::Fixed(s.num_microbatches),
-            ScheduleSource::Kind(_) => self.capacity,
-        }
-    }
-}
-
-/// [`RunConfig::cut_key`]: data-parallel degree, policy, its parameters, verl-kk's divisor.
-pub type CutKey = (u32, Policy, PolicyParams, u32);
 
 /// One round of a replica's step: the schedule that runs and what it runs on.
 #[derive(Debug, Clone)]
@@ -178,14 +63,14 @@ pub struct RoundPrediction {
 #[derive(Debug, Clone)]
 pub struct ReplicaPlan {
     /// The replica's index (its pipeline rank r is global rank `r * dp + replica`,
-    /// [`crate::sharding::global_rank`]).
+    /// [`crate::costs::sharding::global_rank`]).
     pub replica: usize,
     /// The replica's microbatches, in order (flat `[T]` with `cu_seqlens`).
     pub microbatches: Vec<Microbatch>,
     /// The rounds, in order (one unless a fixed capacity overflowed).
     pub rounds: Vec<RoundPlan>,
     /// Under `flat-planned`: the replica's step-time bound over every cut and order of its
-    /// sequences ([`crate::mb_plan::lower_bound_s`]), seconds.
+    /// sequences ([`crate::run::mb_plan::lower_bound_s`]), seconds.
     pub lower_bound_s: Option<f64>,
 }
 
@@ -225,7 +110,7 @@ pub fn cut_step(
     if config.policy == Policy::VerlKk && config.params.microbatches.is_none() {
         // verl's count is shared over the data-parallel ranks and, with virtual stages,
         // rounded to Megatron's microbatch group (the pipeline size).
-        return Ok(crate::verl_kk::cut(
+        return Ok(crate::batching::verl_kk::cut(
             &shares,
             config.params.token_budget,
             config.verl_divisor(),
@@ -261,7 +146,7 @@ pub fn plan_step(
         .enumerate()
         .map(|(d, b)| match (config.policy, profile) {
             (Policy::FlatPlanned, Some(profile)) => {
-                let planned = crate::mb_plan::plan(config, profile, &b.microbatches, d)?;
+                let planned = crate::run::mb_plan::plan(config, profile, &b.microbatches, d)?;
                 let mut r = plan_replica(config, Some(profile), planned.microbatches, d)?;
                 r.lower_bound_s = Some(planned.lower_bound_s);
                 Ok(r)
@@ -299,7 +184,7 @@ fn training_schedule(
 /// capacity K, empty slots filling the last), each round's training schedule, its forward-only
 /// work (first round, fused by the same costs that predict it), and with `profile` the replay
 /// under the profile's costs of the round's slots (only the last round carries the optimizer
-/// step). `replica` is the replica's index ([`crate::sharding::global_rank`]).
+/// step). `replica` is the replica's index ([`crate::costs::sharding::global_rank`]).
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for no microbatches; generation, cost-table, forward-only and
@@ -332,7 +217,7 @@ pub fn plan_replica(
     };
     let placement = match &shared {
         Some(s) => s.placement.clone(),
-        None => crate::zb_auto::placement(p, config.v)?,
+        None => crate::schedules::zb_auto::placement(p, config.v)?,
     };
     let mut out = Vec::with_capacity(rounds as usize);
     for round in 0..rounds {
@@ -367,7 +252,7 @@ pub fn plan_replica(
             None => training_schedule(config, profile, k, costs.as_ref())?,
         };
         // Sequences cut into chunks: the same schedule, ordered for their dependencies.
-        let chains = crate::chunks::chains(&slots)?;
+        let chains = crate::schedules::chunks::chains(&slots)?;
         if !chains.is_empty() && !fo.is_empty() {
             return Err(Error::invalid(
                 "forward-only work with chunked sequences",
@@ -378,7 +263,7 @@ pub fn plan_replica(
         let train = if chains.is_empty() {
             train
         } else {
-            Arc::new(crate::chunks::order_chunks(&train, &chains)?)
+            Arc::new(crate::schedules::chunks::order_chunks(&train, &chains)?)
         };
         let schedule = match fo_spec {
             Some((f, kf)) => Arc::new(match &costs {
@@ -411,34 +296,6 @@ pub fn plan_replica(
         rounds: out,
         lower_bound_s: None,
     })
-}
-
-/// The profile's costs of one round: its slots and forward-only microbatches on the
-/// replica `replica` ([`crate::sharding::global_rank`]); only the `last` round carries the
-/// optimizer step.
-pub(crate) fn round_costs(
-    config: &RunConfig,
-    profile: &Profile,
-    placement: &Placement,
-    (slots, fo): (&[Microbatch], &[Microbatch]),
-    replica: usize,
-    last: bool,
-) -> Result<TableCosts> {
-    let c = TableCosts::with_options(
-        profile,
-        &config.stages,
-        placement,
-        slots,
-        fo,
-        &CostOptions {
-            recompute: &config.recompute,
-            replica,
-            sharding: config.sharding,
-            dp: config.dp,
-            state_bytes: config.state_bytes,
-        },
-    )?;
-    Ok(if last { c } else { c.without_optimizer() })
 }
 
 /// The replay of a round's `schedule` under `costs`, and with `k_fo` forward-only microbatches
@@ -703,4 +560,140 @@ fn frozen_bytes(config: &RunConfig, profile: &Profile, placement: &Placement, r:
         .flat_map(|(_, l)| profile.layers[l.clone()].iter())
         .map(|l| l.param_bytes as f64)
         .sum()
+}
+
+/// What one simulated step cost.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepOutcome {
+    /// Step time (sum of the rounds' makespans), seconds.
+    pub step_time_s: f64,
+    /// Busy time summed over ranks, seconds.
+    pub busy_s: f64,
+    /// True tokens of the step.
+    pub true_tokens: u64,
+    /// Tokens the kernels computed (padding included).
+    pub computed_tokens: u64,
+    /// Model FLOPs of the step from true tokens and true attention pairs.
+    pub model_flops: f64,
+    /// Peak activation memory over ranks and rounds, bytes.
+    pub peak_activation_bytes: f64,
+    /// Largest parameters + gradients + optimizer state of a rank, bytes.
+    pub static_bytes: f64,
+    /// Per pipeline rank: parameters, gradients and optimizer state plus the peak activation
+    /// memory (largest over replicas and rounds), bytes.
+    pub rank_memory_bytes: Vec<f64>,
+    /// Microbatches of the step.
+    pub microbatches: u32,
+    /// Rounds of the schedule (1 unless a fixed capacity overflowed).
+    pub rounds: u32,
+    /// With forward-only work: the training schedule alone and the forward-only pass alone,
+    /// seconds (the step time is the combined schedule's).
+    pub fo: Option<(f64, f64)>,
+    /// Under `flat-planned`: the step-time bound over every cut and order of the step's
+    /// sequences (the slower replica's, [`crate::run::mb_plan::lower_bound_s`]), seconds.
+    pub lower_bound_s: Option<f64>,
+}
+
+/// The rounds of one step under a fixed capacity `k`, one after the other as they run (each
+/// starts when the previous one has flushed): round `r`'s times shift by the makespans of the
+/// rounds before it and its microbatch ids by `r·k` (ids `>= n` are the empty slots of the last
+/// round). Makespan and busy times add up, lower bounds too (every round ends with a flush);
+/// memory peaks are the largest round's.
+pub fn concat_rounds(rounds: Vec<Simulation>, k: u32) -> Simulation {
+    use crate::ir::{Action, ComputeAction, MicrobatchId};
+    let mut it = rounds.into_iter();
+    let Some(mut all) = it.next() else {
+        unreachable!("concat_rounds of no rounds")
+    };
+    let p = all.timeline.num_ranks();
+    let mut offset = all.timeline.makespan_ns();
+    let mut lower_bound_s = all.metrics.lower_bound_s;
+    for (r, sim) in it.enumerate() {
+        let shift_mb = |a: ComputeAction| ComputeAction {
+            microbatch: MicrobatchId(a.microbatch.0 + (r as u32 + 1) * k),
+            ..a
+        };
+        for (rank, ops) in sim.timeline.compute.into_iter().enumerate() {
+            all.timeline.compute[rank].extend(ops.into_iter().map(|mut o| {
+                o.action = match o.action {
+                    Action::Compute(a) => Action::Compute(shift_mb(a)),
+                    Action::Overlap(f, b) => Action::Overlap(shift_mb(f), shift_mb(b)),
+                };
+                o.start_ns += offset;
+                o.end_ns += offset;
+                o
+            }));
+        }
+        all.timeline
+            .transfers
+            .extend(sim.timeline.transfers.into_iter().map(|mut t| {
+                t.microbatch = MicrobatchId(t.microbatch.0 + (r as u32 + 1) * k);
+                t.start_ns += offset;
+                t.end_ns += offset;
+                t
+            }));
+        // Only the last round has the optimizer step.
+        for (rank, o) in sim.timeline.optimizer.into_iter().enumerate() {
+            if let Some((a, b)) = o {
+                all.timeline.optimizer[rank] = Some((a + offset, b + offset));
+            }
+        }
+        for (rank, events) in sim.memory.into_iter().enumerate() {
+            all.memory[rank].extend(events.into_iter().map(|(t, l)| (t + offset, l)));
+        }
+        for (a, b) in all.metrics.ranks.iter_mut().zip(&sim.metrics.ranks) {
+            a.busy_s += b.busy_s;
+            let max = |x: Option<f64>, y: Option<f64>| match (x, y) {
+                (Some(x), Some(y)) => Some(x.max(y)),
+                (x, y) => x.or(y),
+            };
+            a.peak_activation_bytes = max(a.peak_activation_bytes, b.peak_activation_bytes);
+            a.peak_activation_units = max(a.peak_activation_units, b.peak_activation_units);
+            a.peak_inflight_microbatches = a
+                .peak_inflight_microbatches
+                .max(b.peak_inflight_microbatches);
+        }
+        lower_bound_s += sim.metrics.lower_bound_s;
+        offset = all.timeline.makespan_ns();
+    }
+    let makespan_s = ns_to_s(offset);
+    let m = &mut all.metrics;
+    m.makespan_s = makespan_s;
+    for r in &mut m.ranks {
+        r.bubble_ratio = 1.0 - r.busy_s / makespan_s;
+    }
+    m.bubble_ratio = 1.0 - m.ranks.iter().map(|r| r.busy_s).sum::<f64>() / (p as f64 * makespan_s);
+    m.lower_bound_s = lower_bound_s;
+    m.gap_to_lower_bound = makespan_s / lower_bound_s - 1.0;
+    all
+}
+
+/// Combines two replicas' outcomes of one step: the step ends with the slower replica; tokens,
+/// FLOPs and busy time add up; memory is the larger.
+pub(crate) fn merge_replicas(a: StepOutcome, b: StepOutcome) -> StepOutcome {
+    StepOutcome {
+        step_time_s: a.step_time_s.max(b.step_time_s),
+        busy_s: a.busy_s + b.busy_s,
+        true_tokens: a.true_tokens + b.true_tokens,
+        computed_tokens: a.computed_tokens + b.computed_tokens,
+        model_flops: a.model_flops + b.model_flops,
+        peak_activation_bytes: a.peak_activation_bytes.max(b.peak_activation_bytes),
+        static_bytes: a.static_bytes.max(b.static_bytes),
+        rank_memory_bytes: a
+            .rank_memory_bytes
+            .iter()
+            .zip(&b.rank_memory_bytes)
+            .map(|(x, y)| x.max(*y))
+            .collect(),
+        microbatches: a.microbatches.max(b.microbatches),
+        rounds: a.rounds.max(b.rounds),
+        fo: match (a.fo, b.fo) {
+            (Some(x), Some(y)) => Some((x.0.max(y.0), x.1.max(y.1))),
+            (x, y) => x.or(y),
+        },
+        lower_bound_s: match (a.lower_bound_s, b.lower_bound_s) {
+            (Some(x), Some(y)) => Some(x.max(y)),
+            (x, y) => x.or(y),
+        },
+    }
 }

@@ -4,10 +4,10 @@
 //! p = 64, m = 4096 1F1B step is ~45 MB of stores; without it the replay runs ~1.6x faster,
 //! README "Performance").
 //!
-//! The numbers equal those [`crate::metrics::metrics`] computes from the full timeline, the
+//! The numbers equal those [`crate::replay::metrics::metrics`] computes from the full timeline, the
 //! peaks up to the order of their floating-point sums (the property tests in
 //! `tests/summary.rs` check it on every generator, to a relative 1e-9):
-//! memory follows [`crate::metrics::memory_events`]'s rules, the level being a step function of
+//! memory follows [`crate::replay::metrics::memory_events`]'s rules, the level being a step function of
 //! time whose peak is taken after all the changes at one instant (frees before allocations
 //! at equal times). Per rank, compute ops come in program order with non-decreasing times, and
 //! the only changes out of that order are the output buffers freed when their transfer ends:
@@ -21,10 +21,10 @@
 
 use crate::costs::CostModel;
 use crate::ir::{Action, ActionKind, ComputeAction, Placement, Rank, Schedule};
-use crate::metrics::{self, Metrics, PartMemory};
+use crate::replay::metrics::{self, Metrics, PartMemory};
+use crate::replay::timeline::{TimedOp, TimedTransfer};
 use crate::replay::{self, Outcome, Recorder};
-use crate::timeline::{TimedOp, TimedTransfer};
-use crate::{Result, dag};
+use crate::{Result, replay::dag};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
@@ -38,7 +38,7 @@ pub struct Summary {
     pub busy_ns: Vec<u64>,
     /// Per rank: peak activation memory.
     pub peak_activation: Vec<f64>,
-    /// Per rank: most microbatches in flight at once (as [`crate::metrics::RankMetrics`]).
+    /// Per rank: most microbatches in flight at once (as [`crate::replay::metrics::RankMetrics`]).
     pub peak_inflight: Vec<u32>,
 }
 
@@ -256,7 +256,7 @@ impl<C: CostModel> Recorder for Lean<'_, C> {
 }
 
 /// Replays `schedule` under `costs` and returns its [`Summary`]; the same numbers as
-/// [`crate::replay::replay`] followed by [`crate::metrics::metrics`] (peaks up to the order of
+/// [`crate::replay::replay`] followed by [`crate::replay::metrics::metrics`] (peaks up to the order of
 /// their floating-point sums), without the timeline.
 ///
 /// # Errors
@@ -431,7 +431,7 @@ impl<'a, C: CostModel> Lean<'a, C> {
 }
 
 /// The [`Metrics`] of a [`Summary`] of `schedule` under `costs`: what
-/// [`crate::metrics::metrics`] gives for the full timeline.
+/// [`crate::replay::metrics::metrics`] gives for the full timeline.
 pub fn summary_metrics<C: CostModel>(schedule: &Schedule, costs: &C, summary: &Summary) -> Metrics {
     let ranks = (0..summary.busy_ns.len())
         .map(|r| metrics::RankTotals {

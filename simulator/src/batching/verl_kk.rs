@@ -35,7 +35,7 @@
 //! sift order), so its parts equal verl's own on the same input: `tests/verl_kk.rs` compares
 //! with partitions that verl's code wrote (`scripts/verl_kk_fixture.py`).
 
-use crate::microbatch::{Microbatch, Oversize};
+use crate::batching::microbatch::{Microbatch, Oversize};
 use crate::{Error, Result};
 use std::cmp::Ordering;
 

@@ -6,7 +6,7 @@
 //! up with PyTorch profiler traces (which label actions `PP:0F1`). Times are microseconds.
 
 use crate::ir::Action;
-use crate::timeline::Timeline;
+use crate::replay::timeline::Timeline;
 use serde_json::{Value, json};
 
 fn us(ns: u64) -> f64 {

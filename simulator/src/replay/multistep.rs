@@ -19,7 +19,7 @@
 
 use crate::costs::CostModel;
 use crate::ir::{Rank, Schedule};
-use crate::{Result, dag, replay};
+use crate::{Result, replay, replay::dag};
 use serde::Serialize;
 
 /// When the ranks' optimizer steps start.

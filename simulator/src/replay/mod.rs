@@ -1,6 +1,6 @@
 //! Replay: the step's timeline as the longest path through its dependency DAG.
 //!
-//! The DAG (see [`crate::dag`]) has one node per compute action and per transfer, and edges for
+//! The DAG (see [`crate::replay::dag`]) has one node per compute action and per transfer, and edges for
 //! (1) data dependencies: F(s) -> F(s+1); I or B of stage s+1 -> I or B of s; F -> I or B and
 //! I -> W on one stage; between the chunks of one sequence ([`crate::ir::Schedule::chunks`]),
 //! on each stage F(k-1) -> F(k) and backward(k) -> backward(k-1); (2) each rank's action order; (3) each link's FIFO order: one link per
@@ -12,15 +12,21 @@
 //! previous transfer the same sender issued on it, so a topological order is produced by
 //! advancing each rank's program counter while its next action's data are ready, waking a rank
 //! when data it waits for arrive. Each op is visited once: `O(ops)`. The petgraph DAG in
-//! [`crate::dag`] computes the same times and is the cross-check in the tests; when ranks stop
+//! [`crate::replay::dag`] computes the same times and is the cross-check in the tests; when ranks stop
 //! with work left, it finds the dependency cycle to report.
 
+pub mod dag;
+pub mod metrics;
+pub mod multistep;
+pub mod summary;
+pub mod timeline;
+
+use crate::Result;
 use crate::costs::CostModel;
 use crate::ir::{
     Action, ActionKind, ChunkLinks, ComputeAction, Placement, Rank, Schedule, StageId,
 };
-use crate::timeline::{TimedOp, TimedTransfer, Timeline};
-use crate::{Result, dag};
+use crate::replay::timeline::{TimedOp, TimedTransfer, Timeline};
 use std::collections::VecDeque;
 
 const UNSET: u64 = u64::MAX;
@@ -45,7 +51,7 @@ const UNSET_CELL: Cell = Cell {
 };
 
 /// What a replay keeps of each op as it computes the times: the whole [`Timeline`], or only
-/// what the metrics need ([`crate::summary::Summary`]).
+/// what the metrics need ([`crate::replay::summary::Summary`]).
 pub(crate) trait Recorder {
     /// Compute op `op` of `rank` (in the rank's program order). `false` stops the replay
     /// (the caller no longer needs it: too slow or over the memory limit).
@@ -297,7 +303,7 @@ impl Recorder for NoRecord {
 /// The replay of one step whose ranks may start no earlier than `ready[r]` (ns) and whose links
 /// are busy until `links` says (updated in place): each rank's clock at its last action's end,
 /// without optimizer steps and without a timeline. `None` when ranks stop with work left. Used
-/// by [`crate::multistep`] to chain consecutive steps.
+/// by [`crate::replay::multistep`] to chain consecutive steps.
 pub(crate) fn replay_from<C: CostModel>(
     schedule: &Schedule,
     costs: &C,
@@ -489,8 +495,8 @@ impl<'a, C: CostModel, R: Recorder> Incremental<'a, C, R> {
 mod tests {
     use super::*;
     use crate::costs::{UniformCostSpec, UniformCosts};
-    use crate::generators::{gpipe, one_f_one_b};
     use crate::ir::{Placement, Schedule};
+    use crate::schedules::generators::{gpipe, one_f_one_b};
 
     fn uniform(f: f64, b: f64, w: f64, comm: f64) -> UniformCosts {
         UniformCosts::new(

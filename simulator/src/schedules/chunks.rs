@@ -27,9 +27,9 @@
 //! The result is validated and replayed; a schedule that still cannot run (a dependency
 //! cycle across ranks) is refused with the cycle the deadlock finder names.
 
+use crate::batching::microbatch::Microbatch;
 use crate::ir::{Action, ActionKind, ComputeAction, MicrobatchId, Schedule};
-use crate::microbatch::Microbatch;
-use crate::{Error, Result, dag, replay};
+use crate::{Error, Result, replay, replay::dag};
 use std::collections::BTreeMap;
 
 /// The chunk chains of a round's microbatches: per sequence cut into two chunks or more,
@@ -311,7 +311,7 @@ fn forwards_needed(
 mod tests {
     use super::*;
     use crate::costs::{UniformCostSpec, UniformCosts};
-    use crate::generators::one_f_one_b;
+    use crate::schedules::generators::one_f_one_b;
 
     fn ids(v: &[u32]) -> Vec<MicrobatchId> {
         v.iter().map(|&i| MicrobatchId(i)).collect()

@@ -19,10 +19,10 @@
 //! is replayed under the real cost model, and the fastest that fits the limit is kept, together
 //! with the handcrafted schedules of the same placement (1F1B, ZB-H1, ZB-H2 in loop placement;
 //! ZB-V in V placement) and, in loop placement, the eight orders of the Zero Bubble authors'
-//! wave construction ([`crate::zb_waves`]) when they fit: zb-auto is never worse than the best
+//! wave construction ([`crate::schedules::zb_waves`]) when they fit: zb-auto is never worse than the best
 //! of them. "Fastest" is one step's makespan ([`Objective::Step`], the default) or, with
 //! [`Objective::PostValidation`], the steady-state step time across consecutive steps under
-//! optimizer post-validation ([`crate::multistep`]). When nothing fits, the error names the
+//! optimizer post-validation ([`crate::replay::multistep`]). When nothing fits, the error names the
 //! limit and the smallest peak found.
 //!
 //! Speed (it is rebuilt per step and per candidate by the planner). Every candidate is replayed
@@ -40,7 +40,7 @@
 
 use crate::costs::CostModel;
 use crate::ir::{Action, ActionKind, ComputeAction, MicrobatchId, Placement, Schedule, StageId};
-use crate::{Error, Result, multistep, replay, summary};
+use crate::{Error, Result, replay, replay::multistep, replay::summary};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
@@ -548,7 +548,7 @@ pub enum Objective {
     Step,
     /// The steady-state step time of consecutive steps under the Zero Bubble paper's optimizer
     /// post-validation (each rank steps its optimizer after its own last action and starts the
-    /// next step's forwards; [`crate::multistep`]), over [`STEADY_STATE_STEPS`] steps (then the
+    /// next step's forwards; [`crate::replay::multistep`]), over [`STEADY_STATE_STEPS`] steps (then the
     /// single step's makespan, then the smaller peak). This is where ZB-H2's shape pays: at
     /// p = 4, m = 8, f = b = w = 1 under 2p units it reaches `m (f + b + w)` = 24 s per step,
     /// which [`Objective::Step`] (27 s for one step either way) does not prefer.
@@ -752,7 +752,7 @@ pub(crate) fn search<C: CostModel>(
     let g = settings.len();
     // The Zero Bubble authors' wave construction (loop placement), its eight settings.
     let waves = if v == 1 {
-        crate::zb_waves::wave_orders(p, m, costs, limit)
+        crate::schedules::zb_waves::wave_orders(p, m, costs, limit)
     } else {
         Vec::new()
     };
@@ -761,7 +761,7 @@ pub(crate) fn search<C: CostModel>(
     // lose the tie to that order. The others are replayed in the order of their construction's
     // makespan, the likely best first, so that the rest stop early; the choice does not depend
     // on the order of evaluation (ties go by place in the order of preference).
-    let mut waves: Vec<(usize, crate::zb_waves::WaveOrder)> = waves
+    let mut waves: Vec<(usize, crate::schedules::zb_waves::WaveOrder)> = waves
         .into_iter()
         .enumerate()
         .filter_map(|(j, w)| Some((j, w?)))
@@ -847,8 +847,8 @@ pub(crate) fn search<C: CostModel>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generators::ScheduleKind;
-    use crate::{metrics, replay};
+    use crate::schedules::generators::ScheduleKind;
+    use crate::{replay, replay::metrics};
 
     /// zb-auto as every caller builds it: through the schedule-building contract.
     fn zb_auto<C: CostModel>(p: u32, v: u32, m: u32, costs: &C, limit: f64) -> Result<Schedule> {
@@ -1024,13 +1024,13 @@ mod tests {
 mod props {
     use super::*;
     use crate::costs::MemoryUnit;
-    use crate::generators::ScheduleKind;
+    use crate::schedules::generators::ScheduleKind;
 
     fn zb_auto<C: CostModel>(p: u32, v: u32, m: u32, costs: &C, limit: f64) -> Result<Schedule> {
         ScheduleKind::ZbAuto.build(p, v, m, costs, limit)
     }
     use crate::ir::Rank;
-    use crate::{metrics, replay};
+    use crate::{replay, replay::metrics};
     use proptest::prelude::*;
 
     /// Per-stage (f, i, w) costs in ns, uniform over microbatches, unit activations per stage.
@@ -1199,7 +1199,7 @@ mod props {
             .map(|(_, ranks)| ranks.map(of_ranks))
             .collect();
         if v == 1 {
-            let waves = crate::zb_waves::wave_orders(p, m, c, limit);
+            let waves = crate::schedules::zb_waves::wave_orders(p, m, c, limit);
             candidates.extend(waves.into_iter().map(|w| w.map(|w| of_ranks(w.ranks))));
         }
         candidates.extend(
