@@ -1188,7 +1188,7 @@ fn plan<'py>(
 
 /// Reads PyTorch profiler traces of a pipelined run (`PP:<action>` events; one file per rank in
 /// rank order, `.gz` read too), as `flatpipe import-trace` does
-/// (`simulator/src/kineto.rs`), and returns a dict: `actions` (per rank, `(action, start_s,
+/// (`simulator/src/io/kineto.rs`), and returns a dict: `actions` (per rank, `(action, start_s,
 /// end_s)` of the imported step, busy time from each action's first nested operator), `steps`,
 /// `step`, `leading_wait_s` (per rank), `other_events` and `warnings`.
 #[pyfunction]
