@@ -59,8 +59,11 @@ pub fn exported_step(
         Ok(plan_step(&config, Some(profile), i, &cut)?)
     };
     let mut counts = Vec::with_capacity(steps as usize);
+    let mut chunked = 0;
     for i in 0..steps {
-        counts.push(plan_one(u64::from(i))?.replicas[0].microbatches.len() as u32);
+        let planned = plan_one(u64::from(i))?;
+        counts.push(planned.replicas[0].microbatches.len() as u32);
+        chunked += chunked_sequences(&planned);
     }
     let step = median_step(&counts)
         .ok_or_else(|| Error::invalid("steps", 0, ">= 1 sampled step to export a schedule of"))?
@@ -70,7 +73,26 @@ pub fn exported_step(
     let round = &replica.rounds[0];
     let schedule = (*round.train).clone();
     let microbatches = replica.microbatches.len() as u32;
-    let warnings = export_warnings(&schedule, replica.rounds.len(), &round.fo, &counts, step);
+    let mut warnings = Vec::new();
+    step_count_warning(&mut warnings, &counts, step);
+    if chunked > 0 {
+        warnings.push(format!(
+            "the plan cuts {chunked} of its sampled sequences (over {steps} steps) that are longer than the token budget into chunks that share their keys and values ({} in the exported step); the target has no sequence chunks and runs each chunk as an unrelated microbatch (attention across chunks is lost)",
+            schedule.chunks.len()
+        ));
+    }
+    if !round.fo.is_empty() {
+        warnings.push(format!(
+            "the plan runs {} forward-only microbatches per step with the training schedule; the target has no forward-only actions and runs the training schedule alone",
+            round.fo.len()
+        ));
+    }
+    if replica.rounds.len() > 1 {
+        warnings.push(format!(
+            "the plan's fixed capacity runs step {step} in {} rounds; this export is the first round's schedule",
+            replica.rounds.len()
+        ));
+    }
     Ok(ExportedStep {
         step,
         schedule,
@@ -79,15 +101,19 @@ pub fn exported_step(
     })
 }
 
-/// What a target that runs one fixed schedule does instead of what the plan chose.
-fn export_warnings(
-    schedule: &Schedule,
-    rounds: usize,
-    fo: &[flatpipe_simulator::Microbatch],
-    counts: &[u32],
-    step: u64,
-) -> Vec<String> {
-    let mut warnings = Vec::new();
+/// Sequences a planned step cut into chunks, over its replicas and rounds.
+fn chunked_sequences(planned: &StepPlan) -> usize {
+    planned
+        .replicas
+        .iter()
+        .flat_map(|r| &r.rounds)
+        .map(|round| round.train.chunks.len())
+        .sum()
+}
+
+/// The warning for a microbatch count that changes over the sampled steps (`counts[i]`: step
+/// `i`'s count), exported as step `step`'s count.
+fn step_count_warning(warnings: &mut Vec<String>, counts: &[u32], step: u64) {
     let m = counts[step as usize];
     let (lo, hi) = (
         counts.iter().copied().min().unwrap_or(m),
@@ -99,24 +125,6 @@ fn export_warnings(
             counts.len()
         ));
     }
-    if !schedule.chunks.is_empty() {
-        warnings.push(format!(
-            "the plan cuts {} sequences longer than the token budget into chunks that share their keys and values; the target has no sequence chunks and runs each chunk as an unrelated microbatch (attention across chunks is lost)",
-            schedule.chunks.len()
-        ));
-    }
-    if !fo.is_empty() {
-        warnings.push(format!(
-            "the plan runs {} forward-only microbatches per step with the training schedule; the target has no forward-only actions and runs the training schedule alone",
-            fo.len()
-        ));
-    }
-    if rounds > 1 {
-        warnings.push(format!(
-            "the plan's fixed capacity runs step {step} in {rounds} rounds; this export is the first round's schedule"
-        ));
-    }
-    warnings
 }
 
 /// Whether torchtitan runs `plan` from a schedule CSV (its schedule has no torchtitan name:

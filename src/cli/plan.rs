@@ -10,6 +10,17 @@ pub(super) enum ExportFormat {
     PytorchCsv,
 }
 
+impl ExportFormat {
+    /// The name `--export` takes.
+    fn name(self) -> &'static str {
+        match self {
+            ExportFormat::Torchtitan => "torchtitan",
+            ExportFormat::Megatron => "megatron",
+            ExportFormat::PytorchCsv => "pytorch-csv",
+        }
+    }
+}
+
 /// `--rank-by`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(super) enum RankByArg {
@@ -370,7 +381,21 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             path.display()
         ));
     }
-    let (mut export_text, extra_files) = export(&a, &plan, best, &profile)?;
+    let per_gpu = profile.tensor_parallel(best.tp, best.sequence_parallel)?;
+    let exported = match a.export {
+        Some(_) => Some(planner::export::exported_step(
+            &plan,
+            &per_gpu,
+            &workload,
+            size,
+            config.steps,
+        )?),
+        None => None,
+    };
+    let (mut export_text, extra_files) = match &exported {
+        Some(step) => export(&a, &plan, &profile, step)?,
+        None => (None, Vec::new()),
+    };
     // torchtitan trains on rows of seq_len = the token budget: a longer sequence is cut across
     // rows there, where flatpipe predicted it as a microbatch of its own. Said in the file.
     if let (Some(ExportFormat::Torchtitan), Some((_, text))) = (a.export, &mut export_text) {
@@ -408,7 +433,6 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     // The chosen plan's run as its plan file describes it (memory limit and forward-only work
     // included).
     let chosen = plan.run_config()?;
-    let per_gpu = profile.tensor_parallel(best.tp, best.sequence_parallel)?;
     let first = montecarlo::run(&per_gpu, &workload, seed, size, 1, &[chosen], &|| {})?;
     if let Some((s, simulation)) = &first.first[0]
         && let Some(gantt) = &chart
@@ -708,8 +732,12 @@ type ExportText = (&'static str, String);
 /// Files an export references, each with its path and text.
 type ExtraFiles = Vec<(PathBuf, String)>;
 
-/// The `--export` of the chosen `plan` (`best`, on `profile`) at its typical microbatch count,
-/// and the files it references (a torchtitan schedule CSV), each with its path.
+/// The `--export` of the chosen `plan` (on `profile`) and the files it references (a
+/// torchtitan schedule CSV), each with its path. The schedule exported is the one the plan's
+/// prediction ran on its median sampled step (`planner::export::exported_step`, on the per-GPU
+/// profile `per_gpu`), so a zb-auto plan exports the order its prediction searched; what the
+/// target runs instead of the plan (chunks, forward-only work, a per-step microbatch count) is
+/// said on stderr (CSV, torchtitan) and in `# warning:` lines (Megatron).
 ///
 /// # Errors
 /// A torchtitan export of a schedule without a torchtitan name and no `-o` (the CSV needs a
@@ -717,14 +745,21 @@ type ExtraFiles = Vec<(PathBuf, String)>;
 fn export(
     a: &PlanArgs,
     plan: &Plan,
-    best: &planner::search::Candidate,
     profile: &Profile,
+    step: &planner::export::ExportedStep,
 ) -> Result<(Option<ExportText>, ExtraFiles)> {
-    let m_typical = best.summary.microbatches_mean.round().max(1.0) as u32;
     let mut extra_files: ExtraFiles = Vec::new();
-    let export_text = match a.export {
-        None => None,
-        Some(ExportFormat::Torchtitan) => {
+    let Some(format) = a.export else {
+        return Ok((None, extra_files));
+    };
+    let warn_stderr = || {
+        for w in &step.warnings {
+            eprintln!("warning: --export {}: {w}", format.name());
+        }
+    };
+    let export_text = match format {
+        ExportFormat::Torchtitan => {
+            warn_stderr();
             // A schedule without a torchtitan name runs from a CSV written next to the TOML.
             let csv = if planner::export::torchtitan_needs_csv(plan) {
                 let Some(path) = &a.output else {
@@ -734,10 +769,9 @@ fn export(
                     );
                 };
                 let csv_path = path.with_extension("torchtitan.csv");
-                let s = best.schedule.generate(best.pp, best.vpp, m_typical)?;
                 extra_files.push((
                     csv_path.clone(),
-                    sim::ir::pytorch_csv::write_pytorch_csv(&s, false)?,
+                    sim::ir::pytorch_csv::write_pytorch_csv(&step.schedule, false)?,
                 ));
                 Some(
                     csv_path
@@ -748,23 +782,31 @@ fn export(
             } else {
                 None
             };
-            Some((
+            (
                 "torchtitan.toml",
-                planner::export::torchtitan(plan, profile, m_typical, csv.as_deref())?,
-            ))
+                planner::export::torchtitan(plan, profile, step.microbatches, csv.as_deref())?,
+            )
         }
-        Some(ExportFormat::Megatron) => {
-            Some(("megatron.txt", planner::export::megatron(plan, profile)?))
+        ExportFormat::Megatron => {
+            let mut text = planner::export::megatron(plan, profile)?;
+            let at = text.find('\n').map_or(0, |i| i + 1);
+            let warnings: String = step
+                .warnings
+                .iter()
+                .map(|w| format!("# warning: {w}\n"))
+                .collect();
+            text.insert_str(at, &warnings);
+            ("megatron.txt", text)
         }
-        Some(ExportFormat::PytorchCsv) => {
-            let s = best.schedule.generate(best.pp, best.vpp, m_typical)?;
-            Some((
+        ExportFormat::PytorchCsv => {
+            warn_stderr();
+            (
                 "pytorch.csv",
-                sim::ir::pytorch_csv::write_pytorch_csv(&s, false)?,
-            ))
+                sim::ir::pytorch_csv::write_pytorch_csv(&step.schedule, false)?,
+            )
         }
     };
-    Ok((export_text, extra_files))
+    Ok((Some(export_text), extra_files))
 }
 
 /// `plan`'s table: the ranked plans, best first, each with its layout, predicted step time,

@@ -7,6 +7,7 @@ mod calibrate;
 mod common;
 mod errors;
 mod execute;
+mod export;
 mod import_trace;
 mod output;
 mod plan;
