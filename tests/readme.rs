@@ -97,7 +97,10 @@ fn parse_command(line: &str) -> ReadmeCommand {
     while let Some(w) = words.next() {
         if w == ">" {
             let file = words.next();
-            assert!(file.is_some(), "README command {line:?}: `>` without a file");
+            assert!(
+                file.is_some(),
+                "README command {line:?}: `>` without a file"
+            );
             stdout_to = file;
         } else {
             args.push(w);
@@ -146,7 +149,7 @@ fn the_readme_commands_parse_as_the_readme_writes_them() {
                 untested: Some("minutes".into()),
             },
             ReadmeCommand {
-                line: "flatpipe plan --export pytorch-csv".into(),
+                line: "flatpipe plan --export pytorch-csv > s.csv".into(),
                 args: vec!["plan".into(), "--export".into(), "pytorch-csv".into()],
                 stdout_to: Some("s.csv".into()),
                 untested: None,
@@ -166,8 +169,12 @@ fn every_readme_command_runs() {
         .expect("README.md");
     let setup = shell_lines(&readme);
     assert!(
-        setup.first().is_some_and(|l| l.starts_with("cargo run --release -- plan"))
-            && setup.get(1).is_some_and(|l| l.starts_with("scripts/test.sh")),
+        setup
+            .first()
+            .is_some_and(|l| l.starts_with("cargo run --release -- plan"))
+            && setup
+                .get(1)
+                .is_some_and(|l| l.starts_with("scripts/test.sh")),
         "the README's first shell block is the two set-up commands: {setup:?}"
     );
     let cmds = readme_commands(&readme);
