@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Regenerates the README's images in docs/ with the release binary, from the commands the README
-# shows next to each image. The measured chart (execute on the CPU) differs from run to run.
+# Regenerates the images in docs/ (the README's and the guides') with the release binary, from
+# the commands the docs show next to each image. The measured chart (execute on the CPU)
+# differs from run to run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release

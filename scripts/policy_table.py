@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The README's microbatching-policy comparison (issue 25): every policy at its best token
+"""docs/variable-length.md's microbatching-policy comparison: every policy at its best token
 budget, Llama-3.1-8B on 8 H200 (pp = 8), sharegpt-v3 and sharegpt-v3-merged, 1F1B and ZB-V.
 
 For each workload and schedule, runs `flatpipe simulate` once per token budget in BUDGETS

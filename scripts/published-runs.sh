@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces the README's table of published large-scale runs against flatpipe's predictions
+# Reproduces docs/planning.md's table of published large-scale runs against flatpipe's predictions
 # (release binary; each command prints the configuration's predicted step, MFU and memory).
 set -euo pipefail
 cd "$(dirname "$0")/.."

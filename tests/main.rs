@@ -8,6 +8,7 @@ mod exact;
 mod microbatch_planning;
 mod planner;
 mod properties;
+mod readme;
 mod schedules;
 mod sharding;
 mod summary;

@@ -1,4 +1,5 @@
-"""The README's training loop, the same code for pp = 1 and pp > 1 (no pipeline forks)."""
+"""The training loop of docs/pytorch.md and examples/python/train.py: the same code for pp = 1
+and pp > 1 (no pipeline forks)."""
 
 from __future__ import annotations
 
