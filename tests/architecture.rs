@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The library crates: (crate directory, source root).
-const LIBRARIES: [&str; 5] = ["profiles", "simulator", "planner", "executor", "python"];
+pub(crate) const LIBRARIES: [&str; 5] = ["profiles", "simulator", "planner", "executor", "python"];
 
 /// The longest a library function may be, in lines from `fn` to its closing brace.
 const MAX_FUNCTION_LINES: usize = 150;
@@ -34,7 +34,7 @@ fn root() -> PathBuf {
 }
 
 /// Every `.rs` file under `dir`, sorted.
-fn rust_files(dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn rust_files(dir: &Path) -> Vec<PathBuf> {
     let mut out = vec![];
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
@@ -70,7 +70,7 @@ fn module_of(src: &Path, file: &Path) -> Vec<String> {
 
 /// The file's code without its unit tests (`#[cfg(test)] mod tests` to the end, by the house
 /// layout) and without comment lines.
-fn code_lines(text: &str) -> Vec<(usize, &str)> {
+pub(crate) fn code_lines(text: &str) -> Vec<(usize, &str)> {
     let mut out = vec![];
     let mut lines = text.lines().enumerate().peekable();
     while let Some((i, line)) = lines.next() {

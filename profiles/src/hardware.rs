@@ -83,7 +83,7 @@ impl Hardware {
             if gpus > have {
                 return Err(Error::invalid(
                     &self.name,
-                    "GPUs asked for (tp x dp x pp, or --ranks)",
+                    "GPUs asked for (tp x dp x pp)",
                     gpus,
                     format!(
                         "at most {n} nodes x {} GPUs = {have} on this cluster (its `nodes`)",

@@ -117,7 +117,7 @@ pub fn profile_cuda(
     progress("optimizer");
     let optimizer_s_per_param = profile_optimizer(model, cfg.reps, &make)?;
     let notes = format!(
-        "measured by `flatpipe profile --backend cuda` on the CUDA backend's kernels (NVRTC-compiled CUDA C, cuBLAS {} GEMMs), timed with CUDA events: t = c0 + c_tok * tokens + c_attn * attn_pairs per layer kind and phase, non-negative least squares on relative residuals; weights drawn on the device; activation bytes from the saved device tensors (F -> I -> W, fp32); link = {}; optimizer = gradient norm + AdamW over {} decoder layers. FLOPs per token (MFU) are the analytic counts.",
+        "measured by `flatpipe profile` on the CUDA backend's kernels (NVRTC-compiled CUDA C, cuBLAS {} GEMMs), timed with CUDA events: t = c0 + c_tok * tokens + c_attn * attn_pairs per layer kind and phase, non-negative least squares on relative residuals; weights drawn on the device; activation bytes from the saved device tensors (F -> I -> W, fp32); link = {}; optimizer = gradient norm + AdamW over {} decoder layers. FLOPs per token (MFU) are the analytic counts.",
         match precision {
             Precision::Fp32 => "fp32",
             Precision::Bf16 => "bf16-math (CUBLAS_COMPUTE_32F_FAST_16BF)",
