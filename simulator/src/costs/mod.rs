@@ -12,6 +12,7 @@
 //!
 //! Simulated time is integer nanoseconds, so replays are exact and deterministic.
 
+pub mod given;
 pub mod sharding;
 
 use crate::batching::microbatch::Microbatch;

@@ -1,0 +1,252 @@
+//! The runs `simulate` compares on a profile: flags and a plan file resolved into run
+//! configurations, one per (schedule, policy, capacity).
+
+use super::*;
+
+/// A comparison on a profile, resolved from the flags and an optional plan file: every default
+/// decided here, once.
+pub(super) struct Comparison {
+    pub(super) plan: Option<Plan>,
+    pub(super) profile: Profile,
+    pub(super) workload: Workload,
+    pub(super) size: StepSize,
+    pub(super) seed: u64,
+    pub(super) steps: u32,
+    /// Exactly this many microbatches per step (else the token budget).
+    pub(super) microbatches: Option<u32>,
+    pub(super) token_budget: u64,
+    pub(super) policies: Vec<Policy>,
+    pub(super) capacities: Vec<Capacity>,
+    /// Ranks per pipeline.
+    pub(super) p: u32,
+    /// Tensor-parallel degree and sequence parallelism (`profile` is then one GPU's).
+    pub(super) tp: (u32, bool),
+    /// The profile before tensor parallelism (what a plan file's hash names).
+    pub(super) base_profile: Profile,
+    /// Per-rank memory limit, bytes, and where it comes from in the user's words.
+    pub(super) limit: f64,
+    pub(super) limit_source: String,
+    /// One configuration per (schedule, policy, capacity).
+    pub(super) configs: Vec<flatpipe_simulator::run::config::RunConfig>,
+}
+
+/// Resolves `simulate`'s flags and plan file into a [`Comparison`].
+pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparison> {
+    let plan = read_plan(a.plan.as_deref())?;
+    fn pick<'a>(from_plan: Option<&'a String>, from_args: &'a Option<String>) -> Option<&'a str> {
+        from_plan.or(from_args.as_ref()).map(String::as_str)
+    }
+    let profile = resolve_profile(
+        pick(
+            plan.as_ref().and_then(|p| p.profile.as_ref()),
+            &a.inputs.profile,
+        ),
+        pick(
+            plan.as_ref().and_then(|p| p.model.as_ref()),
+            &a.inputs.model,
+        ),
+        pick(
+            plan.as_ref().and_then(|p| p.hardware.as_ref()),
+            &a.inputs.hardware,
+        ),
+    )?;
+    let workload_name = a
+        .inputs
+        .workload
+        .clone()
+        .or_else(|| plan.as_ref().map(|p| p.workload.clone()))
+        .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
+    let mut workload = builtins::workload(&workload_name)?;
+    if let Some(q) = a.keep_prob {
+        workload.keep_probability = Some(q);
+        workload.validate("--keep-prob")?;
+    }
+    if let (Some(p), Some(path)) = (&plan, &a.plan) {
+        p.validate(&path.display().to_string(), profile.layers.len())?;
+    }
+    let tp = match &plan {
+        Some(p) => p.tensor_parallel(),
+        None => (a.tp.unwrap_or(1), !a.no_sequence_parallel),
+    };
+    let base_profile = profile.clone();
+    let profile = match &a.plan {
+        // A plan file's tp: its error names the file, not a flag.
+        Some(path) => profile
+            .tensor_parallel(tp.0, tp.1)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
+        None => profile.tensor_parallel(tp.0, tp.1)?,
+    };
+    let sharding = match &a.sharding {
+        Some(m) => m
+            .trim()
+            .parse::<sim::costs::sharding::Sharding>()
+            .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?,
+        None => Default::default(),
+    };
+    let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, plan.as_ref(), &workload)?;
+    let seed = a
+        .seed
+        .or(plan.as_ref().map(|p| p.seed))
+        .unwrap_or(workload.seed);
+    let steps = a.steps.unwrap_or(1);
+    if steps == 0 {
+        bail!("--steps = 0 is invalid: >= 1 step");
+    }
+    let csv_m = match &schedules {
+        Schedules::Csv(s) => Some(s.num_microbatches),
+        Schedules::Kinds(_) => None,
+    };
+    if csv_m.is_some() && !a.capacity.is_empty() {
+        bail!(
+            "--capacity cannot be combined with --schedule-csv: a loaded schedule has the fixed capacity of its microbatch count"
+        );
+    }
+    // The plan file's run, when there is one: the flags below only vary it.
+    let base = plan.as_ref().map(Plan::run_config).transpose()?;
+    let (microbatches, token_budget) = match &base {
+        Some(c) => (c.params.microbatches, c.params.token_budget),
+        None => (
+            a.microbatches.or(csv_m),
+            a.token_budget
+                .unwrap_or(sim::batching::policy::DEFAULT_TOKEN_BUDGET),
+        ),
+    };
+    let params = PolicyParams {
+        token_budget,
+        microbatches,
+        pack_len: a.pack_len.unwrap_or(4096),
+        max_seq_len: a.max_seq_len,
+        chunk_tokens: a
+            .chunk_tokens
+            .or(base.as_ref().and_then(|c| c.params.chunk_tokens)),
+    };
+    let policies: Vec<Policy> = if a.policy.is_empty() {
+        vec![base.as_ref().map_or(Policy::FlatFfd, |c| c.policy)]
+    } else {
+        dedup(
+            a.policy
+                .iter()
+                .map(|x| x.parse())
+                .collect::<Result<Vec<Policy>, _>>()?,
+        )
+    };
+    let capacities: Vec<Capacity> = if a.capacity.is_empty() {
+        vec![Capacity::Dynamic]
+    } else {
+        dedup(
+            a.capacity
+                .iter()
+                .map(|x| x.parse())
+                .collect::<Result<Vec<Capacity>, _>>()?,
+        )
+    };
+    // One per-rank memory limit for building zb-auto and checking every row: --memory-limit,
+    // else the plan file's (the one it was searched under), else the hardware's.
+    let (limit, limit_source) = match (
+        &a.memory_limit,
+        base.as_ref().and_then(|c| c.memory_limit_bytes),
+    ) {
+        (Some(text), _) => (
+            memory_limit(Some(text), &profile)?,
+            format!("--memory-limit {text}"),
+        ),
+        (None, Some(bytes)) => (bytes, "the plan file's memory limit".to_string()),
+        (None, None) => (
+            memory_limit(None, &profile)?,
+            format!("{}'s memory less its reserve", profile.hardware.name),
+        ),
+    };
+    let p = match (&schedules, &base) {
+        (Schedules::Csv(s), _) => s.placement.num_ranks,
+        (_, Some(c)) => c.pp,
+        _ => a.pp.unwrap_or(4),
+    };
+    if p == 0 {
+        bail!("--pp = 0 is invalid: >= 1 rank");
+    }
+    let sources: Vec<(ScheduleSource, u32)> = match (schedules, &base) {
+        (Schedules::Csv(s), _) => {
+            let v = s.num_stages() / s.placement.num_ranks;
+            vec![(ScheduleSource::Given(s), v)]
+        }
+        (_, Some(c)) => vec![(c.source.clone(), c.v)],
+        (Schedules::Kinds(kinds), None) => kinds
+            .into_iter()
+            .map(|k| Ok((ScheduleSource::Kind(k), k.stages_per_rank(a.vpp)?)))
+            .collect::<Result<_>>()?,
+    };
+    let mut combos = Vec::new();
+    for (source, v) in sources {
+        let stages = match (&base, &source) {
+            (Some(c), _) => c.stages.clone(),
+            (None, ScheduleSource::Given(s)) => {
+                even_split(profile.layers.len(), s.num_stages() as usize)?
+            }
+            (None, ScheduleSource::Kind(_)) => even_split(profile.layers.len(), (p * v) as usize)?,
+        };
+        for &policy in &policies {
+            for &capacity in &capacities {
+                let mut combo = flatpipe_simulator::run::config::RunConfig::new(
+                    source.clone(),
+                    p,
+                    v,
+                    stages.clone(),
+                    policy,
+                    capacity,
+                );
+                combo.params = params;
+                combo.dp = a.dp.unwrap_or(1);
+                combo.sharding = sharding;
+                if let Some(c) = &base {
+                    combo.dp = c.dp;
+                    combo.recompute = c.recompute.clone();
+                    combo.sharding = c.sharding;
+                }
+                combo.memory_limit_bytes = Some(limit);
+                // The options' forward-only work, else the plan's (an explicit 0 drops it).
+                combo.forward_only = match a.fo.fo_microbatches {
+                    Some(_) => a.fo.spec()?,
+                    None => base.as_ref().and_then(|c| c.forward_only),
+                };
+                combos.push(combo);
+            }
+        }
+    }
+    if let Some(m) = microbatches {
+        let pairs: f64 = combos
+            .iter()
+            .map(|c| f64::from(p) * f64::from(c.v) * f64::from(m))
+            .sum();
+        super::check_schedule_memory(
+            &format!(
+                "--microbatches {m} with --pp {p} and {} schedule(s)",
+                combos.len()
+            ),
+            pairs,
+        )?;
+    }
+    super::check_monte_carlo_memory("the Monte Carlo", &workload, seed, size, steps, 0, &combos)?;
+    if let Some(c) = combos.first() {
+        base_profile
+            .hardware
+            .check_gpus(u64::from(tp.0) * u64::from(c.dp.max(1)) * u64::from(p))?;
+    }
+    Ok(Comparison {
+        plan,
+        profile,
+        workload,
+        size,
+        seed,
+        steps,
+        microbatches,
+        token_budget,
+        policies,
+        capacities,
+        p,
+        tp,
+        base_profile,
+        limit,
+        limit_source,
+        configs: combos,
+    })
+}
