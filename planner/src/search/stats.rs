@@ -102,3 +102,46 @@ pub(super) fn batch_stats(
         replica_work_s,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flatpipe_profiles::{AnalyticOptions, analytic_profile, builtins};
+
+    /// One step of 300, 200, 100 and 50 tokens on 2 replicas, flat-ffd under a budget of 1,000
+    /// tokens. The balance cost grows with the tokens and the causal pairs t (t + 1) / 2, so
+    /// the shares (longest first to the least loaded) are [300] and [200, 100, 50]: 50 joins
+    /// replica 1, whose 300 tokens and 20,100 + 5,050 pairs weigh less than replica 0's 300
+    /// tokens and 45,150 pairs. Each share fits one microbatch: 300 tokens and 45,150 pairs,
+    /// 350 tokens and 26,425 pairs.
+    #[test]
+    fn a_step_cut_on_two_replicas_by_hand() {
+        let m = builtins::model("tiny").unwrap();
+        let h = builtins::hardware("cpu").unwrap();
+        let p = analytic_profile(&m, &h, &AnalyticOptions::default()).unwrap();
+        let cut = cut_config(
+            (ScheduleKind::OneFOneB, 2, 2, 1),
+            Policy::FlatFfd,
+            (1000, None),
+        );
+        let s = batch_stats(&p, &[vec![300, 200, 100, 50]], &cut).unwrap();
+        assert_eq!(s.mean_tokens, (300.0 + 350.0) / 2.0);
+        assert_eq!(s.mean_pairs, (45_150.0 + 26_425.0) / 2.0);
+        assert_eq!((s.max_count, s.max_tokens), (1, 350.0));
+        // A replica's work: its microbatch's fixed + per-token + per-pair F + I + W.
+        let sum = |f: &dyn Fn(&flatpipe_profiles::LayerProfile) -> f64| -> f64 {
+            p.layers.iter().map(f).sum()
+        };
+        let c0 = sum(&|l| l.f.c0_s + l.i.c0_s + l.w.c0_s);
+        let tok = sum(&|l| l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s);
+        let pair = sum(&|l| l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s);
+        let work = |t: f64, a: f64| c0 + tok * t + pair * a;
+        let want = work(300.0, 45_150.0).max(work(350.0, 26_425.0));
+        assert_eq!(s.replica_work_s.len(), 1);
+        assert!(
+            (s.replica_work_s[0] - want).abs() <= 1e-12 * want,
+            "{} vs {want}",
+            s.replica_work_s[0]
+        );
+    }
+}
