@@ -274,7 +274,7 @@ pub fn torchtitan_data_parallel(
 ) -> (u32, u32, Option<String>) {
     let fsdp_instead = |what: &str| {
         Some(format!(
-            "torchtitan has no {what}: it runs FSDP over the same {dp} replicas instead (plan with --sharding fsdp to predict that)"
+            "torchtitan has no {what}: it runs FSDP over the same {dp} replicas instead (a plan with sharding fsdp predicts that)"
         ))
     };
     match plan.sharding {
@@ -427,7 +427,7 @@ pub fn megatron(plan: &Plan, profile: &Profile) -> Result<String> {
         args.push("--use-distributed-optimizer".into());
         if plan.sharding != Sharding::Zero1 {
             warnings.push(format!(
-                "the plan shards as {}; Megatron-LM runs its distributed optimizer (ZeRO-1: optimizer state sharded, weights and gradients not), which holds more memory per rank (plan with --sharding zero1 to predict it)",
+                "the plan shards as {}; Megatron-LM runs its distributed optimizer (ZeRO-1: optimizer state sharded, weights and gradients not), which holds more memory per rank (a plan with sharding zero1 predicts it)",
                 plan.sharding
             ));
         }

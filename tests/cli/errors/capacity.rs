@@ -154,7 +154,7 @@ fn plan_that_cannot_fit_says_why() {
     );
     let o = flatpipe(dir.path(), &["plan", "--ranks", "8", "--pp", "3"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(o.stderr.contains("a divisor of --ranks 8"), "{}", o.stderr);
+    assert!(o.stderr.contains("a divisor of ranks (8)"), "{}", o.stderr);
 }
 
 /// When no plan fits because the static state alone cannot fit even over the most pipeline

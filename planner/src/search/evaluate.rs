@@ -1,0 +1,149 @@
+//! Step 4, evaluate: one candidate's split, its screen ([`super::screen`]) and, where the
+//! screen passes it, the Monte Carlo of every replica on the sampled steps; the simulated peak
+//! memory of every rank (static + activations, largest over steps) must fit the limit.
+
+use super::Context;
+use super::candidate::run_config;
+use super::enumerate::Pending;
+use super::screen::{Screen, Screens, first_over, over_limit_reason, peak_memory, screen};
+use super::split::plan_candidate;
+use super::state_bytes;
+use crate::partition::Partition;
+use crate::{Error, Result};
+use flatpipe_simulator::ScheduleKind;
+use flatpipe_simulator::run::config::RunConfig;
+use flatpipe_simulator::run::montecarlo;
+use flatpipe_simulator::run::step::StepOutcome;
+
+/// What evaluating one candidate came to.
+pub(super) enum Evaluation {
+    /// It fits: its split, its simulated steps and each rank's peak memory, bytes.
+    Fits(Partition, Vec<StepOutcome>, Vec<f64>),
+    /// Pruned by its screen: no better than the keep-th best (not a rejection).
+    Screened,
+    /// Rejected, with the reason.
+    Rejected(String),
+}
+
+/// What the full Monte Carlo of a screened candidate came to.
+enum Full {
+    /// Its steps and each rank's peak memory, bytes, within the limit.
+    Fits(Vec<StepOutcome>, Vec<f64>),
+    /// Rank `.0`'s simulated peak, `.1` bytes, is over the limit.
+    OverLimit(usize, f64),
+    /// The simulator could not run it: rejected with the reason.
+    Failed(String),
+}
+
+/// Evaluates candidate `c`: its split (`first`, solved ahead in parallel, or solved here), the
+/// screen against `bar` (the keep-th best's score; `None`: fewer ranked), then every replica.
+/// Activations are reserved for microbatches of the token budget; a sequence longer than the
+/// budget makes a larger microbatch of its own. When the simulated peak then exceeds the
+/// limit, the split is solved once more reserving the longest sampled microbatch for every
+/// in-flight one (conservative), which may choose more recomputation. `evaluated` counts the
+/// splits simulated.
+///
+/// # Errors
+/// The split's but [`Error::InfeasibleMemory`] (a rejection), and the simulator's but
+/// zb-auto's and chunk ordering's (rejections too).
+pub(super) fn evaluate(
+    ctx: &Context<'_>,
+    c: &Pending,
+    first: Option<Result<Partition>>,
+    bar: Option<f64>,
+    (screens, evaluated): (&mut Screens, &mut usize),
+) -> Result<Evaluation> {
+    let config = &ctx.config;
+    let profile = &ctx.profiles[c.tpi].1;
+    let state = state_bytes(profile, config, c.sharding, c.pp, c.dp);
+    let stats = &ctx.stats[c.stats];
+    let mut act_tokens = c.budget as f64;
+    let mut solved = first;
+    loop {
+        let split = match solved.take() {
+            Some(s) => s,
+            None => plan_candidate(
+                profile,
+                ctx.space,
+                config,
+                stats,
+                (c.pp, c.v, c.kind, act_tokens),
+                state,
+                &ctx.inflight,
+            ),
+        };
+        let partition = match split {
+            Ok(p) => p,
+            Err(Error::InfeasibleMemory { explanation, .. }) => {
+                return Ok(Evaluation::Rejected(explanation));
+            }
+            Err(e) => return Err(e),
+        };
+        *evaluated += 1;
+        // zb-auto builds each step's schedule under the same memory limit.
+        let run = run_config(
+            (c.kind, c.dp, c.pp, c.v, c.budget),
+            c.chunk,
+            c.sharding,
+            &partition,
+            ctx.space.policy,
+            config,
+        );
+        let over = match screen(ctx, (c, profile), &partition, &run, bar, screens)? {
+            Screen::OverLimit(r, m) => Some((r, m)),
+            Screen::Pruned => return Ok(Evaluation::Screened),
+            Screen::Failed(reason) => return Ok(Evaluation::Rejected(reason)),
+            Screen::Passed => match full(ctx, c, run)? {
+                Full::Fits(outcomes, peak) => {
+                    return Ok(Evaluation::Fits(partition, outcomes, peak));
+                }
+                Full::OverLimit(r, m) => Some((r, m)),
+                Full::Failed(reason) => return Ok(Evaluation::Rejected(reason)),
+            },
+        };
+        if let Some((r, m)) = over {
+            if stats.max_tokens > act_tokens {
+                act_tokens = stats.max_tokens;
+                continue;
+            }
+            return Ok(Evaluation::Rejected(over_limit_reason(
+                r,
+                m,
+                config.memory_limit_bytes,
+            )));
+        }
+    }
+}
+
+/// The Monte Carlo of every replica of candidate `c` run as `run` on the sampled steps, and
+/// each rank's peak memory against the limit.
+///
+/// # Errors
+/// The simulator's, but zb-auto's (no schedule under the limit on some step) and chunk
+/// ordering's, which are a [`Full::Failed`].
+fn full(ctx: &Context<'_>, c: &Pending, run: RunConfig) -> Result<Full> {
+    let config = &ctx.config;
+    let mut mc = match montecarlo::run(
+        &ctx.profiles[c.tpi].1,
+        ctx.workload,
+        config.seed,
+        config.size,
+        config.steps,
+        &[run],
+        &|| {},
+    ) {
+        Ok(mc) => mc,
+        // zb-auto finds no schedule under the limit on some step: a rejected candidate.
+        // A schedule that cannot order a step's chunks: a rejected candidate too.
+        Err(e) if c.kind == ScheduleKind::ZbAuto || c.chunk.is_some() => {
+            return Ok(Full::Failed(e.to_string()));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let outcomes = mc.outcomes.swap_remove(0);
+    let peak = peak_memory(outcomes.iter().map(|o| &o.rank_memory_bytes), c.pp);
+    Ok(match first_over(&peak, config.memory_limit_bytes) {
+        None => Full::Fits(outcomes, peak),
+        Some((r, m)) => Full::OverLimit(r, m),
+    })
+}

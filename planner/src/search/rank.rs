@@ -1,0 +1,176 @@
+//! Step 5, rank: the evaluated candidates best first ([`Ranking`]), the bar a candidate's
+//! bound or screen must beat, and, when nothing fits, why ([`nothing_fits`]).
+
+use super::candidate::Candidate;
+use super::enumerate::{Pending, shardings_for};
+use super::{Context, RankBy, state_bytes};
+use crate::Error;
+use crate::partition::Partition;
+use flatpipe_simulator::costs::sharding::Sharding;
+use flatpipe_simulator::run::montecarlo;
+use flatpipe_simulator::run::step::StepOutcome;
+
+/// The best `keep` evaluated, feasible candidates, best first by `by`.
+pub(super) struct Ranking {
+    /// Best first, at most `keep` (at most 1 for `keep` = 0).
+    pub ranked: Vec<Candidate>,
+    keep: usize,
+    by: RankBy,
+}
+
+impl Ranking {
+    /// An empty ranking keeping the best `keep` by `by`.
+    pub fn new(keep: usize, by: RankBy) -> Self {
+        Ranking {
+            ranked: Vec::new(),
+            keep,
+            by,
+        }
+    }
+
+    /// The score to beat, seconds: the keep-th best's once `keep` are ranked (`None` before).
+    /// A bound or screen no better than it prunes a candidate exactly.
+    pub fn bar(&self) -> Option<f64> {
+        (self.ranked.len() >= self.keep).then(|| self.ranked[self.keep - 1].score(self.by))
+    }
+
+    /// Whether a candidate whose step time is at least `bound_s` cannot enter the ranking.
+    pub fn prunes(&self, bound_s: f64) -> bool {
+        self.bar().is_some_and(|k| bound_s >= k)
+    }
+
+    /// Inserts `cand` in order and drops the candidates past `keep`. Ties go to the larger
+    /// token budget (it cuts fewer sequences into microbatches of their own, and an export
+    /// then trains on the rows that were predicted), then to the earlier ranked.
+    pub fn insert(&mut self, cand: Candidate) {
+        let by = self.by;
+        let pos = self.ranked.partition_point(|x| {
+            let (a, b) = (x.score(by), cand.score(by));
+            a < b || (a == b && x.token_budget >= cand.token_budget)
+        });
+        self.ranked.insert(pos, cand);
+        self.ranked.truncate(self.keep.max(1));
+    }
+
+    /// Whether a ranked candidate has the layout (tp, dp, pp, token budget, sharding): a
+    /// deferred candidate of that layout is a finalist.
+    pub fn holds_layout(
+        &self,
+        (tp, dp, pp, budget, sharding): (u32, u32, u32, u64, Sharding),
+    ) -> bool {
+        self.ranked.iter().any(|r| {
+            (r.tp, r.dp, r.pp, r.token_budget, r.sharding) == (tp, dp, pp, budget, sharding)
+        })
+    }
+}
+
+/// The candidate `c` evaluated: split as `partition`, simulated as `outcomes`, each rank's
+/// peak memory `peak` (bytes), on its tensor-parallel profile.
+pub(super) fn candidate(
+    ctx: &Context<'_>,
+    c: &Pending,
+    partition: Partition,
+    outcomes: &[StepOutcome],
+    peak: Vec<f64>,
+) -> Candidate {
+    let (tp, profile) = (ctx.profiles[c.tpi].0, &ctx.profiles[c.tpi].1);
+    Candidate {
+        tp,
+        sequence_parallel: ctx.space.sequence_parallel && tp > 1,
+        dp: c.dp,
+        pp: c.pp,
+        vpp: c.v,
+        schedule: c.kind,
+        token_budget: c.budget,
+        chunk_tokens: c.chunk,
+        sharding: c.sharding,
+        lower_bound_s: c.lower_bound_s,
+        partition,
+        summary: montecarlo::summarize(outcomes, c.dp * c.pp, profile.hardware.peak_flops),
+        peak_memory_bytes: peak,
+    }
+}
+
+/// Why no candidate fits: the first six rejections (and how many more); led, when the static
+/// state alone cannot fit even split over the most pipeline ranks searched, by that.
+pub(super) fn nothing_fits(ctx: &Context<'_>, rejected: &[(String, String)]) -> Error {
+    let config = &ctx.config;
+    let mut reasons: Vec<String> = rejected
+        .iter()
+        .take(6)
+        .map(|(w, r)| format!("{w}: {r}"))
+        .collect();
+    if rejected.len() > 6 {
+        reasons.push(format!("... and {} more", rejected.len() - 6));
+    }
+    if let Some(least) = least_static(ctx)
+        && least.bytes > config.memory_limit_bytes
+    {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        let LeastStatic {
+            bytes,
+            pp,
+            dp,
+            sharding: m,
+            per_param,
+            tp,
+            total_params,
+        } = least;
+        reasons.insert(
+            0,
+            format!(
+                "parameters, gradients and optimizer state alone need at least {:.1} GiB per GPU in every layout searched (the least: {}pp = {pp}, dp = {dp}, {m}: {:.2} bytes per parameter over {pp} rank(s), {:.2e} parameters per GPU of a rank), above the {:.1} GiB limit: more ranks, more sharding or a larger memory limit",
+                gib(bytes),
+                if tp > 1 { format!("tp = {tp}, ") } else { String::new() },
+                per_param,
+                total_params,
+                gib(config.memory_limit_bytes)
+            ),
+        );
+    }
+    Error::NoFeasiblePlan(reasons.join("; "))
+}
+
+/// The layout searched whose static state per rank is least.
+struct LeastStatic {
+    /// Its parameters, gradients and optimizer state per rank, bytes.
+    bytes: f64,
+    pp: u32,
+    dp: u32,
+    sharding: Sharding,
+    /// Its state bytes per parameter.
+    per_param: f64,
+    tp: u32,
+    /// Parameters of one GPU of a rank (the tensor-parallel profile's).
+    total_params: f64,
+}
+
+/// The least any layout searched holds per rank: its state bytes per parameter over its pp
+/// ranks (`None` for no layout).
+fn least_static(ctx: &Context<'_>) -> Option<LeastStatic> {
+    let (space, config) = (ctx.space, &ctx.config);
+    let mut least: Option<LeastStatic> = None;
+    for (tp, profile) in &ctx.profiles {
+        let ranks = space.ranks / tp;
+        let total_params: f64 = profile.layers.iter().map(|l| l.param_count as f64).sum();
+        for &pp in space.pp.iter().filter(|&&pp| ranks % pp == 0) {
+            let dp = ranks / pp;
+            for m in shardings_for(profile, space, pp, dp) {
+                let per_param = state_bytes(profile, config, m, pp, dp).total();
+                let bytes = total_params * per_param / f64::from(pp);
+                if least.as_ref().is_none_or(|l| bytes < l.bytes) {
+                    least = Some(LeastStatic {
+                        bytes,
+                        pp,
+                        dp,
+                        sharding: m,
+                        per_param,
+                        tp: *tp,
+                        total_params,
+                    });
+                }
+            }
+        }
+    }
+    least
+}

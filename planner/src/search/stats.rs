@@ -1,0 +1,147 @@
+//! The sampled steps cut as a layout's run cuts them, summarized for the bound and the split:
+//! the cut is the simulator's own ([`cut_step`], with [`balance_cost`]), so the microbatches
+//! the planner sizes a split for are those the Monte Carlo then runs.
+
+use crate::Result;
+use flatpipe_profiles::Profile;
+use flatpipe_simulator::ScheduleKind;
+use flatpipe_simulator::batching::policy::{Policy, PolicyParams};
+use flatpipe_simulator::run::config::{Capacity, RunConfig, ScheduleSource, balance_cost};
+use flatpipe_simulator::run::step::cut_step;
+
+/// Microbatch statistics of the sampled steps under one cut ([`RunConfig::cut_key`]: dp,
+/// policy, token budget and chunk size, verl-kk's divisor).
+pub(super) struct BatchStats {
+    /// Mean computed tokens per microbatch, over every replica's microbatches of every step.
+    pub mean_tokens: f64,
+    /// Mean computed causal attention pairs per microbatch, likewise.
+    pub mean_pairs: f64,
+    /// The most microbatches any replica gets in a sampled step (at least 1).
+    pub max_count: u32,
+    /// The most tokens any sampled microbatch computes.
+    pub max_tokens: f64,
+    /// Per step: the largest replica's total F + I + W time over all layers, seconds.
+    pub replica_work_s: Vec<f64>,
+}
+
+/// The run configuration a layout's steps are cut with: `kind` on `pp` ranks of `v` stages,
+/// `dp` replicas, `policy` under `budget` with long sequences cut into `chunk_tokens`. Its
+/// stages are empty: [`cut_step`] reads only what [`RunConfig::cut_key`] names.
+pub(super) fn cut_config(
+    (kind, dp, pp, v): (ScheduleKind, u32, u32, u32),
+    policy: Policy,
+    (budget, chunk_tokens): (u64, Option<u64>),
+) -> RunConfig {
+    let mut run = RunConfig::new(
+        ScheduleSource::Kind(kind),
+        pp,
+        v,
+        Vec::new(),
+        policy,
+        Capacity::Dynamic,
+    );
+    run.dp = dp;
+    run.params = PolicyParams {
+        token_budget: budget,
+        chunk_tokens,
+        ..Default::default()
+    };
+    run
+}
+
+/// The statistics of `steps` (sequence lengths, tokens) cut by [`cut_step`] under `cut`
+/// ([`cut_config`]), with `profile`'s costs: the balance cost ([`balance_cost`]) splits the
+/// data-parallel shares and balances the microbatches, and a replica's work is its
+/// microbatches' fixed plus per-token plus per-pair F + I + W time.
+///
+/// # Errors
+/// [`cut_step`]'s (a replica without sequences, the policy's).
+pub(super) fn batch_stats(
+    profile: &Profile,
+    steps: &[Vec<u32>],
+    cut: &RunConfig,
+) -> Result<BatchStats> {
+    // Per microbatch: fixed, per computed token and per computed causal pair, seconds.
+    let (tok, pair) = profile.layers.iter().fold((0.0, 0.0), |acc, l| {
+        (
+            acc.0 + l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s,
+            acc.1 + l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s,
+        )
+    });
+    let c0: f64 = profile
+        .layers
+        .iter()
+        .map(|l| l.f.c0_s + l.i.c0_s + l.w.c0_s)
+        .sum();
+    let cost = balance_cost(profile);
+    let (mut n, mut t_sum, mut a_sum, mut max_count) = (0usize, 0.0, 0.0, 0u32);
+    let mut max_tokens = 0.0f64;
+    let mut replica_work_s = Vec::with_capacity(steps.len());
+    for seqs in steps {
+        let mut worst = 0.0f64;
+        for b in cut_step(cut, seqs, &cost)? {
+            max_count = max_count.max(b.microbatches.len() as u32);
+            let mut work = 0.0;
+            for mb in &b.microbatches {
+                let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
+                n += 1;
+                max_tokens = max_tokens.max(t);
+                t_sum += t;
+                a_sum += a;
+                work += c0 + tok * t + pair * a;
+            }
+            worst = worst.max(work);
+        }
+        replica_work_s.push(worst);
+    }
+    Ok(BatchStats {
+        mean_tokens: t_sum / n.max(1) as f64,
+        mean_pairs: a_sum / n.max(1) as f64,
+        max_count: max_count.max(1),
+        max_tokens,
+        replica_work_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flatpipe_profiles::{AnalyticOptions, analytic_profile, builtins};
+
+    /// One step of 300, 200, 100 and 50 tokens on 2 replicas, flat-ffd under a budget of 1,000
+    /// tokens. The balance cost grows with the tokens and the causal pairs t (t + 1) / 2, so
+    /// the shares (longest first to the least loaded) are [300] and [200, 100, 50]: 50 joins
+    /// replica 1, whose 300 tokens and 20,100 + 5,050 pairs weigh less than replica 0's 300
+    /// tokens and 45,150 pairs. Each share fits one microbatch: 300 tokens and 45,150 pairs,
+    /// 350 tokens and 26,425 pairs.
+    #[test]
+    fn a_step_cut_on_two_replicas_by_hand() {
+        let m = builtins::model("tiny").unwrap();
+        let h = builtins::hardware("cpu").unwrap();
+        let p = analytic_profile(&m, &h, &AnalyticOptions::default()).unwrap();
+        let cut = cut_config(
+            (ScheduleKind::OneFOneB, 2, 2, 1),
+            Policy::FlatFfd,
+            (1000, None),
+        );
+        let s = batch_stats(&p, &[vec![300, 200, 100, 50]], &cut).unwrap();
+        assert_eq!(s.mean_tokens, (300.0 + 350.0) / 2.0);
+        assert_eq!(s.mean_pairs, (45_150.0 + 26_425.0) / 2.0);
+        assert_eq!((s.max_count, s.max_tokens), (1, 350.0));
+        // A replica's work: its microbatch's fixed + per-token + per-pair F + I + W.
+        let sum = |f: &dyn Fn(&flatpipe_profiles::LayerProfile) -> f64| -> f64 {
+            p.layers.iter().map(f).sum()
+        };
+        let c0 = sum(&|l| l.f.c0_s + l.i.c0_s + l.w.c0_s);
+        let tok = sum(&|l| l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s);
+        let pair = sum(&|l| l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s);
+        let work = |t: f64, a: f64| c0 + tok * t + pair * a;
+        let want = work(300.0, 45_150.0).max(work(350.0, 26_425.0));
+        assert_eq!(s.replica_work_s.len(), 1);
+        assert!(
+            (s.replica_work_s[0] - want).abs() <= 1e-12 * want,
+            "{} vs {want}",
+            s.replica_work_s[0]
+        );
+    }
+}
