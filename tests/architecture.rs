@@ -26,7 +26,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("simulator/src/schedules/zb_auto.rs", "greedy_v", 233),
     ("planner/src/partition/mod.rs", "milp_with", 180),
     ("planner/src/search.rs", "search", 521),
-    ("executor/src/interpreter.rs", "run_step", 286),
 ];
 
 fn root() -> PathBuf {
