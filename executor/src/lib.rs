@@ -24,7 +24,8 @@
 //! - [`alloc`]: the host allocator's policy (freed memory stays in the process).
 //! - [`backend`]: backend selection and [`AnyExecutor`], the dispatch over both backends
 //!   (without the `cuda` feature a stand-in that says so).
-//! - [`calibrate`]: measured steps beside the prediction of the schedules that ran.
+//! - [`steps`]: the step loop a run shares (the warm-up policy, then the reported steps);
+//!   [`calibrate`]: measured steps beside the prediction of the schedules that ran.
 //! - [`runner`]: a plan's steps end to end, and the single-rank reference run that `--verify`
 //!   and the tests compare against; [`verify`]: that comparison and its tolerances.
 #![deny(missing_docs)]
@@ -50,6 +51,7 @@ pub mod null;
 pub mod precision;
 pub mod profiler;
 pub mod runner;
+pub mod steps;
 pub mod verify;
 
 pub mod worker;
