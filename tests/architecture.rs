@@ -24,7 +24,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("simulator/src/run/mb_plan.rs", "plan", 191),
     ("simulator/src/schedules/exact.rs", "new", 163),
     ("simulator/src/schedules/zb_auto.rs", "greedy_v", 233),
-    ("executor/src/interpreter.rs", "run_step", 286),
 ];
 
 fn root() -> PathBuf {

@@ -1,9 +1,11 @@
 //! Backend selection and dispatch: which backend runs the stages, its GEMM arithmetic, and one
-//! executor type over both backends ([`AnyExecutor`]). Built without the `cuda` feature, the CUDA
-//! side is a stand-in: every CUDA request returns [`Error::CudaNotCompiled`], so no caller needs
-//! a `cfg`.
+//! executor type over both backends ([`AnyExecutor`]). The CUDA side is [`crate::cuda`]: built
+//! without the `cuda` feature, that is a stand-in whose every item returns
+//! [`Error::CudaNotCompiled`], so neither this module nor its callers need a `cfg`.
 
 use crate::cpu::CpuStage;
+use crate::cuda;
+use crate::cuda::stage::{CudaStage, Init};
 use crate::interpreter::StepRun;
 use crate::precision::Precision;
 use crate::profiler::{self, ProfileConfig};
@@ -63,15 +65,10 @@ impl Backend {
     /// ([`ProfileConfig::quick`], [`ProfileConfig::full`]), or on a GPU T in {1024, 4096,
     /// 16384}.
     pub fn profile_config(self, quick: bool) -> ProfileConfig {
-        #[cfg(feature = "cuda")]
-        if self == Backend::Cuda {
-            return crate::cuda::profile::gpu_config();
-        }
-        let _ = self;
-        if quick {
-            ProfileConfig::quick()
-        } else {
-            ProfileConfig::full()
+        match self {
+            Backend::Cuda => ProfileConfig::gpu(),
+            Backend::Cpu if quick => ProfileConfig::quick(),
+            Backend::Cpu => ProfileConfig::full(),
         }
     }
 
@@ -84,14 +81,7 @@ impl Backend {
 
 /// Whether the CUDA backend can run here.
 fn cuda_usable() -> Result<()> {
-    #[cfg(feature = "cuda")]
-    {
-        crate::cuda::usable().map(drop)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        Err(Error::CudaNotCompiled)
-    }
+    cuda::usable().map(drop)
 }
 
 impl Precision {
@@ -185,12 +175,6 @@ impl BackendConfig {
     }
 }
 
-/// The CUDA stage type, or a stand-in that can never be built without the `cuda` feature.
-#[cfg(feature = "cuda")]
-type CudaStage = crate::cuda::stage::CudaStage;
-#[cfg(not(feature = "cuda"))]
-type CudaStage = crate::null::NullStage;
-
 /// A plan's ranks on either backend: one type for the callers, the dispatch here.
 #[derive(Debug)]
 pub enum AnyExecutor {
@@ -214,9 +198,8 @@ impl AnyExecutor {
         }
     }
 
-    #[cfg(feature = "cuda")]
+    /// The CUDA ranks of `setup` ([`Executor::cuda`]).
     fn cuda(backend: &BackendConfig, setup: &Setup) -> Result<Self> {
-        use crate::cuda::stage::Init;
         let init = if backend.init_on_device {
             Init::Fast
         } else {
@@ -228,11 +211,6 @@ impl AnyExecutor {
             init,
             backend.gpus,
         )?))
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn cuda(_: &BackendConfig, _: &Setup) -> Result<Self> {
-        Err(Error::CudaNotCompiled)
     }
 
     /// Runs one training step ([`Executor::train_step`]).
@@ -307,14 +285,13 @@ pub fn profile(
     Ok(p)
 }
 
-#[cfg(feature = "cuda")]
+/// The profile's `gemm_split` ratios timed with cuBLAS ([`profiler::gemm_split`]).
 fn cuda_gemm_split(
     backend: &BackendConfig,
     model: &ModelSpec,
     tokens: usize,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<Vec<flatpipe_profiles::GemmSplit>> {
-    use crate::cuda;
     let bf16 = backend.precision == Precision::Bf16;
     profiler::gemm_split(
         model,
@@ -331,16 +308,6 @@ fn cuda_gemm_split(
     )
 }
 
-#[cfg(not(feature = "cuda"))]
-fn cuda_gemm_split(
-    _: &BackendConfig,
-    _: &ModelSpec,
-    _: usize,
-    _: &(dyn Fn(&str) + Sync),
-) -> Result<Vec<flatpipe_profiles::GemmSplit>> {
-    Err(Error::CudaNotCompiled)
-}
-
 /// The device `backend` runs on as a measured profile names it, without the measurement's
 /// concurrency: `cpu: AMD EPYC 7B13`, `NVIDIA H200 (CUDA, cc 9.0, fp32 GEMMs)`.
 ///
@@ -353,17 +320,12 @@ pub fn device_name(backend: &BackendConfig) -> Result<String> {
     }
 }
 
-#[cfg(feature = "cuda")]
+/// The GPU's name as a measured profile names it.
 fn cuda_device_name(backend: &BackendConfig) -> Result<String> {
-    Ok(crate::cuda::profile::device_name(
-        &crate::cuda::probe()?,
+    Ok(cuda::profile::device_name(
+        &cuda::probe()?,
         backend.precision,
     ))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_device_name(_: &BackendConfig) -> Result<String> {
-    Err(Error::CudaNotCompiled)
 }
 
 /// Why a measured `profile` may not predict a run on `backend` with `busy` threads (CPU) or
@@ -394,7 +356,7 @@ pub fn condition_warnings(profile: &Profile, backend: &BackendConfig, busy: usiz
             Backend::Cuda => "stream(s) per GPU",
         };
         out.push(format!(
-            "the profile was measured with {c} {unit} busy at once, this run keeps {busy} busy: kernels contend for cores and memory bandwidth differently (measure with `flatpipe profile --concurrency {busy}`)"
+            "the profile was measured with {c} {unit} busy at once, this run keeps {busy} busy: kernels contend for cores and memory bandwidth differently (measure a profile with `concurrency` {busy})"
         ));
     }
     for f in profile.poor_fits() {
@@ -408,30 +370,20 @@ pub fn condition_warnings(profile: &Profile, backend: &BackendConfig, busy: usiz
     out
 }
 
-#[cfg(feature = "cuda")]
+/// The CUDA profiler's measurements and the device as the profile names it.
 fn profile_cuda(
     backend: &BackendConfig,
     model: &ModelSpec,
     cfg: &ProfileConfig,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<(profiler::Measured, String)> {
-    use crate::cuda::profile as gpu;
+    use cuda::profile as gpu;
     let (m, info) = gpu::profile_cuda(model, cfg, backend.precision, backend.gpus, progress)?;
     let mut device = gpu::device_name(&info, backend.precision);
     if cfg.concurrency > 1 {
         device.push_str(&format!(", {} streams busy", cfg.concurrency));
     }
     Ok((m, device))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn profile_cuda(
-    _: &BackendConfig,
-    _: &ModelSpec,
-    _: &ProfileConfig,
-    _: &(dyn Fn(&str) + Sync),
-) -> Result<(profiler::Measured, String)> {
-    Err(Error::CudaNotCompiled)
 }
 
 /// cuBLAS GEMM rates at Llama-3.1-8B's layer shapes (fp32, and bf16 math with fp32
@@ -446,9 +398,8 @@ pub fn gemm_rates(backend: Backend) -> Result<Vec<String>> {
     }
 }
 
-#[cfg(feature = "cuda")]
+/// [`gemm_rates`] on CUDA.
 fn cuda_gemm_rates() -> Result<Vec<String>> {
-    use crate::cuda;
     let mut lines = Vec::new();
     for t in [4096usize, 16384] {
         let mut parts = Vec::new();
@@ -468,11 +419,6 @@ fn cuda_gemm_rates() -> Result<Vec<String>> {
         ));
     }
     Ok(lines)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_gemm_rates() -> Result<Vec<String>> {
-    Err(Error::CudaNotCompiled)
 }
 
 #[cfg(test)]

@@ -1,10 +1,13 @@
 //! The closed loop's measuring half: run a planned [`Setup`] for some steps on a backend and put
 //! each step's measured makespan and bubble ratios beside the simulator's prediction of the very
 //! schedules that ran ([`PreparedStep::predict`]). `flatpipe calibrate` plans each schedule
-//! (`flatpipe_planner::search::plan_schedule`), then calls [`measure_steps`].
+//! (`flatpipe_planner::search::plan_schedule`), then calls [`measure_setups`] (each setup's steps
+//! through [`measure_steps`], or all setups' side by side).
 
-use crate::backend::AnyExecutor;
+use crate::backend::{AnyExecutor, BackendConfig};
+use crate::interpreter::StepRun;
 use crate::runner::{PreparedStep, Setup};
+use crate::steps::{StepDone, WarmUp, run_steps, train};
 use crate::{Error, Result};
 use flatpipe_profiles::Profile;
 use flatpipe_simulator::Timeline;
@@ -129,17 +132,20 @@ pub fn phase_busy_s(t: &Timeline, ranks: usize) -> Vec<(&'static str, f64)> {
         .collect()
 }
 
-/// Runs steps `0..steps` of the setup's sampler `warmup` times unmeasured, then once measured,
-/// each measured step predicted on `profile` by the replay of the schedules that ran.
+/// How many times the measured steps run unmeasured first ([`WarmUp::Repeat`]): the very
+/// steps measured, once over.
 ///
 /// The warm-up runs the very steps it precedes because a step's time depends on whether its
-/// memory was touched before: the process keeps what it frees ([`crate::alloc`]), but the first
-/// time a step needs more than any step before, the operating system faults in and zeroes the
-/// new pages. Measured on this project's 2-core machine (2026-12-01, ZB-H2, pp = 2, `tiny`):
-/// the first three steps of a run came out 35%, 15% and -17% off their prediction with no
-/// warm-up, 4%, 3% and -10% after three warm-up steps. Training pays that once, in its first
-/// steps; the profile's repeated kernels never do, so a prediction describes the warm steady
-/// state, and so does this measurement.
+/// memory was touched before ([`crate::steps`]). Measured on this project's 2-core machine
+/// (2026-12-01, ZB-H2, pp = 2, `tiny`): the first three steps of a run came out 35%, 15% and
+/// -17% off their prediction with no warm-up, 4%, 3% and -10% after three warm-up steps. The
+/// profile's repeated kernels never pay that, so a prediction describes the warm steady state,
+/// and so does this measurement.
+pub const WARM_UP_ROUNDS: u64 = 1;
+
+/// Runs steps `0..steps` of the setup's sampler `warmup` times unmeasured, then once measured
+/// ([`WarmUp::Repeat`], see [`WARM_UP_ROUNDS`]), each measured step predicted on `profile` by the
+/// replay of the schedules that ran. `progress` is called after every step, warm-up included.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for `steps = 0`; the executor's; prediction errors (a profile that
@@ -150,7 +156,85 @@ pub fn measure_steps(
     profile: &Profile,
     warmup: u64,
     steps: u64,
+    progress: &dyn Fn(),
 ) -> Result<Comparison> {
+    check_steps(steps)?;
+    let mut out = Vec::with_capacity(steps as usize);
+    run_steps(
+        exec,
+        setup,
+        None,
+        WarmUp::Repeat(warmup),
+        steps,
+        None,
+        progress,
+        |done: StepDone<'_>| -> Result<()> {
+            out.push(compare_step(setup, profile, &done.prepared, &done.run)?);
+            Ok(())
+        },
+    )?;
+    Ok(Comparison { steps: out })
+}
+
+/// The order several setups' measured steps run in ([`measure_setups`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// One setup's steps after another's, one executor at a time.
+    Sequential,
+    /// Every setup's step i before any setup's step i + 1, all executors side by side: a drift
+    /// of the host's speed hits every setup alike.
+    Interleaved,
+}
+
+/// Measures `steps` steps of every setup on `backend` ([`measure_steps`], warmed up per
+/// [`WARM_UP_ROUNDS`]), in `order`; one [`Comparison`] per setup, in order. `progress` is called
+/// after every step, warm-up included (`2 * steps` per setup).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for `steps = 0`; [`AnyExecutor::new`]'s; the executor's and the
+/// prediction's.
+pub fn measure_setups(
+    backend: &BackendConfig,
+    setups: &[&Setup],
+    profile: &Profile,
+    steps: u64,
+    order: Order,
+    progress: &dyn Fn(),
+) -> Result<Vec<Comparison>> {
+    check_steps(steps)?;
+    match order {
+        Order::Sequential => setups
+            .iter()
+            .map(|setup| {
+                let mut exec = AnyExecutor::new(backend, setup)?;
+                measure_steps(&mut exec, setup, profile, WARM_UP_ROUNDS, steps, progress)
+            })
+            .collect(),
+        Order::Interleaved => {
+            let mut execs = setups
+                .iter()
+                .map(|setup| AnyExecutor::new(backend, setup))
+                .collect::<Result<Vec<_>>>()?;
+            for id in WarmUp::Repeat(WARM_UP_ROUNDS).step_ids(steps) {
+                for (setup, exec) in setups.iter().zip(&mut execs) {
+                    train(exec, setup, id)?;
+                    progress();
+                }
+            }
+            let mut out = vec![Vec::with_capacity(steps as usize); setups.len()];
+            for step in 0..steps {
+                for ((setup, exec), measured) in setups.iter().zip(&mut execs).zip(&mut out) {
+                    measured.push(measure_step(exec, setup, profile, step)?);
+                    progress();
+                }
+            }
+            Ok(out.into_iter().map(|steps| Comparison { steps }).collect())
+        }
+    }
+}
+
+/// Refuses `steps = 0`: a comparison needs a measured step.
+fn check_steps(steps: u64) -> Result<()> {
     if steps == 0 {
         return Err(Error::InvalidArgument {
             field: "steps",
@@ -158,16 +242,7 @@ pub fn measure_steps(
             allowed: ">= 1 measured step".into(),
         });
     }
-    for _ in 0..warmup {
-        for step in 0..steps {
-            exec.train_step(setup, &setup.prepare(step)?)?;
-        }
-    }
-    let mut out = Vec::with_capacity(steps as usize);
-    for step in 0..steps {
-        out.push(measure_step(exec, setup, profile, step)?);
-    }
-    Ok(Comparison { steps: out })
+    Ok(())
 }
 
 /// Runs step `step` of `setup` once on `exec` and compares it with its prediction on
@@ -181,8 +256,21 @@ pub fn measure_step(
     profile: &Profile,
     step: u64,
 ) -> Result<StepComparison> {
-    let prepared: PreparedStep = setup.prepare(step)?;
-    let run = exec.train_step(setup, &prepared)?;
+    let (prepared, run) = train(exec, setup, step)?;
+    compare_step(setup, profile, &prepared, &run)
+}
+
+/// A step that ran beside its prediction on `profile`: makespan, bubbles per rank and busy
+/// time per phase.
+///
+/// # Errors
+/// The prediction's (a profile that does not match the setup's stages).
+pub fn compare_step(
+    setup: &Setup,
+    profile: &Profile,
+    prepared: &PreparedStep,
+    run: &StepRun,
+) -> Result<StepComparison> {
     let p = prepared.predict(setup, profile)?;
     let pp = setup.config.pp as usize;
     let measured = phase_busy_s(&run.timeline, pp);

@@ -10,7 +10,8 @@
 //! torchtitan's Llama (`layers.N.attention.wq.weight`, `layers.N.feed_forward.w1.weight`, ...).
 
 use crate::kernels::{self as k, AttnDims};
-use crate::model::{OpSet, ParamInit, Stage, build_layers};
+use crate::model::layers::build_layers;
+use crate::model::{OpSet, ParamInit, Stage};
 use crate::worker::{AdamW, LossSums};
 use crate::{Error, MicrobatchData, Result};
 use flatpipe_profiles::{LayerKind, ModelSpec};
@@ -451,7 +452,7 @@ mod tests {
     use super::*;
     use crate::data::{LossReduction, build_step};
     use crate::kernels::tests::{directional, directional_eps};
-    use crate::model::{Layer, decoder_dgrad, decoder_forward};
+    use crate::model::layers::{Layer, decoder_dgrad, decoder_forward};
     use crate::worker::{StageInput, StageOutput, StageWorker};
     use flatpipe_profiles::builtins;
     use rand::{SeedableRng, rngs::ChaCha8Rng};

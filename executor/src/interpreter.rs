@@ -420,6 +420,12 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
 /// Runs one step of every replica on `ranks` (`ranks[d * pp + r]`: the stages of replica d's
 /// pipeline rank r, as `(global stage id, worker)`).
 ///
+/// The steps, in order: check that ranks, stages and schedules fit ([`check_fit`]); zero the
+/// gradients; run every rank's action list on its own thread ([`run_pipelines`]); the
+/// data-parallel all-reduce ([`all_reduce_grads`]); the global gradient norm
+/// ([`global_grad_norm`]); the optimizer on every rank ([`optimizer_steps`]); the timeline and
+/// losses from the first action's start ([`collect_step`]).
+///
 /// # Errors
 /// [`Error::Invalid`] when the ranks, stages and schedules do not fit together;
 /// [`Error::TransferMismatch`] / [`Error::NeverSent`] from the transfers; any backend error.
@@ -429,6 +435,42 @@ pub fn run_step<W: StageWorker>(
     replicas: &[Replica<'_>],
     opts: &StepOptions,
 ) -> Result<StepRun> {
+    let pp = check_fit(ranks, replicas)?;
+    let dp = replicas.len();
+    for rank in ranks.iter_mut() {
+        for (_, w) in rank.iter_mut() {
+            w.zero_grads()?;
+        }
+    }
+    let t0 = Instant::now();
+    let outs = run_pipelines(ranks, replicas, pp, t0)?;
+    let opt_start = t0.elapsed().as_nanos() as u64;
+    all_reduce_grads(ranks, dp, pp)?;
+    let grad_norm = global_grad_norm(&mut ranks[..pp])?;
+    let optimizer = match opts.optimizer {
+        Some((adamw, t)) => {
+            let scale = match opts.max_grad_norm {
+                Some(c) if grad_norm > c => (c / (grad_norm + 1e-6)) as f32,
+                _ => 1.0,
+            };
+            optimizer_steps(ranks, &adamw, t, scale, t0)?
+                .into_iter()
+                .map(|(a, b)| Some((a.min(opt_start), b)))
+                .collect()
+        }
+        None => vec![None; ranks.len()],
+    };
+    Ok(collect_step(outs, optimizer, dp, pp, opt_start, grad_norm))
+}
+
+/// Checks that `ranks` (`dp * pp` of them, replica-major) hold the stages each replica's
+/// schedule places on them, that the replicas' schedules place stages alike and are valid, and
+/// that each schedule is for its replica's microbatch counts. Returns `pp`.
+///
+/// # Errors
+/// [`Error::Invalid`] naming the replica or rank that does not fit; the schedule's validation
+/// error.
+fn check_fit<W>(ranks: &[Vec<(u32, W)>], replicas: &[Replica<'_>]) -> Result<usize> {
     let dp = replicas.len();
     let first = replicas
         .first()
@@ -478,16 +520,25 @@ pub fn run_step<W: StageWorker>(
             }
         }
     }
-    for rank in ranks.iter_mut() {
-        for (_, w) in rank.iter_mut() {
-            w.zero_grads()?;
-        }
-    }
+    Ok(pp)
+}
 
-    let n = dp * pp;
+/// Runs every rank's action list on its own thread (rank `g` is replica `g / pp`'s pipeline
+/// rank `g % pp`), all starting together after a barrier; times are nanoseconds since `t0` (or
+/// resolved device stamps). Returns each rank's output in rank order.
+///
+/// # Errors
+/// The first failing rank's error (the others are told to stop and their
+/// [`Error::Aborted`] is dropped); [`Error::Invalid`] for a rank thread that panicked.
+fn run_pipelines<W: StageWorker>(
+    ranks: &mut [Vec<(u32, W)>],
+    replicas: &[Replica<'_>],
+    pp: usize,
+    t0: Instant,
+) -> Result<Vec<RankOut>> {
+    let n = ranks.len();
     let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| channel::<Msg<W::Hidden>>()).unzip();
     let barrier = Arc::new(Barrier::new(n));
-    let t0 = Instant::now();
     let results: Vec<Result<RankOut>> = std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(n);
         for ((g, stages), rx) in ranks.iter_mut().enumerate().zip(rxs) {
@@ -558,47 +609,69 @@ pub fn run_step<W: StageWorker>(
     if outs.len() != n {
         return Err(Error::Invalid("ranks stopped without an error".into()));
     }
+    Ok(outs)
+}
 
-    // Data-parallel all-reduce: replica 0's pipeline rank r sums its peers' gradients, then
-    // every replica takes the sum.
-    let opt_start = t0.elapsed().as_nanos() as u64;
-    if dp > 1 {
-        for r in 0..pp {
-            let mut sum: Vec<Vec<f32>> = Vec::new();
-            for d in 0..dp {
-                let mut k = 0;
-                for (_, w) in ranks[d * pp + r].iter_mut() {
-                    w.visit_grads(&mut |g| {
-                        if d == 0 {
-                            sum.push(g.to_vec());
-                        } else if let Some(s) = sum.get_mut(k) {
-                            for (a, b) in s.iter_mut().zip(g.iter()) {
-                                *a += *b;
-                            }
+/// The data-parallel all-reduce of the gradients: replica 0's pipeline rank r sums its peers'
+/// gradients (parameter by parameter, in each worker's visiting order), then every replica
+/// takes the sum. Nothing to do for `dp = 1`.
+///
+/// # Errors
+/// A worker's [`StageWorker::visit_grads`] error.
+fn all_reduce_grads<W: StageWorker>(
+    ranks: &mut [Vec<(u32, W)>],
+    dp: usize,
+    pp: usize,
+) -> Result<()> {
+    if dp <= 1 {
+        return Ok(());
+    }
+    for r in 0..pp {
+        let mut sum: Vec<Vec<f32>> = Vec::new();
+        for d in 0..dp {
+            let mut k = 0;
+            for (_, w) in ranks[d * pp + r].iter_mut() {
+                w.visit_grads(&mut |g| {
+                    if d == 0 {
+                        sum.push(g.to_vec());
+                    } else if let Some(s) = sum.get_mut(k) {
+                        for (a, b) in s.iter_mut().zip(g.iter()) {
+                            *a += *b;
                         }
-                        k += 1;
-                    })?;
-                }
+                    }
+                    k += 1;
+                })?;
             }
-            for d in 0..dp {
-                let mut k = 0;
-                for (_, w) in ranks[d * pp + r].iter_mut() {
-                    w.visit_grads(&mut |g| {
-                        if let Some(s) = sum.get(k).filter(|s| s.len() == g.len()) {
-                            g.copy_from_slice(s);
-                        }
-                        k += 1;
-                    })?;
-                }
+        }
+        for d in 0..dp {
+            let mut k = 0;
+            for (_, w) in ranks[d * pp + r].iter_mut() {
+                w.visit_grads(&mut |g| {
+                    if let Some(s) = sum.get(k).filter(|s| s.len() == g.len()) {
+                        g.copy_from_slice(s);
+                    }
+                    k += 1;
+                })?;
             }
         }
     }
-    // Each rank's share of the squared norm on its own thread, then their sum (the all-reduce
-    // of one scalar): as frameworks clip, and as the profile's optimizer time (norm + AdamW
-    // per parameter, every rank at once) assumes. Summed on one thread, the norm of the whole
-    // model ran serially and the optimizer phase measured 1.3-1.6x its prediction.
+    Ok(())
+}
+
+/// The global gradient L2 norm over the stages of `ranks` (one replica's pipeline ranks: after
+/// the all-reduce every replica holds the same gradients).
+///
+/// Each rank's share of the squared norm on its own thread, then their sum (the all-reduce
+/// of one scalar): as frameworks clip, and as the profile's optimizer time (norm + AdamW
+/// per parameter, every rank at once) assumes. Summed on one thread, the norm of the whole
+/// model ran serially and the optimizer phase measured 1.3-1.6x its prediction.
+///
+/// # Errors
+/// A worker's [`StageWorker::grad_sq_norm`] error; [`Error::Invalid`] for a thread that
+/// panicked.
+fn global_grad_norm<W: StageWorker>(ranks: &mut [Vec<(u32, W)>]) -> Result<f64> {
     let partial: Vec<Result<f64>> = std::thread::scope(|scope| {
-        let hs: Vec<_> = ranks[..pp]
+        let hs: Vec<_> = ranks
             .iter_mut()
             .map(|rank| {
                 scope.spawn(move || -> Result<f64> {
@@ -624,42 +697,60 @@ pub fn run_step<W: StageWorker>(
     for p in partial {
         grad_sq += p?;
     }
-    let grad_norm = grad_sq.sqrt();
-    let mut optimizer = vec![None; n];
-    if let Some((adamw, t)) = opts.optimizer {
-        let scale = match opts.max_grad_norm {
-            Some(c) if grad_norm > c => (c / (grad_norm + 1e-6)) as f32,
-            _ => 1.0,
-        };
-        let results: Vec<Result<(u64, u64)>> = std::thread::scope(|scope| {
-            let hs: Vec<_> = ranks
-                .iter_mut()
-                .map(|rank| {
-                    scope.spawn(move || -> Result<(u64, u64)> {
-                        let a = t0.elapsed().as_nanos() as u64;
-                        for (_, w) in rank.iter_mut() {
-                            w.optimizer_step(&adamw, t, scale)?;
-                        }
-                        Ok((a, t0.elapsed().as_nanos() as u64))
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(Error::Invalid("a rank's optimizer thread panicked".into()))
-                    })
-                })
-                .collect()
-        });
-        optimizer = results
-            .into_iter()
-            .map(|r| r.map(|(a, b)| Some((a.min(opt_start), b))))
-            .collect::<Result<Vec<_>>>()?;
-    }
+    Ok(grad_sq.sqrt())
+}
 
+/// AdamW step `t` with the gradients scaled by `scale` (clipping) on every rank at once, one
+/// thread per rank. Returns each rank's optimizer `(start, end)`, nanoseconds since `t0`.
+///
+/// # Errors
+/// A worker's [`StageWorker::optimizer_step`] error; [`Error::Invalid`] for a thread that
+/// panicked.
+fn optimizer_steps<W: StageWorker>(
+    ranks: &mut [Vec<(u32, W)>],
+    adamw: &AdamW,
+    t: u64,
+    scale: f32,
+    t0: Instant,
+) -> Result<Vec<(u64, u64)>> {
+    let results: Vec<Result<(u64, u64)>> = std::thread::scope(|scope| {
+        let hs: Vec<_> = ranks
+            .iter_mut()
+            .map(|rank| {
+                scope.spawn(move || -> Result<(u64, u64)> {
+                    let a = t0.elapsed().as_nanos() as u64;
+                    for (_, w) in rank.iter_mut() {
+                        w.optimizer_step(adamw, t, scale)?;
+                    }
+                    Ok((a, t0.elapsed().as_nanos() as u64))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::Invalid("a rank's optimizer thread panicked".into()))
+                })
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
+/// The step's result from the ranks' outputs (rank order, `dp * pp`), their optimizer spans
+/// and the gradient norm: the timeline with times from the first action's start (thread
+/// start-up is not the step's; `opt_start`, nanoseconds since the step's clock, bounds it), and
+/// the losses per replica in microbatch order.
+fn collect_step(
+    outs: Vec<RankOut>,
+    optimizer: Vec<Option<(u64, u64)>>,
+    dp: usize,
+    pp: usize,
+    opt_start: u64,
+    grad_norm: f64,
+) -> StepRun {
     let mut timeline = Timeline {
-        compute: Vec::with_capacity(n),
+        compute: Vec::with_capacity(outs.len()),
         transfers: Vec::new(),
         optimizer,
     };
@@ -672,7 +763,6 @@ pub fn run_step<W: StageWorker>(
         microbatch_losses[d].extend(o.losses);
         fo_losses[d].extend(o.fo_losses);
     }
-    // Times from the first action's start (thread start-up is not the step's).
     let origin = timeline
         .compute
         .iter()
@@ -702,11 +792,11 @@ pub fn run_step<W: StageWorker>(
     let microbatch_losses: Vec<Vec<LossSums>> = microbatch_losses.iter_mut().map(sort).collect();
     let fo_losses: Vec<Vec<LossSums>> = fo_losses.iter_mut().map(sort).collect();
     let loss = microbatch_losses.iter().flatten().map(|l| l.weighted).sum();
-    Ok(StepRun {
+    StepRun {
         timeline,
         loss,
         microbatch_losses,
         fo_losses,
         grad_norm,
-    })
+    }
 }

@@ -17,13 +17,15 @@
 //! - [`data`]: token ids, labels and loss weights; the explicit loss reduction.
 //! - [`worker`]: the [`StageWorker`] trait a backend implements, and [`AdamW`].
 //! - [`cpu`]: the CPU backend; [`null`]: a backend whose kernels do nothing (measures the
-//!   interpreter's own overhead); `cuda` (feature `cuda`): the CUDA backend (NVRTC-compiled
-//!   kernels, cuBLAS GEMMs, each rank its own streams, transfers as device copies timed by
-//!   events).
+//!   interpreter's own overhead); [`cuda`]: with the feature `cuda`, the CUDA backend
+//!   (NVRTC-compiled kernels, cuBLAS GEMMs, each rank its own streams, transfers as device
+//!   copies timed by events); without it, a stand-in with the items the backend dispatch calls,
+//!   each returning [`Error::CudaNotCompiled`].
 //! - [`alloc`]: the host allocator's policy (freed memory stays in the process).
 //! - [`backend`]: backend selection and [`AnyExecutor`], the dispatch over both backends
 //!   (without the `cuda` feature a stand-in that says so).
-//! - [`calibrate`]: measured steps beside the prediction of the schedules that ran.
+//! - [`steps`]: the step loop a run shares (the warm-up policy, then the reported steps);
+//!   [`calibrate`]: measured steps beside the prediction of the schedules that ran.
 //! - [`runner`]: a plan's steps end to end, and the single-rank reference run that `--verify`
 //!   and the tests compare against; [`verify`]: that comparison and its tolerances.
 #![deny(missing_docs)]
@@ -33,6 +35,11 @@ pub mod backend;
 pub mod calibrate;
 pub mod cpu;
 #[cfg(feature = "cuda")]
+pub mod cuda;
+/// The CUDA backend's stand-in in a build without the `cuda` feature: the same items, each
+/// returning [`Error::CudaNotCompiled`].
+#[cfg(not(feature = "cuda"))]
+#[path = "no_cuda.rs"]
 pub mod cuda;
 pub mod data;
 mod error;
@@ -44,6 +51,7 @@ pub mod null;
 pub mod precision;
 pub mod profiler;
 pub mod runner;
+pub mod steps;
 pub mod verify;
 
 pub mod worker;

@@ -233,6 +233,19 @@ impl ProfileConfig {
         }
     }
 
+    /// The grid for a GPU: T in {1024, 4096, 16384}, short sequences of 512 tokens, 1 warm-up and
+    /// 3 timed rounds, links 64 KiB to 256 MiB.
+    pub fn gpu() -> Self {
+        ProfileConfig {
+            tokens: vec![1024, 4096, 16384],
+            short_seq: 512,
+            warmup: 1,
+            reps: 3,
+            link_sizes: (16..=28).step_by(2).map(|k| 1usize << k).collect(),
+            concurrency: 1,
+        }
+    }
+
     /// The grid in words, for the provenance.
     pub fn describe(&self) -> String {
         format!(
@@ -340,7 +353,8 @@ fn time_phases<W: Profiled>(
     Ok(times.map(median))
 }
 
-/// The other ranks sharing the machine while the profiler measures (`--concurrency`): `n`
+/// The other ranks sharing the machine while the profiler measures
+/// ([`ProfileConfig::concurrency`]): `n`
 /// threads, each with its own copy of the stage made once, running F, I, W and Fo round after
 /// round on the microbatch it is told ([`Load::follow`]: the profiler's current T, in short
 /// sequences), until dropped.
@@ -382,7 +396,7 @@ impl Load {
                         Ok(s) => s,
                         Err(e) => {
                             tracing::warn!(
-                                "profile: a concurrent rank's stage: {e}; it stays idle, so fewer ranks than --concurrency are busy"
+                                "profile: a concurrent rank's stage: {e}; it stays idle, so fewer ranks than the profile's `concurrency` are busy"
                             );
                             return;
                         }

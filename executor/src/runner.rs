@@ -1,7 +1,9 @@
-//! A plan's steps end to end: sample the step's sequences, split them over data-parallel
-//! replicas, cut microbatches, build the data, generate each replica's schedule for its
-//! microbatch count (dynamic capacity, DESIGN point 3), run the interpreter; and the single-rank
-//! reference that `--verify` and the tests compare against.
+//! A plan's steps end to end: sample the step's sequences, then the simulator's `cut_step` /
+//! `plan_step` split them over data-parallel replicas, cut microbatches and bring each
+//! replica's schedule for its microbatch count in a `StepPlan` (dynamic capacity, DESIGN point
+//! 3); the executor builds the data for that plan, attaches it to the plan's schedules and runs
+//! the interpreter. Also the single-rank reference that the step check (`verify`) and the
+//! tests compare against.
 
 use crate::cpu::CpuStage;
 use crate::data::{LossReduction, MicrobatchData, build_step_of, join_chunks};
@@ -270,7 +272,7 @@ impl Setup {
                 .find(|b| b.microbatches.len() as u32 != s.num_microbatches)
         {
             return Err(Error::Invalid(format!(
-                "the loaded schedule `{}` has {} microbatches, step {step} has {}; give --microbatches {}",
+                "the loaded schedule `{}` has {} microbatches, step {step} has {}; set the microbatch count (`params.microbatches`) to {}",
                 s.name,
                 s.num_microbatches,
                 b.microbatches.len(),
@@ -341,58 +343,6 @@ impl Executor<CpuStage> {
                 setup.config.stages[s].clone(),
                 setup.init_seed,
                 mode,
-            )
-        })
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl Executor<crate::cuda::stage::CudaStage> {
-    /// Builds every rank's stages on `devices` GPUs: rank `g` (replica-major, `d * pp + r`)
-    /// runs on GPU `g mod devices` with its own streams ([`crate::cuda::ops::Gpu`]), shared by
-    /// its stages; with one device every rank is a stream of GPU 0, with one per rank every
-    /// transfer is a peer copy. With [`crate::cuda::stage::Init::Exact`] the weights are the CPU
-    /// backend's, so a comparison with the CPU reference compares like with like.
-    ///
-    /// # Errors
-    /// [`Setup::check`] errors; [`Error::NoDevice`] without a GPU or NVRTC, or with fewer GPUs
-    /// than `devices`; [`Error::Invalid`] for `devices = 0`; stage errors.
-    pub fn cuda(
-        setup: &Setup,
-        precision: crate::precision::Precision,
-        init: crate::cuda::stage::Init,
-        devices: usize,
-    ) -> Result<Self> {
-        use crate::cuda::{ops::Gpu, stage};
-        setup.check()?;
-        if devices == 0 {
-            return Err(Error::Invalid("GPUs = 0: use at least 1".into()));
-        }
-        let placement = setup.placement()?;
-        let contexts = (0..devices)
-            .map(crate::cuda::context_on)
-            .collect::<Result<Vec<_>>>()?;
-        let head_dim = stage::CudaStage::head_dim_of(&setup.model)?;
-        let pp = setup.config.pp as usize;
-        let mut gpus: std::collections::HashMap<(usize, usize), Arc<Gpu>> = Default::default();
-        Executor::build_ranked(setup, &placement, |d, r, s| {
-            let gpu = match gpus.get(&(d, r)) {
-                Some(g) => Arc::clone(g),
-                None => {
-                    let ctx = &contexts[(d * pp + r) % devices];
-                    let g = Arc::new(Gpu::new(ctx, head_dim, precision)?);
-                    gpus.insert((d, r), Arc::clone(&g));
-                    g
-                }
-            };
-            let mode = setup.config.recompute.get(s).copied().unwrap_or_default();
-            stage::CudaStage::new(
-                gpu,
-                &setup.model,
-                setup.config.stages[s].clone(),
-                setup.init_seed,
-                mode,
-                init,
             )
         })
     }

@@ -4,8 +4,8 @@
 
 use super::*;
 use backend::backend_config;
-use executor::calibrate::{Comparison, measure_step, measure_steps, median};
-use executor::{AdamW, AnyExecutor, runner::Setup};
+use executor::calibrate::{measure_setups, median};
+use executor::{AdamW, runner::Setup};
 use std::sync::Arc;
 
 /// Options of `flatpipe calibrate`.
@@ -224,43 +224,27 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             balance: Arc::new(flatpipe_simulator::run::config::balance_cost(&profile)),
             profile: Some(Arc::clone(&profile)),
         };
-        runs.push((kind, best.token_budget, setup, Vec::new()));
+        runs.push((kind, best.token_budget, setup));
     }
-    let steps64 = u64::from(steps);
-    let bar = Progress::new(2 * steps64 * runs.len() as u64);
+    let bar = Progress::new(2 * u64::from(steps) * runs.len() as u64);
     // The measured steps run once unmeasured first: their memory is then touched, as in
     // training after its first steps (see executor::calibrate::measure_steps).
-    match a.order {
-        Order::Sequential => {
-            for (_, _, setup, measured) in &mut runs {
-                let mut exec = AnyExecutor::new(&backend, setup)?;
-                *measured = measure_steps(&mut exec, setup, &profile, 1, steps64)?.steps;
-                bar.inc_by(2 * steps64);
-            }
-        }
-        Order::Interleaved => {
-            let mut execs = runs
-                .iter()
-                .map(|(_, _, setup, _)| AnyExecutor::new(&backend, setup))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            for step in 0..steps64 {
-                for ((_, _, setup, _), exec) in runs.iter().zip(&mut execs) {
-                    exec.train_step(setup, &setup.prepare(step)?)?;
-                    bar.inc();
-                }
-            }
-            for step in 0..steps64 {
-                for ((_, _, setup, measured), exec) in runs.iter_mut().zip(&mut execs) {
-                    measured.push(measure_step(exec, setup, &profile, step)?);
-                    bar.inc();
-                }
-            }
-        }
-    }
+    let order = match a.order {
+        Order::Sequential => executor::calibrate::Order::Sequential,
+        Order::Interleaved => executor::calibrate::Order::Interleaved,
+    };
+    let setups: Vec<&Setup> = runs.iter().map(|(_, _, setup)| setup).collect();
+    let comparisons = measure_setups(
+        &backend,
+        &setups,
+        &profile,
+        u64::from(steps),
+        order,
+        &|| bar.inc(),
+    )?;
     bar.finish();
     let mut rows = Vec::new();
-    for (kind, token_budget, setup, steps) in runs {
-        let c = Comparison { steps };
+    for ((kind, token_budget, setup), c) in runs.into_iter().zip(comparisons) {
         rows.push(Row {
             schedule: kind.name().to_string(),
             pp,

@@ -6,6 +6,7 @@ use super::*;
 use backend::backend_config;
 use executor::{AnyExecutor, BackendConfig};
 use flatpipe_executor::runner::{PreparedStep, Reference, Setup};
+use flatpipe_executor::steps::{StepDone, WarmUp, run_steps};
 use flatpipe_executor::{AdamW, LossReduction};
 use profiles::ProfileSource;
 use std::sync::Arc;
@@ -639,14 +640,13 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         && a.microbatches.is_none()
         && a.token_budget.is_none()
         && !matches!(source, ScheduleSource::Given(_));
-    let with_default = |e: flatpipe_executor::Error| {
+    let with_default = |e: anyhow::Error| {
         // Only the refusal of the microbatch count itself comes from the default.
         let about_m = matches!(
-            &e,
-            flatpipe_executor::Error::Simulator(sim::Error::InvalidArgument { field, .. })
+            e.downcast_ref::<flatpipe_executor::Error>(),
+            Some(flatpipe_executor::Error::Simulator(sim::Error::InvalidArgument { field, .. }))
                 if field == "microbatches"
         );
-        let e = anyhow::Error::new(e);
         if defaulted_m && about_m {
             e.context(format!(
                 "the default of pp x vpp = {} microbatches per replica and step does not fit this workload; give --microbatches or --token-budget",
@@ -656,7 +656,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             e
         }
     };
-    let first = setup.prepare(0).map_err(with_default)?;
+    let first = setup.prepare(0).map_err(|e| with_default(e.into()))?;
     // Refuse, before allocating the stages, a run this host cannot hold.
     if backend.backend == executor::Backend::Cpu {
         let largest = first
@@ -666,7 +666,6 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             .unwrap_or(0);
         check_host_memory(&model, largest, a.verify, available_memory_bytes())?;
     }
-    let mut first = Some(first);
     tracing::info!(
         "execute: building {} stage(s) of {} on {} rank(s) ({} backend)",
         stages.len(),
@@ -709,75 +708,80 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     let (mut over_budget, mut longest) = (0usize, 0u64);
     // Warm-up steps draw their data after the reported ones' (step ids steps.., so the reported
     // steps are the same with or without them).
-    for w in 0..a.warmup_steps as u64 {
-        let prepared = setup.prepare(a.steps as u64 + w).map_err(with_default)?;
-        exec.train_step(&setup, &prepared)?;
-        if let Some(re) = &mut reference {
-            re.step(&setup, &prepared, true)?;
-        }
-        bar.inc();
-    }
-    for step in 0..a.steps as u64 {
-        let prepared: PreparedStep = match first.take() {
-            Some(p) if step == 0 => p,
-            _ => setup.prepare(step).map_err(with_default)?,
-        };
-        let run = exec.train_step(&setup, &prepared)?;
-        if let Some(b) = budget {
-            for len in prepared
-                .replicas
-                .iter()
-                .flat_map(|r| &r.lengths)
-                .flat_map(|m| &m.seq_lens)
-                .map(|&l| u64::from(l))
-                .filter(|&l| l > b)
-            {
-                over_budget += 1;
-                longest = longest.max(len);
+    let warmup = WarmUp::Following(u64::from(a.warmup_steps));
+    run_steps(
+        &mut exec,
+        &setup,
+        reference.as_mut(),
+        warmup,
+        u64::from(a.steps),
+        Some(first),
+        &|| bar.inc(),
+        |done: StepDone<'_>| -> Result<()> {
+            let StepDone {
+                step,
+                prepared,
+                run,
+                exec,
+                reference,
+            } = done;
+            if let Some(b) = budget {
+                for len in prepared
+                    .replicas
+                    .iter()
+                    .flat_map(|r| &r.lengths)
+                    .flat_map(|m| &m.seq_lens)
+                    .map(|&l| u64::from(l))
+                    .filter(|&l| l > b)
+                {
+                    over_budget += 1;
+                    longest = longest.max(len);
+                }
             }
-        }
-        if !run.loss.is_finite() || !run.grad_norm.is_finite() {
-            bail!(
-                "step {step}: the loss ({}) or gradient norm ({}) is not finite: training diverged (--lr {} too large?)",
-                run.loss,
-                run.grad_norm,
-                a.lr
+            if !run.loss.is_finite() || !run.grad_norm.is_finite() {
+                bail!(
+                    "step {step}: the loss ({}) or gradient norm ({}) is not finite: training diverged (--lr {} too large?)",
+                    run.loss,
+                    run.grad_norm,
+                    a.lr
+                );
+            }
+            let predicted = if predict {
+                // The setup's profile is this profile (an Arc of it): the step carries its
+                // prediction, the replay of the schedules that ran.
+                let on = setup.profile.as_deref().unwrap_or(&profile);
+                Some(prepared.predict(&setup, on)?.makespan_s)
+            } else {
+                None
+            };
+            let verify = match reference {
+                Some(re) => {
+                    let v = flatpipe_executor::verify::verify_step(
+                        &run,
+                        &exec.named_grads(),
+                        Some(&exec.named_params()),
+                        re,
+                        &setup,
+                        &prepared,
+                    )?;
+                    failed |= !v.within_tolerance;
+                    Some(verify_row(v))
+                }
+                None => None,
+            };
+            let row = step_row(step, &prepared, &run, predicted, verify);
+            tracing::info!(
+                "execute: step {step}: {} tokens, loss {:.4}, measured makespan {:.4} s",
+                row.tokens,
+                row.loss,
+                row.measured_makespan_s
             );
-        }
-        let predicted = if predict {
-            // The setup's profile is this profile (an Arc of it): the step carries its
-            // prediction, the replay of the schedules that ran.
-            let on = setup.profile.as_deref().unwrap_or(&profile);
-            Some(prepared.predict(&setup, on)?.makespan_s)
-        } else {
-            None
-        };
-        let verify = match &mut reference {
-            Some(re) => {
-                let v = flatpipe_executor::verify::verify_step(
-                    &run,
-                    &exec.named_grads(),
-                    Some(&exec.named_params()),
-                    re,
-                    &setup,
-                    &prepared,
-                )?;
-                failed |= !v.within_tolerance;
-                Some(verify_row(v))
-            }
-            None => None,
-        };
-        let row = step_row(step, &prepared, &run, predicted, verify);
-        tracing::info!(
-            "execute: step {step}: {} tokens, loss {:.4}, measured makespan {:.4} s",
-            row.tokens,
-            row.loss,
-            row.measured_makespan_s
-        );
-        rows.push(row);
-        last = Some((prepared, run));
-        bar.inc();
-    }
+            rows.push(row);
+            last = Some((prepared, run));
+            Ok(())
+        },
+    )
+    .map_err(with_default)?;
     bar.finish();
     let mut notes = Vec::new();
     if over_budget > 0 {

@@ -43,19 +43,6 @@ impl Profiled for CudaStage {
     }
 }
 
-/// The grid for a GPU: T in {1024, 4096, 16384}, short sequences of 512 tokens, 1 warm-up and
-/// 3 timed rounds, links 64 KiB to 256 MiB.
-pub fn gpu_config() -> ProfileConfig {
-    ProfileConfig {
-        tokens: vec![1024, 4096, 16384],
-        short_seq: 512,
-        warmup: 1,
-        reps: 3,
-        link_sizes: (16..=28).step_by(2).map(|k| 1usize << k).collect(),
-        concurrency: 1,
-    }
-}
-
 /// The device's name as a profile records it: `NVIDIA H200 (CUDA, cc 9.0, bf16 GEMMs)`.
 pub fn device_name(info: &DeviceInfo, precision: Precision) -> String {
     format!(

@@ -14,13 +14,18 @@
 //! Weights: [`Init::Exact`] uploads the CPU backend's weights (same seed, same values: `--verify`
 //! compares against the CPU reference); [`Init::Fast`] fills them on the device (for timing
 //! large models, where drawing billions of normal samples on the host would take minutes).
+//!
+//! [`Executor::cuda`] builds a plan's ranks of such stages, spread over the GPUs.
 
 use super::driver;
 use super::launch;
 use super::ops::{Activation, Buf, Gpu, Shared, Tiles};
 use crate::cpu::CpuStage;
 use crate::kernels::AttnDims;
-use crate::model::{OpSet, ParamInit, Stage, attn_dims, build_layers};
+use crate::model::layers::{attn_dims, build_layers};
+use crate::model::{OpSet, ParamInit, Stage};
+use crate::precision::Precision;
+use crate::runner::{Executor, Setup};
 use crate::worker::{AdamW, CopyStamps, DeviceClock, LossSums, StageWorker};
 use crate::{Error, MicrobatchData, Result};
 use cudarc::driver::CudaSlice;
@@ -428,5 +433,50 @@ impl DeviceClock for CudaOps {
 
     fn finish(&mut self, t0: Instant) -> Result<Vec<u64>> {
         self.gpu.clock_finish(t0)
+    }
+}
+
+impl Executor<CudaStage> {
+    /// Builds every rank's stages on `devices` GPUs: rank `g` (replica-major, `d * pp + r`)
+    /// runs on GPU `g mod devices` with its own streams ([`Gpu`]), shared by
+    /// its stages; with one device every rank is a stream of GPU 0, with one per rank every
+    /// transfer is a peer copy. With [`Init::Exact`] the weights are the CPU
+    /// backend's, so a comparison with the CPU reference compares like with like.
+    ///
+    /// # Errors
+    /// [`Setup::check`](crate::runner::Setup::check) errors; [`Error::NoDevice`] without a GPU or NVRTC, or with fewer GPUs
+    /// than `devices`; [`Error::Invalid`] for `devices = 0`; stage errors.
+    pub fn cuda(setup: &Setup, precision: Precision, init: Init, devices: usize) -> Result<Self> {
+        setup.check()?;
+        if devices == 0 {
+            return Err(Error::Invalid("GPUs = 0: use at least 1".into()));
+        }
+        let placement = setup.placement()?;
+        let contexts = (0..devices)
+            .map(super::context_on)
+            .collect::<Result<Vec<_>>>()?;
+        let head_dim = CudaStage::head_dim_of(&setup.model)?;
+        let pp = setup.config.pp as usize;
+        let mut gpus: HashMap<(usize, usize), Arc<Gpu>> = HashMap::new();
+        Executor::build_ranked(setup, &placement, |d, r, s| {
+            let gpu = match gpus.get(&(d, r)) {
+                Some(g) => Arc::clone(g),
+                None => {
+                    let ctx = &contexts[(d * pp + r) % devices];
+                    let g = Arc::new(Gpu::new(ctx, head_dim, precision)?);
+                    gpus.insert((d, r), Arc::clone(&g));
+                    g
+                }
+            };
+            let mode = setup.config.recompute.get(s).copied().unwrap_or_default();
+            CudaStage::new(
+                gpu,
+                &setup.model,
+                setup.config.stages[s].clone(),
+                setup.init_seed,
+                mode,
+                init,
+            )
+        })
     }
 }

@@ -1,0 +1,439 @@
+//! The layers: a decoder's, the embedding's and the head's parameters, built from a layer range
+//! ([`build_layers`]), and each layer's forward and dgrad written once over the op set (the
+//! selective recomputation's restore too: the forward's kernels again).
+
+use super::ops::OpSet;
+use super::params::{MakeParam, Param, ParamInit};
+use super::saved::{DecoderF, DecoderSelective, DecoderW, HeadF, WCtx};
+use crate::kernels::AttnDims;
+use crate::{Error, Result};
+use flatpipe_profiles::{LayerKind, ModelSpec};
+use rand::{SeedableRng, rngs::ChaCha8Rng};
+use std::ops::Range;
+
+/// A decoder layer's parameters and sizes.
+#[derive(Debug)]
+pub(crate) struct Decoder<T> {
+    pub(crate) dims: AttnDims,
+    pub(crate) hidden: usize,
+    pub(crate) ffn: usize,
+    pub(crate) attn_norm: Param<T>,
+    pub(crate) wq: Param<T>,
+    pub(crate) wk: Param<T>,
+    pub(crate) wv: Param<T>,
+    pub(crate) wo: Param<T>,
+    pub(crate) ffn_norm: Param<T>,
+    pub(crate) w1: Param<T>,
+    pub(crate) w3: Param<T>,
+    pub(crate) w2: Param<T>,
+}
+
+impl<T> Decoder<T> {
+    pub(super) fn kv(&self) -> usize {
+        self.dims.kv_heads * self.dims.head_dim
+    }
+}
+
+/// One layer of a stage.
+// A few hundred bytes per layer next to megabytes of tensors: boxing buys nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub(crate) enum Layer<T> {
+    Embedding {
+        table: Param<T>,
+        hidden: usize,
+    },
+    Decoder(Box<Decoder<T>>),
+    Head {
+        norm: Param<T>,
+        out: Param<T>,
+        hidden: usize,
+        vocab: usize,
+    },
+}
+
+impl<T> Layer<T> {
+    pub(crate) fn params(&self) -> Vec<&Param<T>> {
+        match self {
+            Layer::Embedding { table, .. } => vec![table],
+            Layer::Head { norm, out, .. } => vec![norm, out],
+            Layer::Decoder(d) => vec![
+                &d.attn_norm,
+                &d.wq,
+                &d.wk,
+                &d.wv,
+                &d.wo,
+                &d.ffn_norm,
+                &d.w1,
+                &d.w3,
+                &d.w2,
+            ],
+        }
+    }
+
+    pub(crate) fn params_mut(&mut self) -> Vec<&mut Param<T>> {
+        match self {
+            Layer::Embedding { table, .. } => vec![table],
+            Layer::Head { norm, out, .. } => vec![norm, out],
+            Layer::Decoder(d) => {
+                let d = &mut **d;
+                vec![
+                    &mut d.attn_norm,
+                    &mut d.wq,
+                    &mut d.wk,
+                    &mut d.wv,
+                    &mut d.wo,
+                    &mut d.ffn_norm,
+                    &mut d.w1,
+                    &mut d.w3,
+                    &mut d.w2,
+                ]
+            }
+        }
+    }
+}
+
+impl<T> DecoderSelective<T> {
+    /// The forward's whole context again: the same kernels on the same inputs as the forward
+    /// ran them, so the gradients are bitwise those of no recomputation.
+    pub(super) fn restore<O: OpSet<Tensor = T>>(
+        self,
+        ops: &O,
+        p: &Decoder<T>,
+        data: &O::Data,
+    ) -> Result<DecoderF<T>> {
+        let (t, h) = (O::tokens(data), p.hidden);
+        let h1 = ops.scale_rows(&self.xhat1, &p.attn_norm.value, t, h)?;
+        let (o, lse) = ops.attention(&self.q, &self.k, &self.v, data, p.dims)?;
+        let h2 = ops.scale_rows(&self.xhat2, &p.ffn_norm.value, t, h)?;
+        let act = ops.swiglu(&self.gate, &self.up, t * p.ffn)?;
+        Ok(DecoderF {
+            h1,
+            xhat1: self.xhat1,
+            rstd1: self.rstd1,
+            q: self.q,
+            k: self.k,
+            v: self.v,
+            o,
+            lse,
+            h2,
+            xhat2: self.xhat2,
+            rstd2: self.rstd2,
+            gate: self.gate,
+            up: self.up,
+            act,
+        })
+    }
+}
+
+/// A decoder's forward: pre-norm attention then pre-norm SwiGLU MLP, each on the residual
+/// stream (Llama 3 as torchtitan implements it). `x [T, H]` -> `y [T, H]` and what I needs.
+///
+/// `prefix`: for a chunk of a longer sequence, the earlier chunks' rotated keys and values on
+/// this layer `[offset, kv]` (the forward keeps only the chunk's own).
+pub(crate) fn decoder_forward<O: OpSet>(
+    ops: &O,
+    p: &Decoder<O::Tensor>,
+    x: &O::Tensor,
+    data: &O::Data,
+    prefix: Option<(&O::Tensor, &O::Tensor)>,
+) -> Result<(O::Tensor, DecoderF<O::Tensor>)> {
+    let (t, h, f, kv) = (O::tokens(data), p.hidden, p.ffn, p.kv());
+    let d = p.dims;
+    let (h1, xhat1, rstd1) = ops.rmsnorm(x, &p.attn_norm.value, t, h)?;
+    let mut q = ops.linear(&h1, &p.wq.value, t, h, h)?;
+    let mut k = ops.linear(&h1, &p.wk.value, t, h, kv)?;
+    let v = ops.linear(&h1, &p.wv.value, t, h, kv)?;
+    ops.rope(&mut q, data, d.heads, d.head_dim, false)?;
+    ops.rope(&mut k, data, d.kv_heads, d.head_dim, false)?;
+    let (o, lse) = match prefix {
+        Some((kp, vp)) => {
+            let kf = ops.concat_rows(&[kp, &k], kv)?;
+            let vf = ops.concat_rows(&[vp, &v], kv)?;
+            ops.attention(&q, &kf, &vf, data, d)?
+        }
+        None => ops.attention(&q, &k, &v, data, d)?,
+    };
+    let mut x2 = ops.linear(&o, &p.wo.value, t, h, h)?;
+    ops.add_inplace(&mut x2, x, t * h)?;
+    let (h2, xhat2, rstd2) = ops.rmsnorm(&x2, &p.ffn_norm.value, t, h)?;
+    let gate = ops.linear(&h2, &p.w1.value, t, h, f)?;
+    let up = ops.linear(&h2, &p.w3.value, t, h, f)?;
+    let act = ops.swiglu(&gate, &up, t * f)?;
+    let mut y = ops.linear(&act, &p.w2.value, t, f, h)?;
+    ops.add_inplace(&mut y, &x2, t * h)?;
+    Ok((
+        y,
+        DecoderF {
+            h1,
+            xhat1,
+            rstd1,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            h2,
+            xhat2,
+            rstd2,
+            gate,
+            up,
+            act,
+        },
+    ))
+}
+
+/// What a chunk's dgrad adds to a decoder's: the earlier chunks' keys and values on this layer
+/// (`[offset, kv]`, `None` for the first chunk) and the gradients of this chunk's own keys and
+/// values that the later chunks' dgrads produced (`None` for the last).
+pub(crate) struct ChunkDgrad<'a, T> {
+    /// The chunk's offset in its sequence: the rows of `prefix`.
+    pub(crate) offset: usize,
+    pub(crate) prefix: Option<(&'a T, &'a T)>,
+    pub(crate) later: Option<(T, T)>,
+}
+
+/// A decoder's dgrad: from `dy [T, H]` (kept for W as the MLP output GEMM's gradient) to the
+/// input gradient, and what W needs. For a chunk, also the gradients of the earlier chunks'
+/// keys and values `[offset, kv]` (rotated; each earlier chunk adds its rows to its own in its
+/// dgrad).
+#[allow(clippy::type_complexity)]
+pub(crate) fn decoder_dgrad<O: OpSet>(
+    ops: &O,
+    p: &Decoder<O::Tensor>,
+    c: DecoderF<O::Tensor>,
+    dy_hidden: O::Hidden,
+    data: &O::Data,
+    chunk: Option<ChunkDgrad<'_, O::Tensor>>,
+) -> Result<(O::Tensor, WCtx<O>, Option<(O::Tensor, O::Tensor)>)> {
+    let (t, h, f, kv) = (O::tokens(data), p.hidden, p.ffn, p.kv());
+    let d = p.dims;
+    let dy = O::tensor(&dy_hidden);
+    // MLP: y = x2 + act W2
+    let dact = ops.linear_dx(dy, &p.w2.value, t, f, h)?;
+    let (dgate, dup) = ops.swiglu_backward(&dact, &c.gate, &c.up, t * f)?;
+    let mut dh2 = ops.linear_dx(&dgate, &p.w1.value, t, h, f)?;
+    ops.linear_dx_acc(&mut dh2, &dup, &p.w3.value, t, h, f)?;
+    let dx2 = ops.rmsnorm_dx(&dh2, &c.xhat2, &c.rstd2, &p.ffn_norm.value, Some(dy), t, h)?;
+    // Attention: x2 = x + o Wo
+    let dout = ops.linear_dx(&dx2, &p.wo.value, t, h, h)?;
+    let (mut dq, mut dk, mut dv, earlier) = match &chunk {
+        Some(ChunkDgrad {
+            offset: o,
+            prefix: Some((kp, vp)),
+            ..
+        }) => {
+            let o = *o;
+            let kf = ops.concat_rows(&[kp, &c.k], kv)?;
+            let vf = ops.concat_rows(&[vp, &c.v], kv)?;
+            let (dq, dkf, dvf) =
+                ops.attention_backward(&dout, (&c.q, &kf, &vf, &c.o, &c.lse), data, d)?;
+            let own = |x: &O::Tensor| ops.slice_rows(x, o..o + t, kv);
+            let before = |x: &O::Tensor| ops.slice_rows(x, 0..o, kv);
+            (
+                dq,
+                own(&dkf)?,
+                own(&dvf)?,
+                Some((before(&dkf)?, before(&dvf)?)),
+            )
+        }
+        _ => {
+            let (dq, dk, dv) =
+                ops.attention_backward(&dout, (&c.q, &c.k, &c.v, &c.o, &c.lse), data, d)?;
+            (dq, dk, dv, None)
+        }
+    };
+    if let Some(ChunkDgrad {
+        later: Some((lk, lv)),
+        ..
+    }) = &chunk
+    {
+        ops.add_inplace(&mut dk, lk, t * kv)?;
+        ops.add_inplace(&mut dv, lv, t * kv)?;
+    }
+    ops.rope(&mut dq, data, d.heads, d.head_dim, true)?;
+    ops.rope(&mut dk, data, d.kv_heads, d.head_dim, true)?;
+    let mut dh1 = ops.linear_dx(&dq, &p.wq.value, t, h, h)?;
+    ops.linear_dx_acc(&mut dh1, &dk, &p.wk.value, t, h, kv)?;
+    ops.linear_dx_acc(&mut dh1, &dv, &p.wv.value, t, h, kv)?;
+    let dx = ops.rmsnorm_dx(
+        &dh1,
+        &c.xhat1,
+        &c.rstd1,
+        &p.attn_norm.value,
+        Some(&dx2),
+        t,
+        h,
+    )?;
+    let w = WCtx::Decoder(Box::new(DecoderW {
+        h1: c.h1,
+        xhat1: c.xhat1,
+        o: c.o,
+        h2: c.h2,
+        xhat2: c.xhat2,
+        act: c.act,
+        dq,
+        dk,
+        dv,
+        da: dx2,
+        dgate,
+        dup,
+        dm: dy_hidden,
+        dh1,
+        dh2,
+    }));
+    Ok((dx, w, earlier))
+}
+
+/// The head's forward: final RMSNorm, LM head, weighted cross-entropy.
+pub(crate) fn head_forward<O: OpSet>(
+    ops: &O,
+    (norm, out): (&Param<O::Tensor>, &Param<O::Tensor>),
+    (hidden, vocab): (usize, usize),
+    x: &O::Tensor,
+    data: &O::Data,
+) -> Result<(O::Loss, HeadF<O::Tensor>)> {
+    let t = O::tokens(data);
+    let (h, xhat, rstd) = ops.rmsnorm(x, &norm.value, t, hidden)?;
+    let logits = ops.linear(&h, &out.value, t, hidden, vocab)?;
+    let (loss, lse) = ops.cross_entropy(&logits, data, vocab)?;
+    Ok((
+        loss,
+        HeadF {
+            h,
+            xhat,
+            rstd,
+            logits,
+            lse,
+        },
+    ))
+}
+
+/// The head's dgrad: from the loss to the input gradient, and what W needs.
+pub(super) fn head_dgrad<O: OpSet>(
+    ops: &O,
+    (norm, out): (&Param<O::Tensor>, &Param<O::Tensor>),
+    (hidden, vocab): (usize, usize),
+    c: HeadF<O::Tensor>,
+    data: &O::Data,
+) -> Result<(O::Tensor, WCtx<O>)> {
+    let t = O::tokens(data);
+    let dlogits = ops.cross_entropy_backward(&c.logits, &c.lse, data, vocab)?;
+    let dh = ops.linear_dx(&dlogits, &out.value, t, hidden, vocab)?;
+    let dx = ops.rmsnorm_dx(&dh, &c.xhat, &c.rstd, &norm.value, None, t, hidden)?;
+    Ok((
+        dx,
+        WCtx::Head {
+            h: c.h,
+            xhat: c.xhat,
+            dlogits,
+            dh,
+        },
+    ))
+}
+
+/// Checks a decoder's attention shape: heads divide the hidden size, kv heads divide the heads,
+/// and the head dimension is even (rotary rotates pairs).
+///
+/// # Errors
+/// [`Error::Unsupported`] naming the layer and its sizes.
+pub(crate) fn attn_dims(l: &flatpipe_profiles::Layer) -> Result<AttnDims> {
+    let (h, heads, kvh) = (l.hidden as usize, l.heads as usize, l.kv_heads as usize);
+    if heads == 0 || kvh == 0 || h % heads != 0 || heads % kvh != 0 || (h / heads) % 2 != 0 {
+        return Err(Error::Unsupported(format!(
+            "decoder layer {}: hidden {h}, heads {heads}, kv_heads {kvh}: the kernels need heads | hidden, kv_heads | heads and an even head dimension",
+            l.index
+        )));
+    }
+    Ok(AttnDims {
+        heads,
+        kv_heads: kvh,
+        head_dim: h / heads,
+    })
+}
+
+/// Builds layers `range` of `model`: each parameter's value from `make(name, shape, init,
+/// rng)`, where `rng` is the layer's generator, seeded from `(seed, layer index)` so that any
+/// split of the model draws the same weights; parameters are made in a fixed order per layer.
+///
+/// # Errors
+/// [`Error::Invalid`] for an empty or out-of-range layer range; [`attn_dims`]'s; `make`'s.
+pub(crate) fn build_layers<O: OpSet>(
+    ops: &O,
+    model: &ModelSpec,
+    range: Range<usize>,
+    seed: u64,
+    make: &mut MakeParam<'_, O::Tensor>,
+) -> Result<Vec<(usize, Layer<O::Tensor>)>> {
+    let all = model.layers();
+    if range.is_empty() || range.end > all.len() {
+        return Err(Error::Invalid(format!(
+            "stage layers [{}, {}) of model {} with {} layers: need 0 <= start < end <= {}",
+            range.start,
+            range.end,
+            model.name,
+            all.len(),
+            all.len()
+        )));
+    }
+    let std = 0.02;
+    let mut layers = Vec::with_capacity(range.len());
+    for l in &all[range] {
+        let mut rng = ChaCha8Rng::seed_from_u64(
+            seed ^ (l.index as u64 + 1).wrapping_mul(0xA076_1D64_78BD_642F),
+        );
+        let mut param = |name: String, shape: (usize, usize), init: ParamInit| -> Result<_> {
+            let value = make(&name, shape, init, &mut rng)?;
+            Ok(Param {
+                grad: ops.zeros(shape.0, shape.1)?,
+                name,
+                shape,
+                value,
+                moments: None,
+            })
+        };
+        let (h, vocab) = (l.hidden as usize, l.vocab as usize);
+        let layer = match l.kind {
+            LayerKind::Embedding => Layer::Embedding {
+                table: param(
+                    "tok_embeddings.weight".into(),
+                    (vocab, h),
+                    ParamInit::Normal(1.0),
+                )?,
+                hidden: h,
+            },
+            LayerKind::Head => Layer::Head {
+                norm: param("norm.weight".into(), (1, h), ParamInit::Ones)?,
+                out: param("output.weight".into(), (h, vocab), ParamInit::Normal(std))?,
+                hidden: h,
+                vocab,
+            },
+            LayerKind::Decoder => {
+                let dims = attn_dims(l)?;
+                let kv = dims.kv_heads * dims.head_dim;
+                let ffn = l.ffn as usize;
+                let n = l.decoder_index.unwrap_or(0);
+                let name = |s: &str| format!("layers.{n}.{s}.weight");
+                // Output projections scaled by 1/sqrt(2 * layers) in GPT-2 style would depend on
+                // the depth; a plain std keeps a stage's weights independent of the whole model.
+                let normal = ParamInit::Normal(std);
+                Layer::Decoder(Box::new(Decoder {
+                    dims,
+                    hidden: h,
+                    ffn,
+                    attn_norm: param(name("attention_norm"), (1, h), ParamInit::Ones)?,
+                    wq: param(name("attention.wq"), (h, h), normal)?,
+                    wk: param(name("attention.wk"), (h, kv), normal)?,
+                    wv: param(name("attention.wv"), (h, kv), normal)?,
+                    wo: param(name("attention.wo"), (h, h), normal)?,
+                    ffn_norm: param(name("ffn_norm"), (1, h), ParamInit::Ones)?,
+                    w1: param(name("feed_forward.w1"), (h, ffn), normal)?,
+                    w3: param(name("feed_forward.w3"), (h, ffn), normal)?,
+                    w2: param(name("feed_forward.w2"), (ffn, h), normal)?,
+                }))
+            }
+        };
+        layers.push((l.index, layer));
+    }
+    Ok(layers)
+}
