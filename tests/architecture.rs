@@ -21,8 +21,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("simulator/src/io/gantt.rs", "draw", 189),
     ("simulator/src/io/kineto.rs", "read_traces", 290),
     ("simulator/src/replay/metrics.rs", "lower_bound_terms", 196),
-    ("simulator/src/run/mb_plan.rs", "plan", 191),
-    ("simulator/src/schedules/exact.rs", "new", 163),
     ("planner/src/partition/mod.rs", "milp_with", 180),
     ("planner/src/search.rs", "search", 521),
     ("executor/src/interpreter.rs", "run_step", 286),
