@@ -128,145 +128,240 @@ pub fn plan(
     }
     let cost = balance_cost(profile);
     let item_cost = |s: u32| cost(s as u64, s as u64 * (s as u64 + 1) / 2);
-    let mut order: Vec<(f64, u32)> = seqs.iter().map(|&s| (item_cost(s), s)).collect();
-    order.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)));
-
-    let m0 = short.len().max(1);
-    let p = config.pp.max(1) as usize;
-    let mut counts: Vec<usize> = vec![m0, m0 + 1];
-    let up = m0.div_ceil(p) * p;
-    counts.extend([up, up + p, up + 2 * p]);
-    counts.retain(|&m| m >= 1 && m <= seqs.len());
-    counts.sort_unstable();
-    counts.dedup();
-
-    let mut best = (pricer.price(rank_kind, cut, None)?, cut.to_vec());
-    // Every candidate priced, the cut first: the fastest that fits memory wins.
-    let mut pool: Vec<(u64, Vec<Microbatch>)> = vec![best.clone()];
-    let mut best_count: Option<usize> = None;
-    let mut candidates = 1u32;
-    let nf = fixed.len();
-    // Every count in verl's order and with the middle ramp; then the best count with the
-    // other ramps, and its bins heaviest and lightest first (these rarely win: measured on
-    // sampled ShareGPT steps, 1F1B, ZB-H1, ZB-V and interleaved 1F1B at p = 8).
-    let mut try_bins = |m: usize,
-                        ramp: usize,
-                        orders: &[Order],
-                        best: &mut (u64, Vec<Microbatch>)|
-     -> Result<bool> {
-        let Some(bins) = lpt_under_budget(&order, m, budget, ramp) else {
-            return Ok(false);
-        };
-        // One cost table per cut, permuted per order.
-        let mut mbs = fixed.clone();
-        mbs.extend(bins.iter().map(|(_, mb)| mb.clone()));
-        let base = pricer.costs(rank_kind, &mbs)?;
-        let mut won = false;
-        for &o in orders {
-            let perm: Vec<usize> = (0..nf)
-                .chain(ordered(&bins, o).into_iter().map(|j| nf + j))
-                .collect();
-            let t = pricer.price(rank_kind, &mbs, Some((&base, &perm)))?;
-            candidates += 1;
-            let ordered: Vec<Microbatch> = perm.iter().map(|&k| mbs[k].clone()).collect();
-            if t < best.0 {
-                *best = (t, ordered.clone());
-                won = true;
-            }
-            pool.push((t, ordered));
-        }
-        Ok(won)
-    };
-    for &m in &counts {
-        if try_bins(m, 0, &[Order::Verl], &mut best)? {
-            best_count = Some(m);
-        }
-        let ramp = RAMPS[1];
-        if m > 2 * ramp && try_bins(m, ramp, &[Order::Ends(ramp)], &mut best)? {
-            best_count = Some(m);
-        }
-    }
-    if let Some(m) = best_count {
-        for ramp in [RAMPS[0], RAMPS[2]] {
-            if m > 2 * ramp {
-                try_bins(m, ramp, &[Order::Ends(ramp)], &mut best)?;
-            }
-        }
-        try_bins(
-            m,
-            0,
-            &[Order::HeaviestFirst, Order::LightestFirst],
-            &mut best,
-        )?;
-    }
-    // Chunked sequences first (as above), last, or in the middle: their chains hold memory
-    // and order the stages differently in each place.
-    if !crate::schedules::chunks::chains(&best.1)?.is_empty() {
-        let (chunked, rest): (Vec<Microbatch>, Vec<Microbatch>) =
-            best.1.iter().cloned().partition(|m| m.chunk.is_some());
-        let half = rest.len() / 2;
-        for at in [rest.len(), half] {
-            let mut mbs = rest[..at].to_vec();
-            mbs.extend(chunked.iter().cloned());
-            mbs.extend(rest[at..].iter().cloned());
-            let t = pricer.price(rank_kind, &mbs, None)?;
-            candidates += 1;
-            pool.push((t, mbs));
-        }
-    }
-    // The fastest candidate within the memory limit, or within the cut's own peak where the
-    // cut is over it (more, smaller microbatches can hold more in flight).
-    let (mut t, mut chosen) = if kind == Some(ScheduleKind::ZbAuto) {
+    let mut items: Vec<(f64, u32)> = seqs.iter().map(|&s| (item_cost(s), s)).collect();
+    items.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)));
+    // The candidates, each priced as made: the cut; LPT bins per count, ramp and order; the
+    // fastest's chunked sequences moved. Then the choice under memory (or zb-auto's own).
+    let counts = candidate_counts(short.len().max(1), config.pp.max(1) as usize, seqs.len());
+    let mut search = Candidates::new(&mut pricer, rank_kind, items, budget, fixed, cut)?;
+    search.counts_and_ramps(&counts)?;
+    search.chunk_positions()?;
+    let Candidates {
+        pool, candidates, ..
+    } = search;
+    let (t, chosen) = if kind == Some(ScheduleKind::ZbAuto) {
         // zb-auto keeps its own schedules under the limit.
-        pool.into_iter().min_by_key(|c| c.0).expect("the cut")
+        let best = pool.into_iter().min_by_key(|c| c.0).expect("the cut");
+        zb_auto_decides(&mut pricer, best, cut)?
     } else {
         let limit = config
             .memory_limit_bytes
             .unwrap_or_else(|| crate::run::config::default_memory_limit(profile));
-        // The cut's peak only when a faster candidate is over the limit.
-        let mut cap: Option<f64> = None;
-        let mut order: Vec<usize> = (0..pool.len()).collect();
-        order.sort_by_key(|&i| (pool[i].0, i));
-        let mut pick = 0;
-        for i in order {
-            if i == 0 {
-                break;
-            }
-            let peak = pricer.peak_bytes(rank_kind, &pool[i].1)?;
-            if peak <= limit {
-                pick = i;
-                break;
-            }
-            let cap = match cap {
-                Some(c) => c,
-                None => *cap.insert(pricer.peak_bytes(rank_kind, cut)?),
-            };
-            if peak <= cap {
-                pick = i;
-                break;
-            }
-        }
-        pool.swap_remove(pick)
+        fastest_within_memory(&mut pricer, rank_kind, pool, cut, limit)?
     };
-    if kind == Some(ScheduleKind::ZbAuto) {
-        // Ranked with a handcrafted proxy; zb-auto itself decides between the winner and the
-        // first-fit-decreasing cut.
-        // A winner zb-auto cannot schedule under the memory limit falls back to the cut.
-        let t_win = pricer.price(ScheduleKind::ZbAuto, &chosen, None).ok();
-        let t_cut = pricer.price(ScheduleKind::ZbAuto, cut, None)?;
-        match t_win {
-            Some(w) if w < t_cut => t = w,
-            _ => {
-                chosen = cut.to_vec();
-                t = t_cut;
-            }
-        }
-    }
     Ok(MicrobatchPlan {
         microbatches: chosen,
         predicted_s: ns_to_s(t),
         lower_bound_s,
         candidates,
+    })
+}
+
+/// The microbatch counts [`plan`] tries (module doc): the first-fit-decreasing count `m0`,
+/// `m0 + 1`, and the multiples of the pipeline size `p` from `m0` up (and one and two `p`
+/// more), at most `n_seqs` (the sequences), ascending and distinct.
+fn candidate_counts(m0: usize, p: usize, n_seqs: usize) -> Vec<usize> {
+    let mut counts: Vec<usize> = vec![m0, m0 + 1];
+    let up = m0.div_ceil(p) * p;
+    counts.extend([up, up + p, up + 2 * p]);
+    counts.retain(|&m| m >= 1 && m <= n_seqs);
+    counts.sort_unstable();
+    counts.dedup();
+    counts
+}
+
+/// [`plan`]'s candidates, priced as they are made: every one in pricing order (the cut first)
+/// and the fastest of the LPT bins.
+struct Candidates<'p, 'a> {
+    pricer: &'p mut Pricer<'a>,
+    /// The kind that prices them ([`ranking_kind`]).
+    rank_kind: ScheduleKind,
+    /// The short sequences' (balance cost, tokens), heaviest first: LPT's input.
+    items: Vec<(f64, u32)>,
+    /// The token budget of a microbatch (`u64::MAX`: none).
+    budget: u64,
+    /// The microbatches kept as cut (chunks, sequences over the budget), first in every bin
+    /// candidate.
+    fixed: Vec<Microbatch>,
+    /// The fastest candidate so far of the cut and the bins (step time ns, microbatches).
+    best: (u64, Vec<Microbatch>),
+    /// Every candidate priced, the cut first.
+    pool: Vec<(u64, Vec<Microbatch>)>,
+    /// Candidates priced.
+    candidates: u32,
+}
+
+impl<'p, 'a> Candidates<'p, 'a> {
+    /// The pool with the cut alone, priced.
+    ///
+    /// # Errors
+    /// The pricer's.
+    fn new(
+        pricer: &'p mut Pricer<'a>,
+        rank_kind: ScheduleKind,
+        items: Vec<(f64, u32)>,
+        budget: u64,
+        fixed: Vec<Microbatch>,
+        cut: &[Microbatch],
+    ) -> Result<Self> {
+        let best = (pricer.price(rank_kind, cut, None)?, cut.to_vec());
+        Ok(Candidates {
+            pricer,
+            rank_kind,
+            items,
+            budget,
+            fixed,
+            pool: vec![best.clone()],
+            best,
+            candidates: 1,
+        })
+    }
+
+    /// Prices the LPT bins of `m` microbatches with `ramp` ([`lpt_under_budget`]) after the
+    /// fixed microbatches, in each of `orders`; `true` when one of them is the fastest so far.
+    /// No candidate when the bins do not fit the budget.
+    ///
+    /// # Errors
+    /// The pricer's.
+    fn try_bins(&mut self, m: usize, ramp: usize, orders: &[Order]) -> Result<bool> {
+        let Some(bins) = lpt_under_budget(&self.items, m, self.budget, ramp) else {
+            return Ok(false);
+        };
+        // One cost table per cut, permuted per order.
+        let nf = self.fixed.len();
+        let mut mbs = self.fixed.clone();
+        mbs.extend(bins.iter().map(|(_, mb)| mb.clone()));
+        let base = self.pricer.costs(self.rank_kind, &mbs)?;
+        let mut won = false;
+        for &o in orders {
+            let perm: Vec<usize> = (0..nf)
+                .chain(ordered(&bins, o).into_iter().map(|j| nf + j))
+                .collect();
+            let t = self
+                .pricer
+                .price(self.rank_kind, &mbs, Some((&base, &perm)))?;
+            self.candidates += 1;
+            let ordered: Vec<Microbatch> = perm.iter().map(|&k| mbs[k].clone()).collect();
+            if t < self.best.0 {
+                self.best = (t, ordered.clone());
+                won = true;
+            }
+            self.pool.push((t, ordered));
+        }
+        Ok(won)
+    }
+
+    /// Every count of `counts` in verl's order and with the middle ramp; then the best count
+    /// with the other ramps, and its bins heaviest and lightest first (these rarely win:
+    /// measured on sampled ShareGPT steps, 1F1B, ZB-H1, ZB-V and interleaved 1F1B at p = 8).
+    ///
+    /// # Errors
+    /// The pricer's.
+    fn counts_and_ramps(&mut self, counts: &[usize]) -> Result<()> {
+        let mut best_count: Option<usize> = None;
+        for &m in counts {
+            if self.try_bins(m, 0, &[Order::Verl])? {
+                best_count = Some(m);
+            }
+            let ramp = RAMPS[1];
+            if m > 2 * ramp && self.try_bins(m, ramp, &[Order::Ends(ramp)])? {
+                best_count = Some(m);
+            }
+        }
+        if let Some(m) = best_count {
+            for ramp in [RAMPS[0], RAMPS[2]] {
+                if m > 2 * ramp {
+                    self.try_bins(m, ramp, &[Order::Ends(ramp)])?;
+                }
+            }
+            self.try_bins(m, 0, &[Order::HeaviestFirst, Order::LightestFirst])?;
+        }
+        Ok(())
+    }
+
+    /// The fastest candidate's chunked sequences, first (as it is), moved last or to the
+    /// middle: their chains hold memory and order the stages differently in each place. Into
+    /// the pool only (not [`Candidates::best`]).
+    ///
+    /// # Errors
+    /// The chunk chains' and the pricer's.
+    fn chunk_positions(&mut self) -> Result<()> {
+        if crate::schedules::chunks::chains(&self.best.1)?.is_empty() {
+            return Ok(());
+        }
+        let (chunked, rest): (Vec<Microbatch>, Vec<Microbatch>) =
+            self.best.1.iter().cloned().partition(|m| m.chunk.is_some());
+        let half = rest.len() / 2;
+        for at in [rest.len(), half] {
+            let mut mbs = rest[..at].to_vec();
+            mbs.extend(chunked.iter().cloned());
+            mbs.extend(rest[at..].iter().cloned());
+            let t = self.pricer.price(self.rank_kind, &mbs, None)?;
+            self.candidates += 1;
+            self.pool.push((t, mbs));
+        }
+        Ok(())
+    }
+}
+
+/// The fastest candidate of `pool` (the cut first, as [`Candidates::pool`]) whose peak memory
+/// under `rank_kind` (bytes, [`Pricer::peak_bytes`]) is within `limit`, or within the `cut`'s
+/// own peak where the cut is over it (more, smaller microbatches can hold more in flight);
+/// the cut when none is; ties to the earlier. Returns its step time (ns) and microbatches.
+///
+/// # Errors
+/// The pricer's.
+fn fastest_within_memory(
+    pricer: &mut Pricer,
+    rank_kind: ScheduleKind,
+    mut pool: Vec<(u64, Vec<Microbatch>)>,
+    cut: &[Microbatch],
+    limit: f64,
+) -> Result<(u64, Vec<Microbatch>)> {
+    // The cut's peak only when a faster candidate is over the limit.
+    let mut cap: Option<f64> = None;
+    let mut order: Vec<usize> = (0..pool.len()).collect();
+    order.sort_by_key(|&i| (pool[i].0, i));
+    let mut pick = 0;
+    for i in order {
+        if i == 0 {
+            break;
+        }
+        let peak = pricer.peak_bytes(rank_kind, &pool[i].1)?;
+        if peak <= limit {
+            pick = i;
+            break;
+        }
+        let cap = match cap {
+            Some(c) => c,
+            None => *cap.insert(pricer.peak_bytes(rank_kind, cut)?),
+        };
+        if peak <= cap {
+            pick = i;
+            break;
+        }
+    }
+    Ok(pool.swap_remove(pick))
+}
+
+/// zb-auto's own choice between `ranked`, the candidate a handcrafted proxy ranked fastest
+/// (step time ns, microbatches), and the first-fit-decreasing `cut`, both built with zb-auto:
+/// the faster, the cut on a tie or where zb-auto cannot schedule the winner under the memory
+/// limit. Returns its zb-auto step time (ns) and microbatches.
+///
+/// # Errors
+/// The pricer's on the cut.
+fn zb_auto_decides(
+    pricer: &mut Pricer,
+    ranked: (u64, Vec<Microbatch>),
+    cut: &[Microbatch],
+) -> Result<(u64, Vec<Microbatch>)> {
+    let chosen = ranked.1;
+    let t_win = pricer.price(ScheduleKind::ZbAuto, &chosen, None).ok();
+    let t_cut = pricer.price(ScheduleKind::ZbAuto, cut, None)?;
+    Ok(match t_win {
+        Some(w) if w < t_cut => (w, chosen),
+        _ => (t_cut, cut.to_vec()),
     })
 }
 

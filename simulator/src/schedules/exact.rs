@@ -131,114 +131,38 @@ struct Inst {
 }
 
 impl Inst {
+    /// The instance of `m` microbatches over `placement` under `costs`, each rank's
+    /// activations at most `limit` (the cost model's unit), read once: arguments checked
+    /// ([`check_arguments`], [`check_microbatch_independent`]), then per stage its compute,
+    /// its transfers and links ([`Transfers`]), its memory effects and its tails ([`tails`]).
+    ///
+    /// # Errors
+    /// As [`solve`]'s, but the incumbent's.
     fn new<C: CostModel>(placement: &Placement, m: u32, costs: &C, limit: f64) -> Result<Self> {
         let s_count = placement.num_stages() as usize;
         let p = placement.num_ranks as usize;
-        if s_count == 0 || m == 0 {
-            return Err(Error::invalid(
-                "exact solver",
-                format!("{s_count} stages, {m} microbatches"),
-                ">= 1 stage and >= 1 microbatch",
-            ));
-        }
-        if m > u32::from(u16::MAX) {
-            return Err(Error::invalid(
-                "microbatches",
-                m,
-                "<= 65535 for the exact solver",
-            ));
-        }
-        if !(limit.is_finite() && limit > 0.0) {
-            return Err(Error::invalid(
-                "activation limit",
-                limit,
-                "a finite limit > 0",
-            ));
-        }
+        check_arguments(s_count, m, limit)?;
+        check_microbatch_independent(costs, s_count, m)?;
         let rank_of: Vec<usize> = placement.rank_of.iter().map(|r| r.idx()).collect();
         let mut stages_of = vec![Vec::new(); p];
         for (s, &r) in rank_of.iter().enumerate() {
             stages_of[r].push(s);
         }
-        let ca = |s: usize, kind, mb: u32| ComputeAction {
-            stage: StageId(s as u32),
-            microbatch: MicrobatchId(mb),
-            kind,
-        };
-        // Costs and activations must be the same for every microbatch (the FIFO argument of
-        // the module docs needs it).
-        for s in 0..s_count {
-            for mb in 1..m {
-                for kind in [ActionKind::F, ActionKind::I, ActionKind::W] {
-                    let (a, b) = (
-                        costs.compute_ns(ca(s, kind, 0)),
-                        costs.compute_ns(ca(s, kind, mb)),
-                    );
-                    if a != b {
-                        return Err(Error::invalid(
-                            format!("costs of stage {s}'s {}", kind.letter()),
-                            format!("{a} ns for microbatch 0, {b} ns for microbatch {mb}"),
-                            "the same for every microbatch (the exact solver's instances)",
-                        ));
-                    }
-                }
-                let sid = StageId(s as u32);
-                if costs.activation(sid, MicrobatchId(0)) != costs.activation(sid, MicrobatchId(mb))
-                    || costs.recomputed(sid, MicrobatchId(0))
-                        != costs.recomputed(sid, MicrobatchId(mb))
-                {
-                    return Err(Error::invalid(
-                        format!("activations of stage {s}"),
-                        format!("different for microbatches 0 and {mb}"),
-                        "the same for every microbatch (the exact solver's instances)",
-                    ));
-                }
-            }
-            if costs.output_bytes(StageId(s as u32), MicrobatchId(0)) != 0.0 {
-                return Err(Error::invalid(
-                    format!("output buffer of stage {s}"),
-                    costs.output_bytes(StageId(s as u32), MicrobatchId(0)),
-                    "0 (the exact solver models activations only)",
-                ));
-            }
-        }
         let get = |kind| {
             (0..s_count)
-                .map(|s| costs.compute_ns(ca(s, kind, 0)))
+                .map(|s| costs.compute_ns(ComputeAction::new(s as u32, kind, 0)))
                 .collect::<Vec<u64>>()
         };
         let (f, i, w) = (get(ActionKind::F), get(ActionKind::I), get(ActionKind::W));
-        let mut comm_f = vec![0; s_count];
-        let mut comm_b = vec![0; s_count];
-        let mut link_f = vec![NONE; s_count];
-        let mut link_b = vec![NONE; s_count];
-        let to = |s: usize, kind| {
-            let a = ComputeAction::new(s as u32, kind, 0);
-            a.sends(s_count as u32).map_or(NONE, StageId::idx)
-        };
-        let to_f: Vec<usize> = (0..s_count).map(|s| to(s, ActionKind::F)).collect();
-        let to_b: Vec<usize> = (0..s_count).map(|s| to(s, ActionKind::I)).collect();
-        for s in 0..s_count {
-            if to_f[s] != NONE && rank_of[s] != rank_of[to_f[s]] {
-                comm_f[s] = costs.comm_ns(StageId(s as u32), MicrobatchId(0), ActionKind::F);
-                link_f[s] = rank_of[s] * p + rank_of[to_f[s]];
-            }
-            if to_b[s] != NONE && rank_of[s] != rank_of[to_b[s]] {
-                comm_b[s] = costs.comm_ns(StageId(s as u32), MicrobatchId(0), ActionKind::I);
-                link_b[s] = rank_of[s] * p + rank_of[to_b[s]];
-            }
-        }
-        // Number the links in use 0.. (the dominance test compares their clocks).
-        let mut ids: Vec<usize> = link_f.iter().chain(&link_b).copied().collect();
-        ids.retain(|&l| l != NONE);
-        ids.sort_unstable();
-        ids.dedup();
-        for l in link_f.iter_mut().chain(link_b.iter_mut()) {
-            if *l != NONE {
-                *l = ids.binary_search(l).expect("a link in use");
-            }
-        }
-        let num_links = ids.len();
+        let Transfers {
+            comm_f,
+            comm_b,
+            to_f,
+            to_b,
+            link_f,
+            link_b,
+            num_links,
+        } = Transfers::new(costs, &rank_of, p);
         let (mut alloc_f, mut alloc_i, mut free_i, mut free_w) = (vec![], vec![], vec![], vec![]);
         for s in 0..s_count {
             let sid = StageId(s as u32);
@@ -252,22 +176,7 @@ impl Inst {
         let opt: Vec<u64> = (0..p)
             .map(|r| costs.optimizer_ns(crate::ir::Rank(r as u32)))
             .collect();
-        let mut tail_w = vec![0; s_count];
-        let mut tail_i = vec![0; s_count];
-        let mut tail_f = vec![0; s_count];
-        for s in 0..s_count {
-            tail_w[s] = opt[rank_of[s]];
-            tail_i[s] = w[s] + tail_w[s];
-            if s > 0 {
-                tail_i[s] = tail_i[s].max(comm_b[s] + i[s - 1] + tail_i[s - 1]);
-            }
-        }
-        for s in (0..s_count).rev() {
-            tail_f[s] = i[s] + tail_i[s];
-            if s + 1 < s_count {
-                tail_f[s] = tail_f[s].max(comm_f[s] + f[s + 1] + tail_f[s + 1]);
-            }
-        }
+        let [tail_f, tail_i, tail_w] = tails(&rank_of, [&f, &i, &w], &comm_f, &comm_b, &opt);
         Ok(Inst {
             s_count,
             m: m as usize,
@@ -294,6 +203,178 @@ impl Inst {
             tail_w,
         })
     }
+}
+
+/// The exact solver's own limits on an instance of `s_count` stages and `m` microbatches under
+/// an activation `limit`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for no stages or no microbatches, more than 65535 microbatches, or
+/// a limit that is not finite and > 0.
+fn check_arguments(s_count: usize, m: u32, limit: f64) -> Result<()> {
+    if s_count == 0 || m == 0 {
+        return Err(Error::invalid(
+            "exact solver",
+            format!("{s_count} stages, {m} microbatches"),
+            ">= 1 stage and >= 1 microbatch",
+        ));
+    }
+    if m > u32::from(u16::MAX) {
+        return Err(Error::invalid(
+            "microbatches",
+            m,
+            "<= 65535 for the exact solver",
+        ));
+    }
+    if !(limit.is_finite() && limit > 0.0) {
+        return Err(Error::invalid(
+            "activation limit",
+            limit,
+            "a finite limit > 0",
+        ));
+    }
+    Ok(())
+}
+
+/// Costs and activations must be the same for every microbatch (the FIFO argument of the
+/// module docs needs it), and no stage may keep an output buffer: checked over `s_count`
+/// stages and `m` microbatches against microbatch 0.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the first stage and kind (or its activations, or its
+/// output buffer) that differs.
+fn check_microbatch_independent<C: CostModel>(costs: &C, s_count: usize, m: u32) -> Result<()> {
+    let ca = |s: usize, kind, mb: u32| ComputeAction {
+        stage: StageId(s as u32),
+        microbatch: MicrobatchId(mb),
+        kind,
+    };
+    for s in 0..s_count {
+        for mb in 1..m {
+            for kind in [ActionKind::F, ActionKind::I, ActionKind::W] {
+                let (a, b) = (
+                    costs.compute_ns(ca(s, kind, 0)),
+                    costs.compute_ns(ca(s, kind, mb)),
+                );
+                if a != b {
+                    return Err(Error::invalid(
+                        format!("costs of stage {s}'s {}", kind.letter()),
+                        format!("{a} ns for microbatch 0, {b} ns for microbatch {mb}"),
+                        "the same for every microbatch (the exact solver's instances)",
+                    ));
+                }
+            }
+            let sid = StageId(s as u32);
+            if costs.activation(sid, MicrobatchId(0)) != costs.activation(sid, MicrobatchId(mb))
+                || costs.recomputed(sid, MicrobatchId(0)) != costs.recomputed(sid, MicrobatchId(mb))
+            {
+                return Err(Error::invalid(
+                    format!("activations of stage {s}"),
+                    format!("different for microbatches 0 and {mb}"),
+                    "the same for every microbatch (the exact solver's instances)",
+                ));
+            }
+        }
+        if costs.output_bytes(StageId(s as u32), MicrobatchId(0)) != 0.0 {
+            return Err(Error::invalid(
+                format!("output buffer of stage {s}"),
+                costs.output_bytes(StageId(s as u32), MicrobatchId(0)),
+                "0 (the exact solver models activations only)",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Per stage, where its F and its I send ([`ComputeAction::sends`]), how long the transfer
+/// takes and on which link: the fields of [`Inst`] of the same names.
+struct Transfers {
+    comm_f: Vec<u64>,
+    comm_b: Vec<u64>,
+    to_f: Vec<usize>,
+    to_b: Vec<usize>,
+    link_f: Vec<usize>,
+    link_b: Vec<usize>,
+    num_links: usize,
+}
+
+impl Transfers {
+    /// The transfers of the stages placed on the ranks `rank_of` (one per stage, `p` ranks),
+    /// their times of microbatch 0 under `costs` (ns); a transfer within a rank takes 0 and
+    /// has no link. The links in use (ordered rank pairs) are numbered 0.. in the order of
+    /// their pair: the dominance test compares their clocks.
+    fn new<C: CostModel>(costs: &C, rank_of: &[usize], p: usize) -> Self {
+        let s_count = rank_of.len();
+        let mut comm_f = vec![0; s_count];
+        let mut comm_b = vec![0; s_count];
+        let mut link_f = vec![NONE; s_count];
+        let mut link_b = vec![NONE; s_count];
+        let to = |s: usize, kind| {
+            let a = ComputeAction::new(s as u32, kind, 0);
+            a.sends(s_count as u32).map_or(NONE, StageId::idx)
+        };
+        let to_f: Vec<usize> = (0..s_count).map(|s| to(s, ActionKind::F)).collect();
+        let to_b: Vec<usize> = (0..s_count).map(|s| to(s, ActionKind::I)).collect();
+        for s in 0..s_count {
+            if to_f[s] != NONE && rank_of[s] != rank_of[to_f[s]] {
+                comm_f[s] = costs.comm_ns(StageId(s as u32), MicrobatchId(0), ActionKind::F);
+                link_f[s] = rank_of[s] * p + rank_of[to_f[s]];
+            }
+            if to_b[s] != NONE && rank_of[s] != rank_of[to_b[s]] {
+                comm_b[s] = costs.comm_ns(StageId(s as u32), MicrobatchId(0), ActionKind::I);
+                link_b[s] = rank_of[s] * p + rank_of[to_b[s]];
+            }
+        }
+        let mut ids: Vec<usize> = link_f.iter().chain(&link_b).copied().collect();
+        ids.retain(|&l| l != NONE);
+        ids.sort_unstable();
+        ids.dedup();
+        for l in link_f.iter_mut().chain(link_b.iter_mut()) {
+            if *l != NONE {
+                *l = ids.binary_search(l).expect("a link in use");
+            }
+        }
+        Transfers {
+            comm_f,
+            comm_b,
+            to_f,
+            to_b,
+            link_f,
+            link_b,
+            num_links: ids.len(),
+        }
+    }
+}
+
+/// Per stage, the longest path from the end of its F, I and W to the end of the step (its
+/// chain, then the last rank's optimizer), ns: `[tail_f, tail_i, tail_w]` of [`Inst`], from the
+/// stages' ranks `rank_of`, their compute `[f, i, w]`, transfers `comm_f` and `comm_b` and the
+/// ranks' optimizer steps `opt` (ns).
+fn tails(
+    rank_of: &[usize],
+    [f, i, w]: [&[u64]; 3],
+    comm_f: &[u64],
+    comm_b: &[u64],
+    opt: &[u64],
+) -> [Vec<u64>; 3] {
+    let s_count = rank_of.len();
+    let mut tail_w = vec![0; s_count];
+    let mut tail_i = vec![0; s_count];
+    let mut tail_f = vec![0; s_count];
+    for s in 0..s_count {
+        tail_w[s] = opt[rank_of[s]];
+        tail_i[s] = w[s] + tail_w[s];
+        if s > 0 {
+            tail_i[s] = tail_i[s].max(comm_b[s] + i[s - 1] + tail_i[s - 1]);
+        }
+    }
+    for s in (0..s_count).rev() {
+        tail_f[s] = i[s] + tail_i[s];
+        if s + 1 < s_count {
+            tail_f[s] = tail_f[s].max(comm_f[s] + f[s + 1] + tail_f[s + 1]);
+        }
+    }
+    [tail_f, tail_i, tail_w]
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

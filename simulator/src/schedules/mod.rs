@@ -9,4 +9,3 @@ pub mod exact;
 pub mod forward_only;
 pub mod generators;
 pub mod zb_auto;
-pub mod zb_waves;
