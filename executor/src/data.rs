@@ -1,5 +1,5 @@
 //! A step's real input: token ids, labels and loss weights of every microbatch, and the explicit
-//! loss reduction (DESIGN point 5).
+//! loss reduction (design point 5 in docs/design.md).
 
 use flatpipe_simulator::Microbatch;
 use flatpipe_simulator::batching::microbatch::Chunk;
@@ -228,7 +228,7 @@ mod tests {
 
     #[test]
     fn per_token_mean_is_not_the_mean_of_means() {
-        // The bug class of DESIGN point 5: 2 tokens with loss sum 2.0, 8 tokens with 4.0.
+        // The bug class of design point 5 in docs/design.md: 2 tokens with loss sum 2.0, 8 tokens with 4.0.
         let parts = [(2.0, 2), (4.0, 8)];
         assert!((per_token_mean(&parts) - 0.6).abs() < 1e-12);
         let mean_of_means = (2.0 / 2.0 + 4.0 / 8.0) / 2.0;

@@ -1,4 +1,4 @@
-//! The one interpreter (DESIGN point 6): every schedule, `pp = 1` included, runs through
+//! The one interpreter (design point 6 in docs/design.md): every schedule, `pp = 1` included, runs through
 //! [`run_step`].
 //!
 //! One worker thread per rank (and per data-parallel replica) walks its action list from the

@@ -1,5 +1,5 @@
 //! Exports of a plan to torchtitan, Megatron-LM and PyTorch's pipeline-order CSV
-//! (formats: `shared/reference/interop.md`, gathered 2026-11).
+//! (formats: `docs/reference.md`, "Formats of other tools", gathered 2026-11).
 
 use crate::{Error, Result};
 use flatpipe_profiles::{LayerKind, Profile, StepSize, Workload};

@@ -2,7 +2,7 @@
 //! the peak activation memory and the most microbatches in flight. No [`crate::Timeline`] is
 //! built, so a step that needs no chart costs the replay's arithmetic alone (the timeline of a
 //! p = 64, m = 4096 1F1B step is ~45 MB of stores; without it the replay runs ~1.6x faster,
-//! README "Performance").
+//! docs/performance.md).
 //!
 //! The numbers equal those [`crate::replay::metrics::metrics`] computes from the full timeline, the
 //! peaks up to the order of their floating-point sums (the property tests in

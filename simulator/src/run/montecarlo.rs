@@ -3,7 +3,7 @@
 //!
 //! Schedule capacity (`--capacity`):
 //! - `dynamic` (default): each step's schedule is built for that step's microbatch count
-//!   (DESIGN point 3).
+//!   (design point 3 in docs/design.md).
 //! - `K` (the torchtitan-style baseline): the schedule is built once for K microbatches. A
 //!   step with n microbatches runs `ceil(n / K)` rounds of that schedule one after the other,
 //!   each ending with a pipeline flush (the next round starts when the previous one has
