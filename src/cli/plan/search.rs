@@ -1,0 +1,214 @@
+//! `plan`'s search: the options resolved into a search space and configuration, and the search run with progress.
+
+use super::*;
+
+/// A search resolved from `plan`'s flags: every default decided here, once.
+pub(super) struct ResolvedSearch {
+    /// The Gantt chart's path (`--gantt`, none for `none`).
+    pub(super) chart: Option<std::path::PathBuf>,
+    pub(super) profile: Profile,
+    pub(super) workload: Workload,
+    pub(super) workload_name: String,
+    /// Per-rank memory limit, bytes.
+    pub(super) limit: f64,
+    pub(super) space: planner::search::SearchSpace,
+    pub(super) config: planner::search::SearchConfig,
+    pub(super) seed: u64,
+    pub(super) size: StepSize,
+}
+
+/// Resolves `plan`'s flags into a [`ResolvedSearch`], refusing a bad output path or a search
+/// too large for memory before it starts.
+pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
+    use planner::search::{RankBy, SearchConfig, SearchSpace};
+    // A bad output path is found before the search, not after it.
+    let chart = super::chart_path(&a.gantt, "flatpipe-plan.png");
+    super::check_outputs(chart.iter().chain(&a.output))?;
+    if let Some(c) = &chart {
+        sim::io::gantt::check_chart_path(c)?;
+    }
+    let profile = resolve_profile(
+        a.inputs.profile.as_deref(),
+        a.inputs.model.as_deref(),
+        a.inputs.hardware.as_deref(),
+    )?;
+    let workload_name = a
+        .inputs
+        .workload
+        .clone()
+        .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
+    let workload = builtins::workload(&workload_name)?;
+    let limit = memory_limit(a.memory_limit.as_deref(), &profile)?;
+    let mut space = SearchSpace::default_for(a.ranks);
+    if !a.pp.is_empty() {
+        space.pp = dedup(a.pp.clone());
+    }
+    if !a.vpp.is_empty() {
+        space.vpp = dedup(a.vpp.clone());
+    }
+    if !a.schedule.is_empty() {
+        space.kinds = parse_kinds(&a.schedule)?;
+    }
+    if !a.token_budgets.is_empty() {
+        if a.token_budgets.contains(&0) {
+            bail!("--token-budgets: 0 is invalid: every budget >= 1 token");
+        }
+        space.token_budgets = dedup(a.token_budgets.clone());
+    }
+    if !a.recompute.is_empty() {
+        space.recompute = a
+            .recompute
+            .iter()
+            .map(|r| match r.trim() {
+                "none" => Ok(sim::costs::Recompute::None),
+                "selective" => Ok(sim::costs::Recompute::Selective),
+                "full" => Ok(sim::costs::Recompute::Full),
+                other => Err(anyhow::anyhow!(
+                    "--recompute `{other}` is invalid: one of none, selective, full"
+                )),
+            })
+            .collect::<Result<_>>()?;
+    }
+    if !a.sharding.is_empty() {
+        space.sharding = dedup(
+            a.sharding
+                .iter()
+                .map(|m| m.trim().parse::<sim::costs::sharding::Sharding>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?,
+        );
+    }
+    if !a.tp.is_empty() {
+        let valid: Vec<u32> = planner::search::tensor_parallel_degrees(&profile)
+            .into_iter()
+            .filter(|t| a.ranks % t == 0)
+            .collect();
+        if let Some(t) = a.tp.iter().find(|t| !valid.contains(t)) {
+            bail!(
+                "--tp {t} is invalid: one of {} (divisors of the {} GPUs per node of {} that divide {}'s attention and key-value heads and --ranks {})",
+                valid
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                profile.hardware.gpus_per_node,
+                profile.hardware.name,
+                profile.model,
+                a.ranks
+            );
+        }
+        space.tp = dedup(a.tp.clone());
+    }
+    space.sequence_parallel = !a.no_sequence_parallel;
+    space.chunk = !a.no_chunk;
+    if a.keep == 0 {
+        bail!("--keep = 0 is invalid: >= 1 plan");
+    }
+    let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, None, &workload)?;
+    let seed = a.seed.unwrap_or(workload.seed);
+    let config = SearchConfig {
+        steps: a.steps,
+        seed,
+        size,
+        memory_limit_bytes: limit,
+        state_bytes: None,
+        rank_by: match a.rank_by {
+            RankByArg::Mean => RankBy::Mean,
+            RankByArg::P90 => RankBy::P90,
+        },
+        keep: a.keep,
+        exact_split: match a.split_solver {
+            SplitSolver::Dp => planner::partition::ExactSplit::Off,
+            SplitSolver::Highs => {
+                if !planner::HIGHS {
+                    bail!(
+                        "--split-solver highs: this flatpipe was built without HiGHS; rebuild with `cargo build --release --features highs` (needs cmake and libclang), or use the built-in `bnb`"
+                    );
+                }
+                planner::partition::ExactSplit::Highs {
+                    time_limit_s: planner::partition::MILP_TIME_LIMIT_S,
+                }
+            }
+            SplitSolver::Bnb => planner::partition::ExactSplit::DEFAULT,
+        },
+        forward_only: a.fo.spec()?,
+    };
+    // The search keeps every sampled step and runs one Monte Carlo per candidate: the largest
+    // candidate (most ranks per pipeline, most stages per rank, smallest budget) sets the peak.
+    let mut widest = flatpipe_simulator::run::config::RunConfig::new(
+        ScheduleSource::Kind(ScheduleKind::OneFOneB),
+        space.pp.iter().copied().max().unwrap_or(1),
+        space.vpp.iter().copied().max().unwrap_or(1).max(2),
+        Vec::new(),
+        space.policy,
+        Capacity::Dynamic,
+    );
+    widest.params.token_budget = space.token_budgets.iter().copied().min().unwrap_or(1);
+    super::check_monte_carlo_memory(
+        "the plan search",
+        &workload,
+        seed,
+        size,
+        a.steps,
+        a.steps,
+        &[widest],
+    )?;
+    Ok(ResolvedSearch {
+        chart,
+        profile,
+        workload,
+        workload_name,
+        limit,
+        space,
+        config,
+        seed,
+        size,
+    })
+}
+
+/// Runs the plan search with a progress bar once it takes over a second, logging what is
+/// searched and how long it took.
+pub(super) fn search_with_progress(
+    profile: &Profile,
+    workload: &Workload,
+    space: &planner::search::SearchSpace,
+    config: &planner::search::SearchConfig,
+) -> Result<planner::search::SearchResult> {
+    let bar = std::sync::Mutex::new(None::<indicatif::ProgressBar>);
+    let start = std::time::Instant::now();
+    let progress = |done: usize, total: usize| {
+        let mut b = bar.lock().expect("progress lock");
+        if b.is_none() && start.elapsed() > std::time::Duration::from_secs(1) {
+            let pb = indicatif::ProgressBar::new(total as u64);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} candidates  {elapsed}",
+            ) {
+                pb.set_style(style);
+            }
+            *b = Some(pb);
+        }
+        if let Some(pb) = b.as_ref() {
+            pb.set_position(done as u64);
+        }
+    };
+    tracing::info!(
+        "plan: searching pp {:?}, token budgets {:?}, {} schedule(s) on {} ranks over {} sampled steps",
+        space.pp,
+        space.token_budgets,
+        space.kinds.len(),
+        space.ranks,
+        config.steps
+    );
+    let search_start = std::time::Instant::now();
+    let result = planner::search::search(profile, workload, space, config, &progress)?;
+    tracing::info!(
+        "plan: {} candidate(s) ranked, {} rejected, in {:.2} s",
+        result.ranked.len(),
+        result.rejected.len(),
+        search_start.elapsed().as_secs_f64()
+    );
+    if let Some(pb) = bar.lock().expect("progress lock").take() {
+        pb.finish_and_clear();
+    }
+    Ok(result)
+}

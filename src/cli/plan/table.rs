@@ -1,0 +1,78 @@
+//! `plan`'s table of ranked plans.
+
+use super::*;
+
+/// `plan`'s table: the ranked plans, best first, each with its layout, predicted step time,
+/// lower bound and peak memory against the per-rank `limit` (bytes).
+pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let mut t = new_table(&[
+        "#",
+        "schedule",
+        "tp",
+        "dp",
+        "pp",
+        "v",
+        "budget",
+        "chunk",
+        "sharding",
+        "mean",
+        "p90",
+        "bubble",
+        "lower bound",
+        "gap",
+        "peak mem (max rank)",
+        "layers per stage",
+        "recompute",
+    ]);
+    for r in rows {
+        let c = &r.candidate;
+        let sizes: Vec<String> = c
+            .partition
+            .stages
+            .iter()
+            .map(|x| x.len().to_string())
+            .collect();
+        let rec = recompute_summary(&c.partition.recompute);
+        t.add_row([
+            r.rank.to_string(),
+            c.schedule_name(),
+            c.tp.to_string(),
+            c.dp.to_string(),
+            c.pp.to_string(),
+            c.vpp.to_string(),
+            c.token_budget.to_string(),
+            c.chunk_tokens.map_or("-".into(), |n| n.to_string()),
+            c.sharding.to_string(),
+            fmt_s(c.summary.step_time_s.mean),
+            fmt_s(c.summary.step_time_s.p90),
+            pct(c.summary.bubble_ratio_mean),
+            fmt_s(c.lower_bound_s),
+            format!("{:+.1}%", 100.0 * r.gap_to_lower_bound),
+            format!(
+                "{:.1} / {:.1} GiB",
+                gib(c.peak_memory_bytes.iter().copied().fold(0.0, f64::max)),
+                gib(limit)
+            ),
+            sizes.join("/"),
+            rec,
+        ]);
+    }
+    t
+}
+
+/// `none x6, full x2` (run-length counts of the per-stage modes, in stage order).
+pub(in crate::cli) fn recompute_summary(modes: &[sim::costs::Recompute]) -> String {
+    let mut parts: Vec<(sim::costs::Recompute, usize)> = Vec::new();
+    for &m in modes {
+        match parts.last_mut() {
+            Some((last, n)) if *last == m => *n += 1,
+            _ => parts.push((m, 1)),
+        }
+    }
+    parts
+        .iter()
+        .map(|(m, n)| format!("{} x{n}", format!("{m:?}").to_lowercase()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
