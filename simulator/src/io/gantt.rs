@@ -11,6 +11,7 @@ use crate::ir::{Action, ActionKind};
 use crate::replay::timeline::Timeline;
 use crate::{Error, Result};
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::Path;
@@ -72,6 +73,22 @@ fn time_unit(makespan_s: f64) -> (f64, &'static str) {
     }
 }
 
+/// Rank r's row spans y from [`row_bottom`] to that + 1 in the chart's data coordinates (rank 0
+/// on top); boxes leave this much of the row free above and below.
+const ROW_PAD: f64 = 0.12;
+
+/// The bottom of rank `r`'s row of `p`, in the chart's data coordinates.
+fn row_bottom(p: usize, r: usize) -> f64 {
+    (p - 1 - r) as f64
+}
+
+/// The chart's data coordinates: x in time units (`time_unit`), y in rows.
+type Plane = Cartesian2d<RangedCoordf64, RangedCoordf64>;
+/// A box in the chart's data coordinates.
+type DataBox = Rectangle<(f64, f64)>;
+/// A label in the chart's data coordinates.
+type DataText = Text<'static, (f64, f64), String>;
+
 fn draw<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     title: &str,
@@ -109,13 +126,14 @@ fn draw<DB: DrawingBackend>(
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(e)?;
-    let row = |r: usize| (p - 1 - r) as f64; // bottom of rank r's row
-    let pad = 0.12;
     // Row backgrounds: what stays visible is idle time.
     chart
         .draw_series((0..p).map(|r| {
             Rectangle::new(
-                [(0.0, row(r) + pad), (x_max, row(r) + 1.0 - pad)],
+                [
+                    (0.0, row_bottom(p, r) + ROW_PAD),
+                    (x_max, row_bottom(p, r) + 1.0 - ROW_PAD),
+                ],
                 RGBColor(236, 239, 241).filled(),
             )
         }))
@@ -125,6 +143,20 @@ fn draw<DB: DrawingBackend>(
         let (b, _) = chart.backend_coord(&(x_max, 0.0));
         (b - a).max(1) as f64 / x_max
     };
+    let (boxes, labels) = op_boxes(t, p, scale, px_per_unit);
+    chart.draw_series(boxes).map_err(e)?;
+    chart.draw_series(labels).map_err(e)?;
+    draw_rank_names(root, &chart, p).map_err(e)?;
+    draw_legend(root, w, &legend_entries(t)).map_err(e)?;
+    root.present().map_err(e)?;
+    Ok(())
+}
+
+/// Every op's box (split in two halves for an overlapped pair: forward above, backward
+/// below), its thin white edge and each rank's optimizer step, with the microbatch labels of
+/// the boxes wide enough to hold them; in data coordinates, x = seconds * `scale`, for `p`
+/// rows, `px_per_unit` pixels per x unit.
+fn op_boxes(t: &Timeline, p: usize, scale: f64, px_per_unit: f64) -> (Vec<DataBox>, Vec<DataText>) {
     let label_style = ("sans-serif", 11)
         .into_font()
         .color(&WHITE)
@@ -132,7 +164,7 @@ fn draw<DB: DrawingBackend>(
     let mut boxes = Vec::new();
     let mut labels = Vec::new();
     for (r, ops) in t.compute.iter().enumerate() {
-        let (y0, y1) = (row(r) + pad, row(r) + 1.0 - pad);
+        let (y0, y1) = (row_bottom(p, r) + ROW_PAD, row_bottom(p, r) + 1.0 - ROW_PAD);
         let stages = rank_stages(ops);
         let chunk = |s: u32| stages.binary_search(&s).unwrap_or(0);
         for op in ops {
@@ -184,31 +216,41 @@ fn draw<DB: DrawingBackend>(
             ));
         }
     }
-    chart.draw_series(boxes).map_err(e)?;
-    chart.draw_series(labels).map_err(e)?;
-    // Rank names left of the rows, and a legend under the caption.
+    (boxes, labels)
+}
+
+/// Rank names left of the `p` rows of `chart`; with rows thinner than the font, every k-th
+/// rank's (and the last).
+fn draw_rank_names<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &ChartContext<'_, DB, Plane>,
+    p: usize,
+) -> std::result::Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     let row_px = {
         let (_, a) = chart.backend_coord(&(0.0, 0.0));
         let (_, b) = chart.backend_coord(&(0.0, 1.0));
         (a - b).abs().max(1)
     };
     let font_px = row_px.clamp(9, 14);
-    // With rows thinner than the font, name every k-th rank (and the last).
     let every = (font_px as usize + 2).div_ceil(row_px as usize).max(1);
     let name_style = ("sans-serif", font_px)
         .into_font()
         .color(&BLACK)
         .pos(Pos::new(HPos::Right, VPos::Center));
     for r in (0..p).filter(|r| r % every == 0 || *r == p - 1) {
-        let (x, y) = chart.backend_coord(&(0.0, row(r) + 0.5));
+        let (x, y) = chart.backend_coord(&(0.0, row_bottom(p, r) + 0.5));
         root.draw(&Text::new(
             format!("rank {r}"),
             (x - 8, y),
             name_style.clone(),
-        ))
-        .map_err(e)?;
+        ))?;
     }
-    // The legend lists what the chart shows, centred on its own line under the title.
+    Ok(())
+}
+
+/// What the legend lists, in order: the action kinds the chart shows, the shades of a rank's
+/// later stages (interleaved, V) when some rank has several, and the optimizer step if drawn.
+fn legend_entries(t: &Timeline) -> Vec<(&'static str, RGBColor)> {
     let shown = |k: ActionKind| {
         t.compute
             .iter()
@@ -226,7 +268,6 @@ fn draw<DB: DrawingBackend>(
     .filter(|(_, k)| shown(*k))
     .map(|(n, k)| (n, color(k)))
     .collect();
-    // Ranks with several stages (interleaved, V) draw later stages darker: name the shades.
     let max_chunks = t
         .compute
         .iter()
@@ -242,11 +283,20 @@ fn draw<DB: DrawingBackend>(
     if t.optimizer.iter().any(Option::is_some) {
         legend.push(("opt", RGBColor(176, 176, 176)));
     }
+    legend
+}
+
+/// The legend, centred on its own line under the title of a chart `w` pixels wide: a swatch
+/// and a name per entry.
+fn draw_legend<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    w: u32,
+    legend: &[(&str, RGBColor)],
+) -> std::result::Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     let slot = |name: &str| 34 + 8 * name.chars().count() as i32;
     let mut x = (w as i32 - legend.iter().map(|(n, _)| slot(n)).sum::<i32>()) / 2;
-    for (name, c) in legend {
-        root.draw(&Rectangle::new([(x, 40), (x + 14, 54)], c.filled()))
-            .map_err(e)?;
+    for &(name, c) in legend {
+        root.draw(&Rectangle::new([(x, 40), (x + 14, 54)], c.filled()))?;
         root.draw(&Text::new(
             name,
             (x + 18, 47),
@@ -254,11 +304,9 @@ fn draw<DB: DrawingBackend>(
                 .into_font()
                 .color(&BLACK)
                 .pos(Pos::new(HPos::Left, VPos::Center)),
-        ))
-        .map_err(e)?;
+        ))?;
         x += slot(name);
     }
-    root.present().map_err(e)?;
     Ok(())
 }
 

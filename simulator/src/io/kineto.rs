@@ -192,58 +192,113 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
         return Err(Error::invalid("trace files", "none", ">= 1 file"));
     }
     let mut warnings = Vec::new();
-    // (file index, event, origin) of PP: events; every file's other events by (pid, tid),
-    // sorted by start, for the nested-operator lookup.
-    let mut raw: Vec<(usize, Value, String)> = Vec::new();
-    let mut ops: BTreeMap<(usize, String, String), Vec<Op>> = BTreeMap::new();
-    for (k, (origin, text)) in files.iter().enumerate() {
-        let doc: Value =
-            serde_json::from_str(text).map_err(|e| bad(origin, "JSON", e, "a JSON trace file"))?;
-        let (events, rank) = events_of(&doc, origin)?;
-        if files.len() > 1
-            && let Some(r) = rank
-            && r != k as u64
-        {
-            warnings.push(format!(
-                "{origin} is file {k} of {} but its trace says rank {r} (distributedInfo.rank): files are taken as ranks in the order given, so give them in rank order",
-                files.len()
-            ));
-        }
-        for e in events {
-            let name = e.get("name").and_then(Value::as_str).unwrap_or_default();
-            if name.starts_with("PP:") {
-                raw.push((k, e, origin.clone()));
-            } else if let Some(ts) = e.get("ts").and_then(Value::as_f64) {
-                let dur = e.get("dur").and_then(Value::as_f64).unwrap_or(0.0);
-                ops.entry((k, id_of(&e, "pid"), id_of(&e, "tid")))
-                    .or_default()
-                    .push((ts, dur, name.starts_with("c10d::")));
+    let mut raw = RawEvents::parse(files, &mut warnings)?;
+    let gpu = raw.keep_gpu_side(&mut warnings);
+    let names = files
+        .iter()
+        .map(|f| f.0.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (events, other_events) = raw.actions(files.len() > 1, gpu)?;
+    if events.is_empty() {
+        return Err(no_compute_actions(names, &other_events));
+    }
+    let per_rank = split_steps(&events);
+    let (steps, step) = choose_step(&per_rank, opts, &names, &mut warnings)?;
+    let chosen: Vec<&Vec<&Event>> = per_rank.iter().map(|v| &v[step]).collect();
+    let measured = StepTimeline::of(&chosen)?;
+    check_dependencies(&measured.compute)?;
+    let schedule = schedule_of(&measured.compute, files)?;
+    let ranks = measured.compute.len();
+    Ok(ImportedTrace {
+        timeline: Timeline {
+            compute: measured.compute,
+            transfers: Vec::new(),
+            optimizer: vec![None; ranks],
+        },
+        schedule,
+        steps,
+        step,
+        leading_wait_ns: measured.leading_wait_ns,
+        other_events,
+        warnings,
+        nested: measured.nested,
+    })
+}
+
+/// The events of every file: the `PP:` events, and every other event by thread for the
+/// nested-operator lookup.
+struct RawEvents {
+    /// (file index, event, origin) of each `PP:` event, in file order.
+    pp: Vec<(usize, Value, String)>,
+    /// Per (file index, pid, tid): the thread's other events, sorted by start.
+    ops: BTreeMap<(usize, String, String), Vec<Op>>,
+}
+
+impl RawEvents {
+    /// Parses `files` (`(origin, text)`), warning in `warnings` when a file of several names
+    /// another rank than its position.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the file for malformed JSON or a document that is not
+    /// a Chrome / Kineto trace.
+    fn parse(files: &[(String, String)], warnings: &mut Vec<String>) -> Result<Self> {
+        let mut raw = RawEvents {
+            pp: Vec::new(),
+            ops: BTreeMap::new(),
+        };
+        for (k, (origin, text)) in files.iter().enumerate() {
+            let doc: Value = serde_json::from_str(text)
+                .map_err(|e| bad(origin, "JSON", e, "a JSON trace file"))?;
+            let (events, rank) = events_of(&doc, origin)?;
+            if files.len() > 1
+                && let Some(r) = rank
+                && r != k as u64
+            {
+                warnings.push(format!(
+                    "{origin} is file {k} of {} but its trace says rank {r} (distributedInfo.rank): files are taken as ranks in the order given, so give them in rank order",
+                    files.len()
+                ));
+            }
+            for e in events {
+                let name = e.get("name").and_then(Value::as_str).unwrap_or_default();
+                if name.starts_with("PP:") {
+                    raw.pp.push((k, e, origin.clone()));
+                } else if let Some(ts) = e.get("ts").and_then(Value::as_f64) {
+                    let dur = e.get("dur").and_then(Value::as_f64).unwrap_or(0.0);
+                    raw.ops
+                        .entry((k, id_of(&e, "pid"), id_of(&e, "tid")))
+                        .or_default()
+                        .push((ts, dur, name.starts_with("c10d::")));
+                }
             }
         }
+        for v in raw.ops.values_mut() {
+            v.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        Ok(raw)
     }
-    for v in ops.values_mut() {
-        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+
+    /// Keeps only the GPU-side `PP:` events (`gpu_user_annotation`) when there are any, and
+    /// says whether there were; else warns that the CPU-side spans time the CPU.
+    fn keep_gpu_side(&mut self, warnings: &mut Vec<String>) -> bool {
+        let is_gpu =
+            |e: &Value| e.get("cat").and_then(Value::as_str) == Some("gpu_user_annotation");
+        let gpu = self.pp.iter().any(|(_, e, _)| is_gpu(e));
+        if gpu {
+            self.pp.retain(|(_, e, _)| is_gpu(e));
+        } else if !self.pp.is_empty() {
+            warnings.push(
+                "only CPU-side annotations (user_annotation): their spans time what the CPU did; on a GPU the kernels' time is what matters, so profile with ProfilerActivity.CUDA to get gpu_user_annotation events".to_string(),
+            );
+        }
+        gpu
     }
-    let names = || {
-        files
-            .iter()
-            .map(|f| f.0.as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let gpu = raw
-        .iter()
-        .any(|(_, e, _)| e.get("cat").and_then(Value::as_str) == Some("gpu_user_annotation"));
-    if gpu {
-        raw.retain(|(_, e, _)| e.get("cat").and_then(Value::as_str) == Some("gpu_user_annotation"));
-    } else if !raw.is_empty() {
-        warnings.push(
-            "only CPU-side annotations (user_annotation): their spans time what the CPU did; on a GPU the kernels' time is what matters, so profile with ProfilerActivity.CUDA to get gpu_user_annotation events".to_string(),
-        );
-    }
-    // Ranks: file index with several files, else pid order.
-    let pid_rank: BTreeMap<(u64, String), usize> = {
-        let mut pids: Vec<(u64, String)> = raw
+
+    /// The rank of each `pid` of a single file, in increasing (numeric, then text) order.
+    fn pid_ranks(&self) -> BTreeMap<(u64, String), usize> {
+        let mut pids: Vec<(u64, String)> = self
+            .pp
             .iter()
             .map(|(_, e, _)| {
                 let p = id_of(e, "pid");
@@ -253,27 +308,70 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
         pids.sort();
         pids.dedup();
         pids.into_iter().enumerate().map(|(i, p)| (p, i)).collect()
-    };
-    let mut other_events: BTreeMap<String, usize> = BTreeMap::new();
-    let mut events = Vec::with_capacity(raw.len());
-    for (k, e, origin) in &raw {
-        let name = e["name"].as_str().unwrap_or_default();
-        let text = &name[3..];
-        let action: Action = match text.parse() {
-            Ok(a) => a,
-            Err(err) => {
-                if let Some(label) = other_action(text) {
-                    *other_events.entry(label).or_default() += 1;
-                    continue;
+    }
+
+    /// The compute actions among the `PP:` events (ranks: the file index when
+    /// `several_files`, else the pid's order), with what ran inside each CPU-side span (none
+    /// when `gpu`); and the other `PP:` labels, without stage and microbatch, with their
+    /// counts.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the file and event for an unknown `PP:` label or a
+    /// missing or negative `ts` / `dur`.
+    fn actions(
+        &self,
+        several_files: bool,
+        gpu: bool,
+    ) -> Result<(Vec<Event>, BTreeMap<String, usize>)> {
+        let pid_rank = self.pid_ranks();
+        let mut other_events: BTreeMap<String, usize> = BTreeMap::new();
+        let mut events = Vec::with_capacity(self.pp.len());
+        for (k, e, origin) in &self.pp {
+            let name = e["name"].as_str().unwrap_or_default();
+            let text = &name[3..];
+            let action: Action = match text.parse() {
+                Ok(a) => a,
+                Err(err) => {
+                    if let Some(label) = other_action(text) {
+                        *other_events.entry(label).or_default() += 1;
+                        continue;
+                    }
+                    return Err(bad(
+                        origin,
+                        format!("event {name}"),
+                        err,
+                        "PP:<stage><F|I|W|B><microbatch>, PP:(..;..)OVERLAP_F_B, or one of PyTorch's other pipeline actions (SEND_F, RECV_B, UNSHARD, WAIT_..., REDUCE_GRAD)",
+                    ));
                 }
-                return Err(bad(
-                    origin,
-                    format!("event {name}"),
-                    err,
-                    "PP:<stage><F|I|W|B><microbatch>, PP:(..;..)OVERLAP_F_B, or one of PyTorch's other pipeline actions (SEND_F, RECV_B, UNSHARD, WAIT_..., REDUCE_GRAD)",
-                ));
-            }
-        };
+            };
+            let rank = if several_files {
+                *k
+            } else {
+                let p = id_of(e, "pid");
+                pid_rank[&(p.parse::<u64>().unwrap_or(u64::MAX), p)]
+            };
+            events.push(self.event(*k, e, origin, rank, action, gpu)?);
+        }
+        Ok((events, other_events))
+    }
+
+    /// The [`Event`] of compute action `action` on `rank`, from the `PP:` event `e` of file
+    /// `k`: its span, us, and what its thread ran inside it (nothing for a GPU-side span, which
+    /// runs from its first kernel to its last already).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the file and event for a missing, negative or
+    /// non-finite `ts` / `dur`.
+    fn event(
+        &self,
+        k: usize,
+        e: &Value,
+        origin: &str,
+        rank: usize,
+        action: Action,
+        gpu: bool,
+    ) -> Result<Event> {
+        let name = e["name"].as_str().unwrap_or_default();
         let num = |field: &str| -> Result<f64> {
             e.get(field)
                 .and_then(Value::as_f64)
@@ -287,16 +385,10 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
                     )
                 })
         };
-        let rank = if files.len() > 1 {
-            *k
-        } else {
-            let p = id_of(e, "pid");
-            pid_rank[&(p.parse::<u64>().unwrap_or(u64::MAX), p)]
-        };
         let (ts_us, dur_us) = (num("ts")?, num("dur")?);
-        // GPU-side spans run from their first kernel to their last already.
-        let inside: &[Op] = ops
-            .get(&(*k, id_of(e, "pid"), id_of(e, "tid")))
+        let inside: &[Op] = self
+            .ops
+            .get(&(k, id_of(e, "pid"), id_of(e, "tid")))
             .filter(|_| !gpu)
             .map_or(&[], |v| {
                 let i = v.partition_point(|o| o.0 < ts_us);
@@ -306,7 +398,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
         let first_nested_us = inside.first().map(|o| o.0);
         // c10d calls do not nest in one another (their gloo:/nccl: children are not c10d::).
         let comm_us: f64 = inside.iter().filter(|o| o.2).map(|o| o.1).sum();
-        events.push(Event {
+        Ok(Event {
             rank,
             action,
             ts_us,
@@ -316,27 +408,34 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
                 events: u32::try_from(inside.len()).unwrap_or(u32::MAX),
                 comm_ns: (comm_us * 1e3).round() as u64,
             },
-        });
+        })
     }
-    if events.is_empty() {
-        return Err(bad(
-            names(),
-            "traceEvents",
-            if other_events.is_empty() {
-                "no `PP:` events".to_string()
-            } else {
-                format!("`PP:` events but no compute action among them ({other_events:?})")
-            },
-            "complete events (ph X) named PP:<action> (PP:0F1, PP:1I0, ...) around each pipeline action: PyTorch's ScheduleGPipe and Schedule1F1B record none, its multi-stage schedules (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, _PipelineScheduleRuntime) and flatpipe.torch's runtime do; or wrap your own with torch.profiler.record_function(f\"PP:{action}\")",
-        ));
-    }
+}
+
+/// The error for traces (`names`) without a `PP:` compute action, saying how to get them.
+fn no_compute_actions(names: String, other_events: &BTreeMap<String, usize>) -> Error {
+    bad(
+        names,
+        "traceEvents",
+        if other_events.is_empty() {
+            "no `PP:` events".to_string()
+        } else {
+            format!("`PP:` events but no compute action among them ({other_events:?})")
+        },
+        "complete events (ph X) named PP:<action> (PP:0F1, PP:1I0, ...) around each pipeline action: PyTorch's ScheduleGPipe and Schedule1F1B record none, its multi-stage schedules (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, _PipelineScheduleRuntime) and flatpipe.torch's runtime do; or wrap your own with torch.profiler.record_function(f\"PP:{action}\")",
+    )
+}
+
+/// Per rank, per step, the rank's events in time order (sorts `events` by rank, then start):
+/// a rank's step ends where an action it already ran comes again.
+fn split_steps(events: &[Event]) -> Vec<Vec<Vec<&Event>>> {
     let ranks = events.iter().map(|e| e.rank).max().unwrap_or(0) + 1;
-    events.sort_by(|a, b| a.rank.cmp(&b.rank).then(a.ts_us.total_cmp(&b.ts_us)));
-    // Steps: a rank's step ends where an action it already ran comes again.
+    let mut sorted: Vec<&Event> = events.iter().collect();
+    sorted.sort_by(|a, b| a.rank.cmp(&b.rank).then(a.ts_us.total_cmp(&b.ts_us)));
     let mut per_rank: Vec<Vec<Vec<&Event>>> = vec![vec![Vec::new()]; ranks];
     let mut seen: Vec<std::collections::HashSet<String>> =
         vec![std::collections::HashSet::new(); ranks];
-    for e in &events {
+    for e in sorted {
         let key = e.action.to_string();
         if !seen[e.rank].insert(key.clone()) {
             seen[e.rank].clear();
@@ -345,10 +444,25 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
         }
         per_rank[e.rank].last_mut().expect("a step").push(e);
     }
+    per_rank
+}
+
+/// The trace's step count and the step to import ([`ImportOptions::step`], else the last),
+/// with a warning in `warnings` when the trace holds several.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the traces (`names`) when the ranks' step counts differ
+/// or the step is out of range.
+fn choose_step(
+    per_rank: &[Vec<Vec<&Event>>],
+    opts: &ImportOptions,
+    names: &str,
+    warnings: &mut Vec<String>,
+) -> Result<(usize, usize)> {
     let steps = per_rank[0].len();
     if let Some((r, v)) = per_rank.iter().enumerate().find(|(_, v)| v.len() != steps) {
         return Err(bad(
-            names(),
+            names,
             format!("rank {r}"),
             format!("{} steps (rank 0 has {steps})", v.len()),
             "the same number of steps on every rank (a step ends where a rank's actions repeat)",
@@ -357,7 +471,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
     let step = opts.step.unwrap_or(steps - 1);
     if step >= steps {
         return Err(bad(
-            names(),
+            names,
             "step",
             step,
             &format!("0..{steps} (the trace holds {steps} steps)"),
@@ -365,7 +479,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
     }
     if steps > 1 {
         warnings.push(format!(
-            "the trace holds {steps} steps: step {step} imported{} (--step N for another)",
+            "the trace holds {steps} steps: step {step} imported{} (choose another by its step number, 0-based)",
             if opts.step.is_none() {
                 ", the last"
             } else {
@@ -373,45 +487,76 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
             }
         ));
     }
-    let chosen: Vec<&Vec<&Event>> = per_rank.iter().map(|v| &v[step]).collect();
-    let start = |e: &Event| e.first_nested_us.unwrap_or(e.ts_us);
-    let t0 = chosen
-        .iter()
-        .flat_map(|v| v.iter().map(|e| e.ts_us))
-        .fold(f64::INFINITY, f64::min);
-    let mut compute: Vec<Vec<TimedOp>> = vec![Vec::new(); ranks];
-    let mut nested: Vec<Vec<NestedEvents>> = vec![Vec::new(); ranks];
-    let mut leading_wait_ns = vec![0u64; ranks];
-    for (r, evs) in chosen.iter().enumerate() {
-        for e in evs.iter() {
-            let end_ns = ((e.ts_us + e.dur_us - t0) * 1e3).round() as u64;
-            let span_start_ns = ((e.ts_us - t0) * 1e3).round() as u64;
-            let start_ns = (((start(e) - t0) * 1e3).round() as u64).clamp(span_start_ns, end_ns);
-            leading_wait_ns[r] += start_ns - span_start_ns;
-            if let Some(prev) = compute[r].last()
-                && start_ns < prev.end_ns
-            {
-                return Err(bad(
-                    format!("rank {r}"),
-                    format!("PP:{}", e.action),
-                    format!(
-                        "starts at {:.1} us, before PP:{} ends at {:.1} us",
-                        e.ts_us - t0,
-                        prev.action,
-                        prev.end_ns as f64 / 1e3
-                    ),
-                    "one action at a time per rank (no overlapping PP: events)",
-                ));
+    Ok((steps, step))
+}
+
+/// The measured timeline of one step, per rank, times in ns from the step's first action.
+struct StepTimeline {
+    /// Each action from its first nested operator (clamped to its span) to its end.
+    compute: Vec<Vec<TimedOp>>,
+    /// What ran inside each action's span, same order as `compute`.
+    nested: Vec<Vec<NestedEvents>>,
+    /// The time between the actions' starts and their first nested operators, summed.
+    leading_wait_ns: Vec<u64>,
+}
+
+impl StepTimeline {
+    /// The timeline of `chosen` (per rank, the step's events in time order).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the rank and action when an action starts before the
+    /// previous one on its rank ends.
+    fn of(chosen: &[&Vec<&Event>]) -> Result<Self> {
+        let ranks = chosen.len();
+        let start = |e: &Event| e.first_nested_us.unwrap_or(e.ts_us);
+        let t0 = chosen
+            .iter()
+            .flat_map(|v| v.iter().map(|e| e.ts_us))
+            .fold(f64::INFINITY, f64::min);
+        let mut out = StepTimeline {
+            compute: vec![Vec::new(); ranks],
+            nested: vec![Vec::new(); ranks],
+            leading_wait_ns: vec![0u64; ranks],
+        };
+        for (r, evs) in chosen.iter().enumerate() {
+            for e in evs.iter() {
+                let end_ns = ((e.ts_us + e.dur_us - t0) * 1e3).round() as u64;
+                let span_start_ns = ((e.ts_us - t0) * 1e3).round() as u64;
+                let start_ns =
+                    (((start(e) - t0) * 1e3).round() as u64).clamp(span_start_ns, end_ns);
+                out.leading_wait_ns[r] += start_ns - span_start_ns;
+                if let Some(prev) = out.compute[r].last()
+                    && start_ns < prev.end_ns
+                {
+                    return Err(bad(
+                        format!("rank {r}"),
+                        format!("PP:{}", e.action),
+                        format!(
+                            "starts at {:.1} us, before PP:{} ends at {:.1} us",
+                            e.ts_us - t0,
+                            prev.action,
+                            prev.end_ns as f64 / 1e3
+                        ),
+                        "one action at a time per rank (no overlapping PP: events)",
+                    ));
+                }
+                out.compute[r].push(TimedOp {
+                    action: e.action,
+                    start_ns,
+                    end_ns,
+                });
+                out.nested[r].push(e.nested);
             }
-            compute[r].push(TimedOp {
-                action: e.action,
-                start_ns,
-                end_ns,
-            });
-            nested[r].push(e.nested);
         }
+        Ok(out)
     }
-    // On each rank, a stage's microbatch runs F before I or B, and I before W.
+}
+
+/// Checks that on each rank a stage's microbatch runs F before I or B, and I before W.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the rank and the first action that runs too early.
+fn check_dependencies(compute: &[Vec<TimedOp>]) -> Result<()> {
     for (r, ops) in compute.iter().enumerate() {
         let mut seen: std::collections::HashSet<(u32, u32, u8)> = std::collections::HashSet::new();
         for o in ops {
@@ -445,7 +590,15 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
             }
         }
     }
-    // The ranks' action lists as PyTorch's CSV: the reader infers and checks the placement.
+    Ok(())
+}
+
+/// The ranks' action lists as a schedule, read as PyTorch's CSV (the reader infers and checks
+/// the placement), named after the file or the file count.
+///
+/// # Errors
+/// [`Error::InvalidSchedule`] when the actions do not form a valid schedule.
+fn schedule_of(compute: &[Vec<TimedOp>], files: &[(String, String)]) -> Result<Schedule> {
     let csv: String = compute
         .iter()
         .map(|ops| {
@@ -461,21 +614,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
     } else {
         format!("{} trace files", files.len())
     };
-    let schedule = crate::ir::pytorch_csv::read_pytorch_csv(&csv, &name)?;
-    Ok(ImportedTrace {
-        timeline: Timeline {
-            compute,
-            transfers: Vec::new(),
-            optimizer: vec![None; ranks],
-        },
-        schedule,
-        steps,
-        step,
-        leading_wait_ns,
-        other_events,
-        warnings,
-        nested,
-    })
+    crate::ir::pytorch_csv::read_pytorch_csv(&csv, &name)
 }
 
 #[cfg(test)]

@@ -2,7 +2,9 @@
 //! lower bound.
 
 use crate::costs::{CostModel, MemoryUnit, ns_to_s};
-use crate::ir::{Action, ActionKind, ComputeAction, Placement, Rank, Schedule};
+use crate::ir::{
+    Action, ActionKind, ComputeAction, MicrobatchId, Placement, Rank, Schedule, StageId,
+};
 use crate::replay::timeline::Timeline;
 use serde::Serialize;
 
@@ -110,179 +112,15 @@ pub fn lower_bound_ns<C: CostModel>(schedule: &Schedule, costs: &C) -> u64 {
 
 /// The terms of the lower bound of `schedule` under `costs`, ns (see [`LowerBoundTerms`]).
 pub fn lower_bound_terms<C: CostModel>(schedule: &Schedule, costs: &C) -> LowerBoundTerms {
-    use crate::ir::{ComputeAction as CA, MicrobatchId, StageId};
-    let s_count = schedule.num_stages();
-    let m = schedule.num_microbatches;
-    let rank_of = &schedule.placement.rank_of;
-    let mut split = vec![false; (s_count * m) as usize];
-    for a in schedule.ranks.iter().flatten().flat_map(Action::parts) {
-        if a.kind == ActionKind::I {
-            split[(a.stage.0 * m + a.microbatch.0) as usize] = true;
-        }
-    }
-    let crosses = |s: u32, t: u32| rank_of[s as usize] != rank_of[t as usize];
-    let first_stage: Vec<u32> = (0..schedule.placement.num_ranks)
-        .map(|r| {
-            schedule
-                .placement
-                .stages_of(Rank(r))
-                .first()
-                .map_or(u32::MAX, |s| s.0)
-        })
-        .collect();
-    let mut fill = vec![u64::MAX; first_stage.len()];
-    // Per rank, the earliest start of any of its backward passes (I or B).
-    let mut first_backward = vec![u64::MAX; first_stage.len()];
-    let mut critical = 0u64;
-    let mut chunk_critical = 0u64;
-    // Chunked sequences: the earliest start of each (stage, chunk)'s backward on its chain.
-    let mut chunk_bwd_start = vec![
-        0u64;
-        if schedule.chunks.is_empty() {
-            0
-        } else {
-            (s_count * m) as usize
-        }
-    ];
-    for ch in &schedule.chunks {
-        let n = ch.len();
-        let sc = s_count as usize;
-        let id = |s: usize, k: usize, kind| CA {
-            stage: StageId(s as u32),
-            microbatch: ch[k],
-            kind,
-        };
-        let is_split = |s: usize, k: usize| split[s * m as usize + ch[k].idx()];
-        let bwd_kind = |s, k| {
-            if is_split(s, k) {
-                ActionKind::I
-            } else {
-                ActionKind::B
-            }
-        };
-        let mut ef = vec![0u64; sc * n];
-        for s in 0..sc {
-            for k in 0..n {
-                let mut start = if k > 0 { ef[s * n + k - 1] } else { 0 };
-                if s > 0 {
-                    let c = if crosses(s as u32 - 1, s as u32) {
-                        costs.comm_ns(StageId(s as u32 - 1), ch[k], ActionKind::F)
-                    } else {
-                        0
-                    };
-                    start = start.max(ef[(s - 1) * n + k] + c);
-                }
-                ef[s * n + k] = start + costs.compute_ns(id(s, k, ActionKind::F));
-            }
-        }
-        let mut eb = vec![0u64; sc * n];
-        for s in (0..sc).rev() {
-            for k in (0..n).rev() {
-                let mut start = if k + 1 < n { eb[s * n + k + 1] } else { 0 };
-                if s + 1 < sc {
-                    let c = if crosses(s as u32 + 1, s as u32) {
-                        costs.comm_ns(StageId(s as u32 + 1), ch[k], bwd_kind(s + 1, k))
-                    } else {
-                        0
-                    };
-                    start = start.max(eb[(s + 1) * n + k] + c);
-                } else {
-                    start = start.max(ef[s * n + k]);
-                }
-                chunk_bwd_start[s * m as usize + ch[k].idx()] = start;
-                eb[s * n + k] = start + costs.compute_ns(id(s, k, bwd_kind(s, k)));
-                let w = if is_split(s, k) {
-                    costs.compute_ns(id(s, k, ActionKind::W))
-                } else {
-                    0
-                };
-                chunk_critical = chunk_critical.max(eb[s * n + k] + w);
-            }
-        }
-    }
-    let p = schedule.placement.num_ranks as usize;
-    // Per ordered rank pair: (Σ transfer time, least head, least tail), for the link term.
-    let mut links = vec![(0u64, u64::MAX, u64::MAX); p * p];
-    let mut sends: Vec<(usize, u64, u64)> = Vec::new();
-    let mut chain = |kind: ActionKind, count: u32| {
-        for mb in 0..count {
-            let mut t = 0u64;
-            sends.clear();
-            for s in 0..s_count {
-                let r = rank_of[s as usize].idx();
-                if first_stage[r] == s {
-                    fill[r] = fill[r].min(t);
-                }
-                t += costs.compute_ns(CA {
-                    stage: StageId(s),
-                    microbatch: MicrobatchId(mb),
-                    kind,
-                });
-                if s + 1 < s_count && crosses(s, s + 1) {
-                    let c = costs.comm_ns(StageId(s), MicrobatchId(mb), kind);
-                    sends.push((r * p + rank_of[s as usize + 1].idx(), t, c));
-                    t += c;
-                }
-            }
-            critical = critical.max(t);
-            if kind != ActionKind::Fo {
-                for s in (0..s_count).rev() {
-                    let id = |kind| CA {
-                        stage: StageId(s),
-                        microbatch: MicrobatchId(mb),
-                        kind,
-                    };
-                    let is_split = split[(s * m + mb) as usize];
-                    let r = rank_of[s as usize].idx();
-                    let chained = chunk_bwd_start
-                        .get((s * m + mb) as usize)
-                        .filter(|_| kind == ActionKind::F)
-                        .copied()
-                        .unwrap_or(0);
-                    first_backward[r] = first_backward[r].min(t.max(chained));
-                    let bwd = if is_split {
-                        ActionKind::I
-                    } else {
-                        ActionKind::B
-                    };
-                    t += costs.compute_ns(id(bwd));
-                    let w = if is_split {
-                        costs.compute_ns(id(ActionKind::W))
-                    } else {
-                        0
-                    };
-                    critical = critical.max(t + w);
-                    if s == 0 {
-                        // The path's end: stage 0's backward, then its W.
-                        t += w;
-                    } else if crosses(s, s - 1) {
-                        let c = costs.comm_ns(StageId(s), MicrobatchId(mb), bwd);
-                        sends.push((r * p + rank_of[s as usize - 1].idx(), t, c));
-                        t += c;
-                    }
-                }
-            }
-            // `t` is now the length of this microbatch's path; each transfer's tail is what
-            // of the path follows its arrival.
-            for &(l, head, c) in &sends {
-                let e = &mut links[l];
-                e.0 += c;
-                e.1 = e.1.min(head);
-                e.2 = e.2.min(t - head - c);
-            }
-        }
-    };
-    chain(ActionKind::F, m);
-    chain(ActionKind::Fo, schedule.num_fo_microbatches);
+    let layout = BoundLayout::new(schedule);
+    let chains = layout.chunk_chains(costs);
+    let mut paths = MicrobatchPaths::new(&layout);
+    paths.walk(costs, ActionKind::F, schedule.num_microbatches, &chains);
+    paths.walk(costs, ActionKind::Fo, schedule.num_fo_microbatches, &chains);
     let mut terms = LowerBoundTerms {
-        critical_path_ns: critical,
-        chunk_chains_ns: chunk_critical,
-        link_ns: links
-            .iter()
-            .filter(|e| e.0 > 0)
-            .map(|e| e.1 + e.0 + e.2)
-            .max()
-            .unwrap_or(0),
+        critical_path_ns: paths.critical_ns,
+        chunk_chains_ns: chains.critical_ns,
+        link_ns: paths.link_ns(),
         ..LowerBoundTerms::default()
     };
     for (r, actions) in schedule.ranks.iter().enumerate() {
@@ -295,15 +133,313 @@ pub fn lower_bound_terms<C: CostModel>(schedule: &Schedule, costs: &C) -> LowerB
             })
             .sum::<u64>()
             + opt;
-        let f = if fill[r] == u64::MAX { 0 } else { fill[r] };
+        let f = if paths.fill[r] == u64::MAX {
+            0
+        } else {
+            paths.fill[r]
+        };
         terms.fill_and_work_ns = terms.fill_and_work_ns.max(f + work);
-        if first_backward[r] != u64::MAX {
+        if paths.first_backward[r] != u64::MAX {
             terms.first_backward_and_backward_work_ns = terms
                 .first_backward_and_backward_work_ns
-                .max(first_backward[r] + backward_work_ns(actions, costs) + opt);
+                .max(paths.first_backward[r] + backward_work_ns(actions, costs) + opt);
         }
     }
     terms
+}
+
+/// What the lower bound's steps share: the schedule, and how each (stage, microbatch) runs its
+/// backward.
+struct BoundLayout<'a> {
+    schedule: &'a Schedule,
+    /// Per (stage s, microbatch k), at `s * m + k`: whether the schedule splits its backward
+    /// into I then W (else it runs a fused B).
+    split: Vec<bool>,
+}
+
+impl<'a> BoundLayout<'a> {
+    /// The layout of `schedule`.
+    fn new(schedule: &'a Schedule) -> Self {
+        let m = schedule.num_microbatches;
+        let mut split = vec![false; (schedule.num_stages() * m) as usize];
+        for a in schedule.ranks.iter().flatten().flat_map(Action::parts) {
+            if a.kind == ActionKind::I {
+                split[(a.stage.0 * m + a.microbatch.0) as usize] = true;
+            }
+        }
+        BoundLayout { schedule, split }
+    }
+
+    /// Whether a transfer from stage `s` to stage `t` crosses ranks.
+    fn crosses(&self, s: u32, t: u32) -> bool {
+        let rank_of = &self.schedule.placement.rank_of;
+        rank_of[s as usize] != rank_of[t as usize]
+    }
+
+    /// Whether stage `s` splits the backward of microbatch `mb` (see `split`).
+    fn is_split(&self, s: usize, mb: MicrobatchId) -> bool {
+        self.split[s * self.schedule.num_microbatches as usize + mb.idx()]
+    }
+
+    /// The backward kind stage `s` runs for microbatch `mb`: I when split, else B.
+    fn backward_kind(&self, s: usize, mb: MicrobatchId) -> ActionKind {
+        if self.is_split(s, mb) {
+            ActionKind::I
+        } else {
+            ActionKind::B
+        }
+    }
+
+    /// The grid DAG of each chunked sequence ([`LowerBoundTerms::chunk_chains_ns`]): its
+    /// longest path and the earliest start of every (stage, chunk)'s backward.
+    fn chunk_chains<C: CostModel>(&self, costs: &C) -> ChunkChains {
+        let schedule = self.schedule;
+        let (s_count, m) = (schedule.num_stages() as usize, schedule.num_microbatches);
+        let mut chains = ChunkChains {
+            critical_ns: 0,
+            backward_start_ns: vec![
+                0u64;
+                if schedule.chunks.is_empty() {
+                    0
+                } else {
+                    s_count * m as usize
+                }
+            ],
+        };
+        for ch in &schedule.chunks {
+            let ef = self.chunk_forward_ends(costs, ch);
+            self.chunk_backward(costs, ch, &ef, &mut chains);
+        }
+        chains
+    }
+
+    /// The earliest end of each chunk's forward on each stage along the sequence's chain
+    /// `ch`, ns, at `s * ch.len() + k`: `EF[s][k] = max(EF[s][k-1], EF[s-1][k] + comm) +
+    /// f(s, k)`.
+    fn chunk_forward_ends<C: CostModel>(&self, costs: &C, ch: &[MicrobatchId]) -> Vec<u64> {
+        let (sc, n) = (self.schedule.num_stages() as usize, ch.len());
+        let mut ef = vec![0u64; sc * n];
+        for s in 0..sc {
+            for k in 0..n {
+                let mut start = if k > 0 { ef[s * n + k - 1] } else { 0 };
+                if s > 0 {
+                    let c = if self.crosses(s as u32 - 1, s as u32) {
+                        costs.comm_ns(StageId(s as u32 - 1), ch[k], ActionKind::F)
+                    } else {
+                        0
+                    };
+                    start = start.max(ef[(s - 1) * n + k] + c);
+                }
+                ef[s * n + k] =
+                    start + costs.compute_ns(ComputeAction::new(s as u32, ActionKind::F, ch[k].0));
+            }
+        }
+        ef
+    }
+
+    /// The backwards of the sequence `ch` in reverse chunk order, from the forward ends `ef`
+    /// ([`BoundLayout::chunk_forward_ends`]): `EB[s][k] = max(EB[s][k+1], EB[s+1][k] + comm,
+    /// EF[S-1][k] if s is last) + b(s, k)`, then its W; records each backward's start and the
+    /// longest path in `chains`.
+    fn chunk_backward<C: CostModel>(
+        &self,
+        costs: &C,
+        ch: &[MicrobatchId],
+        ef: &[u64],
+        chains: &mut ChunkChains,
+    ) {
+        let (sc, n) = (self.schedule.num_stages() as usize, ch.len());
+        let m = self.schedule.num_microbatches as usize;
+        let id = |s: usize, k: usize, kind| ComputeAction {
+            stage: StageId(s as u32),
+            microbatch: ch[k],
+            kind,
+        };
+        let mut eb = vec![0u64; sc * n];
+        for s in (0..sc).rev() {
+            for k in (0..n).rev() {
+                let mut start = if k + 1 < n { eb[s * n + k + 1] } else { 0 };
+                if s + 1 < sc {
+                    let c = if self.crosses(s as u32 + 1, s as u32) {
+                        let kind = self.backward_kind(s + 1, ch[k]);
+                        costs.comm_ns(StageId(s as u32 + 1), ch[k], kind)
+                    } else {
+                        0
+                    };
+                    start = start.max(eb[(s + 1) * n + k] + c);
+                } else {
+                    start = start.max(ef[s * n + k]);
+                }
+                chains.backward_start_ns[s * m + ch[k].idx()] = start;
+                eb[s * n + k] = start + costs.compute_ns(id(s, k, self.backward_kind(s, ch[k])));
+                let w = if self.is_split(s, ch[k]) {
+                    costs.compute_ns(id(s, k, ActionKind::W))
+                } else {
+                    0
+                };
+                chains.critical_ns = chains.critical_ns.max(eb[s * n + k] + w);
+            }
+        }
+    }
+}
+
+/// The chunked sequences' part of the bound ([`LowerBoundTerms::chunk_chains_ns`]).
+struct ChunkChains {
+    /// The longest path through any sequence's chunk grid, ns (0 without chunks).
+    critical_ns: u64,
+    /// Per (stage s, microbatch k), at `s * m + k`: the earliest start of its backward on its
+    /// sequence's chain, ns (empty without chunks).
+    backward_start_ns: Vec<u64>,
+}
+
+/// Each microbatch's path alone, resources ignored: forward through every stage with its
+/// transfers, then (for training microbatches) its backward back to stage 0 and that stage's
+/// W. What the critical-path, fill, first-backward and link terms take from it, ns.
+struct MicrobatchPaths<'a> {
+    layout: &'a BoundLayout<'a>,
+    /// Per rank: the first of its stages (`u32::MAX` for a rank without stages).
+    first_stage: Vec<u32>,
+    /// Per rank: the least time any path reaches its first stage (`u64::MAX`: never).
+    fill: Vec<u64>,
+    /// Per rank: the earliest start of any of its backward passes, I or B (`u64::MAX`: none).
+    first_backward: Vec<u64>,
+    /// The longest path, with its last W.
+    critical_ns: u64,
+    /// Per ordered rank pair (sender * p + receiver): (Σ transfer time, least head, least
+    /// tail).
+    links: Vec<(u64, u64, u64)>,
+    /// The current path's transfers: (link, head, transfer time).
+    sends: Vec<(usize, u64, u64)>,
+}
+
+impl<'a> MicrobatchPaths<'a> {
+    /// No path walked yet.
+    fn new(layout: &'a BoundLayout<'a>) -> Self {
+        let placement = &layout.schedule.placement;
+        let first_stage: Vec<u32> = (0..placement.num_ranks)
+            .map(|r| {
+                placement
+                    .stages_of(Rank(r))
+                    .first()
+                    .map_or(u32::MAX, |s| s.0)
+            })
+            .collect();
+        let p = placement.num_ranks as usize;
+        MicrobatchPaths {
+            layout,
+            fill: vec![u64::MAX; first_stage.len()],
+            first_backward: vec![u64::MAX; first_stage.len()],
+            first_stage,
+            critical_ns: 0,
+            links: vec![(0u64, u64::MAX, u64::MAX); p * p],
+            sends: Vec::new(),
+        }
+    }
+
+    /// Walks the paths of microbatches `0..count` whose forward is `kind` (F, with a backward;
+    /// Fo, forward only), the chunk chains' backward starts sharpening the first backwards.
+    fn walk<C: CostModel>(
+        &mut self,
+        costs: &C,
+        kind: ActionKind,
+        count: u32,
+        chains: &ChunkChains,
+    ) {
+        for mb in 0..count {
+            let mb = MicrobatchId(mb);
+            self.sends.clear();
+            let mut t = self.forward(costs, kind, mb);
+            if kind != ActionKind::Fo {
+                t = self.backward(costs, mb, t, chains);
+            }
+            // `t` is now the length of this microbatch's path; each transfer's tail is what
+            // of the path follows its arrival.
+            for &(l, head, c) in &self.sends {
+                let e = &mut self.links[l];
+                e.0 += c;
+                e.1 = e.1.min(head);
+                e.2 = e.2.min(t - head - c);
+            }
+        }
+    }
+
+    /// Microbatch `mb`'s forward (`kind` F or Fo) through every stage with its transfers;
+    /// returns its end, ns.
+    fn forward<C: CostModel>(&mut self, costs: &C, kind: ActionKind, mb: MicrobatchId) -> u64 {
+        let layout = self.layout;
+        let rank_of = &layout.schedule.placement.rank_of;
+        let (s_count, p) = (layout.schedule.num_stages(), self.first_stage.len());
+        let mut t = 0u64;
+        for s in 0..s_count {
+            let r = rank_of[s as usize].idx();
+            if self.first_stage[r] == s {
+                self.fill[r] = self.fill[r].min(t);
+            }
+            t += costs.compute_ns(ComputeAction::new(s, kind, mb.0));
+            if s + 1 < s_count && layout.crosses(s, s + 1) {
+                let c = costs.comm_ns(StageId(s), mb, kind);
+                self.sends
+                    .push((r * p + rank_of[s as usize + 1].idx(), t, c));
+                t += c;
+            }
+        }
+        self.critical_ns = self.critical_ns.max(t);
+        t
+    }
+
+    /// Microbatch `mb`'s backward from the last stage (starting at `t`, the forward's end)
+    /// back to stage 0, then stage 0's W; returns the path's end, ns.
+    fn backward<C: CostModel>(
+        &mut self,
+        costs: &C,
+        mb: MicrobatchId,
+        mut t: u64,
+        chains: &ChunkChains,
+    ) -> u64 {
+        let layout = self.layout;
+        let rank_of = &layout.schedule.placement.rank_of;
+        let (s_count, p) = (layout.schedule.num_stages(), self.first_stage.len());
+        let m = layout.schedule.num_microbatches;
+        for s in (0..s_count).rev() {
+            let is_split = layout.is_split(s as usize, mb);
+            let r = rank_of[s as usize].idx();
+            let chained = chains
+                .backward_start_ns
+                .get((s * m + mb.0) as usize)
+                .copied()
+                .unwrap_or(0);
+            self.first_backward[r] = self.first_backward[r].min(t.max(chained));
+            let bwd = layout.backward_kind(s as usize, mb);
+            t += costs.compute_ns(ComputeAction::new(s, bwd, mb.0));
+            let w = if is_split {
+                costs.compute_ns(ComputeAction::new(s, ActionKind::W, mb.0))
+            } else {
+                0
+            };
+            self.critical_ns = self.critical_ns.max(t + w);
+            if s == 0 {
+                // The path's end: stage 0's backward, then its W.
+                t += w;
+            } else if layout.crosses(s, s - 1) {
+                let c = costs.comm_ns(StageId(s), mb, bwd);
+                self.sends
+                    .push((r * p + rank_of[s as usize - 1].idx(), t, c));
+                t += c;
+            }
+        }
+        t
+    }
+
+    /// [`LowerBoundTerms::link_ns`]: per link with transfers, least head + all transfers +
+    /// least tail; the largest, 0 without transfers.
+    fn link_ns(&self) -> u64 {
+        self.links
+            .iter()
+            .filter(|e| e.0 > 0)
+            .map(|e| e.1 + e.0 + e.2)
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// The compute of a rank's actions that cannot start before the rank's first backward pass:
