@@ -5,7 +5,7 @@
 
 use petgraph::algo::tarjan_scc;
 use petgraph::graphmap::DiGraphMap;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 /// The library crates: (crate directory, source root).
@@ -13,11 +13,6 @@ pub(crate) const LIBRARIES: [&str; 5] = ["profiles", "simulator", "planner", "ex
 
 /// The longest a library function may be, in lines from `fn` to its closing brace.
 const MAX_FUNCTION_LINES: usize = 150;
-
-/// Functions over [`MAX_FUNCTION_LINES`] that are still to be split, with their length today:
-/// this list may only shrink (a listed function that grew, or one not listed, fails).
-const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
-];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -385,38 +380,16 @@ fn fn_name(line: &str) -> Option<&str> {
 
 #[test]
 fn library_functions_fit_on_a_screen_or_two() {
-    let mut over = vec![];
-    for (file, name, lines) in function_lengths() {
-        if lines <= MAX_FUNCTION_LINES {
-            continue;
-        }
-        match LONG_FUNCTIONS
-            .iter()
-            .find(|(f, n, _)| *f == file && *n == name)
-        {
-            Some(&(_, _, known)) if lines <= known => {}
-            _ => over.push(format!("{file}: fn {name} is {lines} lines")),
-        }
-    }
+    let over: Vec<String> = function_lengths()
+        .into_iter()
+        .filter(|(_, _, lines)| *lines > MAX_FUNCTION_LINES)
+        .map(|(file, name, lines)| format!("{file}: fn {name} is {lines} lines"))
+        .collect();
     assert!(
         over.is_empty(),
         "library functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n{}",
         over.join("\n")
     );
-    // Every listed function still exists and is still long: the list only shrinks.
-    // Several functions of one name in a file (methods of different types): the longest.
-    let mut all: BTreeMap<(String, String), usize> = BTreeMap::new();
-    for (f, n, l) in function_lengths() {
-        let e = all.entry((f, n)).or_default();
-        *e = (*e).max(l);
-    }
-    for (file, name, _) in LONG_FUNCTIONS {
-        let now = all.get(&(file.to_string(), name.to_string()));
-        assert!(
-            now.is_some_and(|&l| l > MAX_FUNCTION_LINES),
-            "{file}: fn {name} is {now:?} lines now: take it off LONG_FUNCTIONS"
-        );
-    }
 }
 
 #[test]

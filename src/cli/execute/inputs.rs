@@ -1,0 +1,319 @@
+//! `execute`'s inputs resolved: the run (flags or a plan file), the model, the data, and the host-memory check before anything is allocated.
+
+use super::*;
+
+/// Refuses, before anything is allocated, a CPU run whose floor
+/// ([`flatpipe_executor::cpu::MemoryFloor`]: fp32 weights, gradients and AdamW state, plus one
+/// microbatch of `microbatch_tokens` tokens in every layer; twice the state with `--verify`'s
+/// single-rank reference) exceeds `available` bytes (the host's available memory; `None`: not
+/// known, no check).
+pub(super) fn check_host_memory(
+    model: &flatpipe_profiles::ModelSpec,
+    microbatch_tokens: u64,
+    verify: bool,
+    available: Option<f64>,
+) -> Result<()> {
+    let floor = flatpipe_executor::cpu::MemoryFloor::of(model, microbatch_tokens);
+    let copies = if verify { 2.0 } else { 1.0 };
+    let need = floor.state * copies + floor.activations;
+    if let Some(have) = available
+        && need > have
+    {
+        bail!(
+            "{} on the CPU backend needs at least {}: {} of fp32 weights, gradients and AdamW state ({} parameters x 16 bytes{}) and {} of activations (one microbatch of {microbatch_tokens} tokens in every layer); this machine has {} available. {}",
+            model.name,
+            fmt_bytes(need),
+            fmt_bytes(floor.state * copies),
+            model.param_count(),
+            if verify {
+                ", twice: --verify's single-rank reference holds its own copy"
+            } else {
+                ""
+            },
+            fmt_bytes(floor.activations),
+            fmt_bytes(have),
+            if floor.state * copies > have {
+                "Execute a smaller model (--model tiny), or simulate this one"
+            } else {
+                "Use fewer tokens per microbatch (--token-budget or more --microbatches) or fewer sequences per step"
+            }
+        );
+    }
+    Ok(())
+}
+
+/// A run resolved from `execute`'s flags and an optional plan file: every default decided
+/// here, once.
+pub(super) struct ResolvedRun {
+    /// The profile as the user named it (a file or built-in), when one was given.
+    pub(super) profile_arg: Option<String>,
+    pub(super) profile: Profile,
+    pub(super) model: flatpipe_profiles::ModelSpec,
+    pub(super) workload: Workload,
+    /// The Gantt chart's path (`--gantt`, none for `none`).
+    pub(super) gantt: Option<std::path::PathBuf>,
+    pub(super) setup: Setup,
+    pub(super) backend: BackendConfig,
+}
+
+/// Resolves `execute`'s flags and plan file into a [`ResolvedRun`], refusing what cannot run
+/// before anything is allocated.
+pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
+    let plan = read_plan(a.plan.as_deref())?;
+    if let Some(p) = &plan
+        && p.tensor_parallel().0 > 1
+    {
+        bail!(
+            "{}: tp = {}: the executor runs every rank on one device (no tensor parallelism); tensor parallelism is priced by the simulator and the planner, not executed (plan with --tp 1 to run it)",
+            a.plan
+                .as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            p.tensor_parallel().0
+        );
+    }
+    let profile_arg = plan
+        .as_ref()
+        .and_then(|p| p.profile.clone())
+        .or_else(|| a.inputs.profile.clone());
+    let hardware = plan
+        .as_ref()
+        .and_then(|p| p.hardware.clone())
+        .or_else(|| a.inputs.hardware.clone())
+        .unwrap_or_else(|| "cpu".into());
+    let model_arg = plan
+        .as_ref()
+        .and_then(|p| p.model.clone())
+        .or_else(|| a.inputs.model.clone());
+    // With a profile, --model (if any) must be its model; without, the default is tiny.
+    let profile = resolve_profile(
+        profile_arg.as_deref(),
+        match profile_arg {
+            Some(_) => model_arg.as_deref(),
+            None => Some(model_arg.as_deref().unwrap_or("tiny")),
+        },
+        Some(&hardware),
+    )?;
+    // The architecture: the plan's or --model, else the profile's model (a built-in name).
+    let model_name = match (&model_arg, &profile_arg) {
+        (Some(m), _) => m.clone(),
+        (None, Some(_)) => profile.model.clone(),
+        (None, None) => "tiny".into(),
+    };
+    let model = builtins::model(&model_name).map_err(|e| {
+        anyhow::anyhow!(
+            "execute needs the model's architecture: {e} (the profile is of model `{}`; give `model:` in the plan, or --model without --profile)",
+            profile.model
+        )
+    })?;
+    if profile.layers.len() != model.layers().len() {
+        bail!(
+            "the profile of {} has {} layers, the model {} has {}: they must describe the same model",
+            profile.model,
+            profile.layers.len(),
+            model.name,
+            model.layers().len()
+        );
+    }
+    let workload_name = a
+        .inputs
+        .workload
+        .clone()
+        .or_else(|| plan.as_ref().map(|p| p.workload.clone()))
+        .unwrap_or_else(|| "tiny-chat".into());
+    let workload = builtins::workload(&workload_name)?;
+    let num_layers = model.layers().len();
+    if let (Some(p), Some(path)) = (&plan, &a.plan) {
+        p.validate(&path.display().to_string(), num_layers)?;
+    }
+    if a.steps == 0 {
+        bail!("--steps = 0 is invalid: >= 1 step");
+    }
+    if !(a.lr.is_finite() && a.lr > 0.0) {
+        bail!("--lr = {} is invalid: a finite learning rate > 0", a.lr);
+    }
+    if !(a.max_grad_norm.is_finite() && a.max_grad_norm >= 0.0) {
+        bail!(
+            "--max-grad-norm = {} is invalid: >= 0 (0: no clipping)",
+            a.max_grad_norm
+        );
+    }
+    let fo = a.fo.spec()?;
+    // No chart unless asked for; `--gantt none` as in the other commands.
+    let gantt = a
+        .gantt
+        .clone()
+        .and_then(|p| super::chart_path(&Some(p), ""));
+    for p in gantt.iter().chain(&a.trace) {
+        profiles::check_writable(p)?;
+    }
+    if let Some(c) = &gantt {
+        sim::io::gantt::check_chart_path(c)?;
+    }
+    let reduction = LossReduction::from(a.loss_reduction);
+    let step_size =
+        resolve::step_size(a.seqs_per_step, a.tokens_per_step, plan.as_ref(), &workload)?;
+    // A step's data is drawn before anything else: refuse a step too large for this host
+    // before sampling it. Its lengths (4 bytes each, sampled and cut), and per token an id, a
+    // label and a loss weight (12 bytes), twice with --verify's reference.
+    {
+        let (seqs, mean, _) = montecarlo::estimated_step(&workload, 0, step_size);
+        let need = seqs * 8.0 + seqs * mean * 12.0 * if a.verify { 2.0 } else { 1.0 };
+        super::check_memory(
+            "the step",
+            need,
+            &format!(
+                "{step_size} of {} (mean {mean:.0} tokens) hold about {} of lengths and token data",
+                workload.name,
+                fmt_bytes(need)
+            ),
+            "use fewer sequences or tokens per step",
+        )?;
+    }
+    let (source, pp, v, dp, stages, recompute, policy, params) = match &plan {
+        Some(pl) => {
+            let c = pl.run_config()?;
+            (
+                c.source,
+                c.pp,
+                c.v,
+                c.dp,
+                c.stages,
+                c.recompute,
+                c.policy,
+                c.params,
+            )
+        }
+        None => {
+            let (source, pp, v) = match &a.schedule_csv {
+                Some(path) => {
+                    let s = sim::ir::pytorch_csv::read_pytorch_csv(
+                        &profiles::read_to_string(path)?,
+                        &path.display().to_string(),
+                    )?;
+                    let (p, v) = (
+                        s.placement.num_ranks,
+                        s.num_stages() / s.placement.num_ranks,
+                    );
+                    (ScheduleSource::Given(s), p, v)
+                }
+                None => {
+                    let kind: ScheduleKind = a.schedule.as_deref().unwrap_or("1f1b").parse()?;
+                    let pp = a.pp.unwrap_or(2);
+                    if pp == 0 {
+                        bail!("--pp = 0 is invalid: >= 1 rank");
+                    }
+                    let v = kind.stages_per_rank(a.vpp)?;
+                    if let Some(asked) = a.vpp
+                        && asked != v
+                    {
+                        bail!(
+                            "--vpp = {asked} is invalid for {kind}: it runs {v} stage(s) per rank (interleaved-1f1b and looped-bfs take any --vpp, zb-auto 1 or 2)"
+                        );
+                    }
+                    (ScheduleSource::Kind(kind), pp, v)
+                }
+            };
+            let microbatches = match (&source, a.microbatches, a.token_budget) {
+                (ScheduleSource::Given(s), _, _) => Some(s.num_microbatches),
+                (_, Some(m), _) => Some(m),
+                (_, None, Some(_)) => None,
+                (_, None, None) => Some(default_microbatches(pp, v)),
+            };
+            let stages = even_split(num_layers, (pp * v) as usize)?;
+            (
+                source,
+                pp,
+                v,
+                a.dp.unwrap_or(1),
+                stages,
+                Vec::new(),
+                Policy::FlatBalanced,
+                PolicyParams {
+                    token_budget: a
+                        .token_budget
+                        .unwrap_or(sim::batching::policy::DEFAULT_TOKEN_BUDGET),
+                    microbatches,
+                    chunk_tokens: a.chunk_tokens,
+                    ..PolicyParams::default()
+                },
+            )
+        }
+    };
+    if dp == 0 {
+        bail!("--dp = 0 is invalid: >= 1 replica");
+    }
+    if let Some(m) = params.microbatches {
+        warn_underfilled(&source.name(), m, pp, v);
+    }
+    let backend = backend_config(
+        a.backend.resolve_for_stages()?,
+        a.precision,
+        a.gpus,
+        a.init_on_device,
+    )?;
+    if a.verify && a.precision == GemmPrecision::Bf16 {
+        bail!(
+            "--verify checks against the fp32 CPU reference at fp32 tolerances (loss 1e-5, tensors 1e-4), which bf16 GEMM math does not meet: verify with --precision fp32"
+        );
+    }
+    let cores = cores();
+    if backend.backend == executor::Backend::Cpu && (dp * pp) as usize > cores {
+        tracing::warn!(
+            "{} ranks on {cores} cores: ranks will share cores, so measured times include the OS scheduler's time slicing",
+            dp * pp
+        );
+    }
+    let balance = flatpipe_simulator::run::config::balance_cost(&profile);
+    // zb-auto plans were searched under the plan's memory limit: build their steps under it too.
+    let zb_limit = plan
+        .as_ref()
+        .and_then(|p| p.predicted.as_ref())
+        .map(|p| p.memory_limit_bytes);
+    let mut config = flatpipe_simulator::run::config::RunConfig::new(
+        source.clone(),
+        pp,
+        v,
+        stages.clone(),
+        policy,
+        Capacity::Dynamic,
+    );
+    config.dp = dp;
+    config.recompute = recompute.clone();
+    config.params = params;
+    config.sharding = plan.as_ref().map(|p| p.sharding).unwrap_or_default();
+    // The options' forward-only work, else the plan's (an explicit 0 drops it).
+    config.forward_only = match a.fo.fo_microbatches {
+        Some(_) => fo,
+        None => plan.as_ref().and_then(|p| p.forward_only),
+    };
+    config.memory_limit_bytes = zb_limit;
+    let setup = Setup {
+        model: model.clone(),
+        config,
+        workload: workload.clone(),
+        step_size,
+        seed: a
+            .seed
+            .or(plan.as_ref().map(|p| p.seed))
+            .unwrap_or(workload.seed),
+        init_seed: a.init_seed,
+        reduction,
+        adamw: AdamW {
+            lr: a.lr,
+            ..AdamW::default()
+        },
+        max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
+        balance: Arc::new(balance),
+        profile: Some(Arc::new(profile.clone())),
+    };
+    Ok(ResolvedRun {
+        profile_arg,
+        profile,
+        model,
+        workload,
+        gantt,
+        setup,
+        backend,
+    })
+}

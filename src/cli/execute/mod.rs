@@ -1,0 +1,382 @@
+//! `flatpipe execute`: run a plan (or inline options) for real on the CPU or CUDA backend, record the
+//! measured timeline, compare with the single-rank reference (`--verify`) and, given a profile
+//! measured on this backend, with the simulator's prediction.
+
+mod inputs;
+mod report;
+use super::*;
+use backend::backend_config;
+use executor::{AnyExecutor, BackendConfig};
+use flatpipe_executor::runner::{PreparedStep, Reference, Setup};
+use flatpipe_executor::steps::{StepDone, WarmUp, run_steps};
+use flatpipe_executor::{AdamW, LossReduction};
+#[allow(unused_imports)]
+use inputs::*;
+use profiles::ProfileSource;
+#[allow(unused_imports)]
+use report::*;
+use std::sync::Arc;
+
+// --verify's tolerances are the library's (the oracle tests use the same).
+use flatpipe_executor::verify::{LOSS_RTOL as VERIFY_LOSS_RTOL, TENSOR_RTOL as VERIFY_RTOL};
+
+/// `--loss-reduction`: the command line's names of [`LossReduction`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum LossReductionArg {
+    /// Σ token losses / the step's true tokens.
+    PerToken,
+    /// Mean over sequences of each sequence's mean token loss.
+    PerSequence,
+}
+
+impl From<LossReductionArg> for LossReduction {
+    fn from(a: LossReductionArg) -> Self {
+        match a {
+            LossReductionArg::PerToken => LossReduction::PerToken,
+            LossReductionArg::PerSequence => LossReduction::PerSequence,
+        }
+    }
+}
+
+/// Options of `flatpipe execute`.
+#[derive(Debug, Args)]
+pub(super) struct ExecuteArgs {
+    #[command(flatten)]
+    inputs: Inputs,
+    /// Run this plan file (sets model, workload, dp, pp, vpp, schedule, stages, microbatching).
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "dp", "microbatches", "token_budget"])]
+    plan: Option<PathBuf>,
+    /// Schedule (inline; default 1f1b): gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2,
+    /// zb-v, dualpipev, zb-auto (for unit costs under 1F1B memory).
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Run a schedule from PyTorch's pipeline-order CSV instead (its rows set pp, its microbatch
+    /// count m: every step is cut into exactly m microbatches).
+    #[arg(long, conflicts_with_all = ["plan", "schedule", "pp", "vpp", "microbatches", "token_budget"])]
+    schedule_csv: Option<PathBuf>,
+    /// Pipeline-parallel degree (inline; default 2). Keep pp x dp <= the machine's cores.
+    #[arg(long)]
+    pp: Option<u32>,
+    /// Stages per rank (inline; default: the schedule's).
+    #[arg(long)]
+    vpp: Option<u32>,
+    /// Data-parallel replicas (inline; default 1).
+    #[arg(long)]
+    dp: Option<u32>,
+    /// Exactly this many microbatches per replica and step (inline; default pp x vpp, one per stage,
+    /// unless --token-budget is given).
+    #[arg(long, conflicts_with = "token_budget")]
+    microbatches: Option<u32>,
+    /// The fewest microbatches of at most this many tokens (inline).
+    #[arg(long)]
+    token_budget: Option<u64>,
+    /// Cut a sequence longer than the token budget into chunks of at most this many tokens
+    /// (inline; needs --token-budget; the CPU backend, no recomputation): chunk k attends to the
+    /// keys and values of chunks < k, its backward hands back their gradients.
+    #[arg(long, requires = "token_budget")]
+    chunk_tokens: Option<u64>,
+    /// Sequences per step (default: the workload's).
+    #[arg(long, conflicts_with = "tokens_per_step")]
+    seqs_per_step: Option<u32>,
+    /// Tokens per step.
+    #[arg(long)]
+    tokens_per_step: Option<u64>,
+    /// Training steps to run. Default 3.
+    #[arg(long, default_value_t = 3)]
+    steps: u32,
+    /// Untimed training steps before them (first-touch memory, a GPU's library warm-up), run
+    /// and verified like the others but not reported. Default 0.
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: u32,
+    /// Seed of the step sampler and the token ids (default: the plan's or workload's).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Seed of the initial weights.
+    #[arg(long, default_value_t = 0)]
+    init_seed: u64,
+    /// Backend.
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    backend: Backend,
+    /// GEMM arithmetic on --backend cuda.
+    #[arg(long, value_enum, default_value_t = GemmPrecision::Fp32)]
+    precision: GemmPrecision,
+    /// On --backend cuda, draw the weights on the GPU (uniform, the same standard deviations)
+    /// instead of uploading the CPU backend's: seconds instead of minutes for billions of
+    /// parameters, but not the CPU reference's weights, so --verify refuses it.
+    #[arg(long, conflicts_with = "verify")]
+    init_on_device: bool,
+    /// On --backend cuda, spread the ranks over this many GPUs (rank g on GPU g mod N; one per
+    /// rank: every transfer a peer copy). Default 1: every rank a stream of GPU 0.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    gpus: u32,
+    /// Loss reduction: per-token (Σ token losses / step tokens) or per-sequence.
+    #[arg(long, value_enum, default_value_t = LossReductionArg::PerToken)]
+    loss_reduction: LossReductionArg,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f32,
+    /// Clip the global gradient norm to this value (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    max_grad_norm: f64,
+    #[command(flatten)]
+    fo: FoArgs,
+    /// Also run the single-rank reference on the same steps; print the largest differences of
+    /// loss, gradients and parameters, and exit 1 when they exceed the tolerance (loss 1e-5
+    /// relative, tensors 1e-4 normwise relative). The parameters are checked against the
+    /// reference's AdamW on the pipelined run's gradients (AdamW turns rounding-level gradient
+    /// differences near zero into `2 lr` moves).
+    #[arg(long)]
+    verify: bool,
+    /// Write the Gantt chart of the last step's measured timeline here (.svg or .png; `none`, as
+    /// without the option: no chart).
+    #[arg(long)]
+    gantt: Option<PathBuf>,
+    /// Write a Chrome trace (Perfetto) of the last step's measured timeline here.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
+pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
+    let ResolvedRun {
+        profile_arg,
+        profile,
+        model,
+        workload,
+        gantt,
+        setup,
+        backend,
+    } = resolve_run(&a)?;
+    let (pp, v, dp) = (setup.config.pp, setup.config.v, setup.config.dp);
+    let (source, stages) = (setup.config.source.clone(), setup.config.stages.clone());
+    // The microbatch count the user did not give: say where it came from when a step cannot
+    // be cut into it.
+    let defaulted_m = a.plan.is_none()
+        && a.microbatches.is_none()
+        && a.token_budget.is_none()
+        && !matches!(source, ScheduleSource::Given(_));
+    let with_default = |e: anyhow::Error| {
+        // Only the refusal of the microbatch count itself comes from the default.
+        let about_m = matches!(
+            e.downcast_ref::<flatpipe_executor::Error>(),
+            Some(flatpipe_executor::Error::Simulator(sim::Error::InvalidArgument { field, .. }))
+                if field == "microbatches"
+        );
+        if defaulted_m && about_m {
+            e.context(format!(
+                "the default of pp x vpp = {} microbatches per replica and step does not fit this workload; give --microbatches or --token-budget",
+                default_microbatches(pp, v)
+            ))
+        } else {
+            e
+        }
+    };
+    let first = setup.prepare(0).map_err(|e| with_default(e.into()))?;
+    // Refuse, before allocating the stages, a run this host cannot hold.
+    if backend.backend == executor::Backend::Cpu {
+        let largest = first
+            .all_microbatches()
+            .map(|m| m.tokens() as u64)
+            .max()
+            .unwrap_or(0);
+        check_host_memory(&model, largest, a.verify, available_memory_bytes())?;
+    }
+    tracing::info!(
+        "execute: building {} stage(s) of {} on {} rank(s) ({} backend)",
+        stages.len(),
+        model.name,
+        dp * pp,
+        backend.backend.name()
+    );
+    let mut exec = AnyExecutor::new(&backend, &setup)?;
+    let mut reference = if a.verify {
+        Some(Reference::new(&setup)?)
+    } else {
+        None
+    };
+    let predict = backend.backend.measured(&profile);
+    // Said before the steps run, as a user wants to know before trusting a prediction.
+    let profile_warnings = if predict {
+        let busy = match backend.backend {
+            executor::Backend::Cpu => ((dp * pp) as usize).min(cores()),
+            executor::Backend::Cuda => ((dp * pp) as usize).div_ceil(backend.gpus),
+        };
+        executor::backend::condition_warnings(&profile, &backend, busy)
+    } else {
+        Vec::new()
+    };
+    for w in &profile_warnings {
+        tracing::warn!("{w}");
+    }
+    // Warm-up steps count on the bar: a long warm-up is work the user waits for.
+    let bar = Progress::new(u64::from(a.steps) + u64::from(a.warmup_steps));
+    let mut rows = Vec::with_capacity(a.steps as usize);
+    let mut last = None;
+    let mut failed = false;
+    // Sequences longer than the token budget (each gets a microbatch of its own).
+    let budget = setup
+        .config
+        .params
+        .microbatches
+        .is_none()
+        .then_some(setup.config.params.token_budget);
+    let (mut over_budget, mut longest) = (0usize, 0u64);
+    // Warm-up steps draw their data after the reported ones' (step ids steps.., so the reported
+    // steps are the same with or without them).
+    let warmup = WarmUp::Following(u64::from(a.warmup_steps));
+    run_steps(
+        &mut exec,
+        &setup,
+        reference.as_mut(),
+        warmup,
+        u64::from(a.steps),
+        Some(first),
+        &|| bar.inc(),
+        |done: StepDone<'_>| -> Result<()> {
+            let StepDone {
+                step,
+                prepared,
+                run,
+                exec,
+                reference,
+            } = done;
+            if let Some(b) = budget {
+                for len in prepared
+                    .replicas
+                    .iter()
+                    .flat_map(|r| &r.lengths)
+                    .flat_map(|m| &m.seq_lens)
+                    .map(|&l| u64::from(l))
+                    .filter(|&l| l > b)
+                {
+                    over_budget += 1;
+                    longest = longest.max(len);
+                }
+            }
+            if !run.loss.is_finite() || !run.grad_norm.is_finite() {
+                bail!(
+                    "step {step}: the loss ({}) or gradient norm ({}) is not finite: training diverged (--lr {} too large?)",
+                    run.loss,
+                    run.grad_norm,
+                    a.lr
+                );
+            }
+            let predicted = if predict {
+                // The setup's profile is this profile (an Arc of it): the step carries its
+                // prediction, the replay of the schedules that ran.
+                let on = setup.profile.as_deref().unwrap_or(&profile);
+                Some(prepared.predict(&setup, on)?.makespan_s)
+            } else {
+                None
+            };
+            let verify = match reference {
+                Some(re) => {
+                    let v = flatpipe_executor::verify::verify_step(
+                        &run,
+                        &exec.named_grads(),
+                        Some(&exec.named_params()),
+                        re,
+                        &setup,
+                        &prepared,
+                    )?;
+                    failed |= !v.within_tolerance;
+                    Some(verify_row(v))
+                }
+                None => None,
+            };
+            let row = step_row(step, &prepared, &run, predicted, verify);
+            tracing::info!(
+                "execute: step {step}: {} tokens, loss {:.4}, measured makespan {:.4} s",
+                row.tokens,
+                row.loss,
+                row.measured_makespan_s
+            );
+            rows.push(row);
+            last = Some((prepared, run));
+            Ok(())
+        },
+    )
+    .map_err(with_default)?;
+    bar.finish();
+    let mut notes = Vec::new();
+    if over_budget > 0 {
+        notes.push(format!(
+            "{over_budget} sequence(s) longer than the token budget of {} tokens (the longest {longest}) ran as microbatches of their own",
+            setup.config.params.token_budget
+        ));
+    }
+    if let Some((prepared, run)) = &last {
+        let title = format!(
+            "{} measured on {}: {} dp={dp} pp={pp} v={v} m={}, step {}",
+            model.name,
+            backend.backend.name(),
+            source.name(),
+            slash_list(prepared.replicas.iter().map(|r| r.microbatches.len())),
+            prepared.step
+        );
+        notes.extend(write_step_charts(
+            &title,
+            &run.timeline,
+            gantt.as_deref(),
+            a.trace.as_deref(),
+        )?);
+    }
+    let errors: Vec<f64> = rows
+        .iter()
+        .filter_map(|r| r.rel_error.map(f64::abs))
+        .collect();
+    let median_abs_rel_error = (!errors.is_empty()).then(|| montecarlo::Quantiles::of(&errors).p50);
+    let prediction = prediction_note(predict, profile_arg.as_deref(), &profile, backend.backend);
+    notes.push(prediction.clone());
+    notes.extend(profile_warnings.iter().map(|w| format!("warning: {w}")));
+    let report = ExecuteReport {
+        model: model.name.clone(),
+        workload: workload.name.clone(),
+        schedule: source.name(),
+        dp,
+        pp,
+        vpp: v,
+        backend: backend.describe(),
+        steps: rows,
+        median_abs_rel_error,
+        prediction,
+        profile_warnings,
+    };
+    let header = format!(
+        "{} on the {} backend: {} dp={dp} pp={pp} v={v}, workload {} ({} step(s); {} stages, layers {})",
+        model.name,
+        report.backend,
+        report.schedule,
+        workload.name,
+        a.steps,
+        stages.len(),
+        stages
+            .iter()
+            .map(|r| format!("{}..{}", r.start, r.end))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let with_fo = setup.config.forward_only.is_some();
+    let t = execute_table(&report.steps, with_fo, predict, a.verify);
+    if let Some(e) = report.median_abs_rel_error {
+        notes.push(format!(
+            "median |relative error| of the prediction: {:.1}%",
+            100.0 * e
+        ));
+    }
+    if a.verify {
+        notes.push(format!(
+            "--verify: the single-rank reference ran the same steps; tolerance: loss {VERIFY_LOSS_RTOL:.0e} relative, gradients and parameters {VERIFY_RTOL:.0e} normwise relative (max|a - b| / max|b| per tensor; parameters against the reference's AdamW on the pipelined gradients)"
+        ));
+    }
+    let code = emit(a.format, &report, &header, &t, &notes)?;
+    if failed {
+        eprintln!(
+            "--verify: the pipelined run differs from the single-rank reference beyond the tolerance"
+        );
+        return Ok(ExitCode::from(1));
+    }
+    Ok(code)
+}

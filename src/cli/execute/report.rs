@@ -1,0 +1,239 @@
+//! What `execute` prints and writes: per-step rows, the verification row, the table, charts and the note on the prediction.
+
+use super::*;
+
+/// One step's row of `execute`'s output.
+#[derive(Debug, Serialize)]
+pub(super) struct StepRow {
+    pub(super) step: u64,
+    pub(super) microbatches: Vec<usize>,
+    pub(super) tokens: u64,
+    pub(super) loss: f64,
+    pub(super) grad_norm: f64,
+    pub(super) measured_makespan_s: f64,
+    pub(super) tokens_per_s: f64,
+    pub(super) bubble_ratio: f64,
+    /// Forward-only microbatches of the step (all replicas).
+    pub(super) fo_microbatches: usize,
+    /// Time the ranks spent on forward-only actions, summed over ranks, seconds.
+    pub(super) fo_busy_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) predicted_makespan_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) rel_error: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) verify: Option<VerifyRow>,
+}
+
+/// Differences against the single-rank reference on one step.
+#[derive(Debug, Serialize, Clone)]
+pub(super) struct VerifyRow {
+    pub(super) reference_loss: f64,
+    pub(super) loss_rel_diff: f64,
+    pub(super) grad_max_abs_diff: f64,
+    pub(super) grad_max_rel_diff: f64,
+    pub(super) grad_worst: String,
+    pub(super) param_max_abs_diff: f64,
+    pub(super) param_max_rel_diff: f64,
+    pub(super) grad_norm_rel_diff: f64,
+    pub(super) fo_loss_rel_diff: f64,
+    pub(super) within_tolerance: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub(super) struct ExecuteReport {
+    pub(super) model: String,
+    pub(super) workload: String,
+    pub(super) schedule: String,
+    pub(super) dp: u32,
+    pub(super) pp: u32,
+    pub(super) vpp: u32,
+    pub(super) backend: String,
+    pub(super) steps: Vec<StepRow>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) median_abs_rel_error: Option<f64>,
+    pub(super) prediction: String,
+    /// Why the profile may not predict this run ([`executor::backend::condition_warnings`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(super) profile_warnings: Vec<String>,
+}
+
+/// One `--verify` row from the library's comparison.
+pub(super) fn verify_row(v: flatpipe_executor::verify::Verification) -> VerifyRow {
+    let p = v.params.clone().unwrap_or_default();
+    VerifyRow {
+        reference_loss: v.reference_loss,
+        loss_rel_diff: v.loss_rel_diff,
+        grad_max_abs_diff: v.grads.max_abs,
+        grad_max_rel_diff: v.grads.max_rel,
+        grad_worst: v.grads.worst,
+        param_max_abs_diff: p.max_abs,
+        param_max_rel_diff: p.max_rel,
+        grad_norm_rel_diff: v.grad_norm_rel_diff,
+        fo_loss_rel_diff: v.fo_loss_rel_diff,
+        within_tolerance: v.within_tolerance,
+    }
+}
+
+/// One step's row: what ran (microbatches, tokens, loss, grad norm), its measured makespan,
+/// throughput, bubble ratio and forward-only time, and the prediction and `--verify` figures.
+pub(super) fn step_row(
+    step: u64,
+    prepared: &PreparedStep,
+    run: &flatpipe_executor::interpreter::StepRun,
+    predicted: Option<f64>,
+    verify: Option<VerifyRow>,
+) -> StepRow {
+    let makespan_s = run.timeline.makespan_ns() as f64 * 1e-9;
+    let fo_s: f64 = run
+        .timeline
+        .compute
+        .iter()
+        .flatten()
+        .filter(|o| o.action.parts().any(|p| p.kind == sim::ActionKind::Fo))
+        .map(|o| (o.end_ns - o.start_ns) as f64 * 1e-9)
+        .sum::<f64>()
+        + 0.0; // an empty sum is -0.0
+    let n = run.timeline.num_ranks();
+    let busy: f64 = (0..n).map(|r| run.timeline.busy_ns(r) as f64 * 1e-9).sum();
+    let tokens = prepared.tokens();
+    StepRow {
+        step,
+        microbatches: prepared
+            .replicas
+            .iter()
+            .map(|r| r.microbatches.len())
+            .collect(),
+        tokens,
+        loss: run.loss,
+        grad_norm: run.grad_norm,
+        measured_makespan_s: makespan_s,
+        tokens_per_s: tokens as f64 / makespan_s,
+        bubble_ratio: 1.0 - busy / (n as f64 * makespan_s),
+        fo_microbatches: prepared
+            .replicas
+            .iter()
+            .map(|r| r.fo_microbatches.len())
+            .sum(),
+        fo_busy_s: fo_s,
+        predicted_makespan_s: predicted,
+        rel_error: predicted.map(|p| (p - makespan_s) / makespan_s),
+        verify,
+    }
+}
+
+/// `execute`'s table: one row per reported step, with the forward-only, prediction and
+/// `--verify` columns when they apply.
+pub(super) fn execute_table(
+    steps: &[StepRow],
+    with_fo: bool,
+    predict: bool,
+    verify: bool,
+) -> PlainTable {
+    let mut cols = vec![
+        "step",
+        "m",
+        "tokens",
+        "loss",
+        "grad norm",
+        "measured",
+        "tokens/s",
+        "bubble",
+    ];
+    if with_fo {
+        cols.extend(["Fo", "Fo busy"]);
+    }
+    if predict {
+        cols.extend(["predicted", "error"]);
+    }
+    if verify {
+        cols.extend(["ref. loss", "grad diff (rel)", "param diff (rel)", "ok"]);
+    }
+    let mut t = new_table(&cols);
+    for r in steps {
+        let mut row = vec![
+            r.step.to_string(),
+            slash_list(&r.microbatches),
+            r.tokens.to_string(),
+            format!("{:.4}", r.loss),
+            format!("{:.3}", r.grad_norm),
+            fmt_s(r.measured_makespan_s),
+            format!("{:.0}", r.tokens_per_s),
+            pct(r.bubble_ratio),
+        ];
+        if with_fo {
+            row.extend([r.fo_microbatches.to_string(), fmt_s(r.fo_busy_s)]);
+        }
+        if let (Some(p), Some(e)) = (r.predicted_makespan_s, r.rel_error) {
+            row.extend([fmt_s(p), format!("{:+.1}%", 100.0 * e)]);
+        }
+        if let Some(v) = &r.verify {
+            row.extend([
+                format!("{:.4}", v.reference_loss),
+                format!("{:.1e}", v.grad_max_rel_diff),
+                format!("{:.1e}", v.param_max_rel_diff),
+                if v.within_tolerance { "yes" } else { "NO" }.to_string(),
+            ]);
+        }
+        t.add_row(row);
+    }
+    t
+}
+
+/// Writes the last step's measured timeline as a Gantt chart and a Chrome trace where asked, and
+/// says where.
+pub(super) fn write_step_charts(
+    title: &str,
+    timeline: &sim::Timeline,
+    gantt: Option<&Path>,
+    trace: Option<&Path>,
+) -> Result<Vec<String>> {
+    let mut notes = Vec::new();
+    if let Some(path) = gantt {
+        sim::io::gantt::write_gantt(path, title, timeline)?;
+        notes.push(format!("Gantt chart of the last step: {}", path.display()));
+    }
+    if let Some(path) = trace {
+        let doc = sim::io::trace::chrome_trace(timeline);
+        profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
+        notes.push(format!("Chrome trace of the last step: {}", path.display()));
+    }
+    Ok(notes)
+}
+
+/// What the prediction column stands on: the profile (`profile_arg` as the user named it) and
+/// where it was measured when it was measured on `backend` (`predict`), else why there is no
+/// prediction and what to give.
+pub(super) fn prediction_note(
+    predict: bool,
+    profile_arg: Option<&str>,
+    profile: &Profile,
+    backend: executor::Backend,
+) -> String {
+    if predict {
+        format!(
+            "predicted with the profile {}measured on {} ({})",
+            profile_arg.map(|p| format!("{p} ")).unwrap_or_default(),
+            profile.provenance.device,
+            profile.provenance.date.as_deref().unwrap_or("undated")
+        )
+    } else {
+        let what = if profile.provenance.source == ProfileSource::Measured {
+            format!(
+                "the profile of {} was measured on {}, not on this backend",
+                profile.model, profile.provenance.device
+            )
+        } else {
+            format!(
+                "the {} profile of {} on {} is not a measurement",
+                format!("{:?}", profile.provenance.source).to_lowercase(),
+                profile.model,
+                profile.provenance.device
+            )
+        };
+        format!(
+            "No profile measured on the {} backend was given ({what}), so no predicted vs measured makespan; give --profile FILE with a profile measured on this backend",
+            backend.name(),
+        )
+    }
+}
