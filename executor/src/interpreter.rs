@@ -1,5 +1,5 @@
-//! The one interpreter (design point 6 in docs/design.md): every schedule, `pp = 1` included, runs through
-//! [`run_step`].
+//! The one interpreter (design point 6 in docs/design.md): every schedule, `pp = 1` included, runs
+//! through [`run_step`].
 //!
 //! One worker thread per rank (and per data-parallel replica) walks its action list from the
 //! schedule IR in order. An action starts as soon as its inputs are there: F of stage `s > 0`

@@ -1,8 +1,8 @@
 //! A plan's steps end to end: sample the step's sequences, then the simulator's `cut_step` /
-//! `plan_step` split them over data-parallel replicas, cut microbatches and bring each
-//! replica's schedule for its microbatch count in a `StepPlan` (dynamic capacity, design point
-//! 3 in docs/design.md); the executor builds the data for that plan, attaches it to the plan's schedules and runs
-//! the interpreter. Also the single-rank reference that the step check (`verify`) and the
+//! `plan_step` split them over data-parallel replicas, cut microbatches and bring each replica's
+//! schedule for its microbatch count in a `StepPlan` (dynamic capacity, design point 3 in
+//! docs/design.md); the executor builds the data for that plan, attaches it to the plan's schedules
+//! and runs the interpreter. Also the single-rank reference that the step check (`verify`) and the
 //! tests compare against.
 
 use crate::cpu::CpuStage;

@@ -1,7 +1,7 @@
-//! Forward-only work inside a training step (design point 4 in docs/design.md): a frozen reference model's forward
-//! for the KL term of RL, a teacher's forward in on-policy distillation. Each forward-only
-//! microbatch `k` runs `Fo` on every stage in turn (its own microbatch ids), keeps no activations
-//! beyond the transfer and has no backward.
+//! Forward-only work inside a training step (design point 4 in docs/design.md): a frozen reference
+//! model's forward for the KL term of RL, a teacher's forward in on-policy distillation. Each
+//! forward-only microbatch `k` runs `Fo` on every stage in turn (its own microbatch ids), keeps no
+//! activations beyond the transfer and has no backward.
 //!
 //! - [`FoMode::Separate`] (the baseline): every rank first runs its `Fo` actions (stage by stage,
 //!   all K microbatches), then the training schedule.

@@ -1,4 +1,5 @@
-//! `execute`'s inputs resolved: the run (flags or a plan file), the model, the data, and the host-memory check before anything is allocated.
+//! `execute`'s inputs resolved: the run (flags or a plan file), the model, the data, and the host-
+//! memory check before anything is allocated.
 
 use super::*;
 

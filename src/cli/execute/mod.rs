@@ -1,5 +1,5 @@
-//! `flatpipe execute`: run a plan (or inline options) for real on the CPU or CUDA backend, record the
-//! measured timeline, compare with the single-rank reference (`--verify`) and, given a profile
+//! `flatpipe execute`: run a plan (or inline options) for real on the CPU or CUDA backend, record
+//! the measured timeline, compare with the single-rank reference (`--verify`) and, given a profile
 //! measured on this backend, with the simulator's prediction.
 
 mod inputs;

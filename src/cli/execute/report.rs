@@ -1,4 +1,5 @@
-//! What `execute` prints and writes: per-step rows, the verification row, the table, charts and the note on the prediction.
+//! What `execute` prints and writes: per-step rows, the verification row, the table, charts and the
+//! note on the prediction.
 
 use super::*;
 

@@ -1,4 +1,5 @@
-//! `plan --export`: the chosen plan's median sampled step written for torchtitan, Megatron-LM or PyTorch's CSV, with what the target runs instead.
+//! `plan --export`: the chosen plan's median sampled step written for torchtitan, Megatron-LM or
+//! PyTorch's CSV, with what the target runs instead.
 
 use super::*;
 

@@ -1,4 +1,5 @@
-//! What `plan` says about its choice: sequences over the budget, the no-pipeline FSDP baseline, the sizing of the chosen plan.
+//! What `plan` says about its choice: sequences over the budget, the no-pipeline FSDP baseline, the
+//! sizing of the chosen plan.
 
 use super::*;
 

@@ -1,4 +1,5 @@
-//! `plan`'s search: the options resolved into a search space and configuration, and the search run with progress.
+//! `plan`'s search: the options resolved into a search space and configuration, and the search run
+//! with progress.
 
 use super::*;
 

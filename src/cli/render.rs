@@ -1,0 +1,190 @@
+//! How the commands print: JSON or a plain table, progress on stderr, numbers, chart paths and
+//! titles.
+
+use super::*;
+
+/// `1/2/3`: a list joined with slashes (microbatches per replica, layers per stage).
+pub(super) fn slash_list<T: ToString>(xs: impl IntoIterator<Item = T>) -> String {
+    xs.into_iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+pub(super) fn emit<T: Serialize>(
+    format: Format,
+    reports: &T,
+    header: &str,
+    table: &PlainTable,
+    notes: &[String],
+) -> Result<ExitCode> {
+    match format {
+        Format::Json => {
+            outln!("{}", serde_json::to_string_pretty(reports)?);
+            eprintln!("{header}");
+            for n in notes {
+                eprintln!("{n}");
+            }
+        }
+        Format::Table => {
+            outln!("{header}");
+            outln!("{table}");
+            for n in notes {
+                outln!("{n}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A results table: plain columns three spaces apart, no borders and no trailing spaces
+/// (copied into a document or a spreadsheet as it is, and what the README shows).
+pub(super) struct PlainTable(Table);
+
+impl std::ops::Deref for PlainTable {
+    type Target = Table;
+    fn deref(&self) -> &Table {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for PlainTable {
+    fn deref_mut(&mut self) -> &mut Table {
+        &mut self.0
+    }
+}
+
+impl std::fmt::Display for PlainTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = self.0.to_string();
+        let lines: Vec<&str> = text.lines().map(str::trim_end).collect();
+        f.write_str(&lines.join("\n"))
+    }
+}
+
+pub(super) fn new_table(header: &[&str]) -> PlainTable {
+    let mut t = Table::new();
+    t.load_preset(NOTHING);
+    t.set_header(header.to_vec());
+    for c in t.column_iter_mut() {
+        c.set_padding((0, 3));
+    }
+    PlainTable(t)
+}
+
+pub(super) fn pct(x: f64) -> String {
+    format!("{:.1}%", 100.0 * x)
+}
+
+pub(super) fn dedup<T: PartialEq>(v: Vec<T>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(v.len());
+    for x in v {
+        if !out.contains(&x) {
+            out.push(x);
+        }
+    }
+    out
+}
+
+/// A progress bar on stderr that appears only once the work has run for a second.
+pub(super) struct Progress {
+    bar: indicatif::ProgressBar,
+    start: std::time::Instant,
+    shown: std::sync::atomic::AtomicBool,
+}
+
+impl Progress {
+    pub(super) fn new(len: u64) -> Self {
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(len),
+            indicatif::ProgressDrawTarget::hidden(),
+        );
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} steps  {elapsed} (eta {eta})",
+        ) {
+            bar.set_style(style);
+        }
+        Progress {
+            bar,
+            start: std::time::Instant::now(),
+            shown: false.into(),
+        }
+    }
+
+    pub(super) fn inc(&self) {
+        self.inc_by(1);
+    }
+
+    fn inc_by(&self, n: u64) {
+        use std::sync::atomic::Ordering;
+        if !self.shown.load(Ordering::Relaxed)
+            && self.start.elapsed() > std::time::Duration::from_secs(1)
+            && !self.shown.swap(true, Ordering::Relaxed)
+        {
+            self.bar
+                .set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        }
+        self.bar.inc(n);
+    }
+
+    pub(super) fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// A schedule name fit for a file name (a CSV schedule is named after its path).
+pub(super) fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// `out.png` + `1f1b` -> `out-1f1b.png`.
+pub(super) fn sibling(path: &Path, tag: &str) -> PathBuf {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ext = path
+        .extension()
+        .map(|e| format!(".{}", e.to_string_lossy()))
+        .unwrap_or_default();
+    path.with_file_name(format!("{stem}-{tag}{ext}"))
+}
+
+/// Cuts one step into flat microbatches; warns about sequences longer than the token budget.
+/// Seconds with a unit that fits.
+pub(super) fn fmt_s(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.1} µs", s * 1e6)
+    }
+}
+
+pub(super) fn fmt_bytes(b: f64) -> String {
+    format!("{:.2} GiB", b / (1u64 << 30) as f64)
+}
+
+pub(super) fn gantt_title(
+    name: &str,
+    schedule: &sim::Schedule,
+    v: u32,
+    m: &sim::Metrics,
+) -> String {
+    format!(
+        "{name}  p={} v={v} m={}  makespan {}  bubble {:.1}%",
+        schedule.placement.num_ranks,
+        schedule.num_microbatches,
+        fmt_s(m.makespan_s),
+        100.0 * m.bubble_ratio
+    )
+}
