@@ -279,6 +279,29 @@ fn megatron_layout_round_trips() {
     assert_eq!(PlacementKind::V, v.placement);
 }
 
+/// A search asked to keep no plan is refused, naming `keep` (it panicked indexing an empty
+/// ranking).
+#[test]
+fn a_search_keeping_no_plan_is_refused() {
+    let prof = profile();
+    let w = builtins::workload("sharegpt-v3").unwrap();
+    let config = SearchConfig {
+        steps: 2,
+        seed: 0,
+        size: StepSize::Seqs(16),
+        memory_limit_bytes: prof.hardware.memory_bytes as f64,
+        state_bytes: None,
+        rank_by: RankBy::Mean,
+        keep: 0,
+        exact_split: flatpipe::planner::partition::ExactSplit::DEFAULT,
+        forward_only: None,
+    };
+    let e = search(&prof, &w, &SearchSpace::default_for(8), &config, &|_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("keep") && e.contains(">= 1"), "{e}");
+}
+
 /// On the embedded default (Llama-3.1-8B, 8 H200, ShareGPT) the chosen plan is at least as fast,
 /// on the same sampled steps, as 1F1B at pp = 2, 4, 8 with an even split (dp = 8 / pp, token
 /// budget 16,384), the plans a user would try by hand.

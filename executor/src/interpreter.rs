@@ -420,11 +420,11 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
 /// Runs one step of every replica on `ranks` (`ranks[d * pp + r]`: the stages of replica d's
 /// pipeline rank r, as `(global stage id, worker)`).
 ///
-/// The steps, in order: check that ranks, stages and schedules fit ([`check_fit`]); zero the
-/// gradients; run every rank's action list on its own thread ([`run_pipelines`]); the
-/// data-parallel all-reduce ([`all_reduce_grads`]); the global gradient norm
-/// ([`global_grad_norm`]); the optimizer on every rank ([`optimizer_steps`]); the timeline and
-/// losses from the first action's start ([`collect_step`]).
+/// The steps, in order: check that ranks, stages and schedules fit (`check_fit`); zero the
+/// gradients; run every rank's action list on its own thread (`run_pipelines`); the
+/// data-parallel all-reduce (`all_reduce_grads`); the global gradient norm
+/// (`global_grad_norm`); the optimizer on every rank (`optimizer_steps`); the timeline and
+/// losses from the first action's start (`collect_step`).
 ///
 /// # Errors
 /// [`Error::Invalid`] when the ranks, stages and schedules do not fit together;

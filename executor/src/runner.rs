@@ -183,7 +183,8 @@ impl Setup {
         Ok(self.config.placement()?)
     }
 
-    /// Checks that the setup can run: flat policy, stage count, recomputation list.
+    /// Checks that the setup can run: the run's own checks ([`RunConfig::validate`]), then what
+    /// the executor adds: a flat policy, dynamic capacity, ddp across replicas.
     ///
     /// # Errors
     /// [`Error::Invalid`] / [`Error::Unsupported`] naming what is wrong.
@@ -201,44 +202,12 @@ impl Setup {
                 c.capacity
             )));
         }
-        if c.dp == 0 || c.pp == 0 {
-            return Err(Error::Invalid("dp and pp must be >= 1".into()));
-        }
+        // The run's own checks (pp, dp, v, stage ranges, recomputation, sizes), once.
+        c.validate(self.model.layers().len())?;
         if c.dp > 1 && c.sharding != flatpipe_simulator::costs::sharding::Sharding::Ddp {
             return Err(Error::Unsupported(format!(
                 "sharding {}: the executor's replicas each hold the full weights, gradients and optimizer state (ddp); sharded data parallelism is priced by the simulator and the planner, not executed (set the plan's sharding to ddp to run it)",
                 c.sharding
-            )));
-        }
-        let placement = self.placement()?;
-        if placement.rank_of.len() != c.stages.len() {
-            return Err(Error::Invalid(format!(
-                "the schedule has {} stages, the plan lists {} layer ranges",
-                placement.rank_of.len(),
-                c.stages.len()
-            )));
-        }
-        let n = self.model.layers().len();
-        let mut next = 0;
-        for (s, r) in c.stages.iter().enumerate() {
-            if r.start != next || r.end <= r.start || r.end > n {
-                return Err(Error::Invalid(format!(
-                    "stage {s} covers layers [{}, {}): stages must cover 0..{n} in order, each non-empty",
-                    r.start, r.end
-                )));
-            }
-            next = r.end;
-        }
-        if next != n {
-            return Err(Error::Invalid(format!(
-                "the stages end at layer {next}, the model has {n} layers"
-            )));
-        }
-        if !c.recompute.is_empty() && c.recompute.len() != c.stages.len() {
-            return Err(Error::Invalid(format!(
-                "recompute lists {} modes for {} stages",
-                c.recompute.len(),
-                c.stages.len()
             )));
         }
         Ok(())

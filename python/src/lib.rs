@@ -332,30 +332,8 @@ fn build_config(
     let v = kind.stages_per_rank(vpp).map_err(err)?;
     let n = (pp * v) as usize;
     let stages = match stages {
-        Some(s) => {
-            if s.len() != n {
-                return Err(err(format!(
-                    "stages: {} layer ranges given, {kind} on pp = {pp} with {v} stages per rank needs {n}",
-                    s.len()
-                )));
-            }
-            let mut next = 0;
-            for (i, r) in s.iter().enumerate() {
-                if r.start != next || r.end <= r.start {
-                    return Err(err(format!(
-                        "stages[{i}] = [{}, {}): stages must be non-empty and contiguous from layer 0 (expected a start of {next})",
-                        r.start, r.end
-                    )));
-                }
-                next = r.end;
-            }
-            if next != num_layers {
-                return Err(err(format!(
-                    "stages end at layer {next}, the model has {num_layers} layers"
-                )));
-            }
-            s
-        }
+        // Checked with the rest of the run below (RunConfig::validate).
+        Some(s) => s,
         None => even_split(num_layers, n).map_err(|e| {
             err(format!(
                 "{kind} on pp = {pp} runs {v} stages per rank ({n} stages): {e}"
@@ -387,6 +365,7 @@ fn build_config(
     );
     config.params = params;
     config.dp = dp;
+    config.validate(num_layers).map_err(err)?;
     Ok(config)
 }
 

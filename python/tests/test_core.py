@@ -77,7 +77,7 @@ def test_each_step_has_its_own_microbatch_count():
         (lambda: flatpipe.Pipeline("zb-v", pp=4, num_layers=6), ["zb-v", "2 stages per rank", "8 stages"]),
         (
             lambda: flatpipe.Pipeline("1f1b", pp=2, num_layers=6, stages=[(0, 2), (3, 6)]),
-            ["stages[1]", "expected a start of 2"],
+            ["stages[1]", "must start at 2"],
         ),
         (lambda: flatpipe.Pipeline("1f1b", pp=2, num_layers=6).plan_step([5, 0]), ["seq_lens[1] = 0"]),
         (lambda: flatpipe.Pipeline("1f1b", pp=2, num_layers=6).plan_step([5]).actions(2), ["rank = 2", "2 ranks"]),

@@ -6,7 +6,7 @@
 //! RMSNorm, rotary, varlen causal attention, SwiGLU, embedding, cross-entropy, AdamW), as candle
 //! has a model written once over `Tensor` and each device implement `BackendStorage`. The CPU op
 //! set is [`crate::cpu::CpuOps`] (ndarray), the CUDA one `crate::cuda::stage::CudaOps` (NVRTC
-//! kernels and cuBLAS). [`Stage`] is the [`StageWorker`] over any op set: what F keeps until I,
+//! kernels and cuBLAS). [`Stage`] is the [`crate::worker::StageWorker`] over any op set: what F keeps until I,
 //! what I keeps until W, the recomputation, the parameters and the optimizer step live here
 //! once, so a fix to the model is a fix on both backends.
 //!

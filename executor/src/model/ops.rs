@@ -20,7 +20,7 @@ pub trait OpSet: Send + Debug + 'static {
     type Data: Debug + Send;
     /// The head's loss sums as the cross-entropy kernel leaves them.
     type Loss: Debug + Send;
-    /// Whether losses stay on the device until the step ends ([`StageOutput::LossPending`]).
+    /// Whether losses stay on the device until the step ends ([`crate::worker::StageOutput::LossPending`]).
     const DEFERRED_LOSS: bool;
 
     /// Moves a microbatch's data to the device.
@@ -45,7 +45,7 @@ pub trait OpSet: Send + Debug + 'static {
     fn ready(&self, h: Self::Hidden) -> Result<Self::Hidden> {
         Ok(h)
     }
-    /// Takes a hidden state another rank sent ([`StageWorker::import`]).
+    /// Takes a hidden state another rank sent ([`crate::worker::StageWorker::import`]).
     ///
     /// # Errors
     /// A backend failure.

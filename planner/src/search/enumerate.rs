@@ -79,8 +79,8 @@ pub(super) struct Layouts {
 /// Checks the space and the configuration; the tensor-parallel degrees to search.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for no ranks, tp = 0, a pp that does not divide the ranks or no
-/// steps; [`Error::Simulator`] for more GPUs than the hardware has.
+/// [`Error::InvalidArgument`] for no ranks, no plan to keep, tp = 0, a pp that does not divide
+/// the ranks or no steps; [`Error::Simulator`] for more GPUs than the hardware has.
 pub(super) fn checked_tps(
     base: &Profile,
     space: &SearchSpace,
@@ -88,6 +88,9 @@ pub(super) fn checked_tps(
 ) -> Result<Vec<u32>> {
     if space.ranks == 0 {
         return Err(Error::invalid("ranks", 0, ">= 1"));
+    }
+    if config.keep == 0 {
+        return Err(Error::invalid("keep", 0, ">= 1 plan"));
     }
     base.hardware
         .check_gpus(u64::from(space.ranks))

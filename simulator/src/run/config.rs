@@ -89,6 +89,105 @@ impl RunConfig {
         }
     }
 
+    /// Checks the run against a model of `num_layers` layers, every check in one place: pp and
+    /// dp at least 1; `v` runnable by the schedule (a given schedule: its own stage count);
+    /// `pp x v` stages that cover layers `0..num_layers` in order, each non-empty; one
+    /// recomputation mode per stage (or none); a microbatch count, token budget, chunk length
+    /// and forward-only count of at least 1.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the field (`pp`, `dp`, `vpp`, `stages`, `stages[i]`,
+    /// `recompute`, `microbatches`, `token_budget`, `chunk_tokens`,
+    /// `forward_only.microbatches`), its value and the allowed range.
+    pub fn validate(&self, num_layers: usize) -> Result<()> {
+        if self.pp == 0 {
+            return Err(Error::invalid("pp", 0, ">= 1 rank"));
+        }
+        if self.dp == 0 {
+            return Err(Error::invalid("dp", 0, ">= 1 replica"));
+        }
+        self.validate_v()?;
+        let want = self.pp as usize * self.v as usize;
+        if self.stages.len() != want {
+            return Err(Error::invalid(
+                "stages",
+                format!("{} stages", self.stages.len()),
+                format!(
+                    "{} x {} = {want} stages for schedule {}",
+                    self.pp,
+                    self.v,
+                    self.source_name()
+                ),
+            ));
+        }
+        validate_stage_ranges(&self.stages, num_layers)?;
+        if !self.recompute.is_empty() && self.recompute.len() != self.stages.len() {
+            return Err(Error::invalid(
+                "recompute",
+                format!("{} entries", self.recompute.len()),
+                format!("one per stage ({})", self.stages.len()),
+            ));
+        }
+        self.validate_sizes()
+    }
+
+    /// `v` against the schedule: a kind's stages per rank, or a given schedule's stage count.
+    fn validate_v(&self) -> Result<()> {
+        match &self.source {
+            ScheduleSource::Kind(k) => {
+                let v = k.stages_per_rank(Some(self.v))?;
+                if v != self.v {
+                    return Err(Error::invalid(
+                        "vpp",
+                        self.v,
+                        format!("{v}: schedule {k} runs {v} stage(s) per rank"),
+                    ));
+                }
+            }
+            ScheduleSource::Given(s) => {
+                if s.num_stages() != self.pp * self.v {
+                    return Err(Error::invalid(
+                        "stages (pp x vpp)",
+                        self.pp * self.v,
+                        format!("{}, the given schedule's stage count", s.num_stages()),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts and lengths that must be at least 1 when given.
+    fn validate_sizes(&self) -> Result<()> {
+        if self.params.microbatches == Some(0) {
+            return Err(Error::invalid("microbatches", 0, ">= 1"));
+        }
+        if self.params.microbatches.is_none() && self.params.token_budget == 0 {
+            return Err(Error::invalid("token_budget", 0, ">= 1 token"));
+        }
+        if self.params.chunk_tokens == Some(0) {
+            return Err(Error::invalid("chunk_tokens", 0, ">= 1 token"));
+        }
+        if let Some(fo) = &self.forward_only
+            && fo.microbatches == Some(0)
+        {
+            return Err(Error::invalid(
+                "forward_only.microbatches",
+                0,
+                ">= 1 (leave the forward-only work out instead)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The schedule's name for messages.
+    fn source_name(&self) -> String {
+        match &self.source {
+            ScheduleSource::Kind(k) => k.to_string(),
+            ScheduleSource::Given(_) => "given as a file".into(),
+        }
+    }
+
     /// The stage -> rank placement (the same for every step).
     ///
     /// # Errors
@@ -130,6 +229,44 @@ impl RunConfig {
             ScheduleSource::Kind(_) => self.capacity,
         }
     }
+}
+
+/// Checks that `stages` (layer ranges `[start, end)`, in stage order) cover layers
+/// `0..num_layers` in order, each non-empty.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for `stages[i]` (the first range that breaks the order, is empty
+/// or leaves the model) or `stages` (they end before the last layer).
+pub fn validate_stage_ranges(stages: &[Range<usize>], num_layers: usize) -> Result<()> {
+    let mut next = 0;
+    for (i, s) in stages.iter().enumerate() {
+        let why = if s.start != next {
+            format!("this one must start at {next}, where the previous one ends")
+        } else if s.end <= s.start {
+            format!(
+                "this one is empty: its end must be more than its start {}",
+                s.start
+            )
+        } else if s.end > num_layers {
+            format!("its end must be at most {num_layers}, the model's layer count")
+        } else {
+            next = s.end;
+            continue;
+        };
+        return Err(Error::invalid(
+            format!("stages[{i}]"),
+            format!("{{start: {}, end: {}}}", s.start, s.end),
+            format!("stages must cover layers 0..{num_layers} in order, each non-empty; {why}"),
+        ));
+    }
+    if next != num_layers {
+        return Err(Error::invalid(
+            "stages",
+            format!("ends at layer {next}"),
+            format!("must cover all {num_layers} layers"),
+        ));
+    }
+    Ok(())
 }
 
 /// How many microbatches a step's schedule holds.
@@ -323,4 +460,82 @@ pub(crate) fn round_costs(
         },
     )?;
     Ok(if last { c } else { c.without_optimizer() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(kind: ScheduleKind, pp: u32, v: u32, stages: Vec<Range<usize>>) -> RunConfig {
+        RunConfig::new(
+            ScheduleSource::Kind(kind),
+            pp,
+            v,
+            stages,
+            Policy::FlatFfd,
+            Capacity::Dynamic,
+        )
+    }
+
+    /// Each check names its field: a hand-made run of 6 layers broken one way at a time.
+    #[test]
+    fn validate_names_the_broken_field() {
+        let good = run(ScheduleKind::OneFOneB, 2, 1, vec![0..3, 3..6]);
+        good.validate(6).unwrap();
+        let field = |c: &RunConfig| match c.validate(6) {
+            Err(Error::InvalidArgument { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        let mut c = good.clone();
+        c.pp = 0;
+        assert_eq!(field(&c), "pp");
+        let mut c = good.clone();
+        c.dp = 0;
+        assert_eq!(field(&c), "dp");
+        assert_eq!(
+            field(&run(ScheduleKind::ZbV, 2, 1, vec![0..3, 3..6])),
+            "vpp"
+        );
+        assert_eq!(
+            field(&run(
+                ScheduleKind::OneFOneB,
+                2,
+                1,
+                std::iter::once(0..6).collect()
+            )),
+            "stages"
+        );
+        assert_eq!(
+            field(&run(ScheduleKind::OneFOneB, 2, 1, vec![0..2, 3..6])),
+            "stages[1]"
+        );
+        assert_eq!(
+            field(&run(ScheduleKind::OneFOneB, 2, 1, vec![0..3, 3..3])),
+            "stages[1]"
+        );
+        assert_eq!(
+            field(&run(ScheduleKind::OneFOneB, 2, 1, vec![0..3, 3..7])),
+            "stages[1]"
+        );
+        assert_eq!(
+            field(&run(ScheduleKind::OneFOneB, 2, 1, vec![0..2, 2..5])),
+            "stages"
+        );
+        let mut c = good.clone();
+        c.recompute = vec![Recompute::Full];
+        assert_eq!(field(&c), "recompute");
+        let mut c = good.clone();
+        c.params.chunk_tokens = Some(0);
+        assert_eq!(field(&c), "chunk_tokens");
+        let mut c = good.clone();
+        c.params.microbatches = Some(0);
+        assert_eq!(field(&c), "microbatches");
+        let mut c = good;
+        c.forward_only = Some(ForwardOnlySpec {
+            microbatches: Some(0),
+            mode: Default::default(),
+            loss_dependency: false,
+        });
+        assert_eq!(field(&c), "forward_only.microbatches");
+    }
 }

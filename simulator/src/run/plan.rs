@@ -310,93 +310,55 @@ impl Plan {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the field and the allowed range.
     pub fn validate(&self, origin: &str, num_layers: usize) -> Result<()> {
-        let field = |f: &str| format!("{origin}: {f}");
-        if self.pp == 0 {
-            return Err(Error::invalid(field("pp"), 0, ">= 1 rank"));
-        }
+        let in_file = |e: Error| match e {
+            Error::InvalidArgument {
+                field,
+                value,
+                allowed,
+            } => Error::InvalidArgument {
+                field: format!("{origin}: {field}"),
+                value,
+                allowed,
+            },
+            other => other,
+        };
         if self.tp == Some(0) {
-            return Err(Error::invalid(field("tp"), 0, ">= 1 GPU per rank"));
+            return Err(in_file(Error::invalid("tp", 0, ">= 1 GPU per rank")));
+        }
+        if self.pp == 0 {
+            return Err(in_file(Error::invalid("pp", 0, ">= 1 rank")));
         }
         let v = self
             .schedule
             .stages_per_rank(self.vpp)
             .map_err(|e| match e {
-                Error::InvalidArgument { value, allowed, .. } => Error::InvalidArgument {
-                    field: field("vpp"),
+                Error::InvalidArgument { value, allowed, .. } => in_file(Error::InvalidArgument {
+                    field: "vpp".into(),
                     value,
                     allowed,
-                },
+                }),
                 other => other,
             })?;
         if let Some(asked) = self.vpp
             && asked != v
         {
-            return Err(Error::invalid(
-                field("vpp"),
+            return Err(in_file(Error::invalid(
+                "vpp",
                 asked,
                 format!(
                     "{v}: schedule {} runs {v} stage(s) per rank (interleaved-1f1b and looped-bfs take any vpp, zb-auto 1 or 2)",
                     self.schedule
                 ),
-            ));
+            )));
         }
-        let want = v * self.pp;
-        if self.stages.len() != want as usize {
-            return Err(Error::invalid(
-                field("stages"),
-                format!("{} stages", self.stages.len()),
-                format!(
-                    "{} x {v} = {want} stages for schedule {}",
-                    self.pp, self.schedule
-                ),
-            ));
-        }
-        if self.dp == Some(0) {
-            return Err(Error::invalid(field("dp"), 0, ">= 1 replica"));
-        }
-        if !self.recompute.is_empty() && self.recompute.len() != self.stages.len() {
-            return Err(Error::invalid(
-                field("recompute"),
-                format!("{} entries", self.recompute.len()),
-                format!("one per stage ({})", self.stages.len()),
-            ));
-        }
-        let mut next = 0;
-        for (i, s) in self.stages.iter().enumerate() {
-            let why = if s.start != next {
-                format!("this one must start at {next}, where the previous one ends")
-            } else if s.end <= s.start {
-                format!(
-                    "this one is empty: its end must be more than its start {}",
-                    s.start
-                )
-            } else if s.end > num_layers {
-                format!("its end must be at most {num_layers}, the model's layer count")
-            } else {
-                String::new()
-            };
-            if !why.is_empty() {
-                return Err(Error::invalid(
-                    field(&format!("stages[{i}]")),
-                    format!("{{start: {}, end: {}}}", s.start, s.end),
-                    format!(
-                        "stages must cover layers 0..{num_layers} in order, each non-empty; {why}"
-                    ),
-                ));
-            }
-            next = s.end;
-        }
-        if next != num_layers {
-            return Err(Error::invalid(
-                field("stages"),
-                format!("ends at layer {next}"),
-                format!("must cover all {num_layers} layers"),
-            ));
-        }
-        let v = self.schedule.stages_per_rank(self.vpp)?;
+        self.microbatching().map_err(in_file)?;
+        // Every check of the run itself, once (stages, dp, recomputation, sizes).
+        self.run_config()
+            .and_then(|run| run.validate(num_layers))
+            .map_err(in_file)?;
         if self.placement != self.schedule.placement_for(v) {
-            return Err(Error::invalid(
-                field("placement"),
+            return Err(in_file(Error::invalid(
+                "placement",
                 format!("{:?}", self.placement).to_lowercase(),
                 format!(
                     "schedule {} uses {:?} placement",
@@ -404,20 +366,8 @@ impl Plan {
                     self.schedule.placement_for(v)
                 )
                 .to_lowercase(),
-            ));
+            )));
         }
-        self.microbatching().map_err(|e| match e {
-            Error::InvalidArgument {
-                field: f,
-                value,
-                allowed,
-            } => Error::InvalidArgument {
-                field: field(&f),
-                value,
-                allowed,
-            },
-            other => other,
-        })?;
         Ok(())
     }
 }
@@ -521,5 +471,132 @@ mod tests {
             p.run_config().is_err(),
             "neither token_budget nor microbatches"
         );
+    }
+
+    mod round_trip {
+        use super::super::*;
+        use crate::batching::policy::Policy;
+        use crate::costs::Recompute;
+        use crate::costs::sharding::Sharding;
+        use crate::run::config::ForwardOnlySpec;
+        use crate::schedules::forward_only::FoMode;
+        use proptest::prelude::*;
+
+        /// Text a user may put in a plan's names: letters, digits, YAML's special characters
+        /// (`:`, `#`, quotes, `@`, a leading `-`), spaces and non-ASCII.
+        fn name() -> impl Strategy<Value = String> {
+            "[-a-zA-Z0-9_.:#@' \"/é中]{0,24}"
+        }
+
+        fn predicted() -> impl Strategy<Value = Predicted> {
+            (
+                (0.0..1e6f64, 0.0..1e6f64, 0.0..1.0f64, 0.0..1e6f64),
+                prop::collection::vec(0.0..1e15f64, 1..9),
+                0.0..1e15f64,
+                1..10_000u32,
+            )
+                .prop_map(|((mean, p90, bubble, bound), peaks, limit, steps)| {
+                    Predicted {
+                        step_time_mean_s: mean,
+                        step_time_p90_s: p90,
+                        bubble_ratio: bubble,
+                        lower_bound_s: bound,
+                        peak_memory_bytes: peaks,
+                        memory_limit_bytes: limit,
+                        steps,
+                    }
+                })
+        }
+
+        fn plan() -> impl Strategy<Value = Plan> {
+            let inputs = (
+                prop::option::of(name()),
+                prop::option::of(name()),
+                prop::option::of(name()),
+                name(),
+                prop::option::of(1..1_000_000u32),
+                prop::option::of(1..u64::MAX),
+                any::<u64>(),
+            );
+            let layout = (
+                prop::sample::select(ScheduleKind::ALL.to_vec()),
+                1..64u32,
+                prop::option::of(1..8u32),
+                prop::collection::vec((0..1000usize, 1..100usize), 1..12),
+                prop::option::of(1..1024u32),
+                prop::option::of(1..64u32),
+                prop::option::of(any::<bool>()),
+            );
+            let batching = (
+                prop::option::of(1..4096u32),
+                prop::option::of(1..u64::MAX),
+                prop::option::of(1..u64::MAX),
+                prop::option::of(prop::sample::select(Policy::ALL.to_vec())),
+                prop::collection::vec(prop::sample::select(Recompute::ALL.to_vec()), 0..12),
+                prop::sample::select(Sharding::ALL.to_vec()),
+                prop::option::of((prop::option::of(1..1000u32), any::<bool>(), any::<bool>())),
+            );
+            let outcome = (
+                prop::option::of(predicted()),
+                prop::option::of((name(), name(), name())),
+            );
+            (inputs, layout, batching, outcome).prop_map(
+                |(
+                    (model, hardware, profile, workload, seqs, tokens, seed),
+                    (schedule, pp, vpp, stages, dp, tp, sp),
+                    (microbatches, budget, chunk, policy, recompute, sharding, fo),
+                    (predicted, provenance),
+                )| {
+                    let ranges: Vec<Range<usize>> = stages.iter().map(|&(a, n)| a..a + n).collect();
+                    let mut p = Plan::new(&workload, schedule, pp, &ranges, 1);
+                    p.model = model;
+                    p.hardware = hardware;
+                    p.profile = profile;
+                    p.seqs_per_step = seqs;
+                    p.tokens_per_step = tokens;
+                    p.seed = seed;
+                    p.vpp = vpp;
+                    p.dp = dp;
+                    p.tp = tp;
+                    p.sequence_parallel = sp;
+                    p.microbatches = microbatches;
+                    p.token_budget = budget;
+                    p.chunk_tokens = chunk;
+                    p.policy = policy;
+                    p.recompute = recompute;
+                    p.sharding = sharding;
+                    p.forward_only =
+                        fo.map(
+                            |(microbatches, separate, loss_dependency)| ForwardOnlySpec {
+                                microbatches,
+                                mode: if separate {
+                                    FoMode::Separate
+                                } else {
+                                    FoMode::Fused
+                                },
+                                loss_dependency,
+                            },
+                        );
+                    p.predicted = predicted;
+                    p.provenance = provenance.map(|(a, b, c)| PlanProvenance {
+                        profile_sha256: a,
+                        workload_sha256: b,
+                        flatpipe_version: c,
+                    });
+                    p
+                },
+            )
+        }
+
+        proptest! {
+            /// A plan written as YAML reads back as the same plan, every field (names with
+            /// YAML's special characters, the largest integers, floats to the last bit).
+            #[test]
+            fn a_plan_survives_its_yaml(p in plan()) {
+                let text = p.to_yaml().unwrap();
+                let back = Plan::from_yaml(&text, "plan.yaml").unwrap();
+                prop_assert_eq!(&back, &p, "{}", text);
+            }
+        }
     }
 }

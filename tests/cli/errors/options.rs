@@ -49,7 +49,12 @@ fn flatpipe_flags(dir: &std::path::Path) -> std::collections::BTreeSet<String> {
         // The options' own lines (`  -v, --verbose...`, `      --pp <PP>`), not their prose,
         // which may name other tools' flags (cargo's `--features`).
         let help = flatpipe(dir, &[c.as_str(), "--help"]).stdout;
-        for line in help.lines().filter(|l| l.trim_start().starts_with('-')) {
+        // (`- highs: ... --features highs` lists a value, not an option.)
+        let option_line = |l: &&str| {
+            let t = l.trim_start().as_bytes();
+            t.len() > 1 && t[0] == b'-' && (t[1] == b'-' || t[1].is_ascii_alphabetic())
+        };
+        for line in help.lines().filter(option_line) {
             flags.extend(flags_in(line).into_iter().take(1));
         }
     }
