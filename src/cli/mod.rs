@@ -56,7 +56,7 @@ use flatpipe_planner as planner;
 use flatpipe_profiles::{self as profiles, AnalyticOptions, Profile, StepSize, Workload, builtins};
 use flatpipe_simulator::{
     self as sim, Plan, ScheduleKind, Simulation, UniformCostSpec, UniformCosts,
-    batching::policy::{Policy, PolicyParams},
+    batching::policy::Policy,
     run::plan::even_split,
     run::{
         config::{Capacity, ScheduleSource},

@@ -6,6 +6,43 @@ use serde_json::Value;
 
 // Running and verifying.
 
+/// `execute` and `simulate` resolve a run without layout flags the same way: pp 4, 1F1B,
+/// flat-ffd at a 16,384-token budget. Every tiny-chat sequence is at most 512 tokens and a step
+/// holds 32 (profiles/data/workloads/tiny-chat.yaml), so a step is at most 16,384 tokens: one
+/// microbatch, on both.
+#[test]
+fn execute_and_simulate_share_one_set_of_run_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let common = [
+        "--model",
+        "tiny",
+        "--hardware",
+        "cpu",
+        "--workload",
+        "tiny-chat",
+        "--gantt",
+        "none",
+        "--format",
+        "json",
+    ];
+    let mut args = vec!["execute", "--steps", "1"];
+    args.extend(common);
+    let o = flatpipe(dir.path(), &args);
+    assert!(o.status.success(), "{}", o.stderr);
+    let e = o.json();
+    assert_eq!(e["schedule"], "1f1b");
+    assert_eq!((e["pp"].as_u64(), e["vpp"].as_u64()), (Some(4), Some(1)));
+    assert_eq!(e["steps"][0]["microbatches"], serde_json::json!([1]));
+    let mut args = vec!["simulate", "--schedule", "1f1b"];
+    args.extend(common);
+    let o = flatpipe(dir.path(), &args);
+    assert!(o.status.success(), "{}", o.stderr);
+    let s = &o.json()[0];
+    assert_eq!((s["pp"].as_u64(), s["vpp"].as_u64()), (Some(4), Some(1)));
+    assert_eq!(s["policy"], "flat-ffd");
+    assert_eq!(s["microbatches"].as_u64(), Some(1));
+}
+
 #[test]
 fn execute_runs_the_shipped_plan_and_verifies_it() {
     let dir = tempfile::tempdir().unwrap();

@@ -171,82 +171,53 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
             "use fewer sequences or tokens per step",
         )?;
     }
-    let (source, pp, v, dp, stages, recompute, policy, params) = match &plan {
-        Some(pl) => {
-            let c = pl.run_config()?;
-            (
-                c.source,
-                c.pp,
-                c.v,
-                c.dp,
-                c.stages,
-                c.recompute,
-                c.policy,
-                c.params,
-            )
-        }
-        None => {
-            let (source, pp, v) = match &a.schedule_csv {
-                Some(path) => {
-                    let s = sim::ir::pytorch_csv::read_pytorch_csv(
-                        &profiles::read_to_string(path)?,
-                        &path.display().to_string(),
-                    )?;
-                    let (p, v) = (
-                        s.placement.num_ranks,
-                        s.num_stages() / s.placement.num_ranks,
-                    );
-                    (ScheduleSource::Given(s), p, v)
-                }
-                None => {
-                    let kind: ScheduleKind = a.schedule.as_deref().unwrap_or("1f1b").parse()?;
-                    let pp = a.pp.unwrap_or(2);
-                    if pp == 0 {
-                        bail!("--pp = 0 is invalid: >= 1 rank");
-                    }
-                    let v = kind.stages_per_rank(a.vpp)?;
-                    if let Some(asked) = a.vpp
-                        && asked != v
-                    {
-                        bail!(
-                            "--vpp = {asked} is invalid for {kind}: it runs {v} stage(s) per rank (interleaved-1f1b and looped-bfs take any --vpp, zb-auto 1 or 2)"
-                        );
-                    }
-                    (ScheduleSource::Kind(kind), pp, v)
-                }
+    let source = match (&a.schedule_csv, &plan) {
+        (Some(path), _) => Some(ScheduleSource::Given(
+            sim::ir::pytorch_csv::read_pytorch_csv(
+                &profiles::read_to_string(path)?,
+                &path.display().to_string(),
+            )?,
+        )),
+        (None, Some(_)) => None,
+        (None, None) => {
+            let kind: ScheduleKind = match &a.schedule {
+                Some(name) => name.parse()?,
+                None => resolve::DEFAULT_SCHEDULE,
             };
-            let microbatches = match (&source, a.microbatches, a.token_budget) {
-                (ScheduleSource::Given(s), _, _) => Some(s.num_microbatches),
-                (_, Some(m), _) => Some(m),
-                (_, None, Some(_)) => None,
-                (_, None, None) => Some(default_microbatches(pp, v)),
-            };
-            let stages = even_split(num_layers, (pp * v) as usize)?;
-            (
-                source,
-                pp,
-                v,
-                a.dp.unwrap_or(1),
-                stages,
-                Vec::new(),
-                Policy::FlatBalanced,
-                PolicyParams {
-                    token_budget: a
-                        .token_budget
-                        .unwrap_or(sim::batching::policy::DEFAULT_TOKEN_BUDGET),
-                    microbatches,
-                    chunk_tokens: a.chunk_tokens,
-                    ..PolicyParams::default()
-                },
-            )
+            // One schedule is named: a vpp it does not run is refused, not replaced.
+            let v = kind.stages_per_rank(a.vpp)?;
+            if let Some(asked) = a.vpp
+                && asked != v
+            {
+                bail!(
+                    "--vpp = {asked} is invalid for {kind}: it runs {v} stage(s) per rank (interleaved-1f1b and looped-bfs take any --vpp, zb-auto 1 or 2)"
+                );
+            }
+            Some(ScheduleSource::Kind(kind))
         }
     };
-    if dp == 0 {
-        bail!("--dp = 0 is invalid: >= 1 replica");
+    let flags = resolve::RunFlags {
+        pp: a.pp,
+        vpp: a.vpp,
+        dp: a.dp,
+        microbatches: a.microbatches,
+        token_budget: a.token_budget,
+        chunk_tokens: a.chunk_tokens,
+        forward_only: a.fo.fo_microbatches.map(|_| fo),
+        ..Default::default()
+    };
+    let config = resolve::run_config(
+        &flags,
+        plan.as_ref(),
+        source,
+        None,
+        Capacity::Dynamic,
+        num_layers,
+    )?;
+    if let Some(m) = config.params.microbatches {
+        warn_underfilled(&config.source.name(), m, config.pp, config.v);
     }
-    if let Some(m) = params.microbatches {
-        warn_underfilled(&source.name(), m, pp, v);
-    }
+    let (pp, dp) = (config.pp, config.dp);
     let backend = backend_config(
         a.backend.resolve_for_stages()?,
         a.precision,
@@ -266,29 +237,6 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         );
     }
     let balance = flatpipe_simulator::run::config::balance_cost(&profile);
-    // zb-auto plans were searched under the plan's memory limit: build their steps under it too.
-    let zb_limit = plan
-        .as_ref()
-        .and_then(|p| p.predicted.as_ref())
-        .map(|p| p.memory_limit_bytes);
-    let mut config = flatpipe_simulator::run::config::RunConfig::new(
-        source.clone(),
-        pp,
-        v,
-        stages.clone(),
-        policy,
-        Capacity::Dynamic,
-    );
-    config.dp = dp;
-    config.recompute = recompute.clone();
-    config.params = params;
-    config.sharding = plan.as_ref().map(|p| p.sharding).unwrap_or_default();
-    // The options' forward-only work, else the plan's (an explicit 0 drops it).
-    config.forward_only = match a.fo.fo_microbatches {
-        Some(_) => fo,
-        None => plan.as_ref().and_then(|p| p.forward_only),
-    };
-    config.memory_limit_bytes = zb_limit;
     let setup = Setup {
         model: model.clone(),
         config,

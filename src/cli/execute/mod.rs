@@ -54,7 +54,7 @@ pub(super) struct ExecuteArgs {
     /// count m: every step is cut into exactly m microbatches).
     #[arg(long, conflicts_with_all = ["plan", "schedule", "pp", "vpp", "microbatches", "token_budget"])]
     schedule_csv: Option<PathBuf>,
-    /// Pipeline-parallel degree (inline; default 2). Keep pp x dp <= the machine's cores.
+    /// Pipeline-parallel degree (inline; default 4). Keep pp x dp <= the machine's cores.
     #[arg(long)]
     pp: Option<u32>,
     /// Stages per rank (inline; default: the schedule's).
@@ -63,11 +63,12 @@ pub(super) struct ExecuteArgs {
     /// Data-parallel replicas (inline; default 1).
     #[arg(long)]
     dp: Option<u32>,
-    /// Exactly this many microbatches per replica and step (inline; default pp x vpp, one per stage,
-    /// unless --token-budget is given).
+    /// Exactly this many microbatches per replica and step, balanced by predicted cost (inline;
+    /// without it, the token budget cuts the step).
     #[arg(long, conflicts_with = "token_budget")]
     microbatches: Option<u32>,
-    /// The fewest microbatches of at most this many tokens (inline).
+    /// The fewest microbatches of at most this many tokens (inline; first-fit decreasing, as
+    /// `simulate`). Default 16384.
     #[arg(long)]
     token_budget: Option<u64>,
     /// Cut a sequence longer than the token budget into chunks of at most this many tokens
@@ -151,29 +152,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
     } = resolve_run(&a)?;
     let (pp, v, dp) = (setup.config.pp, setup.config.v, setup.config.dp);
     let (source, stages) = (setup.config.source.clone(), setup.config.stages.clone());
-    // The microbatch count the user did not give: say where it came from when a step cannot
-    // be cut into it.
-    let defaulted_m = a.plan.is_none()
-        && a.microbatches.is_none()
-        && a.token_budget.is_none()
-        && !matches!(source, ScheduleSource::Given(_));
-    let with_default = |e: anyhow::Error| {
-        // Only the refusal of the microbatch count itself comes from the default.
-        let about_m = matches!(
-            e.downcast_ref::<flatpipe_executor::Error>(),
-            Some(flatpipe_executor::Error::Simulator(sim::Error::InvalidArgument { field, .. }))
-                if field == "microbatches"
-        );
-        if defaulted_m && about_m {
-            e.context(format!(
-                "the default of pp x vpp = {} microbatches per replica and step does not fit this workload; give --microbatches or --token-budget",
-                default_microbatches(pp, v)
-            ))
-        } else {
-            e
-        }
-    };
-    let first = setup.prepare(0).map_err(|e| with_default(e.into()))?;
+    let first = setup.prepare(0)?;
     // Refuse, before allocating the stages, a run this host cannot hold.
     if backend.backend == executor::Backend::Cpu {
         let largest = first
@@ -297,8 +276,7 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             last = Some((prepared, run));
             Ok(())
         },
-    )
-    .map_err(with_default)?;
+    )?;
     bar.finish();
     let mut notes = Vec::new();
     if over_budget > 0 {

@@ -76,13 +76,15 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
         None => profile.tensor_parallel(tp.0, tp.1)?,
     };
-    let sharding = match &a.sharding {
-        Some(m) => m
-            .trim()
-            .parse::<sim::costs::sharding::Sharding>()
-            .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?,
-        None => Default::default(),
-    };
+    let sharding = a
+        .sharding
+        .as_ref()
+        .map(|m| {
+            m.trim()
+                .parse::<sim::costs::sharding::Sharding>()
+                .map_err(|e| anyhow::anyhow!("--sharding: {e}"))
+        })
+        .transpose()?;
     let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, plan.as_ref(), &workload)?;
     let seed = a
         .seed
@@ -92,42 +94,49 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
     if steps == 0 {
         bail!("--steps = 0 is invalid: >= 1 step");
     }
-    let csv_m = match &schedules {
-        Schedules::Csv(s) => Some(s.num_microbatches),
-        Schedules::Kinds(_) => None,
-    };
-    if csv_m.is_some() && !a.capacity.is_empty() {
+    if matches!(schedules, Schedules::Csv(_)) && !a.capacity.is_empty() {
         bail!(
             "--capacity cannot be combined with --schedule-csv: a loaded schedule has the fixed capacity of its microbatch count"
         );
     }
-    // The plan file's run, when there is one: the flags below only vary it.
-    let base = plan.as_ref().map(Plan::run_config).transpose()?;
-    let (microbatches, token_budget) = match &base {
-        Some(c) => (c.params.microbatches, c.params.token_budget),
-        None => (
-            a.microbatches.or(csv_m),
-            a.token_budget
-                .unwrap_or(sim::batching::policy::DEFAULT_TOKEN_BUDGET),
+    // One per-rank memory limit for building zb-auto and checking every row: --memory-limit,
+    // else the plan file's (the one it was searched under), else the hardware's.
+    let planned_limit = plan
+        .as_ref()
+        .and_then(|p| p.predicted.as_ref())
+        .map(|p| p.memory_limit_bytes);
+    let (limit, limit_source) = match (&a.memory_limit, planned_limit) {
+        (Some(text), _) => (
+            memory_limit(Some(text), &profile)?,
+            format!("--memory-limit {text}"),
+        ),
+        (None, Some(bytes)) => (bytes, "the plan file's memory limit".to_string()),
+        (None, None) => (
+            memory_limit(None, &profile)?,
+            format!("{}'s memory less its reserve", profile.hardware.name),
         ),
     };
-    let params = PolicyParams {
-        token_budget,
-        microbatches,
-        pack_len: a.pack_len.unwrap_or(4096),
+    let flags = resolve::RunFlags {
+        pp: a.pp,
+        vpp: a.vpp,
+        dp: a.dp,
+        microbatches: a.microbatches,
+        token_budget: a.token_budget,
+        chunk_tokens: a.chunk_tokens,
+        pack_len: a.pack_len,
         max_seq_len: a.max_seq_len,
-        chunk_tokens: a
-            .chunk_tokens
-            .or(base.as_ref().and_then(|c| c.params.chunk_tokens)),
+        sharding,
+        forward_only: a.fo.fo_microbatches.map(|_| a.fo.spec()).transpose()?,
+        memory_limit_bytes: Some(limit),
     };
-    let policies: Vec<Policy> = if a.policy.is_empty() {
-        vec![base.as_ref().map_or(Policy::FlatFfd, |c| c.policy)]
+    let policies: Vec<Option<Policy>> = if a.policy.is_empty() {
+        vec![None]
     } else {
         dedup(
             a.policy
                 .iter()
-                .map(|x| x.parse())
-                .collect::<Result<Vec<Policy>, _>>()?,
+                .map(|x| x.parse().map(Some))
+                .collect::<Result<Vec<Option<Policy>>, _>>()?,
         )
     };
     let capacities: Vec<Capacity> = if a.capacity.is_empty() {
@@ -140,78 +149,39 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
                 .collect::<Result<Vec<Capacity>, _>>()?,
         )
     };
-    // One per-rank memory limit for building zb-auto and checking every row: --memory-limit,
-    // else the plan file's (the one it was searched under), else the hardware's.
-    let (limit, limit_source) = match (
-        &a.memory_limit,
-        base.as_ref().and_then(|c| c.memory_limit_bytes),
-    ) {
-        (Some(text), _) => (
-            memory_limit(Some(text), &profile)?,
-            format!("--memory-limit {text}"),
-        ),
-        (None, Some(bytes)) => (bytes, "the plan file's memory limit".to_string()),
-        (None, None) => (
-            memory_limit(None, &profile)?,
-            format!("{}'s memory less its reserve", profile.hardware.name),
-        ),
-    };
-    let p = match (&schedules, &base) {
-        (Schedules::Csv(s), _) => s.placement.num_ranks,
-        (_, Some(c)) => c.pp,
-        _ => a.pp.unwrap_or(4),
-    };
-    if p == 0 {
-        bail!("--pp = 0 is invalid: >= 1 rank");
-    }
-    let sources: Vec<(ScheduleSource, u32)> = match (schedules, &base) {
-        (Schedules::Csv(s), _) => {
-            let v = s.num_stages() / s.placement.num_ranks;
-            vec![(ScheduleSource::Given(s), v)]
-        }
-        (_, Some(c)) => vec![(c.source.clone(), c.v)],
+    // A plan file runs its own schedule; --schedule-csv its; else each schedule asked for.
+    let sources: Vec<Option<ScheduleSource>> = match (schedules, &plan) {
+        (Schedules::Csv(s), _) => vec![Some(ScheduleSource::Given(s))],
+        (_, Some(_)) => vec![None],
         (Schedules::Kinds(kinds), None) => kinds
             .into_iter()
-            .map(|k| Ok((ScheduleSource::Kind(k), k.stages_per_rank(a.vpp)?)))
-            .collect::<Result<_>>()?,
+            .map(|k| Some(ScheduleSource::Kind(k)))
+            .collect(),
     };
     let mut combos = Vec::new();
-    for (source, v) in sources {
-        let stages = match (&base, &source) {
-            (Some(c), _) => c.stages.clone(),
-            (None, ScheduleSource::Given(s)) => {
-                even_split(profile.layers.len(), s.num_stages() as usize)?
-            }
-            (None, ScheduleSource::Kind(_)) => even_split(profile.layers.len(), (p * v) as usize)?,
-        };
+    for source in &sources {
         for &policy in &policies {
             for &capacity in &capacities {
-                let mut combo = flatpipe_simulator::run::config::RunConfig::new(
+                combos.push(resolve::run_config(
+                    &flags,
+                    plan.as_ref(),
                     source.clone(),
-                    p,
-                    v,
-                    stages.clone(),
                     policy,
                     capacity,
-                );
-                combo.params = params;
-                combo.dp = a.dp.unwrap_or(1);
-                combo.sharding = sharding;
-                if let Some(c) = &base {
-                    combo.dp = c.dp;
-                    combo.recompute = c.recompute.clone();
-                    combo.sharding = c.sharding;
-                }
-                combo.memory_limit_bytes = Some(limit);
-                // The options' forward-only work, else the plan's (an explicit 0 drops it).
-                combo.forward_only = match a.fo.fo_microbatches {
-                    Some(_) => a.fo.spec()?,
-                    None => base.as_ref().and_then(|c| c.forward_only),
-                };
-                combos.push(combo);
+                    profile.layers.len(),
+                )?);
             }
         }
     }
+    let first = combos
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no schedule to simulate"))?;
+    let (p, microbatches, token_budget) = (
+        first.pp,
+        first.params.microbatches,
+        first.params.token_budget,
+    );
+    let policies: Vec<Policy> = dedup(combos.iter().map(|c| c.policy).collect());
     if let Some(m) = microbatches {
         let pairs: f64 = combos
             .iter()

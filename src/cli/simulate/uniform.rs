@@ -82,7 +82,7 @@ pub(in crate::cli) fn simulate_uniform(
     let built: Vec<(String, u32, sim::Schedule)> = match schedules {
         Schedules::Csv(s) => vec![(s.name.clone(), s.num_stages() / s.placement.num_ranks, s)],
         Schedules::Kinds(kinds) => {
-            let p = a.pp.unwrap_or(4);
+            let p = a.pp.unwrap_or(resolve::DEFAULT_PP);
             // One count for the whole comparison: the deepest interleaving's p·v.
             let v_max = kinds
                 .iter()

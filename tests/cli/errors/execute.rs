@@ -63,39 +63,9 @@ fn execute_refuses_a_sharded_plan() {
     );
 }
 
-/// A step too small for `execute`'s default microbatch count says that the count is the default
-/// p·v and what to give instead (it named a `--microbatches = 2` the user never typed).
+/// Too few sequences for the replicas is said as such.
 #[test]
-fn a_step_too_small_for_the_default_microbatches_says_what_to_give() {
-    let dir = tempfile::tempdir().unwrap();
-    let base = [
-        "execute",
-        "--model",
-        "tiny",
-        "--hardware",
-        "cpu",
-        "--workload",
-        "tiny-chat",
-        "--steps",
-        "1",
-        "--gantt",
-        "none",
-    ];
-    let mut args = base.to_vec();
-    args.extend(["--tokens-per-step", "1"]);
-    let o = flatpipe(dir.path(), &args);
-    assert_eq!(o.status.code(), Some(2));
-    let err = &o.stderr;
-    assert!(
-        err.contains("default of pp x vpp = 2 microbatches") && err.contains("--token-budget"),
-        "{err}"
-    );
-}
-
-/// The note on execute's default microbatch count is added only to the refusal of that count:
-/// too few sequences for the replicas is said as such.
-#[test]
-fn execute_blames_its_default_microbatches_only_when_they_are_the_cause() {
+fn too_few_sequences_for_the_replicas_is_said_as_such() {
     let dir = tempfile::tempdir().unwrap();
     let o = flatpipe(
         dir.path(),
@@ -118,5 +88,4 @@ fn execute_blames_its_default_microbatches_only_when_they_are_the_cause() {
     assert_eq!(o.status.code(), Some(2));
     let err = &o.stderr;
     assert!(err.contains("too few for dp = 4"), "{err}");
-    assert!(!err.contains("the default of pp x vpp"), "{err}");
 }
