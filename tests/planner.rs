@@ -216,8 +216,8 @@ fn profile() -> flatpipe::profiles::Profile {
 
 fn plan(schedule: ScheduleKind, pp: u32, stages: &[std::ops::Range<usize>]) -> Plan {
     let mut p = Plan::new("sharegpt-v3", schedule, pp, stages, 16_384);
-    p.model = Some("llama3.1-8b".into());
-    p.hardware = Some("h200".into());
+    p.inputs.model = Some("llama3.1-8b".into());
+    p.inputs.hardware = Some("h200".into());
     p
 }
 
@@ -276,7 +276,7 @@ fn megatron_layout_round_trips() {
         tt.contains("seq_len = 16384") && tt.contains("local_batch_size = 12"),
         "{tt}"
     );
-    assert_eq!(PlacementKind::V, v.placement);
+    assert_eq!(PlacementKind::V, v.placement());
 }
 
 /// A search asked to keep no plan is refused, naming `keep` (it panicked indexing an empty
@@ -518,8 +518,8 @@ fn megatron_exports_pass_megatrons_argument_checks() {
             let stages = even_split(34, (4 * v) as usize).unwrap();
             for pattern in 0..5usize {
                 let mut p = plan(kind, 4, &stages);
-                p.vpp = Some(v);
-                p.recompute = (0..stages.len())
+                p.run.v = v;
+                p.run.recompute = (0..stages.len())
                     .map(|s| match pattern {
                         0..=2 => modes[pattern],
                         3 => modes[s % 2], // none / selective mixed
@@ -582,8 +582,8 @@ fn exports_carry_the_sharding() {
         (Sharding::Ddp, 4, (1, 4), true),
     ] {
         let mut p = plan(ScheduleKind::OneFOneB, 2, &stages);
-        p.dp = Some(dp);
-        p.sharding = m;
+        p.run.dp = dp;
+        p.run.sharding = m;
         let t = torchtitan(&p, &prof, 4, None).unwrap();
         assert_eq!(degrees(&t), want, "{m}\n{t}");
         assert_eq!(t.contains("# warning"), warned, "{m}\n{t}");
@@ -606,7 +606,7 @@ fn exports_carry_the_sharding() {
     }
     // Without a pipeline torchtitan runs DDP: replicate degree dp, nothing to warn.
     let mut p = plan(ScheduleKind::OneFOneB, 1, &even_split(34, 1).unwrap());
-    p.dp = Some(8);
+    p.run.dp = 8;
     let t = torchtitan(&p, &prof, 4, None).unwrap();
     assert_eq!(degrees(&t), (8, 1), "{t}");
     assert!(!t.contains("# warning"), "{t}");

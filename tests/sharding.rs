@@ -340,8 +340,8 @@ fn plan_files_carry_the_sharding() {
         &even_split(34, 2).unwrap(),
         4096,
     );
-    p.dp = Some(4);
-    p.sharding = Sharding::Hsdp;
+    p.run.dp = 4;
+    p.run.sharding = Sharding::Hsdp;
     let yaml = p.to_yaml().unwrap();
     assert!(yaml.contains("sharding: hsdp"), "{yaml}");
     let back = Plan::from_yaml(&yaml, "p.yaml").unwrap();

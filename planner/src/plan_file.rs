@@ -5,27 +5,8 @@ use crate::search::{Candidate, SearchConfig};
 use crate::{Error, Result};
 use flatpipe_profiles::{LengthDistribution, Profile, Workload};
 use flatpipe_simulator::batching::policy::Policy;
-use flatpipe_simulator::run::plan::{Plan, PlanProvenance, Predicted, StageLayers};
-
-/// What a plan file names besides the candidate: how its inputs were given (built-in names or
-/// paths, as the user typed them) and how its steps are sampled.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct PlanInputs {
-    /// Model (file or built-in name), for an analytic profile.
-    pub model: Option<String>,
-    /// Hardware (file or built-in name), for an analytic profile.
-    pub hardware: Option<String>,
-    /// A profile file or built-in profile name (instead of model and hardware).
-    pub profile: Option<String>,
-    /// Workload (file or built-in name).
-    pub workload: String,
-    /// Sequences per step, when given instead of the workload's.
-    pub seqs_per_step: Option<u32>,
-    /// Tokens per step, when given instead of the workload's.
-    pub tokens_per_step: Option<u64>,
-    /// Seed of the step sampler.
-    pub seed: u64,
-}
+pub use flatpipe_simulator::run::plan::PlanInputs;
+use flatpipe_simulator::run::plan::{Plan, PlanProvenance, Predicted};
 
 /// The plan file of candidate `c`, searched under `config` with microbatching `policy` on
 /// `profile` and `workload`: its layout, token budget and recomputation, what the search
@@ -42,37 +23,15 @@ pub fn candidate_plan(
     config: &SearchConfig,
     policy: Policy,
 ) -> Result<Plan> {
+    // The run the search evaluated, as a plan file holds it: dynamic capacity, the state
+    // layout of the sharding mode (a file has no field for another).
+    let mut run = c.run_config(policy, config);
+    run.state_bytes = None;
     Ok(Plan {
-        model: inputs.model.clone(),
-        hardware: inputs.hardware.clone(),
-        profile: inputs.profile.clone(),
-        workload: inputs.workload.clone(),
-        dp: Some(c.dp),
-        pp: c.pp,
-        vpp: Some(c.vpp),
-        placement: c.schedule.placement_for(c.vpp),
-        schedule: c.schedule,
-        stages: c
-            .partition
-            .stages
-            .iter()
-            .map(|r| StageLayers {
-                start: r.start,
-                end: r.end,
-            })
-            .collect(),
-        microbatches: None,
-        token_budget: Some(c.token_budget),
-        chunk_tokens: c.chunk_tokens,
-        seqs_per_step: inputs.seqs_per_step,
-        tokens_per_step: inputs.tokens_per_step,
-        policy: Some(policy),
-        recompute: c.partition.recompute.clone(),
-        sharding: c.sharding,
-        tp: (c.tp > 1).then_some(c.tp),
-        sequence_parallel: (c.tp > 1).then_some(c.sequence_parallel),
-        forward_only: config.forward_only,
-        seed: inputs.seed,
+        inputs: inputs.clone(),
+        run,
+        tp: c.tp,
+        sequence_parallel: c.tp == 1 || c.sequence_parallel,
         predicted: Some(Predicted {
             step_time_mean_s: c.summary.step_time_s.mean,
             step_time_p90_s: c.summary.step_time_s.p90,

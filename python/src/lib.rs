@@ -480,7 +480,11 @@ impl PyPipeline {
     fn from_plan(path: &str) -> PyResult<Self> {
         let text = flatpipe_profiles::read_to_string(std::path::Path::new(path)).map_err(err)?;
         let plan = Plan::from_yaml(&text, path).map_err(err)?;
-        let profile = match (&plan.profile, &plan.model, &plan.hardware) {
+        let profile = match (
+            &plan.inputs.profile,
+            &plan.inputs.model,
+            &plan.inputs.hardware,
+        ) {
             (Some(p), _, _) => PyProfile::load(p)?.inner,
             (None, Some(m), Some(h)) => PyProfile::analytic(m, h)?.inner,
             _ => {
@@ -492,31 +496,13 @@ impl PyPipeline {
         let (tp, sp) = plan.tensor_parallel();
         let profile = Arc::new(profile.tensor_parallel(tp, sp).map_err(err)?);
         plan.validate(path, profile.layers.len()).map_err(err)?;
-        let stages: Vec<Range<usize>> = plan.stages.iter().map(|s| s.start..s.end).collect();
-        let mut config = build_config(
-            plan.schedule,
-            plan.pp,
-            plan.vpp,
-            profile.layers.len(),
-            Some(stages),
-            plan.token_budget,
-            plan.microbatches,
-            None,
-            plan.dp.unwrap_or(1),
-        )?;
-        if let Some(p) = plan.policy {
-            config.policy = p;
-        }
-        config.recompute = plan.recompute.clone();
-        config.sharding = plan.sharding;
-        config.forward_only = plan.forward_only;
-        config.params.chunk_tokens = plan.chunk_tokens;
-        config.memory_limit_bytes = plan.predicted.as_ref().map(|p| p.memory_limit_bytes);
+        // The plan's run as the file gives it (checked against the model above).
+        let config = plan.run.clone();
         Ok(PyPipeline {
             config,
             num_layers: profile.layers.len(),
             profile: Some(profile),
-            workload: Some(plan.workload.clone()),
+            workload: Some(plan.inputs.workload.clone()),
         })
     }
 

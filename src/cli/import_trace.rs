@@ -111,20 +111,20 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
         let profile = resolve_profile(
             a.profile
                 .as_deref()
-                .or(plan.as_ref().and_then(|p| p.profile.as_deref())),
+                .or(plan.as_ref().and_then(|p| p.inputs.profile.as_deref())),
             a.model
                 .as_deref()
-                .or(plan.as_ref().and_then(|p| p.model.as_deref())),
+                .or(plan.as_ref().and_then(|p| p.inputs.model.as_deref())),
             a.hardware
                 .as_deref()
-                .or(plan.as_ref().and_then(|p| p.hardware.as_deref())),
+                .or(plan.as_ref().and_then(|p| p.inputs.hardware.as_deref())),
         )?;
         let stages = match &plan {
             Some(p) => {
-                if p.stages.len() != s.num_stages() as usize {
+                if p.run.stages.len() != s.num_stages() as usize {
                     bail!(
                         "the plan has {} stages, the trace ran {}",
-                        p.stages.len(),
+                        p.run.stages.len(),
                         s.num_stages()
                     );
                 }

@@ -60,7 +60,7 @@ pub(super) fn step_size(
         (_, Some(0)) => bail!("--tokens-per-step = 0 is invalid: >= 1 token"),
         (Some(n), _) => StepSize::Seqs(n),
         (None, Some(t)) => StepSize::Tokens(t),
-        (None, None) => match plan.map(|p| (p.seqs_per_step, p.tokens_per_step)) {
+        (None, None) => match plan.map(|p| (p.inputs.seqs_per_step, p.inputs.tokens_per_step)) {
             Some((Some(0), _)) => bail!("the plan's seqs_per_step = 0 is invalid: >= 1 sequence"),
             Some((_, Some(0))) => bail!("the plan's tokens_per_step = 0 is invalid: >= 1 token"),
             Some((Some(n), _)) => StepSize::Seqs(n),

@@ -1,6 +1,10 @@
 //! The plan file: everything needed to run one pipeline configuration on a workload.
 
+use crate::batching::policy::{DEFAULT_TOKEN_BUDGET, Policy, PolicyParams};
+use crate::costs::Recompute;
+use crate::costs::sharding::Sharding;
 use crate::ir::PlacementKind;
+use crate::run::config::{Capacity, ForwardOnlySpec, RunConfig, ScheduleSource};
 use crate::schedules::generators::ScheduleKind;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -26,8 +30,9 @@ pub struct StageLayers {
     pub end: usize,
 }
 
-/// A pipeline plan (YAML), read by `flatpipe simulate --plan` (and later written by the planner
-/// and run by the executor).
+/// A pipeline plan: one run ([`RunConfig`]), the inputs it was planned on, and what the planner
+/// predicted for it. `flatpipe plan -o` writes it, `simulate --plan` and `execute --plan` read
+/// it. Its file is flat YAML ([`PlanFile`], every field in docs/reference.md):
 ///
 /// ```yaml
 /// model: llama3.1-8b        # or `profile: my-profile.yaml`
@@ -45,83 +50,258 @@ pub struct StageLayers {
 /// seqs_per_step: 128
 /// seed: 0
 /// ```
+///
+/// Reading a file checks what the file alone decides (the schedule runs the vpp and placement
+/// given, exactly one of `token_budget` and `microbatches`, `tp >= 1`); [`Plan::validate`]
+/// checks the run against the model. Writing and reading a plan gives the same plan (a
+/// property test).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "PlanFile", into = "PlanFile")]
 pub struct Plan {
+    /// How the plan's inputs were named and how its steps are sampled.
+    pub inputs: PlanInputs,
+    /// The run: a schedule family ([`ScheduleSource::Kind`]; a plan file cannot hold a given
+    /// schedule), dynamic capacity, the default padded / packed parameters, and zb-auto's
+    /// memory limit equal to the prediction's (`None` without one).
+    pub run: RunConfig,
+    /// Tensor-parallel degree: GPUs per rank, each running a `1/tp` slice of every layer
+    /// (`flatpipe_profiles::Profile::tensor_parallel`), >= 1.
+    pub tp: u32,
+    /// Sequence parallelism with `tp > 1` (true when `tp` is 1).
+    pub sequence_parallel: bool,
+    /// What the planner predicted (informational; `simulate --plan` recomputes).
+    pub predicted: Option<Predicted>,
+    /// Where the plan came from: hashes of the profile and workload it was planned on.
+    pub provenance: Option<PlanProvenance>,
+}
+
+/// What a plan file names besides its run: how its inputs were given (built-in names or
+/// paths, as the user typed them) and how its steps are sampled.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PlanInputs {
     /// Model (file or built-in name); with `hardware`, selects the analytic profile.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     /// Hardware (file or built-in name).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hardware: Option<String>,
     /// A profile file or built-in profile name; overrides `model` and `hardware`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<String>,
     /// Workload (file or built-in name).
     pub workload: String,
-    /// Data-parallel degree: pipeline replicas, each taking its share of the step's sequences
-    /// (default 1). Ranks = dp x pp, GPUs = tp x dp x pp.
+    /// Sequences per step (default: the workload's).
+    pub seqs_per_step: Option<u32>,
+    /// Tokens per step (instead of sequences).
+    pub tokens_per_step: Option<u64>,
+    /// Seed of the step sampler.
+    pub seed: u64,
+}
+
+/// A plan file as written: flat YAML, each field optional where it has a default. The one
+/// place the file format is spelled out; [`Plan`] is what it means.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanFile {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dp: Option<u32>,
-    /// Tensor-parallel degree: GPUs per rank, each running a `1/tp` slice of every layer
-    /// (default 1; `flatpipe_profiles::Profile::tensor_parallel`).
+    model: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tp: Option<u32>,
+    hardware: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    profile: Option<String>,
+    workload: String,
+    /// Data-parallel degree (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    dp: Option<u32>,
+    /// Tensor-parallel degree (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tp: Option<u32>,
     /// Sequence parallelism with `tp > 1` (default true).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sequence_parallel: Option<bool>,
-    /// Pipeline-parallel degree: ranks per replica.
-    pub pp: u32,
-    /// Stages per rank (virtual stages); default: the schedule's (1, 2 for interleaved and V
-    /// schedules).
+    sequence_parallel: Option<bool>,
+    pp: u32,
+    /// Stages per rank; default: the schedule's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vpp: Option<u32>,
-    /// Stage -> rank layout.
-    pub placement: PlacementKind,
-    /// Schedule family.
-    pub schedule: ScheduleKind,
-    /// Layer range of every stage, in stage order.
-    pub stages: Vec<StageLayers>,
-    /// Exactly this many microbatches per step, balanced by predicted cost (give this or
-    /// `token_budget`).
+    vpp: Option<u32>,
+    placement: PlacementKind,
+    schedule: ScheduleKind,
+    stages: Vec<StageLayers>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub microbatches: Option<u32>,
-    /// The fewest microbatches of at most this many tokens (first-fit decreasing).
+    microbatches: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token_budget: Option<u64>,
-    /// Sequences per step (default: the workload's).
+    token_budget: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seqs_per_step: Option<u32>,
-    /// Sequences longer than the token budget are cut into chunks of at most this many
-    /// tokens ([`crate::batching::policy::PolicyParams::chunk_tokens`]); absent: not cut.
+    seqs_per_step: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub chunk_tokens: Option<u64>,
-    /// Tokens per step (instead of sequences).
+    chunk_tokens: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tokens_per_step: Option<u64>,
-    /// Microbatching policy (`flat-ffd` when absent).
+    tokens_per_step: Option<u64>,
+    /// Default flat-ffd.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub policy: Option<crate::batching::policy::Policy>,
-    /// Activation recomputation per stage (none everywhere when absent).
+    policy: Option<Policy>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub recompute: Vec<crate::costs::Recompute>,
-    /// How the data-parallel replicas shard their state (`ddp`, `zero1`, `zero2`, `fsdp`,
-    /// `fsdp-mb`, `hsdp`; `ddp` when absent).
+    recompute: Vec<Recompute>,
     #[serde(default, skip_serializing_if = "is_ddp")]
-    pub sharding: crate::costs::sharding::Sharding,
-    /// Forward-only work each step carries (a frozen reference or teacher forward), planned with
-    /// the training schedule.
+    sharding: Sharding,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub forward_only: Option<crate::run::config::ForwardOnlySpec>,
-    /// Seed of the step sampler.
+    forward_only: Option<ForwardOnlySpec>,
     #[serde(default)]
-    pub seed: u64,
-    /// What the planner predicted for this plan (informational; `simulate --plan` recomputes).
+    seed: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub predicted: Option<Predicted>,
-    /// Where the plan came from: hashes of the profile and workload it was planned on.
+    predicted: Option<Predicted>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub provenance: Option<PlanProvenance>,
+    provenance: Option<PlanProvenance>,
+}
+
+fn is_ddp(s: &Sharding) -> bool {
+    *s == Sharding::Ddp
+}
+
+impl TryFrom<PlanFile> for Plan {
+    type Error = Error;
+
+    /// What the file means: its run with every default filled in.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the field: `tp` 0, a vpp or placement the schedule
+    /// does not run, neither or both of `token_budget` and `microbatches` (or either 0).
+    fn try_from(f: PlanFile) -> Result<Plan> {
+        if f.tp == Some(0) {
+            return Err(Error::invalid("tp", 0, ">= 1 GPU per rank"));
+        }
+        let v = f.schedule.stages_per_rank(f.vpp).map_err(|e| match e {
+            Error::InvalidArgument { value, allowed, .. } => Error::InvalidArgument {
+                field: "vpp".into(),
+                value,
+                allowed,
+            },
+            other => other,
+        })?;
+        if let Some(asked) = f.vpp
+            && asked != v
+        {
+            return Err(Error::invalid(
+                "vpp",
+                asked,
+                format!(
+                    "{v}: schedule {} runs {v} stage(s) per rank (interleaved-1f1b and looped-bfs take any vpp, zb-auto 1 or 2)",
+                    f.schedule
+                ),
+            ));
+        }
+        if f.placement != f.schedule.placement_for(v) {
+            return Err(Error::invalid(
+                "placement",
+                format!("{:?}", f.placement).to_lowercase(),
+                format!(
+                    "schedule {} uses {:?} placement",
+                    f.schedule,
+                    f.schedule.placement_for(v)
+                )
+                .to_lowercase(),
+            ));
+        }
+        let microbatches = match (f.microbatches, f.token_budget) {
+            (Some(0), None) => return Err(Error::invalid("microbatches", 0, ">= 1")),
+            (None, Some(0)) => return Err(Error::invalid("token_budget", 0, ">= 1 token")),
+            (Some(m), None) => Microbatching::Microbatches(m),
+            (None, Some(t)) => Microbatching::TokenBudget(t),
+            _ => {
+                return Err(Error::invalid(
+                    "microbatches / token_budget",
+                    "both or neither",
+                    "give exactly one of the two",
+                ));
+            }
+        };
+        let mut run = RunConfig::new(
+            ScheduleSource::Kind(f.schedule),
+            f.pp,
+            v,
+            f.stages.iter().map(|s| s.start..s.end).collect(),
+            f.policy.unwrap_or(Policy::FlatFfd),
+            Capacity::Dynamic,
+        );
+        run.params = PolicyParams {
+            token_budget: match microbatches {
+                Microbatching::TokenBudget(t) => t,
+                Microbatching::Microbatches(_) => DEFAULT_TOKEN_BUDGET,
+            },
+            microbatches: match microbatches {
+                Microbatching::Microbatches(m) => Some(m),
+                Microbatching::TokenBudget(_) => None,
+            },
+            chunk_tokens: f.chunk_tokens,
+            ..PolicyParams::default()
+        };
+        run.dp = f.dp.unwrap_or(1);
+        run.recompute = f.recompute;
+        run.sharding = f.sharding;
+        run.forward_only = f.forward_only;
+        // zb-auto plans were searched under the prediction's memory limit: built under it too.
+        run.memory_limit_bytes = f.predicted.as_ref().map(|p| p.memory_limit_bytes);
+        let tp = f.tp.unwrap_or(1);
+        Ok(Plan {
+            inputs: PlanInputs {
+                model: f.model,
+                hardware: f.hardware,
+                profile: f.profile,
+                workload: f.workload,
+                seqs_per_step: f.seqs_per_step,
+                tokens_per_step: f.tokens_per_step,
+                seed: f.seed,
+            },
+            run,
+            tp,
+            sequence_parallel: tp == 1 || f.sequence_parallel.unwrap_or(true),
+            predicted: f.predicted,
+            provenance: f.provenance,
+        })
+    }
+}
+
+impl From<Plan> for PlanFile {
+    /// The file of a plan: every field of its run written out (dp, vpp and the policy too),
+    /// `tp` and `sequence_parallel` only with `tp > 1`. A run of a given schedule (not a
+    /// family) writes its schedule's name as 1F1B's; [`Plan::to_yaml`] refuses it first.
+    fn from(p: Plan) -> PlanFile {
+        let schedule = p.schedule().unwrap_or(ScheduleKind::OneFOneB);
+        let run = p.run;
+        let (microbatches, token_budget) = match run.params.microbatches {
+            Some(m) => (Some(m), None),
+            None => (None, Some(run.params.token_budget)),
+        };
+        PlanFile {
+            model: p.inputs.model,
+            hardware: p.inputs.hardware,
+            profile: p.inputs.profile,
+            workload: p.inputs.workload,
+            dp: Some(run.dp),
+            tp: (p.tp > 1).then_some(p.tp),
+            sequence_parallel: (p.tp > 1).then_some(p.sequence_parallel),
+            pp: run.pp,
+            vpp: Some(run.v),
+            placement: schedule.placement_for(run.v),
+            schedule,
+            stages: run
+                .stages
+                .iter()
+                .map(|r| StageLayers {
+                    start: r.start,
+                    end: r.end,
+                })
+                .collect(),
+            microbatches,
+            token_budget,
+            seqs_per_step: p.inputs.seqs_per_step,
+            chunk_tokens: run.params.chunk_tokens,
+            tokens_per_step: p.inputs.tokens_per_step,
+            policy: Some(run.policy),
+            recompute: run.recompute,
+            sharding: run.sharding,
+            forward_only: run.forward_only,
+            seed: p.inputs.seed,
+            predicted: p.predicted,
+            provenance: p.provenance,
+        }
+    }
 }
 
 /// The planner's prediction for a plan.
@@ -157,22 +337,11 @@ pub struct PlanProvenance {
 }
 
 impl Plan {
-    /// The tensor-parallel degree (1 when absent) and whether sequence parallelism is on.
-    pub fn tensor_parallel(&self) -> (u32, bool) {
-        (self.tp.unwrap_or(1), self.sequence_parallel.unwrap_or(true))
-    }
-}
-
-fn is_ddp(s: &crate::costs::sharding::Sharding) -> bool {
-    *s == crate::costs::sharding::Sharding::Ddp
-}
-
-impl Plan {
     /// A plan of `schedule` on `pp` ranks over `stages` (layer ranges `[start, end)`, in stage
     /// order) on `workload` at the token budget `token_budget` (tokens), with the schedule's
-    /// placement for its default stages per rank and every other field absent: one replica,
-    /// no recomputation, no forward-only work, seed 0, no prediction or provenance. Nothing is
-    /// checked here ([`Plan::validate`] does).
+    /// default stages per rank and every other field at its default: one replica, no tensor
+    /// parallelism, flat-ffd, no recomputation, no forward-only work, seed 0, no prediction or
+    /// provenance. Nothing is checked here ([`Plan::validate`] does).
     pub fn new(
         workload: &str,
         schedule: ScheduleKind,
@@ -180,44 +349,56 @@ impl Plan {
         stages: &[Range<usize>],
         token_budget: u64,
     ) -> Self {
-        Plan {
-            model: None,
-            hardware: None,
-            profile: None,
-            workload: workload.into(),
-            dp: None,
-            tp: None,
-            sequence_parallel: None,
+        let v = schedule.stages_per_rank(None).unwrap_or(1);
+        let mut run = RunConfig::new(
+            ScheduleSource::Kind(schedule),
             pp,
-            vpp: None,
-            placement: schedule.placement(),
-            schedule,
-            stages: stages
-                .iter()
-                .map(|r| StageLayers {
-                    start: r.start,
-                    end: r.end,
-                })
-                .collect(),
-            microbatches: None,
-            token_budget: Some(token_budget),
-            seqs_per_step: None,
-            chunk_tokens: None,
-            tokens_per_step: None,
-            policy: None,
-            recompute: Vec::new(),
-            sharding: Default::default(),
-            forward_only: None,
-            seed: 0,
+            v,
+            stages.to_vec(),
+            Policy::FlatFfd,
+            Capacity::Dynamic,
+        );
+        run.params.token_budget = token_budget;
+        Plan {
+            inputs: PlanInputs {
+                workload: workload.into(),
+                ..PlanInputs::default()
+            },
+            run,
+            tp: 1,
+            sequence_parallel: true,
             predicted: None,
             provenance: None,
         }
     }
 
+    /// The schedule family the plan runs (`None` for a run of a given schedule, which a plan
+    /// file cannot hold).
+    pub fn schedule(&self) -> Option<ScheduleKind> {
+        match &self.run.source {
+            ScheduleSource::Kind(k) => Some(*k),
+            ScheduleSource::Given(_) => None,
+        }
+    }
+
+    /// The stage -> rank layout of the plan's schedule at its stages per rank.
+    pub fn placement(&self) -> PlacementKind {
+        match &self.run.source {
+            ScheduleSource::Kind(k) => k.placement_for(self.run.v),
+            ScheduleSource::Given(s) => s.placement.kind,
+        }
+    }
+
+    /// The tensor-parallel degree and whether sequence parallelism is on.
+    pub fn tensor_parallel(&self) -> (u32, bool) {
+        (self.tp, self.sequence_parallel)
+    }
+
     /// Parses a plan file's text. `origin` names the file in errors.
     ///
     /// # Errors
-    /// [`flatpipe_profiles::Error::Yaml`] (wrapped) for malformed YAML.
+    /// [`flatpipe_profiles::Error::Yaml`] (wrapped) for malformed YAML, an unknown field, or a
+    /// field [`PlanFile`]'s conversion refuses (named in the message).
     pub fn from_yaml(text: &str, origin: &str) -> Result<Self> {
         serde_yaml::from_str(text).map_err(|e| {
             flatpipe_profiles::Error::Yaml {
@@ -231,8 +412,16 @@ impl Plan {
     /// The plan as YAML text.
     ///
     /// # Errors
-    /// [`flatpipe_profiles::Error::Yaml`] (wrapped) if serialization fails.
+    /// [`Error::InvalidArgument`] for a run of a given schedule (a plan file names a schedule
+    /// family); [`flatpipe_profiles::Error::Yaml`] (wrapped) if serialization fails.
     pub fn to_yaml(&self) -> Result<String> {
+        if self.schedule().is_none() {
+            return Err(Error::invalid(
+                "schedule",
+                self.run.source.name(),
+                "a schedule family (a plan file cannot hold a given schedule)",
+            ));
+        }
         serde_yaml::to_string(self).map_err(|e| {
             flatpipe_profiles::Error::Yaml {
                 path: "plan".into(),
@@ -243,69 +432,28 @@ impl Plan {
     }
 
     /// How the step is cut into microbatches (`token_budget` or `microbatches`).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] unless exactly one of the two is given, and it is >= 1.
-    pub fn microbatching(&self) -> Result<Microbatching> {
-        match (self.microbatches, self.token_budget) {
-            (Some(0), None) => Err(Error::invalid("microbatches", 0, ">= 1")),
-            (None, Some(0)) => Err(Error::invalid("token_budget", 0, ">= 1 token")),
-            (Some(m), None) => Ok(Microbatching::Microbatches(m)),
-            (None, Some(t)) => Ok(Microbatching::TokenBudget(t)),
-            _ => Err(Error::invalid(
-                "microbatches / token_budget",
-                "both or neither",
-                "give exactly one of the two",
-            )),
+    pub fn microbatching(&self) -> Microbatching {
+        match self.run.params.microbatches {
+            Some(m) => Microbatching::Microbatches(m),
+            None => Microbatching::TokenBudget(self.run.params.token_budget),
         }
     }
 
-    /// The run this plan file describes: schedule, layout, microbatching (`token_budget`, or
-    /// exactly `microbatches` balanced by cost), policy (`flat-ffd` when absent), data
-    /// parallelism, recomputation, forward-only work, and zb-auto's memory limit (the one the
-    /// plan was searched under, when its prediction records it); dynamic capacity.
+    /// The run this plan describes (a copy of [`Plan::run`]).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a vpp the schedule does not run or a microbatching that
-    /// gives neither or both of `token_budget` and `microbatches`.
-    pub fn run_config(&self) -> Result<crate::run::config::RunConfig> {
-        use crate::batching::policy::{Policy, PolicyParams};
-        use crate::run::config::{Capacity, ScheduleSource};
-        let v = self.schedule.stages_per_rank(self.vpp)?;
-        let (microbatches, token_budget) = match self.microbatching()? {
-            Microbatching::Microbatches(m) => {
-                (Some(m), crate::batching::policy::DEFAULT_TOKEN_BUDGET)
-            }
-            Microbatching::TokenBudget(t) => (None, t),
-        };
-        let mut c = crate::run::config::RunConfig::new(
-            ScheduleSource::Kind(self.schedule),
-            self.pp,
-            v,
-            self.stage_ranges(),
-            self.policy.unwrap_or(Policy::FlatFfd),
-            Capacity::Dynamic,
-        );
-        c.params = PolicyParams {
-            token_budget,
-            microbatches,
-            chunk_tokens: self.chunk_tokens,
-            ..PolicyParams::default()
-        };
-        c.dp = self.dp.unwrap_or(1);
-        c.recompute = self.recompute.clone();
-        c.sharding = self.sharding;
-        c.forward_only = self.forward_only;
-        c.memory_limit_bytes = self.predicted.as_ref().map(|p| p.memory_limit_bytes);
-        Ok(c)
+    /// None today; kept fallible for the front ends that call it.
+    pub fn run_config(&self) -> Result<RunConfig> {
+        Ok(self.run.clone())
     }
 
     /// The stages' layer ranges.
     pub fn stage_ranges(&self) -> Vec<Range<usize>> {
-        self.stages.iter().map(|s| s.start..s.end).collect()
+        self.run.stages.clone()
     }
 
-    /// Checks the plan against a model of `num_layers` layers.
+    /// Checks the plan against a model of `num_layers` layers ([`RunConfig::validate`]), with
+    /// `origin` (the file) before every field's name.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the field and the allowed range.
@@ -322,53 +470,10 @@ impl Plan {
             },
             other => other,
         };
-        if self.tp == Some(0) {
+        if self.tp == 0 {
             return Err(in_file(Error::invalid("tp", 0, ">= 1 GPU per rank")));
         }
-        if self.pp == 0 {
-            return Err(in_file(Error::invalid("pp", 0, ">= 1 rank")));
-        }
-        let v = self
-            .schedule
-            .stages_per_rank(self.vpp)
-            .map_err(|e| match e {
-                Error::InvalidArgument { value, allowed, .. } => in_file(Error::InvalidArgument {
-                    field: "vpp".into(),
-                    value,
-                    allowed,
-                }),
-                other => other,
-            })?;
-        if let Some(asked) = self.vpp
-            && asked != v
-        {
-            return Err(in_file(Error::invalid(
-                "vpp",
-                asked,
-                format!(
-                    "{v}: schedule {} runs {v} stage(s) per rank (interleaved-1f1b and looped-bfs take any vpp, zb-auto 1 or 2)",
-                    self.schedule
-                ),
-            )));
-        }
-        self.microbatching().map_err(in_file)?;
-        // Every check of the run itself, once (stages, dp, recomputation, sizes).
-        self.run_config()
-            .and_then(|run| run.validate(num_layers))
-            .map_err(in_file)?;
-        if self.placement != self.schedule.placement_for(v) {
-            return Err(in_file(Error::invalid(
-                "placement",
-                format!("{:?}", self.placement).to_lowercase(),
-                format!(
-                    "schedule {} uses {:?} placement",
-                    self.schedule,
-                    self.schedule.placement_for(v)
-                )
-                .to_lowercase(),
-            )));
-        }
-        Ok(())
+        self.run.validate(num_layers).map_err(in_file)
     }
 }
 
@@ -417,60 +522,97 @@ mod tests {
         assert!(e.contains("35") && e.contains("34 layers"), "{e}");
     }
 
-    fn plan(stages: &[(usize, usize)], vpp: Option<u32>) -> Plan {
+    fn plan(stages: &[(usize, usize)]) -> Plan {
         let ranges: Vec<Range<usize>> = stages.iter().map(|&(a, b)| a..b).collect();
-        let mut p = Plan::new("w", ScheduleKind::OneFOneB, 2, &ranges, 1024);
-        p.vpp = vpp;
-        p
+        Plan::new("w", ScheduleKind::OneFOneB, 2, &ranges, 1024)
+    }
+
+    /// A 1F1B plan file on 2 ranks with `extra` lines appended.
+    fn file(extra: &str) -> String {
+        format!(
+            "workload: w\npp: 2\nplacement: loop\nschedule: 1f1b\nstages:\n- {{start: 0, end: 5}}\n- {{start: 5, end: 10}}\n{extra}"
+        )
     }
 
     /// Each way a hand-edited stage list goes wrong is named as it is (every one was reported
-    /// as "must start at N" even when it did start there); a vpp the schedule does not run is
-    /// refused instead of ignored.
+    /// as "must start at N" even when it did start there).
     #[test]
     fn a_bad_stage_list_says_what_is_wrong() {
         let e = |p: Plan| p.validate("p.yaml", 10).unwrap_err().to_string();
-        let past = e(plan(&[(0, 5), (5, 11)], None));
+        let past = e(plan(&[(0, 5), (5, 11)]));
         assert!(
             past.contains("at most 10") && !past.contains("must start"),
             "{past}"
         );
-        let empty = e(plan(&[(0, 5), (5, 5)], None));
+        let empty = e(plan(&[(0, 5), (5, 5)]));
         assert!(
             empty.contains("empty") && !empty.contains("must start"),
             "{empty}"
         );
-        let gap = e(plan(&[(0, 5), (6, 10)], None));
-        assert!(gap.contains("must start at 5"), "{gap}");
-        let vpp = e(plan(&[(0, 5), (5, 10)], Some(2)));
+        let gap = e(plan(&[(0, 5), (6, 10)]));
         assert!(
-            vpp.contains("vpp") && vpp.contains("1 stage(s) per rank"),
-            "{vpp}"
+            gap.contains("p.yaml: stages[1]") && gap.contains("must start at 5"),
+            "{gap}"
         );
-        plan(&[(0, 5), (5, 10)], Some(1))
-            .validate("p.yaml", 10)
-            .unwrap();
+        plan(&[(0, 5), (5, 10)]).validate("p.yaml", 10).unwrap();
     }
 
-    /// A plan file is one run: what `simulate --plan` and `execute --plan` both start from.
+    /// What the file alone decides is refused as it is read, naming the file and the field: a
+    /// vpp the schedule does not run (instead of ignored), a placement it does not use, neither
+    /// or both of the microbatchings, a field the format does not have.
+    #[test]
+    fn a_file_the_schedule_cannot_run_is_refused_as_it_is_read() {
+        let e = |extra: &str| {
+            Plan::from_yaml(&file(extra), "p.yaml")
+                .unwrap_err()
+                .to_string()
+        };
+        let vpp = e("vpp: 2\ntoken_budget: 8\n");
+        assert!(
+            vpp.contains("p.yaml") && vpp.contains("vpp") && vpp.contains("1 stage(s) per rank"),
+            "{vpp}"
+        );
+        let neither = e("");
+        assert!(neither.contains("exactly one of the two"), "{neither}");
+        let both = e("token_budget: 8\nmicrobatches: 2\n");
+        assert!(both.contains("exactly one of the two"), "{both}");
+        let unknown = e("token_budget: 8\nbudget: 9\n");
+        assert!(unknown.contains("unknown field `budget`"), "{unknown}");
+        let placement = Plan::from_yaml(
+            &file("token_budget: 8\n").replace("placement: loop", "placement: v"),
+            "p.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(placement.contains("uses loop placement"), "{placement}");
+        Plan::from_yaml(&file("vpp: 1\ntoken_budget: 8\n"), "p.yaml").unwrap();
+    }
+
+    /// A plan file is one run: what `simulate --plan` and `execute --plan` both start from,
+    /// with the defaults a file leaves out (one replica, flat-ffd, the default token budget
+    /// when an exact count is given, dynamic capacity, zb-auto's limit the prediction's).
     #[test]
     fn a_plan_file_is_one_run_config() {
-        let mut p = plan(&[(0, 5), (5, 10)], None);
-        p.dp = Some(2);
-        p.token_budget = None;
-        p.microbatches = Some(6);
-        p.policy = Some(crate::batching::policy::Policy::FlatBalanced);
-        let c = p.run_config().unwrap();
+        let p = Plan::from_yaml(
+            &file("dp: 2\nmicrobatches: 6\npolicy: flat-balanced\n"),
+            "p.yaml",
+        )
+        .unwrap();
+        let c = &p.run;
         assert_eq!((c.pp, c.v, c.dp), (2, 1, 2));
         assert_eq!(c.stages, vec![0..5, 5..10]);
         assert_eq!(c.params.microbatches, Some(6));
-        assert_eq!(c.policy, crate::batching::policy::Policy::FlatBalanced);
-        assert_eq!(c.capacity, crate::run::config::Capacity::Dynamic);
-        p.microbatches = None;
-        assert!(
-            p.run_config().is_err(),
-            "neither token_budget nor microbatches"
+        assert_eq!(c.params.token_budget, DEFAULT_TOKEN_BUDGET);
+        assert_eq!(c.policy, Policy::FlatBalanced);
+        assert_eq!(c.capacity, Capacity::Dynamic);
+        assert_eq!(c.memory_limit_bytes, None);
+        let q = Plan::from_yaml(&file("token_budget: 512\n"), "p.yaml").unwrap();
+        assert_eq!((q.run.dp, q.run.policy), (1, Policy::FlatFfd));
+        assert_eq!(
+            (q.run.params.microbatches, q.run.params.token_budget),
+            (None, 512)
         );
+        assert_eq!(q.tensor_parallel(), (1, true));
     }
 
     mod round_trip {
@@ -549,23 +691,37 @@ mod tests {
                 )| {
                     let ranges: Vec<Range<usize>> = stages.iter().map(|&(a, n)| a..a + n).collect();
                     let mut p = Plan::new(&workload, schedule, pp, &ranges, 1);
-                    p.model = model;
-                    p.hardware = hardware;
-                    p.profile = profile;
-                    p.seqs_per_step = seqs;
-                    p.tokens_per_step = tokens;
-                    p.seed = seed;
-                    p.vpp = vpp;
-                    p.dp = dp;
-                    p.tp = tp;
-                    p.sequence_parallel = sp;
-                    p.microbatches = microbatches;
-                    p.token_budget = budget;
-                    p.chunk_tokens = chunk;
-                    p.policy = policy;
-                    p.recompute = recompute;
-                    p.sharding = sharding;
-                    p.forward_only =
+                    p.inputs = PlanInputs {
+                        model,
+                        hardware,
+                        profile,
+                        workload,
+                        seqs_per_step: seqs,
+                        tokens_per_step: tokens,
+                        seed,
+                    };
+                    // The schedule's own stages per rank when it takes only one value.
+                    p.run.v = vpp
+                        .filter(|&v| schedule.stages_per_rank(Some(v)).ok() == Some(v))
+                        .unwrap_or(p.run.v);
+                    p.run.dp = dp.unwrap_or(1);
+                    // Sequence parallelism means something only with tp > 1.
+                    p.tp = tp.unwrap_or(1);
+                    p.sequence_parallel = p.tp == 1 || sp.unwrap_or(true);
+                    p.run.policy = policy.unwrap_or(Policy::FlatFfd);
+                    p.run.params = crate::batching::policy::PolicyParams {
+                        microbatches,
+                        token_budget: if microbatches.is_some() {
+                            DEFAULT_TOKEN_BUDGET
+                        } else {
+                            budget.unwrap_or(1)
+                        },
+                        chunk_tokens: chunk,
+                        ..Default::default()
+                    };
+                    p.run.recompute = recompute;
+                    p.run.sharding = sharding;
+                    p.run.forward_only =
                         fo.map(
                             |(microbatches, separate, loss_dependency)| ForwardOnlySpec {
                                 microbatches,
@@ -577,6 +733,8 @@ mod tests {
                                 loss_dependency,
                             },
                         );
+                    p.run.memory_limit_bytes =
+                        predicted.as_ref().map(|p: &Predicted| p.memory_limit_bytes);
                     p.predicted = predicted;
                     p.provenance = provenance.map(|(a, b, c)| PlanProvenance {
                         profile_sha256: a,

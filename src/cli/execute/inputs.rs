@@ -75,16 +75,16 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
     }
     let profile_arg = plan
         .as_ref()
-        .and_then(|p| p.profile.clone())
+        .and_then(|p| p.inputs.profile.clone())
         .or_else(|| a.inputs.profile.clone());
     let hardware = plan
         .as_ref()
-        .and_then(|p| p.hardware.clone())
+        .and_then(|p| p.inputs.hardware.clone())
         .or_else(|| a.inputs.hardware.clone())
         .unwrap_or_else(|| "cpu".into());
     let model_arg = plan
         .as_ref()
-        .and_then(|p| p.model.clone())
+        .and_then(|p| p.inputs.model.clone())
         .or_else(|| a.inputs.model.clone());
     // With a profile, --model (if any) must be its model; without, the default is tiny.
     let profile = resolve_profile(
@@ -120,7 +120,7 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         .inputs
         .workload
         .clone()
-        .or_else(|| plan.as_ref().map(|p| p.workload.clone()))
+        .or_else(|| plan.as_ref().map(|p| p.inputs.workload.clone()))
         .unwrap_or_else(|| "tiny-chat".into());
     let workload = builtins::workload(&workload_name)?;
     let num_layers = model.layers().len();
@@ -244,7 +244,7 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         step_size,
         seed: a
             .seed
-            .or(plan.as_ref().map(|p| p.seed))
+            .or(plan.as_ref().map(|p| p.inputs.seed))
             .unwrap_or(workload.seed),
         init_seed: a.init_seed,
         reduction,

@@ -42,7 +42,7 @@ pub(super) fn export(
                 let Some(path) = &a.output else {
                     bail!(
                         "--export torchtitan: {} has no torchtitan name, so the configuration references a schedule CSV; give -o PLAN.yaml to write plan.torchtitan.toml and plan.torchtitan.csv next to it",
-                        plan.schedule
+                        plan.run.source.name()
                     );
                 };
                 let csv_path = path.with_extension("torchtitan.csv");

@@ -38,15 +38,15 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
     }
     let profile = resolve_profile(
         pick(
-            plan.as_ref().and_then(|p| p.profile.as_ref()),
+            plan.as_ref().and_then(|p| p.inputs.profile.as_ref()),
             &a.inputs.profile,
         ),
         pick(
-            plan.as_ref().and_then(|p| p.model.as_ref()),
+            plan.as_ref().and_then(|p| p.inputs.model.as_ref()),
             &a.inputs.model,
         ),
         pick(
-            plan.as_ref().and_then(|p| p.hardware.as_ref()),
+            plan.as_ref().and_then(|p| p.inputs.hardware.as_ref()),
             &a.inputs.hardware,
         ),
     )?;
@@ -54,7 +54,7 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
         .inputs
         .workload
         .clone()
-        .or_else(|| plan.as_ref().map(|p| p.workload.clone()))
+        .or_else(|| plan.as_ref().map(|p| p.inputs.workload.clone()))
         .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
     let mut workload = builtins::workload(&workload_name)?;
     if let Some(q) = a.keep_prob {
@@ -88,7 +88,7 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
     let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, plan.as_ref(), &workload)?;
     let seed = a
         .seed
-        .or(plan.as_ref().map(|p| p.seed))
+        .or(plan.as_ref().map(|p| p.inputs.seed))
         .unwrap_or(workload.seed);
     let steps = a.steps.unwrap_or(1);
     if steps == 0 {
