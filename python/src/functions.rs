@@ -1,0 +1,142 @@
+//! The module's functions: the planner's search (`plan`) and a Kineto trace's import
+//! (`import_trace`).
+
+use super::*;
+
+/// The planner's search: the best (tp, dp, pp, vpp, schedule, token budget, sharding, stages,
+/// recomputation) for `profile` on `ranks` GPUs over `steps` steps of `workload` (sampled with
+/// `seed`, default the workload's), under the hardware's memory less a reserve, as a list of at most `keep` dicts, best
+/// first (predicted mean step time, seconds; peak memory per rank, bytes).
+#[pyfunction]
+#[pyo3(signature = (profile, workload, ranks, *, steps = 8, seed = None, keep = 5))]
+pub(crate) fn plan<'py>(
+    py: Python<'py>,
+    profile: PyRef<'_, PyProfile>,
+    workload: &str,
+    ranks: u32,
+    steps: u32,
+    seed: Option<u64>,
+    keep: usize,
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    if steps == 0 {
+        return Err(err("steps = 0 is invalid: >= 1"));
+    }
+    let w = builtins::workload(workload).map_err(err)?;
+    let seed = seed.unwrap_or(w.seed);
+    let p = profile.inner.clone();
+    let space = SearchSpace::default_for(ranks);
+    let config = SearchConfig {
+        steps,
+        seed,
+        size: w.default_step_size(),
+        memory_limit_bytes: default_memory_limit(&p),
+        state_bytes: None,
+        rank_by: RankBy::Mean,
+        keep: keep.max(1),
+        exact_split: flatpipe_planner::partition::ExactSplit::Off,
+        forward_only: None,
+    };
+    let result = py
+        .detach(|| search::search(&p, &w, &space, &config, &|_, _| {}))
+        .map_err(err)?;
+    result
+        .ranked
+        .iter()
+        .map(|c| {
+            let d = PyDict::new(py);
+            d.set_item("tp", c.tp)?;
+            d.set_item("dp", c.dp)?;
+            d.set_item("pp", c.pp)?;
+            d.set_item("vpp", c.vpp)?;
+            d.set_item("schedule", c.schedule.name())?;
+            d.set_item("token_budget", c.token_budget)?;
+            d.set_item("sharding", c.sharding.to_string())?;
+            d.set_item(
+                "stages",
+                c.partition
+                    .stages
+                    .iter()
+                    .map(|r| (r.start, r.end))
+                    .collect::<Vec<_>>(),
+            )?;
+            d.set_item(
+                "recompute",
+                c.partition
+                    .recompute
+                    .iter()
+                    .map(|r| format!("{r:?}").to_lowercase())
+                    .collect::<Vec<_>>(),
+            )?;
+            d.set_item("step_time_mean_s", c.summary.step_time_s.mean)?;
+            d.set_item("step_time_p90_s", c.summary.step_time_s.p90)?;
+            d.set_item("lower_bound_s", c.lower_bound_s)?;
+            d.set_item("peak_memory_bytes", c.peak_memory_bytes.clone())?;
+            Ok(d)
+        })
+        .collect()
+}
+
+/// Reads PyTorch profiler traces of a pipelined run (`PP:<action>` events; one file per rank in
+/// rank order, `.gz` read too), as `flatpipe import-trace` does
+/// (`simulator/src/io/kineto.rs`), and returns a dict: `actions` (per rank, `(action, start_s,
+/// end_s)` of the imported step, busy time from each action's first nested operator), `steps`,
+/// `step`, `leading_wait_s` (per rank), `other_events` and `warnings`.
+#[pyfunction]
+#[pyo3(signature = (paths, step = None))]
+pub(crate) fn import_trace<'py>(
+    py: Python<'py>,
+    paths: Vec<String>,
+    step: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let mut files = Vec::with_capacity(paths.len());
+    for p in &paths {
+        let text = flatpipe_simulator::io::kineto::read_trace_file(std::path::Path::new(p))
+            .map_err(err)?;
+        files.push((p.clone(), text));
+    }
+    let t = flatpipe_simulator::io::kineto::read_traces(
+        &files,
+        &flatpipe_simulator::io::kineto::ImportOptions { step },
+    )
+    .map_err(err)?;
+    let d = PyDict::new(py);
+    let actions: Vec<Vec<(String, f64, f64)>> = t
+        .timeline
+        .compute
+        .iter()
+        .map(|ops| {
+            ops.iter()
+                .map(|o| {
+                    (
+                        o.action.to_string(),
+                        o.start_ns as f64 * 1e-9,
+                        o.end_ns as f64 * 1e-9,
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    d.set_item("actions", actions)?;
+    d.set_item("steps", t.steps)?;
+    d.set_item("step", t.step)?;
+    d.set_item(
+        "leading_wait_s",
+        t.leading_wait_ns
+            .iter()
+            .map(|&w| w as f64 * 1e-9)
+            .collect::<Vec<_>>(),
+    )?;
+    d.set_item("other_events", t.other_events.clone())?;
+    d.set_item("warnings", t.warnings.clone())?;
+    let nested: Vec<Vec<(u32, f64)>> = t
+        .nested
+        .iter()
+        .map(|v| {
+            v.iter()
+                .map(|n| (n.events, n.comm_ns as f64 * 1e-9))
+                .collect()
+        })
+        .collect();
+    d.set_item("nested", nested)?;
+    Ok(d)
+}
