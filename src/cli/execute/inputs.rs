@@ -57,33 +57,29 @@ pub(super) struct ResolvedRun {
     pub(super) backend: BackendConfig,
 }
 
-/// Resolves `execute`'s flags and plan file into a [`ResolvedRun`], refusing what cannot run
-/// before anything is allocated.
-pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
-    let plan = read_plan(a.plan.as_deref())?;
-    if let Some(p) = &plan
-        && p.tensor_parallel().0 > 1
-    {
-        bail!(
-            "{}: tp = {}: the executor runs every rank on one device (no tensor parallelism); tensor parallelism is priced by the simulator and the planner, not executed (plan with --tp 1 to run it)",
-            a.plan
-                .as_deref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default(),
-            p.tensor_parallel().0
-        );
-    }
+/// The profile (as the user named it, and loaded), the model's architecture and the workload of
+/// `execute`: the plan's, else the flags', else `tiny` on `cpu` with `tiny-chat` (the model
+/// the CPU executor runs in seconds).
+///
+/// # Errors
+/// A profile, model or workload that does not load; a profile of another model.
+fn resolve_model(
+    a: &ExecuteArgs,
+    plan: Option<&Plan>,
+) -> Result<(
+    Option<String>,
+    Profile,
+    flatpipe_profiles::ModelSpec,
+    Workload,
+)> {
     let profile_arg = plan
-        .as_ref()
         .and_then(|p| p.inputs.profile.clone())
         .or_else(|| a.inputs.profile.clone());
     let hardware = plan
-        .as_ref()
         .and_then(|p| p.inputs.hardware.clone())
         .or_else(|| a.inputs.hardware.clone())
         .unwrap_or_else(|| "cpu".into());
     let model_arg = plan
-        .as_ref()
         .and_then(|p| p.inputs.model.clone())
         .or_else(|| a.inputs.model.clone());
     // With a profile, --model (if any) must be its model; without, the default is tiny.
@@ -120,13 +116,17 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         .inputs
         .workload
         .clone()
-        .or_else(|| plan.as_ref().map(|p| p.inputs.workload.clone()))
+        .or_else(|| plan.map(|p| p.inputs.workload.clone()))
         .unwrap_or_else(|| "tiny-chat".into());
     let workload = builtins::workload(&workload_name)?;
-    let num_layers = model.layers().len();
-    if let (Some(p), Some(path)) = (&plan, &a.plan) {
-        p.validate(&path.display().to_string(), num_layers)?;
-    }
+    Ok((profile_arg, profile, model, workload))
+}
+
+/// `--steps`, `--lr` and `--max-grad-norm` in their ranges.
+///
+/// # Errors
+/// The flag, its value and the allowed range.
+fn check_training_options(a: &ExecuteArgs) -> Result<()> {
     if a.steps == 0 {
         bail!("--steps = 0 is invalid: >= 1 step");
     }
@@ -139,6 +139,31 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
             a.max_grad_norm
         );
     }
+    Ok(())
+}
+
+/// Resolves `execute`'s flags and plan file into a [`ResolvedRun`], refusing what cannot run
+/// before anything is allocated.
+pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
+    let plan = read_plan(a.plan.as_deref())?;
+    if let Some(p) = &plan
+        && p.tensor_parallel().0 > 1
+    {
+        bail!(
+            "{}: tp = {}: the executor runs every rank on one device (no tensor parallelism); tensor parallelism is priced by the simulator and the planner, not executed (plan with --tp 1 to run it)",
+            a.plan
+                .as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            p.tensor_parallel().0
+        );
+    }
+    let (profile_arg, profile, model, workload) = resolve_model(a, plan.as_ref())?;
+    let num_layers = model.layers().len();
+    if let (Some(p), Some(path)) = (&plan, &a.plan) {
+        p.validate(&path.display().to_string(), num_layers)?;
+    }
+    check_training_options(a)?;
     let fo = a.fo.spec()?;
     // No chart unless asked for; `--gantt none` as in the other commands.
     let gantt = a

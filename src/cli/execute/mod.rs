@@ -140,60 +140,127 @@ pub(super) struct ExecuteArgs {
     format: Format,
 }
 
+/// `flatpipe execute`: resolve the run ([`resolve_run`]), build the executor ([`build`]), run
+/// the steps ([`run_reported_steps`]), then render ([`render`]).
 pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
-    let ResolvedRun {
-        profile_arg,
-        profile,
-        model,
-        workload,
-        gantt,
-        setup,
-        backend,
-    } = resolve_run(&a)?;
-    let (pp, v, dp) = (setup.config.pp, setup.config.v, setup.config.dp);
-    let (source, stages) = (setup.config.source.clone(), setup.config.stages.clone());
+    let run = resolve_run(&a)?;
+    let built = build(&a, &run)?;
+    let ran = run_reported_steps(&a, &run, built)?;
+    let failed = ran.failed;
+    let code = render(&a, &run, ran)?;
+    if failed {
+        eprintln!(
+            "--verify: the pipelined run differs from the single-rank reference beyond the tolerance"
+        );
+        return Ok(ExitCode::from(1));
+    }
+    Ok(code)
+}
+
+/// The executor built for a resolved run, its first step drawn, and what is known before the
+/// steps run.
+struct Built {
+    exec: AnyExecutor,
+    reference: Option<Reference>,
+    first: PreparedStep,
+    /// Whether the profile was measured on this backend (so each step gets a prediction).
+    predict: bool,
+    /// Conditions under which the profile's figures may not hold, said before the steps run.
+    profile_warnings: Vec<String>,
+}
+
+/// Draws the first step, refuses a CPU run this host cannot hold before allocating anything,
+/// then builds the stages (and `--verify`'s single-rank reference).
+///
+/// # Errors
+/// A step the run cannot be cut into, a host too small, a backend that cannot start.
+fn build(a: &ExecuteArgs, r: &ResolvedRun) -> Result<Built> {
+    let (setup, backend) = (&r.setup, &r.backend);
+    let (pp, dp) = (setup.config.pp, setup.config.dp);
     let first = setup.prepare(0)?;
-    // Refuse, before allocating the stages, a run this host cannot hold.
     if backend.backend == executor::Backend::Cpu {
         let largest = first
             .all_microbatches()
             .map(|m| m.tokens() as u64)
             .max()
             .unwrap_or(0);
-        check_host_memory(&model, largest, a.verify, available_memory_bytes())?;
+        check_host_memory(&r.model, largest, a.verify, available_memory_bytes())?;
     }
     tracing::info!(
         "execute: building {} stage(s) of {} on {} rank(s) ({} backend)",
-        stages.len(),
-        model.name,
+        setup.config.stages.len(),
+        r.model.name,
         dp * pp,
         backend.backend.name()
     );
-    let mut exec = AnyExecutor::new(&backend, &setup)?;
-    let mut reference = if a.verify {
-        Some(Reference::new(&setup)?)
+    let exec = AnyExecutor::new(backend, setup)?;
+    let reference = if a.verify {
+        Some(Reference::new(setup)?)
     } else {
         None
     };
-    let predict = backend.backend.measured(&profile);
-    // Said before the steps run, as a user wants to know before trusting a prediction.
+    let predict = backend.backend.measured(&r.profile);
     let profile_warnings = if predict {
         let busy = match backend.backend {
             executor::Backend::Cpu => ((dp * pp) as usize).min(cores()),
             executor::Backend::Cuda => ((dp * pp) as usize).div_ceil(backend.gpus),
         };
-        executor::backend::condition_warnings(&profile, &backend, busy)
+        executor::backend::condition_warnings(&r.profile, backend, busy)
     } else {
         Vec::new()
     };
     for w in &profile_warnings {
         tracing::warn!("{w}");
     }
+    Ok(Built {
+        exec,
+        reference,
+        first,
+        predict,
+        profile_warnings,
+    })
+}
+
+/// What the reported steps gave.
+struct Ran {
+    rows: Vec<StepRow>,
+    /// The last step and its run (for the charts).
+    last: Option<(PreparedStep, flatpipe_executor::interpreter::StepRun)>,
+    /// A step beyond `--verify`'s tolerance.
+    failed: bool,
+    /// Sequences longer than the token budget, and the longest of them (tokens).
+    over_budget: usize,
+    longest: u64,
+    predict: bool,
+    profile_warnings: Vec<String>,
+}
+
+/// Runs `--warmup-steps` then `--steps` steps ([`run_steps`]): each checked for a finite loss,
+/// predicted when the profile was measured here, verified against the reference with
+/// `--verify`, and made a row.
+///
+/// # Errors
+/// A diverged step (a loss or gradient norm that is not finite), the executor's errors.
+fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<Ran> {
+    let Built {
+        mut exec,
+        mut reference,
+        first,
+        predict,
+        profile_warnings,
+    } = built;
+    let setup = &r.setup;
     // Warm-up steps count on the bar: a long warm-up is work the user waits for.
     let bar = Progress::new(u64::from(a.steps) + u64::from(a.warmup_steps));
-    let mut rows = Vec::with_capacity(a.steps as usize);
-    let mut last = None;
-    let mut failed = false;
+    let mut ran = Ran {
+        rows: Vec::with_capacity(a.steps as usize),
+        last: None,
+        failed: false,
+        over_budget: 0,
+        longest: 0,
+        predict,
+        profile_warnings,
+    };
     // Sequences longer than the token budget (each gets a microbatch of its own).
     let budget = setup
         .config
@@ -201,13 +268,12 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
         .microbatches
         .is_none()
         .then_some(setup.config.params.token_budget);
-    let (mut over_budget, mut longest) = (0usize, 0u64);
     // Warm-up steps draw their data after the reported ones' (step ids steps.., so the reported
     // steps are the same with or without them).
     let warmup = WarmUp::Following(u64::from(a.warmup_steps));
     run_steps(
         &mut exec,
-        &setup,
+        setup,
         reference.as_mut(),
         warmup,
         u64::from(a.steps),
@@ -230,8 +296,8 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                     .map(|&l| u64::from(l))
                     .filter(|&l| l > b)
                 {
-                    over_budget += 1;
-                    longest = longest.max(len);
+                    ran.over_budget += 1;
+                    ran.longest = ran.longest.max(len);
                 }
             }
             if !run.loss.is_finite() || !run.grad_norm.is_finite() {
@@ -245,8 +311,8 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             let predicted = if predict {
                 // The setup's profile is this profile (an Arc of it): the step carries its
                 // prediction, the replay of the schedules that ran.
-                let on = setup.profile.as_deref().unwrap_or(&profile);
-                Some(prepared.predict(&setup, on)?.makespan_s)
+                let on = setup.profile.as_deref().unwrap_or(&r.profile);
+                Some(prepared.predict(setup, on)?.makespan_s)
             } else {
                 None
             };
@@ -257,10 +323,10 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                         &exec.named_grads(),
                         Some(&exec.named_params()),
                         re,
-                        &setup,
+                        setup,
                         &prepared,
                     )?;
-                    failed |= !v.within_tolerance;
+                    ran.failed |= !v.within_tolerance;
                     Some(verify_row(v))
                 }
                 None => None,
@@ -272,72 +338,90 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
                 row.loss,
                 row.measured_makespan_s
             );
-            rows.push(row);
-            last = Some((prepared, run));
+            ran.rows.push(row);
+            ran.last = Some((prepared, run));
             Ok(())
         },
     )?;
     bar.finish();
+    Ok(ran)
+}
+
+/// The report: the charts of the last step, the notes, the table or JSON.
+///
+/// # Errors
+/// A chart or trace that cannot be written; stdout closed.
+fn render(a: &ExecuteArgs, r: &ResolvedRun, ran: Ran) -> Result<ExitCode> {
+    let config = &r.setup.config;
+    let (pp, v, dp) = (config.pp, config.v, config.dp);
+    let (model, backend) = (&r.model, &r.backend);
     let mut notes = Vec::new();
-    if over_budget > 0 {
+    if ran.over_budget > 0 {
         notes.push(format!(
-            "{over_budget} sequence(s) longer than the token budget of {} tokens (the longest {longest}) ran as microbatches of their own",
-            setup.config.params.token_budget
+            "{} sequence(s) longer than the token budget of {} tokens (the longest {}) ran as microbatches of their own",
+            ran.over_budget, config.params.token_budget, ran.longest
         ));
     }
-    if let Some((prepared, run)) = &last {
+    if let Some((prepared, run)) = &ran.last {
         let title = format!(
             "{} measured on {}: {} dp={dp} pp={pp} v={v} m={}, step {}",
             model.name,
             backend.backend.name(),
-            source.name(),
+            config.source.name(),
             slash_list(prepared.replicas.iter().map(|r| r.microbatches.len())),
             prepared.step
         );
         notes.extend(write_step_charts(
             &title,
             &run.timeline,
-            gantt.as_deref(),
+            r.gantt.as_deref(),
             a.trace.as_deref(),
         )?);
     }
-    let errors: Vec<f64> = rows
+    let errors: Vec<f64> = ran
+        .rows
         .iter()
         .filter_map(|r| r.rel_error.map(f64::abs))
         .collect();
     let median_abs_rel_error = (!errors.is_empty()).then(|| montecarlo::Quantiles::of(&errors).p50);
-    let prediction = prediction_note(predict, profile_arg.as_deref(), &profile, backend.backend);
+    let prediction = prediction_note(
+        ran.predict,
+        r.profile_arg.as_deref(),
+        &r.profile,
+        backend.backend,
+    );
     notes.push(prediction.clone());
-    notes.extend(profile_warnings.iter().map(|w| format!("warning: {w}")));
+    notes.extend(ran.profile_warnings.iter().map(|w| format!("warning: {w}")));
     let report = ExecuteReport {
         model: model.name.clone(),
-        workload: workload.name.clone(),
-        schedule: source.name(),
+        workload: r.workload.name.clone(),
+        schedule: config.source.name(),
         dp,
         pp,
         vpp: v,
         backend: backend.describe(),
-        steps: rows,
+        steps: ran.rows,
         median_abs_rel_error,
         prediction,
-        profile_warnings,
+        profile_warnings: ran.profile_warnings,
     };
     let header = format!(
         "{} on the {} backend: {} dp={dp} pp={pp} v={v}, workload {} ({} step(s); {} stages, layers {})",
         model.name,
         report.backend,
         report.schedule,
-        workload.name,
+        r.workload.name,
         a.steps,
-        stages.len(),
-        stages
+        config.stages.len(),
+        config
+            .stages
             .iter()
             .map(|r| format!("{}..{}", r.start, r.end))
             .collect::<Vec<_>>()
             .join(" ")
     );
-    let with_fo = setup.config.forward_only.is_some();
-    let t = execute_table(&report.steps, with_fo, predict, a.verify);
+    let with_fo = config.forward_only.is_some();
+    let t = execute_table(&report.steps, with_fo, ran.predict, a.verify);
     if let Some(e) = report.median_abs_rel_error {
         notes.push(format!(
             "median |relative error| of the prediction: {:.1}%",
@@ -349,12 +433,5 @@ pub(super) fn execute(a: ExecuteArgs) -> Result<ExitCode> {
             "--verify: the single-rank reference ran the same steps; tolerance: loss {VERIFY_LOSS_RTOL:.0e} relative, gradients and parameters {VERIFY_RTOL:.0e} normwise relative (max|a - b| / max|b| per tensor; parameters against the reference's AdamW on the pipelined gradients)"
         ));
     }
-    let code = emit(a.format, &report, &header, &t, &notes)?;
-    if failed {
-        eprintln!(
-            "--verify: the pipelined run differs from the single-rank reference beyond the tolerance"
-        );
-        return Ok(ExitCode::from(1));
-    }
-    Ok(code)
+    emit(a.format, &report, &header, &t, &notes)
 }
