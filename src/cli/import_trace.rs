@@ -102,67 +102,17 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
     let bubbles: Vec<f64> = (0..t.num_ranks())
         .map(|r| 1.0 - t.busy_ns(r) as f64 * 1e-9 / makespan)
         .collect();
-    let compare = a.profile.is_some() || a.model.is_some() || a.plan.is_some();
-    let mut predicted = None;
-    let mut predicted_bubbles = Vec::new();
-    let mut profile_name = None;
-    if compare {
-        let plan = read_plan(a.plan.as_deref())?;
-        let profile = resolve_profile(
-            a.profile
-                .as_deref()
-                .or(plan.as_ref().and_then(|p| p.inputs.profile.as_deref())),
-            a.model
-                .as_deref()
-                .or(plan.as_ref().and_then(|p| p.inputs.model.as_deref())),
-            a.hardware
-                .as_deref()
-                .or(plan.as_ref().and_then(|p| p.inputs.hardware.as_deref())),
-        )?;
-        let stages = match &plan {
-            Some(p) => {
-                if p.run.stages.len() != s.num_stages() as usize {
-                    bail!(
-                        "the plan has {} stages, the trace ran {}",
-                        p.run.stages.len(),
-                        s.num_stages()
-                    );
-                }
-                p.stage_ranges()
-            }
-            None => even_split(profile.layers.len(), s.num_stages() as usize)?,
-        };
-        if a.tokens_per_microbatch == 0 || a.seq_len == Some(0) {
-            bail!("--tokens-per-microbatch and --seq-len must be >= 1 token");
-        }
-        let seq = a.seq_len.unwrap_or(a.tokens_per_microbatch);
-        let mut lens = vec![seq; (a.tokens_per_microbatch / seq) as usize];
-        if a.tokens_per_microbatch % seq != 0 {
-            lens.push(a.tokens_per_microbatch % seq);
-        }
-        let mbs = vec![
-            Microbatch {
-                chunk: None,
-                seq_lens: lens,
-                shape: Default::default(),
-            };
-            s.num_microbatches as usize
-        ];
-        let costs = sim::TableCosts::from_profile(&profile, &stages, &s.placement, &mbs, &[])?
-            .without_optimizer();
-        let simulation = sim::simulate(s, &costs)?;
-        predicted = Some(simulation.metrics.makespan_s);
-        predicted_bubbles = simulation
-            .metrics
-            .ranks
-            .iter()
-            .map(|r| r.bubble_ratio)
-            .collect();
-        profile_name = Some(format!(
-            "{} on {} ({:?})",
-            profile.model, profile.hardware.name, profile.provenance.source
-        ));
-    }
+    let prediction = if a.profile.is_some() || a.model.is_some() || a.plan.is_some() {
+        Some(predict(&a, s)?)
+    } else {
+        None
+    };
+    let predicted = prediction.as_ref().map(|p| p.makespan_s);
+    let predicted_bubbles = prediction
+        .as_ref()
+        .map(|p| p.bubbles.clone())
+        .unwrap_or_default();
+    let profile_name = prediction.map(|p| p.profile);
     let per_rank: Vec<RankRow> = (0..t.num_ranks())
         .map(|r| RankRow {
             rank: r,
@@ -194,6 +144,96 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
             .collect(),
         warnings: imported.warnings.clone(),
     };
+    render(&a, &report, t, chart)
+}
+
+/// The simulator's prediction of the trace's schedule.
+struct Prediction {
+    makespan_s: f64,
+    /// Per rank.
+    bubbles: Vec<f64>,
+    /// `model on hardware (source)`.
+    profile: String,
+}
+
+/// Predicts `s` (the schedule the trace ran) on the profile `--profile`, `--model` /
+/// `--hardware` or the plan file name, with the plan's stages (else an even split) and
+/// microbatches of `--tokens-per-microbatch` tokens in sequences of `--seq-len`.
+///
+/// # Errors
+/// A profile that does not load, a plan with another stage count, a zero token count.
+fn predict(a: &ImportTraceArgs, s: &sim::Schedule) -> Result<Prediction> {
+    let plan = read_plan(a.plan.as_deref())?;
+    let profile = resolve_profile(
+        a.profile
+            .as_deref()
+            .or(plan.as_ref().and_then(|p| p.inputs.profile.as_deref())),
+        a.model
+            .as_deref()
+            .or(plan.as_ref().and_then(|p| p.inputs.model.as_deref())),
+        a.hardware
+            .as_deref()
+            .or(plan.as_ref().and_then(|p| p.inputs.hardware.as_deref())),
+    )?;
+    let stages = match &plan {
+        Some(p) => {
+            if p.run.stages.len() != s.num_stages() as usize {
+                bail!(
+                    "the plan has {} stages, the trace ran {}",
+                    p.run.stages.len(),
+                    s.num_stages()
+                );
+            }
+            p.stage_ranges()
+        }
+        None => even_split(profile.layers.len(), s.num_stages() as usize)?,
+    };
+    if a.tokens_per_microbatch == 0 || a.seq_len == Some(0) {
+        bail!("--tokens-per-microbatch and --seq-len must be >= 1 token");
+    }
+    let seq = a.seq_len.unwrap_or(a.tokens_per_microbatch);
+    let mut lens = vec![seq; (a.tokens_per_microbatch / seq) as usize];
+    if a.tokens_per_microbatch % seq != 0 {
+        lens.push(a.tokens_per_microbatch % seq);
+    }
+    let mbs = vec![
+        Microbatch {
+            chunk: None,
+            seq_lens: lens,
+            shape: Default::default(),
+        };
+        s.num_microbatches as usize
+    ];
+    let costs = sim::TableCosts::from_profile(&profile, &stages, &s.placement, &mbs, &[])?
+        .without_optimizer();
+    let simulation = sim::simulate(s, &costs)?;
+    Ok(Prediction {
+        makespan_s: simulation.metrics.makespan_s,
+        bubbles: simulation
+            .metrics
+            .ranks
+            .iter()
+            .map(|r| r.bubble_ratio)
+            .collect(),
+        profile: format!(
+            "{} on {} ({:?})",
+            profile.model, profile.hardware.name, profile.provenance.source
+        ),
+    })
+}
+
+/// The notes (the step read, the skipped events, the waits, the chart, the prediction), the
+/// header and the per-rank table of an imported trace.
+///
+/// # Errors
+/// A chart that cannot be written; stdout closed.
+fn render(
+    a: &ImportTraceArgs,
+    report: &TraceReport,
+    t: &sim::Timeline,
+    chart: Option<&PathBuf>,
+) -> Result<ExitCode> {
+    let makespan = report.measured_makespan_s;
     let mut notes = Vec::new();
     if report.steps > 1 {
         notes.push(format!(
@@ -266,5 +306,5 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
             r.predicted_bubble_ratio.map_or("-".into(), pct),
         ]);
     }
-    emit(a.format, &report, &header, &tab, &notes)
+    emit(a.format, report, &header, &tab, &notes)
 }

@@ -30,23 +30,28 @@ pub(super) struct Comparison {
     pub(super) configs: Vec<flatpipe_simulator::run::config::RunConfig>,
 }
 
-/// Resolves `simulate`'s flags and plan file into a [`Comparison`].
-pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparison> {
-    let plan = read_plan(a.plan.as_deref())?;
+/// The profile before and after tensor parallelism (one GPU's), the tensor-parallel degree
+/// with sequence parallelism, and the workload of a comparison: the plan file's inputs, else
+/// the flags'. The plan file is checked against the profile's model here.
+///
+/// # Errors
+/// A profile or workload that does not load, `--keep-prob` out of range, a plan that does not
+/// fit the model, a tp the model's heads do not divide.
+fn resolve_inputs(
+    a: &SimulateArgs,
+    plan: Option<&Plan>,
+) -> Result<(Profile, Profile, (u32, bool), Workload)> {
     fn pick<'a>(from_plan: Option<&'a String>, from_args: &'a Option<String>) -> Option<&'a str> {
         from_plan.or(from_args.as_ref()).map(String::as_str)
     }
     let profile = resolve_profile(
         pick(
-            plan.as_ref().and_then(|p| p.inputs.profile.as_ref()),
+            plan.and_then(|p| p.inputs.profile.as_ref()),
             &a.inputs.profile,
         ),
+        pick(plan.and_then(|p| p.inputs.model.as_ref()), &a.inputs.model),
         pick(
-            plan.as_ref().and_then(|p| p.inputs.model.as_ref()),
-            &a.inputs.model,
-        ),
-        pick(
-            plan.as_ref().and_then(|p| p.inputs.hardware.as_ref()),
+            plan.and_then(|p| p.inputs.hardware.as_ref()),
             &a.inputs.hardware,
         ),
     )?;
@@ -54,17 +59,17 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
         .inputs
         .workload
         .clone()
-        .or_else(|| plan.as_ref().map(|p| p.inputs.workload.clone()))
+        .or_else(|| plan.map(|p| p.inputs.workload.clone()))
         .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
     let mut workload = builtins::workload(&workload_name)?;
     if let Some(q) = a.keep_prob {
         workload.keep_probability = Some(q);
         workload.validate("--keep-prob")?;
     }
-    if let (Some(p), Some(path)) = (&plan, &a.plan) {
+    if let (Some(p), Some(path)) = (plan, &a.plan) {
         p.validate(&path.display().to_string(), profile.layers.len())?;
     }
-    let tp = match &plan {
+    let tp = match plan {
         Some(p) => p.tensor_parallel(),
         None => (a.tp.unwrap_or(1), !a.no_sequence_parallel),
     };
@@ -76,6 +81,13 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
         None => profile.tensor_parallel(tp.0, tp.1)?,
     };
+    Ok((base_profile, profile, tp, workload))
+}
+
+/// Resolves `simulate`'s flags and plan file into a [`Comparison`].
+pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Result<Comparison> {
+    let plan = read_plan(a.plan.as_deref())?;
+    let (base_profile, profile, tp, workload) = resolve_inputs(a, plan.as_ref())?;
     let sharding = a
         .sharding
         .as_ref()
