@@ -379,22 +379,18 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
     // A candidate's layout, budget and chunk size; with its split, the whole plan.
     let layout = |c: &flatpipe::planner::search::Candidate| {
         (
-            c.schedule,
+            c.schedule(),
             c.tp,
-            c.sharding,
-            c.dp,
-            c.pp,
-            c.vpp,
-            c.token_budget,
-            c.chunk_tokens,
+            c.run.sharding,
+            c.run.dp,
+            c.run.pp,
+            c.run.v,
+            c.token_budget(),
+            c.chunk_tokens(),
         )
     };
     let key = |c: &flatpipe::planner::search::Candidate| {
-        (
-            layout(c),
-            c.partition.stages.clone(),
-            c.partition.recompute.clone(),
-        )
+        (layout(c), c.run.stages.clone(), c.run.recompute.clone())
     };
     assert_eq!(key(&bnb.ranked[0]), key(&highs.ranked[0]));
     // HiGHS stops at a relative gap of 1%, `(primal - dual) / primal <= 0.01`: its split is
@@ -406,8 +402,8 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
         let Some(h) = highs.ranked.iter().find(|h| layout(h) == layout(b)) else {
             continue;
         };
-        if b.partition.optimal && h.partition.optimal {
-            let (bs, hs) = (b.partition.bottleneck_s, h.partition.bottleneck_s);
+        if b.split.optimal && h.split.optimal {
+            let (bs, hs) = (b.split.bottleneck_s, h.split.bottleneck_s);
             assert!(bs <= hs * (1.0 + 1e-9), "bnb {bs} highs {hs}");
             assert!(hs <= bs * gap * (1.0 + 1e-9), "bnb {bs} highs {hs}");
         }
@@ -646,5 +642,5 @@ fn tied_budgets_choose_the_one_that_holds_the_sequences() {
     assert_eq!(r.ranked.len(), 2);
     let (a, b) = (&r.ranked[0], &r.ranked[1]);
     assert_eq!(a.summary.step_time_s.mean, b.summary.step_time_s.mean);
-    assert_eq!((a.token_budget, b.token_budget), (8192, 4096));
+    assert_eq!((a.token_budget(), b.token_budget()), (8192, 4096));
 }

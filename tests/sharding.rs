@@ -276,7 +276,7 @@ fn planned_peaks_never_exceed_the_limit() {
             continue;
         };
         for c in &result.ranked {
-            let run = c.run_config(space.policy, &config);
+            let run = c.run.clone();
             let per_gpu = c.profile(&prof).unwrap();
             let mc =
                 montecarlo::run(&per_gpu, &w, 3, StepSize::Seqs(128), 6, &[run], &|| {}).unwrap();
@@ -323,7 +323,10 @@ fn no_pipeline_fsdp_fits_llama_8b_on_one_h200() {
     };
     let fsdp = run(Sharding::Fsdp).unwrap();
     let best = &fsdp.ranked[0];
-    assert_eq!((best.pp, best.dp, best.sharding), (1, 8, Sharding::Fsdp));
+    assert_eq!(
+        (best.run.pp, best.run.dp, best.run.sharding),
+        (1, 8, Sharding::Fsdp)
+    );
     let peak = best.peak_memory_bytes[0];
     assert!(peak <= limit && peak >= 2.0 * params, "{} GiB", peak / GIB);
     assert!(limit - 18.0 * params < 2.0 * GIB);

@@ -223,7 +223,7 @@ fn planner_searches_tensor_parallel_degrees() {
     let tps: std::collections::BTreeSet<u32> = r.ranked.iter().map(|c| c.tp).collect();
     assert!(tps.iter().any(|&t| t > 1), "{tps:?}");
     for c in &r.ranked {
-        assert_eq!(c.tp * c.dp * c.pp, 16, "{}", c.describe());
+        assert_eq!(c.tp * c.run.dp * c.run.pp, 16, "{}", c.describe());
     }
     space.tp = vec![3];
     let e = search(&prof, &w, &space, &config, &|_, _| {})

@@ -4,12 +4,11 @@
 use crate::search::{Candidate, SearchConfig};
 use crate::{Error, Result};
 use flatpipe_profiles::{LengthDistribution, Profile, Workload};
-use flatpipe_simulator::batching::policy::Policy;
 pub use flatpipe_simulator::run::plan::PlanInputs;
 use flatpipe_simulator::run::plan::{Plan, PlanProvenance, Predicted};
 
-/// The plan file of candidate `c`, searched under `config` with microbatching `policy` on
-/// `profile` and `workload`: its layout, token budget and recomputation, what the search
+/// The plan file of candidate `c`, searched under `config` on `profile` and `workload`: the
+/// run it was evaluated with ([`Candidate::run`]), what the search
 /// predicted (over `config.steps` sampled steps, under `config.memory_limit_bytes`), and the
 /// SHA-256 hashes of the profile and workload it was planned on.
 ///
@@ -21,11 +20,10 @@ pub fn candidate_plan(
     profile: &Profile,
     workload: &Workload,
     config: &SearchConfig,
-    policy: Policy,
 ) -> Result<Plan> {
     // The run the search evaluated, as a plan file holds it: dynamic capacity, the state
     // layout of the sharding mode (a file has no field for another).
-    let mut run = c.run_config(policy, config);
+    let mut run = c.run.clone();
     run.state_bytes = None;
     Ok(Plan {
         inputs: inputs.clone(),

@@ -45,15 +45,15 @@ pub(crate) fn plan<'py>(
         .map(|c| {
             let d = PyDict::new(py);
             d.set_item("tp", c.tp)?;
-            d.set_item("dp", c.dp)?;
-            d.set_item("pp", c.pp)?;
-            d.set_item("vpp", c.vpp)?;
-            d.set_item("schedule", c.schedule.name())?;
-            d.set_item("token_budget", c.token_budget)?;
-            d.set_item("sharding", c.sharding.to_string())?;
+            d.set_item("dp", c.run.dp)?;
+            d.set_item("pp", c.run.pp)?;
+            d.set_item("vpp", c.run.v)?;
+            d.set_item("schedule", c.run.source.name())?;
+            d.set_item("token_budget", c.token_budget())?;
+            d.set_item("sharding", c.run.sharding.to_string())?;
             d.set_item(
                 "stages",
-                c.partition
+                c.run
                     .stages
                     .iter()
                     .map(|r| (r.start, r.end))
@@ -61,7 +61,7 @@ pub(crate) fn plan<'py>(
             )?;
             d.set_item(
                 "recompute",
-                c.partition
+                c.run
                     .recompute
                     .iter()
                     .map(|r| format!("{r:?}").to_lowercase())

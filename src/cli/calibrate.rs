@@ -224,7 +224,7 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             balance: Arc::new(flatpipe_simulator::run::config::balance_cost(&profile)),
             profile: Some(Arc::clone(&profile)),
         };
-        runs.push((kind, best.token_budget, setup));
+        runs.push((kind, best.token_budget(), setup));
     }
     let bar = Progress::new(2 * u64::from(steps) * runs.len() as u64);
     // The measured steps run once unmeasured first: their memory is then touched, as in

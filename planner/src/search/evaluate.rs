@@ -17,12 +17,24 @@ use flatpipe_simulator::run::step::StepOutcome;
 
 /// What evaluating one candidate came to.
 pub(super) enum Evaluation {
-    /// It fits: its split, its simulated steps and each rank's peak memory, bytes.
-    Fits(Partition, Vec<StepOutcome>, Vec<f64>),
+    /// It fits (boxed: a run is large beside the other variants).
+    Fits(Box<Fitted>),
     /// Pruned by its screen: no better than the keep-th best (not a rejection).
     Screened,
     /// Rejected, with the reason.
     Rejected(String),
+}
+
+/// A candidate that fits.
+pub(super) struct Fitted {
+    /// The run it was simulated as (the candidate keeps it).
+    pub run: RunConfig,
+    /// Its split, whose stages and recomputation `run` holds.
+    pub split: Partition,
+    /// Its simulated steps.
+    pub outcomes: Vec<StepOutcome>,
+    /// Each pipeline rank's peak memory (largest over steps), bytes.
+    pub peak: Vec<f64>,
 }
 
 /// What the full Monte Carlo of a screened candidate came to.
@@ -80,7 +92,8 @@ pub(super) fn evaluate(
             Err(e) => return Err(e),
         };
         *evaluated += 1;
-        // zb-auto builds each step's schedule under the same memory limit.
+        // zb-auto builds each step's schedule under the same memory limit; a candidate that fits
+        // keeps this run.
         let run = run_config(
             (c.kind, c.dp, c.pp, c.v, c.budget),
             c.chunk,
@@ -93,9 +106,14 @@ pub(super) fn evaluate(
             Screen::OverLimit(r, m) => Some((r, m)),
             Screen::Pruned => return Ok(Evaluation::Screened),
             Screen::Failed(reason) => return Ok(Evaluation::Rejected(reason)),
-            Screen::Passed => match full(ctx, c, run)? {
+            Screen::Passed => match full(ctx, c, &run)? {
                 Full::Fits(outcomes, peak) => {
-                    return Ok(Evaluation::Fits(partition, outcomes, peak));
+                    return Ok(Evaluation::Fits(Box::new(Fitted {
+                        run,
+                        split: partition,
+                        outcomes,
+                        peak,
+                    })));
                 }
                 Full::OverLimit(r, m) => Some((r, m)),
                 Full::Failed(reason) => return Ok(Evaluation::Rejected(reason)),
@@ -121,7 +139,7 @@ pub(super) fn evaluate(
 /// # Errors
 /// The simulator's, but zb-auto's (no schedule under the limit on some step) and chunk
 /// ordering's, which are a [`Full::Failed`].
-fn full(ctx: &Context<'_>, c: &Pending, run: RunConfig) -> Result<Full> {
+fn full(ctx: &Context<'_>, c: &Pending, run: &RunConfig) -> Result<Full> {
     let config = &ctx.config;
     let mut mc = match montecarlo::run(
         &ctx.profiles[c.tpi].1,
@@ -129,7 +147,7 @@ fn full(ctx: &Context<'_>, c: &Pending, run: RunConfig) -> Result<Full> {
         config.seed,
         config.size,
         config.steps,
-        &[run],
+        std::slice::from_ref(run),
         &|| {},
     ) {
         Ok(mc) => mc,

@@ -41,7 +41,7 @@ mod screen;
 mod split;
 mod stats;
 
-pub use candidate::Candidate;
+pub use candidate::{Candidate, SplitReport};
 
 use crate::partition::ExactSplit;
 use crate::{Error, Result};
@@ -147,7 +147,7 @@ pub struct SearchConfig {
 /// on this machine: v = 2 for the kinds that take it, the fastest of `token_budgets` and layer
 /// splits by the mean over 16 sampled steps, no recomputation, no memory limit, and the
 /// executor's fp32 state (weights 4 + gradients 4 + AdamW moments 8 bytes per parameter). The
-/// candidate and its run configuration ([`Candidate::run_config`]).
+/// candidate and its run configuration ([`Candidate::run`] with no memory limit recorded).
 ///
 /// # Errors
 /// [`Error::NoFeasiblePlan`] (e.g. more stages than layers), the search's.
@@ -192,7 +192,7 @@ pub fn plan_schedule(
         )));
     }
     let best = result.ranked.swap_remove(0);
-    let mut run = best.run_config(space.policy, &config);
+    let mut run = best.run.clone();
     // No limit: nothing to record (zb-auto builds unbounded).
     run.memory_limit_bytes = None;
     Ok((best, run))

@@ -1,14 +1,13 @@
 //! Step 5, rank: the evaluated candidates best first ([`Ranking`]), the bar a candidate's
 //! bound or screen must beat, and, when nothing fits, why ([`nothing_fits`]).
 
-use super::candidate::Candidate;
+use super::candidate::{Candidate, SplitReport};
 use super::enumerate::{Pending, shardings_for};
+use super::evaluate::Fitted;
 use super::{Context, RankBy, state_bytes};
 use crate::Error;
-use crate::partition::Partition;
 use flatpipe_simulator::costs::sharding::Sharding;
 use flatpipe_simulator::run::montecarlo;
-use flatpipe_simulator::run::step::StepOutcome;
 
 /// The best `keep` evaluated, feasible candidates, best first by `by`.
 pub(super) struct Ranking {
@@ -46,7 +45,7 @@ impl Ranking {
         let by = self.by;
         let pos = self.ranked.partition_point(|x| {
             let (a, b) = (x.score(by), cand.score(by));
-            a < b || (a == b && x.token_budget >= cand.token_budget)
+            a < b || (a == b && x.token_budget() >= cand.token_budget())
         });
         self.ranked.insert(pos, cand);
         self.ranked.truncate(self.keep.max(1));
@@ -59,34 +58,29 @@ impl Ranking {
         (tp, dp, pp, budget, sharding): (u32, u32, u32, u64, Sharding),
     ) -> bool {
         self.ranked.iter().any(|r| {
-            (r.tp, r.dp, r.pp, r.token_budget, r.sharding) == (tp, dp, pp, budget, sharding)
+            (r.tp, r.run.dp, r.run.pp, r.token_budget(), r.run.sharding)
+                == (tp, dp, pp, budget, sharding)
         })
     }
 }
 
-/// The candidate `c` evaluated: split as `partition`, simulated as `outcomes`, each rank's
-/// peak memory `peak` (bytes), on its tensor-parallel profile.
-pub(super) fn candidate(
-    ctx: &Context<'_>,
-    c: &Pending,
-    partition: Partition,
-    outcomes: &[StepOutcome],
-    peak: Vec<f64>,
-) -> Candidate {
+/// The candidate `c` evaluated as `fitted` (its run, split, simulated steps and each rank's
+/// peak memory), on its tensor-parallel profile.
+pub(super) fn candidate(ctx: &Context<'_>, c: &Pending, fitted: Fitted) -> Candidate {
+    let Fitted {
+        run,
+        split,
+        outcomes,
+        peak,
+    } = fitted;
     let (tp, profile) = (ctx.profiles[c.tpi].0, &ctx.profiles[c.tpi].1);
     Candidate {
+        run,
         tp,
         sequence_parallel: ctx.space.sequence_parallel && tp > 1,
-        dp: c.dp,
-        pp: c.pp,
-        vpp: c.v,
-        schedule: c.kind,
-        token_budget: c.budget,
-        chunk_tokens: c.chunk,
-        sharding: c.sharding,
+        split: SplitReport::of(split),
         lower_bound_s: c.lower_bound_s,
-        partition,
-        summary: montecarlo::summarize(outcomes, c.dp * c.pp, profile.hardware.peak_flops),
+        summary: montecarlo::summarize(&outcomes, c.dp * c.pp, profile.hardware.peak_flops),
         peak_memory_bytes: peak,
     }
 }

@@ -148,8 +148,8 @@ impl Round<'_, '_> {
         )?;
         (self.progress)(done, self.total);
         match evaluation {
-            Evaluation::Fits(partition, outcomes, peak) => {
-                let cand = candidate(self.ctx, c, partition, &outcomes, peak);
+            Evaluation::Fits(fitted) => {
+                let cand = candidate(self.ctx, c, *fitted);
                 self.ranking.insert(cand);
             }
             Evaluation::Screened => self.tally.pruned += 1,

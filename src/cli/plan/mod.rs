@@ -175,13 +175,8 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         .map(|(i, c)| PlanRow {
             rank: i + 1,
             candidate: c.clone(),
-            stages: c
-                .partition
-                .stages
-                .iter()
-                .map(|r| [r.start, r.end])
-                .collect(),
-            recompute: c.partition.recompute.clone(),
+            stages: c.run.stages.iter().map(|r| [r.start, r.end]).collect(),
+            recompute: c.run.recompute.clone(),
             gap_to_lower_bound: c.summary.step_time_s.mean / c.lower_bound_s - 1.0,
         })
         .collect();
@@ -217,7 +212,6 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
         &profile,
         &workload,
         &config,
-        space.policy,
     )?;
     let mut notes = sizing_notes(&a, &workload, seed, size, best, limit);
     notes.push(baseline.note.clone());
@@ -247,12 +241,12 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     // torchtitan trains on rows of seq_len = the token budget: a longer sequence is cut across
     // rows there, where flatpipe predicted it as a microbatch of its own. Said in the file.
     if let (Some(ExportFormat::Torchtitan), Some((_, text))) = (a.export, &mut export_text) {
-        let (longer, total) = longer_than_budget(&a, &workload, seed, size, best.token_budget);
+        let (longer, total) = longer_than_budget(&a, &workload, seed, size, best.token_budget());
         if longer > 0 {
             let warning = format!(
                 "# warning: {longer} of the {total} sampled sequences are longer than seq_len = {}: torchtitan cuts them across rows, where flatpipe's prediction {} (plan with --token-budgets at least the longest and --no-chunk to train what was predicted)\n",
-                best.token_budget,
-                if best.chunk_tokens.is_some() {
+                best.token_budget(),
+                if best.chunk_tokens().is_some() {
                     "pipelines them in chunks that attend to the earlier chunks"
                 } else {
                     "gives each a microbatch of its own"
@@ -287,8 +281,8 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     {
         let title = format!(
             "chosen plan: {} dp={} (step 0, replica 0)",
-            gantt_title(&best.schedule_name(), s, best.vpp, &simulation.metrics),
-            best.dp
+            gantt_title(&best.schedule_name(), s, best.run.v, &simulation.metrics),
+            best.run.dp
         );
         sim::io::gantt::write_gantt(gantt, &title, &simulation.timeline)?;
         notes.push(format!(
@@ -357,7 +351,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             say(&format!(
                 "chosen: {} (layers per stage {}), predicted mean step {} (p90 {})",
                 best.describe(),
-                slash_list(best.partition.stages.iter().map(|x| x.len())),
+                slash_list(best.run.stages.iter().map(|x| x.len())),
                 fmt_s(best.summary.step_time_s.mean),
                 fmt_s(best.summary.step_time_s.p90)
             ))?;

@@ -45,9 +45,9 @@ pub(super) fn fsdp_baseline(
 ) -> Baseline {
     use sim::costs::sharding::Sharding;
     let what = format!("no pipeline, FSDP over dp={}", space.ranks);
-    if best.pp == 1 && best.tp == 1 && best.sharding == Sharding::Fsdp {
+    if best.run.pp == 1 && best.tp == 1 && best.run.sharding == Sharding::Fsdp {
         // The best pipelined plan, against it: among the runners-up, else searched.
-        let piped = ranked.iter().find(|c| c.pp > 1).cloned().or_else(|| {
+        let piped = ranked.iter().find(|c| c.run.pp > 1).cloned().or_else(|| {
             let mut s = space.clone();
             s.pp.retain(|p| *p > 1);
             let mut c = config.clone();
@@ -104,7 +104,7 @@ pub(super) fn fsdp_baseline(
                     "mean_s": t_base,
                     "p90_s": b.summary.step_time_s.p90,
                     "peak_memory_bytes": b.peak_memory_bytes.iter().copied().fold(0.0, f64::max),
-                    "recompute": b.partition.recompute,
+                    "recompute": b.run.recompute,
                     "chosen_vs_baseline": change,
                 }),
             }
@@ -133,12 +133,12 @@ pub(super) fn sizing_notes(
 ) -> Vec<String> {
     let mut notes = Vec::new();
     // Sequences longer than the chosen token budget get a microbatch of their own.
-    let (longer, total) = longer_than_budget(a, workload, seed, size, best.token_budget);
+    let (longer, total) = longer_than_budget(a, workload, seed, size, best.token_budget());
     if longer > 0 {
         notes.push(format!(
             "{longer} of the {total} sampled sequences are longer than the chosen token budget of {} tokens: {}",
-            best.token_budget,
-            match best.chunk_tokens {
+            best.token_budget(),
+            match best.chunk_tokens() {
                 Some(c) => format!("each is cut into chunks of at most {c} tokens"),
                 None => "each gets a microbatch of its own".into(),
             }

@@ -27,23 +27,18 @@ pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
     ]);
     for r in rows {
         let c = &r.candidate;
-        let sizes: Vec<String> = c
-            .partition
-            .stages
-            .iter()
-            .map(|x| x.len().to_string())
-            .collect();
-        let rec = recompute_summary(&c.partition.recompute);
+        let sizes: Vec<String> = c.run.stages.iter().map(|x| x.len().to_string()).collect();
+        let rec = recompute_summary(&c.run.recompute);
         t.add_row([
             r.rank.to_string(),
             c.schedule_name(),
             c.tp.to_string(),
-            c.dp.to_string(),
-            c.pp.to_string(),
-            c.vpp.to_string(),
-            c.token_budget.to_string(),
-            c.chunk_tokens.map_or("-".into(), |n| n.to_string()),
-            c.sharding.to_string(),
+            c.run.dp.to_string(),
+            c.run.pp.to_string(),
+            c.run.v.to_string(),
+            c.token_budget().to_string(),
+            c.chunk_tokens().map_or("-".into(), |n| n.to_string()),
+            c.run.sharding.to_string(),
             fmt_s(c.summary.step_time_s.mean),
             fmt_s(c.summary.step_time_s.p90),
             pct(c.summary.bubble_ratio_mean),
