@@ -95,6 +95,9 @@ struct Report {
     median_abs_rel_error: f64,
 }
 
+/// `flatpipe calibrate`: resolve (backend, model, workload, pp, steps, budgets), refuse what
+/// this host cannot hold ([`check_host`]), take the profile ([`profile_for`]), plan every
+/// schedule on it ([`plan_schedules`]), run and measure their steps, then render ([`render`]).
 pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     let resolved = a.backend.resolve_for_stages()?;
     // Timing only: on a GPU the weights are drawn on the device.
@@ -129,103 +132,11 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     } else {
         dedup(a.token_budgets.clone())
     };
-    // The schedules' executors are built side by side (see below): refuse, before allocating,
-    // what this host cannot hold.
-    if resolved == executor::Backend::Cpu {
-        let largest = budgets.iter().copied().max().unwrap_or(0);
-        let floor = flatpipe_executor::cpu::MemoryFloor::of(&model, largest);
-        let n = if a.order == Order::Interleaved {
-            kinds.len() as f64
-        } else {
-            1.0
-        };
-        check_memory(
-            &format!("calibrate of {} over {} schedules", model.name, kinds.len()),
-            floor.state * n + floor.activations,
-            &format!(
-                "{n} executor(s) at once, each with {} of fp32 weights, gradients and AdamW state ({} parameters x 16 bytes), and a microbatch of {largest} tokens keeps {} of activations",
-                fmt_bytes(floor.state),
-                model.param_count(),
-                fmt_bytes(floor.activations)
-            ),
-            "calibrate a smaller model (--model tiny), or with --order interleaved fewer schedules (--schedule)",
-        )?;
-    }
-    let (profile, origin) = match &a.profile {
-        Some(path) => {
-            let p = Profile::from_yaml(
-                &profiles::read_to_string(path)?,
-                &path.display().to_string(),
-            )?;
-            if !resolved.measured(&p) {
-                bail!(
-                    "{}: the profile was not measured on the {} backend (source {:?}, device {}); run without --profile to measure one",
-                    path.display(),
-                    resolved.name(),
-                    p.provenance.source,
-                    p.provenance.device
-                );
-            }
-            // Each schedule runs pp ranks at once on this machine (spread over the GPUs).
-            let busy = match resolved {
-                executor::Backend::Cpu => pp as usize,
-                executor::Backend::Cuda => (pp as usize).div_ceil(backend.gpus),
-            };
-            for w in executor::backend::condition_warnings(&p, &backend, busy) {
-                tracing::warn!("{}: {w}", path.display());
-            }
-            (p, path.display().to_string())
-        }
-        None => {
-            let mut cfg = resolved.profile_config(a.quick);
-            // Profile as the plan runs: pp ranks busy at once.
-            cfg.concurrency = pp as usize;
-            let p = backend::measure(&backend, &model, None, &cfg)?;
-            if let Some(path) = &a.save_profile {
-                profiles::write_atomic(path, p.to_yaml()?.as_bytes())?;
-            }
-            (p, "measured now".to_string())
-        }
-    };
-    if profile.layers.len() != model.layers().len() {
-        bail!(
-            "the profile has {} layers, model {} has {}",
-            profile.layers.len(),
-            model.name,
-            model.layers().len()
-        );
-    }
+    check_host(&a, resolved, &model, &kinds, &budgets)?;
+    let (profile, origin) = profile_for(&a, resolved, &backend, &model, pp)?;
     let size = workload.default_step_size();
     let profile = Arc::new(profile);
-    // Plan every schedule first (see --order for how their steps then run).
-    let mut runs = Vec::new();
-    for kind in kinds.iter().copied() {
-        tracing::info!("calibrate: {}: plan on the measured profile", kind.name());
-        // Plan this schedule on the measured profile: the layer split and token budget.
-        let (best, config) =
-            match planner::search::plan_schedule(&profile, &workload, kind, pp, &budgets, size) {
-                Ok(plan) => plan,
-                Err(planner::Error::NoFeasiblePlan(why)) => {
-                    tracing::warn!("{}: no plan ({why})", kind.name());
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
-            };
-        let setup = Setup {
-            model: model.clone(),
-            config,
-            workload: workload.clone(),
-            step_size: size,
-            seed: workload.seed,
-            init_seed: 0,
-            reduction: executor::LossReduction::PerToken,
-            adamw: AdamW::default(),
-            max_grad_norm: Some(1.0),
-            balance: Arc::new(flatpipe_simulator::run::config::balance_cost(&profile)),
-            profile: Some(Arc::clone(&profile)),
-        };
-        runs.push((kind, best.token_budget(), setup));
-    }
+    let runs = plan_schedules(&kinds, &profile, &model, &workload, pp, &budgets, size)?;
     let bar = Progress::new(2 * u64::from(steps) * runs.len() as u64);
     // The measured steps run once unmeasured first: their memory is then touched, as in
     // training after its first steps (see executor::calibrate::measure_steps).
@@ -262,6 +173,168 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     if rows.is_empty() {
         bail!("no schedule could be planned on this profile");
     }
+    render(&a, rows, &model, &workload, &profile, origin, pp, steps)
+}
+
+/// Refuses, before allocating, a CPU calibration this host cannot hold: the schedules'
+/// executors are built side by side with `--order interleaved`.
+///
+/// # Errors
+/// The memory needed and the memory available, with what to change.
+fn check_host(
+    a: &CalibrateArgs,
+    resolved: executor::Backend,
+    model: &flatpipe_profiles::ModelSpec,
+    kinds: &[ScheduleKind],
+    budgets: &[u64],
+) -> Result<()> {
+    // The schedules' executors are built side by side (see below): refuse, before allocating,
+    // what this host cannot hold.
+    if resolved == executor::Backend::Cpu {
+        let largest = budgets.iter().copied().max().unwrap_or(0);
+        let floor = flatpipe_executor::cpu::MemoryFloor::of(model, largest);
+        let n = if a.order == Order::Interleaved {
+            kinds.len() as f64
+        } else {
+            1.0
+        };
+        check_memory(
+            &format!("calibrate of {} over {} schedules", model.name, kinds.len()),
+            floor.state * n + floor.activations,
+            &format!(
+                "{n} executor(s) at once, each with {} of fp32 weights, gradients and AdamW state ({} parameters x 16 bytes), and a microbatch of {largest} tokens keeps {} of activations",
+                fmt_bytes(floor.state),
+                model.param_count(),
+                fmt_bytes(floor.activations)
+            ),
+            "calibrate a smaller model (--model tiny), or with --order interleaved fewer schedules (--schedule)",
+        )?;
+    }
+    Ok(())
+}
+
+/// The profile to predict with and where it came from: `--profile` (refused unless measured on
+/// this backend; its conditions warned of), else measured now with `pp` threads busy (saved
+/// with `--save-profile`).
+///
+/// # Errors
+/// A profile that does not load or was measured elsewhere; a measurement that fails.
+fn profile_for(
+    a: &CalibrateArgs,
+    resolved: executor::Backend,
+    backend: &executor::BackendConfig,
+    model: &flatpipe_profiles::ModelSpec,
+    pp: u32,
+) -> Result<(Profile, String)> {
+    let (profile, origin) = match &a.profile {
+        Some(path) => {
+            let p = Profile::from_yaml(
+                &profiles::read_to_string(path)?,
+                &path.display().to_string(),
+            )?;
+            if !resolved.measured(&p) {
+                bail!(
+                    "{}: the profile was not measured on the {} backend (source {:?}, device {}); run without --profile to measure one",
+                    path.display(),
+                    resolved.name(),
+                    p.provenance.source,
+                    p.provenance.device
+                );
+            }
+            // Each schedule runs pp ranks at once on this machine (spread over the GPUs).
+            let busy = match resolved {
+                executor::Backend::Cpu => pp as usize,
+                executor::Backend::Cuda => (pp as usize).div_ceil(backend.gpus),
+            };
+            for w in executor::backend::condition_warnings(&p, backend, busy) {
+                tracing::warn!("{}: {w}", path.display());
+            }
+            (p, path.display().to_string())
+        }
+        None => {
+            let mut cfg = resolved.profile_config(a.quick);
+            // Profile as the plan runs: pp ranks busy at once.
+            cfg.concurrency = pp as usize;
+            let p = backend::measure(backend, model, None, &cfg)?;
+            if let Some(path) = &a.save_profile {
+                profiles::write_atomic(path, p.to_yaml()?.as_bytes())?;
+            }
+            (p, "measured now".to_string())
+        }
+    };
+    if profile.layers.len() != model.layers().len() {
+        bail!(
+            "the profile has {} layers, model {} has {}",
+            profile.layers.len(),
+            model.name,
+            model.layers().len()
+        );
+    }
+    Ok((profile, origin))
+}
+
+/// Every schedule planned on the profile (its layer split and token budget), as
+/// `(schedule, token budget, setup)`; a schedule with no feasible plan is warned of and left
+/// out.
+///
+/// # Errors
+/// The planner's errors other than no feasible plan.
+fn plan_schedules(
+    kinds: &[ScheduleKind],
+    profile: &Arc<Profile>,
+    model: &flatpipe_profiles::ModelSpec,
+    workload: &Workload,
+    pp: u32,
+    budgets: &[u64],
+    size: StepSize,
+) -> Result<Vec<(ScheduleKind, u64, Setup)>> {
+    // Plan every schedule first (see --order for how their steps then run).
+    let mut runs = Vec::new();
+    for kind in kinds.iter().copied() {
+        tracing::info!("calibrate: {}: plan on the measured profile", kind.name());
+        // Plan this schedule on the measured profile: the layer split and token budget.
+        let (best, config) =
+            match planner::search::plan_schedule(profile, workload, kind, pp, budgets, size) {
+                Ok(plan) => plan,
+                Err(planner::Error::NoFeasiblePlan(why)) => {
+                    tracing::warn!("{}: no plan ({why})", kind.name());
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+        let setup = Setup {
+            model: model.clone(),
+            config,
+            workload: workload.clone(),
+            step_size: size,
+            seed: workload.seed,
+            init_seed: 0,
+            reduction: executor::LossReduction::PerToken,
+            adamw: AdamW::default(),
+            max_grad_norm: Some(1.0),
+            balance: Arc::new(flatpipe_simulator::run::config::balance_cost(profile)),
+            profile: Some(Arc::clone(profile)),
+        };
+        runs.push((kind, best.token_budget(), setup));
+    }
+    Ok(runs)
+}
+
+/// The closed loop's table: per schedule the predicted and measured makespan and bubbles.
+///
+/// # Errors
+/// No schedule could be planned; stdout closed.
+#[allow(clippy::too_many_arguments)]
+fn render(
+    a: &CalibrateArgs,
+    rows: Vec<Row>,
+    model: &flatpipe_profiles::ModelSpec,
+    workload: &Workload,
+    profile: &Profile,
+    origin: String,
+    pp: u32,
+    steps: u32,
+) -> Result<ExitCode> {
     let median_abs_rel_error = median(rows.iter().map(|r| r.rel_error.abs()).collect());
     let report = Report {
         model: model.name.clone(),

@@ -152,35 +152,39 @@ pub(super) struct PlanRow {
     gap_to_lower_bound: f64,
 }
 
+/// `flatpipe plan`: resolve the search ([`resolve_search`]), search, write the chosen plan
+/// and its exports ([`write_outputs`]), draw its first step ([`draw_chosen`]), then print
+/// ([`print_plans`]).
 pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
-    let ResolvedSearch {
-        chart,
-        profile,
-        workload,
-        workload_name,
-        limit,
-        space,
-        config,
-        seed,
-        size,
-    } = resolve_search(&a)?;
-    let result = search_with_progress(&profile, &workload, &space, &config)?;
+    let r = resolve_search(&a)?;
+    let result = search_with_progress(&r.profile, &r.workload, &r.space, &r.config)?;
     let best = &result.ranked[0];
-    let baseline = fsdp_baseline(&profile, &workload, &space, &config, best, &result.ranked);
-    let gib = |b: f64| b / (1u64 << 30) as f64;
-    let rows: Vec<PlanRow> = result
-        .ranked
-        .iter()
-        .enumerate()
-        .map(|(i, c)| PlanRow {
-            rank: i + 1,
-            candidate: c.clone(),
-            stages: c.run.stages.iter().map(|r| [r.start, r.end]).collect(),
-            recompute: c.run.recompute.clone(),
-            gap_to_lower_bound: c.summary.step_time_s.mean / c.lower_bound_s - 1.0,
-        })
-        .collect();
-    // The chosen plan as a Plan file.
+    let baseline = fsdp_baseline(
+        &r.profile,
+        &r.workload,
+        &r.space,
+        &r.config,
+        best,
+        &result.ranked,
+    );
+    let plan = chosen_plan(&a, &r, best)?;
+    let mut notes = sizing_notes(&a, &r.workload, r.seed, r.size, best, r.limit);
+    notes.push(baseline.note.clone());
+    let export_inline = write_outputs(&a, &r, best, &plan, &mut notes)?;
+    notes.extend(draw_chosen(&r, best, &plan)?);
+    print_plans(&a, &r, &result, &plan, &baseline, &notes, export_inline)
+}
+
+/// The chosen candidate as a plan file, naming its inputs as the user gave them (the default
+/// model and hardware by name when neither a profile nor they were given).
+///
+/// # Errors
+/// As [`planner::plan_file::candidate_plan`].
+fn chosen_plan(
+    a: &PlanArgs,
+    r: &ResolvedSearch,
+    best: &planner::search::Candidate,
+) -> Result<Plan> {
     let (model_ref, hardware_ref) = match &a.inputs.profile {
         Some(_) => (None, None),
         None => (
@@ -198,23 +202,36 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             ),
         ),
     };
-    let plan = planner::plan_file::candidate_plan(
+    Ok(planner::plan_file::candidate_plan(
         best,
         &planner::plan_file::PlanInputs {
             model: model_ref,
             hardware: hardware_ref,
             profile: a.inputs.profile.clone(),
-            workload: workload_name.clone(),
+            workload: r.workload_name.clone(),
             seqs_per_step: a.seqs_per_step,
             tokens_per_step: a.tokens_per_step,
-            seed,
+            seed: r.seed,
         },
-        &profile,
-        &workload,
-        &config,
-    )?;
-    let mut notes = sizing_notes(&a, &workload, seed, size, best, limit);
-    notes.push(baseline.note.clone());
+        &r.profile,
+        &r.workload,
+        &r.config,
+    )?)
+}
+
+/// Writes the plan file (`-o`) and the export (`--export`: next to the plan file, or returned
+/// to be printed when there is no `-o`), saying each path in `notes`.
+///
+/// # Errors
+/// A file that cannot be written; an export the target cannot express.
+fn write_outputs(
+    a: &PlanArgs,
+    r: &ResolvedSearch,
+    best: &planner::search::Candidate,
+    plan: &Plan,
+    notes: &mut Vec<String>,
+) -> Result<Option<String>> {
+    let (workload, seed, size) = (&r.workload, r.seed, r.size);
     if let Some(path) = &a.output {
         profiles::write_atomic(path, plan.to_yaml()?.as_bytes())?;
         notes.push(format!(
@@ -223,25 +240,24 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             path.display()
         ));
     }
-    let per_gpu = profile.tensor_parallel(best.tp, best.sequence_parallel)?;
     let exported = match a.export {
         Some(_) => Some(planner::export::exported_step(
-            &plan,
-            &per_gpu,
-            &workload,
+            plan,
+            &r.profile.tensor_parallel(best.tp, best.sequence_parallel)?,
+            workload,
             size,
-            config.steps,
+            r.config.steps,
         )?),
         None => None,
     };
     let (mut export_text, extra_files) = match &exported {
-        Some(step) => export(&a, &plan, &profile, step)?,
+        Some(step) => export(a, plan, &r.profile, step)?,
         None => (None, Vec::new()),
     };
     // torchtitan trains on rows of seq_len = the token budget: a longer sequence is cut across
     // rows there, where flatpipe predicted it as a microbatch of its own. Said in the file.
     if let (Some(ExportFormat::Torchtitan), Some((_, text))) = (a.export, &mut export_text) {
-        let (longer, total) = longer_than_budget(&a, &workload, seed, size, best.token_budget());
+        let (longer, total) = longer_than_budget(a, workload, seed, size, best.token_budget());
         if longer > 0 {
             let warning = format!(
                 "# warning: {longer} of the {total} sampled sequences are longer than seq_len = {}: torchtitan cuts them across rows, where flatpipe's prediction {} (plan with --token-budgets at least the longest and --no-chunk to train what was predicted)\n",
@@ -271,25 +287,70 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             None => export_inline = Some(text.clone()),
         }
     }
-    // Gantt of the chosen plan's first step (replica 0).
-    // The chosen plan's run as its plan file describes it (memory limit and forward-only work
-    // included).
+    Ok(export_inline)
+}
+
+/// The Gantt chart of the chosen plan's first step (replica 0), simulated from its plan file's
+/// run (memory limit and forward-only work included); the note that says where it went.
+///
+/// # Errors
+/// A simulation or chart that fails.
+fn draw_chosen(
+    r: &ResolvedSearch,
+    best: &planner::search::Candidate,
+    plan: &Plan,
+) -> Result<Option<String>> {
+    let Some(gantt) = &r.chart else {
+        return Ok(None);
+    };
+    let per_gpu = r.profile.tensor_parallel(best.tp, best.sequence_parallel)?;
     let chosen = plan.run_config()?;
-    let first = montecarlo::run(&per_gpu, &workload, seed, size, 1, &[chosen], &|| {})?;
-    if let Some((s, simulation)) = &first.first[0]
-        && let Some(gantt) = &chart
-    {
-        let title = format!(
-            "chosen plan: {} dp={} (step 0, replica 0)",
-            gantt_title(&best.schedule_name(), s, best.run.v, &simulation.metrics),
-            best.run.dp
-        );
-        sim::io::gantt::write_gantt(gantt, &title, &simulation.timeline)?;
-        notes.push(format!(
-            "Gantt chart of the chosen plan: {}",
-            gantt.display()
-        ));
-    }
+    let first = montecarlo::run(&per_gpu, &r.workload, r.seed, r.size, 1, &[chosen], &|| {})?;
+    let Some((s, simulation)) = &first.first[0] else {
+        return Ok(None);
+    };
+    let title = format!(
+        "chosen plan: {} dp={} (step 0, replica 0)",
+        gantt_title(&best.schedule_name(), s, best.run.v, &simulation.metrics),
+        best.run.dp
+    );
+    sim::io::gantt::write_gantt(gantt, &title, &simulation.timeline)?;
+    Ok(Some(format!(
+        "Gantt chart of the chosen plan: {}",
+        gantt.display()
+    )))
+}
+
+/// Prints the ranked plans: JSON (plans, the chosen plan, the FSDP baseline, the rejected
+/// candidates, the export) with the header and notes on stderr, or the table with the chosen
+/// plan and the notes (on stderr when an export without `-o` takes stdout).
+///
+/// # Errors
+/// Stdout closed.
+fn print_plans(
+    a: &PlanArgs,
+    r: &ResolvedSearch,
+    result: &planner::search::SearchResult,
+    plan: &Plan,
+    baseline: &Baseline,
+    notes: &[String],
+    export_inline: Option<String>,
+) -> Result<ExitCode> {
+    let (profile, workload, limit, seed) = (&r.profile, &r.workload, r.limit, r.seed);
+    let best = &result.ranked[0];
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let rows: Vec<PlanRow> = result
+        .ranked
+        .iter()
+        .enumerate()
+        .map(|(i, c)| PlanRow {
+            rank: i + 1,
+            candidate: c.clone(),
+            stages: c.run.stages.iter().map(|r| [r.start, r.end]).collect(),
+            recompute: c.run.recompute.clone(),
+            gap_to_lower_bound: c.summary.step_time_s.mean / c.lower_bound_s - 1.0,
+        })
+        .collect();
     let header = format!(
         "{} on {} x {} ({} profile), workload {} seed {seed}, {} sampled steps, memory limit {:.1} GiB per rank: {} candidates evaluated, {} pruned by their lower bound or screen, {} rejected{}{}",
         profile.model,
@@ -329,7 +390,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
             });
             outln!("{}", serde_json::to_string_pretty(&doc)?);
             eprintln!("{header}");
-            for n in &notes {
+            for n in notes {
                 eprintln!("{n}");
             }
         }
@@ -355,7 +416,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
                 fmt_s(best.summary.step_time_s.mean),
                 fmt_s(best.summary.step_time_s.p90)
             ))?;
-            for n in &notes {
+            for n in notes {
                 say(n)?;
             }
             if let Some(text) = &export_inline {
