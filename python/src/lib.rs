@@ -44,13 +44,13 @@ mod pipeline;
 mod profile;
 mod step_plan;
 mod workload;
-use actions::*;
+pub use actions::*;
 use functions::*;
-use microbatch::*;
-use pipeline::*;
-use profile::*;
-use step_plan::*;
-use workload::*;
+pub use microbatch::*;
+pub use pipeline::*;
+pub use profile::*;
+pub use step_plan::*;
+pub use workload::*;
 
 create_exception!(
     _core,
