@@ -392,6 +392,39 @@ fn library_functions_fit_on_a_screen_or_two() {
     );
 }
 
+/// The longest a file of the command line (`src/cli/`) may be, in lines.
+const MAX_CLI_FILE_LINES: usize = 500;
+
+/// The command line reads as the libraries do: each subcommand resolves, calls the library and
+/// renders in functions of at most [`MAX_FUNCTION_LINES`] lines, in files of at most
+/// [`MAX_CLI_FILE_LINES`].
+#[test]
+fn the_command_line_fits_on_a_screen_or_two() {
+    let mut over = vec![];
+    for file in rust_files(&root().join("src").join("cli")) {
+        let rel = file.strip_prefix(root()).unwrap().display().to_string();
+        let text = std::fs::read_to_string(&file).unwrap();
+        let lines = text.lines().count();
+        if lines > MAX_CLI_FILE_LINES {
+            over.push(format!(
+                "{rel} is {lines} lines (at most {MAX_CLI_FILE_LINES})"
+            ));
+        }
+        for (name, n) in function_lengths_in(&text) {
+            if n > MAX_FUNCTION_LINES {
+                over.push(format!(
+                    "{rel}: fn {name} is {n} lines (at most {MAX_FUNCTION_LINES})"
+                ));
+            }
+        }
+    }
+    assert!(
+        over.is_empty(),
+        "split into named steps:\n{}",
+        over.join("\n")
+    );
+}
+
 #[test]
 fn the_function_counter_measures_by_hand() {
     assert_eq!(

@@ -510,3 +510,34 @@ fn multi_round_steps_are_charted_and_said() {
     let svg = std::fs::read_to_string(dir.path().join("g.svg")).unwrap();
     assert!(svg.contains("rounds of the 4-microbatch schedule"));
 }
+
+/// A plan file's `chunk_tokens` is applied, and the warning about sequences over the budget says
+/// so (it said they "got a microbatch of their own" because it read only `--chunk-tokens`).
+#[test]
+fn a_planned_chunk_size_is_reported_as_applied() {
+    let dir = tempfile::tempdir().unwrap();
+    // tiny-chat sequences reach 512 tokens: over a 256-token budget, cut into 128-token chunks.
+    let plan = "model: tiny\nhardware: cpu\nworkload: tiny-chat\npp: 2\nplacement: loop\nschedule: 1f1b\nstages:\n- {start: 0, end: 5}\n- {start: 5, end: 10}\ntoken_budget: 256\nchunk_tokens: 128\n";
+    let path = dir.path().join("chunked.yaml");
+    std::fs::write(&path, plan).unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--plan",
+            path.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(o.status.success(), "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("were cut into chunks of at most 128 tokens")
+            && !o.stderr.contains("of their own"),
+        "{}",
+        o.stderr
+    );
+}

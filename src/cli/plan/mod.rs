@@ -58,7 +58,7 @@ pub(super) enum SplitSolver {
 pub(super) struct PlanArgs {
     #[command(flatten)]
     inputs: Inputs,
-    /// Ranks in all (dp x pp). Default 8 (one 8-GPU node).
+    /// GPUs in all (tp x dp x pp: each pipeline rank is tp GPUs). Default 8 (one 8-GPU node).
     #[arg(long, default_value_t = 8)]
     ranks: u32,
     /// Memory limit per rank, e.g. 120GiB (default: the hardware's memory minus a reserve for

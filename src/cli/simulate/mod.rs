@@ -3,6 +3,7 @@
 
 mod compare;
 mod profile;
+mod rows;
 mod uniform;
 
 use super::*;

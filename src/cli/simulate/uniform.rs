@@ -74,70 +74,21 @@ pub(super) fn makespan_s<C: sim::CostModel>(schedule: &sim::Schedule, costs: &C)
     Ok(simulate_run(schedule, costs, false)?.0.makespan_s)
 }
 
+/// `simulate --costs`: build the compared schedules, add the forward-only work, replay each
+/// under the given costs, rank the rows by makespan, and print the table with its charts.
 pub(in crate::cli) fn simulate_uniform(
     a: &SimulateArgs,
     spec: &CostSpec,
     schedules: Schedules,
 ) -> Result<ExitCode> {
-    let built: Vec<(String, u32, sim::Schedule)> = match schedules {
+    let built = match schedules {
         Schedules::Csv(s) => vec![(s.name.clone(), s.num_stages() / s.placement.num_ranks, s)],
-        Schedules::Kinds(kinds) => {
-            let p = a.pp.unwrap_or(resolve::DEFAULT_PP);
-            // One count for the whole comparison: the deepest interleaving's p·v.
-            let v_max = kinds
-                .iter()
-                .map(|k| k.stages_per_rank(a.vpp))
-                .collect::<std::result::Result<Vec<_>, _>>()?
-                .into_iter()
-                .max()
-                .unwrap_or(1);
-            let m = a.microbatches.unwrap_or(default_microbatches(p, v_max));
-            let pairs: f64 = kinds
-                .iter()
-                .map(|k| Ok(f64::from(p) * f64::from(k.stages_per_rank(a.vpp)?) * f64::from(m)))
-                .sum::<Result<f64>>()?;
-            super::check_schedule_memory(
-                &format!(
-                    "--microbatches {m} with --pp {p} and {} schedule(s)",
-                    kinds.len()
-                ),
-                pairs,
-            )?;
-            kinds
-                .iter()
-                .map(|k| {
-                    let v = k.stages_per_rank(a.vpp)?;
-                    warn_underfilled(k.name(), m, p, v);
-                    // Every kind through the one building contract; only zb-auto reads the
-                    // costs and the activation limit.
-                    let units = a.max_activation_units.unwrap_or(p as f64);
-                    if a.max_activation_units.is_some() && !(units.is_finite() && units > 0.0) {
-                        bail!("--max-activation-units = {units} is invalid: > 0 units (1F1B's rank 0 holds p)");
-                    }
-                    let costs = spec.model(&k.placement_on(p, v)?)?;
-                    let s = k.build_for(p, v, m, &costs, units, a.zb_objective.into())?;
-                    Ok((k.name().to_string(), v, s))
-                })
-                .collect::<Result<_>>()?
-        }
+        Schedules::Kinds(kinds) => build_kinds(a, spec, &kinds)?,
     };
-    let m = match &built[..] {
-        [(_, _, s), ..] => s.num_microbatches,
-        [] => 0,
-    };
+    let m = built.first().map_or(0, |(_, _, s)| s.num_microbatches);
     let k = a.fo.spec()?.map_or(0, |f| f.microbatches.unwrap_or(m));
-    // Every action one after the other bounds the makespan; it must stay well inside u64
-    // nanoseconds (1.8e10 s): the training work and the forward-only work (Fo costs f unless
-    // given).
-    if let [(_, _, s), ..] = &built[..] {
-        let p = s.placement.num_ranks;
-        let (train_s, fo_s) = spec.serial_s();
-        let serial_s = f64::from(p) * (f64::from(m) * train_s + f64::from(k) * fo_s);
-        if serial_s > 1e10 {
-            bail!(
-                "--costs with --pp {p}, {m} microbatches and {k} forward-only microbatches: a step could last up to {serial_s:.3e} s, beyond the simulator's range of 1e10 s (time is counted in u64 nanoseconds); use smaller costs or fewer microbatches"
-            );
-        }
+    if let Some((_, _, s)) = built.first() {
+        check_serial_range(spec, s.placement.num_ranks, m, k)?;
     }
     let keep_timeline = needs_timeline(a);
     let mut runs = Vec::new();
@@ -145,28 +96,8 @@ pub(in crate::cli) fn simulate_uniform(
     for (name, v, train) in built {
         let costs = spec.model(&train.placement)?;
         let schedule = if k > 0 {
-            let t_train = makespan_s(&train, &costs)?;
-            let pass = sim::schedules::forward_only::forward_only_pass(&train, k);
-            let t_fo = makespan_s(&pass, &costs)?;
-            let combined = sim::schedules::forward_only::with_forward_only(
-                &train,
-                k,
-                a.fo.fo_mode,
-                a.fo.fo_loss_dependency,
-                &costs,
-            )?;
-            let t = makespan_s(&combined, &costs)?;
-            fo_reports.insert(
-                name.clone(),
-                FoReport {
-                    fo_microbatches: k,
-                    fo_mode: a.fo.fo_mode,
-                    fo_loss_dependency: a.fo.fo_loss_dependency,
-                    train_only_s: t_train,
-                    fo_separate_s: t_fo,
-                    fo_hidden_fraction: (t_train + t_fo - t) / t_fo,
-                },
-            );
+            let (combined, report) = with_forward_only_work(a, &train, k, &costs)?;
+            fo_reports.insert(name.clone(), report);
             combined
         } else {
             train
@@ -193,34 +124,14 @@ pub(in crate::cli) fn simulate_uniform(
     let reports: Vec<Report> = runs
         .iter()
         .map(|run| {
-            let (name, v, s) = (&run.name, &run.v, &run.schedule);
-            let consecutive_steps = match a.consecutive_steps {
-                Some(k) => {
-                    let costs = spec.model(&s.placement)?;
-                    let steady = |sync| -> Result<f64> {
-                        Ok(sim::costs::ns_to_s(
-                            sim::replay::multistep::consecutive_steps(s, &costs, k, sync)?
-                                .steady_state_step_ns,
-                        ))
-                    };
-                    Some(ConsecutiveReport {
-                        steps: k,
-                        global_sync_step_s: steady(sim::replay::multistep::StepSync::Global)?,
-                        post_validation_step_s: steady(
-                            sim::replay::multistep::StepSync::PostValidation,
-                        )?,
-                    })
-                }
-                None => None,
-            };
             Ok(Report {
-                schedule: name.clone(),
-                pp: s.placement.num_ranks,
-                vpp: *v,
-                microbatches: s.num_microbatches,
+                schedule: run.name.clone(),
+                pp: run.schedule.placement.num_ranks,
+                vpp: run.v,
+                microbatches: run.schedule.num_microbatches,
                 metrics: run.metrics.clone(),
-                forward_only: fo_reports.get(name).cloned(),
-                consecutive_steps,
+                forward_only: fo_reports.get(&run.name).cloned(),
+                consecutive_steps: consecutive_report(a, spec, &run.schedule)?,
             })
         })
         .collect::<Result<_>>()?;
@@ -228,17 +139,149 @@ pub(in crate::cli) fn simulate_uniform(
         .iter()
         .filter_map(|r| {
             let sim = r.simulation.as_ref()?;
-            Some((
-                r.name.clone(),
-                gantt_title(&r.name, &r.schedule, r.v, &r.metrics),
-                sim,
-            ))
+            let title = gantt_title(&r.name, &r.schedule, r.v, &r.metrics);
+            Some((r.name.clone(), title, sim))
         })
         .collect();
     let mut notes = write_charts(a, &charts)?;
     notes.extend(exact_notes);
     let m = runs.first().map_or(0, |r| r.schedule.num_microbatches);
     let header = format!("{spec} (one rank's share per microbatch), {m} microbatches");
+    let table = uniform_table(&reports, k > 0, a.consecutive_steps.is_some());
+    emit(a.format, &reports, &header, &table, &notes)
+}
+
+/// Builds each schedule kind at `--pp` with one microbatch count for the whole comparison
+/// (`--microbatches`, else the deepest interleaving's p·v): (name, stages per rank, schedule).
+///
+/// # Errors
+/// A kind that cannot run at these sizes, schedules too large for memory together, an invalid
+/// `--max-activation-units`, or a zb-auto that cannot be built.
+fn build_kinds(
+    a: &SimulateArgs,
+    spec: &CostSpec,
+    kinds: &[ScheduleKind],
+) -> Result<Vec<(String, u32, sim::Schedule)>> {
+    let p = a.pp.unwrap_or(resolve::DEFAULT_PP);
+    let vs = kinds
+        .iter()
+        .map(|k| k.stages_per_rank(a.vpp))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let m = a.microbatches.unwrap_or(default_microbatches(
+        p,
+        vs.iter().copied().max().unwrap_or(1),
+    ));
+    let pairs: f64 = vs
+        .iter()
+        .map(|&v| f64::from(p) * f64::from(v) * f64::from(m))
+        .sum();
+    super::check_schedule_memory(
+        &format!(
+            "--microbatches {m} with --pp {p} and {} schedule(s)",
+            kinds.len()
+        ),
+        pairs,
+    )?;
+    kinds
+        .iter()
+        .zip(vs)
+        .map(|(k, v)| {
+            warn_underfilled(k.name(), m, p, v);
+            // Every kind through the one building contract; only zb-auto reads the
+            // costs and the activation limit.
+            let units = a.max_activation_units.unwrap_or(p as f64);
+            if a.max_activation_units.is_some() && !(units.is_finite() && units > 0.0) {
+                bail!(
+                    "--max-activation-units = {units} is invalid: > 0 units (1F1B's rank 0 holds p)"
+                );
+            }
+            let costs = spec.model(&k.placement_on(p, v)?)?;
+            let s = k.build_for(p, v, m, &costs, units, a.zb_objective.into())?;
+            Ok((k.name().to_string(), v, s))
+        })
+        .collect()
+}
+
+/// Every action one after the other bounds the makespan; it must stay well inside u64
+/// nanoseconds (1.8e10 s): `p` ranks' training work for `m` microbatches and forward-only work
+/// for `k` (Fo costs f unless given).
+///
+/// # Errors
+/// The bound is over 1e10 s, with the numbers.
+fn check_serial_range(spec: &CostSpec, p: u32, m: u32, k: u32) -> Result<()> {
+    let (train_s, fo_s) = spec.serial_s();
+    let serial_s = f64::from(p) * (f64::from(m) * train_s + f64::from(k) * fo_s);
+    if serial_s > 1e10 {
+        bail!(
+            "--costs with --pp {p}, {m} microbatches and {k} forward-only microbatches: a step could last up to {serial_s:.3e} s, beyond the simulator's range of 1e10 s (time is counted in u64 nanoseconds); use smaller costs or fewer microbatches"
+        );
+    }
+    Ok(())
+}
+
+/// `train` with `k` forward-only microbatches added as `--fo-mode` says, and the report of how
+/// much of the forward-only pass the training schedule hides (makespans of the training alone,
+/// the forward-only pass alone, and both together).
+///
+/// # Errors
+/// A schedule that cannot be combined or replayed.
+fn with_forward_only_work<C: sim::CostModel>(
+    a: &SimulateArgs,
+    train: &sim::Schedule,
+    k: u32,
+    costs: &C,
+) -> Result<(sim::Schedule, FoReport)> {
+    let t_train = makespan_s(train, costs)?;
+    let pass = sim::schedules::forward_only::forward_only_pass(train, k);
+    let t_fo = makespan_s(&pass, costs)?;
+    let combined = sim::schedules::forward_only::with_forward_only(
+        train,
+        k,
+        a.fo.fo_mode,
+        a.fo.fo_loss_dependency,
+        costs,
+    )?;
+    let t = makespan_s(&combined, costs)?;
+    let report = FoReport {
+        fo_microbatches: k,
+        fo_mode: a.fo.fo_mode,
+        fo_loss_dependency: a.fo.fo_loss_dependency,
+        train_only_s: t_train,
+        fo_separate_s: t_fo,
+        fo_hidden_fraction: (t_train + t_fo - t) / t_fo,
+    };
+    Ok((combined, report))
+}
+
+/// `--consecutive-steps K`: the steady-state step time of `s` over K steps under both
+/// synchronisations; `None` without the flag.
+///
+/// # Errors
+/// The multistep replay fails.
+fn consecutive_report(
+    a: &SimulateArgs,
+    spec: &CostSpec,
+    s: &sim::Schedule,
+) -> Result<Option<ConsecutiveReport>> {
+    let Some(k) = a.consecutive_steps else {
+        return Ok(None);
+    };
+    let costs = spec.model(&s.placement)?;
+    let steady = |sync| -> Result<f64> {
+        Ok(sim::costs::ns_to_s(
+            sim::replay::multistep::consecutive_steps(s, &costs, k, sync)?.steady_state_step_ns,
+        ))
+    };
+    Ok(Some(ConsecutiveReport {
+        steps: k,
+        global_sync_step_s: steady(sim::replay::multistep::StepSync::Global)?,
+        post_validation_step_s: steady(sim::replay::multistep::StepSync::PostValidation)?,
+    }))
+}
+
+/// The `--costs` table: one row per schedule, with the forward-only columns when `fo` and the
+/// steady-state columns when `consecutive`.
+fn uniform_table(reports: &[Report], fo: bool, consecutive: bool) -> PlainTable {
     let mut cols = vec![
         "schedule",
         "pp",
@@ -251,14 +294,14 @@ pub(in crate::cli) fn simulate_uniform(
         "peak act. (max rank)",
         "peak in-flight",
     ];
-    if k > 0 {
+    if fo {
         cols.extend(["train only", "fo separate", "fo hidden"]);
     }
-    if a.consecutive_steps.is_some() {
+    if consecutive {
         cols.extend(["steady step, sync", "steady step, post-validation"]);
     }
     let mut t = new_table(&cols);
-    for r in &reports {
+    for r in reports {
         let m = &r.metrics;
         let inflight = m
             .ranks
@@ -290,7 +333,7 @@ pub(in crate::cli) fn simulate_uniform(
         }
         t.add_row(row);
     }
-    emit(a.format, &reports, &header, &t, &notes)
+    t
 }
 
 /// `--exact SECONDS`: solves for the optimal schedule on zb-auto's placement (or the CSV
