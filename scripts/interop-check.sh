@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Exports plans to torchtitan and loads them with torchtitan's own configuration parser
-# (torchtitan 0.2.2, torch 2.15 from PyPI, in the virtual environment scripts/python-env.sh
-# creates or reuses). Run by .ci/run; needs python3 with venv.
+# Exports plans to torchtitan and loads them with torchtitan's own configuration parser, and
+# lowers every schedule kind to communication actions as torch does (torchtitan 0.2.2, torch
+# 2.15 from PyPI, in the virtual environment scripts/python-env.sh creates or reuses). Run by .ci/run; needs python3 with venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=$(scripts/python-env.sh)
@@ -28,3 +28,20 @@ trap 'rm -rf "$out"' EXIT
 "$bin" plan -o "$out/tp.yaml" --export torchtitan --model llama3.1-70b --ranks 16 --tp 8 --pp 2 \
     --steps 8 --gantt "$out/g.png" >/dev/null
 (cd "$out" && "$py" "$OLDPWD/scripts/interop/torchtitan_check.py" .)
+# Every schedule kind lowered to sends, receives and send waits, receives ahead and deferred:
+# equal to torch's own lowering (_add_send_recv, _add_wait_send, _defer_recv_ops), and loadable
+# as a compute_comms CSV.
+comms="$out/comms"
+mkdir "$comms"
+for kind in gpipe 1f1b interleaved-1f1b looped-bfs zb-h1 zb-h2 zb-v dualpipev zb-auto; do
+    for size in "4 8" "3 7" "8 16"; do
+        set -- $size
+        base="$comms/$kind-p$1-m$2"
+        "$bin" schedule --schedule "$kind" --pp "$1" --microbatches "$2" -o "$base.csv" >/dev/null 2>&1 || continue
+        for posting in ahead deferred; do
+            "$bin" schedule --schedule "$kind" --pp "$1" --microbatches "$2" --comms "$posting" \
+                -o "$base.$posting.csv" >/dev/null
+        done
+    done
+done
+"$py" scripts/interop/comms_check.py "$comms"

@@ -60,6 +60,15 @@ pub enum Error {
         /// The ops on one dependency cycle, e.g. `rank 0: 0B1`.
         cycle: Vec<String>,
     },
+    /// A lowered schedule hangs: every stream with work left waits on another (a receive
+    /// posted before a send it waits behind, or a compute action whose input never arrives).
+    #[error("schedule {schedule} hangs under its communication lowering: every stream with work left waits ({})", waiting.join("; "))]
+    StreamsHang {
+        /// Schedule name.
+        schedule: String,
+        /// Each waiting stream and the action at its head, e.g. `rank 1 p2p: 1RECV_F2`.
+        waiting: Vec<String>,
+    },
 
     // ---- outputs ----
     /// A chart could not be drawn or written.

@@ -76,6 +76,47 @@ pub struct Simulation {
     pub memory: Vec<Vec<(u64, f64)>>,
 }
 
+/// Validates a schedule lowered to compute and communication, replays its streams under `costs`
+/// ([`replay::streams`]) and computes its metrics (the compute schedule's, on the lowered
+/// timeline).
+///
+/// # Errors
+/// [`Error::InvalidSchedule`] or [`Error::StreamsHang`].
+pub fn simulate_lowered<C: CostModel>(
+    lowered: &ir::comm::Lowered,
+    costs: &C,
+) -> Result<Simulation> {
+    lowered.schedule.validate()?;
+    lowered.validate()?;
+    let timeline = replay::streams::replay_lowered(lowered, costs)?;
+    let schedule = &lowered.schedule;
+    let events = replay::metrics::memory_events(schedule, costs, &timeline);
+    let metrics = replay::metrics::metrics_with_events(schedule, costs, &timeline, &events);
+    Ok(Simulation {
+        timeline,
+        metrics,
+        memory: replay::metrics::memory_levels(events),
+    })
+}
+
+/// [`simulate`] with the transfers lowered to sends and receives under `lowering`: the plain
+/// replay for [`schedules::lowering::Lowering::UNCONTENDED`] (the same timeline, faster), the
+/// streams' replay for any other.
+///
+/// # Errors
+/// As [`simulate`] and [`simulate_lowered`].
+pub fn simulate_with<C: CostModel>(
+    schedule: &Schedule,
+    costs: &C,
+    lowering: schedules::lowering::Lowering,
+) -> Result<Simulation> {
+    if lowering == schedules::lowering::Lowering::UNCONTENDED {
+        return simulate(schedule, costs);
+    }
+    schedule.validate()?;
+    simulate_lowered(&schedules::lowering::lower(schedule, lowering)?, costs)
+}
+
 /// Validates `schedule`, replays it under `costs` and computes its metrics.
 ///
 /// # Errors

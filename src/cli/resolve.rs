@@ -106,6 +106,8 @@ pub(super) struct RunFlags {
     pub(super) forward_only: Option<Option<sim::run::config::ForwardOnlySpec>>,
     /// `--memory-limit`, resolved to bytes.
     pub(super) memory_limit_bytes: Option<f64>,
+    /// `--p2p-posting` and `--p2p-streams`.
+    pub(super) lowering: sim::schedules::lowering::Lowering,
 }
 
 /// The run `flags` and `plan` describe for one schedule `source` (`None`: the plan's, else
@@ -187,5 +189,6 @@ pub(super) fn run_config(
     if run.dp == 0 {
         bail!("--dp = 0 is invalid: >= 1 replica");
     }
+    run.lowering = flags.lowering;
     Ok(run)
 }

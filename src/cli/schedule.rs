@@ -28,6 +28,12 @@ pub(super) struct ScheduleArgs {
     /// Write PyTorch's compute-only pipeline-order CSV here (atomically).
     #[arg(short, long)]
     output: Option<PathBuf>,
+    /// With --output, write the compute-and-communication CSV instead (the `compute_comms`
+    /// format of PyTorch's `_PipelineScheduleRuntime._load_csv`): the schedule lowered with
+    /// `SEND_*` / `RECV_*` and 2.15's `WAIT_SEND_*` actions, receives placed `ahead` (PyTorch's
+    /// own lowering, `_add_send_recv`) or `deferred` (its `defer_pp_recv=True`).
+    #[arg(long, value_enum, requires = "output", value_name = "POSTING")]
+    comms: Option<super::simulate::P2pPosting>,
     /// Output format of the grid.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
@@ -57,9 +63,19 @@ pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
         )?;
     }
     if let Some(path) = &a.output {
-        let csv = sim::ir::pytorch_csv::write_pytorch_csv(&s, a.fo_extension).map_err(|e| {
-            anyhow::anyhow!("{e} (--fo-extension writes them as flatpipe's `2Fo5` cells)")
-        })?;
+        let csv = match a.comms {
+            None => sim::ir::pytorch_csv::write_pytorch_csv(&s, a.fo_extension).map_err(|e| {
+                anyhow::anyhow!("{e} (--fo-extension writes them as flatpipe's `2Fo5` cells)")
+            })?,
+            Some(posting) => {
+                let lowering = sim::schedules::lowering::Lowering {
+                    posting: posting.into(),
+                    ..Default::default()
+                };
+                let lowered = sim::schedules::lowering::lower(&s, lowering)?;
+                sim::ir::pytorch_csv::write_pytorch_comms_csv(&lowered)?
+            }
+        };
         profiles::write_atomic(path, csv.as_bytes())?;
     }
     match a.format {

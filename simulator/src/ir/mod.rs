@@ -11,6 +11,7 @@
 //! are whatever time the replay leaves between actions. Send and receive are derived from the
 //! [`Placement`], never written in a schedule.
 
+pub mod comm;
 pub mod pytorch_csv;
 
 use crate::{Error, Result};

@@ -143,6 +143,37 @@ pub fn write_pytorch_csv(schedule: &Schedule, allow_fo: bool) -> Result<String> 
     Ok(String::from_utf8(bytes).expect("action strings are ASCII"))
 }
 
+/// Writes `lowered` as PyTorch's compute-and-communication pipeline-order CSV: one row per rank,
+/// its program in posting order with `SEND_F` / `RECV_F` / `SEND_B` / `RECV_B` and PyTorch
+/// 2.15's `WAIT_SEND_F` / `WAIT_SEND_B` (what `_PipelineScheduleRuntime._load_csv(path,
+/// format="compute_comms")` runs as it stands, without lowering it again).
+///
+/// # Errors
+/// [`Error::InvalidSchedule`] when the schedule holds forward-only actions (PyTorch has no
+/// `Fo`) or a row cannot be written.
+pub fn write_pytorch_comms_csv(lowered: &crate::ir::comm::Lowered) -> Result<String> {
+    let schedule = &lowered.schedule;
+    if schedule.num_fo_microbatches > 0 {
+        return Err(Error::InvalidSchedule {
+            schedule: schedule.name.clone(),
+            reason: "it has forward-only (Fo) actions, which PyTorch's runtime cannot run".into(),
+        });
+    }
+    let fail = |e: &dyn std::fmt::Display| Error::InvalidSchedule {
+        schedule: schedule.name.clone(),
+        reason: e.to_string(),
+    };
+    let mut w = csv::WriterBuilder::new()
+        .flexible(true)
+        .from_writer(Vec::new());
+    for prog in &lowered.program {
+        let cells: Vec<String> = prog.iter().map(ToString::to_string).collect();
+        w.write_record(&cells).map_err(|e| fail(&e))?;
+    }
+    let bytes = w.into_inner().map_err(|e| fail(&e))?;
+    Ok(String::from_utf8(bytes).expect("action strings are ASCII"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

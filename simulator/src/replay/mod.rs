@@ -18,6 +18,7 @@
 pub mod dag;
 pub mod metrics;
 pub mod multistep;
+pub mod streams;
 pub mod summary;
 pub mod timeline;
 

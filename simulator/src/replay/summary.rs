@@ -20,6 +20,7 @@
 //! smaller than the best's (zb-auto replays ~15 candidates per call this way).
 
 use crate::costs::CostModel;
+use crate::ir::comm::Lowered;
 use crate::ir::{Action, ActionKind, ComputeAction, Placement, Rank, Schedule};
 use crate::replay::metrics::{self, Metrics, PartMemory};
 use crate::replay::timeline::{TimedOp, TimedTransfer};
@@ -312,6 +313,42 @@ pub struct ToBeat<'a> {
     /// Whether a candidate that ties the best on both the makespan and the peak wins (it comes
     /// earlier in the search's order of preference).
     pub wins_full_tie: bool,
+}
+
+/// [`replay_summary`] of a schedule lowered to compute and communication
+/// ([`crate::replay::streams`]).
+///
+/// # Errors
+/// [`crate::Error::StreamsHang`] when the streams cannot finish.
+pub fn lowered_summary<C: CostModel>(lowered: &Lowered, costs: &C) -> Result<Summary> {
+    let to_beat = ToBeat {
+        makespan_ns: u64::MAX,
+        peak: f64::INFINITY,
+        memory_cap: f64::INFINITY,
+        rank_work_ns: &[],
+        wins_full_tie: false,
+    };
+    let s = &lowered.schedule;
+    let lean = Lean::new(&s.placement, s.num_microbatches as usize, costs, &to_beat);
+    match crate::replay::streams::run_lowered(lowered, costs, lean)? {
+        (Outcome::Done(clock), lean) => Ok(lean
+            .finish(&clock)
+            .expect("an unbounded summary always finishes")),
+        _ => unreachable!("an unbounded summary never stops a replay"),
+    }
+}
+
+/// [`metrics_without_timeline`] of a lowered schedule: the metrics [`crate::simulate_lowered`]
+/// gives, without the timeline.
+///
+/// # Errors
+/// [`crate::Error::StreamsHang`] when the streams cannot finish.
+pub fn lowered_metrics_without_timeline<C: CostModel>(
+    lowered: &Lowered,
+    costs: &C,
+) -> Result<Metrics> {
+    let s = lowered_summary(lowered, costs)?;
+    Ok(summary_metrics(&lowered.schedule, costs, &s))
 }
 
 /// Per rank, the compute time of all its ops in `schedule`, ns: [`ToBeat::rank_work_ns`].

@@ -11,6 +11,7 @@ use crate::costs::sharding::{Sharding, StateBytes};
 use crate::costs::{CostModel, CostOptions, Recompute, TableCosts};
 use crate::ir::{Placement, Rank, Schedule};
 use crate::schedules::generators::ScheduleKind;
+use crate::schedules::lowering::Lowering;
 use crate::{Error, Result};
 use flatpipe_profiles::Profile;
 use std::collections::HashMap;
@@ -56,12 +57,20 @@ pub struct RunConfig {
     /// Bytes per parameter in place of the sharding mode's (`None`: the mode's mixed-precision
     /// layout; the CPU executor sets its fp32 one).
     pub state_bytes: Option<StateBytes>,
+    /// How the pipeline's transfers become sends and receives on streams
+    /// ([`crate::schedules::lowering`]); the default is the uncontended links.
+    pub lowering: Lowering,
 }
 
 /// [`RunConfig::cut_key`]: data-parallel degree, policy, its parameters, verl-kk's divisor.
 pub type CutKey = (u32, Policy, PolicyParams, u32);
 
 impl RunConfig {
+    /// Stage `stage`'s recomputation: its entry of [`RunConfig::recompute`], none past its end.
+    pub fn recompute_of(&self, stage: usize) -> Recompute {
+        self.recompute.get(stage).copied().unwrap_or_default()
+    }
+
     /// A configuration with one replica, no recomputation, no forward-only work and the default
     /// policy parameters.
     pub fn new(
@@ -86,6 +95,7 @@ impl RunConfig {
             forward_only: None,
             sharding: Sharding::Ddp,
             state_bytes: None,
+            lowering: Lowering::UNCONTENDED,
         }
     }
 

@@ -25,7 +25,8 @@ use crate::run::config::{
 };
 use crate::schedules::forward_only::{forward_only_pass, with_forward_only};
 use crate::schedules::generators::ScheduleKind;
-use crate::{Error, Result, Simulation, replay, simulate};
+use crate::schedules::lowering::Lowering;
+use crate::{Error, Result, Simulation, replay};
 use flatpipe_profiles::Profile;
 use serde::Serialize;
 use std::sync::Arc;
@@ -279,7 +280,13 @@ pub fn plan_replica(
             None => Arc::clone(&train),
         };
         let prediction = match &costs {
-            Some(costs) => Some(predict_round(costs, &train, &schedule, fo.len() as u32)?),
+            Some(costs) => Some(predict_round(
+                costs,
+                &train,
+                &schedule,
+                fo.len() as u32,
+                config.lowering,
+            )?),
             None => None,
         };
         out.push(RoundPlan {
@@ -306,6 +313,7 @@ fn predict_round(
     train: &Schedule,
     schedule: &Schedule,
     k_fo: u32,
+    lowering: Lowering,
 ) -> Result<RoundPrediction> {
     let fo_alone_s = if k_fo > 0 {
         let t_train = replay::replay(train, costs)?.makespan_ns();
@@ -316,7 +324,7 @@ fn predict_round(
         None
     };
     Ok(RoundPrediction {
-        simulation: simulate(schedule, costs)?,
+        simulation: crate::simulate_with(schedule, costs, lowering)?,
         static_bytes: (0..schedule.placement.num_ranks)
             .map(|r| costs.static_bytes(Rank(r)))
             .collect(),
@@ -348,6 +356,7 @@ impl StepPlan {
                     &round.train,
                     &round.schedule,
                     round.fo.len() as u32,
+                    config.lowering,
                 )?);
             }
         }

@@ -125,6 +125,20 @@ pub(super) struct SimulateArgs {
     memory_limit: Option<String>,
     #[command(flatten)]
     fo: FoArgs,
+    /// Where each rank posts its pipeline receives: `ahead` (PyTorch's `_add_send_recv`: as
+    /// soon as the sender's progress allows) or `deferred` (just before the compute that
+    /// consumes it, the lower rank of a pair first: the runtime's `defer_pp_recv=True`).
+    #[arg(long, value_enum, default_value_t = P2pPosting::Ahead)]
+    p2p_posting: P2pPosting,
+    /// Each rank's streams for pipeline sends and receives: `per-peer` (one per directed rank
+    /// edge, PyTorch's `pipeline_per_edge_p2p`: no transfer queues behind another link's; the
+    /// default, and the model of every other output), `peer-pair` (one per peer for both
+    /// directions: NCCL's lazy two-rank communicators) or `shared` (one for all: an eagerly
+    /// initialised NCCL group). On a shared stream a receive posted early holds every send
+    /// behind it; a send completes only with its receive, as NCCL's do for payloads larger than
+    /// its buffer.
+    #[arg(long, value_enum, default_value_t = P2pStreams::PerPeer)]
+    p2p_streams: P2pStreams,
     /// Seed of the step sampler (default: the workload's, 0). Printed.
     #[arg(long)]
     seed: Option<u64>,
@@ -210,6 +224,51 @@ pub(super) struct McReport {
     memory_limit_bytes: f64,
     /// Whether the largest per-rank total (`peak_memory_bytes`) fits the limit.
     fits: bool,
+}
+
+/// `--p2p-posting`: [`sim::schedules::lowering::RecvPosting`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum P2pPosting {
+    /// As soon as the sender's progress allows.
+    Ahead,
+    /// Just before the consuming compute.
+    Deferred,
+}
+
+impl From<P2pPosting> for sim::schedules::lowering::RecvPosting {
+    fn from(p: P2pPosting) -> Self {
+        match p {
+            P2pPosting::Ahead => Self::Ahead,
+            P2pPosting::Deferred => Self::Deferred,
+        }
+    }
+}
+
+/// `--p2p-streams`: [`sim::ir::comm::StreamLayout`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum P2pStreams {
+    /// One stream per peer and direction.
+    PerPeer,
+    /// One stream per peer, both directions.
+    PeerPair,
+    /// One stream for every send and receive.
+    Shared,
+}
+
+impl SimulateArgs {
+    /// The lowering `--p2p-posting` and `--p2p-streams` ask for.
+    pub(super) fn lowering(&self) -> sim::schedules::lowering::Lowering {
+        use sim::ir::comm::StreamLayout;
+        use sim::schedules::lowering::Lowering;
+        Lowering {
+            posting: self.p2p_posting.into(),
+            streams: match self.p2p_streams {
+                P2pStreams::PerPeer => StreamLayout::PerPeer,
+                P2pStreams::PeerPair => StreamLayout::PeerPair,
+                P2pStreams::Shared => StreamLayout::Shared,
+            },
+        }
+    }
 }
 
 /// `--zb-objective`: what zb-auto minimises (`sim::schedules::zb_auto::Objective`).

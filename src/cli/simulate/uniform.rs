@@ -2,6 +2,7 @@
 
 use super::*;
 use sim::costs::given::CostSpec;
+use sim::schedules::lowering::Lowering;
 
 /// One compared schedule under uniform costs: its name, stages per rank, schedule, metrics,
 /// and its full simulation (timeline and memory levels) when an output draws it.
@@ -14,7 +15,8 @@ pub(super) struct UniformRun {
 }
 
 impl UniformRun {
-    /// Validates and replays `schedule` under `costs` ([`simulate_run`]).
+    /// Validates and replays `schedule` under `costs` and `lowering`, keeping the timeline or
+    /// not ([`simulate_run`]).
     ///
     /// # Errors
     /// The schedule's validation error or a deadlock.
@@ -23,9 +25,9 @@ impl UniformRun {
         v: u32,
         schedule: sim::Schedule,
         costs: &C,
-        keep_timeline: bool,
+        (keep_timeline, lowering): (bool, Lowering),
     ) -> Result<Self> {
-        let (metrics, simulation) = simulate_run(&schedule, costs, keep_timeline)?;
+        let (metrics, simulation) = simulate_run(&schedule, costs, keep_timeline, lowering)?;
         Ok(UniformRun {
             name,
             v,
@@ -56,22 +58,30 @@ pub(super) fn simulate_run<C: sim::CostModel>(
     schedule: &sim::Schedule,
     costs: &C,
     keep_timeline: bool,
+    lowering: Lowering,
 ) -> Result<(sim::Metrics, Option<Simulation>)> {
     if keep_timeline {
-        let simulation = sim::simulate(schedule, costs)?;
-        Ok((simulation.metrics.clone(), Some(simulation)))
-    } else {
-        schedule.validate()?;
-        Ok((
-            sim::replay::summary::metrics_without_timeline(schedule, costs)?,
-            None,
-        ))
+        let simulation = sim::simulate_with(schedule, costs, lowering)?;
+        return Ok((simulation.metrics.clone(), Some(simulation)));
     }
+    schedule.validate()?;
+    let metrics = if lowering == Lowering::UNCONTENDED {
+        sim::replay::summary::metrics_without_timeline(schedule, costs)?
+    } else {
+        let lowered = sim::schedules::lowering::lower(schedule, lowering)?;
+        lowered.validate()?;
+        sim::replay::summary::lowered_metrics_without_timeline(&lowered, costs)?
+    };
+    Ok((metrics, None))
 }
 
-/// One step's makespan in seconds, without a timeline.
-pub(super) fn makespan_s<C: sim::CostModel>(schedule: &sim::Schedule, costs: &C) -> Result<f64> {
-    Ok(simulate_run(schedule, costs, false)?.0.makespan_s)
+/// One step's makespan in seconds under `lowering`, without a timeline.
+pub(super) fn makespan_s<C: sim::CostModel>(
+    schedule: &sim::Schedule,
+    costs: &C,
+    lowering: Lowering,
+) -> Result<f64> {
+    Ok(simulate_run(schedule, costs, false, lowering)?.0.makespan_s)
 }
 
 /// `simulate --costs`: build the compared schedules, add the forward-only work, replay each
@@ -102,13 +112,8 @@ pub(in crate::cli) fn simulate_uniform(
         } else {
             train
         };
-        runs.push(UniformRun::simulated(
-            name,
-            v,
-            schedule,
-            &costs,
-            keep_timeline,
-        )?);
+        let replay = (keep_timeline, a.lowering());
+        runs.push(UniformRun::simulated(name, v, schedule, &costs, replay)?);
     }
     let exact_notes = match a.exact {
         Some(secs) => exact_row(a, spec, secs, k, keep_timeline, &mut runs)?,
@@ -231,9 +236,10 @@ fn with_forward_only_work<C: sim::CostModel>(
     k: u32,
     costs: &C,
 ) -> Result<(sim::Schedule, FoReport)> {
-    let t_train = makespan_s(train, costs)?;
+    let lowering = a.lowering();
+    let t_train = makespan_s(train, costs, lowering)?;
     let pass = sim::schedules::forward_only::forward_only_pass(train, k);
-    let t_fo = makespan_s(&pass, costs)?;
+    let t_fo = makespan_s(&pass, costs, lowering)?;
     let combined = sim::schedules::forward_only::with_forward_only(
         train,
         k,
@@ -241,7 +247,7 @@ fn with_forward_only_work<C: sim::CostModel>(
         a.fo.fo_loss_dependency,
         costs,
     )?;
-    let t = makespan_s(&combined, costs)?;
+    let t = makespan_s(&combined, costs, lowering)?;
     let report = FoReport {
         fo_microbatches: k,
         fo_mode: a.fo.fo_mode,
@@ -431,12 +437,7 @@ pub(super) fn exact_row(
             ),
         )
     };
-    runs.push(UniformRun::simulated(
-        name,
-        v,
-        schedule,
-        &costs,
-        keep_timeline,
-    )?);
+    let replay = (keep_timeline, a.lowering());
+    runs.push(UniformRun::simulated(name, v, schedule, &costs, replay)?);
     Ok(vec![note])
 }

@@ -1,0 +1,109 @@
+"""Checks flatpipe's compute-and-communication CSVs against PyTorch's own lowering.
+
+Usage: python comms_check.py DIR   (DIR holds NAME.csv, NAME.ahead.csv and NAME.deferred.csv,
+written by `flatpipe schedule -o` without and with `--comms ahead|deferred`)
+
+For every NAME: torch's `_add_send_recv` then `_add_wait_send` lowers the compute-only CSV (read
+with `_Action.from_str`, stage -> rank from where each stage runs), and must give NAME.ahead.csv
+action for action; torch's `_defer_recv_ops` on that must give NAME.deferred.csv. Both files
+then load the way `_PipelineScheduleRuntime._load_csv(path, format="compute_comms")` does:
+`_validate_schedule` (every stage's F, I, W and B counts) and `_validate_send_waits` (one wait
+per send). The runtime instance is built without `__init__` (which needs stages on a process
+group); `_prepare_schedule_with_comms` only reads the attributes set here. Exits 1 on the first
+mismatch. Written for flatpipe's .ci/run (scripts/interop-check.sh), torch 2.15.
+"""
+
+import csv
+import os
+import sys
+
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _add_wait_send,
+    _defer_recv_ops,
+    _PipelineScheduleRuntime,
+)
+
+
+def read(path: str) -> dict[int, list[_Action]]:
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    return {r: [_Action.from_str(c) for c in row if c.strip()] for r, row in enumerate(rows)}
+
+
+def names(actions: dict[int, list[_Action]]) -> dict[int, list[str]]:
+    return {r: [str(a) for a in acts] for r, acts in actions.items()}
+
+
+def stage_ranks(compute: dict[int, list[_Action]]) -> dict[int, int]:
+    ranks = {}
+    for r, acts in compute.items():
+        for a in acts:
+            for part in a.sub_actions or (a,):
+                ranks[part.stage_index] = r
+    return ranks
+
+
+def load_compute_comms(path: str, compute: dict[int, list[_Action]]) -> None:
+    rt = _PipelineScheduleRuntime.__new__(_PipelineScheduleRuntime)
+    ranks = stage_ranks(compute)
+    rt.pp_group_size = len(compute)
+    rt._num_stages = len(ranks)
+    rt._n_microbatches = 1 + max(
+        part.microbatch_index
+        for acts in compute.values()
+        for a in acts
+        for part in (a.sub_actions or (a,))
+    )
+    rt._stages = []
+    rt._unshard_lookahead = "full"
+    rt._max_active_stages = 3
+    rt._max_outstanding_sends = None
+    rt._defer_pp_recv = False
+    rt._defer_reduce_grad_wait = False
+    rt._load_csv(path, format="compute_comms")
+    assert rt.stage_index_to_group_rank == ranks, (rt.stage_index_to_group_rank, ranks)
+
+
+def check(base: str) -> None:
+    compute = read(base + ".csv")
+    ranks = stage_ranks(compute)
+    to_rank = ranks.__getitem__
+    ahead = _add_wait_send(_add_send_recv({r: list(a) for r, a in compute.items()}, to_rank, len(ranks)))
+    deferred = _defer_recv_ops(ahead, to_rank)
+    for suffix, torch_order in (("ahead", ahead), ("deferred", deferred)):
+        path = f"{base}.{suffix}.csv"
+        ours = names(read(path))
+        theirs = names(torch_order)
+        for r in theirs:
+            if ours.get(r) != theirs[r]:
+                at = next(
+                    (i for i, (x, y) in enumerate(zip(ours.get(r, []), theirs[r])) if x != y),
+                    min(len(ours.get(r, [])), len(theirs[r])),
+                )
+                raise SystemExit(
+                    f"{path}: rank {r} differs from torch's lowering at action {at}: "
+                    f"flatpipe {ours.get(r, [])[at:at + 4]}, torch {theirs[r][at:at + 4]}"
+                )
+        load_compute_comms(path, compute)
+        n = sum(len(v) for v in ours.values())
+        print(f"ok: {path}: {n} actions, equal to torch's lowering, loads as compute_comms")
+
+
+def main() -> int:
+    d = sys.argv[1]
+    bases = sorted(
+        os.path.join(d, n[: -len(".ahead.csv")]) for n in os.listdir(d) if n.endswith(".ahead.csv")
+    )
+    if not bases:
+        print("no .ahead.csv files found", file=sys.stderr)
+        return 1
+    for base in bases:
+        check(base)
+    print(f"{len(bases)} schedules lowered as torch lowers them")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

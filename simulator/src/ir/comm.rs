@@ -1,0 +1,494 @@
+//! Communication as actions: the sends and receives a schedule's transfers become, the streams
+//! they are posted on, and a schedule lowered to compute plus communication.
+//!
+//! A compute schedule ([`Schedule`]) leaves its transfers implicit ([`ComputeAction::sends`]).
+//! PyTorch's runtime lowers it (`torch.distributed.pipelining.schedules._add_send_recv`) into one
+//! list per rank that also holds `SEND_F` / `RECV_F` / `SEND_B` / `RECV_B` actions, and runs
+//! the P2P ones on a communication stream where they execute in posting order. [`Lowered`] is
+//! that list; [`crate::schedules::lowering`] builds it under a policy and
+//! [`crate::replay::streams`] replays it with the streams' semantics.
+//!
+//! Notation (PyTorch's, `_Action.__repr__`): the stage index is the stage that posts the action.
+//! Stage 0's forward output of microbatch 3 crosses as `0SEND_F3` on stage 0's rank and
+//! `1RECV_F3` on stage 1's; stage 2's input gradient as `2SEND_B3` and `1RECV_B3`. The
+//! forward-only extension writes `SEND_Fo` / `RECV_Fo`.
+
+use super::{Action, ActionKind, ComputeAction, MicrobatchId, Rank, Schedule, StageId};
+use crate::{Error, Result};
+use std::fmt;
+use std::str::FromStr;
+
+/// What a point-to-point transfer carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Payload {
+    /// A forward's output activations, to the next stage (sent by F).
+    Activation,
+    /// A backward's input gradient, to the previous stage (sent by I or B).
+    Gradient,
+    /// A forward-only pass's output activations, to the next stage (sent by Fo).
+    ForwardOnly,
+}
+
+impl Payload {
+    /// The compute kind whose transfer cost [`crate::costs::CostModel::comm_ns`] gives for it
+    /// (I and B send the same gradient).
+    pub fn cost_kind(self) -> ActionKind {
+        match self {
+            Payload::Activation => ActionKind::F,
+            Payload::Gradient => ActionKind::B,
+            Payload::ForwardOnly => ActionKind::Fo,
+        }
+    }
+
+    /// PyTorch's suffix: `F` (activations forward), `B` (gradients back), our `Fo`.
+    fn suffix(self) -> &'static str {
+        match self {
+            Payload::Activation => "F",
+            Payload::Gradient => "B",
+            Payload::ForwardOnly => "Fo",
+        }
+    }
+}
+
+/// One transfer of the step: `payload` of `microbatch` leaving `stage` (the stage whose compute
+/// produced it) for its neighbour stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Transfer {
+    /// The sending stage.
+    pub stage: StageId,
+    /// The microbatch (forward-only microbatches have their own id space).
+    pub microbatch: MicrobatchId,
+    /// What crosses.
+    pub payload: Payload,
+}
+
+impl Transfer {
+    /// The transfer `producer`'s output makes in a pipeline of `num_stages` stages, if any
+    /// ([`ComputeAction::sends`]).
+    pub fn of_producer(producer: ComputeAction, num_stages: u32) -> Option<Transfer> {
+        producer.sends(num_stages)?;
+        let payload = match producer.kind {
+            ActionKind::F => Payload::Activation,
+            ActionKind::Fo => Payload::ForwardOnly,
+            ActionKind::I | ActionKind::B => Payload::Gradient,
+            ActionKind::W => return None,
+        };
+        Some(Transfer {
+            stage: producer.stage,
+            microbatch: producer.microbatch,
+            payload,
+        })
+    }
+
+    /// The transfer `consumer` waits for in a pipeline of `num_stages` stages, if any
+    /// ([`ComputeAction::receives`]).
+    pub fn of_consumer(consumer: ComputeAction, num_stages: u32) -> Option<Transfer> {
+        let from = consumer.receives(num_stages)?;
+        let payload = match consumer.kind {
+            ActionKind::F => Payload::Activation,
+            ActionKind::Fo => Payload::ForwardOnly,
+            ActionKind::I | ActionKind::B => Payload::Gradient,
+            ActionKind::W => return None,
+        };
+        Some(Transfer {
+            stage: from,
+            microbatch: consumer.microbatch,
+            payload,
+        })
+    }
+
+    /// The receiving stage: the next for activations, the previous for gradients.
+    pub fn to_stage(self) -> StageId {
+        match self.payload {
+            Payload::Activation | Payload::ForwardOnly => StageId(self.stage.0 + 1),
+            Payload::Gradient => StageId(self.stage.0 - 1),
+        }
+    }
+}
+
+/// One half of a point-to-point transfer, posted on a communication stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CommAction {
+    /// The sending stage's rank posts the send (`0SEND_F3`).
+    Send(Transfer),
+    /// The receiving stage's rank posts the matching receive (`1RECV_F3`).
+    Recv(Transfer),
+}
+
+impl CommAction {
+    /// The transfer this half belongs to.
+    pub fn transfer(self) -> Transfer {
+        match self {
+            CommAction::Send(t) | CommAction::Recv(t) => t,
+        }
+    }
+
+    /// The stage that posts it: the sending stage for a send, the receiving one for a receive.
+    pub fn stage(self) -> StageId {
+        match self {
+            CommAction::Send(t) => t.stage,
+            CommAction::Recv(t) => t.to_stage(),
+        }
+    }
+}
+
+impl fmt::Display for CommAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (what, t) = match self {
+            CommAction::Send(t) => ("SEND", t),
+            CommAction::Recv(t) => ("RECV", t),
+        };
+        write!(
+            f,
+            "{}{what}_{}{}",
+            self.stage(),
+            t.payload.suffix(),
+            t.microbatch
+        )
+    }
+}
+
+impl FromStr for CommAction {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let err = |reason: &str| Error::ParseAction {
+            text: s.to_string(),
+            reason: reason.to_string(),
+        };
+        let t = s.trim();
+        let d = t
+            .find(|c: char| !c.is_ascii_digit())
+            .ok_or_else(|| err("no action name"))?;
+        let stage: u32 = t[..d]
+            .parse()
+            .map_err(|_| err("must start with the stage number"))?;
+        let rest = &t[d..];
+        let (send, rest) = if let Some(r) = rest.strip_prefix("SEND_") {
+            (true, r)
+        } else if let Some(r) = rest.strip_prefix("RECV_") {
+            (false, r)
+        } else {
+            return Err(err("not a SEND_ or RECV_ action"));
+        };
+        let l = rest
+            .find(|c: char| c.is_ascii_digit())
+            .ok_or_else(|| err("no microbatch number after the direction"))?;
+        let payload = match &rest[..l] {
+            "F" => Payload::Activation,
+            "B" => Payload::Gradient,
+            "Fo" => Payload::ForwardOnly,
+            other => {
+                return Err(err(&format!(
+                    "unknown direction `{other}` (F, B, or flatpipe's Fo)"
+                )));
+            }
+        };
+        let microbatch: u32 = rest[l..]
+            .parse()
+            .map_err(|_| err("microbatch number out of range or trailing characters"))?;
+        // A receive names the receiving stage; the transfer is keyed by the sending one.
+        let sending = match (send, payload) {
+            (true, _) => Some(stage),
+            (false, Payload::Gradient) => stage.checked_add(1),
+            (false, _) => stage.checked_sub(1),
+        }
+        .ok_or_else(|| err("stage 0 receives no activations"))?;
+        let t = Transfer {
+            stage: StageId(sending),
+            microbatch: MicrobatchId(microbatch),
+            payload,
+        };
+        Ok(if send {
+            CommAction::Send(t)
+        } else {
+            CommAction::Recv(t)
+        })
+    }
+}
+
+/// One entry of a lowered rank's program: compute, one half of a transfer, or the host's wait
+/// for a send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LoweredAction {
+    /// A compute action (or overlapped pair), on the rank's compute stream.
+    Compute(Action),
+    /// A send or receive, on the stream [`Lowered::stream_of`] names.
+    Comm(CommAction),
+    /// PyTorch 2.15's `WAIT_SEND_F` / `WAIT_SEND_B` (`_add_wait_send`): the host waits for its
+    /// send of this transfer and frees the buffer, after the local backward that proves the
+    /// peer has the activations, or at the end of the step. The replay does not delay compute
+    /// for it: the send it waits for has ended by then, except a step's last sends, which the
+    /// timeline's makespan holds anyway.
+    WaitSend(Transfer),
+}
+
+impl fmt::Display for LoweredAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LoweredAction::Compute(a) => a.fmt(f),
+            LoweredAction::Comm(c) => c.fmt(f),
+            LoweredAction::WaitSend(t) => {
+                write!(
+                    f,
+                    "{}WAIT_SEND_{}{}",
+                    t.stage,
+                    t.payload.suffix(),
+                    t.microbatch
+                )
+            }
+        }
+    }
+}
+
+impl FromStr for LoweredAction {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let t = s.trim();
+        if let Some(i) = t.find("WAIT_") {
+            // `0WAIT_SEND_F3` reads as the send it waits for, `0SEND_F3`.
+            let send: CommAction = format!("{}{}", &t[..i], &t[i + "WAIT_".len()..]).parse()?;
+            match send {
+                CommAction::Send(tr) => Ok(LoweredAction::WaitSend(tr)),
+                CommAction::Recv(_) => Err(Error::ParseAction {
+                    text: s.to_string(),
+                    reason: "only sends are waited for (WAIT_SEND_F, WAIT_SEND_B)".into(),
+                }),
+            }
+        } else if t.contains("SEND_") || t.contains("RECV_") {
+            Ok(LoweredAction::Comm(t.parse()?))
+        } else {
+            Ok(LoweredAction::Compute(t.parse()?))
+        }
+    }
+}
+
+/// How a rank's sends and receives are spread over communication streams. Within a stream,
+/// operations run one at a time in posting order; a send and its receive run together once both
+/// are posted (NCCL's point-to-point semantics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StreamLayout {
+    /// One point-to-point stream per rank for every send and receive: PyTorch 2.15's pipeline
+    /// stages on an eagerly initialised NCCL process group, whose one communicator carries all
+    /// their traffic (`torch/distributed/pipelining/_p2p.py`, `_warn_if_eager_nccl`).
+    Shared,
+    /// One stream per peer rank for both directions: the two-rank communicators NCCL creates
+    /// lazily per peer pair (PyTorch's `backend="nccl-lazy"`). A receive from a peer blocks a
+    /// later send to it.
+    PeerPair,
+    /// One stream per directed rank edge: sends to rank q on one, receives from rank q on
+    /// another (PyTorch 2.15's `torch.distributed.config.pipeline_per_edge_p2p`, on by default
+    /// with TorchComms: "opposite directions and distinct rank pairs are isolated"). Nothing
+    /// queues behind another link's traffic: the uncontended links of
+    /// [`crate::replay::replay`].
+    PerPeer,
+}
+
+/// A stream of one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StreamId {
+    /// The compute stream.
+    Compute,
+    /// The shared point-to-point stream ([`StreamLayout::Shared`]).
+    P2p,
+    /// Sends to and receives from this rank ([`StreamLayout::PeerPair`]).
+    Peer(Rank),
+    /// Sends to this rank ([`StreamLayout::PerPeer`]).
+    SendTo(Rank),
+    /// Receives from this rank ([`StreamLayout::PerPeer`]).
+    RecvFrom(Rank),
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StreamId::Compute => f.write_str("compute"),
+            StreamId::P2p => f.write_str("p2p"),
+            StreamId::Peer(r) => write!(f, "p2p with {r}"),
+            StreamId::SendTo(r) => write!(f, "send to {r}"),
+            StreamId::RecvFrom(r) => write!(f, "recv from {r}"),
+        }
+    }
+}
+
+/// A schedule lowered to compute and communication: per rank, the program order in which the
+/// rank posts its actions, and the streams they run on. A stream runs its actions in program
+/// order; a compute action waits for the receive of its input.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lowered {
+    /// The compute schedule (placement, microbatch counts, chunk chains, compute order).
+    pub schedule: Schedule,
+    /// `program[r]`: rank r's actions in posting order. Its compute actions are
+    /// `schedule.ranks[r]` in order.
+    pub program: Vec<Vec<LoweredAction>>,
+    /// How the sends and receives are spread over streams.
+    pub streams: StreamLayout,
+}
+
+impl Lowered {
+    /// The stream `c`, posted by `rank`, runs on.
+    pub fn stream_of(&self, c: CommAction) -> StreamId {
+        let t = c.transfer();
+        let rank_of = |s: StageId| self.schedule.placement.rank(s);
+        let peer = match c {
+            CommAction::Send(_) => rank_of(t.to_stage()),
+            CommAction::Recv(_) => rank_of(t.stage),
+        };
+        match (self.streams, c) {
+            (StreamLayout::Shared, _) => StreamId::P2p,
+            (StreamLayout::PeerPair, _) => StreamId::Peer(peer),
+            (StreamLayout::PerPeer, CommAction::Send(_)) => StreamId::SendTo(peer),
+            (StreamLayout::PerPeer, CommAction::Recv(_)) => StreamId::RecvFrom(peer),
+        }
+    }
+
+    /// Number of send and receive actions.
+    pub fn num_comm_actions(&self) -> usize {
+        self.program
+            .iter()
+            .flatten()
+            .filter(|a| matches!(a, LoweredAction::Comm(_)))
+            .count()
+    }
+
+    /// Checks that the program holds the schedule's compute in order, and that every transfer
+    /// between two ranks has exactly one send on the sending stage's rank and one receive on the
+    /// receiving stage's rank (none for stages on one rank).
+    ///
+    /// # Errors
+    /// [`Error::InvalidSchedule`] naming the rank and the action.
+    pub fn validate(&self) -> Result<()> {
+        let fail = |reason: String| {
+            Err(Error::InvalidSchedule {
+                schedule: self.schedule.name.clone(),
+                reason,
+            })
+        };
+        let s = &self.schedule;
+        if self.program.len() != s.ranks.len() {
+            return fail(format!(
+                "{} lowered programs for {} ranks",
+                self.program.len(),
+                s.ranks.len()
+            ));
+        }
+        let mut posted = std::collections::HashMap::new();
+        for (r, prog) in self.program.iter().enumerate() {
+            let compute: Vec<Action> = prog
+                .iter()
+                .filter_map(|a| match a {
+                    LoweredAction::Compute(c) => Some(*c),
+                    LoweredAction::Comm(_) | LoweredAction::WaitSend(_) => None,
+                })
+                .collect();
+            if compute != s.ranks[r] {
+                return fail(format!(
+                    "rank {r}'s lowered program does not hold its compute actions in order"
+                ));
+            }
+            check_send_waits(r, prog).or_else(fail)?;
+            for a in prog {
+                let LoweredAction::Comm(c) = a else { continue };
+                let t = c.transfer();
+                if t.stage.0 >= s.num_stages() || t.to_stage().0 >= s.num_stages() {
+                    return fail(format!("rank {r}: {c} names a stage past the pipeline"));
+                }
+                if s.placement.rank(c.stage()).idx() != r {
+                    return fail(format!(
+                        "rank {r} posts {c}, whose stage is on another rank"
+                    ));
+                }
+                if posted.insert(*c, r).is_some() {
+                    return fail(format!("rank {r} posts {c} twice"));
+                }
+            }
+        }
+        for r in &s.ranks {
+            for a in r.iter().flat_map(Action::parts) {
+                let Some(t) = Transfer::of_producer(a, s.num_stages()) else {
+                    continue;
+                };
+                let crosses = s.placement.rank(t.stage) != s.placement.rank(t.to_stage());
+                for half in [CommAction::Send(t), CommAction::Recv(t)] {
+                    if crosses != posted.remove(&half).is_some() {
+                        return fail(if crosses {
+                            format!("{half} is missing: {a}'s output crosses ranks")
+                        } else {
+                            format!("{half} joins two stages on one rank")
+                        });
+                    }
+                }
+            }
+        }
+        match posted.keys().next() {
+            Some(c) => fail(format!("{c} matches no compute action's output")),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Rank `r`'s program waits for each of its sends exactly once, after posting it (PyTorch's
+/// `_validate_send_waits`), or waits for none of them.
+fn check_send_waits(r: usize, prog: &[LoweredAction]) -> std::result::Result<(), String> {
+    let waits = prog.iter().any(|a| matches!(a, LoweredAction::WaitSend(_)));
+    if !waits {
+        return Ok(());
+    }
+    let mut pending = std::collections::HashSet::new();
+    for a in prog {
+        match a {
+            LoweredAction::Comm(CommAction::Send(t)) => {
+                pending.insert(*t);
+            }
+            LoweredAction::WaitSend(t) if !pending.remove(t) => {
+                let send = CommAction::Send(*t);
+                return Err(format!(
+                    "rank {r} waits for {send} before posting it, or twice"
+                ));
+            }
+            _ => {}
+        }
+    }
+    match pending.iter().next() {
+        Some(t) => Err(format!("rank {r} never waits for {}", CommAction::Send(*t))),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pytorchs_names_round_trip_and_key_the_transfer_by_its_sender() {
+        let f = Transfer {
+            stage: StageId(0),
+            microbatch: MicrobatchId(3),
+            payload: Payload::Activation,
+        };
+        let b = Transfer {
+            stage: StageId(2),
+            microbatch: MicrobatchId(3),
+            payload: Payload::Gradient,
+        };
+        for (c, text) in [
+            (CommAction::Send(f), "0SEND_F3"),
+            (CommAction::Recv(f), "1RECV_F3"),
+            (CommAction::Send(b), "2SEND_B3"),
+            (CommAction::Recv(b), "1RECV_B3"),
+        ] {
+            assert_eq!(c.to_string(), text);
+            assert_eq!(text.parse::<CommAction>().unwrap(), c);
+            assert_eq!(
+                text.parse::<LoweredAction>().unwrap(),
+                LoweredAction::Comm(c)
+            );
+        }
+        assert!("0RECV_F1".parse::<CommAction>().is_err());
+        assert!("1SEND_X1".parse::<CommAction>().is_err());
+        assert_eq!(
+            "1F2".parse::<LoweredAction>().unwrap(),
+            LoweredAction::Compute(Action::new(1, ActionKind::F, 2))
+        );
+    }
+}

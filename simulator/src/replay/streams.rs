@@ -1,0 +1,622 @@
+//! Replay of a schedule lowered to compute and communication ([`Lowered`]): every rank's
+//! streams with their real semantics.
+//!
+//! - A stream runs its actions one at a time, in the rank's program order.
+//! - A compute action starts when the compute stream is free and its inputs are there: on the
+//!   rank already (a stage on the same rank, the chunk before it, its own F for I and B, its I
+//!   for W), or received (the receive of its input has completed).
+//! - A send is posted when its stream reaches it and the compute that produced its payload has
+//!   ended (the stream waits on the compute stream's event, as PyTorch's NCCL work does); a
+//!   receive is posted when its stream reaches it.
+//! - A send and its receive are one transfer: it starts when both are posted and takes
+//!   [`CostModel::comm_ns`] (the alpha-beta cost of the link the pair crosses); both halves hold
+//!   their streams until it ends (NCCL's point-to-point kernels). A receive posted early on a
+//!   shared stream therefore blocks every action behind it until its sender is ready: the
+//!   head-of-line blocking PyTorch users meet on one P2P stream.
+//!
+//! Under [`crate::schedules::lowering::Lowering::UNCONTENDED`] every receive stream holds its
+//! peer's sends in their order, so each transfer starts when its payload is ready and the
+//! previous transfer on the same link has ended: exactly [`crate::replay::replay`]'s FIFO links,
+//! and the same timeline (a property test checks every schedule kind).
+//!
+//! Each action is visited a bounded number of times (a stream is woken by the one event it
+//! waits on): `O(actions)`.
+
+use super::{Cell, Outcome, Recorder, UNSET, UNSET_CELL};
+use crate::costs::CostModel;
+use crate::ir::comm::{CommAction, Lowered, LoweredAction, Payload, StreamId, Transfer};
+use crate::ir::{Action, ActionKind, ChunkLinks, ComputeAction, Rank};
+use crate::replay::timeline::{TimedOp, TimedTransfer, Timeline};
+use crate::{Error, Result};
+use std::collections::{HashMap, VecDeque};
+
+/// No stream.
+const NO_STREAM: u32 = u32::MAX;
+
+/// Replays `lowered` under `costs`: the timeline of its compute actions and transfers, each
+/// rank's optimizer step after its last compute action. The lowering should have passed
+/// [`Lowered::validate`].
+///
+/// # Errors
+/// [`Error::StreamsHang`] naming every waiting stream and its head when the streams cannot
+/// finish (a receive posted ahead of actions its sender waits for, or a dependency cycle).
+pub fn replay_lowered<C: CostModel>(lowered: &Lowered, costs: &C) -> Result<Timeline> {
+    let p = lowered.schedule.placement.num_ranks as usize;
+    let timeline = Timeline {
+        compute: lowered
+            .schedule
+            .ranks
+            .iter()
+            .map(|a| Vec::with_capacity(a.len()))
+            .collect(),
+        transfers: Vec::with_capacity(lowered.num_comm_actions() / 2),
+        optimizer: vec![None; p],
+    };
+    match run_lowered(lowered, costs, timeline) {
+        Ok((Outcome::Done(clock), mut timeline)) => {
+            for (r, &end) in clock.iter().enumerate() {
+                let opt = costs.optimizer_ns(Rank(r as u32));
+                if opt > 0 {
+                    timeline.optimizer[r] = Some((end, end + opt));
+                }
+            }
+            Ok(timeline)
+        }
+        Ok(_) => unreachable!("a timeline never stops a replay"),
+        Err(e) => Err(e),
+    }
+}
+
+/// A communication stream of one rank: its actions in program order.
+struct CommStream {
+    rank: u32,
+    id: StreamId,
+    ops: Vec<CommAction>,
+}
+
+/// The replay's state. Streams `0..p` are the ranks' compute streams; the communication
+/// streams follow.
+struct Streams<'a, C: CostModel, R: Recorder> {
+    lowered: &'a Lowered,
+    costs: &'a C,
+    s_count: usize,
+    m: usize,
+    mfo: usize,
+    rank_of: Vec<u32>,
+    cells: Vec<Cell>,
+    /// End of (stage, mb)'s I or B: the gradient's send waits for it; chunk chains read it.
+    bwd_end: Vec<u64>,
+    chunk: Option<ChunkLinks>,
+    fo_end: Vec<u64>,
+    fo_ready: Vec<u64>,
+    comm: Vec<CommStream>,
+    /// Per transfer ([`Streams::xid`]): when its send and its receive were posted, ns.
+    send_post: Vec<u64>,
+    recv_post: Vec<u64>,
+    /// Per transfer: the streams its send and its receive are on.
+    send_stream: Vec<u32>,
+    recv_stream: Vec<u32>,
+    /// Per stream: next action, and when its last action ended.
+    pc: Vec<usize>,
+    clock: Vec<u64>,
+    queued: Vec<bool>,
+    queue: VecDeque<u32>,
+    rec: R,
+}
+
+/// Runs the lowered replay, recording into `rec`.
+///
+/// # Errors
+/// [`Error::StreamsHang`] when streams stop with work left.
+pub(crate) fn run_lowered<C: CostModel, R: Recorder>(
+    lowered: &Lowered,
+    costs: &C,
+    rec: R,
+) -> Result<(Outcome, R)> {
+    let mut st = Streams::new(lowered, costs, rec)?;
+    while let Some(sid) = st.queue.pop_front() {
+        st.queued[sid as usize] = false;
+        let stopped = if (sid as usize) < st.rank_of_stream_count() {
+            !st.advance_compute(sid as usize)
+        } else {
+            st.advance_comm(sid as usize);
+            false
+        };
+        if stopped {
+            return Ok((Outcome::Stopped, st.rec));
+        }
+    }
+    st.finish()
+}
+
+impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
+    /// The state before any action ran: every stream queued, stage 0's inputs ready at 0.
+    ///
+    /// # Errors
+    /// A malformed chunk chain.
+    fn new(lowered: &'a Lowered, costs: &'a C, rec: R) -> Result<Self> {
+        let s = &lowered.schedule;
+        let p = s.placement.num_ranks as usize;
+        let s_count = s.num_stages() as usize;
+        let (m, mfo) = (s.num_microbatches as usize, s.num_fo_microbatches as usize);
+        let chunk = s.chunk_links()?;
+        let comm = comm_streams(lowered);
+        let n_x = 2 * s_count * m + s_count * mfo;
+        let mut st = Streams {
+            lowered,
+            costs,
+            s_count,
+            m,
+            mfo,
+            rank_of: s.placement.rank_of.iter().map(|r| r.0).collect(),
+            cells: vec![UNSET_CELL; s_count * m],
+            bwd_end: vec![UNSET; s_count * m],
+            chunk,
+            fo_end: vec![UNSET; s_count * mfo],
+            fo_ready: vec![UNSET; s_count * mfo],
+            send_post: vec![UNSET; n_x],
+            recv_post: vec![UNSET; n_x],
+            send_stream: vec![NO_STREAM; n_x],
+            recv_stream: vec![NO_STREAM; n_x],
+            pc: vec![0; p + comm.len()],
+            clock: vec![0; p + comm.len()],
+            queued: vec![true; p + comm.len()],
+            queue: (0..(p + comm.len()) as u32).collect(),
+            comm,
+            rec,
+        };
+        for c in &mut st.cells[..m] {
+            c.act_ready = 0;
+        }
+        st.fo_ready[..mfo].fill(0);
+        for (i, cs) in st.comm.iter().enumerate() {
+            for op in &cs.ops {
+                let x = st.xid(op.transfer());
+                let slot = match op {
+                    CommAction::Send(_) => &mut st.send_stream[x],
+                    CommAction::Recv(_) => &mut st.recv_stream[x],
+                };
+                *slot = (p + i) as u32;
+            }
+        }
+        Ok(st)
+    }
+
+    fn rank_of_stream_count(&self) -> usize {
+        self.lowered.schedule.placement.num_ranks as usize
+    }
+
+    /// The transfer's index in the per-transfer arrays: activations, then gradients, then
+    /// forward-only activations, each by (sending stage, microbatch).
+    #[inline]
+    fn xid(&self, t: Transfer) -> usize {
+        let (s, mb) = (t.stage.idx(), t.microbatch.idx());
+        match t.payload {
+            Payload::Activation => s * self.m + mb,
+            Payload::Gradient => (self.s_count + s) * self.m + mb,
+            Payload::ForwardOnly => 2 * self.s_count * self.m + s * self.mfo + mb,
+        }
+    }
+
+    fn wake(&mut self, sid: u32) {
+        if sid != NO_STREAM && !self.queued[sid as usize] {
+            self.queued[sid as usize] = true;
+            self.queue.push_back(sid);
+        }
+    }
+
+    /// Time the data `a` needs are available, or `None` if they are not yet (as
+    /// [`crate::replay`]'s, with received inputs set when their transfer ends).
+    #[inline]
+    fn ready(&self, a: ComputeAction) -> Option<u64> {
+        let (s, mb) = (a.stage.idx(), a.microbatch.idx());
+        let t = match a.kind {
+            ActionKind::F => self.cells[s * self.m + mb].act_ready,
+            ActionKind::Fo => self.fo_ready[s * self.mfo + mb],
+            ActionKind::I | ActionKind::B => {
+                let c = &self.cells[s * self.m + mb];
+                if c.f_end == UNSET || c.grad_ready == UNSET {
+                    UNSET
+                } else {
+                    c.f_end.max(c.grad_ready)
+                }
+            }
+            ActionKind::W => self.cells[s * self.m + mb].i_end,
+        };
+        if t == UNSET {
+            return None;
+        }
+        let dep = match (&self.chunk, a.kind) {
+            (Some(l), ActionKind::F) if l.prev[mb] != ChunkLinks::NONE => {
+                self.cells[s * self.m + l.prev[mb] as usize].f_end
+            }
+            (Some(l), ActionKind::I | ActionKind::B) if l.next[mb] != ChunkLinks::NONE => {
+                self.bwd_end[s * self.m + l.next[mb] as usize]
+            }
+            _ => 0,
+        };
+        (dep != UNSET).then_some(t.max(dep))
+    }
+
+    /// Runs rank `r`'s compute stream as far as its inputs allow. `false` when the recorder
+    /// stops the replay.
+    fn advance_compute(&mut self, r: usize) -> bool {
+        let actions = &self.lowered.schedule.ranks[r];
+        while self.pc[r] < actions.len() {
+            let action = actions[self.pc[r]];
+            let (start, dur) = match action {
+                Action::Compute(a) => match self.ready(a) {
+                    Some(t) => (t.max(self.clock[r]), self.costs.compute_ns(a)),
+                    None => return true,
+                },
+                Action::Overlap(a, b) => match (self.ready(a), self.ready(b)) {
+                    (Some(ta), Some(tb)) => {
+                        (ta.max(tb).max(self.clock[r]), self.costs.overlap_ns(a, b))
+                    }
+                    _ => return true,
+                },
+            };
+            let end = start + dur;
+            let op = TimedOp {
+                action,
+                start_ns: start,
+                end_ns: end,
+            };
+            if !self.rec.op(r, op) {
+                return false;
+            }
+            self.clock[r] = end;
+            self.pc[r] += 1;
+            for a in action.parts() {
+                self.complete_compute(r as u32, a, end);
+            }
+        }
+        true
+    }
+
+    /// Records compute action `a`'s end on rank `r`: its outputs are ready on the rank, its
+    /// send (if its output crosses ranks) may be posted.
+    #[inline]
+    fn complete_compute(&mut self, r: u32, a: ComputeAction, end: u64) {
+        let (s, mb) = (a.stage.idx(), a.microbatch.idx());
+        match a.kind {
+            ActionKind::F => self.cells[s * self.m + mb].f_end = end,
+            ActionKind::Fo => self.fo_end[s * self.mfo + mb] = end,
+            ActionKind::I | ActionKind::B => {
+                if a.kind == ActionKind::I {
+                    self.cells[s * self.m + mb].i_end = end;
+                }
+                self.bwd_end[s * self.m + mb] = end;
+            }
+            ActionKind::W => return,
+        }
+        match Transfer::of_producer(a, self.s_count as u32) {
+            // The last stage's forward: the loss gradient is there once it ends.
+            None if a.kind == ActionKind::F => self.cells[s * self.m + mb].grad_ready = end,
+            None => {}
+            Some(t) if self.rank_of[t.to_stage().idx()] == r => self.arrive(t, end),
+            Some(t) => {
+                let sid = self.send_stream[self.xid(t)];
+                self.wake(sid);
+            }
+        }
+    }
+
+    /// The payload of `t` is on the receiving stage's rank at `at`.
+    #[inline]
+    fn arrive(&mut self, t: Transfer, at: u64) {
+        let (to, mb) = (t.to_stage().idx(), t.microbatch.idx());
+        match t.payload {
+            Payload::Activation => self.cells[to * self.m + mb].act_ready = at,
+            Payload::Gradient => self.cells[to * self.m + mb].grad_ready = at,
+            Payload::ForwardOnly => self.fo_ready[to * self.mfo + mb] = at,
+        }
+    }
+
+    /// When the transfer's payload reached the receiving rank, if it has.
+    #[inline]
+    fn arrival(&self, t: Transfer) -> u64 {
+        let (to, mb) = (t.to_stage().idx(), t.microbatch.idx());
+        match t.payload {
+            Payload::Activation => self.cells[to * self.m + mb].act_ready,
+            Payload::Gradient => self.cells[to * self.m + mb].grad_ready,
+            Payload::ForwardOnly => self.fo_ready[to * self.mfo + mb],
+        }
+    }
+
+    /// When the compute that produces `t`'s payload ended, or [`UNSET`].
+    #[inline]
+    fn produced(&self, t: Transfer) -> u64 {
+        let (s, mb) = (t.stage.idx(), t.microbatch.idx());
+        match t.payload {
+            Payload::Activation => self.cells[s * self.m + mb].f_end,
+            Payload::Gradient => self.bwd_end[s * self.m + mb],
+            Payload::ForwardOnly => self.fo_end[s * self.mfo + mb],
+        }
+    }
+
+    /// Runs communication stream `sid` as far as its transfers allow.
+    fn advance_comm(&mut self, sid: usize) {
+        let i = sid - self.rank_of_stream_count();
+        while self.pc[sid] < self.comm[i].ops.len() {
+            let op = self.comm[i].ops[self.pc[sid]];
+            let t = op.transfer();
+            let x = self.xid(t);
+            let done = self.arrival(t);
+            if done == UNSET {
+                // Post this half, then run the transfer if the other half is posted.
+                match op {
+                    CommAction::Send(_) if self.send_post[x] == UNSET => {
+                        let produced = self.produced(t);
+                        if produced == UNSET {
+                            return; // woken when the producing compute ends
+                        }
+                        self.send_post[x] = produced.max(self.clock[sid]);
+                    }
+                    CommAction::Recv(_) if self.recv_post[x] == UNSET => {
+                        self.recv_post[x] = self.clock[sid];
+                    }
+                    _ => {}
+                }
+                if self.send_post[x] == UNSET || self.recv_post[x] == UNSET {
+                    return; // woken when the other half posts
+                }
+                self.transfer(t, x);
+                let other = match op {
+                    CommAction::Send(_) => self.recv_stream[x],
+                    CommAction::Recv(_) => self.send_stream[x],
+                };
+                self.wake(other);
+            }
+            self.clock[sid] = self.arrival(t);
+            self.pc[sid] += 1;
+        }
+    }
+
+    /// Runs transfer `t` (index `x`), both halves posted: it starts when the later half was
+    /// posted and the payload reaches the receiving rank `comm_ns` later.
+    fn transfer(&mut self, t: Transfer, x: usize) {
+        let start = self.send_post[x].max(self.recv_post[x]);
+        let kind = t.payload.cost_kind();
+        let end = start + self.costs.comm_ns(t.stage, t.microbatch, kind);
+        self.arrive(t, end);
+        let (from, to) = (
+            self.rank_of[t.stage.idx()],
+            self.rank_of[t.to_stage().idx()],
+        );
+        self.rec.transfer(TimedTransfer {
+            from: Rank(from),
+            to: Rank(to),
+            stage: t.stage,
+            microbatch: t.microbatch,
+            kind,
+            start_ns: start,
+            end_ns: end,
+        });
+        self.wake(to);
+    }
+
+    /// Each rank's compute clock when every stream finished, else [`Error::StreamsHang`] with
+    /// the waiting streams' heads.
+    fn finish(self) -> Result<(Outcome, R)> {
+        let p = self.rank_of_stream_count();
+        let mut waiting = Vec::new();
+        for r in 0..p {
+            if let Some(a) = self.lowered.schedule.ranks[r].get(self.pc[r]) {
+                waiting.push(format!("rank {r} compute: {a}"));
+            }
+        }
+        for (i, cs) in self.comm.iter().enumerate() {
+            if let Some(op) = cs.ops.get(self.pc[p + i]) {
+                waiting.push(format!("rank {} {}: {op}", cs.rank, cs.id));
+            }
+        }
+        if !waiting.is_empty() {
+            return Err(Error::StreamsHang {
+                schedule: self.lowered.schedule.name.clone(),
+                waiting,
+            });
+        }
+        Ok((Outcome::Done(self.clock[..p].to_vec()), self.rec))
+    }
+}
+
+/// The lowering's communication streams, each with its actions in program order, in the order
+/// ranks and then first use name them.
+fn comm_streams(lowered: &Lowered) -> Vec<CommStream> {
+    let mut index: HashMap<(u32, StreamId), usize> = HashMap::new();
+    let mut streams: Vec<CommStream> = Vec::new();
+    for (r, prog) in lowered.program.iter().enumerate() {
+        for a in prog {
+            let LoweredAction::Comm(c) = *a else { continue };
+            let id = lowered.stream_of(c);
+            let i = *index.entry((r as u32, id)).or_insert_with(|| {
+                streams.push(CommStream {
+                    rank: r as u32,
+                    id,
+                    ops: Vec::new(),
+                });
+                streams.len() - 1
+            });
+            streams[i].ops.push(c);
+        }
+    }
+    streams
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::costs::{UniformCostSpec, UniformCosts};
+    use crate::ir::comm::StreamLayout;
+    use crate::ir::{MicrobatchId, StageId};
+    use crate::schedules::generators::{ScheduleKind, interleaved_1f1b, one_f_one_b};
+    use crate::schedules::lowering::{Lowering, RecvPosting, lower};
+
+    /// Every stage's F takes `f` s, its B `b` s, a transfer `comm` s.
+    fn costs(f: f64, b: f64, comm: f64, v: u32) -> UniformCosts {
+        let v_f = f64::from(v);
+        UniformCosts::new(
+            &UniformCostSpec {
+                f: f * v_f,
+                b: b * v_f,
+                w: 0.0,
+                comm,
+                fb: None,
+                fo: None,
+            },
+            v,
+        )
+    }
+
+    fn start_of(t: &Timeline, rank: usize, action: &str) -> u64 {
+        t.compute[rank]
+            .iter()
+            .find(|o| o.action.to_string() == action)
+            .unwrap()
+            .start_ns
+    }
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn one_f_one_b_on_one_shared_stream_by_hand() {
+        // p = 2, m = 2, f = 1 s, b = 2 s, comm = 0.5 s, PyTorch's ahead receives on one
+        // stream per rank: rank 0 posts SEND_F0, SEND_F1, RECV_B0, RECV_B1; rank 1 posts
+        // RECV_F0, RECV_F1, SEND_B0, SEND_B1. 0F0 [0, 1], F0 crosses [1, 1.5]; 0F1 [1, 2],
+        // F1 crosses [2, 2.5] (rank 1's RECV_F1 was posted at 1.5). 1F0 [1.5, 2.5], 1B0 [2.5,
+        // 4.5], B0 crosses [4.5, 5]; 1F1 [4.5, 5.5], 1B1 [5.5, 7.5], B1 crosses [7.5, 8]; 0B0
+        // [5, 7], 0B1 [8, 10]: the compute schedule's own 10 s.
+        let s = one_f_one_b(2, 2);
+        let shared = Lowering {
+            posting: RecvPosting::Ahead,
+            streams: StreamLayout::Shared,
+        };
+        let l = lower(&s, shared).unwrap();
+        let names: Vec<String> = l.program[1].iter().map(ToString::to_string).collect();
+        assert_eq!(
+            names,
+            [
+                "1RECV_F0",
+                "1F0",
+                "1RECV_F1",
+                "1B0",
+                "1SEND_B0",
+                "1F1",
+                "1B1",
+                "1SEND_B1",
+                "1WAIT_SEND_B0",
+                "1WAIT_SEND_B1"
+            ]
+        );
+        let t = replay_lowered(&l, &costs(1.0, 2.0, 0.5, 1)).unwrap();
+        assert_eq!(t.makespan_ns(), 10 * S);
+        assert_eq!(start_of(&t, 0, "0B1"), 8 * S);
+    }
+
+    #[test]
+    fn a_front_loaded_receive_blocks_ready_sends_on_a_shared_stream() {
+        // Interleaved 1F1B, p = 4, v = 2, m = 8, f = 1 s per stage, comm c = 0.5 s: when does
+        // rank 1 start 1F1? PyTorch's sweep lowers rank 0 to 0F0 0SEND_F0 4RECV_F0 0F1
+        // 0SEND_F1 ...: the receive of stage 3's output (rank 3) comes before the send of F1.
+        // - Uncontended: 0F1 [1, 2], F1 crosses [2, 2 + c]; 1F0 ran [1 + c, 2 + c]: 1F1 at
+        //   2 + c = 2.5 s.
+        // - Ahead, shared stream: 4RECV_F0 is posted at 1 + c and completes when F0 has gone
+        //   round: stage 3 sends it at 4 + 3c, it lands at 4 + 4c. 0SEND_F1 waits behind it
+        //   and crosses [4 + 4c, 4 + 5c]: 1F1 at 4 + 5c = 6.5 s.
+        // - Ahead, one stream per peer pair: the receive from rank 3 does not hold the send
+        //   to rank 1: 2.5 s.
+        // - Deferred (PR #178815), per-peer streams: 4RECV_F0 moves to just before 4F0; rank
+        //   0's sends to rank 1 never wait behind it: 2.5 s.
+        let (s, _) = interleaved_1f1b(4, 2, 8, None).unwrap();
+        let c = costs(1.0, 2.0, 0.5, 2);
+        let at = |posting, streams| {
+            let l = lower(&s, Lowering { posting, streams }).unwrap();
+            start_of(&replay_lowered(&l, &c).unwrap(), 1, "1F1")
+        };
+        use RecvPosting::{Ahead, Deferred};
+        use StreamLayout::{PeerPair, PerPeer, Shared};
+        assert_eq!(at(Ahead, PerPeer), 2 * S + S / 2);
+        assert_eq!(at(Ahead, Shared), 6 * S + S / 2);
+        assert_eq!(at(Ahead, PeerPair), 2 * S + S / 2);
+        assert_eq!(at(Deferred, PerPeer), 2 * S + S / 2);
+    }
+
+    #[test]
+    fn streams_that_wait_on_each_other_are_named() {
+        // 1F1B, p = 2, m = 2 on one stream per rank, written by hand: rank 1 posts RECV_F1
+        // before SEND_B0 and rank 0 posts RECV_B0 before SEND_F1; each receive waits for a send
+        // queued behind the other.
+        let s = one_f_one_b(2, 2);
+        let act = |mb| Transfer {
+            stage: StageId(0),
+            microbatch: MicrobatchId(mb),
+            payload: Payload::Activation,
+        };
+        let grad = |mb| Transfer {
+            stage: StageId(1),
+            microbatch: MicrobatchId(mb),
+            payload: Payload::Gradient,
+        };
+        let send = |t| LoweredAction::Comm(CommAction::Send(t));
+        let recv = |t| LoweredAction::Comm(CommAction::Recv(t));
+        let comp = |r: usize, i: usize| LoweredAction::Compute(s.ranks[r][i]);
+        let mut l = Lowered {
+            program: vec![
+                vec![
+                    comp(0, 0),
+                    send(act(0)),
+                    comp(0, 1),
+                    recv(grad(0)),
+                    send(act(1)),
+                    comp(0, 2),
+                    recv(grad(1)),
+                    comp(0, 3),
+                ],
+                vec![
+                    recv(act(0)),
+                    comp(1, 0),
+                    comp(1, 1),
+                    recv(act(1)),
+                    send(grad(0)),
+                    comp(1, 2),
+                    comp(1, 3),
+                    send(grad(1)),
+                ],
+            ],
+            schedule: s.clone(),
+            streams: StreamLayout::Shared,
+        };
+        l.validate().unwrap();
+        let e = replay_lowered(&l, &costs(1.0, 2.0, 0.5, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("hangs") && e.contains("rank 1 p2p: 1RECV_F1") && e.contains("0RECV_B0"),
+            "{e}"
+        );
+        // On per-peer streams the same program runs.
+        l.streams = StreamLayout::PerPeer;
+        assert!(replay_lowered(&l, &costs(1.0, 2.0, 0.5, 1)).is_ok());
+    }
+
+    #[test]
+    fn the_uncontended_lowering_replays_as_the_fifo_links() {
+        for &kind in ScheduleKind::ALL {
+            for (p, v, m) in [(1, 1, 3), (2, 2, 4), (3, 2, 7), (4, 2, 8), (5, 1, 9)] {
+                let Ok(s) = kind.generate(p, v, m) else {
+                    continue;
+                };
+                let v = s.num_stages() / p;
+                for comm in [0.0, 0.3, 2.5] {
+                    let c = costs(1.0, 2.0, comm, v);
+                    let want = crate::replay::replay(&s, &c).unwrap();
+                    let l = lower(&s, Lowering::UNCONTENDED).unwrap();
+                    let got = replay_lowered(&l, &c).unwrap();
+                    assert_eq!(got.compute, want.compute, "{} p={p} m={m}", s.name);
+                    assert_eq!(got.makespan_ns(), want.makespan_ns());
+                }
+            }
+        }
+    }
+}
