@@ -306,7 +306,7 @@ impl Executor<CpuStage> {
         setup.check()?;
         let placement = setup.placement()?;
         Executor::build(setup, &placement, |s| {
-            let mode = setup.config.recompute.get(s).copied().unwrap_or_default();
+            let mode = setup.config.recompute_of(s);
             CpuStage::new(
                 &setup.model,
                 setup.config.stages[s].clone(),

@@ -323,16 +323,7 @@ pub fn torchtitan_activation_checkpoint(plan: &Plan, profile: &Profile) -> (Stri
                 .get(r.start..r.end)
                 .is_some_and(|ls| ls.iter().any(|l| l.kind == LayerKind::Decoder))
         })
-        .map(|s| {
-            (
-                s,
-                plan.run
-                    .recompute
-                    .get(s)
-                    .copied()
-                    .unwrap_or(Recompute::None),
-            )
-        })
+        .map(|s| (s, plan.run.recompute_of(s)))
         .collect();
     let has = |m: Recompute| modes.iter().any(|(_, x)| *x == m);
     let chosen = if has(Recompute::Full) {
@@ -489,16 +480,7 @@ pub fn megatron_recompute(plan: &Plan, profile: &Profile) -> (Vec<String>, Vec<S
     };
     let modes: Vec<(usize, Recompute)> = (0..plan.run.stages.len())
         .filter(|&s| decoders(s) > 0)
-        .map(|s| {
-            (
-                s,
-                plan.run
-                    .recompute
-                    .get(s)
-                    .copied()
-                    .unwrap_or(Recompute::None),
-            )
-        })
+        .map(|s| (s, plan.run.recompute_of(s)))
         .collect();
     let count = |m: Recompute| modes.iter().filter(|(_, x)| *x == m).count();
     let list = |pred: &dyn Fn(usize, Recompute) -> bool| -> String {

@@ -10,6 +10,19 @@ pub struct PyMicrobatch {
     pub(crate) index: usize,
 }
 
+impl PyMicrobatch {
+    /// `mbs` in order, each with its index in the list as its id.
+    pub(crate) fn numbered(mbs: &[Microbatch]) -> Vec<Self> {
+        mbs.iter()
+            .enumerate()
+            .map(|(index, mb)| Self {
+                mb: mb.clone(),
+                index,
+            })
+            .collect()
+    }
+}
+
 #[pymethods]
 impl PyMicrobatch {
     /// The microbatch's id in the step's actions (`0F3` is microbatch 3).

@@ -96,29 +96,14 @@ impl PyStepPlan {
     #[pyo3(signature = (replica = 0))]
     fn microbatches(&self, replica: usize) -> PyResult<Vec<PyMicrobatch>> {
         let r = self.replica(replica)?;
-        Ok(r.microbatches
-            .iter()
-            .enumerate()
-            .map(|(index, mb)| PyMicrobatch {
-                mb: mb.clone(),
-                index,
-            })
-            .collect())
+        Ok(PyMicrobatch::numbered(&r.microbatches))
     }
 
     /// The forward-only microbatches of the replica's step (their own id space), if any.
     #[pyo3(signature = (replica = 0))]
     fn forward_only_microbatches(&self, replica: usize) -> PyResult<Vec<PyMicrobatch>> {
         let r = self.replica(replica)?;
-        Ok(r.rounds[0]
-            .fo
-            .iter()
-            .enumerate()
-            .map(|(index, mb)| PyMicrobatch {
-                mb: mb.clone(),
-                index,
-            })
-            .collect())
+        Ok(PyMicrobatch::numbered(&r.rounds[0].fo))
     }
 
     /// `rank`'s actions in the replica's step, in the order it runs them.

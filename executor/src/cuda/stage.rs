@@ -468,7 +468,7 @@ impl Executor<CudaStage> {
                     g
                 }
             };
-            let mode = setup.config.recompute.get(s).copied().unwrap_or_default();
+            let mode = setup.config.recompute_of(s);
             CudaStage::new(
                 gpu,
                 &setup.model,
