@@ -5,6 +5,7 @@
 mod builtins;
 mod calibrate;
 mod common;
+mod communication;
 mod errors;
 mod execute;
 mod export;

@@ -97,12 +97,64 @@ impl Transfer {
         })
     }
 
-    /// The receiving stage: the next for activations, the previous for gradients.
+    /// The receiving stage: the next for activations, the previous for gradients (`u32::MAX`,
+    /// no stage, for a gradient of stage 0).
     pub fn to_stage(self) -> StageId {
         match self.payload {
-            Payload::Activation | Payload::ForwardOnly => StageId(self.stage.0 + 1),
-            Payload::Gradient => StageId(self.stage.0 - 1),
+            Payload::Activation | Payload::ForwardOnly => StageId(self.stage.0.saturating_add(1)),
+            Payload::Gradient => StageId(self.stage.0.wrapping_sub(1)),
         }
+    }
+}
+
+/// Dense indices of a schedule's transfers, for per-transfer arrays: activations, then
+/// gradients, then forward-only activations, each by (sending stage, microbatch).
+#[derive(Debug, Clone, Copy)]
+pub struct TransferIndex {
+    s_count: usize,
+    m: usize,
+    mfo: usize,
+}
+
+impl TransferIndex {
+    /// The index of `schedule`'s transfers.
+    pub fn of(schedule: &Schedule) -> Self {
+        TransferIndex {
+            s_count: schedule.num_stages() as usize,
+            m: schedule.num_microbatches as usize,
+            mfo: schedule.num_fo_microbatches as usize,
+        }
+    }
+
+    /// Number of indices (every (stage, microbatch, payload), crossing ranks or not).
+    pub fn len(&self) -> usize {
+        2 * self.s_count * self.m + self.s_count * self.mfo
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `t`'s index, `< self.len()` for a transfer of the schedule.
+    #[inline]
+    pub fn get(&self, t: Transfer) -> usize {
+        let (s, mb) = (t.stage.idx(), t.microbatch.idx());
+        match t.payload {
+            Payload::Activation => s * self.m + mb,
+            Payload::Gradient => (self.s_count + s) * self.m + mb,
+            Payload::ForwardOnly => 2 * self.s_count * self.m + s * self.mfo + mb,
+        }
+    }
+
+    /// Whether `t` names a stage and microbatch of the schedule.
+    pub fn contains(&self, t: Transfer) -> bool {
+        let to = t.to_stage().idx();
+        let count = match t.payload {
+            Payload::ForwardOnly => self.mfo,
+            _ => self.m,
+        };
+        t.stage.idx() < self.s_count && to < self.s_count && t.microbatch.idx() < count
     }
 }
 
@@ -372,35 +424,44 @@ impl Lowered {
                 s.ranks.len()
             ));
         }
-        let mut posted = std::collections::HashMap::new();
+        let index = TransferIndex::of(s);
+        // Per transfer: bit 0 its send posted, bit 1 its receive.
+        let mut posted = vec![0u8; index.len()];
+        let mut waits = vec![0u8; index.len()];
         for (r, prog) in self.program.iter().enumerate() {
-            let compute: Vec<Action> = prog
-                .iter()
-                .filter_map(|a| match a {
-                    LoweredAction::Compute(c) => Some(*c),
-                    LoweredAction::Comm(_) | LoweredAction::WaitSend(_) => None,
-                })
-                .collect();
-            if compute != s.ranks[r] {
+            let mut compute = prog.iter().filter_map(|a| match a {
+                LoweredAction::Compute(c) => Some(c),
+                _ => None,
+            });
+            if !compute.by_ref().eq(s.ranks[r].iter()) {
                 return fail(format!(
                     "rank {r}'s lowered program does not hold its compute actions in order"
                 ));
             }
-            check_send_waits(r, prog).or_else(fail)?;
+            check_send_waits(r, prog, &index, &mut waits).or_else(fail)?;
             for a in prog {
                 let LoweredAction::Comm(c) = a else { continue };
                 let t = c.transfer();
-                if t.stage.0 >= s.num_stages() || t.to_stage().0 >= s.num_stages() {
-                    return fail(format!("rank {r}: {c} names a stage past the pipeline"));
+                if !index.contains(t) {
+                    return fail(format!(
+                        "rank {r}: {c} names a stage or microbatch past the schedule"
+                    ));
                 }
                 if s.placement.rank(c.stage()).idx() != r {
                     return fail(format!(
                         "rank {r} posts {c}, whose stage is on another rank"
                     ));
                 }
-                if posted.insert(*c, r).is_some() {
+                let bit = if matches!(c, CommAction::Send(_)) {
+                    1
+                } else {
+                    2
+                };
+                let slot = &mut posted[index.get(t)];
+                if *slot & bit != 0 {
                     return fail(format!("rank {r} posts {c} twice"));
                 }
+                *slot |= bit;
             }
         }
         for r in &s.ranks {
@@ -409,8 +470,9 @@ impl Lowered {
                     continue;
                 };
                 let crosses = s.placement.rank(t.stage) != s.placement.rank(t.to_stage());
-                for half in [CommAction::Send(t), CommAction::Recv(t)] {
-                    if crosses != posted.remove(&half).is_some() {
+                let slot = &mut posted[index.get(t)];
+                for (bit, half) in [(1, CommAction::Send(t)), (2, CommAction::Recv(t))] {
+                    if crosses != (*slot & bit != 0) {
                         return fail(if crosses {
                             format!("{half} is missing: {a}'s output crosses ranks")
                         } else {
@@ -418,41 +480,64 @@ impl Lowered {
                         });
                     }
                 }
+                *slot = 4;
             }
         }
-        match posted.keys().next() {
-            Some(c) => fail(format!("{c} matches no compute action's output")),
-            None => Ok(()),
+        // Any half left without its producer's mark names a transfer no compute makes.
+        for prog in &self.program {
+            for a in prog {
+                if let LoweredAction::Comm(c) = a
+                    && posted[index.get(c.transfer())] != 4
+                {
+                    return fail(format!("{c} matches no compute action's output"));
+                }
+            }
         }
+        Ok(())
     }
 }
 
 /// Rank `r`'s program waits for each of its sends exactly once, after posting it (PyTorch's
 /// `_validate_send_waits`), or waits for none of them.
-fn check_send_waits(r: usize, prog: &[LoweredAction]) -> std::result::Result<(), String> {
-    let waits = prog.iter().any(|a| matches!(a, LoweredAction::WaitSend(_)));
-    if !waits {
+/// `state` is scratch of [`TransferIndex::len`] entries, all 0; the sends of `prog` are left
+/// marked.
+fn check_send_waits(
+    r: usize,
+    prog: &[LoweredAction],
+    index: &TransferIndex,
+    state: &mut [u8],
+) -> std::result::Result<(), String> {
+    if !prog.iter().any(|a| matches!(a, LoweredAction::WaitSend(_))) {
         return Ok(());
     }
-    let mut pending = std::collections::HashSet::new();
+    // Per transfer: 1 posted and not waited for, 2 waited for (each send is on one rank only,
+    // so the marks of other ranks' sends never meet these).
     for a in prog {
         match a {
-            LoweredAction::Comm(CommAction::Send(t)) => {
-                pending.insert(*t);
+            LoweredAction::Comm(CommAction::Send(t)) if index.contains(*t) => {
+                state[index.get(*t)] = 1;
             }
-            LoweredAction::WaitSend(t) if !pending.remove(t) => {
+            LoweredAction::WaitSend(t) => {
                 let send = CommAction::Send(*t);
-                return Err(format!(
-                    "rank {r} waits for {send} before posting it, or twice"
-                ));
+                if !index.contains(*t) || state[index.get(*t)] != 1 {
+                    return Err(format!(
+                        "rank {r} waits for {send} before posting it, or twice"
+                    ));
+                }
+                state[index.get(*t)] = 2;
             }
             _ => {}
         }
     }
-    match pending.iter().next() {
-        Some(t) => Err(format!("rank {r} never waits for {}", CommAction::Send(*t))),
-        None => Ok(()),
+    for a in prog {
+        if let LoweredAction::Comm(CommAction::Send(t)) = a
+            && index.contains(*t)
+            && state[index.get(*t)] == 1
+        {
+            return Err(format!("rank {r} never waits for {}", CommAction::Send(*t)));
+        }
     }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -24,11 +24,13 @@
 
 use super::{Cell, Outcome, Recorder, UNSET, UNSET_CELL};
 use crate::costs::CostModel;
-use crate::ir::comm::{CommAction, Lowered, LoweredAction, Payload, StreamId, Transfer};
+use crate::ir::comm::{
+    CommAction, Lowered, LoweredAction, Payload, StreamId, Transfer, TransferIndex,
+};
 use crate::ir::{Action, ActionKind, ChunkLinks, ComputeAction, Rank};
 use crate::replay::timeline::{TimedOp, TimedTransfer, Timeline};
 use crate::{Error, Result};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 /// No stream.
 const NO_STREAM: u32 = u32::MAX;
@@ -77,6 +79,7 @@ struct CommStream {
 /// The replay's state. Streams `0..p` are the ranks' compute streams; the communication
 /// streams follow.
 struct Streams<'a, C: CostModel, R: Recorder> {
+    index: TransferIndex,
     lowered: &'a Lowered,
     costs: &'a C,
     s_count: usize,
@@ -141,8 +144,10 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
         let (m, mfo) = (s.num_microbatches as usize, s.num_fo_microbatches as usize);
         let chunk = s.chunk_links()?;
         let comm = comm_streams(lowered);
-        let n_x = 2 * s_count * m + s_count * mfo;
+        let index = TransferIndex::of(s);
+        let n_x = index.len();
         let mut st = Streams {
+            index,
             lowered,
             costs,
             s_count,
@@ -186,16 +191,10 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
         self.lowered.schedule.placement.num_ranks as usize
     }
 
-    /// The transfer's index in the per-transfer arrays: activations, then gradients, then
-    /// forward-only activations, each by (sending stage, microbatch).
+    /// The transfer's index in the per-transfer arrays.
     #[inline]
     fn xid(&self, t: Transfer) -> usize {
-        let (s, mb) = (t.stage.idx(), t.microbatch.idx());
-        match t.payload {
-            Payload::Activation => s * self.m + mb,
-            Payload::Gradient => (self.s_count + s) * self.m + mb,
-            Payload::ForwardOnly => 2 * self.s_count * self.m + s * self.mfo + mb,
-        }
+        self.index.get(t)
     }
 
     fn wake(&mut self, sid: u32) {
@@ -424,21 +423,30 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
 /// The lowering's communication streams, each with its actions in program order, in the order
 /// ranks and then first use name them.
 fn comm_streams(lowered: &Lowered) -> Vec<CommStream> {
-    let mut index: HashMap<(u32, StreamId), usize> = HashMap::new();
+    let p = lowered.program.len();
+    // Per rank, a stream's slot: 0 shared, 1 + q with peer q (both directions, or sends), and
+    // 1 + p + q receives from q.
+    let slot = |id: StreamId| match id {
+        StreamId::Compute | StreamId::P2p => 0,
+        StreamId::Peer(q) | StreamId::SendTo(q) => 1 + q.idx(),
+        StreamId::RecvFrom(q) => 1 + p + q.idx(),
+    };
     let mut streams: Vec<CommStream> = Vec::new();
     for (r, prog) in lowered.program.iter().enumerate() {
+        let mut index = vec![usize::MAX; 1 + 2 * p];
         for a in prog {
             let LoweredAction::Comm(c) = *a else { continue };
             let id = lowered.stream_of(c);
-            let i = *index.entry((r as u32, id)).or_insert_with(|| {
+            let i = &mut index[slot(id)];
+            if *i == usize::MAX {
+                *i = streams.len();
                 streams.push(CommStream {
                     rank: r as u32,
                     id,
                     ops: Vec::new(),
                 });
-                streams.len() - 1
-            });
-            streams[i].ops.push(c);
+            }
+            streams[*i].ops.push(c);
         }
     }
     streams

@@ -18,7 +18,9 @@
 //! bubble of pytorch issue #188833. [`Lowering::UNCONTENDED`] (ahead receives on per-peer,
 //! per-direction streams) replays exactly as [`crate::replay::replay`]'s FIFO links.
 
-use crate::ir::comm::{CommAction, Lowered, LoweredAction, Payload, StreamLayout, Transfer};
+use crate::ir::comm::{
+    CommAction, Lowered, LoweredAction, Payload, StreamLayout, Transfer, TransferIndex,
+};
 use crate::ir::{ComputeAction, Schedule};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -104,9 +106,11 @@ impl fmt::Display for Lowering {
 /// [`Error::InvalidSchedule`] when no rank's next compute action can be placed (its input is
 /// never sent: PyTorch's "Malformed compute schedule"), naming each rank's next action.
 pub fn lower(schedule: &Schedule, lowering: Lowering) -> Result<Lowered> {
-    let ahead: Vec<Vec<LoweredAction>> = lower_ahead(schedule)?
+    let index = TransferIndex::of(schedule);
+    let mut slot = vec![u32::MAX; index.len()];
+    let ahead: Vec<Vec<LoweredAction>> = lower_ahead(schedule, &index)?
         .iter()
-        .map(|prog| add_send_waits(prog))
+        .map(|prog| add_send_waits(prog, &index, &mut slot))
         .collect();
     let program = match lowering.posting {
         RecvPosting::Ahead => ahead,
@@ -124,7 +128,7 @@ pub fn lower(schedule: &Schedule, lowering: Lowering) -> Result<Lowered> {
 }
 
 /// PyTorch's `_add_send_recv` sweep: per rank the program with ahead receives.
-fn lower_ahead(schedule: &Schedule) -> Result<Vec<Vec<LoweredAction>>> {
+fn lower_ahead(schedule: &Schedule, index: &TransferIndex) -> Result<Vec<Vec<LoweredAction>>> {
     let p = schedule.ranks.len();
     let n = schedule.num_stages();
     let rank_of = |s| schedule.placement.rank(s).idx();
@@ -135,7 +139,7 @@ fn lower_ahead(schedule: &Schedule) -> Result<Vec<Vec<LoweredAction>>> {
         .collect();
     // Whether each transfer's payload is placed on its receiving rank (its receive, or the
     // producing compute when both stages are on one rank).
-    let mut placed = std::collections::HashSet::new();
+    let mut placed = vec![false; index.len()];
     let mut next = vec![0usize; p];
     loop {
         let mut progress = false;
@@ -146,7 +150,7 @@ fn lower_ahead(schedule: &Schedule) -> Result<Vec<Vec<LoweredAction>>> {
             };
             left = true;
             let input_placed =
-                |a: ComputeAction| Transfer::of_consumer(a, n).is_none_or(|t| placed.contains(&t));
+                |a: ComputeAction| Transfer::of_consumer(a, n).is_none_or(|t| placed[index.get(t)]);
             if !action.parts().all(input_placed) {
                 continue;
             }
@@ -160,7 +164,7 @@ fn lower_ahead(schedule: &Schedule) -> Result<Vec<Vec<LoweredAction>>> {
                     program[r].push(LoweredAction::Comm(CommAction::Send(t)));
                     program[to].push(LoweredAction::Comm(CommAction::Recv(t)));
                 }
-                placed.insert(t);
+                placed[index.get(t)] = true;
             }
             next[r] += 1;
             progress = true;
@@ -177,29 +181,48 @@ fn lower_ahead(schedule: &Schedule) -> Result<Vec<Vec<LoweredAction>>> {
 /// `prog` with a wait after each send (PyTorch 2.15's `_add_wait_send`): a forward send's wait
 /// right after the local backward (I or B) of its stage and microbatch, every other send's at
 /// the end of the step in the order they were posted.
-fn add_send_waits(prog: &[LoweredAction]) -> Vec<LoweredAction> {
+/// `slot` is scratch of [`TransferIndex::len`] entries, all `u32::MAX`, and left so.
+fn add_send_waits(
+    prog: &[LoweredAction],
+    index: &TransferIndex,
+    slot: &mut [u32],
+) -> Vec<LoweredAction> {
     let mut out = Vec::with_capacity(prog.len() * 3 / 2);
-    let mut pending: Vec<Transfer> = Vec::new();
+    // The sends not waited for yet, in posting order (`None` once waited for); `slot` says
+    // where each send sits in that list.
+    let mut pending: Vec<Option<Transfer>> = Vec::new();
+    let mut posted: Vec<usize> = Vec::new();
     for &a in prog {
         out.push(a);
         match a {
-            LoweredAction::Comm(CommAction::Send(t)) => pending.push(t),
+            LoweredAction::Comm(CommAction::Send(t)) => {
+                slot[index.get(t)] = pending.len() as u32;
+                posted.push(index.get(t));
+                pending.push(Some(t));
+            }
             LoweredAction::Compute(action) => {
                 for c in action.parts().filter(|c| c.kind.is_input_backward()) {
-                    let forward_send = pending.iter().position(|t| {
-                        t.payload == Payload::Activation
-                            && t.stage == c.stage
-                            && t.microbatch == c.microbatch
-                    });
-                    if let Some(i) = forward_send {
-                        out.push(LoweredAction::WaitSend(pending.remove(i)));
+                    let forward = Transfer {
+                        stage: c.stage,
+                        microbatch: c.microbatch,
+                        payload: Payload::Activation,
+                    };
+                    if !index.contains(forward) {
+                        continue;
+                    }
+                    let i = slot[index.get(forward)];
+                    if let Some(t) = pending.get_mut(i as usize).and_then(Option::take) {
+                        out.push(LoweredAction::WaitSend(t));
                     }
                 }
             }
             _ => {}
         }
     }
-    out.extend(pending.into_iter().map(LoweredAction::WaitSend));
+    out.extend(pending.into_iter().flatten().map(LoweredAction::WaitSend));
+    for x in posted {
+        slot[x] = u32::MAX;
+    }
     out
 }
 

@@ -1,0 +1,155 @@
+//! Communication as actions: `simulate --p2p-posting/--p2p-streams` and `schedule --comms`,
+//! checked against timelines and lowered programs derived by hand.
+
+use crate::cli::common::flatpipe;
+use serde_json::Value;
+
+/// Start of action `name` in a Chrome trace written by `simulate --trace`, seconds.
+fn start_s(trace: &Value, name: &str) -> f64 {
+    let e = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == name && e["ph"] == "X")
+        .unwrap_or_else(|| panic!("{name} is not in the trace"));
+    e["ts"].as_f64().unwrap() / 1e6
+}
+
+/// Interleaved 1F1B, p = 4, v = 2, m = 8, f = 1 s per stage, a transfer c = 0.5 s: rank 0
+/// posts the receive of stage 3's output (PyTorch's sweep puts it right after 0SEND_F0) before
+/// 0SEND_F1. On per-edge streams 1F1 starts when F1 arrives, 2 + c = 2.5 s; on one shared
+/// stream the send waits behind that receive, which completes when microbatch 0 has crossed all
+/// four ranks (4 + 4c), so F1 crosses [4 + 4c, 4 + 5c] and 1F1 starts at 6.5 s.
+#[test]
+fn a_receive_posted_ahead_holds_the_sends_behind_it_on_a_shared_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |streams: &str| {
+        let trace = format!("{streams}.json");
+        let o = flatpipe(
+            dir.path(),
+            &[
+                "simulate",
+                "--costs",
+                "f=2,b=4,w=0,comm=0.5",
+                "--pp",
+                "4",
+                "--vpp",
+                "2",
+                "--microbatches",
+                "8",
+                "--schedule",
+                "interleaved-1f1b",
+                "--p2p-streams",
+                streams,
+                "--gantt",
+                "none",
+                "--trace",
+                &trace,
+            ],
+        );
+        assert!(o.status.success(), "{}", o.stderr);
+        let text = std::fs::read_to_string(dir.path().join(&trace)).unwrap();
+        start_s(&serde_json::from_str(&text).unwrap(), "1F1")
+    };
+    assert_eq!(run("per-peer"), 2.5);
+    assert_eq!(run("peer-pair"), 2.5);
+    assert_eq!(run("shared"), 6.5);
+}
+
+/// 1F1B, p = 2, m = 2, lowered by PyTorch's sweep (ranks in order, one compute action each per
+/// round; a send right after its producer, its receive appended to the receiver's list at that
+/// moment) and `_add_wait_send` (a forward send's wait after the local backward, the others at
+/// the end). Round 1: 0F0 0SEND_F0 | 1RECV_F0 1F0. Round 2: 0F1 0SEND_F1 | 1RECV_F1 1B0
+/// 1SEND_B0 (0RECV_B0 to rank 0). Round 3: 0B0 | 1F1. Round 4: rank 0 waits; 1B1 1SEND_B1
+/// (0RECV_B1). Round 5: 0B1.
+#[test]
+fn schedule_writes_pytorchs_compute_comms_csv() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--comms",
+            "ahead",
+            "-o",
+            "comms.csv",
+        ],
+    );
+    assert!(o.status.success(), "{}", o.stderr);
+    let csv = std::fs::read_to_string(dir.path().join("comms.csv")).unwrap();
+    let rows: Vec<&str> = csv.lines().collect();
+    assert_eq!(
+        rows,
+        [
+            "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0WAIT_SEND_F0,0RECV_B1,0B1,0WAIT_SEND_F1",
+            "1RECV_F0,1F0,1RECV_F1,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1WAIT_SEND_B0,1WAIT_SEND_B1",
+        ]
+    );
+    // Deferred: rank 1's receive of F1 moves to just before 1F1 (rank 1 is the higher of the
+    // pair, so its send to rank 0 does not flush it); rank 0's receives already sit just before
+    // their backwards.
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--comms",
+            "deferred",
+            "-o",
+            "deferred.csv",
+        ],
+    );
+    assert!(o.status.success(), "{}", o.stderr);
+    let csv = std::fs::read_to_string(dir.path().join("deferred.csv")).unwrap();
+    assert_eq!(
+        csv.lines().nth(1).unwrap(),
+        "1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1,1WAIT_SEND_B0,1WAIT_SEND_B1"
+    );
+}
+
+/// The deferred order of the case above on one stream per peer pair: rank 0 posts 0SEND_F1
+/// before 0RECV_B0 and rank 1 posts 1SEND_B0 before 1RECV_F1, each send waiting for a receive
+/// queued behind the other's. The replay says so and names the waiting streams.
+#[test]
+fn streams_that_wait_on_each_other_are_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--costs",
+            "f=1,b=2,w=0,comm=0.5",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--p2p-posting",
+            "deferred",
+            "--p2p-streams",
+            "peer-pair",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("hangs under its communication lowering")
+            && o.stderr.contains("rank 0 p2p with 1: 0SEND_F1")
+            && o.stderr.contains("rank 1 p2p with 0: 1SEND_B0"),
+        "{}",
+        o.stderr
+    );
+}
