@@ -62,7 +62,7 @@ pub enum Error {
     },
     /// A lowered schedule hangs: every stream with work left waits on another (a receive
     /// posted before a send it waits behind, or a compute action whose input never arrives).
-    #[error("schedule {schedule} hangs under its communication lowering: every stream with work left waits ({})", waiting.join("; "))]
+    #[error("schedule {schedule} hangs under its communication lowering: every stream with work left waits ({}); receives posted ahead on per-peer streams (the default lowering) hang only where the schedule itself deadlocks", waiting.join("; "))]
     StreamsHang {
         /// Schedule name.
         schedule: String,

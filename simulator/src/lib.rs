@@ -89,14 +89,7 @@ pub fn simulate_lowered<C: CostModel>(
     lowered.schedule.validate()?;
     lowered.validate()?;
     let timeline = replay::streams::replay_lowered(lowered, costs)?;
-    let schedule = &lowered.schedule;
-    let events = replay::metrics::memory_events(schedule, costs, &timeline);
-    let metrics = replay::metrics::metrics_with_events(schedule, costs, &timeline, &events);
-    Ok(Simulation {
-        timeline,
-        metrics,
-        memory: replay::metrics::memory_levels(events),
-    })
+    Ok(simulation_of(&lowered.schedule, costs, timeline))
 }
 
 /// [`simulate`] with the transfers lowered to sends and receives under `lowering`: the plain
@@ -124,11 +117,16 @@ pub fn simulate_with<C: CostModel>(
 pub fn simulate<C: CostModel>(schedule: &Schedule, costs: &C) -> Result<Simulation> {
     schedule.validate()?;
     let timeline = replay::replay(schedule, costs)?;
+    Ok(simulation_of(schedule, costs, timeline))
+}
+
+/// `timeline` of `schedule` under `costs` with its metrics and memory levels.
+fn simulation_of<C: CostModel>(schedule: &Schedule, costs: &C, timeline: Timeline) -> Simulation {
     let events = replay::metrics::memory_events(schedule, costs, &timeline);
     let metrics = replay::metrics::metrics_with_events(schedule, costs, &timeline, &events);
-    Ok(Simulation {
+    Simulation {
         timeline,
         metrics,
         memory: replay::metrics::memory_levels(events),
-    })
+    }
 }

@@ -30,6 +30,17 @@ pub enum Payload {
 }
 
 impl Payload {
+    /// What a compute action of `kind` sends or receives: activations for F, gradients for I
+    /// and B, forward-only activations for Fo; nothing for W.
+    pub fn of(kind: ActionKind) -> Option<Payload> {
+        match kind {
+            ActionKind::F => Some(Payload::Activation),
+            ActionKind::Fo => Some(Payload::ForwardOnly),
+            ActionKind::I | ActionKind::B => Some(Payload::Gradient),
+            ActionKind::W => None,
+        }
+    }
+
     /// The compute kind whose transfer cost [`crate::costs::CostModel::comm_ns`] gives for it
     /// (I and B send the same gradient).
     pub fn cost_kind(self) -> ActionKind {
@@ -67,33 +78,20 @@ impl Transfer {
     /// ([`ComputeAction::sends`]).
     pub fn of_producer(producer: ComputeAction, num_stages: u32) -> Option<Transfer> {
         producer.sends(num_stages)?;
-        let payload = match producer.kind {
-            ActionKind::F => Payload::Activation,
-            ActionKind::Fo => Payload::ForwardOnly,
-            ActionKind::I | ActionKind::B => Payload::Gradient,
-            ActionKind::W => return None,
-        };
         Some(Transfer {
             stage: producer.stage,
             microbatch: producer.microbatch,
-            payload,
+            payload: Payload::of(producer.kind)?,
         })
     }
 
     /// The transfer `consumer` waits for in a pipeline of `num_stages` stages, if any
     /// ([`ComputeAction::receives`]).
     pub fn of_consumer(consumer: ComputeAction, num_stages: u32) -> Option<Transfer> {
-        let from = consumer.receives(num_stages)?;
-        let payload = match consumer.kind {
-            ActionKind::F => Payload::Activation,
-            ActionKind::Fo => Payload::ForwardOnly,
-            ActionKind::I | ActionKind::B => Payload::Gradient,
-            ActionKind::W => return None,
-        };
         Some(Transfer {
-            stage: from,
+            stage: consumer.receives(num_stages)?,
             microbatch: consumer.microbatch,
-            payload,
+            payload: Payload::of(consumer.kind)?,
         })
     }
 

@@ -119,7 +119,7 @@ pub(crate) fn run_lowered<C: CostModel, R: Recorder>(
     let mut st = Streams::new(lowered, costs, rec)?;
     while let Some(sid) = st.queue.pop_front() {
         st.queued[sid as usize] = false;
-        let stopped = if (sid as usize) < st.rank_of_stream_count() {
+        let stopped = if (sid as usize) < st.num_ranks() {
             !st.advance_compute(sid as usize)
         } else {
             st.advance_comm(sid as usize);
@@ -187,7 +187,8 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
         Ok(st)
     }
 
-    fn rank_of_stream_count(&self) -> usize {
+    /// Ranks, `p`: streams `0..p` are their compute streams.
+    fn num_ranks(&self) -> usize {
         self.lowered.schedule.placement.num_ranks as usize
     }
 
@@ -336,7 +337,7 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
 
     /// Runs communication stream `sid` as far as its transfers allow.
     fn advance_comm(&mut self, sid: usize) {
-        let i = sid - self.rank_of_stream_count();
+        let i = sid - self.num_ranks();
         while self.pc[sid] < self.comm[i].ops.len() {
             let op = self.comm[i].ops[self.pc[sid]];
             let t = op.transfer();
@@ -398,7 +399,7 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
     /// Each rank's compute clock when every stream finished, else [`Error::StreamsHang`] with
     /// the waiting streams' heads.
     fn finish(self) -> Result<(Outcome, R)> {
-        let p = self.rank_of_stream_count();
+        let p = self.num_ranks();
         let mut waiting = Vec::new();
         for r in 0..p {
             if let Some(a) = self.lowered.schedule.ranks[r].get(self.pc[r]) {

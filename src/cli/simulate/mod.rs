@@ -248,6 +248,7 @@ impl From<P2pPosting> for sim::schedules::lowering::RecvPosting {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(super) enum P2pStreams {
     /// One stream per peer and direction.
+    #[value(alias = "per-edge")]
     PerPeer,
     /// One stream per peer, both directions.
     PeerPair,
