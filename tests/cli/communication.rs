@@ -153,3 +153,45 @@ fn streams_that_wait_on_each_other_are_a_clear_error() {
         o.stderr
     );
 }
+
+/// In a comparison, a schedule whose lowering hangs is left out with a note and the others are
+/// shown: ZB-V's deferred receives on per-edge streams arrive out of the order their peer sends
+/// them (its ranks send activations and gradients over one edge), 1F1B's do not.
+#[test]
+fn a_schedule_that_hangs_is_left_out_of_a_comparison() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--costs",
+            "f=1,b=2,w=0,comm=0.1",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--schedule",
+            "1f1b,zb-v",
+            "--p2p-posting",
+            "deferred",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(o.status.success(), "{}", o.stderr);
+    assert!(
+        o.stdout.lines().any(|l| l.starts_with("1f1b ")),
+        "{}",
+        o.stdout
+    );
+    let rows = o
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("zb-v ") && !l.contains("not shown"));
+    assert_eq!(rows.count(), 0, "{}", o.stdout);
+    assert!(
+        o.stdout.contains("zb-v not shown: schedule zb-v hangs"),
+        "{}",
+        o.stdout
+    );
+}

@@ -103,17 +103,25 @@ pub(in crate::cli) fn simulate_uniform(
     let keep_timeline = needs_timeline(a);
     let mut runs = Vec::new();
     let mut fo_reports = std::collections::HashMap::new();
+    let (mut hung, mut first_hang) = (Vec::new(), None);
     for (name, v, train) in built {
-        let costs = spec.model(&train.placement)?;
-        let schedule = if k > 0 {
-            let (combined, report) = with_forward_only_work(a, &train, k, &costs)?;
-            fo_reports.insert(name.clone(), report);
-            combined
-        } else {
-            train
-        };
-        let replay = (keep_timeline, a.lowering());
-        runs.push(UniformRun::simulated(name, v, schedule, &costs, replay)?);
+        match simulate_one(a, spec, (name.clone(), v, train), k, keep_timeline) {
+            Ok((run, fo)) => {
+                fo_reports.extend(fo.map(|r| (name, r)));
+                runs.push(run);
+            }
+            // A lowering that hangs leaves that schedule out of the comparison, said in a note.
+            Err(e) if is_hang(&e) => {
+                hung.push(format!("{name} not shown: {e}"));
+                first_hang.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if runs.is_empty()
+        && let Some(e) = first_hang
+    {
+        return Err(e);
     }
     let exact_notes = match a.exact {
         Some(secs) => exact_row(a, spec, secs, k, keep_timeline, &mut runs)?,
@@ -150,10 +158,46 @@ pub(in crate::cli) fn simulate_uniform(
         .collect();
     let mut notes = write_charts(a, &charts)?;
     notes.extend(exact_notes);
+    notes.extend(hung);
     let m = runs.first().map_or(0, |r| r.schedule.num_microbatches);
     let header = format!("{spec} (one rank's share per microbatch), {m} microbatches");
     let table = uniform_table(&reports, k > 0, a.consecutive_steps.is_some());
     emit(a.format, &reports, &header, &table, &notes)
+}
+
+/// One compared schedule replayed under the lowering `a` asks for, with its forward-only work
+/// (`k` microbatches) and that work's report.
+///
+/// # Errors
+/// A cost model that does not fit the schedule, or a replay that fails (a lowering that hangs
+/// among them: [`is_hang`]).
+fn simulate_one(
+    a: &SimulateArgs,
+    spec: &CostSpec,
+    (name, v, train): (String, u32, sim::Schedule),
+    k: u32,
+    keep_timeline: bool,
+) -> Result<(UniformRun, Option<FoReport>)> {
+    let costs = spec.model(&train.placement)?;
+    let (schedule, fo) = if k > 0 {
+        let (combined, report) = with_forward_only_work(a, &train, k, &costs)?;
+        (combined, Some(report))
+    } else {
+        (train, None)
+    };
+    let replay = (keep_timeline, a.lowering());
+    Ok((
+        UniformRun::simulated(name, v, schedule, &costs, replay)?,
+        fo,
+    ))
+}
+
+/// Whether `e` is a lowering whose streams hang ([`sim::Error::StreamsHang`]).
+fn is_hang(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<sim::Error>(),
+        Some(sim::Error::StreamsHang { .. })
+    )
 }
 
 /// Builds each schedule kind at `--pp` with one microbatch count for the whole comparison
