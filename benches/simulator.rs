@@ -4,6 +4,8 @@
 use criterion::{Criterion, Throughput, criterion_group};
 use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
 use flatpipe::simulator::batching::policy::{Policy, PolicyParams, batch};
+use flatpipe::simulator::ir::comm::StreamLayout;
+use flatpipe::simulator::ir::lowering::{self, Lowering, RecvPosting};
 use flatpipe::simulator::run::plan::even_split;
 use flatpipe::simulator::run::{
     config::{Capacity, RunConfig, ScheduleSource},
@@ -54,6 +56,16 @@ fn bench_1f1b(c: &mut Criterion) {
     });
     g.bench_function("replay without timeline (summary)", |b| {
         b.iter(|| summary::replay_summary(black_box(&schedule), &costs).unwrap())
+    });
+    let deferred = Lowering {
+        posting: RecvPosting::Deferred,
+        streams: StreamLayout::PerPeer,
+    };
+    g.bench_function("lowered replay without timeline (deferred receives)", |b| {
+        b.iter(|| summary::lowered_summary(black_box(&schedule), deferred, &costs).unwrap())
+    });
+    g.bench_function("lowering (deferred receives)", |b| {
+        b.iter(|| lowering::lower(black_box(&schedule), deferred).unwrap())
     });
     g.bench_function("replay+metrics", |b| {
         b.iter(|| {

@@ -93,7 +93,7 @@ pub fn simulate_lowered<C: CostModel>(
 }
 
 /// [`simulate`] with the transfers lowered to sends and receives under `lowering`: the plain
-/// replay for [`schedules::lowering::Lowering::UNCONTENDED`] (the same timeline, faster), the
+/// replay for [`ir::lowering::Lowering::UNCONTENDED`] (the same timeline, faster), the
 /// streams' replay for any other.
 ///
 /// # Errors
@@ -101,13 +101,14 @@ pub fn simulate_lowered<C: CostModel>(
 pub fn simulate_with<C: CostModel>(
     schedule: &Schedule,
     costs: &C,
-    lowering: schedules::lowering::Lowering,
+    lowering: ir::lowering::Lowering,
 ) -> Result<Simulation> {
-    if lowering == schedules::lowering::Lowering::UNCONTENDED {
+    if lowering == ir::lowering::Lowering::UNCONTENDED {
         return simulate(schedule, costs);
     }
     schedule.validate()?;
-    simulate_lowered(&schedules::lowering::lower(schedule, lowering)?, costs)
+    let timeline = replay::streams::replay_lowering(schedule, lowering, costs)?;
+    Ok(simulation_of(schedule, costs, timeline))
 }
 
 /// Validates `schedule`, replays it under `costs` and computes its metrics.

@@ -107,7 +107,7 @@ pub(super) struct RunFlags {
     /// `--memory-limit`, resolved to bytes.
     pub(super) memory_limit_bytes: Option<f64>,
     /// `--p2p-posting` and `--p2p-streams`.
-    pub(super) lowering: sim::schedules::lowering::Lowering,
+    pub(super) lowering: sim::ir::lowering::Lowering,
 }
 
 /// The run `flags` and `plan` describe for one schedule `source` (`None`: the plan's, else

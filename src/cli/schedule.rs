@@ -68,11 +68,11 @@ pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
                 anyhow::anyhow!("{e} (--fo-extension writes them as flatpipe's `2Fo5` cells)")
             })?,
             Some(posting) => {
-                let lowering = sim::schedules::lowering::Lowering {
+                let lowering = sim::ir::lowering::Lowering {
                     posting: posting.into(),
                     ..Default::default()
                 };
-                let lowered = sim::schedules::lowering::lower(&s, lowering)?;
+                let lowered = sim::ir::lowering::lower(&s, lowering)?;
                 sim::ir::pytorch_csv::write_pytorch_comms_csv(&lowered)?
             }
         };

@@ -5,7 +5,7 @@
 //! PyTorch's runtime lowers it (`torch.distributed.pipelining.schedules._add_send_recv`) into one
 //! list per rank that also holds `SEND_F` / `RECV_F` / `SEND_B` / `RECV_B` actions, and runs
 //! the P2P ones on a communication stream where they execute in posting order. [`Lowered`] is
-//! that list; [`crate::schedules::lowering`] builds it under a policy and
+//! that list; [`crate::ir::lowering`] builds it under a policy and
 //! [`crate::replay::streams`] replays it with the streams' semantics.
 //!
 //! Notation (PyTorch's, `_Action.__repr__`): the stage index is the stage that posts the action.
@@ -13,7 +13,7 @@
 //! `1RECV_F3` on stage 1's; stage 2's input gradient as `2SEND_B3` and `1RECV_B3`. The
 //! forward-only extension writes `SEND_Fo` / `RECV_Fo`.
 
-use super::{Action, ActionKind, ComputeAction, MicrobatchId, Rank, Schedule, StageId};
+use super::{Action, ActionKind, ComputeAction, MicrobatchId, Placement, Rank, Schedule, StageId};
 use crate::{Error, Result};
 use std::fmt;
 use std::str::FromStr;
@@ -334,6 +334,23 @@ pub enum StreamLayout {
     PerPeer,
 }
 
+impl StreamLayout {
+    /// The stream `c` runs on under this layout, with stages placed by `placement`.
+    pub fn stream_of(self, placement: &Placement, c: CommAction) -> StreamId {
+        let t = c.transfer();
+        let peer = match c {
+            CommAction::Send(_) => placement.rank(t.to_stage()),
+            CommAction::Recv(_) => placement.rank(t.stage),
+        };
+        match (self, c) {
+            (StreamLayout::Shared, _) => StreamId::P2p,
+            (StreamLayout::PeerPair, _) => StreamId::Peer(peer),
+            (StreamLayout::PerPeer, CommAction::Send(_)) => StreamId::SendTo(peer),
+            (StreamLayout::PerPeer, CommAction::Recv(_)) => StreamId::RecvFrom(peer),
+        }
+    }
+}
+
 /// A stream of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum StreamId {
@@ -378,18 +395,7 @@ pub struct Lowered {
 impl Lowered {
     /// The stream `c`, posted by `rank`, runs on.
     pub fn stream_of(&self, c: CommAction) -> StreamId {
-        let t = c.transfer();
-        let rank_of = |s: StageId| self.schedule.placement.rank(s);
-        let peer = match c {
-            CommAction::Send(_) => rank_of(t.to_stage()),
-            CommAction::Recv(_) => rank_of(t.stage),
-        };
-        match (self.streams, c) {
-            (StreamLayout::Shared, _) => StreamId::P2p,
-            (StreamLayout::PeerPair, _) => StreamId::Peer(peer),
-            (StreamLayout::PerPeer, CommAction::Send(_)) => StreamId::SendTo(peer),
-            (StreamLayout::PerPeer, CommAction::Recv(_)) => StreamId::RecvFrom(peer),
-        }
+        self.streams.stream_of(&self.schedule.placement, c)
     }
 
     /// Number of send and receive actions.

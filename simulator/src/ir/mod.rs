@@ -12,6 +12,7 @@
 //! [`Placement`], never written in a schedule.
 
 pub mod comm;
+pub mod lowering;
 pub mod pytorch_csv;
 
 use crate::{Error, Result};

@@ -14,7 +14,7 @@
 //!   shared stream therefore blocks every action behind it until its sender is ready: the
 //!   head-of-line blocking PyTorch users meet on one P2P stream.
 //!
-//! Under [`crate::schedules::lowering::Lowering::UNCONTENDED`] every receive stream holds its
+//! Under [`crate::ir::lowering::Lowering::UNCONTENDED`] every receive stream holds its
 //! peer's sends in their order, so each transfer starts when its payload is ready and the
 //! previous transfer on the same link has ended: exactly [`crate::replay::replay`]'s FIFO links,
 //! and the same timeline (a property test checks every schedule kind).
@@ -25,9 +25,10 @@
 use super::{Cell, Outcome, Recorder, UNSET, UNSET_CELL};
 use crate::costs::CostModel;
 use crate::ir::comm::{
-    CommAction, Lowered, LoweredAction, Payload, StreamId, Transfer, TransferIndex,
+    CommAction, Lowered, LoweredAction, Payload, StreamId, StreamLayout, Transfer, TransferIndex,
 };
-use crate::ir::{Action, ActionKind, ChunkLinks, ComputeAction, Rank};
+use crate::ir::lowering::Lowering;
+use crate::ir::{Action, ActionKind, ChunkLinks, ComputeAction, Placement, Rank, Schedule};
 use crate::replay::timeline::{TimedOp, TimedTransfer, Timeline};
 use crate::{Error, Result};
 use std::collections::VecDeque;
@@ -43,18 +44,40 @@ const NO_STREAM: u32 = u32::MAX;
 /// [`Error::StreamsHang`] naming every waiting stream and its head when the streams cannot
 /// finish (a receive posted ahead of actions its sender waits for, or a dependency cycle).
 pub fn replay_lowered<C: CostModel>(lowered: &Lowered, costs: &C) -> Result<Timeline> {
-    let p = lowered.schedule.placement.num_ranks as usize;
+    timeline_of(&lowered.schedule, comm_streams(lowered), costs)
+}
+
+/// [`replay_lowered`] of `schedule` lowered under `lowering`, without building the lowered
+/// program: the sweep's sends and receives go straight to their streams.
+///
+/// # Errors
+/// As [`crate::ir::lowering::lower`] and [`replay_lowered`].
+pub fn replay_lowering<C: CostModel>(
+    schedule: &Schedule,
+    lowering: Lowering,
+    costs: &C,
+) -> Result<Timeline> {
+    timeline_of(schedule, swept_streams(schedule, lowering)?, costs)
+}
+
+/// The timeline of `schedule` with its transfers on the streams `comm`.
+fn timeline_of<C: CostModel>(
+    schedule: &Schedule,
+    comm: Vec<CommStream>,
+    costs: &C,
+) -> Result<Timeline> {
+    let p = schedule.placement.num_ranks as usize;
+    let num_comm: usize = comm.iter().map(|c| c.ops.len()).sum();
     let timeline = Timeline {
-        compute: lowered
-            .schedule
+        compute: schedule
             .ranks
             .iter()
             .map(|a| Vec::with_capacity(a.len()))
             .collect(),
-        transfers: Vec::with_capacity(lowered.num_comm_actions() / 2),
+        transfers: Vec::with_capacity(num_comm / 2),
         optimizer: vec![None; p],
     };
-    match run_lowered(lowered, costs, timeline) {
+    match run_streams(schedule, comm, costs, timeline) {
         Ok((Outcome::Done(clock), mut timeline)) => {
             for (r, &end) in clock.iter().enumerate() {
                 let opt = costs.optimizer_ns(Rank(r as u32));
@@ -80,7 +103,7 @@ struct CommStream {
 /// streams follow.
 struct Streams<'a, C: CostModel, R: Recorder> {
     index: TransferIndex,
-    lowered: &'a Lowered,
+    schedule: &'a Schedule,
     costs: &'a C,
     s_count: usize,
     m: usize,
@@ -107,16 +130,33 @@ struct Streams<'a, C: CostModel, R: Recorder> {
     rec: R,
 }
 
-/// Runs the lowered replay, recording into `rec`.
+/// Runs `schedule` lowered under `lowering` without building the lowered program, recording
+/// into `rec`.
 ///
 /// # Errors
-/// [`Error::StreamsHang`] when streams stop with work left.
-pub(crate) fn run_lowered<C: CostModel, R: Recorder>(
-    lowered: &Lowered,
+/// As [`crate::ir::lowering::lower`]; [`Error::StreamsHang`] when streams stop with
+/// work left.
+pub(crate) fn run_lowering<C: CostModel, R: Recorder>(
+    schedule: &Schedule,
+    lowering: Lowering,
     costs: &C,
     rec: R,
 ) -> Result<(Outcome, R)> {
-    let mut st = Streams::new(lowered, costs, rec)?;
+    run_streams(schedule, swept_streams(schedule, lowering)?, costs, rec)
+}
+
+/// Runs `schedule`'s compute streams with the communication streams `comm`, recording into
+/// `rec`.
+///
+/// # Errors
+/// [`Error::StreamsHang`] when streams stop with work left.
+fn run_streams<C: CostModel, R: Recorder>(
+    schedule: &Schedule,
+    comm: Vec<CommStream>,
+    costs: &C,
+    rec: R,
+) -> Result<(Outcome, R)> {
+    let mut st = Streams::new(schedule, comm, costs, rec)?;
     while let Some(sid) = st.queue.pop_front() {
         st.queued[sid as usize] = false;
         let stopped = if (sid as usize) < st.num_ranks() {
@@ -137,18 +177,17 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
     ///
     /// # Errors
     /// A malformed chunk chain.
-    fn new(lowered: &'a Lowered, costs: &'a C, rec: R) -> Result<Self> {
-        let s = &lowered.schedule;
+    fn new(schedule: &'a Schedule, comm: Vec<CommStream>, costs: &'a C, rec: R) -> Result<Self> {
+        let s = schedule;
         let p = s.placement.num_ranks as usize;
         let s_count = s.num_stages() as usize;
         let (m, mfo) = (s.num_microbatches as usize, s.num_fo_microbatches as usize);
         let chunk = s.chunk_links()?;
-        let comm = comm_streams(lowered);
         let index = TransferIndex::of(s);
         let n_x = index.len();
         let mut st = Streams {
             index,
-            lowered,
+            schedule,
             costs,
             s_count,
             m,
@@ -189,7 +228,7 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
 
     /// Ranks, `p`: streams `0..p` are their compute streams.
     fn num_ranks(&self) -> usize {
-        self.lowered.schedule.placement.num_ranks as usize
+        self.schedule.placement.num_ranks as usize
     }
 
     /// The transfer's index in the per-transfer arrays.
@@ -241,7 +280,7 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
     /// Runs rank `r`'s compute stream as far as its inputs allow. `false` when the recorder
     /// stops the replay.
     fn advance_compute(&mut self, r: usize) -> bool {
-        let actions = &self.lowered.schedule.ranks[r];
+        let actions = &self.schedule.ranks[r];
         while self.pc[r] < actions.len() {
             let action = actions[self.pc[r]];
             let (start, dur) = match action {
@@ -402,7 +441,7 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
         let p = self.num_ranks();
         let mut waiting = Vec::new();
         for r in 0..p {
-            if let Some(a) = self.lowered.schedule.ranks[r].get(self.pc[r]) {
+            if let Some(a) = self.schedule.ranks[r].get(self.pc[r]) {
                 waiting.push(format!("rank {r} compute: {a}"));
             }
         }
@@ -413,7 +452,7 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
         }
         if !waiting.is_empty() {
             return Err(Error::StreamsHang {
-                schedule: self.lowered.schedule.name.clone(),
+                schedule: self.schedule.name.clone(),
                 waiting,
             });
         }
@@ -424,33 +463,114 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
 /// The lowering's communication streams, each with its actions in program order, in the order
 /// ranks and then first use name them.
 fn comm_streams(lowered: &Lowered) -> Vec<CommStream> {
-    let p = lowered.program.len();
-    // Per rank, a stream's slot: 0 shared, 1 + q with peer q (both directions, or sends), and
-    // 1 + p + q receives from q.
-    let slot = |id: StreamId| match id {
-        StreamId::Compute | StreamId::P2p => 0,
-        StreamId::Peer(q) | StreamId::SendTo(q) => 1 + q.idx(),
-        StreamId::RecvFrom(q) => 1 + p + q.idx(),
-    };
-    let mut streams: Vec<CommStream> = Vec::new();
+    let mut streams = StreamSet::new(&lowered.schedule, lowered.streams);
     for (r, prog) in lowered.program.iter().enumerate() {
-        let mut index = vec![usize::MAX; 1 + 2 * p];
         for a in prog {
-            let LoweredAction::Comm(c) = *a else { continue };
-            let id = lowered.stream_of(c);
-            let i = &mut index[slot(id)];
-            if *i == usize::MAX {
-                *i = streams.len();
-                streams.push(CommStream {
-                    rank: r as u32,
-                    id,
-                    ops: Vec::new(),
-                });
+            if let LoweredAction::Comm(c) = *a {
+                streams.push(r, c);
             }
-            streams[*i].ops.push(c);
         }
     }
-    streams
+    streams.done()
+}
+
+/// The communication streams of `schedule` lowered under `lowering`, as [`comm_streams`] of
+/// [`crate::ir::lowering::lower`]'s result.
+///
+/// # Errors
+/// As [`crate::ir::lowering::lower`].
+fn swept_streams(schedule: &Schedule, lowering: Lowering) -> Result<Vec<CommStream>> {
+    let mut streams = StreamSet::new(schedule, lowering.streams);
+    crate::ir::lowering::sweep(schedule, lowering.posting, |r, a| {
+        if let LoweredAction::Comm(c) = a {
+            streams.push(r, c);
+        }
+    })?;
+    Ok(streams.done())
+}
+
+/// A stream of [`StreamSet`]: how many actions it will hold before its first use, then its
+/// index.
+#[derive(Clone, Copy)]
+enum Slot {
+    Expected(usize),
+    Used(usize),
+}
+
+/// Communication streams being filled, rank by rank in program order.
+struct StreamSet<'a> {
+    placement: &'a Placement,
+    layout: StreamLayout,
+    /// Per rank, its streams (a handful: a rank talks to its pipeline neighbours).
+    of_rank: Vec<Vec<(StreamId, Slot)>>,
+    streams: Vec<CommStream>,
+}
+
+impl<'a> StreamSet<'a> {
+    /// Streams for `schedule`'s transfers under `layout`, each sized for its actions.
+    fn new(schedule: &'a Schedule, layout: StreamLayout) -> Self {
+        let placement = &schedule.placement;
+        let n = schedule.num_stages();
+        let mut of_rank: Vec<Vec<(StreamId, Slot)>> = vec![Vec::new(); schedule.ranks.len()];
+        let mut count = |r: usize, c: CommAction| {
+            let id = layout.stream_of(placement, c);
+            match of_rank[r].iter_mut().find(|(s, _)| *s == id) {
+                Some((_, Slot::Expected(k))) => *k += 1,
+                _ => of_rank[r].push((id, Slot::Expected(1))),
+            }
+        };
+        for (r, actions) in schedule.ranks.iter().enumerate() {
+            for a in actions.iter().flat_map(|a| a.parts()) {
+                if let Some(t) = Transfer::of_producer(a, n) {
+                    let to = placement.rank(t.to_stage()).idx();
+                    if to != r {
+                        count(r, CommAction::Send(t));
+                        count(to, CommAction::Recv(t));
+                    }
+                }
+            }
+        }
+        StreamSet {
+            placement,
+            layout,
+            of_rank,
+            streams: Vec::new(),
+        }
+    }
+
+    /// Appends `c`, posted by rank `r`, to its stream.
+    #[inline]
+    fn push(&mut self, r: usize, c: CommAction) {
+        let id = self.layout.stream_of(self.placement, c);
+        let slots = &mut self.of_rank[r];
+        let slot = match slots.iter().position(|(s, _)| *s == id) {
+            Some(k) => &mut slots[k].1,
+            None => {
+                // Not a transfer of the schedule (`Lowered::validate` rejects it).
+                slots.push((id, Slot::Expected(0)));
+                &mut slots.last_mut().expect("just pushed").1
+            }
+        };
+        let i = match *slot {
+            Slot::Used(i) => i,
+            Slot::Expected(capacity) => {
+                *slot = Slot::Used(self.streams.len());
+                self.streams.push(CommStream {
+                    rank: r as u32,
+                    id,
+                    ops: Vec::with_capacity(capacity),
+                });
+                self.streams.len() - 1
+            }
+        };
+        self.streams[i].ops.push(c);
+    }
+
+    /// The streams, ranks in order, each rank's in the order of first use.
+    fn done(mut self) -> Vec<CommStream> {
+        self.streams.sort_by_key(|s| s.rank);
+        self.streams
+    }
 }
 
 #[cfg(test)]
@@ -458,9 +578,9 @@ mod tests {
     use super::*;
     use crate::costs::{UniformCostSpec, UniformCosts};
     use crate::ir::comm::StreamLayout;
+    use crate::ir::lowering::{Lowering, RecvPosting, lower};
     use crate::ir::{MicrobatchId, StageId};
     use crate::schedules::generators::{ScheduleKind, interleaved_1f1b, one_f_one_b};
-    use crate::schedules::lowering::{Lowering, RecvPosting, lower};
 
     /// Every stage's F takes `f` s, its B `b` s, a transfer `comm` s.
     fn costs(f: f64, b: f64, comm: f64, v: u32) -> UniformCosts {
@@ -624,6 +744,30 @@ mod tests {
                     let got = replay_lowered(&l, &c).unwrap();
                     assert_eq!(got.compute, want.compute, "{} p={p} m={m}", s.name);
                     assert_eq!(got.makespan_ns(), want.makespan_ns());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lowering_straight_to_streams_replays_as_the_lowered_program() {
+        // `replay_lowering` skips the program `lower` builds; both must give one timeline (or
+        // hang on the same streams) under every policy.
+        for &kind in ScheduleKind::ALL {
+            let Ok(s) = kind.generate(4, 2, 8) else {
+                continue;
+            };
+            let c = costs(1.0, 2.0, 0.3, s.num_stages() / 4);
+            for policy in Lowering::ALL {
+                let via_program = replay_lowered(&lower(&s, policy).unwrap(), &c);
+                let direct = replay_lowering(&s, policy, &c);
+                match (via_program, direct) {
+                    (Ok(a), Ok(b)) => {
+                        assert_eq!(a.compute, b.compute, "{} {policy}", s.name);
+                        assert_eq!(a.transfers.len(), b.transfers.len());
+                    }
+                    (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+                    (a, b) => panic!("{} {policy}: {:?} vs {:?}", s.name, a.err(), b.err()),
                 }
             }
         }

@@ -20,7 +20,7 @@
 //! smaller than the best's (zb-auto replays ~15 candidates per call this way).
 
 use crate::costs::CostModel;
-use crate::ir::comm::Lowered;
+use crate::ir::lowering::Lowering;
 use crate::ir::{Action, ActionKind, ComputeAction, Placement, Rank, Schedule};
 use crate::replay::metrics::{self, Metrics, PartMemory};
 use crate::replay::timeline::{TimedOp, TimedTransfer};
@@ -315,12 +315,17 @@ pub struct ToBeat<'a> {
     pub wins_full_tie: bool,
 }
 
-/// [`replay_summary`] of a schedule lowered to compute and communication
+/// [`replay_summary`] of `schedule` lowered to compute and communication under `lowering`
 /// ([`crate::replay::streams`]).
 ///
 /// # Errors
-/// [`crate::Error::StreamsHang`] when the streams cannot finish.
-pub fn lowered_summary<C: CostModel>(lowered: &Lowered, costs: &C) -> Result<Summary> {
+/// As [`crate::ir::lowering::lower`]; [`crate::Error::StreamsHang`] when the streams
+/// cannot finish.
+pub fn lowered_summary<C: CostModel>(
+    schedule: &Schedule,
+    lowering: Lowering,
+    costs: &C,
+) -> Result<Summary> {
     let to_beat = ToBeat {
         makespan_ns: u64::MAX,
         peak: f64::INFINITY,
@@ -328,9 +333,9 @@ pub fn lowered_summary<C: CostModel>(lowered: &Lowered, costs: &C) -> Result<Sum
         rank_work_ns: &[],
         wins_full_tie: false,
     };
-    let s = &lowered.schedule;
+    let s = schedule;
     let lean = Lean::new(&s.placement, s.num_microbatches as usize, costs, &to_beat);
-    match crate::replay::streams::run_lowered(lowered, costs, lean)? {
+    match crate::replay::streams::run_lowering(schedule, lowering, costs, lean)? {
         (Outcome::Done(clock), lean) => Ok(lean
             .finish(&clock)
             .expect("an unbounded summary always finishes")),
@@ -338,17 +343,18 @@ pub fn lowered_summary<C: CostModel>(lowered: &Lowered, costs: &C) -> Result<Sum
     }
 }
 
-/// [`metrics_without_timeline`] of a lowered schedule: the metrics [`crate::simulate_lowered`]
-/// gives, without the timeline.
+/// [`metrics_without_timeline`] of `schedule` lowered under `lowering`: the metrics
+/// [`crate::simulate_with`] gives, without the timeline.
 ///
 /// # Errors
-/// [`crate::Error::StreamsHang`] when the streams cannot finish.
+/// As [`lowered_summary`].
 pub fn lowered_metrics_without_timeline<C: CostModel>(
-    lowered: &Lowered,
+    schedule: &Schedule,
+    lowering: Lowering,
     costs: &C,
 ) -> Result<Metrics> {
-    let s = lowered_summary(lowered, costs)?;
-    Ok(summary_metrics(&lowered.schedule, costs, &s))
+    let s = lowered_summary(schedule, lowering, costs)?;
+    Ok(summary_metrics(schedule, costs, &s))
 }
 
 /// Per rank, the compute time of all its ops in `schedule`, ns: [`ToBeat::rank_work_ns`].

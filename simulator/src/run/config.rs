@@ -9,9 +9,9 @@ use crate::batching::microbatch::Microbatch;
 use crate::batching::policy::{Policy, PolicyParams};
 use crate::costs::sharding::{Sharding, StateBytes};
 use crate::costs::{CostModel, CostOptions, Recompute, TableCosts};
+use crate::ir::lowering::Lowering;
 use crate::ir::{Placement, Rank, Schedule};
 use crate::schedules::generators::ScheduleKind;
-use crate::schedules::lowering::Lowering;
 use crate::{Error, Result};
 use flatpipe_profiles::Profile;
 use std::collections::HashMap;
@@ -58,7 +58,7 @@ pub struct RunConfig {
     /// layout; the CPU executor sets its fp32 one).
     pub state_bytes: Option<StateBytes>,
     /// How the pipeline's transfers become sends and receives on streams
-    /// ([`crate::schedules::lowering`]); the default is the uncontended links.
+    /// ([`crate::ir::lowering`]); the default is the uncontended links.
     pub lowering: Lowering,
 }
 

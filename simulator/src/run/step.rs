@@ -18,6 +18,7 @@ use crate::batching::microbatch::Microbatch;
 use crate::batching::policy::{Batched, Policy, batch};
 use crate::costs::sharding::StepCollectives;
 use crate::costs::{CostModel, TableCosts, UniformCostSpec, UniformCosts, ns_to_s};
+use crate::ir::lowering::Lowering;
 use crate::ir::{Placement, Rank, Schedule};
 use crate::run::config::{
     Capacity, RunConfig, ScheduleSource, cached_schedule, dp_shares, round_costs,
@@ -25,7 +26,6 @@ use crate::run::config::{
 };
 use crate::schedules::forward_only::{forward_only_pass, with_forward_only};
 use crate::schedules::generators::ScheduleKind;
-use crate::schedules::lowering::Lowering;
 use crate::{Error, Result, Simulation, replay};
 use flatpipe_profiles::Profile;
 use serde::Serialize;

@@ -8,5 +8,4 @@ pub mod chunks;
 pub mod exact;
 pub mod forward_only;
 pub mod generators;
-pub mod lowering;
 pub mod zb_auto;

@@ -226,7 +226,7 @@ pub(super) struct McReport {
     fits: bool,
 }
 
-/// `--p2p-posting`: [`sim::schedules::lowering::RecvPosting`].
+/// `--p2p-posting`: [`sim::ir::lowering::RecvPosting`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(super) enum P2pPosting {
     /// As soon as the sender's progress allows.
@@ -235,7 +235,7 @@ pub(super) enum P2pPosting {
     Deferred,
 }
 
-impl From<P2pPosting> for sim::schedules::lowering::RecvPosting {
+impl From<P2pPosting> for sim::ir::lowering::RecvPosting {
     fn from(p: P2pPosting) -> Self {
         match p {
             P2pPosting::Ahead => Self::Ahead,
@@ -258,9 +258,9 @@ pub(super) enum P2pStreams {
 
 impl SimulateArgs {
     /// The lowering `--p2p-posting` and `--p2p-streams` ask for.
-    pub(super) fn lowering(&self) -> sim::schedules::lowering::Lowering {
+    pub(super) fn lowering(&self) -> sim::ir::lowering::Lowering {
         use sim::ir::comm::StreamLayout;
-        use sim::schedules::lowering::Lowering;
+        use sim::ir::lowering::Lowering;
         Lowering {
             posting: self.p2p_posting.into(),
             streams: match self.p2p_streams {

@@ -2,7 +2,7 @@
 
 use super::*;
 use sim::costs::given::CostSpec;
-use sim::schedules::lowering::Lowering;
+use sim::ir::lowering::Lowering;
 
 /// One compared schedule under uniform costs: its name, stages per rank, schedule, metrics,
 /// and its full simulation (timeline and memory levels) when an output draws it.
@@ -68,9 +68,7 @@ pub(super) fn simulate_run<C: sim::CostModel>(
     let metrics = if lowering == Lowering::UNCONTENDED {
         sim::replay::summary::metrics_without_timeline(schedule, costs)?
     } else {
-        let lowered = sim::schedules::lowering::lower(schedule, lowering)?;
-        lowered.validate()?;
-        sim::replay::summary::lowered_metrics_without_timeline(&lowered, costs)?
+        sim::replay::summary::lowered_metrics_without_timeline(schedule, lowering, costs)?
     };
     Ok((metrics, None))
 }

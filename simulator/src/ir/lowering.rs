@@ -106,20 +106,11 @@ impl fmt::Display for Lowering {
 /// [`Error::InvalidSchedule`] when no rank's next compute action can be placed (its input is
 /// never sent: PyTorch's "Malformed compute schedule"), naming each rank's next action.
 pub fn lower(schedule: &Schedule, lowering: Lowering) -> Result<Lowered> {
-    let index = TransferIndex::of(schedule);
-    let mut slot = vec![u32::MAX; index.len()];
-    let ahead: Vec<Vec<LoweredAction>> = lower_ahead(schedule, &index)?
-        .iter()
-        .map(|prog| add_send_waits(prog, &index, &mut slot))
+    let mut program: Vec<Vec<LoweredAction>> = program_lengths(schedule)
+        .into_iter()
+        .map(Vec::with_capacity)
         .collect();
-    let program = match lowering.posting {
-        RecvPosting::Ahead => ahead,
-        RecvPosting::Deferred => ahead
-            .iter()
-            .enumerate()
-            .map(|(r, prog)| defer_receives(schedule, r, prog))
-            .collect(),
-    };
+    sweep(schedule, lowering.posting, |r, a| program[r].push(a))?;
     Ok(Lowered {
         schedule: schedule.clone(),
         program,
@@ -127,19 +118,73 @@ pub fn lower(schedule: &Schedule, lowering: Lowering) -> Result<Lowered> {
     })
 }
 
-/// PyTorch's `_add_send_recv` sweep: per rank the program with ahead receives.
-fn lower_ahead(schedule: &Schedule, index: &TransferIndex) -> Result<Vec<Vec<LoweredAction>>> {
+/// The lowering of `schedule` under `posting`, action by action: `emit(r, a)` appends `a` to
+/// rank `r`'s program (each rank's actions come in its program's order; ranks interleave).
+/// [`lower`] collects them; the streams' replay keeps only the sends and receives.
+///
+/// # Errors
+/// As [`lower`].
+pub fn sweep(
+    schedule: &Schedule,
+    posting: RecvPosting,
+    mut emit: impl FnMut(usize, LoweredAction),
+) -> Result<()> {
+    match posting {
+        RecvPosting::Ahead => lower_ahead(schedule, emit),
+        RecvPosting::Deferred => {
+            let mut deferral = Deferral::new(schedule);
+            lower_ahead(schedule, |r, a| deferral.push(r, a, &mut emit))?;
+            deferral.finish(emit);
+            Ok(())
+        }
+    }
+}
+
+/// Per rank, the length of its lowered program: its compute actions, a send and a wait per
+/// transfer it sends to another rank, a receive per transfer it receives from one.
+fn program_lengths(schedule: &Schedule) -> Vec<usize> {
+    let n = schedule.num_stages();
+    let rank_of = |s| schedule.placement.rank(s).idx();
+    let mut len: Vec<usize> = schedule.ranks.iter().map(Vec::len).collect();
+    for (r, actions) in schedule.ranks.iter().enumerate() {
+        for a in actions.iter().flat_map(|a| a.parts()) {
+            if let Some(t) = Transfer::of_producer(a, n) {
+                let to = rank_of(t.to_stage());
+                if to != r {
+                    len[r] += 2;
+                    len[to] += 1;
+                }
+            }
+        }
+    }
+    len
+}
+
+/// A send's progress towards its wait (PyTorch 2.15's `_add_wait_send`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SendState {
+    NotPosted,
+    Posted,
+    Waited,
+}
+
+/// PyTorch's `_add_send_recv` sweep, with `_add_wait_send`'s waits: per rank the program with
+/// ahead receives. It sweeps the ranks in order, placing each rank's next compute action once
+/// its input is placed; each send goes right after its producer, its receive at the end of the
+/// receiver's program so far. A forward send's wait goes right after the local backward (I or
+/// B) of its stage and microbatch, every other send's at the end of the step in the order they
+/// were posted.
+fn lower_ahead(schedule: &Schedule, mut emit: impl FnMut(usize, LoweredAction)) -> Result<()> {
+    let index = TransferIndex::of(schedule);
     let p = schedule.ranks.len();
     let n = schedule.num_stages();
     let rank_of = |s| schedule.placement.rank(s).idx();
-    let mut program: Vec<Vec<LoweredAction>> = schedule
-        .ranks
-        .iter()
-        .map(|a| Vec::with_capacity(2 * a.len()))
-        .collect();
     // Whether each transfer's payload is placed on its receiving rank (its receive, or the
     // producing compute when both stages are on one rank).
     let mut placed = vec![false; index.len()];
+    let mut sent = vec![SendState::NotPosted; index.len()];
+    // Per rank, its sends in posting order, for the waits at the end of the step.
+    let mut posted: Vec<Vec<Transfer>> = vec![Vec::new(); p];
     let mut next = vec![0usize; p];
     loop {
         let mut progress = false;
@@ -154,15 +199,28 @@ fn lower_ahead(schedule: &Schedule, index: &TransferIndex) -> Result<Vec<Vec<Low
             if !action.parts().all(input_placed) {
                 continue;
             }
-            program[r].push(LoweredAction::Compute(action));
+            emit(r, LoweredAction::Compute(action));
+            for c in action.parts().filter(|c| c.kind.is_input_backward()) {
+                let forward = Transfer {
+                    stage: c.stage,
+                    microbatch: c.microbatch,
+                    payload: Payload::Activation,
+                };
+                if index.contains(forward) && sent[index.get(forward)] == SendState::Posted {
+                    sent[index.get(forward)] = SendState::Waited;
+                    emit(r, LoweredAction::WaitSend(forward));
+                }
+            }
             for a in action.parts() {
                 let Some(t) = Transfer::of_producer(a, n) else {
                     continue;
                 };
                 let to = rank_of(t.to_stage());
                 if to != r {
-                    program[r].push(LoweredAction::Comm(CommAction::Send(t)));
-                    program[to].push(LoweredAction::Comm(CommAction::Recv(t)));
+                    emit(r, LoweredAction::Comm(CommAction::Send(t)));
+                    emit(to, LoweredAction::Comm(CommAction::Recv(t)));
+                    sent[index.get(t)] = SendState::Posted;
+                    posted[r].push(t);
                 }
                 placed[index.get(t)] = true;
             }
@@ -170,60 +228,20 @@ fn lower_ahead(schedule: &Schedule, index: &TransferIndex) -> Result<Vec<Vec<Low
             progress = true;
         }
         if !left {
-            return Ok(program);
+            break;
         }
         if !progress {
             return Err(stuck(schedule, &next));
         }
     }
-}
-
-/// `prog` with a wait after each send (PyTorch 2.15's `_add_wait_send`): a forward send's wait
-/// right after the local backward (I or B) of its stage and microbatch, every other send's at
-/// the end of the step in the order they were posted.
-/// `slot` is scratch of [`TransferIndex::len`] entries, all `u32::MAX`, and left so.
-fn add_send_waits(
-    prog: &[LoweredAction],
-    index: &TransferIndex,
-    slot: &mut [u32],
-) -> Vec<LoweredAction> {
-    let mut out = Vec::with_capacity(prog.len() * 3 / 2);
-    // The sends not waited for yet, in posting order (`None` once waited for); `slot` says
-    // where each send sits in that list.
-    let mut pending: Vec<Option<Transfer>> = Vec::new();
-    let mut posted: Vec<usize> = Vec::new();
-    for &a in prog {
-        out.push(a);
-        match a {
-            LoweredAction::Comm(CommAction::Send(t)) => {
-                slot[index.get(t)] = pending.len() as u32;
-                posted.push(index.get(t));
-                pending.push(Some(t));
+    for (r, sends) in posted.into_iter().enumerate() {
+        for t in sends {
+            if sent[index.get(t)] == SendState::Posted {
+                emit(r, LoweredAction::WaitSend(t));
             }
-            LoweredAction::Compute(action) => {
-                for c in action.parts().filter(|c| c.kind.is_input_backward()) {
-                    let forward = Transfer {
-                        stage: c.stage,
-                        microbatch: c.microbatch,
-                        payload: Payload::Activation,
-                    };
-                    if !index.contains(forward) {
-                        continue;
-                    }
-                    let i = slot[index.get(forward)];
-                    if let Some(t) = pending.get_mut(i as usize).and_then(Option::take) {
-                        out.push(LoweredAction::WaitSend(t));
-                    }
-                }
-            }
-            _ => {}
         }
     }
-    out.extend(pending.into_iter().flatten().map(LoweredAction::WaitSend));
-    for x in posted {
-        slot[x] = u32::MAX;
-    }
-    out
+    Ok(())
 }
 
 /// The error of a compute order no sweep can place: each rank's next action.
@@ -242,50 +260,66 @@ fn stuck(schedule: &Schedule, next: &[usize]) -> Error {
     }
 }
 
-/// Rank `r`'s ahead program with its receives deferred (PR #178815): each receive just before
-/// the compute that consumes it; before a send to a higher-numbered peer, the receives deferred
-/// from that peer first.
-fn defer_receives(schedule: &Schedule, r: usize, prog: &[LoweredAction]) -> Vec<LoweredAction> {
-    let n = schedule.num_stages();
-    let rank_of = |s| schedule.placement.rank(s).idx();
-    let mut deferred: Vec<Transfer> = Vec::new();
-    let mut out = Vec::with_capacity(prog.len());
-    for &a in prog {
+/// PyTorch's `_defer_recv_ops` (PR #178815) over the ahead programs, action by action: each
+/// receive moves to just before the compute that consumes it; before a send to a
+/// higher-numbered peer, the receives deferred from that peer go first.
+struct Deferral<'a> {
+    schedule: &'a Schedule,
+    /// Per rank, its receives not posted yet, in their ahead order.
+    deferred: Vec<Vec<Transfer>>,
+}
+
+impl<'a> Deferral<'a> {
+    fn new(schedule: &'a Schedule) -> Self {
+        Deferral {
+            schedule,
+            deferred: vec![Vec::new(); schedule.ranks.len()],
+        }
+    }
+
+    /// Takes rank `r`'s next ahead action `a`, emitting what the deferred program holds by then.
+    fn push(&mut self, r: usize, a: LoweredAction, emit: &mut impl FnMut(usize, LoweredAction)) {
+        let n = self.schedule.num_stages();
+        let rank_of = |s| self.schedule.placement.rank(s).idx();
+        let deferred = &mut self.deferred[r];
         match a {
             LoweredAction::Comm(CommAction::Recv(t)) => deferred.push(t),
             LoweredAction::Compute(action) => {
                 for c in action.parts() {
                     if let Some(t) = Transfer::of_consumer(c, n) {
                         if let Some(i) = deferred.iter().position(|d| *d == t) {
-                            out.push(LoweredAction::Comm(CommAction::Recv(deferred.remove(i))));
+                            emit(r, LoweredAction::Comm(CommAction::Recv(deferred.remove(i))));
                         }
                     }
                 }
-                out.push(a);
+                emit(r, a);
             }
-            LoweredAction::WaitSend(_) => out.push(a),
+            LoweredAction::WaitSend(_) => emit(r, a),
             LoweredAction::Comm(CommAction::Send(t)) => {
                 let peer = rank_of(t.to_stage());
                 if r < peer {
                     deferred.retain(|d| {
                         let from_peer = rank_of(d.stage) == peer;
                         if from_peer {
-                            out.push(LoweredAction::Comm(CommAction::Recv(*d)));
+                            emit(r, LoweredAction::Comm(CommAction::Recv(*d)));
                         }
                         !from_peer
                     });
                 }
-                out.push(a);
+                emit(r, a);
             }
         }
     }
-    // A receive no compute consumes cannot exist in a valid schedule; keep any at the end.
-    out.extend(
-        deferred
-            .into_iter()
-            .map(|t| LoweredAction::Comm(CommAction::Recv(t))),
-    );
-    out
+
+    /// The receives no compute consumed, at the end of their ranks' programs (none in a valid
+    /// schedule).
+    fn finish(self, mut emit: impl FnMut(usize, LoweredAction)) {
+        for (r, deferred) in self.deferred.into_iter().enumerate() {
+            for t in deferred {
+                emit(r, LoweredAction::Comm(CommAction::Recv(t)));
+            }
+        }
+    }
 }
 
 #[cfg(test)]
