@@ -107,7 +107,24 @@ pub(super) struct RunFlags {
     /// `--memory-limit`, resolved to bytes.
     pub(super) memory_limit_bytes: Option<f64>,
     /// `--p2p-posting` and `--p2p-streams`.
-    pub(super) lowering: sim::ir::lowering::Lowering,
+    pub(super) lowering: LoweringFlags,
+}
+
+/// `--p2p-posting` and `--p2p-streams` as given (`None`: the plan file's, else the default).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct LoweringFlags {
+    pub(super) posting: Option<sim::ir::lowering::RecvPosting>,
+    pub(super) streams: Option<sim::ir::comm::StreamLayout>,
+}
+
+impl LoweringFlags {
+    /// `base` with the given flags in place of its fields.
+    pub(super) fn over(self, base: sim::ir::lowering::Lowering) -> sim::ir::lowering::Lowering {
+        sim::ir::lowering::Lowering {
+            posting: self.posting.unwrap_or(base.posting),
+            streams: self.streams.unwrap_or(base.streams),
+        }
+    }
 }
 
 /// The run `flags` and `plan` describe for one schedule `source` (`None`: the plan's, else
@@ -189,6 +206,6 @@ pub(super) fn run_config(
     if run.dp == 0 {
         bail!("--dp = 0 is invalid: >= 1 replica");
     }
-    run.lowering = flags.lowering;
+    run.lowering = flags.lowering.over(run.lowering);
     Ok(run)
 }

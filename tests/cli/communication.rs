@@ -195,3 +195,55 @@ fn a_schedule_that_hangs_is_left_out_of_a_comparison() {
         o.stdout
     );
 }
+
+/// A plan file's `lowering` runs as the same flags do, a field it leaves out keeps its
+/// default, and a flag given on the command line replaces only its own field. The plan is
+/// interleaved 1F1B at p = 4, v = 2, whose receives posted ahead on one shared stream hold
+/// sends behind them (the case above), so the field read or not changes the step.
+#[test]
+fn a_plan_files_lowering_runs_as_the_flags_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = |lowering: &str| {
+        format!(
+            "model: llama3.1-8b\nhardware: h200\nworkload: sharegpt-v3\npp: 4\nvpp: 2\n\
+             placement: loop\nschedule: interleaved-1f1b\nstages:\n  - {{start: 0, end: 5}}\n  \
+             - {{start: 5, end: 9}}\n  - {{start: 9, end: 13}}\n  - {{start: 13, end: 17}}\n  \
+             - {{start: 17, end: 21}}\n  - {{start: 21, end: 25}}\n  - {{start: 25, end: 29}}\n  \
+             - {{start: 29, end: 34}}\nmicrobatches: 8\nseqs_per_step: 64\nseed: 3\n{lowering}"
+        )
+    };
+    let write = |name: &str, lowering: &str| {
+        std::fs::write(dir.path().join(name), plan(lowering)).unwrap();
+    };
+    write("plain.yaml", "");
+    write("shared.yaml", "lowering: {streams: shared}\n");
+    write(
+        "deferred.yaml",
+        "lowering: {posting: deferred, streams: per-peer}\n",
+    );
+    let mean_s = |args: &[&str]| {
+        let mut all = vec!["simulate", "--format", "json", "--steps", "2"];
+        all.extend_from_slice(args);
+        let v = crate::cli::common::flatpipe_json(dir.path(), &all);
+        v[0]["step_time_s"]["mean"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no step_time_s.mean in {v}"))
+    };
+    let default = mean_s(&["--plan", "plain.yaml"]);
+    let shared = mean_s(&["--plan", "plain.yaml", "--p2p-streams", "shared"]);
+    assert!(shared > default, "shared {shared} s, per-peer {default} s");
+    assert_eq!(mean_s(&["--plan", "shared.yaml"]), shared);
+    let deferred = mean_s(&["--plan", "plain.yaml", "--p2p-posting", "deferred"]);
+    assert_eq!(mean_s(&["--plan", "deferred.yaml"]), deferred);
+    // `--p2p-streams per-peer` replaces the file's shared streams: the default again.
+    let overridden = mean_s(&["--plan", "shared.yaml", "--p2p-streams", "per-peer"]);
+    assert_eq!(overridden, default);
+    // An unknown field is named.
+    write(
+        "bad.yaml",
+        "lowering: {posting: deferred, stream: shared}\n",
+    );
+    let o = flatpipe(dir.path(), &["simulate", "--plan", "bad.yaml"]);
+    assert!(!o.status.success());
+    assert!(o.stderr.contains("stream"), "{}", o.stderr);
+}

@@ -37,8 +37,11 @@ pub enum RecvPosting {
     Deferred,
 }
 
-/// A lowering policy: receive posting and stream layout.
+/// A lowering policy: receive posting and stream layout. In a plan file:
+/// `lowering: {posting: deferred, streams: shared}`, each field defaulting to
+/// [`Lowering::UNCONTENDED`]'s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Lowering {
     /// Where receives are posted.
     pub posting: RecvPosting,

@@ -4,6 +4,7 @@ use crate::batching::policy::{DEFAULT_TOKEN_BUDGET, Policy, PolicyParams};
 use crate::costs::Recompute;
 use crate::costs::sharding::Sharding;
 use crate::ir::PlacementKind;
+use crate::ir::lowering::Lowering;
 use crate::run::config::{Capacity, ForwardOnlySpec, RunConfig, ScheduleSource};
 use crate::schedules::generators::ScheduleKind;
 use crate::{Error, Result};
@@ -142,6 +143,10 @@ pub struct PlanFile {
     sharding: Sharding,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     forward_only: Option<ForwardOnlySpec>,
+    /// How the pipeline's transfers are posted and on which streams (default: ahead receives on
+    /// per-peer streams, the uncontended links).
+    #[serde(default, skip_serializing_if = "is_uncontended")]
+    lowering: Lowering,
     #[serde(default)]
     seed: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -152,6 +157,10 @@ pub struct PlanFile {
 
 fn is_ddp(s: &Sharding) -> bool {
     *s == Sharding::Ddp
+}
+
+fn is_uncontended(l: &Lowering) -> bool {
+    *l == Lowering::UNCONTENDED
 }
 
 impl TryFrom<PlanFile> for Plan {
@@ -235,6 +244,7 @@ impl TryFrom<PlanFile> for Plan {
         run.recompute = f.recompute;
         run.sharding = f.sharding;
         run.forward_only = f.forward_only;
+        run.lowering = f.lowering;
         // zb-auto plans were searched under the prediction's memory limit: built under it too.
         run.memory_limit_bytes = f.predicted.as_ref().map(|p| p.memory_limit_bytes);
         let tp = f.tp.unwrap_or(1);
@@ -297,6 +307,7 @@ impl From<Plan> for PlanFile {
             recompute: run.recompute,
             sharding: run.sharding,
             forward_only: run.forward_only,
+            lowering: run.lowering,
             seed: p.inputs.seed,
             predicted: p.predicted,
             provenance: p.provenance,

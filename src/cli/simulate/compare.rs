@@ -137,7 +137,7 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
         chunk_tokens: a.chunk_tokens,
         pack_len: a.pack_len,
         max_seq_len: a.max_seq_len,
-        lowering: a.lowering(),
+        lowering: a.lowering_flags(),
         sharding,
         forward_only: a.fo.fo_microbatches.map(|_| a.fo.spec()).transpose()?,
         memory_limit_bytes: Some(limit),

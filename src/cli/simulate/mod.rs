@@ -128,8 +128,9 @@ pub(super) struct SimulateArgs {
     /// Where each rank posts its pipeline receives: `ahead` (PyTorch's `_add_send_recv`: as
     /// soon as the sender's progress allows) or `deferred` (just before the compute that
     /// consumes it, the lower rank of a pair first: the runtime's `defer_pp_recv=True`).
-    #[arg(long, value_enum, default_value_t = P2pPosting::Ahead)]
-    p2p_posting: P2pPosting,
+    /// Default: the plan file's `lowering.posting`, else `ahead`.
+    #[arg(long, value_enum)]
+    p2p_posting: Option<P2pPosting>,
     /// Each rank's streams for pipeline sends and receives: `per-peer` (one per directed rank
     /// edge, PyTorch's `pipeline_per_edge_p2p`: no transfer queues behind another link's; the
     /// default, and the model of every other output), `peer-pair` (one per peer for both
@@ -137,8 +138,9 @@ pub(super) struct SimulateArgs {
     /// initialised NCCL group). On a shared stream a receive posted early holds every send
     /// behind it; a send completes only with its receive, as NCCL's do for payloads larger than
     /// its buffer.
-    #[arg(long, value_enum, default_value_t = P2pStreams::PerPeer)]
-    p2p_streams: P2pStreams,
+    /// Default: the plan file's `lowering.streams`, else `per-peer`.
+    #[arg(long, value_enum)]
+    p2p_streams: Option<P2pStreams>,
     /// Seed of the step sampler (default: the workload's, 0). Printed.
     #[arg(long)]
     seed: Option<u64>,
@@ -257,17 +259,22 @@ pub(super) enum P2pStreams {
 }
 
 impl SimulateArgs {
-    /// The lowering `--p2p-posting` and `--p2p-streams` ask for.
+    /// The lowering `--p2p-posting` and `--p2p-streams` ask for, each default filled in.
     pub(super) fn lowering(&self) -> sim::ir::lowering::Lowering {
+        self.lowering_flags()
+            .over(sim::ir::lowering::Lowering::default())
+    }
+
+    /// `--p2p-posting` and `--p2p-streams` as given (`None`: not given).
+    pub(super) fn lowering_flags(&self) -> resolve::LoweringFlags {
         use sim::ir::comm::StreamLayout;
-        use sim::ir::lowering::Lowering;
-        Lowering {
-            posting: self.p2p_posting.into(),
-            streams: match self.p2p_streams {
+        resolve::LoweringFlags {
+            posting: self.p2p_posting.map(Into::into),
+            streams: self.p2p_streams.map(|s| match s {
                 P2pStreams::PerPeer => StreamLayout::PerPeer,
                 P2pStreams::PeerPair => StreamLayout::PeerPair,
                 P2pStreams::Shared => StreamLayout::Shared,
-            },
+            }),
         }
     }
 }
