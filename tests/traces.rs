@@ -116,3 +116,45 @@ fn a_trace_without_pp_events_is_refused_with_what_to_do() {
         .to_string();
     assert!(e.contains("step") && e.contains("0..2"), "{e}");
 }
+
+#[test]
+fn pytorchs_comm_actions_land_on_comm_lanes_in_its_eager_lowerings_order() {
+    use flatpipe::simulator::ir::comm::{FsdpAction, LoweredAction};
+    use flatpipe::simulator::ir::lowering::RecvPosting;
+    let files: Vec<_> = (0..2)
+        .map(|r| gz(&format!("torch-interleaved-1f1b.rank{r}.json.gz")))
+        .collect();
+    for step in 0..2 {
+        let t = read_traces(&files, &ImportOptions { step: Some(step) }).unwrap();
+        // torch 2.15's runtime runs `_add_send_recv`'s order (receives ahead): every rank's
+        // sends, receives and send waits, in the order flatpipe's lowering gives the schedule.
+        assert_eq!(t.posting_difference(RecvPosting::Ahead).unwrap(), None);
+        // The deferred order is another: the comparison can fail.
+        assert!(
+            t.posting_difference(RecvPosting::Deferred)
+                .unwrap()
+                .is_some()
+        );
+        for (r, lane) in t.timeline.comm.iter().enumerate() {
+            // Every step holds, per stage of the rank (two each), one UNSHARD, RESHARD and
+            // REDUCE_GRAD: the step split kept them with their step.
+            for a in [
+                FsdpAction::Unshard,
+                FsdpAction::Reshard,
+                FsdpAction::ReduceGrad,
+            ] {
+                let n = lane
+                    .iter()
+                    .filter(|c| matches!(c.action, LoweredAction::Fsdp(_, x) if x == a))
+                    .count();
+                assert_eq!(n, 2, "step {step} rank {r} {a:?}");
+            }
+            // One lane per rank: its spans follow one another (one CPU thread ran them) and
+            // lie inside the step.
+            for w in lane.windows(2) {
+                assert!(w[0].start_ns <= w[1].start_ns);
+            }
+            assert!(lane.iter().all(|c| c.end_ns <= t.timeline.makespan_ns()));
+        }
+    }
+}

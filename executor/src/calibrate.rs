@@ -355,6 +355,7 @@ mod tests {
             ],
             transfers: Vec::new(),
             optimizer: vec![Some((50, 60)), Some((50, 58)), None],
+            comm: Vec::new(),
         };
         let got = phase_busy_s(&t, 2);
         let want = [("F", 25e-9), ("B", 40e-9), ("optimizer", 18e-9)];

@@ -753,6 +753,7 @@ fn collect_step(
         compute: Vec::with_capacity(outs.len()),
         transfers: Vec::new(),
         optimizer,
+        comm: Vec::new(),
     };
     let mut microbatch_losses = vec![Vec::new(); dp];
     let mut fo_losses = vec![Vec::new(); dp];

@@ -71,8 +71,14 @@ struct TraceReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     profile: Option<String>,
     per_rank: Vec<RankRow>,
-    /// PyTorch's other `PP:` events (sends, receives, waits, ...), skipped, by label.
+    /// PyTorch's other `PP:` events (sends, receives, waits, ...) by label, all steps: on the
+    /// comm lanes.
     other_events: BTreeMap<String, usize>,
+    /// Which of flatpipe's lowerings of the imported schedule posts the step's sends and
+    /// receives in the trace's order: `ahead`, `deferred`, or the first difference from the
+    /// ahead order; absent when the trace has no sends or receives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    posting_order: Option<String>,
     /// Per rank, the time inside action spans before their first operator (waits), seconds.
     leading_wait_s: Vec<f64>,
     warnings: Vec<String>,
@@ -137,6 +143,7 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
         profile: profile_name,
         per_rank,
         other_events: imported.other_events.clone(),
+        posting_order: posting_order(&imported)?,
         leading_wait_s: imported
             .leading_wait_ns
             .iter()
@@ -145,6 +152,43 @@ pub(super) fn import_trace(a: ImportTraceArgs) -> Result<ExitCode> {
         warnings: imported.warnings.clone(),
     };
     render(&a, &report, t, chart)
+}
+
+/// Which lowering's order the trace's sends and receives follow (`ahead`, `deferred`), or
+/// where they first differ from the ahead order; `None` without sends or receives.
+///
+/// # Errors
+/// A schedule the lowering cannot place (an input never sent).
+fn posting_order(imported: &sim::io::kineto::ImportedTrace) -> Result<Option<String>> {
+    use sim::ir::comm::LoweredAction;
+    use sim::ir::lowering::RecvPosting;
+    let any = imported
+        .timeline
+        .comm
+        .iter()
+        .flatten()
+        .any(|c| matches!(c.action, LoweredAction::Comm(_)));
+    if !any {
+        return Ok(None);
+    }
+    let ahead = imported.posting_difference(RecvPosting::Ahead)?;
+    let Some(d) = ahead else {
+        return Ok(Some("ahead".into()));
+    };
+    if imported
+        .posting_difference(RecvPosting::Deferred)?
+        .is_none()
+    {
+        return Ok(Some("deferred".into()));
+    }
+    let name = |a: Option<LoweredAction>| a.map_or("nothing".to_string(), |a| a.to_string());
+    Ok(Some(format!(
+        "neither: rank {} action {} is {} where the ahead order has {}",
+        d.rank,
+        d.index,
+        name(d.recorded),
+        name(d.lowered)
+    )))
 }
 
 /// The simulator's prediction of the trace's schedule.
@@ -243,7 +287,7 @@ fn render(
     }
     if !report.other_events.is_empty() {
         notes.push(format!(
-            "skipped the other PP: events (sends, receives, waits; all steps): {}",
+            "communication actions on the comm lanes (all steps): {}",
             report
                 .other_events
                 .iter()
@@ -251,6 +295,12 @@ fn render(
                 .collect::<Vec<_>>()
                 .join(", ")
         ));
+    }
+    match report.posting_order.as_deref() {
+        Some("ahead") => notes.push("sends and receives posted in PyTorch's eager lowering order (_add_send_recv, receives ahead): simulate with --p2p-posting ahead".into()),
+        Some("deferred") => notes.push("sends and receives posted in PyTorch's deferred-receive order (_defer_recv_ops): simulate with --p2p-posting deferred".into()),
+        Some(other) => notes.push(format!("sends and receives in neither of flatpipe's lowering orders ({other})")),
+        None => {}
     }
     notes.push(format!(
         "busy time counts from each action's first nested operator: waits inside the action spans left out, per rank {}",

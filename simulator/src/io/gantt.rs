@@ -5,8 +5,12 @@
 //! light grey; a rank's later stages (chunks) darker, named in the legend; the microbatch number
 //! on every box wide enough to hold it (the width grows with the busiest rank's action count, up
 //! to 8,000 px). Idle time is the
-//! pale row background left uncovered.
+//! pale row background left uncovered. A timeline with communication actions
+//! ([`Timeline::comm`]: an imported trace's, or a lowered replay's) gets a thin comm lane under
+//! each rank's compute: sends teal, receives brown, waits grey, FSDP's actions pink, each from
+//! its posting to its end.
 
+use crate::ir::comm::{CommAction, FsdpAction, LoweredAction};
 use crate::ir::{Action, ActionKind};
 use crate::replay::timeline::Timeline;
 use crate::{Error, Result};
@@ -145,6 +149,7 @@ fn draw<DB: DrawingBackend>(
     };
     let (boxes, labels) = op_boxes(t, p, scale, px_per_unit);
     chart.draw_series(boxes).map_err(e)?;
+    chart.draw_series(comm_boxes(t, p, scale)).map_err(e)?;
     chart.draw_series(labels).map_err(e)?;
     draw_rank_names(root, &chart, p).map_err(e)?;
     draw_legend(root, w, &legend_entries(t)).map_err(e)?;
@@ -163,8 +168,12 @@ fn op_boxes(t: &Timeline, p: usize, scale: f64, px_per_unit: f64) -> (Vec<DataBo
         .pos(Pos::new(HPos::Center, VPos::Center));
     let mut boxes = Vec::new();
     let mut labels = Vec::new();
+    let lane = if has_comm_lanes(t) { COMM_LANE } else { 0.0 };
     for (r, ops) in t.compute.iter().enumerate() {
-        let (y0, y1) = (row_bottom(p, r) + ROW_PAD, row_bottom(p, r) + 1.0 - ROW_PAD);
+        let (y0, y1) = (
+            row_bottom(p, r) + ROW_PAD + lane,
+            row_bottom(p, r) + 1.0 - ROW_PAD,
+        );
         let stages = rank_stages(ops);
         let chunk = |s: u32| stages.binary_search(&s).unwrap_or(0);
         for op in ops {
@@ -217,6 +226,49 @@ fn op_boxes(t: &Timeline, p: usize, scale: f64, px_per_unit: f64) -> (Vec<DataBo
         }
     }
     (boxes, labels)
+}
+
+/// Height of the comm lane at the bottom of a rank's row, in rows, when the timeline has comm
+/// lanes; the compute boxes sit above it.
+const COMM_LANE: f64 = 0.22;
+
+/// Whether some rank has communication actions to draw ([`Timeline::comm`]).
+fn has_comm_lanes(t: &Timeline) -> bool {
+    t.comm.iter().any(|l| !l.is_empty())
+}
+
+/// The colour and legend name of a communication action on a comm lane.
+fn comm_color(a: LoweredAction) -> (&'static str, RGBColor) {
+    match a {
+        LoweredAction::Comm(CommAction::Send(_)) => ("send", RGBColor(0, 150, 136)),
+        LoweredAction::Comm(CommAction::Recv(_)) => ("recv", RGBColor(121, 85, 72)),
+        LoweredAction::Fsdp(_, FsdpAction::WaitReduceGrad) | LoweredAction::WaitSend(_) => {
+            ("wait", RGBColor(120, 120, 120))
+        }
+        LoweredAction::Fsdp(..) => ("FSDP", RGBColor(216, 27, 96)),
+        LoweredAction::Compute(_) => ("compute", RGBColor(0, 0, 0)),
+    }
+}
+
+/// Each rank's communication actions as thin boxes in the comm lane under its compute (a
+/// zero-length span drawn one pixel-ish wide is left as it is: invisible).
+fn comm_boxes(t: &Timeline, p: usize, scale: f64) -> Vec<DataBox> {
+    let mut boxes = Vec::new();
+    for (r, lane) in t.comm.iter().enumerate().take(p) {
+        let y0 = row_bottom(p, r) + ROW_PAD;
+        let y1 = y0 + COMM_LANE - 0.04;
+        for c in lane {
+            let (x0, x1) = (
+                c.start_ns as f64 * 1e-9 * scale,
+                c.end_ns as f64 * 1e-9 * scale,
+            );
+            boxes.push(Rectangle::new(
+                [(x0, y0), (x1, y1)],
+                comm_color(c.action).1.mix(0.75).filled(),
+            ));
+        }
+    }
+    boxes
 }
 
 /// Rank names left of the `p` rows of `chart`; with rows thinner than the font, every k-th
@@ -282,6 +334,12 @@ fn legend_entries(t: &Timeline) -> Vec<(&'static str, RGBColor)> {
     }
     if t.optimizer.iter().any(Option::is_some) {
         legend.push(("opt", RGBColor(176, 176, 176)));
+    }
+    for c in t.comm.iter().flatten() {
+        let entry = comm_color(c.action);
+        if !legend.iter().any(|(n, _)| *n == entry.0) {
+            legend.push(entry);
+        }
     }
     legend
 }

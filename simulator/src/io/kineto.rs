@@ -18,8 +18,10 @@
 //! earliest action of all ranks, so the ranks' clocks must agree (one node, or synchronised).
 //! Events of one rank must not overlap.
 
+use crate::ir::comm::LoweredAction;
+use crate::ir::lowering::RecvPosting;
 use crate::ir::{Action, Schedule};
-use crate::replay::timeline::{TimedOp, Timeline};
+use crate::replay::timeline::{TimedComm, TimedOp, Timeline};
 use crate::{Error, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -80,7 +82,8 @@ pub struct ImportedTrace {
     /// (the waits for inputs that torch records inside the action's span; not busy time).
     pub leading_wait_ns: Vec<u64>,
     /// `PP:` events that are not compute actions (sends, receives, waits, FSDP's unshard and
-    /// reshard, gradient reduction), by label without stage and microbatch, with their counts.
+    /// reshard, gradient reduction), by label without stage and microbatch, with their counts
+    /// over all steps. Those PyTorch names are on the comm lanes ([`Timeline::comm`]).
     pub other_events: BTreeMap<String, usize>,
     /// What the user should know about the reading: CPU-side annotations only, files that name
     /// another rank than their position, the steps skipped.
@@ -88,6 +91,57 @@ pub struct ImportedTrace {
     /// Per rank, per action of [`ImportedTrace::timeline`] (same order): what ran inside its
     /// span on its thread (CPU-side annotations; empty counts for GPU-side ones).
     pub nested: Vec<Vec<NestedEvents>>,
+}
+
+/// Where a trace's point-to-point actions first differ from a lowering of the schedule it ran
+/// ([`ImportedTrace::posting_difference`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostingDifference {
+    /// The rank.
+    pub rank: usize,
+    /// Position among the rank's sends, receives and send waits, 0-based.
+    pub index: usize,
+    /// The lowering's action there (`None`: the lowering has no more).
+    pub lowered: Option<LoweredAction>,
+    /// The trace's action there (`None`: the trace has no more).
+    pub recorded: Option<LoweredAction>,
+}
+
+impl ImportedTrace {
+    /// Compares each rank's point-to-point actions in the imported step (sends, receives and
+    /// send waits, in start order; FSDP's actions are left out) with the program
+    /// [`crate::ir::lowering::sweep`] gives the imported schedule under `posting`: `None` when
+    /// they are the same actions in the same order on every rank, else the first difference
+    /// (lowest rank first). PyTorch 2.15's runtime posts in [`RecvPosting::Ahead`]'s order
+    /// by default (`_add_send_recv`), in [`RecvPosting::Deferred`]'s with `defer_pp_recv`.
+    ///
+    /// # Errors
+    /// As [`crate::ir::lowering::sweep`] (a schedule whose inputs are never sent).
+    pub fn posting_difference(&self, posting: RecvPosting) -> Result<Option<PostingDifference>> {
+        let p2p =
+            |a: &LoweredAction| matches!(a, LoweredAction::Comm(_) | LoweredAction::WaitSend(_));
+        let mut lowered: Vec<Vec<LoweredAction>> = vec![Vec::new(); self.schedule.ranks.len()];
+        crate::ir::lowering::sweep(&self.schedule, posting, |r, a| {
+            if p2p(&a) {
+                lowered[r].push(a);
+            }
+        })?;
+        for (rank, want) in lowered.iter().enumerate() {
+            let got: Vec<LoweredAction> = self.timeline.comm.get(rank).map_or(Vec::new(), |v| {
+                v.iter().map(|c| c.action).filter(p2p).collect()
+            });
+            let n = want.len().max(got.len());
+            if let Some(index) = (0..n).find(|&i| want.get(i) != got.get(i)) {
+                return Ok(Some(PostingDifference {
+                    rank,
+                    index,
+                    lowered: want.get(index).copied(),
+                    recorded: got.get(index).copied(),
+                }));
+            }
+        }
+        Ok(None)
+    }
 }
 
 /// The events recorded inside one action's span on its thread.
@@ -103,6 +157,14 @@ pub struct NestedEvents {
 
 /// A non-`PP:` event on a thread: (start us, duration us, whether it is a `c10d::` call).
 type Op = (f64, f64, bool);
+
+/// A `PP:` event that is a communication action (a send, receive, wait or FSDP action).
+struct CommEvent {
+    rank: usize,
+    action: LoweredAction,
+    ts_us: f64,
+    dur_us: f64,
+}
 
 struct Event {
     rank: usize,
@@ -199,14 +261,15 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
         .map(|f| f.0.as_str())
         .collect::<Vec<_>>()
         .join(", ");
-    let (events, other_events) = raw.actions(files.len() > 1, gpu)?;
+    let (events, comm_events, other_events) = raw.actions(files.len() > 1, gpu)?;
     if events.is_empty() {
         return Err(no_compute_actions(names, &other_events));
     }
     let per_rank = split_steps(&events);
     let (steps, step) = choose_step(&per_rank, opts, &names, &mut warnings)?;
     let chosen: Vec<&Vec<&Event>> = per_rank.iter().map(|v| &v[step]).collect();
-    let measured = StepTimeline::of(&chosen)?;
+    let chosen_comm = comm_of_step(&per_rank, &comm_events, step);
+    let measured = StepTimeline::of(&chosen, &chosen_comm)?;
     check_dependencies(&measured.compute)?;
     let schedule = schedule_of(&measured.compute, files)?;
     let ranks = measured.compute.len();
@@ -215,6 +278,7 @@ pub fn read_traces(files: &[(String, String)], opts: &ImportOptions) -> Result<I
             compute: measured.compute,
             transfers: Vec::new(),
             optimizer: vec![None; ranks],
+            comm: measured.comm,
         },
         schedule,
         steps,
@@ -318,41 +382,47 @@ impl RawEvents {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the file and event for an unknown `PP:` label or a
     /// missing or negative `ts` / `dur`.
-    fn actions(
-        &self,
-        several_files: bool,
-        gpu: bool,
-    ) -> Result<(Vec<Event>, BTreeMap<String, usize>)> {
+    fn actions(&self, several_files: bool, gpu: bool) -> Result<Actions> {
         let pid_rank = self.pid_ranks();
         let mut other_events: BTreeMap<String, usize> = BTreeMap::new();
         let mut events = Vec::with_capacity(self.pp.len());
+        let mut comm = Vec::new();
         for (k, e, origin) in &self.pp {
             let name = e["name"].as_str().unwrap_or_default();
             let text = &name[3..];
-            let action: Action = match text.parse() {
-                Ok(a) => a,
-                Err(err) => {
-                    if let Some(label) = other_action(text) {
-                        *other_events.entry(label).or_default() += 1;
-                        continue;
-                    }
-                    return Err(bad(
-                        origin,
-                        format!("event {name}"),
-                        err,
-                        "PP:<stage><F|I|W|B><microbatch>, PP:(..;..)OVERLAP_F_B, or one of PyTorch's other pipeline actions (SEND_F, RECV_B, UNSHARD, WAIT_..., REDUCE_GRAD)",
-                    ));
-                }
-            };
             let rank = if several_files {
                 *k
             } else {
                 let p = id_of(e, "pid");
                 pid_rank[&(p.parse::<u64>().unwrap_or(u64::MAX), p)]
             };
+            let action: Action = match text.parse() {
+                Ok(a) => a,
+                Err(err) => {
+                    let Some(label) = other_action(text) else {
+                        return Err(bad(
+                            origin,
+                            format!("event {name}"),
+                            err,
+                            "PP:<stage><F|I|W|B><microbatch>, PP:(..;..)OVERLAP_F_B, or one of PyTorch's other pipeline actions (SEND_F, RECV_B, UNSHARD, WAIT_..., REDUCE_GRAD)",
+                        ));
+                    };
+                    *other_events.entry(label).or_default() += 1;
+                    if let Ok(action) = text.parse::<LoweredAction>() {
+                        let (ts_us, dur_us) = span_of(e, origin)?;
+                        comm.push(CommEvent {
+                            rank,
+                            action,
+                            ts_us,
+                            dur_us,
+                        });
+                    }
+                    continue;
+                }
+            };
             events.push(self.event(*k, e, origin, rank, action, gpu)?);
         }
-        Ok((events, other_events))
+        Ok((events, comm, other_events))
     }
 
     /// The [`Event`] of compute action `action` on `rank`, from the `PP:` event `e` of file
@@ -371,21 +441,7 @@ impl RawEvents {
         action: Action,
         gpu: bool,
     ) -> Result<Event> {
-        let name = e["name"].as_str().unwrap_or_default();
-        let num = |field: &str| -> Result<f64> {
-            e.get(field)
-                .and_then(Value::as_f64)
-                .filter(|x| x.is_finite() && *x >= 0.0)
-                .ok_or_else(|| {
-                    bad(
-                        origin,
-                        format!("event {name}: {field}"),
-                        e.get(field).map_or("missing".into(), |v| v.to_string()),
-                        "microseconds >= 0",
-                    )
-                })
-        };
-        let (ts_us, dur_us) = (num("ts")?, num("dur")?);
+        let (ts_us, dur_us) = span_of(e, origin)?;
         let inside: &[Op] = self
             .ops
             .get(&(k, id_of(e, "pid"), id_of(e, "tid")))
@@ -410,6 +466,72 @@ impl RawEvents {
             },
         })
     }
+}
+
+/// The compute actions, the communication actions and the other `PP:` labels' counts of a
+/// trace ([`RawEvents::actions`]).
+type Actions = (Vec<Event>, Vec<CommEvent>, BTreeMap<String, usize>);
+
+/// The span (`ts`, `dur`, us) of event `e` of file `origin`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the file and event for a missing, negative or non-finite
+/// `ts` / `dur`.
+fn span_of(e: &Value, origin: &str) -> Result<(f64, f64)> {
+    let name = e["name"].as_str().unwrap_or_default();
+    let num = |field: &str| -> Result<f64> {
+        e.get(field)
+            .and_then(Value::as_f64)
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .ok_or_else(|| {
+                bad(
+                    origin,
+                    format!("event {name}: {field}"),
+                    e.get(field).map_or("missing".into(), |v| v.to_string()),
+                    "microseconds >= 0",
+                )
+            })
+    };
+    Ok((num("ts")?, num("dur")?))
+}
+
+/// Per rank, the communication events of step `step` of `per_rank` (the compute events split
+/// into steps), in start order. An event belongs to the step whose first compute action
+/// starts at or before it; one in the gap after a step's last compute action that leads the
+/// next step's work (a receive, an unshard) belongs to the next step, as PyTorch's lowering
+/// posts them before the compute that needs them.
+fn comm_of_step<'a>(
+    per_rank: &[Vec<Vec<&Event>>],
+    comm: &'a [CommEvent],
+    step: usize,
+) -> Vec<Vec<&'a CommEvent>> {
+    let mut out: Vec<Vec<&CommEvent>> = vec![Vec::new(); per_rank.len()];
+    for c in comm {
+        let Some(steps) = per_rank.get(c.rank) else {
+            continue;
+        };
+        let first = |k: usize| steps[k].first().map_or(f64::INFINITY, |e| e.ts_us);
+        let last_end = |k: usize| steps[k].last().map_or(0.0, |e| e.ts_us + e.dur_us);
+        let mut k = (0..steps.len())
+            .rev()
+            .find(|&k| first(k) <= c.ts_us)
+            .unwrap_or(0);
+        let leads = matches!(
+            c.action,
+            LoweredAction::Comm(crate::ir::comm::CommAction::Recv(_))
+                | LoweredAction::Fsdp(_, crate::ir::comm::FsdpAction::Unshard)
+        );
+        if leads && k + 1 < steps.len() && c.ts_us >= last_end(k) {
+            k += 1;
+        }
+        if k == step {
+            out[c.rank].push(c);
+        }
+    }
+    for v in &mut out {
+        v.sort_by(|a, b| a.ts_us.total_cmp(&b.ts_us));
+    }
+    out
 }
 
 /// The error for traces (`names`) without a `PP:` compute action, saying how to get them.
@@ -498,25 +620,42 @@ struct StepTimeline {
     nested: Vec<Vec<NestedEvents>>,
     /// The time between the actions' starts and their first nested operators, summed.
     leading_wait_ns: Vec<u64>,
+    /// The communication actions, whole spans.
+    comm: Vec<Vec<TimedComm>>,
 }
 
 impl StepTimeline {
-    /// The timeline of `chosen` (per rank, the step's events in time order).
+    /// The timeline of `chosen` (per rank, the step's compute events in time order) and
+    /// `comm` (per rank, its communication events), from the step's first `PP:` event.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the rank and action when an action starts before the
     /// previous one on its rank ends.
-    fn of(chosen: &[&Vec<&Event>]) -> Result<Self> {
+    fn of(chosen: &[&Vec<&Event>], comm: &[Vec<&CommEvent>]) -> Result<Self> {
         let ranks = chosen.len();
         let start = |e: &Event| e.first_nested_us.unwrap_or(e.ts_us);
         let t0 = chosen
             .iter()
             .flat_map(|v| v.iter().map(|e| e.ts_us))
+            .chain(comm.iter().flatten().map(|c| c.ts_us))
             .fold(f64::INFINITY, f64::min);
+        let ns = |us: f64| ((us - t0) * 1e3).round() as u64;
         let mut out = StepTimeline {
             compute: vec![Vec::new(); ranks],
             nested: vec![Vec::new(); ranks],
             leading_wait_ns: vec![0u64; ranks],
+            comm: comm
+                .iter()
+                .map(|v| {
+                    v.iter()
+                        .map(|c| TimedComm {
+                            action: c.action,
+                            start_ns: ns(c.ts_us),
+                            end_ns: ns(c.ts_us + c.dur_us),
+                        })
+                        .collect()
+                })
+                .collect(),
         };
         for (r, evs) in chosen.iter().enumerate() {
             for e in evs.iter() {

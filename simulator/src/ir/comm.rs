@@ -270,6 +270,57 @@ pub enum LoweredAction {
     /// for it: the send it waits for has ended by then, except a step's last sends, which the
     /// timeline's makespan holds anyway.
     WaitSend(Transfer),
+    /// One of FSDP's per-stage actions in PyTorch 2.15's runtime, on the rank that holds the
+    /// stage (`0UNSHARD`, `1REDUCE_GRAD`, ...).
+    Fsdp(StageId, FsdpAction),
+}
+
+/// FSDP's per-stage actions in PyTorch 2.15's pipeline runtime
+/// (`torch/distributed/pipelining/schedules.py`: `_ComputationType`, inserted by
+/// `_add_unshard_reshard` and `_add_reduce_grad`). PyTorch's runtime records them (`PP:0UNSHARD`)
+/// whether or not the stage is sharded; on an unsharded stage they do nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FsdpAction {
+    /// `UNSHARD`: all-gather the stage's parameters before its compute.
+    Unshard,
+    /// `RESHARD`: free the gathered parameters (no communication).
+    Reshard,
+    /// `REDUCE_GRAD`: start the reduce-scatter of the stage's gradients after its last backward.
+    ReduceGrad,
+    /// `WAIT_REDUCE_GRAD`: the host waits for that reduction.
+    WaitReduceGrad,
+}
+
+impl FsdpAction {
+    /// Every action, in the order PyTorch's parser tries their names (longest first).
+    pub const ALL: [FsdpAction; 4] = [
+        FsdpAction::WaitReduceGrad,
+        FsdpAction::ReduceGrad,
+        FsdpAction::Unshard,
+        FsdpAction::Reshard,
+    ];
+
+    /// PyTorch's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            FsdpAction::Unshard => "UNSHARD",
+            FsdpAction::Reshard => "RESHARD",
+            FsdpAction::ReduceGrad => "REDUCE_GRAD",
+            FsdpAction::WaitReduceGrad => "WAIT_REDUCE_GRAD",
+        }
+    }
+}
+
+impl LoweredAction {
+    /// The stage whose rank runs it (the first stage of an overlapped pair).
+    pub fn stage(self) -> StageId {
+        match self {
+            LoweredAction::Compute(a) => a.parts().next().map_or(StageId(0), |c| c.stage),
+            LoweredAction::Comm(c) => c.stage(),
+            LoweredAction::WaitSend(t) => t.stage,
+            LoweredAction::Fsdp(s, _) => s,
+        }
+    }
 }
 
 impl fmt::Display for LoweredAction {
@@ -286,6 +337,7 @@ impl fmt::Display for LoweredAction {
                     t.microbatch
                 )
             }
+            LoweredAction::Fsdp(s, a) => write!(f, "{s}{}", a.name()),
         }
     }
 }
@@ -294,6 +346,14 @@ impl FromStr for LoweredAction {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         let t = s.trim();
+        let d = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        if let Some(a) = FsdpAction::ALL.into_iter().find(|a| &t[d..] == a.name()) {
+            let stage = t[..d].parse().map_err(|_| Error::ParseAction {
+                text: s.to_string(),
+                reason: "must start with the stage number".into(),
+            })?;
+            return Ok(LoweredAction::Fsdp(StageId(stage), a));
+        }
         if let Some(i) = t.find("WAIT_") {
             // `0WAIT_SEND_F3` reads as the send it waits for, `0SEND_F3`.
             let send: CommAction = format!("{}{}", &t[..i], &t[i + "WAIT_".len()..]).parse()?;
@@ -444,6 +504,11 @@ impl Lowered {
             }
             check_send_waits(r, prog, &index, &mut waits).or_else(fail)?;
             for a in prog {
+                if let LoweredAction::Fsdp(stage, _) = a
+                    && (stage.0 >= s.num_stages() || s.placement.rank(*stage).idx() != r)
+                {
+                    return fail(format!("rank {r} posts {a}, whose stage is not on it"));
+                }
                 let LoweredAction::Comm(c) = a else { continue };
                 let t = c.transfer();
                 if !index.contains(t) {
@@ -573,6 +638,17 @@ mod tests {
                 LoweredAction::Comm(c)
             );
         }
+        for (text, a) in [
+            ("0UNSHARD", FsdpAction::Unshard),
+            ("3RESHARD", FsdpAction::Reshard),
+            ("12REDUCE_GRAD", FsdpAction::ReduceGrad),
+            ("1WAIT_REDUCE_GRAD", FsdpAction::WaitReduceGrad),
+        ] {
+            let parsed: LoweredAction = text.parse().unwrap();
+            assert_eq!(parsed.to_string(), text);
+            assert!(matches!(parsed, LoweredAction::Fsdp(_, x) if x == a));
+        }
+        assert!("UNSHARD".parse::<LoweredAction>().is_err());
         assert!("0RECV_F1".parse::<CommAction>().is_err());
         assert!("1SEND_X1".parse::<CommAction>().is_err());
         assert_eq!(

@@ -297,7 +297,7 @@ impl<'a> Deferral<'a> {
                 }
                 emit(r, a);
             }
-            LoweredAction::WaitSend(_) => emit(r, a),
+            LoweredAction::WaitSend(_) | LoweredAction::Fsdp(..) => emit(r, a),
             LoweredAction::Comm(CommAction::Send(t)) => {
                 let peer = rank_of(t.to_stage());
                 if r < peer {

@@ -59,6 +59,12 @@ pub(crate) trait Recorder {
     fn op(&mut self, rank: usize, op: TimedOp) -> bool;
     /// A transfer, when the replay issues it (in each sender's program order).
     fn transfer(&mut self, t: TimedTransfer);
+    /// A send or receive of `rank` with the time it held its stream (the streams' replay
+    /// only), when its transfer runs. Default: not recorded.
+    #[inline]
+    fn comm(&mut self, rank: usize, c: timeline::TimedComm) {
+        let _ = (rank, c);
+    }
 }
 
 impl Recorder for Timeline {
@@ -70,6 +76,13 @@ impl Recorder for Timeline {
     #[inline]
     fn transfer(&mut self, t: TimedTransfer) {
         self.transfers.push(t);
+    }
+    /// Kept where the timeline was made with comm lanes (`comm` holds one per rank).
+    #[inline]
+    fn comm(&mut self, rank: usize, c: timeline::TimedComm) {
+        if let Some(lane) = self.comm.get_mut(rank) {
+            lane.push(c);
+        }
     }
 }
 
@@ -270,6 +283,7 @@ fn replay_or_stuck<C: CostModel>(schedule: &Schedule, costs: &C) -> Option<Timel
             .collect(),
         transfers: Vec::with_capacity(schedule.num_compute_actions()),
         optimizer: vec![None; p],
+        comm: Vec::new(),
     };
     let (Outcome::Done(clock), mut timeline) =
         run(schedule, costs, &vec![0; p], &mut links, timeline)

@@ -29,7 +29,7 @@ use crate::ir::comm::{
 };
 use crate::ir::lowering::Lowering;
 use crate::ir::{Action, ActionKind, ChunkLinks, ComputeAction, Placement, Rank, Schedule};
-use crate::replay::timeline::{TimedOp, TimedTransfer, Timeline};
+use crate::replay::timeline::{TimedComm, TimedOp, TimedTransfer, Timeline};
 use crate::{Error, Result};
 use std::collections::VecDeque;
 
@@ -76,9 +76,13 @@ fn timeline_of<C: CostModel>(
             .collect(),
         transfers: Vec::with_capacity(num_comm / 2),
         optimizer: vec![None; p],
+        comm: vec![Vec::new(); p],
     };
     match run_streams(schedule, comm, costs, timeline) {
         Ok((Outcome::Done(clock), mut timeline)) => {
+            for lane in &mut timeline.comm {
+                lane.sort_by_key(|c| c.start_ns);
+            }
             for (r, &end) in clock.iter().enumerate() {
                 let opt = costs.optimizer_ns(Rank(r as u32));
                 if opt > 0 {
@@ -432,6 +436,20 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
             start_ns: start,
             end_ns: end,
         });
+        // Each half holds its stream from its posting to the transfer's end.
+        for (rank, half, posted) in [
+            (from, CommAction::Send(t), self.send_post[x]),
+            (to, CommAction::Recv(t), self.recv_post[x]),
+        ] {
+            self.rec.comm(
+                rank as usize,
+                TimedComm {
+                    action: LoweredAction::Comm(half),
+                    start_ns: posted,
+                    end_ns: end,
+                },
+            );
+        }
         self.wake(to);
     }
 
@@ -641,6 +659,24 @@ mod tests {
         let t = replay_lowered(&l, &costs(1.0, 2.0, 0.5, 1)).unwrap();
         assert_eq!(t.makespan_ns(), 10 * S);
         assert_eq!(start_of(&t, 0, "0B1"), 8 * S);
+        // Rank 1's comm lane: each half holds the one stream from its posting to its
+        // transfer's end. RECV_F0 is posted at 0 and F0 arrives at 1.5; RECV_F1 is posted
+        // then and F1 arrives at 2.5; SEND_B0 is posted when 1B0 ends (4.5) and rank 0's
+        // RECV_B0 (posted at 2.5) is waiting: [4.5, 5]; SEND_B1 likewise [7.5, 8].
+        let lane: Vec<(String, u64, u64)> = t.comm[1]
+            .iter()
+            .map(|c| (c.action.to_string(), c.start_ns, c.end_ns))
+            .collect();
+        let h = S / 2;
+        assert_eq!(
+            lane,
+            [
+                ("1RECV_F0".to_string(), 0, 3 * h),
+                ("1RECV_F1".to_string(), 3 * h, 5 * h),
+                ("1SEND_B0".to_string(), 9 * h, 10 * h),
+                ("1SEND_B1".to_string(), 15 * h, 16 * h),
+            ]
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Timelines: what ran where and when, predicted by the replay or measured by the executor.
 
+use crate::ir::comm::LoweredAction;
 use crate::ir::{Action, ActionKind, MicrobatchId, Rank, StageId};
 
 /// One compute action with its start and end, integer nanoseconds from the step's start.
@@ -44,8 +45,21 @@ impl TimedTransfer {
     }
 }
 
-/// A step's timeline: per rank its compute ops in order, the transfers on every link, and the
-/// optimizer step that ends each rank's work.
+/// One communication action on a rank's comm lane (a send, receive, wait or FSDP action, as
+/// PyTorch names it), with its span in integer ns from the step's start: measured (the span of
+/// its `PP:` event in a profiler trace) or replayed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimedComm {
+    /// The action; never [`LoweredAction::Compute`].
+    pub action: LoweredAction,
+    /// Start, ns.
+    pub start_ns: u64,
+    /// End, ns.
+    pub end_ns: u64,
+}
+
+/// A step's timeline: per rank its compute ops in order, the transfers on every link, its
+/// communication actions where known, and the optimizer step that ends each rank's work.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Timeline {
     /// `compute[r]`: rank r's ops in execution order.
@@ -54,6 +68,9 @@ pub struct Timeline {
     pub transfers: Vec<TimedTransfer>,
     /// `optimizer[r]`: rank r's optimizer step (start, end) in ns, if it has one.
     pub optimizer: Vec<Option<(u64, u64)>>,
+    /// `comm[r]`: rank r's communication actions in start order (empty when not recorded:
+    /// the replay's transfers are in [`Timeline::transfers`]; an imported trace fills it).
+    pub comm: Vec<Vec<TimedComm>>,
 }
 
 impl Timeline {
@@ -62,7 +79,7 @@ impl Timeline {
         self.compute.len()
     }
 
-    /// End of the last op (compute, transfer or optimizer), ns.
+    /// End of the last op (compute, transfer, communication action or optimizer), ns.
     pub fn makespan_ns(&self) -> u64 {
         let c = self
             .compute
@@ -71,7 +88,13 @@ impl Timeline {
             .map(|o| o.end_ns)
             .max()
             .unwrap_or(0);
-        let t = self.transfers.iter().map(|t| t.end_ns).max().unwrap_or(0);
+        let t = self
+            .transfers
+            .iter()
+            .map(|t| t.end_ns)
+            .chain(self.comm.iter().flatten().map(|c| c.end_ns))
+            .max()
+            .unwrap_or(0);
         let o = self
             .optimizer
             .iter()
