@@ -55,7 +55,7 @@ fn both_runtimes_traces_import_as_the_ranks_ran_them() {
 }
 
 #[test]
-fn pytorchs_other_actions_are_skipped_and_its_waits_left_out_of_busy_time() {
+fn pytorchs_comm_events_are_counted_and_its_waits_left_out_of_busy_time() {
     let files: Vec<_> = (0..2)
         .map(|r| gz(&format!("torch-interleaved-1f1b.rank{r}.json.gz")))
         .collect();
@@ -70,12 +70,21 @@ fn pytorchs_other_actions_are_skipped_and_its_waits_left_out_of_busy_time() {
     // torch waits for an action's input inside its span: some rank's spans start before
     // their first operator.
     assert!(t.leading_wait_ns.iter().sum::<u64>() > 0);
-    // flatpipe's runtime records its waits as their own events, before the action's span.
+    // flatpipe's runtime records its program's sends, receives and waits as PyTorch's does.
     let files: Vec<_> = (0..2)
         .map(|r| gz(&format!("flatpipe-zb-v.rank{r}.json.gz")))
         .collect();
     let t = read_traces(&files, &ImportOptions::default()).unwrap();
-    assert!(t.other_events.contains_key("RECV_F") && t.other_events.contains_key("RECV_B"));
+    for label in [
+        "SEND_F",
+        "RECV_F",
+        "SEND_B",
+        "RECV_B",
+        "WAIT_SEND_F",
+        "WAIT_SEND_B",
+    ] {
+        assert!(t.other_events.contains_key(label), "{label}");
+    }
 }
 
 #[test]

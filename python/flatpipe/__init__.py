@@ -19,6 +19,7 @@ no padding and no shape exchange.
 
 from ._core import (
     Action,
+    CommAction,
     ComputeAction,
     FlatpipeError,
     Microbatch,
@@ -34,6 +35,7 @@ from ._core import (
 
 __all__ = [
     "Action",
+    "CommAction",
     "ComputeAction",
     "FlatpipeError",
     "Microbatch",

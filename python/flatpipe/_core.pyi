@@ -1,6 +1,6 @@
 """Type stubs of flatpipe's native module (python/src/lib.rs)."""
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -128,6 +128,27 @@ class ComputeAction:
         """The stage whose result this action waits on; ``None`` for W, stage 0's forward and
         the last stage's backward."""
 
+class CommAction:
+    """One communication entry of a rank's lowered program (``StepPlan.lowered_actions_of``):
+    a send, a receive, or the wait for a send, of the transfer carrying ``carries`` (``"F"``,
+    ``"B"``, ``"Fo"``; ``[T, H]`` of ``microbatch``) from ``sending_stage`` to ``receiving_stage``;
+    ``peer`` is the other rank. Frozen, hashable; ``str()`` gives PyTorch's name
+    (``0SEND_F3``, ``1RECV_F3``, ``0WAIT_SEND_F3``)."""
+
+    @property
+    def kind(self) -> str:
+        """``"SEND"``, ``"RECV"`` or ``"WAIT_SEND"``."""
+    @property
+    def carries(self) -> str: ...
+    @property
+    def microbatch(self) -> int: ...
+    @property
+    def sending_stage(self) -> int: ...
+    @property
+    def receiving_stage(self) -> int: ...
+    @property
+    def peer(self) -> int: ...
+
 class Action:
     """One entry of a rank's action list: a compute action or an overlapped pair
     (``(0F3;1B2)OVERLAP_F_B``, forward first). Frozen, hashable; ``str()`` is ``text``."""
@@ -170,6 +191,17 @@ class StepPlan:
     def actions_of(self, rank: int, replica: int = 0) -> list[Action]:
         """``rank``'s actions in run order, structured: the same entries as ``actions``, each
         with its compute actions and the stages they send to and receive from."""
+    def lowered_actions_of(
+        self,
+        rank: int,
+        replica: int = 0,
+        posting: str = "ahead",
+        forward_only: bool = False,
+    ) -> list[Union[Action, CommAction]]:
+        """``rank``'s program: its entries (``actions_of``) with the sends, receives and send
+        waits between them in the core's lowering order (PyTorch 2.15's ``_add_send_recv`` +
+        ``_add_wait_send``; ``posting="deferred"`` adds ``_defer_recv_ops``). With
+        ``forward_only``, the program of the F parts alone (an evaluation step)."""
     def schedule_name(self, replica: int = 0) -> str: ...
     def predicted_step_time_s(self, replica: int = 0) -> Optional[float]: ...
     def predicted_bubble_ratio(self, replica: int = 0) -> Optional[float]: ...

@@ -8,14 +8,16 @@ sends to and receives from (the core's one transfer rule). So every transfer's s
 advance: the boundary tensor of microbatch ``k`` is ``[T_k, H]``.
 :class:`PipelineRuntime` runs the local rank's actions with point-to-point operations:
 
-* Sends are ``isend`` of the stage's output (F) or input gradient (I, B), posted in the
-  rank's action order. Receives are ``irecv`` into a tensor of exactly ``[T_k, H]``, posted in
-  the *sender's* action order (every rank knows every rank's actions), lazily: when an action
-  needs an input, the receives from that peer are posted up to and including it. So on every
-  ordered pair of ranks the sends and the receives are posted in the same order, which is how
-  NCCL (and gloo, on one tag) match point-to-point operations, also where a rank's previous and
-  next peer are the same rank (p = 2, v = 2). A mismatched order would be a size error, never a
-  silently wrong tensor: every receive has its own exact size.
+* The rank runs its program from the core (:meth:`flatpipe.StepPlan.lowered_actions_of`):
+  its compute actions with the sends (``isend`` of the stage's output for F, of the input
+  gradient for I and B), the receives (``irecv`` into a tensor of exactly ``[T_k, H]``) and the
+  waits for sends between them, in the order the core's lowering posts them, which is PyTorch
+  2.15's own (``_add_send_recv`` + ``_add_wait_send``, receives ahead; ``posting="deferred"``
+  adds ``_defer_recv_ops``). The same order the simulator replays and ``flatpipe schedule
+  --comms`` exports; nothing here derives an order of its own. On every ordered pair of ranks
+  the lowering posts the sends and the receives in the same order, which is how NCCL (and
+  gloo, on one tag) match point-to-point operations, also where a rank's previous and next
+  peer are the same rank (p = 2, v = 2). Every receive has its own exact size.
 * Nothing is padded and nothing about shapes is exchanged; each step may have a different
   number of microbatches and different ``T_k`` with the same runtime object.
 * F runs the stage module; I computes the gradient of the stage's input only and keeps what
@@ -63,7 +65,7 @@ from torch.distributed.pipelining._backward import (
     stage_backward_weight,
 )
 
-from . import ComputeAction, StepPlan, parse_action
+from . import Action, CommAction, ComputeAction, StepPlan, parse_action
 from .models import ChunkKV
 
 __all__ = [
@@ -151,10 +153,15 @@ class PipelineRuntime:
         on_stage_backward_done: called with a stage index after that stage's last backward of
             the step (for a user's own data-parallel synchronisation).
         ignore_index: targets to leave out of the loss.
-        annotate: wrap each action in ``torch.profiler.record_function(f"PP:{action}")`` and each
-            wait for an input in its own ``PP:<stage>RECV_F<mb>`` / ``PP:<stage>RECV_B<mb>``
-            event before the action's, so a profiler trace shows the action's work and its wait
-            apart (``flatpipe import-trace`` reads such traces).
+        annotate: wrap each entry of the program in
+            ``torch.profiler.record_function(f"PP:{action}")``, as PyTorch's runtime does: the
+            compute actions (``PP:0F1``; the wait for a received input is inside the span, before
+            its first operator) and the posting of each send, receive and send wait
+            (``PP:0SEND_F1``, ``PP:1RECV_F1``, ``PP:0WAIT_SEND_F1``). ``flatpipe import-trace``
+            reads such traces, with the communication on each rank's comm lane.
+        posting: where receives are posted in the core's lowering: ``"ahead"`` (PyTorch's
+            ``_add_send_recv``, the default) or ``"deferred"`` (``_defer_recv_ops``: just
+            before the compute that reads them).
         check_plan: before each step, check with one small all-reduce over ``group`` that every
             rank was given the same plan (the step, its microbatches' token counts), so that a
             mismatch raises a ``ValueError`` naming it instead of failing inside the transport.
@@ -176,7 +183,10 @@ class PipelineRuntime:
         ignore_index: int = -100,
         annotate: bool = True,
         check_plan: bool = True,
+        posting: str = "ahead",
     ) -> None:
+        if posting not in ("ahead", "deferred"):
+            raise ValueError(f"posting = {posting!r} is invalid: 'ahead' or 'deferred'")
         if loss_reduction not in ("token", "sequence"):
             raise ValueError(
                 f"loss_reduction = {loss_reduction!r} is invalid: 'token' or 'sequence'"
@@ -196,6 +206,7 @@ class PipelineRuntime:
         self.ignore_index = ignore_index
         self.annotate = annotate
         self.check_plan = check_plan
+        self.posting = posting
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -279,8 +290,8 @@ class PipelineRuntime:
         state.take_inputs(inputs, targets, forward_only_inputs, loss_denominator)
         if self.check_plan and dist.is_initialized():
             self._check_same_plan(plan, replica, state.tokens)
-        state.order_receives(plan, replica)
-        state.run_actions(skip)
+        state.lower(plan, replica)
+        state.run_program(skip)
         return state.finish()
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -513,11 +524,11 @@ class _StepState:
         self.fo_tokens = [mb.tokens for mb in fo_mbs]
         self.fo_cu = [self._cu(mb) for mb in fo_mbs]
         self.chains = _ChunkChains(self.chunks, me)
-        # Transfers: receives posted per sender, sends in flight, hand-offs within the rank.
-        self.incoming: Dict[int, List[_Key]] = {}
-        self.posted: Dict[int, int] = {}
+        # Transfers, by key (what, receiving stage, microbatch): receives posted, results
+        # waiting for their SEND, sends in flight, hand-offs within the rank.
         self.pending: Dict[_Key, Tuple[object, torch.Tensor]] = {}
-        self.sends: List[Tuple[object, torch.Tensor]] = []
+        self.outbox: Dict[_Key, torch.Tensor] = {}
+        self.sends: Dict[_Key, Tuple[object, torch.Tensor]] = {}
         self.local: Dict[_Key, torch.Tensor] = {}
         # Per (stage, mb): the stage's input and output (or loss), and I's saved state for W.
         self.saved: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -561,46 +572,36 @@ class _StepState:
         self.fo_inputs = forward_only_inputs
         self.denominator = denominator
 
-    def order_receives(self, plan: StepPlan, replica: int) -> None:
-        """Reads every rank's actions (an evaluation step: their F parts only, in the plan's
-        order) and lists, per peer, the transfers it sends this rank in its action order: the
-        order this rank posts their receives in."""
-        entries = []
-        for r in range(plan.num_ranks):
-            acts = plan.actions_of(r, replica)
-            if self.train:
-                entries.append([(a.text, a.parts) for a in acts])
-            else:
-                entries.append([(str(p), [p]) for a in acts for p in a.parts if p.kind == "F"])
-        self.actions: List[List[Tuple[str, List[ComputeAction]]]] = entries
-        for src, acts in enumerate(entries):
-            if src == self.me:
-                continue
-            for _, parts in acts:
-                for p in parts:
-                    dst = p.sends_to
-                    if dst is not None and self.stage_rank[dst] == self.me:
-                        key = (_carried(p.kind), dst, p.microbatch)
-                        self.incoming.setdefault(src, []).append(key)
-        self.posted = {src: 0 for src in self.incoming}
-        self.last_backward = PipelineRuntime._last_backward(entries[self.me])
+    def lower(self, plan: StepPlan, replica: int) -> None:
+        """This rank's program from the core: compute entries (an evaluation step: their F
+        parts only) with the sends, receives and send waits between them."""
+        self.program = plan.lowered_actions_of(
+            self.me, replica, posting=self.rt.posting, forward_only=not self.train
+        )
+        computes = [a for a in self.program if isinstance(a, Action)]
+        self.last_backward = PipelineRuntime._last_backward([(a.text, a.parts) for a in computes])
 
-    def run_actions(self, skip: frozenset) -> None:
-        """Runs this rank's actions in order (but those whose text is in ``skip``); the step's
-        clock starts here."""
+    def run_program(self, skip: frozenset) -> None:
+        """Runs this rank's program in order (but the compute entries whose text is in
+        ``skip``); the step's clock starts here."""
         self.t_start = time.perf_counter()
-        for text, parts in self.actions[self.me]:
-            if text not in skip:
-                self.run_action(text, parts)
+        for a in self.program:
+            if isinstance(a, Action):
+                if a.text not in skip:
+                    self.run_action(a.text, a.parts)
+                continue
+            p0 = time.perf_counter()
+            with self.rt._annotate(f"PP:{a}"):
+                self._post(a)
+            self.post_s += time.perf_counter() - p0
 
     def run_action(self, text: str, parts: Sequence[ComputeAction]) -> None:
-        """One entry of the action list: its inputs from other ranks first, each wait its own
-        profiler event (``PP:<stage>RECV_F<mb>`` / ``RECV_B``), then its one or two compute
-        actions in the ``PP:<text>`` event, so the action's span is its work."""
+        """One compute entry (one or two compute actions) in its ``PP:<text>`` event, which
+        begins with the waits for its received inputs, as in PyTorch's runtime."""
         a0 = time.perf_counter()
         self.compute_s = self.post_s = 0.0
-        got, wait = self.receive_inputs(parts)
         with self.rt._annotate(f"PP:{text}"):
+            got, wait = self.receive_inputs(parts)
             for p in parts:
                 if p.kind in ("F", "Fo"):
                     self.forward(p, got)
@@ -623,7 +624,8 @@ class _StepState:
         self, parts: Sequence[ComputeAction]
     ) -> Tuple[Dict[_Key, torch.Tensor], float]:
         """The inputs of ``parts`` that come from other ranks (``[T, H]`` each), by transfer
-        key, and the seconds spent waiting for them."""
+        key, and the seconds spent waiting for them. Raises ``RuntimeError`` when the program
+        did not post the receive before (a lowering that is not the core's)."""
         got: Dict[_Key, torch.Tensor] = {}
         wait = 0.0
         for p in parts:
@@ -631,35 +633,35 @@ class _StepState:
             if src is None or self.stage_rank[src] == self.me:
                 continue
             key = (_carried(p.kind), p.stage, p.microbatch)
-            name = f"PP:{p.stage}RECV_{'B' if key[0] == 'B' else 'F'}{p.microbatch}"
-            with self.rt._annotate(name):
-                got[key], w = self._receive(self.stage_rank[src], key)
-            wait += w
+            if key not in self.pending:
+                raise RuntimeError(f"rank {self.me}: {p} runs before its receive {key} was posted")
+            work, buf = self.pending.pop(key)
+            w0 = time.perf_counter()
+            work.wait()
+            wait += time.perf_counter() - w0
+            got[key] = buf
         return got, wait
 
-    def _receive(self, src: int, key: _Key) -> Tuple[torch.Tensor, float]:
-        """Waits for ``key`` from rank ``src``, posting ``src``'s receives in its send order up
-        to it (each into a tensor of exactly ``[T_k, H]``). Returns the tensor and the wait's
-        seconds. Raises ``RuntimeError`` when ``src`` never sends ``key`` in the plan."""
-        queue = self.incoming.get(src, [])
-        while key not in self.pending:
-            if self.posted[src] >= len(queue):
-                raise RuntimeError(
-                    f"rank {self.me}: {key} was never sent by rank {src} in the plan (an invalid schedule)"
-                )
-            t = queue[self.posted[src]]
-            self.posted[src] += 1
-            rows = self.fo_tokens[t[2]] if t[0] == "Fo" else self.tokens[t[2]]
-            rt = self.rt
+    def _post(self, c: CommAction) -> None:
+        """Posts one communication entry of the program: a receive into a tensor of exactly
+        ``[T_k, H]``, the send of a result computed before, or the wait for a send (its buffer
+        is then free). Raises ``RuntimeError`` for a send whose result was not computed (its
+        compute entry skipped) or a wait for a send never posted."""
+        rt = self.rt
+        key = (c.carries, c.receiving_stage, c.microbatch)
+        if c.kind == "RECV":
+            rows = self.fo_tokens[c.microbatch] if c.carries == "Fo" else self.tokens[c.microbatch]
             buf = torch.empty(rows, rt.hidden_size, dtype=rt.dtype, device=rt.device)
-            p0 = time.perf_counter()
-            work = dist.irecv(buf, src=rt._global(src), group=rt.group)
-            self.post_s += time.perf_counter() - p0
-            self.pending[t] = (work, buf)
-        work, buf = self.pending.pop(key)
-        w0 = time.perf_counter()
-        work.wait()
-        return buf, time.perf_counter() - w0
+            self.pending[key] = (dist.irecv(buf, src=rt._global(c.peer), group=rt.group), buf)
+        elif c.kind == "SEND":
+            if key not in self.outbox:
+                raise RuntimeError(f"rank {self.me}: {c} sends a result that was not computed")
+            t = self.outbox.pop(key)
+            self.sends[key] = (dist.isend(t, dst=rt._global(c.peer), group=rt.group), t)
+        else:
+            if key not in self.sends:
+                raise RuntimeError(f"rank {self.me}: {c} waits for a send never posted")
+            self.sends.pop(key)[0].wait()
 
     def _received(
         self, part: ComputeAction, got: Dict[_Key, torch.Tensor]
@@ -673,17 +675,14 @@ class _StepState:
         return self.local.pop(key) if self.stage_rank[src] == self.me else got.pop(key)
 
     def _send(self, part: ComputeAction, tensor: torch.Tensor) -> None:
-        """Sends ``part``'s result ``[T, H]`` to stage ``part.sends_to``: handed over when this
-        rank runs that stage, else an ``isend``."""
+        """Hands ``part``'s result ``[T, H]`` to stage ``part.sends_to``: directly when this
+        rank runs that stage, else to the program's SEND entry that follows."""
         dst_stage = part.sends_to
-        dst = self.stage_rank[dst_stage]
-        if dst == self.me:
-            self.local[(_carried(part.kind), dst_stage, part.microbatch)] = tensor
-            return
-        t = tensor.contiguous()
-        p0 = time.perf_counter()
-        self.sends.append((dist.isend(t, dst=self.rt._global(dst), group=self.rt.group), t))
-        self.post_s += time.perf_counter() - p0
+        key = (_carried(part.kind), dst_stage, part.microbatch)
+        if self.stage_rank[dst_stage] == self.me:
+            self.local[key] = tensor
+        else:
+            self.outbox[key] = tensor.contiguous()
 
     # ---- compute --------------------------------------------------------------------------
 
@@ -801,11 +800,14 @@ class _StepState:
     # ---- the end ----------------------------------------------------------------------------
 
     def finish(self) -> StepResult:
-        """Waits for the sends and the gradient reductions, all-reduces the loss over the
-        pipeline and returns the step's result. Raises ``RuntimeError`` when a tensor handed
-        over within the rank was never used (an invalid schedule)."""
-        for work, _ in self.sends:
+        """Waits for the sends the program did not wait for and the gradient reductions,
+        all-reduces the loss over the pipeline and returns the step's result. Raises
+        ``RuntimeError`` when a result was never sent or a tensor handed over within the rank
+        never used (an invalid schedule)."""
+        for work, _ in self.sends.values():
             work.wait()
+        if self.outbox:
+            raise RuntimeError(f"rank {self.me}: computed but never sent: {sorted(self.outbox)}")
         for work in self.reductions:
             work.wait()
         if self.local:

@@ -2,6 +2,7 @@
 //! each sends to and receives from; `parse_action` for PyTorch's notation.
 
 use super::*;
+use flatpipe_simulator::ir::comm::{CommAction, LoweredAction, Payload, Transfer};
 
 /// One compute action of a step plan: stage `stage` runs `kind` (`"F"`, `"I"`, `"W"`, `"B"`,
 /// `"Fo"`) on microbatch `microbatch`, with the pipeline's transfers it takes part in: the stage
@@ -109,6 +110,90 @@ impl PyAction {
 
     fn __repr__(&self) -> String {
         format!("Action({:?})", self.text())
+    }
+}
+
+/// One communication action of a rank's lowered program
+/// (`StepPlan.lowered_actions_of`): the rank posts a send (`"SEND"`) or a receive
+/// (`"RECV"`) of one transfer, or waits for its send (`"WAIT_SEND"`: the buffer may be
+/// freed). The transfer carries `carries` (`"F"` activations, `"B"` an input gradient, `"Fo"`
+/// forward-only activations, each `[T, H]` of microbatch `microbatch`) from stage
+/// `sending_stage` to stage `receiving_stage`; `peer` is the other rank. `str()` gives PyTorch's name
+/// (`0SEND_F3`, `1RECV_F3`, `0WAIT_SEND_F3`), numbered by the stage that posts it.
+#[pyclass(module = "flatpipe._core", name = "CommAction", frozen, eq, hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PyCommAction {
+    pub(crate) action: LoweredAction,
+    pub(crate) peer: u32,
+}
+
+impl PyCommAction {
+    fn transfer(&self) -> Transfer {
+        match self.action {
+            LoweredAction::Comm(c) => c.transfer(),
+            LoweredAction::WaitSend(t) => t,
+            _ => unreachable!("a CommAction holds a send, a receive or a send's wait"),
+        }
+    }
+}
+
+#[pymethods]
+impl PyCommAction {
+    /// `"SEND"`, `"RECV"` or `"WAIT_SEND"`.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        match self.action {
+            LoweredAction::Comm(CommAction::Send(_)) => "SEND",
+            LoweredAction::Comm(CommAction::Recv(_)) => "RECV",
+            _ => "WAIT_SEND",
+        }
+    }
+
+    /// What crosses: `"F"`, `"B"` or `"Fo"`.
+    #[getter]
+    fn carries(&self) -> &'static str {
+        match self.transfer().payload {
+            Payload::Activation => "F",
+            Payload::Gradient => "B",
+            Payload::ForwardOnly => "Fo",
+        }
+    }
+
+    /// The microbatch (forward-only ones have their own id space).
+    #[getter]
+    fn microbatch(&self) -> u32 {
+        self.transfer().microbatch.0
+    }
+
+    /// The stage whose compute produced the payload.
+    #[getter]
+    fn sending_stage(&self) -> u32 {
+        self.transfer().stage.0
+    }
+
+    /// The stage that consumes it.
+    #[getter]
+    fn receiving_stage(&self) -> u32 {
+        self.transfer().to_stage().0
+    }
+
+    /// The other rank of the transfer.
+    #[getter]
+    fn peer(&self) -> u32 {
+        self.peer
+    }
+
+    /// PyTorch's name.
+    fn __str__(&self) -> String {
+        self.action.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "CommAction({:?}, peer={})",
+            self.action.to_string(),
+            self.peer
+        )
     }
 }
 

@@ -75,6 +75,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStepPlan>()?;
     m.add_class::<PyComputeAction>()?;
     m.add_class::<PyAction>()?;
+    m.add_class::<PyCommAction>()?;
     m.add_function(wrap_pyfunction!(parse_action, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(import_trace, m)?)?;

@@ -135,6 +135,90 @@ impl PyStepPlan {
             .collect())
     }
 
+    /// `rank`'s program with its communication: the entries of [`PyStepPlan::actions_of`]
+    /// (as [`PyAction`]s) with the sends, receives and send waits ([`PyCommAction`]s) between
+    /// them, in the order the core's lowering posts them (`ir::lowering::sweep`, PyTorch
+    /// 2.15's `_add_send_recv` + `_add_wait_send`; `posting = "deferred"` adds
+    /// `_defer_recv_ops`). With `forward_only`, the program of the F parts alone, in the
+    /// same order (an evaluation step).
+    ///
+    /// # Errors
+    /// `ValueError` for a `posting` other than `"ahead"` / `"deferred"`; `FlatpipeError` for a
+    /// rank or replica out of range, a schedule whose lowering cannot place an action, or a
+    /// deferred order in which a rank pair's sends and receives differ (NCCL and gloo match
+    /// them in posting order: `ir::lowering::check_pair_order`).
+    #[pyo3(signature = (rank, replica = 0, posting = "ahead", forward_only = false))]
+    fn lowered_actions_of(
+        &self,
+        py: Python<'_>,
+        rank: u32,
+        replica: usize,
+        posting: &str,
+        forward_only: bool,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        use flatpipe_simulator::ir::comm::LoweredAction;
+        use flatpipe_simulator::ir::lowering::{RecvPosting, sweep};
+        let posting = match posting {
+            "ahead" => RecvPosting::Ahead,
+            "deferred" => RecvPosting::Deferred,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "posting = {other:?}: one of \"ahead\" (PyTorch's _add_send_recv), \"deferred\" (_defer_recv_ops)"
+                )));
+            }
+        };
+        self.check_rank(rank)?;
+        let r = self.replica(replica)?;
+        let mut schedule = (*r.rounds[0].schedule).clone();
+        if forward_only {
+            for acts in &mut schedule.ranks {
+                *acts = acts
+                    .iter()
+                    .flat_map(Action::parts)
+                    .filter(|a| a.kind == flatpipe_simulator::ir::ActionKind::F)
+                    .map(Action::Compute)
+                    .collect();
+            }
+        }
+        flatpipe_simulator::ir::lowering::check_pair_order(&schedule, posting).map_err(err)?;
+        let num_stages = self.placement.num_stages();
+        let mut mine = Vec::new();
+        sweep(&schedule, posting, |q, a| {
+            if q == rank as usize {
+                mine.push(a);
+            }
+        })
+        .map_err(err)?;
+        let peer = |a: LoweredAction| {
+            let t = match a {
+                LoweredAction::Comm(c) => c.transfer(),
+                LoweredAction::WaitSend(t) => t,
+                _ => return rank,
+            };
+            let (from, to) = (
+                self.placement.rank(t.stage).0,
+                self.placement.rank(t.to_stage()).0,
+            );
+            if from == rank { to } else { from }
+        };
+        mine.into_iter()
+            .map(|a| match a {
+                LoweredAction::Compute(action) => {
+                    Ok(Py::new(py, PyAction { action, num_stages })?.into_any())
+                }
+                LoweredAction::Comm(_) | LoweredAction::WaitSend(_) => Ok(Py::new(
+                    py,
+                    PyCommAction {
+                        action: a,
+                        peer: peer(a),
+                    },
+                )?
+                .into_any()),
+                LoweredAction::Fsdp(..) => Err(err(format!("{a}: FSDP actions are not run here"))),
+            })
+            .collect()
+    }
+
     /// The schedule's name.
     #[pyo3(signature = (replica = 0))]
     fn schedule_name(&self, replica: usize) -> PyResult<String> {

@@ -104,6 +104,7 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
             group=pipe_groups[replica],
             pipeline_ranks=[r * dp + replica for r in range(pp)],
             dp_group=dp_groups[prank] if dp > 1 else None,
+            posting=spec.get("posting", "ahead"),
         )
         skip = frozenset(spec.get("skip", {}).get(str(rank), []))
         report = []
@@ -222,6 +223,13 @@ def run_traced(rank: int, world: int, init: str, out_dir: str) -> None:
             key=lambda e: e.time_range.start,
         )
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"actions": plan.actions(rank), "events": [e.name for e in events]}, f)
+            json.dump(
+                {
+                    "actions": plan.actions(rank),
+                    "lowered": [str(a) for a in plan.lowered_actions_of(rank)],
+                    "events": [e.name for e in events],
+                },
+                f,
+            )
     finally:
         dist.destroy_process_group()

@@ -151,3 +151,42 @@ def test_parse_action_is_public():
 
     assert "parse_action" in flatpipe.torch.__all__
     assert flatpipe.torch.parse_action is flatpipe.parse_action
+
+
+@pytest.mark.parametrize("name, plan", PLANS, ids=[n for n, _ in PLANS])
+def test_lowered_programs_hold_the_compute_and_match_each_pairs_order(name, plan):
+    """``lowered_actions_of``: the compute entries are ``actions_of``'s, and on every ordered
+    rank pair the sender's sends and the receiver's receives name the same transfers in the
+    same order (how gloo and NCCL match them), each send waited for once after it is posted."""
+    sends, recvs = {}, {}
+    for rank in range(plan.num_ranks):
+        program = plan.lowered_actions_of(rank)
+        assert [a.text for a in program if isinstance(a, flatpipe.Action)] == plan.actions(rank)
+        posted = set()
+        for a in program:
+            if not isinstance(a, flatpipe.CommAction):
+                continue
+            t = (a.carries, a.sending_stage, a.microbatch)
+            assert plan.stage_ranks[a.sending_stage if a.kind != "RECV" else a.receiving_stage] == rank
+            if a.kind == "SEND":
+                sends.setdefault((rank, a.peer), []).append(t)
+                posted.add(t)
+            elif a.kind == "RECV":
+                recvs.setdefault((a.peer, rank), []).append(t)
+            else:
+                assert t in posted, f"{name} rank {rank}: {a} before its send"
+                posted.remove(t)
+        assert not posted, f"{name} rank {rank}: sends never waited for: {posted}"
+    assert sends == recvs, name
+
+
+def test_a_deferred_order_that_pairs_would_mismatch_is_refused():
+    """ZB-V on 2 ranks under PyTorch's deferred receives: rank 1 posts the receives of rank
+    0's activations and gradients in its consumption order, not rank 0's send order."""
+    plan = flatpipe.Pipeline("zb-v", pp=2, num_layers=8, token_budget=64).plan_step(LENS)
+    with pytest.raises(flatpipe.FlatpipeError, match="posting order"):
+        plan.lowered_actions_of(0, posting="deferred")
+    with pytest.raises(ValueError, match="posting"):
+        plan.lowered_actions_of(0, posting="late")
+    ok = flatpipe.Pipeline("1f1b", pp=2, num_layers=8, token_budget=64).plan_step(LENS)
+    assert any(str(a) == "0RECV_B0" for a in ok.lowered_actions_of(0, posting="deferred"))

@@ -5,7 +5,8 @@
   ``ScheduleInterleaved1F1B`` with 2 stages per rank and 4 microbatches of fixed shape (its
   runtime labels every action ``PP:<action>``: compute, sends, receives, waits);
 - ``flatpipe-zb-v.rank{0,1}.json.gz``: flatpipe's runtime (``flatpipe.torch``) running ZB-V
-  step plans of variable-length steps (its receive waits are their own ``PP:..RECV_..`` events);
+  step plans of variable-length steps (it records the core's lowered program: compute, sends,
+  receives and send waits, as PyTorch's runtime does);
 - ``torch-1f1b.rank0.json.gz``: PyTorch's ``Schedule1F1B`` (rank 0 of 2, one step), whose
   runtime records no ``PP:`` event at all: the import must refuse it and say what to do;
 - ``truth.json``: what each rank really ran, per file and step (compute actions in order), from

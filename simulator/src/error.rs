@@ -70,6 +70,27 @@ pub enum Error {
         waiting: Vec<String>,
     },
 
+    /// Two ranks' lowered programs post one direction's transfers in different orders: NCCL and
+    /// gloo match a rank pair's point-to-point operations in posting order, so a receive would
+    /// get another transfer's bytes.
+    #[error(
+        "schedule {schedule} cannot run under its communication lowering: rank {from} posts its sends to rank {to} in another order than rank {to} posts their receives (send {index} is {sent}, receive {index} is {received}); NCCL and gloo match a pair's point-to-point operations in posting order, so a receive would get another transfer's bytes (gloo: a size error; NCCL: wrong data or a hang): post receives ahead (PyTorch's _add_send_recv)"
+    )]
+    PairOrder {
+        /// Schedule name.
+        schedule: String,
+        /// Sending rank.
+        from: u32,
+        /// Receiving rank.
+        to: u32,
+        /// First position where the two orders differ, 0-based.
+        index: usize,
+        /// The sender's action there (`-` when it has none).
+        sent: String,
+        /// The receiver's action there (`-` when it has none).
+        received: String,
+    },
+
     // ---- outputs ----
     /// A chart could not be drawn or written.
     #[error("{path}: cannot draw chart: {message}")]

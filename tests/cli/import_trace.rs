@@ -96,10 +96,14 @@ fn pytorchs_traces_show_their_comm_lanes_and_posting_order() {
     for name in ["send", "recv", "wait", "FSDP"] {
         assert!(texts.contains(&name), "legend lacks {name}");
     }
-    // flatpipe's runtime records only its receive waits: no order to compare, and said so.
+    // flatpipe's runtime posts the core's lowered program: the same order.
     let files: Vec<String> = (0..2)
         .map(|r| repo_file(&format!("tests/data/traces/flatpipe-zb-v.rank{r}.json.gz")))
         .collect();
-    let o = flatpipe(dir.path(), &["import-trace", &files[0], &files[1]]);
-    assert!(o.stdout.contains("neither"), "{}", o.stdout);
+    let v = flatpipe(
+        dir.path(),
+        &["import-trace", &files[0], &files[1], "--format", "json"],
+    )
+    .json();
+    assert_eq!(v["posting_order"], "ahead");
 }

@@ -121,6 +121,85 @@ pub fn lower(schedule: &Schedule, lowering: Lowering) -> Result<Lowered> {
     })
 }
 
+/// Checks that every rank posts its sends to each peer in the order that peer posts their
+/// receives: NCCL and gloo match the point-to-point operations of a rank pair (one
+/// communicator, one tag) in posting order, so any other order hands a receive another
+/// transfer's bytes. Receives posted [`RecvPosting::Ahead`] agree by construction (the sweep
+/// posts each receive in the step that posts its send); [`RecvPosting::Deferred`] posts them in
+/// the receiver's consumption order, which can differ where one peer sends a rank two kinds of
+/// transfer (ZB-V on 2 ranks: rank 1 sends rank 0 stage 2's activations and stage 1's
+/// gradients).
+///
+/// # Errors
+/// As [`sweep`]; [`Error::PairOrder`] naming the pair and the first two actions that differ.
+pub fn check_pair_order(schedule: &Schedule, posting: RecvPosting) -> Result<()> {
+    if posting == RecvPosting::Ahead {
+        return Ok(());
+    }
+    let mut order = PairOrder::default();
+    sweep(schedule, posting, |r, a| {
+        order.see(&schedule.placement, r, a)
+    })?;
+    order.check(&schedule.name)
+}
+
+/// Per directed rank pair, the transfers its sends and its receives post, in program order.
+#[derive(Debug, Default)]
+pub struct PairOrder {
+    sends: std::collections::BTreeMap<(u32, u32), Vec<Transfer>>,
+    recvs: std::collections::BTreeMap<(u32, u32), Vec<Transfer>>,
+}
+
+impl PairOrder {
+    /// Notes rank `r`'s next action `a` (stages placed by `placement`).
+    pub fn see(&mut self, placement: &crate::ir::Placement, r: usize, a: LoweredAction) {
+        let LoweredAction::Comm(c) = a else { return };
+        let t = c.transfer();
+        let (from, to) = (placement.rank(t.stage).0, placement.rank(t.to_stage()).0);
+        let list = match c {
+            CommAction::Send(_) => &mut self.sends,
+            CommAction::Recv(_) => &mut self.recvs,
+        };
+        debug_assert_eq!(
+            r as u32,
+            if matches!(c, CommAction::Send(_)) {
+                from
+            } else {
+                to
+            }
+        );
+        list.entry((from, to)).or_default().push(t);
+    }
+
+    /// The first pair whose orders differ, as [`Error::PairOrder`] of schedule `name`.
+    ///
+    /// # Errors
+    /// [`Error::PairOrder`].
+    pub fn check(&self, name: &str) -> Result<()> {
+        let empty = Vec::new();
+        let pairs = self.sends.keys().chain(self.recvs.keys());
+        for &(from, to) in pairs {
+            let sent = self.sends.get(&(from, to)).unwrap_or(&empty);
+            let got = self.recvs.get(&(from, to)).unwrap_or(&empty);
+            let n = sent.len().max(got.len());
+            if let Some(index) = (0..n).find(|&i| sent.get(i) != got.get(i)) {
+                let name_of = |t: Option<&Transfer>, half: fn(Transfer) -> CommAction| {
+                    t.map_or("-".to_string(), |t| half(*t).to_string())
+                };
+                return Err(Error::PairOrder {
+                    schedule: name.to_string(),
+                    from,
+                    to,
+                    index,
+                    sent: name_of(sent.get(index), CommAction::Send),
+                    received: name_of(got.get(index), CommAction::Recv),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The lowering of `schedule` under `posting`, action by action: `emit(r, a)` appends `a` to
 /// rank `r`'s program (each rank's actions come in its program's order; ranks interleave).
 /// [`lower`] collects them; the streams' replay keeps only the sends and receives.
@@ -390,6 +469,44 @@ mod tests {
                 let l = lower(&s, policy).unwrap();
                 l.validate()
                     .unwrap_or_else(|e| panic!("{} {policy}: {e}", s.name));
+            }
+        }
+    }
+
+    #[test]
+    fn a_deferred_v_posts_one_pairs_receives_out_of_its_send_order() {
+        // ZB-V, p = 2, m = 4: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2. Rank 0
+        // sends rank 1 stage 0's activations (0SEND_F*) and stage 3's gradients (3SEND_B*),
+        // in its compute order: 0F0 0F1 0F2 ... the forwards first, so its sends to rank 1
+        // start 0SEND_F0 0SEND_F1 0SEND_F2. Deferred, rank 1 posts each receive just before
+        // the compute that reads it, and its first backward, 2I0, reads 3's gradient of
+        // microbatch 0 before 1F2 reads activations 2: receive 2 is 2RECV_B0 where send 2 is
+        // 0SEND_F2.
+        let s = ScheduleKind::ZbV.generate(2, 2, 4).unwrap();
+        let e = check_pair_order(&s, RecvPosting::Deferred).unwrap_err();
+        match e {
+            Error::PairOrder {
+                from,
+                to,
+                index,
+                ref sent,
+                ref received,
+                ..
+            } => {
+                assert_eq!((from, to, index), (0, 1, 2), "{e}");
+                assert_eq!((sent.as_str(), received.as_str()), ("0SEND_F2", "2RECV_B0"));
+            }
+            other => panic!("{other}"),
+        }
+        // Receives posted ahead keep every pair's order, by construction.
+        for &kind in ScheduleKind::ALL {
+            for (p, m) in [(2, 4), (4, 8)] {
+                if let Ok(s) = kind.generate(p, 2, m) {
+                    check_pair_order(&s, RecvPosting::Ahead).unwrap();
+                    let mut order = PairOrder::default();
+                    sweep(&s, RecvPosting::Ahead, |r, a| order.see(&s.placement, r, a)).unwrap();
+                    order.check(&s.name).unwrap();
+                }
             }
         }
     }

@@ -44,7 +44,7 @@ const NO_STREAM: u32 = u32::MAX;
 /// [`Error::StreamsHang`] naming every waiting stream and its head when the streams cannot
 /// finish (a receive posted ahead of actions its sender waits for, or a dependency cycle).
 pub fn replay_lowered<C: CostModel>(lowered: &Lowered, costs: &C) -> Result<Timeline> {
-    timeline_of(&lowered.schedule, comm_streams(lowered), costs)
+    timeline_of(&lowered.schedule, comm_streams(lowered)?, costs)
 }
 
 /// [`replay_lowered`] of `schedule` lowered under `lowering`, without building the lowered
@@ -480,24 +480,32 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
 
 /// The lowering's communication streams, each with its actions in program order, in the order
 /// ranks and then first use name them.
-fn comm_streams(lowered: &Lowered) -> Vec<CommStream> {
+///
+/// # Errors
+/// [`Error::PairOrder`] when two ranks post one direction's transfers in different orders
+/// ([`crate::ir::lowering::check_pair_order`]).
+fn comm_streams(lowered: &Lowered) -> Result<Vec<CommStream>> {
     let mut streams = StreamSet::new(&lowered.schedule, lowered.streams);
+    let mut order = crate::ir::lowering::PairOrder::default();
     for (r, prog) in lowered.program.iter().enumerate() {
         for a in prog {
+            order.see(&lowered.schedule.placement, r, *a);
             if let LoweredAction::Comm(c) = *a {
                 streams.push(r, c);
             }
         }
     }
-    streams.done()
+    order.check(&lowered.schedule.name)?;
+    Ok(streams.done())
 }
 
 /// The communication streams of `schedule` lowered under `lowering`, as [`comm_streams`] of
 /// [`crate::ir::lowering::lower`]'s result.
 ///
 /// # Errors
-/// As [`crate::ir::lowering::lower`].
+/// As [`crate::ir::lowering::lower`] and [`crate::ir::lowering::check_pair_order`].
 fn swept_streams(schedule: &Schedule, lowering: Lowering) -> Result<Vec<CommStream>> {
+    crate::ir::lowering::check_pair_order(schedule, lowering.posting)?;
     let mut streams = StreamSet::new(schedule, lowering.streams);
     crate::ir::lowering::sweep(schedule, lowering.posting, |r, a| {
         if let LoweredAction::Comm(c) = a {

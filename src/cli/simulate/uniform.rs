@@ -190,11 +190,13 @@ fn simulate_one(
     ))
 }
 
-/// Whether `e` is a lowering whose streams hang ([`sim::Error::StreamsHang`]).
+/// Whether `e` is a lowering that cannot run: its streams hang ([`sim::Error::StreamsHang`])
+/// or a rank pair posts its sends and receives in different orders
+/// ([`sim::Error::PairOrder`]).
 fn is_hang(e: &anyhow::Error) -> bool {
     matches!(
         e.downcast_ref::<sim::Error>(),
-        Some(sim::Error::StreamsHang { .. })
+        Some(sim::Error::StreamsHang { .. } | sim::Error::PairOrder { .. })
     )
 }
 
