@@ -73,6 +73,11 @@ pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
                     ..Default::default()
                 };
                 let lowered = sim::ir::lowering::lower(&s, lowering)?;
+                // Written as PyTorch would lower it (the interop check compares the two), with
+                // a warning where NCCL or gloo would pair its sends and receives wrongly.
+                if let Err(e) = sim::ir::lowering::check_pair_order(&s, lowering.posting) {
+                    tracing::warn!("{e}");
+                }
                 sim::ir::pytorch_csv::write_pytorch_comms_csv(&lowered)?
             }
         };
