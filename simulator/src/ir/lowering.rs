@@ -133,66 +133,170 @@ pub fn lower(schedule: &Schedule, lowering: Lowering) -> Result<Lowered> {
 /// # Errors
 /// As [`sweep`]; [`Error::PairOrder`] naming the pair and the first two actions that differ.
 pub fn check_pair_order(schedule: &Schedule, posting: RecvPosting) -> Result<()> {
-    if posting == RecvPosting::Ahead {
+    if posting == RecvPosting::Ahead || consumed_in_send_order(schedule) {
         return Ok(());
     }
-    let mut order = PairOrder::default();
-    sweep(schedule, posting, |r, a| {
-        order.see(&schedule.placement, r, a)
-    })?;
-    order.check(&schedule.name)
+    let mut order = PairOrder::new(schedule);
+    sweep(schedule, posting, |r, a| order.see(r, a))?;
+    order.check(schedule)
 }
 
-/// Per directed rank pair, the transfers its sends and its receives post, in program order.
-#[derive(Debug, Default)]
+/// Whether every rank reads each peer's transfers in the order the peer sends them (its
+/// compute order), without lowering: `O(actions)`. Then the deferred order keeps every pair's
+/// order too: a deferred receive is posted before the compute that reads it, or flushed with
+/// the peer's other deferred receives in their ahead order, which is the send order; a
+/// receive read later than another was sent later, so it is posted ahead later, and neither
+/// rule can post it first. (The converse does not hold: a flush can restore an order the
+/// reads do not follow, so `false` leaves it to the sweep.)
+fn consumed_in_send_order(schedule: &Schedule) -> bool {
+    let index = TransferIndex::of(schedule);
+    let n = schedule.num_stages();
+    let rank_of = |s: crate::ir::StageId| schedule.placement.rank(s).0;
+    let mut sent = vec![0u32; index.len()];
+    let mut read = vec![0u32; index.len()];
+    for (r, actions) in schedule.ranks.iter().enumerate() {
+        let r = r as u32;
+        // Per peer: sends to it and reads from it so far.
+        let mut counts: Vec<(u32, u32, u32)> = Vec::new();
+        let mut bump = |peer: u32, send: bool| {
+            let at = match counts.iter().position(|c| c.0 == peer) {
+                Some(i) => i,
+                None => {
+                    counts.push((peer, 0, 0));
+                    counts.len() - 1
+                }
+            };
+            let c = &mut counts[at];
+            let k = if send { &mut c.1 } else { &mut c.2 };
+            *k += 1;
+            *k
+        };
+        for a in actions.iter().flat_map(|a| a.parts()) {
+            if let Some(t) = Transfer::of_producer(a, n)
+                && rank_of(t.to_stage()) != r
+                && index.contains(t)
+            {
+                sent[index.get(t)] = bump(rank_of(t.to_stage()), true);
+            }
+            if let Some(t) = Transfer::of_consumer(a, n)
+                && rank_of(t.stage) != r
+                && index.contains(t)
+            {
+                read[index.get(t)] = bump(rank_of(t.stage), false);
+            }
+        }
+    }
+    sent == read
+}
+
+/// Per transfer, its position among its rank pair's sends and among the pair's receives,
+/// filled action by action ([`PairOrder::see`]) and compared by [`PairOrder::check`]. Dense
+/// arrays: a few bytes per transfer, no map.
+#[derive(Debug)]
 pub struct PairOrder {
-    sends: std::collections::BTreeMap<(u32, u32), Vec<Transfer>>,
-    recvs: std::collections::BTreeMap<(u32, u32), Vec<Transfer>>,
+    index: TransferIndex,
+    rank_of: Vec<u32>,
+    /// Per transfer: its send's and its receive's position in the pair's order, plus one
+    /// (0: not posted).
+    send_seq: Vec<u32>,
+    recv_seq: Vec<u32>,
+    /// Per rank: (peer, sends to it so far) and (peer, receives from it so far).
+    sends: Vec<Vec<(u32, u32)>>,
+    recvs: Vec<Vec<(u32, u32)>>,
 }
 
 impl PairOrder {
-    /// Notes rank `r`'s next action `a` (stages placed by `placement`).
-    pub fn see(&mut self, placement: &crate::ir::Placement, r: usize, a: LoweredAction) {
-        let LoweredAction::Comm(c) = a else { return };
-        let t = c.transfer();
-        let (from, to) = (placement.rank(t.stage).0, placement.rank(t.to_stage()).0);
-        let list = match c {
-            CommAction::Send(_) => &mut self.sends,
-            CommAction::Recv(_) => &mut self.recvs,
-        };
-        debug_assert_eq!(
-            r as u32,
-            if matches!(c, CommAction::Send(_)) {
-                from
-            } else {
-                to
-            }
-        );
-        list.entry((from, to)).or_default().push(t);
+    /// Empty counts for `schedule`'s transfers.
+    pub fn new(schedule: &Schedule) -> Self {
+        let index = TransferIndex::of(schedule);
+        let p = schedule.ranks.len();
+        PairOrder {
+            index,
+            rank_of: schedule.placement.rank_of.iter().map(|r| r.0).collect(),
+            send_seq: vec![0; index.len()],
+            recv_seq: vec![0; index.len()],
+            sends: vec![Vec::new(); p],
+            recvs: vec![Vec::new(); p],
+        }
     }
 
-    /// The first pair whose orders differ, as [`Error::PairOrder`] of schedule `name`.
+    /// Notes rank `r`'s next action `a`.
+    #[inline]
+    pub fn see(&mut self, r: usize, a: LoweredAction) {
+        let LoweredAction::Comm(c) = a else { return };
+        let t = c.transfer();
+        if !self.index.contains(t) {
+            return; // `Lowered::validate` names it
+        }
+        let (list, peer, seq) = match c {
+            CommAction::Send(_) => (
+                &mut self.sends[r],
+                self.rank_of[t.to_stage().idx()],
+                &mut self.send_seq,
+            ),
+            CommAction::Recv(_) => (
+                &mut self.recvs[r],
+                self.rank_of[t.stage.idx()],
+                &mut self.recv_seq,
+            ),
+        };
+        let count = match list.iter_mut().find(|(q, _)| *q == peer) {
+            Some((_, n)) => n,
+            None => {
+                list.push((peer, 0));
+                &mut list.last_mut().expect("pushed").1
+            }
+        };
+        *count += 1;
+        seq[self.index.get(t)] = *count;
+    }
+
+    /// `Ok` when every pair's receives came in its sends' order; else the first pair (by
+    /// sending rank, then receiving rank) and position where they differ.
     ///
     /// # Errors
-    /// [`Error::PairOrder`].
-    pub fn check(&self, name: &str) -> Result<()> {
-        let empty = Vec::new();
-        let pairs = self.sends.keys().chain(self.recvs.keys());
-        for &(from, to) in pairs {
-            let sent = self.sends.get(&(from, to)).unwrap_or(&empty);
-            let got = self.recvs.get(&(from, to)).unwrap_or(&empty);
-            let n = sent.len().max(got.len());
-            if let Some(index) = (0..n).find(|&i| sent.get(i) != got.get(i)) {
-                let name_of = |t: Option<&Transfer>, half: fn(Transfer) -> CommAction| {
+    /// [`Error::PairOrder`] naming the pair and the two actions.
+    pub fn check(&self, schedule: &Schedule) -> Result<()> {
+        if self.send_seq == self.recv_seq {
+            return Ok(());
+        }
+        // Rebuild each pair's two orders from the positions, for the message.
+        let n = schedule.num_stages();
+        let mut pairs: std::collections::BTreeMap<(u32, u32), (Vec<Transfer>, Vec<Transfer>)> =
+            Default::default();
+        for a in schedule.ranks.iter().flatten().flat_map(|a| a.parts()) {
+            let Some(t) = Transfer::of_producer(a, n) else {
+                continue;
+            };
+            let x = self.index.get(t);
+            let key = (
+                self.rank_of[t.stage.idx()],
+                self.rank_of[t.to_stage().idx()],
+            );
+            let (sends, recvs) = pairs.entry(key).or_default();
+            for (list, seq) in [(sends, self.send_seq[x]), (recvs, self.recv_seq[x])] {
+                if seq > 0 {
+                    let at = seq as usize - 1;
+                    if list.len() <= at {
+                        list.resize(at + 1, t);
+                    }
+                    list[at] = t;
+                }
+            }
+        }
+        for ((from, to), (sent, got)) in pairs {
+            let len = sent.len().max(got.len());
+            if let Some(index) = (0..len).find(|&i| sent.get(i) != got.get(i)) {
+                let name = |t: Option<&Transfer>, half: fn(Transfer) -> CommAction| {
                     t.map_or("-".to_string(), |t| half(*t).to_string())
                 };
                 return Err(Error::PairOrder {
-                    schedule: name.to_string(),
+                    schedule: schedule.name.clone(),
                     from,
                     to,
                     index,
-                    sent: name_of(sent.get(index), CommAction::Send),
-                    received: name_of(got.get(index), CommAction::Recv),
+                    sent: name(sent.get(index), CommAction::Send),
+                    received: name(got.get(index), CommAction::Recv),
                 });
             }
         }
@@ -498,14 +602,30 @@ mod tests {
             }
             other => panic!("{other}"),
         }
+        // Where every rank reads in its peers' send order, the sweep agrees that the deferred
+        // order keeps every pair's order.
+        for &kind in ScheduleKind::ALL {
+            for (p, v, m) in [(2, 2, 4), (3, 2, 7), (4, 2, 8), (4, 1, 9)] {
+                if let Ok(s) = kind.generate(p, v, m)
+                    && consumed_in_send_order(&s)
+                {
+                    let mut order = PairOrder::new(&s);
+                    sweep(&s, RecvPosting::Deferred, |r, a| order.see(r, a)).unwrap();
+                    order.check(&s).unwrap();
+                }
+            }
+        }
+        assert!(!consumed_in_send_order(
+            &ScheduleKind::ZbV.generate(2, 2, 4).unwrap()
+        ));
         // Receives posted ahead keep every pair's order, by construction.
         for &kind in ScheduleKind::ALL {
             for (p, m) in [(2, 4), (4, 8)] {
                 if let Ok(s) = kind.generate(p, 2, m) {
                     check_pair_order(&s, RecvPosting::Ahead).unwrap();
-                    let mut order = PairOrder::default();
-                    sweep(&s, RecvPosting::Ahead, |r, a| order.see(&s.placement, r, a)).unwrap();
-                    order.check(&s.name).unwrap();
+                    let mut order = PairOrder::new(&s);
+                    sweep(&s, RecvPosting::Ahead, |r, a| order.see(r, a)).unwrap();
+                    order.check(&s).unwrap();
                 }
             }
         }

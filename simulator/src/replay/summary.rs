@@ -20,6 +20,7 @@
 //! smaller than the best's (zb-auto replays ~15 candidates per call this way).
 
 use crate::costs::CostModel;
+use crate::ir::comm::StreamLayout;
 use crate::ir::lowering::Lowering;
 use crate::ir::{Action, ActionKind, ComputeAction, Placement, Rank, Schedule};
 use crate::replay::metrics::{self, Metrics, PartMemory};
@@ -318,14 +319,27 @@ pub struct ToBeat<'a> {
 /// [`replay_summary`] of `schedule` lowered to compute and communication under `lowering`
 /// ([`crate::replay::streams`]).
 ///
+/// On per-peer streams ([`StreamLayout::PerPeer`]) this is [`replay_summary`] itself once
+/// every rank pair posts its receives in its sends' order
+/// ([`crate::ir::lowering::check_pair_order`]): a receive stream from peer q then holds
+/// exactly the sends of q's stream to this rank, in their order, so each transfer starts
+/// when its payload is ready and the link's previous transfer has ended, wherever the
+/// program posts it (the FIFO links of [`crate::replay::replay`]; a property test checks
+/// every kind under both postings).
+///
 /// # Errors
 /// As [`crate::ir::lowering::lower`]; [`crate::Error::StreamsHang`] when the streams
-/// cannot finish.
+/// cannot finish; [`crate::Error::PairOrder`] when a rank pair posts its sends and
+/// receives in different orders.
 pub fn lowered_summary<C: CostModel>(
     schedule: &Schedule,
     lowering: Lowering,
     costs: &C,
 ) -> Result<Summary> {
+    if lowering.streams == StreamLayout::PerPeer {
+        crate::ir::lowering::check_pair_order(schedule, lowering.posting)?;
+        return replay_summary(schedule, costs);
+    }
     let to_beat = ToBeat {
         makespan_ns: u64::MAX,
         peak: f64::INFINITY,
