@@ -30,7 +30,7 @@ trap 'rm -rf "$out"' EXIT
 (cd "$out" && "$py" "$OLDPWD/scripts/interop/torchtitan_check.py" .)
 # Every schedule kind lowered to sends, receives and send waits, receives ahead and deferred:
 # equal to torch's own lowering (_add_send_recv, _add_wait_send, _defer_recv_ops), and loadable
-# as a compute_comms CSV.
+# as a compute_comms CSV; with FSDP's actions, equal to what torch's compute-only loader runs.
 comms="$out/comms"
 mkdir "$comms"
 for kind in gpipe 1f1b interleaved-1f1b looped-bfs zb-h1 zb-h2 zb-v dualpipev zb-auto; do
@@ -40,8 +40,25 @@ for kind in gpipe 1f1b interleaved-1f1b looped-bfs zb-h1 zb-h2 zb-v dualpipev zb
         "$bin" schedule --schedule "$kind" --pp "$1" --microbatches "$2" -o "$base.csv" >/dev/null 2>&1 || continue
         for posting in ahead deferred; do
             "$bin" schedule --schedule "$kind" --pp "$1" --microbatches "$2" --comms "$posting" \
-                -o "$base.$posting.csv" >/dev/null
+                -o "$base.$posting.csv" >/dev/null 2>&1
         done
+        "$bin" schedule --schedule "$kind" --pp "$1" --microbatches "$2" --comms ahead --fsdp \
+            -o "$base.fsdp.csv" >/dev/null 2>&1
+    done
+done
+# Four and five stages per rank: more than the 3 FSDP keeps gathered, so stages are resharded
+# and gathered again.
+for kind in interleaved-1f1b looped-bfs; do
+    for size in "2 4 4" "3 5 6"; do
+        set -- $size
+        base="$comms/$kind-p$1-v$2-m$3"
+        "$bin" schedule --schedule "$kind" --pp "$1" --vpp "$2" --microbatches "$3" -o "$base.csv" >/dev/null
+        for posting in ahead deferred; do
+            "$bin" schedule --schedule "$kind" --pp "$1" --vpp "$2" --microbatches "$3" \
+                --comms "$posting" -o "$base.$posting.csv" >/dev/null 2>&1
+        done
+        "$bin" schedule --schedule "$kind" --pp "$1" --vpp "$2" --microbatches "$3" \
+            --comms ahead --fsdp -o "$base.fsdp.csv" >/dev/null 2>&1
     done
 done
 "$py" scripts/interop/comms_check.py "$comms"

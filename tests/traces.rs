@@ -167,3 +167,28 @@ fn pytorchs_comm_actions_land_on_comm_lanes_in_its_eager_lowerings_order() {
         }
     }
 }
+
+#[test]
+fn pytorchs_whole_program_with_fsdp_actions_is_flatpipes_lowering() {
+    // torch 2.15's runtime lowers a compute-only schedule with `_add_unshard_reshard`
+    // (max_active_stages 3) and `_add_reduce_grad` before the sweep: every PP: event of the
+    // trace, compute and communication, in order, is `lower_with_fsdp`'s program.
+    use flatpipe::simulator::ir::lowering::{Lowering, lower_with_fsdp};
+    let files: Vec<_> = (0..2)
+        .map(|r| gz(&format!("torch-interleaved-1f1b.rank{r}.json.gz")))
+        .collect();
+    for step in 0..2 {
+        let t = read_traces(&files, &ImportOptions { step: Some(step) }).unwrap();
+        let lowered = lower_with_fsdp(&t.schedule, Lowering::UNCONTENDED, 3).unwrap();
+        let names = |p: &[flatpipe::simulator::ir::comm::LoweredAction]| -> Vec<String> {
+            p.iter().map(ToString::to_string).collect()
+        };
+        for (r, ran) in t.program().iter().enumerate() {
+            assert_eq!(
+                names(ran),
+                names(&lowered.program[r]),
+                "step {step} rank {r}"
+            );
+        }
+    }
+}

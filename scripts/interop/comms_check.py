@@ -1,7 +1,8 @@
 """Checks flatpipe's compute-and-communication CSVs against PyTorch's own lowering.
 
 Usage: python comms_check.py DIR   (DIR holds NAME.csv, NAME.ahead.csv and NAME.deferred.csv,
-written by `flatpipe schedule -o` without and with `--comms ahead|deferred`)
+written by `flatpipe schedule -o` without and with `--comms ahead|deferred`, and NAME.fsdp.csv,
+`--comms ahead --fsdp`, checked against torch's own compute-only loader)
 
 For every NAME: torch's `_add_send_recv` then `_add_wait_send` lowers the compute-only CSV (read
 with `_Action.from_str`, stage -> rank from where each stage runs), and must give NAME.ahead.csv
@@ -66,6 +67,52 @@ def load_compute_comms(path: str, compute: dict[int, list[_Action]]) -> None:
     assert rt.stage_index_to_group_rank == ranks, (rt.stage_index_to_group_rank, ranks)
 
 
+def runtime(compute: dict[int, list[_Action]]) -> _PipelineScheduleRuntime:
+    """A `_PipelineScheduleRuntime` without `__init__` (which needs stages on a process group),
+    with the attributes its loader reads, at its defaults."""
+    rt = _PipelineScheduleRuntime.__new__(_PipelineScheduleRuntime)
+    rt.pp_group_size = len(compute)
+    rt._num_stages = len(stage_ranks(compute))
+    rt._n_microbatches = 1 + max(
+        part.microbatch_index
+        for acts in compute.values()
+        for a in acts
+        for part in (a.sub_actions or (a,))
+    )
+    rt._stages = []
+    rt._unshard_lookahead = "full"
+    rt._max_active_stages = 3
+    rt._max_outstanding_sends = None
+    rt._defer_pp_recv = False
+    rt._defer_reduce_grad_wait = False
+    rt.pipeline_order = {}
+    return rt
+
+
+def check_fsdp(base: str, compute: dict[int, list[_Action]]) -> None:
+    """NAME.fsdp.csv (`--comms ahead --fsdp`) must be what torch's own runtime makes of the
+    compute-only CSV: `_load_csv(format="compute_only")` adds FSDP's UNSHARD / RESHARD /
+    REDUCE_GRAD / WAIT_REDUCE_GRAD, then the sends, receives and waits."""
+    path = f"{base}.fsdp.csv"
+    if not os.path.exists(path):
+        return
+    rt = runtime(compute)
+    rt._load_csv(base + ".csv", format="compute_only")
+    theirs = names(rt.pipeline_order_with_comms)
+    ours = names(read(path))
+    for r in theirs:
+        if ours.get(r) != theirs[r]:
+            at = next(
+                (i for i, (x, y) in enumerate(zip(ours.get(r, []), theirs[r])) if x != y),
+                min(len(ours.get(r, [])), len(theirs[r])),
+            )
+            raise SystemExit(
+                f"{path}: rank {r} differs from torch's runtime at action {at}: "
+                f"flatpipe {ours.get(r, [])[at:at + 4]}, torch {theirs[r][at:at + 4]}"
+            )
+    print(f"ok: {path}: equal to torch's compute_only loader, FSDP actions included")
+
+
 def check(base: str) -> None:
     compute = read(base + ".csv")
     ranks = stage_ranks(compute)
@@ -89,6 +136,7 @@ def check(base: str) -> None:
         load_compute_comms(path, compute)
         n = sum(len(v) for v in ours.values())
         print(f"ok: {path}: {n} actions, equal to torch's lowering, loads as compute_comms")
+    check_fsdp(base, compute)
 
 
 def main() -> int:

@@ -34,6 +34,12 @@ pub(super) struct ScheduleArgs {
     /// own lowering, `_add_send_recv`) or `deferred` (its `defer_pp_recv=True`).
     #[arg(long, value_enum, requires = "output", value_name = "POSTING")]
     comms: Option<super::simulate::P2pPosting>,
+    /// With --comms, also FSDP's per-stage actions (`UNSHARD`, `RESHARD`, `REDUCE_GRAD`,
+    /// `WAIT_REDUCE_GRAD`) as PyTorch 2.15's compute-only loader adds them, with this many
+    /// stages gathered at once (its `max_active_stages`, default 3): the whole program torch
+    /// runs for a sharded model.
+    #[arg(long, requires = "comms", value_name = "MAX_ACTIVE_STAGES", num_args = 0..=1, default_missing_value = "3")]
+    fsdp: Option<usize>,
     /// Output format of the grid.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
@@ -72,7 +78,10 @@ pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
                     posting: posting.into(),
                     ..Default::default()
                 };
-                let lowered = sim::ir::lowering::lower(&s, lowering)?;
+                let lowered = match a.fsdp {
+                    Some(window) => sim::ir::lowering::lower_with_fsdp(&s, lowering, window)?,
+                    None => sim::ir::lowering::lower(&s, lowering)?,
+                };
                 // Written as PyTorch would lower it (the interop check compares the two), with
                 // a warning where NCCL or gloo would pair its sends and receives wrongly.
                 if let Err(e) = sim::ir::lowering::check_pair_order(&s, lowering.posting) {

@@ -91,6 +91,37 @@ fn schedule_writes_pytorchs_compute_comms_csv() {
             "1RECV_F0,1F0,1RECV_F1,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1WAIT_SEND_B0,1WAIT_SEND_B1",
         ]
     );
+    // With FSDP's actions, as torch's compute-only loader adds them (worked by hand through
+    // its sweep: each UNSHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD and RESHARD takes its rank's turn;
+    // the end-of-step send waits come after the RESHARD).
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--comms",
+            "ahead",
+            "--fsdp",
+            "-o",
+            "fsdp.csv",
+        ],
+    );
+    assert!(o.status.success(), "{}", o.stderr);
+    let csv = std::fs::read_to_string(dir.path().join("fsdp.csv")).unwrap();
+    assert_eq!(
+        csv.lines().collect::<Vec<_>>(),
+        [
+            "0UNSHARD,0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0WAIT_SEND_F0,0RECV_B1,0B1,\
+             0WAIT_SEND_F1,0REDUCE_GRAD,0WAIT_REDUCE_GRAD,0RESHARD",
+            "1UNSHARD,1RECV_F0,1F0,1RECV_F1,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1REDUCE_GRAD,\
+             1WAIT_REDUCE_GRAD,1RESHARD,1WAIT_SEND_B0,1WAIT_SEND_B1",
+        ]
+    );
     // Deferred: rank 1's receive of F1 moves to just before 1F1 (rank 1 is the higher of the
     // pair, so its send to rank 0 does not flush it); rank 0's receives already sit just before
     // their backwards.

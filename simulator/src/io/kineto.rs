@@ -108,6 +108,29 @@ pub struct PostingDifference {
 }
 
 impl ImportedTrace {
+    /// Per rank, every `PP:` action of the imported step in start order: its compute actions
+    /// and its communication (the program the rank ran, as PyTorch's runtime lowered it).
+    pub fn program(&self) -> Vec<Vec<LoweredAction>> {
+        let t = &self.timeline;
+        (0..t.num_ranks())
+            .map(|r| {
+                let mut all: Vec<(u64, LoweredAction)> = t.compute[r]
+                    .iter()
+                    .map(|o| (o.start_ns, LoweredAction::Compute(o.action)))
+                    .chain(
+                        t.comm
+                            .get(r)
+                            .into_iter()
+                            .flatten()
+                            .map(|c| (c.start_ns, c.action)),
+                    )
+                    .collect();
+                all.sort_by_key(|e| e.0);
+                all.into_iter().map(|e| e.1).collect()
+            })
+            .collect()
+    }
+
     /// Compares each rank's point-to-point actions in the imported step (sends, receives and
     /// send waits, in start order; FSDP's actions are left out) with the program
     /// [`crate::ir::lowering::sweep`] gives the imported schedule under `posting`: `None` when

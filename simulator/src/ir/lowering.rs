@@ -21,7 +21,7 @@
 use crate::ir::comm::{
     CommAction, Lowered, LoweredAction, Payload, StreamLayout, Transfer, TransferIndex,
 };
-use crate::ir::{ComputeAction, Schedule};
+use crate::ir::{Action, ComputeAction, Schedule};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -313,17 +313,176 @@ impl PairOrder {
 pub fn sweep(
     schedule: &Schedule,
     posting: RecvPosting,
+    emit: impl FnMut(usize, LoweredAction),
+) -> Result<()> {
+    sweep_programs(schedule, None, posting, emit)
+}
+
+/// [`sweep`] over `fsdp`'s programs when given ([`fsdp_programs`]), else `schedule`'s
+/// compute.
+///
+/// # Errors
+/// As [`lower`].
+fn sweep_programs(
+    schedule: &Schedule,
+    fsdp: Option<&[Vec<LoweredAction>]>,
+    posting: RecvPosting,
     mut emit: impl FnMut(usize, LoweredAction),
 ) -> Result<()> {
     match posting {
-        RecvPosting::Ahead => lower_ahead(schedule, emit),
+        RecvPosting::Ahead => lower_ahead(schedule, fsdp, emit),
         RecvPosting::Deferred => {
             let mut deferral = Deferral::new(schedule);
-            lower_ahead(schedule, |r, a| deferral.push(r, a, &mut emit))?;
+            lower_ahead(schedule, fsdp, |r, a| deferral.push(r, a, &mut emit))?;
             deferral.finish(emit);
             Ok(())
         }
     }
+}
+
+/// [`lower`] with FSDP's per-stage actions, as PyTorch 2.15's runtime lowers a compute-only
+/// schedule (`_PipelineScheduleRuntime._load_actions`): per rank `_add_unshard_reshard` and
+/// `_add_reduce_grad` ([`fsdp_programs`]), then the same sweep, waits and (deferred)
+/// receives. The replay does not run FSDP's actions yet: this is the program PyTorch runs,
+/// for the `compute_comms` CSV and for comparing with a trace.
+///
+/// # Errors
+/// As [`lower`]; [`Error::InvalidArgument`] for `max_active_stages` 0 or below the stages of
+/// one overlapped action.
+pub fn lower_with_fsdp(
+    schedule: &Schedule,
+    lowering: Lowering,
+    max_active_stages: usize,
+) -> Result<Lowered> {
+    let programs = fsdp_programs(schedule, max_active_stages)?;
+    let mut program: Vec<Vec<LoweredAction>> = vec![Vec::new(); schedule.ranks.len()];
+    sweep_programs(schedule, Some(&programs), lowering.posting, |r, a| {
+        program[r].push(a)
+    })?;
+    Ok(Lowered {
+        schedule: schedule.clone(),
+        program,
+        streams: lowering.streams,
+    })
+}
+
+/// Per rank, its compute actions with FSDP's: PyTorch 2.15's `_add_unshard_reshard`
+/// (residency and prefetch window `max_active_stages`, its default 3, lookahead "full": before
+/// each action, reshard the active stages that are not among the next `max_active_stages`
+/// distinct stages to run, unshard those of them not active; reshard what is left at the end)
+/// and `_add_reduce_grad` (after the action that completes a stage's `m`-th W or B, that
+/// stage's `REDUCE_GRAD` and `WAIT_REDUCE_GRAD`).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for `max_active_stages` 0 or below the stages of one action.
+pub fn fsdp_programs(
+    schedule: &Schedule,
+    max_active_stages: usize,
+) -> Result<Vec<Vec<LoweredAction>>> {
+    if max_active_stages == 0 {
+        return Err(Error::invalid(
+            "max_active_stages",
+            0,
+            ">= 1 (stages whose parameters are gathered at once)",
+        ));
+    }
+    schedule
+        .ranks
+        .iter()
+        .map(|actions| {
+            let with_unshard = unshard_reshard(actions, max_active_stages)?;
+            Ok(reduce_grad(with_unshard, schedule.num_microbatches))
+        })
+        .collect()
+}
+
+/// `_add_unshard_reshard` on one rank's `actions` (see [`fsdp_programs`]).
+fn unshard_reshard(actions: &[Action], window: usize) -> Result<Vec<LoweredAction>> {
+    use crate::ir::comm::FsdpAction::{Reshard, Unshard};
+    // Per action from the end: each stage's next action index at or after it, and its part
+    // position there (ties within an overlapped pair go in part order).
+    let mut next_at: Vec<(crate::ir::StageId, usize, usize)> = Vec::new();
+    let mut windows: Vec<Vec<crate::ir::StageId>> = vec![Vec::new(); actions.len()];
+    for (i, a) in actions.iter().enumerate().rev() {
+        for (k, c) in a.parts().enumerate().collect::<Vec<_>>().into_iter().rev() {
+            next_at.retain(|e| e.0 != c.stage);
+            next_at.push((c.stage, i, k));
+        }
+        let mut order = next_at.clone();
+        order.sort_by_key(|e| (e.1, e.2));
+        // The first `window` distinct stages, extended to the end of the action that reaches
+        // the count (PyTorch's `next_stage_indices`).
+        let cut = order
+            .get(window.saturating_sub(1))
+            .map_or(order.len(), |e| {
+                order.iter().take_while(|x| x.1 <= e.1).count()
+            });
+        windows[i] = order[..cut].iter().map(|e| e.0).collect();
+    }
+    let mut active: Vec<crate::ir::StageId> = Vec::new();
+    let mut out = Vec::with_capacity(actions.len() + 4);
+    for (i, a) in actions.iter().enumerate() {
+        let mut stages: Vec<crate::ir::StageId> = a.parts().map(|c| c.stage).collect();
+        stages.dedup();
+        if stages.len() > window {
+            return Err(Error::invalid(
+                "max_active_stages",
+                window,
+                format!(">= {} ({a} needs its stages at once)", stages.len()),
+            ));
+        }
+        let resident = &windows[i];
+        for s in active.clone() {
+            if !resident.contains(&s) {
+                active.retain(|x| *x != s);
+                out.push(LoweredAction::Fsdp(s, Reshard));
+            }
+        }
+        for &s in resident {
+            if !active.contains(&s) {
+                active.push(s);
+                out.push(LoweredAction::Fsdp(s, Unshard));
+            }
+        }
+        out.push(LoweredAction::Compute(*a));
+    }
+    out.extend(active.into_iter().map(|s| LoweredAction::Fsdp(s, Reshard)));
+    Ok(out)
+}
+
+/// `_add_reduce_grad` (its wait not deferred) over one rank's program with FSDP's unshards:
+/// after the entry that completes a stage's `m`-th W or B, `REDUCE_GRAD` and
+/// `WAIT_REDUCE_GRAD` of that stage.
+fn reduce_grad(program: Vec<LoweredAction>, m: u32) -> Vec<LoweredAction> {
+    use crate::ir::comm::FsdpAction::{ReduceGrad, WaitReduceGrad};
+    let mut count: Vec<(crate::ir::StageId, u32)> = Vec::new();
+    let mut out = Vec::with_capacity(program.len() + 8);
+    for entry in program {
+        out.push(entry);
+        let LoweredAction::Compute(a) = entry else {
+            continue;
+        };
+        for c in a.parts() {
+            if !matches!(c.kind, crate::ir::ActionKind::W | crate::ir::ActionKind::B) {
+                continue;
+            }
+            let n = match count.iter_mut().find(|e| e.0 == c.stage) {
+                Some(e) => {
+                    e.1 += 1;
+                    e.1
+                }
+                None => {
+                    count.push((c.stage, 1));
+                    1
+                }
+            };
+            if n == m {
+                out.push(LoweredAction::Fsdp(c.stage, ReduceGrad));
+                out.push(LoweredAction::Fsdp(c.stage, WaitReduceGrad));
+            }
+        }
+    }
+    out
 }
 
 /// Per rank, the length of its lowered program: its compute actions, a send and a wait per
@@ -360,7 +519,19 @@ enum SendState {
 /// receiver's program so far. A forward send's wait goes right after the local backward (I or
 /// B) of its stage and microbatch, every other send's at the end of the step in the order they
 /// were posted.
-fn lower_ahead(schedule: &Schedule, mut emit: impl FnMut(usize, LoweredAction)) -> Result<()> {
+///
+/// With `fsdp` (per rank its compute actions with FSDP's, [`fsdp_programs`]), the sweep runs
+/// over those lists: an FSDP action is always ready and takes its rank's turn, as in
+/// PyTorch's sweep.
+fn lower_ahead(
+    schedule: &Schedule,
+    fsdp: Option<&[Vec<LoweredAction>]>,
+    mut emit: impl FnMut(usize, LoweredAction),
+) -> Result<()> {
+    let entry = |r: usize, i: usize| match fsdp {
+        Some(programs) => programs[r].get(i).copied(),
+        None => schedule.ranks[r].get(i).map(|&a| LoweredAction::Compute(a)),
+    };
     let index = TransferIndex::of(schedule);
     let p = schedule.ranks.len();
     let n = schedule.num_stages();
@@ -376,8 +547,17 @@ fn lower_ahead(schedule: &Schedule, mut emit: impl FnMut(usize, LoweredAction)) 
         let mut progress = false;
         let mut left = false;
         for r in 0..p {
-            let Some(&action) = schedule.ranks[r].get(next[r]) else {
-                continue;
+            let action = match entry(r, next[r]) {
+                None => continue,
+                Some(LoweredAction::Compute(action)) => action,
+                Some(other) => {
+                    // FSDP's actions need nothing placed first.
+                    left = true;
+                    emit(r, other);
+                    next[r] += 1;
+                    progress = true;
+                    continue;
+                }
             };
             left = true;
             let input_placed =
@@ -417,7 +597,10 @@ fn lower_ahead(schedule: &Schedule, mut emit: impl FnMut(usize, LoweredAction)) 
             break;
         }
         if !progress {
-            return Err(stuck(schedule, &next));
+            let heads: Vec<String> = (0..p)
+                .filter_map(|r| entry(r, next[r]).map(|a| format!("rank {r}: {a}")))
+                .collect();
+            return Err(stuck(schedule, &heads));
         }
     }
     for (r, sends) in posted.into_iter().enumerate() {
@@ -430,13 +613,8 @@ fn lower_ahead(schedule: &Schedule, mut emit: impl FnMut(usize, LoweredAction)) 
     Ok(())
 }
 
-/// The error of a compute order no sweep can place: each rank's next action.
-fn stuck(schedule: &Schedule, next: &[usize]) -> Error {
-    let heads: Vec<String> = next
-        .iter()
-        .enumerate()
-        .filter_map(|(r, &i)| schedule.ranks[r].get(i).map(|a| format!("rank {r}: {a}")))
-        .collect();
+/// The error of a compute order no sweep can place, given each rank's next action (`heads`).
+fn stuck(schedule: &Schedule, heads: &[String]) -> Error {
     Error::InvalidSchedule {
         schedule: schedule.name.clone(),
         reason: format!(
@@ -575,6 +753,60 @@ mod tests {
                     .unwrap_or_else(|e| panic!("{} {policy}: {e}", s.name));
             }
         }
+    }
+
+    #[test]
+    fn fsdp_actions_follow_pytorchs_residency_window() {
+        use crate::ir::comm::FsdpAction;
+        let fsdp_only = |prog: &[LoweredAction]| -> Vec<String> {
+            prog.iter()
+                .filter(|a| matches!(a, LoweredAction::Fsdp(..) | LoweredAction::Compute(_)))
+                .map(ToString::to_string)
+                .collect()
+        };
+        // 1F1B, p = 2, m = 2, rank 0 (stage 0): gathered before its first action, its
+        // gradients reduced after its second (the m-th) B, resharded at the end.
+        let s = ScheduleKind::OneFOneB.generate(2, 1, 2).unwrap();
+        let p = fsdp_programs(&s, 3).unwrap();
+        assert_eq!(
+            fsdp_only(&p[0]),
+            [
+                "0UNSHARD",
+                "0F0",
+                "0F1",
+                "0B0",
+                "0B1",
+                "0REDUCE_GRAD",
+                "0WAIT_REDUCE_GRAD",
+                "0RESHARD"
+            ]
+        );
+        // Interleaved, p = 2, v = 4, m = 4: rank 0 holds stages 0, 2, 4 and 6 and runs
+        // 0F0 0F1 2F0 2F1 4F0 ... At 0F0 the next three distinct stages are 0, 2, 4: all
+        // gathered. At 2F0 they are 2, 4, 6: stage 0 is resharded, 6 gathered. At 4F0: 4, 6
+        // and 0 (the next round's 0F2): 2 out, 0 back in.
+        let (s, _) = interleaved_1f1b(2, 4, 4, None).unwrap();
+        let p = fsdp_programs(&s, 3).unwrap();
+        assert_eq!(
+            fsdp_only(&p[0])[..12],
+            [
+                "0UNSHARD", "2UNSHARD", "4UNSHARD", "0F0", "0F1", "0RESHARD", "6UNSHARD", "2F0",
+                "2F1", "2RESHARD", "0UNSHARD", "4F0"
+            ]
+        );
+        // Every stage of the rank is reduced once and left resharded.
+        for a in [FsdpAction::ReduceGrad, FsdpAction::WaitReduceGrad] {
+            let n = p[0]
+                .iter()
+                .filter(|x| matches!(x, LoweredAction::Fsdp(_, y) if *y == a))
+                .count();
+            assert_eq!(n, 4);
+        }
+        assert!(matches!(
+            p[0].last(),
+            Some(LoweredAction::Fsdp(_, FsdpAction::Reshard))
+        ));
+        assert!(fsdp_programs(&s, 0).is_err());
     }
 
     #[test]
