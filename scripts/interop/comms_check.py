@@ -46,27 +46,6 @@ def stage_ranks(compute: dict[int, list[_Action]]) -> dict[int, int]:
     return ranks
 
 
-def load_compute_comms(path: str, compute: dict[int, list[_Action]]) -> None:
-    rt = _PipelineScheduleRuntime.__new__(_PipelineScheduleRuntime)
-    ranks = stage_ranks(compute)
-    rt.pp_group_size = len(compute)
-    rt._num_stages = len(ranks)
-    rt._n_microbatches = 1 + max(
-        part.microbatch_index
-        for acts in compute.values()
-        for a in acts
-        for part in (a.sub_actions or (a,))
-    )
-    rt._stages = []
-    rt._unshard_lookahead = "full"
-    rt._max_active_stages = 3
-    rt._max_outstanding_sends = None
-    rt._defer_pp_recv = False
-    rt._defer_reduce_grad_wait = False
-    rt._load_csv(path, format="compute_comms")
-    assert rt.stage_index_to_group_rank == ranks, (rt.stage_index_to_group_rank, ranks)
-
-
 def runtime(compute: dict[int, list[_Action]]) -> _PipelineScheduleRuntime:
     """A `_PipelineScheduleRuntime` without `__init__` (which needs stages on a process group),
     with the attributes its loader reads, at its defaults."""
@@ -89,6 +68,29 @@ def runtime(compute: dict[int, list[_Action]]) -> _PipelineScheduleRuntime:
     return rt
 
 
+def load_compute_comms(path: str, compute: dict[int, list[_Action]]) -> None:
+    rt = runtime(compute)
+    rt._load_csv(path, format="compute_comms")
+    assert rt.stage_index_to_group_rank == stage_ranks(compute), (
+        rt.stage_index_to_group_rank,
+        stage_ranks(compute),
+    )
+
+
+def same(path: str, ours: dict[int, list[str]], theirs: dict[int, list[str]], what: str) -> None:
+    """Exits naming the first rank and action where `ours` (the file at `path`) differs."""
+    for r in theirs:
+        if ours.get(r) != theirs[r]:
+            at = next(
+                (i for i, (x, y) in enumerate(zip(ours.get(r, []), theirs[r])) if x != y),
+                min(len(ours.get(r, [])), len(theirs[r])),
+            )
+            raise SystemExit(
+                f"{path}: rank {r} differs from {what} at action {at}: "
+                f"flatpipe {ours.get(r, [])[at:at + 4]}, torch {theirs[r][at:at + 4]}"
+            )
+
+
 def check_fsdp(base: str, compute: dict[int, list[_Action]]) -> None:
     """NAME.fsdp.csv (`--comms ahead --fsdp`) must be what torch's own runtime makes of the
     compute-only CSV: `_load_csv(format="compute_only")` adds FSDP's UNSHARD / RESHARD /
@@ -99,17 +101,7 @@ def check_fsdp(base: str, compute: dict[int, list[_Action]]) -> None:
     rt = runtime(compute)
     rt._load_csv(base + ".csv", format="compute_only")
     theirs = names(rt.pipeline_order_with_comms)
-    ours = names(read(path))
-    for r in theirs:
-        if ours.get(r) != theirs[r]:
-            at = next(
-                (i for i, (x, y) in enumerate(zip(ours.get(r, []), theirs[r])) if x != y),
-                min(len(ours.get(r, [])), len(theirs[r])),
-            )
-            raise SystemExit(
-                f"{path}: rank {r} differs from torch's runtime at action {at}: "
-                f"flatpipe {ours.get(r, [])[at:at + 4]}, torch {theirs[r][at:at + 4]}"
-            )
+    same(path, names(read(path)), theirs, "torch's runtime")
     print(f"ok: {path}: equal to torch's compute_only loader, FSDP actions included")
 
 
@@ -122,17 +114,7 @@ def check(base: str) -> None:
     for suffix, torch_order in (("ahead", ahead), ("deferred", deferred)):
         path = f"{base}.{suffix}.csv"
         ours = names(read(path))
-        theirs = names(torch_order)
-        for r in theirs:
-            if ours.get(r) != theirs[r]:
-                at = next(
-                    (i for i, (x, y) in enumerate(zip(ours.get(r, []), theirs[r])) if x != y),
-                    min(len(ours.get(r, [])), len(theirs[r])),
-                )
-                raise SystemExit(
-                    f"{path}: rank {r} differs from torch's lowering at action {at}: "
-                    f"flatpipe {ours.get(r, [])[at:at + 4]}, torch {theirs[r][at:at + 4]}"
-                )
+        same(path, ours, names(torch_order), "torch's lowering")
         load_compute_comms(path, compute)
         n = sum(len(v) for v in ours.values())
         print(f"ok: {path}: {n} actions, equal to torch's lowering, loads as compute_comms")

@@ -65,9 +65,9 @@ fn a_receive_posted_ahead_holds_the_sends_behind_it_on_a_shared_stream() {
 #[test]
 fn schedule_writes_pytorchs_compute_comms_csv() {
     let dir = tempfile::tempdir().unwrap();
-    let o = flatpipe(
-        dir.path(),
-        &[
+    // The rows `schedule --comms ...` writes for 1F1B, p = 2, m = 2.
+    let rows = |comms: &[&str]| -> Vec<String> {
+        let args = [
             "schedule",
             "--schedule",
             "1f1b",
@@ -75,17 +75,20 @@ fn schedule_writes_pytorchs_compute_comms_csv() {
             "2",
             "--microbatches",
             "2",
-            "--comms",
-            "ahead",
-            "-o",
-            "comms.csv",
-        ],
-    );
-    assert!(o.status.success(), "{}", o.stderr);
-    let csv = std::fs::read_to_string(dir.path().join("comms.csv")).unwrap();
-    let rows: Vec<&str> = csv.lines().collect();
+        ];
+        let args: Vec<&str> = args
+            .iter()
+            .chain(comms)
+            .chain(&["-o", "out.csv"])
+            .copied()
+            .collect();
+        let o = flatpipe(dir.path(), &args);
+        assert!(o.status.success(), "{}", o.stderr);
+        let csv = std::fs::read_to_string(dir.path().join("out.csv")).unwrap();
+        csv.lines().map(String::from).collect()
+    };
     assert_eq!(
-        rows,
+        rows(&["--comms", "ahead"]),
         [
             "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0WAIT_SEND_F0,0RECV_B1,0B1,0WAIT_SEND_F1",
             "1RECV_F0,1F0,1RECV_F1,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1WAIT_SEND_B0,1WAIT_SEND_B1",
@@ -94,27 +97,8 @@ fn schedule_writes_pytorchs_compute_comms_csv() {
     // With FSDP's actions, as torch's compute-only loader adds them (worked by hand through
     // its sweep: each UNSHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD and RESHARD takes its rank's turn;
     // the end-of-step send waits come after the RESHARD).
-    let o = flatpipe(
-        dir.path(),
-        &[
-            "schedule",
-            "--schedule",
-            "1f1b",
-            "--pp",
-            "2",
-            "--microbatches",
-            "2",
-            "--comms",
-            "ahead",
-            "--fsdp",
-            "-o",
-            "fsdp.csv",
-        ],
-    );
-    assert!(o.status.success(), "{}", o.stderr);
-    let csv = std::fs::read_to_string(dir.path().join("fsdp.csv")).unwrap();
     assert_eq!(
-        csv.lines().collect::<Vec<_>>(),
+        rows(&["--comms", "ahead", "--fsdp"]),
         [
             "0UNSHARD,0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0WAIT_SEND_F0,0RECV_B1,0B1,\
              0WAIT_SEND_F1,0REDUCE_GRAD,0WAIT_REDUCE_GRAD,0RESHARD",
@@ -125,26 +109,8 @@ fn schedule_writes_pytorchs_compute_comms_csv() {
     // Deferred: rank 1's receive of F1 moves to just before 1F1 (rank 1 is the higher of the
     // pair, so its send to rank 0 does not flush it); rank 0's receives already sit just before
     // their backwards.
-    let o = flatpipe(
-        dir.path(),
-        &[
-            "schedule",
-            "--schedule",
-            "1f1b",
-            "--pp",
-            "2",
-            "--microbatches",
-            "2",
-            "--comms",
-            "deferred",
-            "-o",
-            "deferred.csv",
-        ],
-    );
-    assert!(o.status.success(), "{}", o.stderr);
-    let csv = std::fs::read_to_string(dir.path().join("deferred.csv")).unwrap();
     assert_eq!(
-        csv.lines().nth(1).unwrap(),
+        rows(&["--comms", "deferred"])[1],
         "1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1,1WAIT_SEND_B0,1WAIT_SEND_B1"
     );
 }
@@ -185,9 +151,10 @@ fn streams_that_wait_on_each_other_are_a_clear_error() {
     );
 }
 
-/// In a comparison, a schedule whose lowering hangs is left out with a note and the others are
-/// shown: ZB-V's deferred receives on per-edge streams arrive out of the order their peer sends
-/// them (its ranks send activations and gradients over one edge), 1F1B's do not.
+/// In a comparison, a schedule whose lowering cannot run is left out with a note and the others
+/// are shown: on one shared stream, 1F1B's deferred receives hang (a rank sends before it
+/// receives); ZB-V's come in another order than their peer's sends (its ranks send
+/// activations and gradients over one edge); GPipe's do neither.
 #[test]
 fn a_schedule_that_hangs_is_left_out_of_a_comparison() {
     let dir = tempfile::tempdir().unwrap();
