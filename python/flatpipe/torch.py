@@ -52,6 +52,7 @@ chunks need its key/value gradients before theirs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
@@ -297,18 +298,34 @@ class PipelineRuntime:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _check_same_plan(self, plan: StepPlan, replica: int, tokens: List[int]) -> None:
-        """Every rank of the pipeline must run the same step plan: one all-reduce of a hash of
-        the step's microbatch token counts (max of ``h`` and of ``-h``) before any transfer,
-        so that a mismatch is a ``ValueError`` on every rank instead of a size error inside
-        the transport."""
-        h = hash((plan.step, replica, tuple(tokens), plan.num_ranks, plan.num_stages)) & (2**62 - 1)
+        """Every rank of the pipeline must run the same step plan, on a group of the plan's
+        size: one all-reduce of a digest of the plan (the step, its microbatches' token
+        counts, the ranks, the stages and every rank's actions; max of ``h`` and of ``-h``)
+        before any transfer, so that a mismatch is a ``ValueError`` on every rank instead of a
+        hang or a size error inside the transport; then the group's size against the plan's
+        ranks (the same on every rank once the plans agree)."""
+        actions = [plan.actions(r, replica) for r in range(plan.num_ranks)]
+        text = repr((plan.step, replica, tokens, plan.num_ranks, plan.num_stages, actions))
+        h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
         t = torch.tensor([h, -h], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         if int(t[0]) != h or -int(t[1]) != h:
             raise ValueError(
                 f"rank {self.rank}: the pipeline's ranks were given different step plans (this "
-                f"rank's: step {plan.step}, microbatches of {tokens} tokens); every rank must plan "
-                "the same sequence lengths for the same step"
+                f"rank's: step {plan.step}, schedule {plan.schedule_name(replica)}, "
+                f"{plan.num_ranks} ranks, microbatches of {tokens} tokens); every rank must plan "
+                "the same sequence lengths for the same step with the same pipeline"
+            )
+        ranks = (
+            len(self.pipeline_ranks)
+            if self.pipeline_ranks is not None
+            else dist.get_world_size(self.group)
+        )
+        if ranks != plan.num_ranks:
+            where = "pipeline_ranks" if self.pipeline_ranks is not None else "the process group"
+            raise ValueError(
+                f"rank {self.rank}: the plan has {plan.num_ranks} pipeline ranks but {where} "
+                f"has {ranks}: plan with pp = {ranks}, or run on a group of {plan.num_ranks}"
             )
 
     def _annotate(self, name: str):

@@ -199,6 +199,31 @@ def run_mismatch(rank: int, world: int, init: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def run_bad_plan(rank: int, world: int, init: str, out_dir: str, case: str) -> None:
+    """Plans that cannot run together: ``"schedule"``, rank 1 plans GPipe where rank 0 plans
+    1F1B (same lengths); ``"world"``, both plan pp = 4 in a world of 2. Each rank writes the
+    ValueError it got (or None)."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        cfg = ModelConfig(num_decoders=4)
+        kind = "gpipe" if case == "schedule" and rank == 1 else "1f1b"
+        pp = 4 if case == "world" else world
+        pipe = flatpipe.Pipeline(kind, pp=pp, num_layers=cfg.num_layers, token_budget=64)
+        stages = {rank: Stage(cfg, *pipe.stages[rank])}
+        rt = PipelineRuntime(stages, rank=rank, hidden_size=cfg.hidden)
+        plan = pipe.plan_step([30, 20, 50, 10, 40, 25])
+        inputs, targets = step_data(cfg, plan.microbatches(), 0)
+        try:
+            rt.step(plan, inputs, targets)
+            msg = None
+        except ValueError as e:
+            msg = str(e)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"error": msg}, f)
+    finally:
+        dist.destroy_process_group()
+
+
 def run_traced(rank: int, world: int, init: str, out_dir: str) -> None:
     """One ZB-V step (2 ranks) under the PyTorch profiler: writes the rank's actions and the
     names of its ``PP:`` events in start order."""

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 import torch.multiprocessing as mp
 
-from _workers import ATOL, run, run_mismatch, run_traced
+from _workers import ATOL, run, run_bad_plan, run_mismatch, run_traced
 
 # Variable-length steps at a 64-token budget: different T per microbatch, a different number of
 # microbatches per step, a step with fewer microbatches than ranks (m < p), and a sequence 10x
@@ -132,6 +133,31 @@ def test_ranks_with_different_plans_raise_a_clear_error(tmp_path):
     for r in range(2):
         e = json.load(open(tmp_path / f"rank{r}.json"))["error"]
         assert e and "different step plans" in e and "tokens" in e, e
+
+
+@pytest.mark.parametrize(
+    "case, says",
+    [("schedule", "different step plans"), ("world", "the plan has 4 pipeline ranks")],
+)
+def test_plans_that_cannot_run_together_raise_on_every_rank(tmp_path, case, says):
+    """Ranks with different schedules (same lengths), or a pp = 4 plan in a world of 2: a
+    ValueError on every rank within the timeout, not a hang."""
+    ctx = mp.start_processes(
+        run_bad_plan,
+        args=(2, str(tmp_path / "init"), str(tmp_path), case),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{case}: the ranks hung")
+    for r in range(2):
+        e = json.load(open(tmp_path / f"rank{r}.json"))["error"]
+        assert e and says in e, e
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
