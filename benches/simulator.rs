@@ -32,6 +32,7 @@ fn bench_1f1b(c: &mut Criterion) {
             comm: 0.1,
             fb: None,
             fo: None,
+            fsdp: Default::default(),
         },
         1,
     );
@@ -60,6 +61,7 @@ fn bench_1f1b(c: &mut Criterion) {
     let deferred = Lowering {
         posting: RecvPosting::Deferred,
         streams: StreamLayout::PerPeer,
+        fsdp: None,
     };
     g.bench_function("lowered replay without timeline (deferred receives)", |b| {
         b.iter(|| summary::lowered_summary(black_box(&schedule), deferred, &costs).unwrap())
@@ -87,6 +89,7 @@ fn bench_every_schedule(c: &mut Criterion) {
         comm: 0.1,
         fb: None,
         fo: None,
+        fsdp: Default::default(),
     };
     let mut g = c.benchmark_group("generate+simulate_p32_v2_m256");
     g.sample_size(20);
@@ -230,6 +233,7 @@ fn bench_zb_auto(c: &mut Criterion) {
             comm: 0.05,
             fb: None,
             fo: None,
+            fsdp: Default::default(),
         },
         1,
     );

@@ -16,6 +16,8 @@ for streams in per-peer shared; do
     $f simulate --costs f=1,b=2,w=0,comm=0.1 --pp 8 --vpp 2 --microbatches 16 \
         --schedule interleaved-1f1b --p2p-streams "$streams" --gantt "docs/gantt-p2p-$name.png" > /dev/null
 done
+$f simulate --costs f=1,b=2,w=0,comm=0.1,ag=6,rs=6 --pp 4 --microbatches 8 \
+    --schedule interleaved-1f1b --fsdp --gantt docs/gantt-fsdp-interleaved.png > /dev/null
 $f simulate --schedule 1f1b --policy padded,packed,flat-ffd,flat-balanced --steps 1000 \
     --capacity dynamic,12 --gantt none --histogram docs/histogram-sharegpt-v3.png > /dev/null
 $f execute --plan examples/cpu-tiny/plan.yaml --gantt docs/gantt-execute-zb-h2.png > /dev/null

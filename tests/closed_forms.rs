@@ -12,6 +12,7 @@ fn costs(f: f64, b: f64, w: f64, comm: f64) -> UniformCosts {
             comm,
             fb: None,
             fo: None,
+            fsdp: Default::default(),
         },
         1,
     )

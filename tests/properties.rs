@@ -37,7 +37,7 @@ proptest! {
                 prop_assert!((b, i, wc) == (1, 0, 0) || (b, i, wc) == (0, 1, 1));
             }
         }
-        let spec = UniformCostSpec { f: f as f64, b: b as f64, w: w as f64, comm: comm as f64, fb: None, fo: None };
+        let spec = UniformCostSpec { f: f as f64, b: b as f64, w: w as f64, comm: comm as f64, fb: None, fo: None, fsdp: Default::default() };
         let costs = UniformCosts::new(&spec, v);
         let sim = simulate(&schedule, &costs).unwrap();
         // Ops of one rank never overlap; every dependency ends before its dependant starts.
@@ -117,7 +117,7 @@ proptest! {
         if let Some(n) = second && first + len + n <= m {
             chains.push((first + len..first + len + n).map(MicrobatchId).collect());
         }
-        let spec = UniformCostSpec { f: f as f64, b: b as f64, w: w as f64, comm: comm as f64, fb: None, fo: None };
+        let spec = UniformCostSpec { f: f as f64, b: b as f64, w: w as f64, comm: comm as f64, fb: None, fo: None, fsdp: Default::default() };
         let costs = UniformCosts::new(&spec, v);
         let schedule = kind.build(p, v, m, &costs, (2 * p * v) as f64).unwrap();
         // Every kind orders every case (the second attempt gathers a chain's forwards for the

@@ -19,6 +19,7 @@ fn spec(f: f64, b: f64, w: f64) -> UniformCostSpec {
         comm: 0.0,
         fb: None,
         fo: None,
+        fsdp: Default::default(),
     }
 }
 
@@ -180,6 +181,7 @@ fn dualpipev_matches_its_readme() {
                     comm: 0.0,
                     fb: Some(fb),
                     fo: None,
+                    fsdp: Default::default(),
                 };
                 let sim = run(ScheduleKind::DualPipeV, p, 2, m, s);
                 let min_busy = sim

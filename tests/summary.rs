@@ -65,6 +65,7 @@ proptest! {
         let v = kind.stages_per_rank(Some(v)).unwrap_or(2);
         let spec = UniformCostSpec {
             f: f as f64, b: b as f64, w: w as f64, comm: comm as f64 * 0.5, fb: None, fo: None,
+            fsdp: Default::default(),
         };
         let costs = UniformCosts::new(&spec, v);
         let s = kind.build(p, v, m, &costs, 2.0 * p as f64).unwrap();
@@ -90,6 +91,7 @@ proptest! {
         let v = kind.stages_per_rank(Some(v)).unwrap_or(2);
         let spec = UniformCostSpec {
             f: f as f64, b: b as f64, w: w as f64, comm: comm as f64 * 0.5, fb: None, fo: None,
+            fsdp: Default::default(),
         };
         let costs = UniformCosts::new(&spec, v);
         let s = kind.build(p, v, m, &costs, 2.0 * p as f64).unwrap();
@@ -134,6 +136,7 @@ fn a_tie_on_the_makespan_needs_a_smaller_peak() {
             comm: 0.0,
             fb: None,
             fo: None,
+            fsdp: Default::default(),
         },
         1,
     );
@@ -276,6 +279,7 @@ fn caps_stop_exactly_at_the_makespan_and_the_peak() {
             comm: 0.25,
             fb: None,
             fo: None,
+            fsdp: Default::default(),
         },
         1,
     );
@@ -339,6 +343,7 @@ fn summary_equals_the_timeline_metrics_with_forward_only_work() {
             comm: 0.25,
             fb: None,
             fo: Some(0.5),
+            fsdp: Default::default(),
         },
         1,
     );

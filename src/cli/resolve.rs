@@ -110,11 +110,13 @@ pub(super) struct RunFlags {
     pub(super) lowering: LoweringFlags,
 }
 
-/// `--p2p-posting` and `--p2p-streams` as given (`None`: the plan file's, else the default).
+/// `--p2p-posting`, `--p2p-streams` and `--fsdp` as given (`None`: the plan file's, else the
+/// default).
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct LoweringFlags {
     pub(super) posting: Option<sim::ir::lowering::RecvPosting>,
     pub(super) streams: Option<sim::ir::comm::StreamLayout>,
+    pub(super) fsdp: Option<Option<u32>>,
 }
 
 impl LoweringFlags {
@@ -123,6 +125,7 @@ impl LoweringFlags {
         sim::ir::lowering::Lowering {
             posting: self.posting.unwrap_or(base.posting),
             streams: self.streams.unwrap_or(base.streams),
+            fsdp: self.fsdp.unwrap_or(base.fsdp),
         }
     }
 }
@@ -207,5 +210,12 @@ pub(super) fn run_config(
         bail!("--dp = 0 is invalid: >= 1 replica");
     }
     run.lowering = flags.lowering.over(run.lowering);
+    if let Some(k) = run.lowering.fsdp {
+        bail!(
+            "FSDP's actions (--fsdp {k}, or a plan's lowering.fsdp) run with the --costs keys ag \
+             and rs; on a profile, FSDP's collectives are still the sharding model's step tail \
+             (--sharding fsdp): drop --fsdp, or compare with --costs"
+        );
+    }
     Ok(run)
 }

@@ -257,3 +257,51 @@ fn a_plan_files_lowering_runs_as_the_flags_do() {
     assert!(!o.status.success());
     assert!(o.stderr.contains("stream"), "{}", o.stderr);
 }
+
+/// FSDP's collectives as actions: with one stage per rank, 1F1B exposes both collectives
+/// whole. Rank 0's all-gather (`ag`) precedes its first F, which every rank waits on; its
+/// reduce-scatter (`rs`) follows its last B, the step's last compute: the step grows by
+/// exactly ag + rs. With two stages per rank, the second stage's all-gather runs while the
+/// first computes, so interleaved 1F1B grows by less. Without `--fsdp` the keys only warn; on
+/// a profile `--fsdp` is refused (FSDP is still the sharding model's tail there).
+#[test]
+fn fsdp_collectives_run_as_actions_and_show_what_is_exposed() {
+    let dir = tempfile::tempdir().unwrap();
+    let makespans = |fsdp: bool| -> Vec<(String, f64)> {
+        let mut args = vec![
+            "simulate",
+            "--costs",
+            "f=1,b=2,w=0,comm=0.1,ag=6,rs=6",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--schedule",
+            "1f1b,interleaved-1f1b",
+            "--gantt",
+            "none",
+            "--format",
+            "json",
+        ];
+        if fsdp {
+            args.push("--fsdp");
+        }
+        let v = flatpipe(dir.path(), &args).json();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                let name = r["schedule"].as_str().unwrap().to_string();
+                (name, r["makespan_s"].as_f64().unwrap())
+            })
+            .collect()
+    };
+    let of = |rows: &[(String, f64)], k: &str| rows.iter().find(|r| r.0 == k).unwrap().1;
+    let (plain, fsdp) = (makespans(false), makespans(true));
+    assert!((of(&fsdp, "1f1b") - of(&plain, "1f1b") - 12.0).abs() < 1e-9);
+    let grown = of(&fsdp, "interleaved-1f1b") - of(&plain, "interleaved-1f1b");
+    assert!(grown > 0.0 && grown < 12.0, "{grown}");
+    let o = flatpipe(dir.path(), &["simulate", "--fsdp", "--gantt", "none"]);
+    assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
+    assert!(o.stderr.contains("sharding model"), "{}", o.stderr);
+}

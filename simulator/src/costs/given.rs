@@ -74,11 +74,17 @@ impl std::fmt::Display for CostSpec {
                 .join("/")
         };
         match self {
-            CostSpec::Uniform(s) => write!(
-                out,
-                "uniform costs f={} b={} w={} comm={} s",
-                s.f, s.b, s.w, s.comm
-            ),
+            CostSpec::Uniform(s) => {
+                write!(
+                    out,
+                    "uniform costs f={} b={} w={} comm={}",
+                    s.f, s.b, s.w, s.comm
+                )?;
+                if s.fsdp != Default::default() {
+                    write!(out, " ag={} rs={}", s.fsdp.ag, s.fsdp.rs)?;
+                }
+                write!(out, " s")
+            }
             CostSpec::PerRank(s) => write!(
                 out,
                 "per-rank costs f={} b={} w={} comm={} s",
@@ -127,6 +133,9 @@ impl CostModel for GivenCosts {
     }
     fn memory_unit(&self) -> MemoryUnit {
         delegate!(self, c => c.memory_unit())
+    }
+    fn fsdp_ns(&self, s: StageId, action: crate::ir::comm::FsdpAction) -> u64 {
+        delegate!(self, c => c.fsdp_ns(s, action))
     }
 }
 

@@ -29,7 +29,7 @@ pub mod table;
 pub mod uniform;
 
 pub use recompute::{Recompute, RecomputeEffect, input_bytes_per_token, recompute_effect};
-pub use spec::{MAX_COST_S, MIN_COST_S, PerRankCostSpec, UniformCostSpec};
+pub use spec::{FsdpCostSpec, MAX_COST_S, MIN_COST_S, PerRankCostSpec, UniformCostSpec};
 pub use stage::StageCosts;
 pub use table::{CostOptions, TableCosts};
 pub use uniform::UniformCosts;
@@ -96,6 +96,12 @@ pub trait CostModel: Sync {
     }
     /// Optimizer-step time of `rank` at the end of the step, ns (0 for none).
     fn optimizer_ns(&self, rank: Rank) -> u64;
+    /// Time of one of FSDP's per-stage actions on the rank's collective stream, ns: the
+    /// all-gather of `stage`'s parameters (`UNSHARD`) or the reduce-scatter of its gradients
+    /// (`REDUCE_GRAD`); 0 for the others and for models without FSDP (the default).
+    fn fsdp_ns(&self, _stage: StageId, _action: crate::ir::comm::FsdpAction) -> u64 {
+        0
+    }
     /// The unit of [`CostModel::activation`].
     fn memory_unit(&self) -> MemoryUnit;
 }

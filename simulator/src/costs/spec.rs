@@ -19,6 +19,19 @@ pub struct UniformCostSpec {
     pub fb: Option<f64>,
     /// A forward-only action (one rank's share), seconds; default `f`.
     pub fo: Option<f64>,
+    /// FSDP's collectives, when the lowering runs them ([`crate::ir::lowering::Lowering`]'s
+    /// `fsdp`).
+    pub fsdp: FsdpCostSpec,
+}
+
+/// The time of FSDP's collectives under uniform costs: one rank's share, spread over its `v`
+/// stages like the compute (`--costs ...,ag=2,rs=3`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FsdpCostSpec {
+    /// All-gather of one rank's parameters (`UNSHARD`), seconds.
+    pub ag: f64,
+    /// Reduce-scatter of one rank's gradients (`REDUCE_GRAD`), seconds.
+    pub rs: f64,
 }
 
 impl Default for UniformCostSpec {
@@ -30,6 +43,7 @@ impl Default for UniformCostSpec {
             comm: 0.0,
             fb: None,
             fo: None,
+            fsdp: Default::default(),
         }
     }
 }
@@ -203,11 +217,13 @@ impl FromStr for UniformCostSpec {
                 "comm" => spec.comm = x,
                 "fb" => spec.fb = Some(x),
                 "fo" => spec.fo = Some(x),
+                "ag" => spec.fsdp.ag = x,
+                "rs" => spec.fsdp.rs = x,
                 other => {
                     return Err(Error::invalid(
                         "costs",
                         other,
-                        "keys are f, b, w, comm, fb, fo",
+                        "keys are f, b, w, comm, fb, fo, and FSDP's ag and rs",
                     ));
                 }
             }

@@ -13,6 +13,8 @@ pub struct UniformCosts {
     fo_ns: u64,
     fb_ns: u64,
     comm_ns: u64,
+    ag_ns: u64,
+    rs_ns: u64,
     unit_per_stage: f64,
 }
 
@@ -27,6 +29,8 @@ impl UniformCosts {
             fo_ns: s_to_ns(spec.fo.unwrap_or(spec.f) / v),
             fb_ns: s_to_ns(spec.fb.unwrap_or(spec.f + spec.b + spec.w) / v),
             comm_ns: s_to_ns(spec.comm),
+            ag_ns: s_to_ns(spec.fsdp.ag / v),
+            rs_ns: s_to_ns(spec.fsdp.rs / v),
             unit_per_stage: 1.0 / v,
         }
     }
@@ -61,6 +65,13 @@ impl CostModel for UniformCosts {
     }
     fn optimizer_ns(&self, _: Rank) -> u64 {
         0
+    }
+    fn fsdp_ns(&self, _: StageId, action: crate::ir::comm::FsdpAction) -> u64 {
+        match action {
+            crate::ir::comm::FsdpAction::Unshard => self.ag_ns,
+            crate::ir::comm::FsdpAction::ReduceGrad => self.rs_ns,
+            _ => 0,
+        }
     }
     fn memory_unit(&self) -> MemoryUnit {
         MemoryUnit::Units

@@ -254,10 +254,22 @@ fn comm_color(a: LoweredAction) -> (&'static str, RGBColor) {
 /// zero-length span drawn one pixel-ish wide is left as it is: invisible).
 fn comm_boxes(t: &Timeline, p: usize, scale: f64) -> Vec<DataBox> {
     let mut boxes = Vec::new();
+    // With FSDP's actions too, the lane splits: point-to-point above, collectives below.
+    let split = t
+        .comm
+        .iter()
+        .flatten()
+        .any(|c| matches!(c.action, LoweredAction::Fsdp(..)));
     for (r, lane) in t.comm.iter().enumerate().take(p) {
-        let y0 = row_bottom(p, r) + ROW_PAD;
-        let y1 = y0 + COMM_LANE - 0.04;
+        let bottom = row_bottom(p, r) + ROW_PAD;
+        let (mid, top) = (bottom + (COMM_LANE - 0.04) / 2.0, bottom + COMM_LANE - 0.04);
         for c in lane {
+            let fsdp = matches!(c.action, LoweredAction::Fsdp(..));
+            let (y0, y1) = match (split, fsdp) {
+                (false, _) => (bottom, top),
+                (true, true) => (bottom, mid),
+                (true, false) => (mid, top),
+            };
             let (x0, x1) = (
                 c.start_ns as f64 * 1e-9 * scale,
                 c.end_ns as f64 * 1e-9 * scale,

@@ -47,6 +47,11 @@ pub struct Lowering {
     pub posting: RecvPosting,
     /// How sends and receives are spread over streams.
     pub streams: StreamLayout,
+    /// FSDP under the pipeline: each rank also runs FSDP's per-stage actions
+    /// ([`fsdp_programs`]) on a collective stream, keeping at most this many stages gathered
+    /// (PyTorch's `max_active_stages`, 3 by default); `None`: no FSDP actions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fsdp: Option<u32>,
 }
 
 impl Lowering {
@@ -55,6 +60,7 @@ impl Lowering {
     pub const UNCONTENDED: Lowering = Lowering {
         posting: RecvPosting::Ahead,
         streams: StreamLayout::PerPeer,
+        fsdp: None,
     };
     /// Every policy, for comparisons and tests.
     pub const ALL: [Lowering; 6] = [
@@ -62,22 +68,27 @@ impl Lowering {
         Lowering {
             posting: RecvPosting::Ahead,
             streams: StreamLayout::PeerPair,
+            fsdp: None,
         },
         Lowering {
             posting: RecvPosting::Ahead,
             streams: StreamLayout::Shared,
+            fsdp: None,
         },
         Lowering {
             posting: RecvPosting::Deferred,
             streams: StreamLayout::PerPeer,
+            fsdp: None,
         },
         Lowering {
             posting: RecvPosting::Deferred,
             streams: StreamLayout::PeerPair,
+            fsdp: None,
         },
         Lowering {
             posting: RecvPosting::Deferred,
             streams: StreamLayout::Shared,
+            fsdp: None,
         },
     ];
 }
@@ -99,16 +110,24 @@ impl fmt::Display for Lowering {
             StreamLayout::PeerPair => "peer-pair",
             StreamLayout::PerPeer => "per-peer",
         };
-        write!(f, "{posting} receives, {streams} streams")
+        write!(f, "{posting} receives, {streams} streams")?;
+        if let Some(k) = self.fsdp {
+            write!(f, ", FSDP with {k} stages gathered")?;
+        }
+        Ok(())
     }
 }
 
-/// Lowers `schedule` under `lowering`.
+/// Lowers `schedule` under `lowering` (with FSDP's actions where it asks for them:
+/// [`lower_with_fsdp`]).
 ///
 /// # Errors
 /// [`Error::InvalidSchedule`] when no rank's next compute action can be placed (its input is
 /// never sent: PyTorch's "Malformed compute schedule"), naming each rank's next action.
 pub fn lower(schedule: &Schedule, lowering: Lowering) -> Result<Lowered> {
+    if let Some(window) = lowering.fsdp {
+        return lower_with_fsdp(schedule, lowering, window as usize);
+    }
     let mut program: Vec<Vec<LoweredAction>> = program_lengths(schedule)
         .into_iter()
         .map(Vec::with_capacity)
@@ -323,7 +342,7 @@ pub fn sweep(
 ///
 /// # Errors
 /// As [`lower`].
-fn sweep_programs(
+pub fn sweep_programs(
     schedule: &Schedule,
     fsdp: Option<&[Vec<LoweredAction>]>,
     posting: RecvPosting,
@@ -723,6 +742,7 @@ mod tests {
             Lowering {
                 posting: RecvPosting::Deferred,
                 streams: StreamLayout::Shared,
+                fsdp: None,
             },
         )
         .unwrap();

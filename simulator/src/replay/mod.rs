@@ -522,6 +522,7 @@ mod tests {
                 comm,
                 fb: None,
                 fo: None,
+                fsdp: Default::default(),
             },
             1,
         )

@@ -25,7 +25,8 @@
 use super::{Cell, Outcome, Recorder, UNSET, UNSET_CELL};
 use crate::costs::CostModel;
 use crate::ir::comm::{
-    CommAction, Lowered, LoweredAction, Payload, StreamId, StreamLayout, Transfer, TransferIndex,
+    CommAction, FsdpAction, Lowered, LoweredAction, Payload, StreamId, StreamLayout, Transfer,
+    TransferIndex,
 };
 use crate::ir::lowering::{Lowering, RecvPosting};
 use crate::ir::{Action, ActionKind, ChunkLinks, ComputeAction, Placement, Rank, Schedule};
@@ -60,14 +61,10 @@ pub fn replay_lowering<C: CostModel>(
     timeline_of(schedule, swept_streams(schedule, lowering)?, costs)
 }
 
-/// The timeline of `schedule` with its transfers on the streams `comm`.
-fn timeline_of<C: CostModel>(
-    schedule: &Schedule,
-    comm: Vec<CommStream>,
-    costs: &C,
-) -> Result<Timeline> {
+/// The timeline of `schedule` with its transfers and collectives on `lanes`.
+fn timeline_of<C: CostModel>(schedule: &Schedule, lanes: Lanes, costs: &C) -> Result<Timeline> {
     let p = schedule.placement.num_ranks as usize;
-    let num_comm: usize = comm.iter().map(|c| c.ops.len()).sum();
+    let num_comm: usize = lanes.comm.iter().map(|c| c.ops.len()).sum();
     let timeline = Timeline {
         compute: schedule
             .ranks
@@ -78,7 +75,7 @@ fn timeline_of<C: CostModel>(
         optimizer: vec![None; p],
         comm: vec![Vec::new(); p],
     };
-    match run_streams(schedule, comm, costs, timeline) {
+    match run_streams(schedule, lanes, costs, timeline) {
         Ok((Outcome::Done(clock), mut timeline)) => {
             for lane in &mut timeline.comm {
                 lane.sort_by_key(|c| c.start_ns);
@@ -93,6 +90,118 @@ fn timeline_of<C: CostModel>(
         }
         Ok(_) => unreachable!("a timeline never stops a replay"),
         Err(e) => Err(e),
+    }
+}
+
+/// The communication of a lowered schedule: its point-to-point streams and, with FSDP, each
+/// rank's collective stream.
+struct Lanes {
+    comm: Vec<CommStream>,
+    coll: Option<Collectives>,
+}
+
+/// No op of a collective stream.
+const NO_OP: u32 = u32::MAX;
+
+/// One op of a rank's collective stream: an all-gather (`UNSHARD`) or a reduce-scatter
+/// (`REDUCE_GRAD`) of one stage, in program order.
+#[derive(Clone, Copy)]
+struct CollOp {
+    stage: crate::ir::StageId,
+    action: FsdpAction,
+    /// For a reduce-scatter: the index, among the rank's compute actions, of the one it
+    /// follows (the stage's last backward); [`NO_OP`] for an all-gather.
+    after: u32,
+}
+
+/// FSDP's collective stream of each rank (PyTorch 2.15's runtime: `UNSHARD` starts the
+/// stage's all-gather, which its compute waits for; `REDUCE_GRAD` its gradients'
+/// reduce-scatter once its last backward has run; `WAIT_REDUCE_GRAD` blocks the host, so no
+/// later action of the rank starts before that reduction ends; `RESHARD` frees memory and
+/// takes no time). One stream per rank: its ops run one at a time in program order.
+struct Collectives {
+    /// Per rank, its ops.
+    ops: Vec<Vec<CollOp>>,
+    /// Per rank, each op's end, ns.
+    end: Vec<Vec<u64>>,
+    /// Per rank, per compute action in order: the latest op it waits for (its stages' last
+    /// all-gather, or a reduction the host waited for before it), or [`NO_OP`].
+    need: Vec<Vec<u32>>,
+    /// Per rank, each compute action's end, ns (a reduce-scatter reads its anchor's).
+    compute_end: Vec<Vec<u64>>,
+}
+
+impl Collectives {
+    /// The collective streams of `programs` (per rank: compute and FSDP entries in program
+    /// order; other entries are skipped), or `None` when no rank has an FSDP action.
+    fn of(programs: &[Vec<LoweredAction>]) -> Option<Collectives> {
+        if !programs
+            .iter()
+            .flatten()
+            .any(|a| matches!(a, LoweredAction::Fsdp(..)))
+        {
+            return None;
+        }
+        let p = programs.len();
+        let mut c = Collectives {
+            ops: vec![Vec::new(); p],
+            end: vec![Vec::new(); p],
+            need: vec![Vec::new(); p],
+            compute_end: vec![Vec::new(); p],
+        };
+        for (r, prog) in programs.iter().enumerate() {
+            // Per stage: its latest all-gather and its latest reduction, op indices.
+            let mut gathered: Vec<(crate::ir::StageId, u32)> = Vec::new();
+            let mut reduced: Vec<(crate::ir::StageId, u32)> = Vec::new();
+            let latest = |list: &[(crate::ir::StageId, u32)], s| {
+                list.iter().rev().find(|e| e.0 == s).map_or(NO_OP, |e| e.1)
+            };
+            let mut barrier = NO_OP;
+            let mut computes = 0u32;
+            for a in prog {
+                let next = c.ops[r].len() as u32;
+                match *a {
+                    LoweredAction::Compute(action) => {
+                        let need = action
+                            .parts()
+                            .map(|x| latest(&gathered, x.stage))
+                            .chain([barrier])
+                            .filter(|&k| k != NO_OP)
+                            .max()
+                            .unwrap_or(NO_OP);
+                        c.need[r].push(need);
+                        computes += 1;
+                    }
+                    LoweredAction::Fsdp(stage, FsdpAction::Unshard) => {
+                        c.ops[r].push(CollOp {
+                            stage,
+                            action: FsdpAction::Unshard,
+                            after: NO_OP,
+                        });
+                        gathered.push((stage, next));
+                    }
+                    LoweredAction::Fsdp(stage, FsdpAction::ReduceGrad) => {
+                        let after = computes.checked_sub(1).unwrap_or(NO_OP);
+                        c.ops[r].push(CollOp {
+                            stage,
+                            action: FsdpAction::ReduceGrad,
+                            after,
+                        });
+                        reduced.push((stage, next));
+                    }
+                    LoweredAction::Fsdp(stage, FsdpAction::WaitReduceGrad) => {
+                        let k = latest(&reduced, stage);
+                        if k != NO_OP {
+                            barrier = if barrier == NO_OP { k } else { barrier.max(k) };
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            c.end[r] = vec![UNSET; c.ops[r].len()];
+            c.compute_end[r] = vec![UNSET; c.need[r].len()];
+        }
+        Some(c)
     }
 }
 
@@ -120,6 +229,8 @@ struct Streams<'a, C: CostModel, R: Recorder> {
     fo_end: Vec<u64>,
     fo_ready: Vec<u64>,
     comm: Vec<CommStream>,
+    /// FSDP's collective streams, one per rank after the communication streams, if any.
+    coll: Option<Collectives>,
     /// Per transfer ([`Streams::xid`]): when its send and its receive were posted, ns.
     send_post: Vec<u64>,
     recv_post: Vec<u64>,
@@ -156,17 +267,21 @@ pub(crate) fn run_lowering<C: CostModel, R: Recorder>(
 /// [`Error::StreamsHang`] when streams stop with work left.
 fn run_streams<C: CostModel, R: Recorder>(
     schedule: &Schedule,
-    comm: Vec<CommStream>,
+    lanes: Lanes,
     costs: &C,
     rec: R,
 ) -> Result<(Outcome, R)> {
-    let mut st = Streams::new(schedule, comm, costs, rec)?;
+    let mut st = Streams::new(schedule, lanes, costs, rec)?;
     while let Some(sid) = st.queue.pop_front() {
         st.queued[sid as usize] = false;
-        let stopped = if (sid as usize) < st.num_ranks() {
-            !st.advance_compute(sid as usize)
+        let sid = sid as usize;
+        let stopped = if sid < st.num_ranks() {
+            !st.advance_compute(sid)
+        } else if sid < st.num_ranks() + st.comm.len() {
+            st.advance_comm(sid);
+            false
         } else {
-            st.advance_comm(sid as usize);
+            st.advance_collective(sid - st.num_ranks() - st.comm.len());
             false
         };
         if stopped {
@@ -181,9 +296,11 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
     ///
     /// # Errors
     /// A malformed chunk chain.
-    fn new(schedule: &'a Schedule, comm: Vec<CommStream>, costs: &'a C, rec: R) -> Result<Self> {
+    fn new(schedule: &'a Schedule, lanes: Lanes, costs: &'a C, rec: R) -> Result<Self> {
+        let Lanes { comm, coll } = lanes;
         let s = schedule;
         let p = s.placement.num_ranks as usize;
+        let streams = p + comm.len() + if coll.is_some() { p } else { 0 };
         let s_count = s.num_stages() as usize;
         let (m, mfo) = (s.num_microbatches as usize, s.num_fo_microbatches as usize);
         let chunk = s.chunk_links()?;
@@ -206,11 +323,12 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
             recv_post: vec![UNSET; n_x],
             send_stream: vec![NO_STREAM; n_x],
             recv_stream: vec![NO_STREAM; n_x],
-            pc: vec![0; p + comm.len()],
-            clock: vec![0; p + comm.len()],
-            queued: vec![true; p + comm.len()],
-            queue: (0..(p + comm.len()) as u32).collect(),
+            pc: vec![0; streams],
+            clock: vec![0; streams],
+            queued: vec![true; streams],
+            queue: (0..streams as u32).collect(),
             comm,
+            coll,
             rec,
         };
         for c in &mut st.cells[..m] {
@@ -287,6 +405,10 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
         let actions = &self.schedule.ranks[r];
         while self.pc[r] < actions.len() {
             let action = actions[self.pc[r]];
+            let gate = match self.collective_gate(r) {
+                Some(t) => t,
+                None => return true, // woken when the collective it waits for ends
+            };
             let (start, dur) = match action {
                 Action::Compute(a) => match self.ready(a) {
                     Some(t) => (t.max(self.clock[r]), self.costs.compute_ns(a)),
@@ -299,6 +421,7 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
                     _ => return true,
                 },
             };
+            let start = start.max(gate);
             let end = start + dur;
             let op = TimedOp {
                 action,
@@ -309,12 +432,64 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
                 return false;
             }
             self.clock[r] = end;
+            if let Some(c) = self.coll.as_mut() {
+                c.compute_end[r][self.pc[r]] = end;
+                let sid = (self.num_ranks() + self.comm.len() + r) as u32;
+                self.wake(sid);
+            }
             self.pc[r] += 1;
             for a in action.parts() {
                 self.complete_compute(r as u32, a, end);
             }
         }
         true
+    }
+
+    /// The earliest start FSDP's collectives allow rank `r`'s next compute action (0 without
+    /// FSDP), or `None` while the collective it waits for has not run.
+    #[inline]
+    fn collective_gate(&self, r: usize) -> Option<u64> {
+        let Some(c) = &self.coll else { return Some(0) };
+        let k = c.need[r][self.pc[r]];
+        if k == NO_OP {
+            return Some(0);
+        }
+        let end = c.end[r][k as usize];
+        (end != UNSET).then_some(end)
+    }
+
+    /// Runs rank `r`'s collective stream as far as it can: an all-gather as soon as the
+    /// stream is free, a reduce-scatter once the compute action it follows has ended too.
+    fn advance_collective(&mut self, r: usize) {
+        let sid = self.num_ranks() + self.comm.len() + r;
+        let Some(c) = self.coll.as_mut() else { return };
+        let ran = self.pc[sid];
+        while let Some(&op) = c.ops[r].get(self.pc[sid]) {
+            let mut start = self.clock[sid];
+            if op.after != NO_OP {
+                let anchor = c.compute_end[r][op.after as usize];
+                if anchor == UNSET {
+                    break; // woken when that compute ends
+                }
+                start = start.max(anchor);
+            }
+            let end = start + self.costs.fsdp_ns(op.stage, op.action);
+            c.end[r][self.pc[sid]] = end;
+            self.clock[sid] = end;
+            self.pc[sid] += 1;
+            self.rec.comm(
+                r,
+                TimedComm {
+                    action: LoweredAction::Fsdp(op.stage, op.action),
+                    start_ns: start,
+                    end_ns: end,
+                },
+            );
+        }
+        // An op's end may release the rank's compute.
+        if self.pc[sid] > ran {
+            self.wake(r as u32);
+        }
     }
 
     /// Records compute action `a`'s end on rank `r`: its outputs are ready on the rank, its
@@ -468,13 +643,29 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
                 waiting.push(format!("rank {} {}: {op}", cs.rank, cs.id));
             }
         }
+        let first_coll = p + self.comm.len();
+        if let Some(c) = &self.coll {
+            for (r, ops) in c.ops.iter().enumerate() {
+                if let Some(op) = ops.get(self.pc[first_coll + r]) {
+                    let a = LoweredAction::Fsdp(op.stage, op.action);
+                    waiting.push(format!("rank {r} collectives: {a}"));
+                }
+            }
+        }
         if !waiting.is_empty() {
             return Err(Error::StreamsHang {
                 schedule: self.schedule.name.clone(),
                 waiting,
             });
         }
-        Ok((Outcome::Done(self.clock[..p].to_vec()), self.rec))
+        // A rank's step ends with its last compute or, with FSDP, its last reduction.
+        let clock = (0..p)
+            .map(|r| {
+                let coll = self.coll.as_ref().map_or(0, |_| self.clock[first_coll + r]);
+                self.clock[r].max(coll)
+            })
+            .collect();
+        Ok((Outcome::Done(clock), self.rec))
     }
 }
 
@@ -484,7 +675,7 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
 /// # Errors
 /// [`Error::PairOrder`] when two ranks post one direction's transfers in different orders
 /// ([`crate::ir::lowering::check_pair_order`]).
-fn comm_streams(lowered: &Lowered) -> Result<Vec<CommStream>> {
+fn comm_streams(lowered: &Lowered) -> Result<Lanes> {
     let mut streams = StreamSet::new(&lowered.schedule, lowered.streams);
     let mut order = crate::ir::lowering::PairOrder::new(&lowered.schedule);
     for (r, prog) in lowered.program.iter().enumerate() {
@@ -496,7 +687,10 @@ fn comm_streams(lowered: &Lowered) -> Result<Vec<CommStream>> {
         }
     }
     order.check(&lowered.schedule)?;
-    Ok(streams.done())
+    Ok(Lanes {
+        comm: streams.done(),
+        coll: Collectives::of(&lowered.program),
+    })
 }
 
 /// The communication streams of `schedule` lowered under `lowering`, as [`comm_streams`] of
@@ -504,23 +698,36 @@ fn comm_streams(lowered: &Lowered) -> Result<Vec<CommStream>> {
 ///
 /// # Errors
 /// As [`crate::ir::lowering::lower`] and [`crate::ir::lowering::check_pair_order`].
-fn swept_streams(schedule: &Schedule, lowering: Lowering) -> Result<Vec<CommStream>> {
+fn swept_streams(schedule: &Schedule, lowering: Lowering) -> Result<Lanes> {
     let mut streams = StreamSet::new(schedule, lowering.streams);
+    // With FSDP, its actions take their turns in the sweep (they move receives), as in
+    // PyTorch's lowering.
+    let programs = match lowering.fsdp {
+        Some(window) => Some(crate::ir::lowering::fsdp_programs(
+            schedule,
+            window as usize,
+        )?),
+        None => None,
+    };
     // Receives posted ahead keep every pair's order by construction: no check to pay for.
     let mut order = (lowering.posting != RecvPosting::Ahead)
         .then(|| crate::ir::lowering::PairOrder::new(schedule));
-    crate::ir::lowering::sweep(schedule, lowering.posting, |r, a| {
+    let emit = |r: usize, a: LoweredAction| {
         if let LoweredAction::Comm(c) = a {
             if let Some(o) = order.as_mut() {
                 o.see(r, a);
             }
             streams.push(r, c);
         }
-    })?;
+    };
+    crate::ir::lowering::sweep_programs(schedule, programs.as_deref(), lowering.posting, emit)?;
     if let Some(o) = order {
         o.check(schedule)?;
     }
-    Ok(streams.done())
+    Ok(Lanes {
+        comm: streams.done(),
+        coll: programs.as_deref().and_then(Collectives::of),
+    })
 }
 
 /// A stream of [`StreamSet`]: how many actions it will hold before its first use, then its
@@ -627,6 +834,7 @@ mod tests {
                 comm,
                 fb: None,
                 fo: None,
+                fsdp: Default::default(),
             },
             v,
         )
@@ -654,6 +862,7 @@ mod tests {
         let shared = Lowering {
             posting: RecvPosting::Ahead,
             streams: StreamLayout::Shared,
+            fsdp: None,
         };
         let l = lower(&s, shared).unwrap();
         let names: Vec<String> = l.program[1].iter().map(ToString::to_string).collect();
@@ -696,6 +905,57 @@ mod tests {
     }
 
     #[test]
+    fn fsdp_collectives_run_beside_the_compute_and_show_where_exposed() {
+        // 1F1B, p = 2, m = 2, f = 1 s, b = 2 s, no transfer time; FSDP's all-gather 2 s and
+        // reduce-scatter 1 s per stage. Each rank's program: UNSHARD, its four computes,
+        // REDUCE_GRAD (after its second B), WAIT_REDUCE_GRAD, RESHARD. Both all-gathers run
+        // [0, 2], so 0F0 runs [2, 3] and 0F1 [3, 4]; 1F0 [3, 4], 1B0 [4, 6], 1F1 [6, 7], 1B1
+        // [7, 9]; 0B0 [6, 8], 0B1 [9, 11]. Reductions: rank 1's [9, 10], rank 0's [11, 12].
+        // The step: 12 s, the 9 s of the plain replay plus the exposed all-gather (2 s) and
+        // the exposed reduction (1 s).
+        let s = one_f_one_b(2, 2);
+        let mut c = UniformCostSpec {
+            f: 1.0,
+            b: 2.0,
+            w: 0.0,
+            comm: 0.0,
+            fb: None,
+            fo: None,
+            fsdp: Default::default(),
+        };
+        let plain = replay_lowering(&s, Lowering::UNCONTENDED, &UniformCosts::new(&c, 1)).unwrap();
+        assert_eq!(plain.makespan_ns(), 9 * S);
+        c.fsdp.ag = 2.0;
+        c.fsdp.rs = 1.0;
+        let with_fsdp = Lowering {
+            fsdp: Some(3),
+            ..Lowering::UNCONTENDED
+        };
+        let t = replay_lowering(&s, with_fsdp, &UniformCosts::new(&c, 1)).unwrap();
+        assert_eq!(t.makespan_ns(), 12 * S);
+        assert_eq!(start_of(&t, 0, "0F0"), 2 * S);
+        assert_eq!(start_of(&t, 0, "0B1"), 9 * S);
+        let lane = |r: usize| -> Vec<(String, u64, u64)> {
+            t.comm[r]
+                .iter()
+                .filter(|c| matches!(c.action, LoweredAction::Fsdp(..)))
+                .map(|c| (c.action.to_string(), c.start_ns / S, c.end_ns / S))
+                .collect()
+        };
+        assert_eq!(
+            lane(0),
+            [("0UNSHARD".into(), 0, 2), ("0REDUCE_GRAD".into(), 11, 12)]
+        );
+        assert_eq!(
+            lane(1),
+            [("1UNSHARD".into(), 0, 2), ("1REDUCE_GRAD".into(), 9, 10)]
+        );
+        // The lowered program replays the same.
+        let l = lower(&s, with_fsdp).unwrap();
+        assert_eq!(replay_lowered(&l, &UniformCosts::new(&c, 1)).unwrap(), t);
+    }
+
+    #[test]
     fn a_front_loaded_receive_blocks_ready_sends_on_a_shared_stream() {
         // Interleaved 1F1B, p = 4, v = 2, m = 8, f = 1 s per stage, comm c = 0.5 s: when does
         // rank 1 start 1F1? PyTorch's sweep lowers rank 0 to 0F0 0SEND_F0 4RECV_F0 0F1
@@ -712,7 +972,15 @@ mod tests {
         let (s, _) = interleaved_1f1b(4, 2, 8, None).unwrap();
         let c = costs(1.0, 2.0, 0.5, 2);
         let at = |posting, streams| {
-            let l = lower(&s, Lowering { posting, streams }).unwrap();
+            let l = lower(
+                &s,
+                Lowering {
+                    posting,
+                    streams,
+                    fsdp: None,
+                },
+            )
+            .unwrap();
             start_of(&replay_lowered(&l, &c).unwrap(), 1, "1F1")
         };
         use RecvPosting::{Ahead, Deferred};
@@ -798,6 +1066,7 @@ mod tests {
                         let lowering = Lowering {
                             posting,
                             streams: StreamLayout::PerPeer,
+                            fsdp: None,
                         };
                         if crate::ir::lowering::check_pair_order(&s, posting).is_err() {
                             continue;

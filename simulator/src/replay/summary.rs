@@ -336,7 +336,7 @@ pub fn lowered_summary<C: CostModel>(
     lowering: Lowering,
     costs: &C,
 ) -> Result<Summary> {
-    if lowering.streams == StreamLayout::PerPeer {
+    if lowering.streams == StreamLayout::PerPeer && lowering.fsdp.is_none() {
         crate::ir::lowering::check_pair_order(schedule, lowering.posting)?;
         return replay_summary(schedule, costs);
     }
@@ -460,12 +460,11 @@ impl<'a, C: CostModel> Lean<'a, C> {
     /// the memory cap.
     pub(crate) fn finish(mut self, clock: &[u64]) -> Option<Summary> {
         let mut makespan = self.end_ns;
+        // A rank's clock is its last compute's end, or (FSDP) its last reduction's.
         for (r, &end) in clock.iter().enumerate() {
             let opt = self.optimizer[r];
-            if opt > 0 {
-                self.busy[r] += opt;
-                makespan = makespan.max(end + opt);
-            }
+            self.busy[r] += opt;
+            makespan = makespan.max(end + opt);
         }
         let peak_activation = self
             .mem

@@ -339,6 +339,7 @@ mod tests {
                 comm: 0.0,
                 fb: None,
                 fo: None,
+                fsdp: Default::default(),
             },
             1,
         );

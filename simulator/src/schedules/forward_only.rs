@@ -311,6 +311,7 @@ mod tests {
                 comm: 0.0,
                 fb: None,
                 fo: Some(fo),
+                fsdp: Default::default(),
             },
             1,
         )

@@ -141,6 +141,15 @@ pub(super) struct SimulateArgs {
     /// Default: the plan file's `lowering.streams`, else `per-peer`.
     #[arg(long, value_enum)]
     p2p_streams: Option<P2pStreams>,
+    /// Run FSDP's per-stage actions as PyTorch 2.15's runtime lowers them for a sharded model
+    /// (`UNSHARD` before a stage's compute, `REDUCE_GRAD` and its wait after its last
+    /// backward, `RESHARD`), on a collective stream per rank, with at most this many stages
+    /// gathered at once (its `max_active_stages`; 3 when the flag has no value). Their times
+    /// are the `--costs` keys `ag` (all-gather of one rank's parameters) and `rs`
+    /// (reduce-scatter of its gradients), spread over its stages. Default: the plan file's
+    /// `lowering.fsdp`, else none.
+    #[arg(long, value_name = "MAX_ACTIVE_STAGES", num_args = 0..=1, default_missing_value = "3")]
+    fsdp: Option<u32>,
     /// Seed of the step sampler (default: the workload's, 0). Printed.
     #[arg(long)]
     seed: Option<u64>,
@@ -275,6 +284,7 @@ impl SimulateArgs {
                 P2pStreams::PeerPair => StreamLayout::PeerPair,
                 P2pStreams::Shared => StreamLayout::Shared,
             }),
+            fsdp: self.fsdp.map(Some),
         }
     }
 }

@@ -98,6 +98,12 @@ pub(in crate::cli) fn simulate_uniform(
     if let Some((_, _, s)) = built.first() {
         check_serial_range(spec, s.placement.num_ranks, m, k)?;
     }
+    if let CostSpec::Uniform(u) = spec
+        && u.fsdp != Default::default()
+        && a.lowering().fsdp.is_none()
+    {
+        tracing::warn!("the --costs keys ag and rs are FSDP's collectives: they apply with --fsdp");
+    }
     let keep_timeline = needs_timeline(a);
     let mut runs = Vec::new();
     let mut fo_reports = std::collections::HashMap::new();

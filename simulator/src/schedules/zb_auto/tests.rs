@@ -19,6 +19,7 @@ fn uni(f: f64, b: f64, w: f64) -> UniformCosts {
             comm: 0.0,
             fb: None,
             fo: None,
+            fsdp: Default::default(),
         },
         1,
     )

@@ -482,6 +482,7 @@ mod tests {
                         comm,
                         fb: None,
                         fo: None,
+                        fsdp: Default::default(),
                     };
                     estimate_vs_replay(p, m, &UniformCosts::new(&spec, 1), comm == 0.0);
                     let f: Vec<f64> = (0..p).map(|s| 1.0 + 0.5 * f64::from(s % 3)).collect();
@@ -548,6 +549,7 @@ mod tests {
                         comm: 0.1,
                         fb: None,
                         fo: None,
+                        fsdp: Default::default(),
                     };
                     let c = UniformCosts::new(&spec, 1);
                     for limit in [
@@ -593,6 +595,7 @@ mod tests {
             comm: 0.05,
             fb: None,
             fo: None,
+            fsdp: Default::default(),
         };
         let c = UniformCosts::new(&spec, 1);
         let all = wave_orders_with(16, 64, &c, 16.0, false);
