@@ -81,7 +81,9 @@ fn resolve<T>(
     from_builtin: impl Fn(&str, &str) -> Result<T>,
 ) -> Result<T> {
     let path = Path::new(arg);
-    if path.is_file() {
+    // Any path that is there but is not a directory is read: a file, or a device such as
+    // /dev/null or a pipe (whose reading then says what is wrong with its text).
+    if path.is_file() || (path.exists() && !path.is_dir()) {
         return from_file(path);
     }
     match lookup(table, arg) {

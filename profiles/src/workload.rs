@@ -221,9 +221,26 @@ impl Workload {
     pub fn from_file(path: &Path) -> Result<Self> {
         let origin = path.display().to_string();
         let text = yaml::read_to_string(path)?;
-        if path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("csv"))
+        if text.trim().is_empty() {
+            return Err(Error::invalid(
+                &origin,
+                "file",
+                "empty",
+                "a workload YAML (`lengths: ...`) or a CSV with a `tokens` column",
+            ));
+        }
+        // The format is read from the text: a CSV's header is a comma-separated line without
+        // a YAML key's colon, or the single column `tokens` (whatever the file is called).
+        let first = text
+            .lines()
+            .map(str::trim)
+            .find(|l| !l.is_empty())
+            .unwrap_or("");
+        let looks_csv = first == "tokens" || (first.contains(',') && !first.contains(':'));
+        if looks_csv
+            || path
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("csv"))
         {
             let samples = parse_tokens_csv(&text, &origin)?;
             let name = path

@@ -269,7 +269,13 @@ pub fn estimated_memory_bytes(
             None => (seqs * mean / budget).ceil() + 1.0,
         }
     };
-    let pairs = |c: &RunConfig| f64::from(c.pp) * f64::from(c.v.max(1)) * microbatches(c);
+    // Forward-only microbatches are (stage, microbatch) pairs too: `--fo-microbatches K`, or
+    // one per training microbatch.
+    let fo = |c: &RunConfig| match &c.forward_only {
+        Some(f) => f.microbatches.map_or_else(|| microbatches(c), f64::from),
+        None => 0.0,
+    };
+    let pairs = |c: &RunConfig| f64::from(c.pp) * f64::from(c.v.max(1)) * (microbatches(c) + fo(c));
     let ranks = configs.iter().map(|c| c.pp as usize).max().unwrap_or(1);
     let outcome =
         (std::mem::size_of::<(StepOutcome, Option<(Schedule, Simulation)>)>() + 8 * ranks) as f64;

@@ -56,11 +56,23 @@ fn schedules_too_large_for_memory_are_refused_up_front() {
 /// with an estimate no smaller than a closed-form floor: 4e9 steps of 9 schedules on 4 ranks
 /// keep at least 4e9 x 9 x 4 x 8 bytes of per-rank memory figures (1,073 GiB); the planner
 /// keeps 4e9 sampled steps of 128 four-byte lengths (1,907 GiB); one step of 4e9 sequences
-/// holds at least its 4e9 four-byte lengths (14.9 GiB). Each ran until killed before.
+/// holds at least its 4e9 four-byte lengths (14.9 GiB); 1e9 forward-only microbatches on 4
+/// ranks are at least 4e9 (stage, microbatch) pairs of one byte (3.7 GiB). Each ran until
+/// killed before.
 #[test]
 fn monte_carlo_runs_too_large_for_memory_are_refused_up_front() {
     let dir = tempfile::tempdir().unwrap();
     for (args, floor_gib) in [
+        (
+            &[
+                "simulate",
+                "--fo-microbatches",
+                "1000000000",
+                "--gantt",
+                "none",
+            ][..],
+            4e9 / 2f64.powi(30),
+        ),
         (
             &["simulate", "--steps", "4000000000", "--gantt", "none"][..],
             4e9 * 9.0 * 4.0 * 8.0 / 2f64.powi(30),

@@ -34,6 +34,51 @@ fn malformed_files_name_the_file_and_field() {
     );
 }
 
+/// A workload's format is read from its text, not its name: a CSV called `.txt` is read as a
+/// CSV (its error names the header, not a dump of the file as YAML), a `tokens` column works
+/// under any name, and an empty file (`/dev/null`, which used to be "no such file") says it
+/// is empty.
+#[test]
+fn a_workload_is_read_by_its_content() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("w.txt"), "a,b\n1,2\n").unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--workload", "w.txt", "--gantt", "none"],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        o.stderr
+            .contains("w.txt: invalid CSV: no `tokens` column (header: a,b)"),
+        "{}",
+        o.stderr
+    );
+    std::fs::write(dir.path().join("t.txt"), "tokens\n100\n200\n").unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--workload",
+            "t.txt",
+            "--steps",
+            "2",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(o.status.success(), "{}", o.stderr);
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--workload", "/dev/null", "--gantt", "none"],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        o.stderr.contains("/dev/null") && o.stderr.contains("empty"),
+        "{}",
+        o.stderr
+    );
+}
+
 /// Absurd sequence lengths are refused at the workload, naming the field and the range (a
 /// 4e9-token sequence used to run, wrapping the attention-pair sums and printing nonsense
 /// MFU); 2^24 tokens is the cap.
