@@ -3,6 +3,10 @@
 use crate::{Error, Result, yaml};
 use serde::{Deserialize, Serialize};
 
+/// The most layers a model may have, all kinds together: far above published models (Llama
+/// 3.1 405B has 128 with its embedding and head), and low enough that every per-layer table
+/// stays small; a count past it is a typo, refused before anything is built.
+pub const MAX_LAYERS: u32 = 4096;
 /// Element type of weights and activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -201,6 +205,17 @@ impl ModelSpec {
             };
             if g.count == 0 {
                 return bad(format!("layers[{i}].count"), "0".into(), ">= 1");
+            }
+            let before: u64 = self.layers[..i].iter().map(|x| u64::from(x.count)).sum();
+            if before + u64::from(g.count) > u64::from(MAX_LAYERS) {
+                return bad(
+                    format!("layers[{i}].count"),
+                    g.count.to_string(),
+                    &format!(
+                        "at most {} here: {MAX_LAYERS} layers in all (the deepest published models have a few hundred; every layer is profiled and split over stages)",
+                        u64::from(MAX_LAYERS).saturating_sub(before)
+                    ),
+                );
             }
             match g.kind {
                 LayerKind::Embedding | LayerKind::Head => {

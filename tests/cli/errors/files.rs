@@ -34,6 +34,32 @@ fn malformed_files_name_the_file_and_field() {
     );
 }
 
+/// A model of 100,000,000 decoder layers (a typo) is refused when read, naming the field and
+/// the most it may be (4,096 layers in all); it grew to 24 GB before anything refused it.
+#[test]
+fn a_model_with_absurdly_many_layers_is_refused_when_read() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("deep.yaml"),
+        "name: deep\ndtype: bf16\nlayers:\n  - {kind: embedding, vocab: 1000, hidden: 64}\n  \
+         - {kind: decoder, count: 100000000, hidden: 64, ffn: 256, heads: 4, kv_heads: 4}\n  \
+         - {kind: head, vocab: 1000, hidden: 64}\n",
+    )
+    .unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--model", "deep.yaml", "--gantt", "none"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("deep.yaml: field `layers[1].count` = 100000000")
+            && o.stderr.contains("at most 4095 here: 4096 layers in all"),
+        "{}",
+        o.stderr
+    );
+}
+
 /// A workload's format is read from its text, not its name: a CSV called `.txt` is read as a
 /// CSV (its error names the header, not a dump of the file as YAML), a `tokens` column works
 /// under any name, and an empty file (`/dev/null`, which used to be "no such file") says it
