@@ -361,14 +361,29 @@ pub(super) fn simulate(a: SimulateArgs) -> Result<ExitCode> {
     }
 }
 
-/// Writes the Gantt chart(s) and trace a `simulate` call asked for; returns notes to print.
+/// Writes the Gantt chart(s) and trace a `simulate` call asked for: the notes to print, and
+/// the first output that could not be written (the caller prints the finished run's table
+/// before returning it, so a full disk loses a chart, not the results).
 pub(super) fn write_charts(
     a: &SimulateArgs,
     runs: &[(String, String, &Simulation)],
-) -> Result<Vec<String>> {
+) -> (Vec<String>, Option<anyhow::Error>) {
     let mut notes = Vec::new();
+    let failed = try_write_charts(a, runs, &mut notes).err();
+    (notes, failed)
+}
+
+/// [`write_charts`]' work, adding a note per file written to `notes`.
+///
+/// # Errors
+/// The first chart, trace or memory file that cannot be written.
+fn try_write_charts(
+    a: &SimulateArgs,
+    runs: &[(String, String, &Simulation)],
+    notes: &mut Vec<String>,
+) -> Result<()> {
     let Some((best_name, best_title, best_sim)) = runs.first() else {
-        return Ok(notes);
+        return Ok(());
     };
     let best = &best_sim.timeline;
     if let Some(gantt) = super::chart_path(&a.gantt, "flatpipe-gantt.png") {
@@ -419,7 +434,7 @@ pub(super) fn write_charts(
             path.display()
         ));
     }
-    Ok(notes)
+    Ok(())
 }
 
 pub(super) fn peak_of(m: &sim::Metrics) -> f64 {

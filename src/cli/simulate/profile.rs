@@ -30,10 +30,12 @@ pub(in crate::cli) fn simulate_profile(a: &SimulateArgs, schedules: Schedules) -
             .then(a.peak_activation_bytes.total_cmp(&b.peak_activation_bytes))
             .then(x.0.schedule.cmp(&y.0.schedule))
     });
-    let notes = notes(a, &c, &mc, &rows, dropped)?;
+    let (notes, unwritten) = notes(a, &c, &mc, &rows, dropped)?;
     let reports: Vec<&McReport> = rows.iter().map(|r| &r.0).collect();
     let table = comparison_table(&reports, c.steps);
-    emit(a.format, &reports, &header(&c, &mc), &table, &notes)
+    let code = emit(a.format, &reports, &header(&c, &mc), &table, &notes)?;
+    // The table is out: an output that could not be written is the error now.
+    unwritten.map_or(Ok(code), Err)
 }
 
 /// Runs the comparison's Monte Carlo with a progress bar. zb-auto is built under the memory
@@ -121,17 +123,20 @@ fn warn_underfilled_rows(rows: &[Row], p: u32) {
 /// this run, the rounds drawn in the charts, zb-auto left out, the histogram, the rows over the
 /// memory limit, and the forward-only work hidden in the schedule.
 ///
+/// With the notes, the first chart or histogram that could not be written (for the caller to
+/// return once the table is printed).
+///
 /// # Errors
-/// A chart or histogram that cannot be written; a plan file whose inputs cannot be hashed.
+/// A plan file whose inputs cannot be hashed.
 fn notes(
     a: &SimulateArgs,
     c: &Comparison,
     mc: &MonteCarlo,
     rows: &[Row],
     dropped: Option<sim::Error>,
-) -> Result<Vec<String>> {
+) -> Result<(Vec<String>, Option<anyhow::Error>)> {
     let charted = charts(c, rows);
-    let mut notes = write_charts(a, &charted)?;
+    let (mut notes, mut unwritten) = write_charts(a, &charted);
     // A plan file carries what the planner predicted and the hashes of what it was planned
     // on: say how this run compares, and when the inputs differ.
     if let Some(pl) = &c.plan {
@@ -159,11 +164,14 @@ fn notes(
         ));
     }
     if let Some(path) = &a.histogram {
-        notes.push(write_histogram(path, c, mc, &rows[0].0.schedule)?);
+        match write_histogram(path, c, mc, &rows[0].0.schedule) {
+            Ok(note) => notes.push(note),
+            Err(e) => unwritten = unwritten.or(Some(e)),
+        }
     }
     notes.extend(over_limit_note(a, c, rows));
     notes.extend(forward_only_notes(a, c, rows));
-    Ok(notes)
+    Ok((notes, unwritten))
 }
 
 /// Step 0's chart of each row that has one: (name, title, simulation). A row is named by its

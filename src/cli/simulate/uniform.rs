@@ -160,13 +160,15 @@ pub(in crate::cli) fn simulate_uniform(
             Some((r.name.clone(), title, sim))
         })
         .collect();
-    let mut notes = write_charts(a, &charts)?;
+    let (mut notes, unwritten) = write_charts(a, &charts);
     notes.extend(exact_notes);
     notes.extend(hung);
     let m = runs.first().map_or(0, |r| r.schedule.num_microbatches);
     let header = format!("{spec} (one rank's share per microbatch), {m} microbatches");
     let table = uniform_table(&reports, k > 0, a.consecutive_steps.is_some());
-    emit(a.format, &reports, &header, &table, &notes)
+    let code = emit(a.format, &reports, &header, &table, &notes)?;
+    // The table is out: an output that could not be written is the error now.
+    unwritten.map_or(Ok(code), Err)
 }
 
 /// One compared schedule replayed under the lowering `a` asks for, with its forward-only work

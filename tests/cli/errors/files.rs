@@ -289,3 +289,23 @@ fn a_bad_chart_format_fails_before_any_output() {
     let o = flatpipe(dir.path(), &["plan", "--vpp", "0"]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// A chart that cannot be written (a full device) no longer discards the finished run: the
+/// table is printed, then the error, and the exit status says it failed.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_chart_that_cannot_be_written_keeps_the_table() {
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink("/dev/full", dir.path().join("full.png")).unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["simulate", "--costs", "f=1,b=1,w=1", "--gantt", "full.png"],
+    );
+    assert_ne!(o.status.code(), Some(0), "{}", o.stderr);
+    assert!(
+        o.stdout.lines().any(|l| l.starts_with("1f1b ")),
+        "{}",
+        o.stdout
+    );
+    assert!(o.stderr.contains("No space left"), "{}", o.stderr);
+}
