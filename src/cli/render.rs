@@ -86,11 +86,69 @@ pub(super) fn dedup<T: PartialEq>(v: Vec<T>) -> Vec<T> {
     out
 }
 
+/// Progress as plain lines on stderr when it is not a terminal (a batch job, a pipe), where a
+/// bar draws nothing: `plan: 120/640 candidates at 6 s`, after the first second and then at
+/// most every 5 s, and at the end. Silent on a terminal (the bar shows it there).
+pub(super) struct ProgressLines {
+    what: &'static str,
+    unit: &'static str,
+    plain: bool,
+    start: std::time::Instant,
+    /// Seconds from `start` of the last line, as f64 bits (0: none yet).
+    last: std::sync::atomic::AtomicU64,
+    /// The line of the end is out.
+    ended: std::sync::atomic::AtomicBool,
+}
+
+impl ProgressLines {
+    pub(super) fn new(what: &'static str, unit: &'static str) -> Self {
+        ProgressLines {
+            what,
+            unit,
+            plain: !std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            start: std::time::Instant::now(),
+            last: 0f64.to_bits().into(),
+            ended: false.into(),
+        }
+    }
+
+    /// `done` of `total` are finished.
+    pub(super) fn report(&self, done: u64, total: u64) {
+        use std::sync::atomic::Ordering;
+        if !self.plain || self.ended.load(Ordering::Relaxed) {
+            return;
+        }
+        let done = done.min(total);
+        let now = self.start.elapsed().as_secs_f64();
+        let last = f64::from_bits(self.last.load(Ordering::Relaxed));
+        let due = if last == 0.0 {
+            now >= 1.0
+        } else {
+            now - last >= 5.0
+        };
+        let end = done == total && last > 0.0 && !self.ended.swap(true, Ordering::Relaxed);
+        if (due || end)
+            && self
+                .last
+                .compare_exchange(
+                    last.to_bits(),
+                    now.to_bits(),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            eprintln!("{}: {done}/{total} {} at {now:.0} s", self.what, self.unit);
+        }
+    }
+}
+
 /// A progress bar on stderr that appears only once the work has run for a second.
 pub(super) struct Progress {
     bar: indicatif::ProgressBar,
     start: std::time::Instant,
     shown: std::sync::atomic::AtomicBool,
+    lines: ProgressLines,
 }
 
 impl Progress {
@@ -108,6 +166,7 @@ impl Progress {
             bar,
             start: std::time::Instant::now(),
             shown: false.into(),
+            lines: ProgressLines::new("progress", "steps"),
         }
     }
 
@@ -125,6 +184,8 @@ impl Progress {
                 .set_draw_target(indicatif::ProgressDrawTarget::stderr());
         }
         self.bar.inc(n);
+        self.lines
+            .report(self.bar.position(), self.bar.length().unwrap_or(0));
     }
 
     pub(super) fn finish(&self) {

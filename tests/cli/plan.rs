@@ -342,3 +342,25 @@ fn plan_says_when_sequences_exceed_the_token_budget() {
         "{out}"
     );
 }
+
+/// Off a terminal (here stderr is a pipe) a plan search longer than a second prints its
+/// progress as lines, where a bar would draw nothing: the first after a second, the end.
+#[test]
+fn plan_prints_progress_lines_off_a_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(dir.path(), &["plan", "--steps", "256", "--gantt", "none"]);
+    assert!(o.status.success(), "{}", o.stderr);
+    let lines: Vec<&str> = o
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("plan: ") && l.contains(" candidates at "))
+        .collect();
+    assert!(!lines.is_empty(), "{}", o.stderr);
+    let last = lines.last().unwrap();
+    let (done, total) = last["plan: ".len()..]
+        .split(' ')
+        .next()
+        .and_then(|f| f.split_once('/'))
+        .unwrap();
+    assert_eq!(done, total, "{last}");
+}

@@ -177,7 +177,10 @@ pub(super) fn search_with_progress(
 ) -> Result<planner::search::SearchResult> {
     let bar = std::sync::Mutex::new(None::<indicatif::ProgressBar>);
     let start = std::time::Instant::now();
+    // Without a terminal the bar draws nothing: a line every few seconds instead.
+    let lines = crate::cli::render::ProgressLines::new("plan", "candidates");
     let progress = |done: usize, total: usize| {
+        lines.report(done as u64, total as u64);
         let mut b = bar.lock().expect("progress lock");
         if b.is_none() && start.elapsed() > std::time::Duration::from_secs(1) {
             let pb = indicatif::ProgressBar::new(total as u64);
