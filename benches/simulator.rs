@@ -62,6 +62,7 @@ fn bench_1f1b(c: &mut Criterion) {
         posting: RecvPosting::Deferred,
         streams: StreamLayout::PerPeer,
         fsdp: None,
+        fsdp_defer_wait: false,
     };
     g.bench_function("lowered replay without timeline (deferred receives)", |b| {
         b.iter(|| summary::lowered_summary(black_box(&schedule), deferred, &costs).unwrap())

@@ -44,6 +44,8 @@ for kind in gpipe 1f1b interleaved-1f1b looped-bfs zb-h1 zb-h2 zb-v dualpipev zb
         done
         "$bin" schedule --schedule "$kind" --pp "$1" --microbatches "$2" --comms ahead --fsdp \
             -o "$base.fsdp.csv" >/dev/null 2>&1
+        "$bin" schedule --schedule "$kind" --pp "$1" --microbatches "$2" --comms ahead --fsdp \
+            --fsdp-defer-wait -o "$base.fsdp-defer.csv" >/dev/null 2>&1
     done
 done
 # Four and five stages per rank: more than the 3 FSDP keeps gathered, so stages are resharded
@@ -59,6 +61,8 @@ for kind in interleaved-1f1b looped-bfs; do
         done
         "$bin" schedule --schedule "$kind" --pp "$1" --vpp "$2" --microbatches "$3" \
             --comms ahead --fsdp -o "$base.fsdp.csv" >/dev/null 2>&1
+        "$bin" schedule --schedule "$kind" --pp "$1" --vpp "$2" --microbatches "$3" \
+            --comms ahead --fsdp --fsdp-defer-wait -o "$base.fsdp-defer.csv" >/dev/null 2>&1
     done
 done
 "$py" scripts/interop/comms_check.py "$comms"

@@ -273,5 +273,6 @@ def import_trace(paths: Sequence[str], step: Optional[int] = None) -> dict[str, 
     ``flatpipe import-trace`` reads them: ``actions`` (per rank, ``(action, start_s, end_s)`` of
     the imported step, busy time from each action's first nested operator), ``nested`` (per
     rank, per action, ``(events, comm_s)``: the events the profiler recorded in the span and
-    the seconds in ``c10d::`` calls), ``steps``, ``step``, ``leading_wait_s``,
-    ``other_events``, ``warnings``."""
+    the seconds in ``c10d::`` calls), ``comm`` (per rank, ``(action, start_s, end_s)`` of each
+    send, receive, wait and FSDP action of the step: its comm lane), ``steps``, ``step``,
+    ``leading_wait_s``, ``other_events``, ``warnings``."""

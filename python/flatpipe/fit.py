@@ -170,6 +170,7 @@ def profile_from_steps(
     layer_kinds: Sequence[Union[str, Sequence[str]]],
     steps: Sequence[Tuple[StepPlan, Sequence[Sequence[ActionTiming]]]],
     note: str = "fitted from flatpipe.torch action timings",
+    posting_s: float = 0.0,
 ) -> Tuple[Profile, Dict[Tuple[str, str], Tuple[float, float, float, float]]]:
     """A profile whose every layer kind and phase is fitted from runtime timings.
 
@@ -195,7 +196,8 @@ def profile_from_steps(
     out of its busy time, and the link's per-message ``post_s`` (what its sender and its
     receiver each spend) is the steps' posting time over twice their cross-rank messages, so
     a schedule with more cross-rank transfers (interleaved 1F1B) pays for them (from a trace:
-    the time in its ``c10d::`` calls).
+    the time in its ``c10d::`` calls, and ``posting_s``, the seconds of the steps' posting
+    actions outside the compute spans).
 
     Returns the profile and each ``(kind, phase)``'s ``(c0, c_tok, c_attn, r2)``, with
     ``("overhead", phase)`` holding ``(o_s, 0, 0, nan)``, ``("ratio", "B")``
@@ -205,7 +207,9 @@ def profile_from_steps(
     """
     stage_kinds = [[k] if isinstance(k, str) else list(k) for k in layer_kinds]
     samples: List[Tuple[List[Part], float]] = []
-    post_total, messages = 0.0, 0
+    # Posting done outside the actions' spans (a runtime that posts each send and receive as
+    # its own action: ``posting_s``) counts with the time inside them.
+    post_total, messages = posting_s, 0
     for plan, ranks in steps:
         mbs = plan.microbatches()
         messages += cross_rank_messages(plan)
@@ -375,7 +379,8 @@ def profile_from_trace(
     ``PP:<action>`` (flatpipe's runtime, or PyTorch's multi-stage schedules), ``plans[i]`` the
     plan of the trace's step ``steps[i]`` (default: every step, in order). Each action's busy
     time is what the trace import gives it (from its first nested operator to its end), less
-    its ``c10d::`` calls (posting its sends and receives, the link's ``post_s``) and, with
+    its ``c10d::`` calls (posting its sends and receives, the link's ``post_s``, with the
+    posting actions of the comm lanes: ``PP:..SEND_..`` / ``PP:..RECV_..``) and, with
     ``overhead_per_event_s`` (:func:`profiler_overhead_s`), the profiler's own cost of the
     events recorded in it."""
     first = import_trace(list(paths))
@@ -383,8 +388,17 @@ def profile_from_trace(
     if len(chosen) != len(plans):
         raise ValueError(f"{len(plans)} plans for {len(chosen)} traced steps {chosen}")
     timed = []
+    posting = 0.0
     for plan, step in zip(plans, chosen):
         t = import_trace(list(paths), step)
+        # The posting of a send or receive recorded as its own action (``PP:0SEND_F1``,
+        # ``PP:1RECV_F1``; not the waits) on the comm lanes.
+        posting += sum(
+            e - s
+            for lane in t["comm"]
+            for a, s, e in lane
+            if ("SEND_" in a or "RECV_" in a) and "WAIT_" not in a
+        )
         ranks = []
         for acts, nested in zip(t["actions"], t["nested"]):
             row = []
@@ -395,4 +409,6 @@ def profile_from_trace(
                 row.append(ActionTiming(a, s, e, profiler, post_s=comm))
             ranks.append(row)
         timed.append((plan, ranks))
-    return profile_from_steps(base, layer_kinds, timed, note="fitted from PyTorch profiler traces")
+    return profile_from_steps(
+        base, layer_kinds, timed, note="fitted from PyTorch profiler traces", posting_s=posting
+    )

@@ -138,5 +138,22 @@ pub(crate) fn import_trace<'py>(
         })
         .collect();
     d.set_item("nested", nested)?;
+    let comm: Vec<Vec<(String, f64, f64)>> = t
+        .timeline
+        .comm
+        .iter()
+        .map(|lane| {
+            lane.iter()
+                .map(|c| {
+                    (
+                        c.action.to_string(),
+                        c.start_ns as f64 * 1e-9,
+                        c.end_ns as f64 * 1e-9,
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    d.set_item("comm", comm)?;
     Ok(d)
 }

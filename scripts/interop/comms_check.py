@@ -94,15 +94,18 @@ def same(path: str, ours: dict[int, list[str]], theirs: dict[int, list[str]], wh
 def check_fsdp(base: str, compute: dict[int, list[_Action]]) -> None:
     """NAME.fsdp.csv (`--comms ahead --fsdp`) must be what torch's own runtime makes of the
     compute-only CSV: `_load_csv(format="compute_only")` adds FSDP's UNSHARD / RESHARD /
-    REDUCE_GRAD / WAIT_REDUCE_GRAD, then the sends, receives and waits."""
-    path = f"{base}.fsdp.csv"
-    if not os.path.exists(path):
-        return
-    rt = runtime(compute)
-    rt._load_csv(base + ".csv", format="compute_only")
-    theirs = names(rt.pipeline_order_with_comms)
-    same(path, names(read(path)), theirs, "torch's runtime")
-    print(f"ok: {path}: equal to torch's compute_only loader, FSDP actions included")
+    REDUCE_GRAD / WAIT_REDUCE_GRAD, then the sends, receives and waits; NAME.fsdp-defer.csv
+    (`--fsdp-defer-wait`) what it makes with `defer_reduce_grad_wait`."""
+    for suffix, defer in (("fsdp", False), ("fsdp-defer", True)):
+        path = f"{base}.{suffix}.csv"
+        if not os.path.exists(path):
+            continue
+        rt = runtime(compute)
+        rt._defer_reduce_grad_wait = defer
+        rt._load_csv(base + ".csv", format="compute_only")
+        theirs = names(rt.pipeline_order_with_comms)
+        same(path, names(read(path)), theirs, "torch's runtime")
+        print(f"ok: {path}: equal to torch's compute_only loader, FSDP actions included")
 
 
 def check(base: str) -> None:

@@ -117,6 +117,7 @@ pub(super) struct LoweringFlags {
     pub(super) posting: Option<sim::ir::lowering::RecvPosting>,
     pub(super) streams: Option<sim::ir::comm::StreamLayout>,
     pub(super) fsdp: Option<Option<u32>>,
+    pub(super) fsdp_defer_wait: Option<bool>,
 }
 
 impl LoweringFlags {
@@ -126,6 +127,7 @@ impl LoweringFlags {
             posting: self.posting.unwrap_or(base.posting),
             streams: self.streams.unwrap_or(base.streams),
             fsdp: self.fsdp.unwrap_or(base.fsdp),
+            fsdp_defer_wait: self.fsdp_defer_wait.unwrap_or(base.fsdp_defer_wait),
         }
     }
 }

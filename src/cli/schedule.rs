@@ -40,6 +40,10 @@ pub(super) struct ScheduleArgs {
     /// runs for a sharded model.
     #[arg(long, requires = "comms", value_name = "MAX_ACTIVE_STAGES", num_args = 0..=1, default_missing_value = "3")]
     fsdp: Option<usize>,
+    /// With --fsdp: each `WAIT_REDUCE_GRAD` deferred to the rank's next reduction or the end
+    /// (PyTorch's `defer_reduce_grad_wait`).
+    #[arg(long, requires = "fsdp")]
+    fsdp_defer_wait: bool,
     /// Output format of the grid.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
@@ -76,6 +80,7 @@ pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
             Some(posting) => {
                 let lowering = sim::ir::lowering::Lowering {
                     posting: posting.into(),
+                    fsdp_defer_wait: a.fsdp_defer_wait,
                     ..Default::default()
                 };
                 let lowered = match a.fsdp {

@@ -267,7 +267,7 @@ fn a_plan_files_lowering_runs_as_the_flags_do() {
 #[test]
 fn fsdp_collectives_run_as_actions_and_show_what_is_exposed() {
     let dir = tempfile::tempdir().unwrap();
-    let makespans = |fsdp: bool| -> Vec<(String, f64)> {
+    let makespans = |extra: &[&str]| -> Vec<(String, f64)> {
         let mut args = vec![
             "simulate",
             "--costs",
@@ -283,9 +283,7 @@ fn fsdp_collectives_run_as_actions_and_show_what_is_exposed() {
             "--format",
             "json",
         ];
-        if fsdp {
-            args.push("--fsdp");
-        }
+        args.extend(extra);
         let v = flatpipe(dir.path(), &args).json();
         v.as_array()
             .unwrap()
@@ -297,10 +295,15 @@ fn fsdp_collectives_run_as_actions_and_show_what_is_exposed() {
             .collect()
     };
     let of = |rows: &[(String, f64)], k: &str| rows.iter().find(|r| r.0 == k).unwrap().1;
-    let (plain, fsdp) = (makespans(false), makespans(true));
+    let (plain, fsdp) = (makespans(&[]), makespans(&["--fsdp"]));
     assert!((of(&fsdp, "1f1b") - of(&plain, "1f1b") - 12.0).abs() < 1e-9);
     let grown = of(&fsdp, "interleaved-1f1b") - of(&plain, "interleaved-1f1b");
     assert!(grown > 0.0 && grown < 12.0, "{grown}");
+    // Deferring the reduction's wait (defer_reduce_grad_wait) frees the interleaved rank's
+    // other stage; with one stage per rank there is nothing else to free.
+    let deferred = makespans(&["--fsdp", "--fsdp-defer-wait"]);
+    assert!(of(&deferred, "interleaved-1f1b") < of(&fsdp, "interleaved-1f1b"));
+    assert_eq!(of(&deferred, "1f1b"), of(&fsdp, "1f1b"));
     let o = flatpipe(dir.path(), &["simulate", "--fsdp", "--gantt", "none"]);
     assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
     assert!(o.stderr.contains("sharding model"), "{}", o.stderr);

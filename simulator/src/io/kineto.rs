@@ -7,7 +7,9 @@
 //! microseconds. When GPU-side annotations are present (`"cat": "gpu_user_annotation"`) only
 //! they are used (device time); otherwise the CPU-side ones, with a warning. PyTorch's runtime
 //! (2.15) also labels its other actions `PP:` (`0SEND_F1`, `2RECV_B0`, `0UNSHARD`,
-//! `2WAIT_SEND_F0`, `0REDUCE_GRAD`, ...): they are counted and skipped. An action's busy time
+//! `2WAIT_SEND_F0`, `0REDUCE_GRAD`, ...): they go on each rank's comm lane
+//! ([`Timeline::comm`]) with their spans, and can be compared with flatpipe's lowering of the
+//! schedule ([`ImportedTrace::posting_difference`], [`ImportedTrace::program`]). An action's busy time
 //! starts at its first nested event on the same thread, because torch's runtime waits for the
 //! action's input inside the action's span and records no event for the wait (a real
 //! `PP:1F0` spanned 1,969 us with its first operator 1,486 us in). A trace of several steps is
@@ -259,7 +261,9 @@ fn id_of(e: &Value, field: &str) -> String {
 ///
 /// Compute actions are the `PP:` events whose label is an action (`0F1`, `3I0`, `2W1`, `1B0`,
 /// an overlapped pair); PyTorch's other `PP:` events (sends, receives, waits, unshard, reshard,
-/// gradient reduction) are counted in [`ImportedTrace::other_events`] and otherwise skipped. A
+/// gradient reduction) are counted in [`ImportedTrace::other_events`] and put on the step's
+/// comm lanes (those between two steps go with the step before, but a receive or an unshard
+/// with the step it leads). A
 /// CPU-side compute action's busy time runs from its first nested event on the same thread
 /// (torch's first operator) to its end (a GPU-side span is taken whole: it runs from its first
 /// kernel to its last): in PyTorch's runtime the wait for the action's input happens

@@ -52,6 +52,11 @@ pub struct Lowering {
     /// (PyTorch's `max_active_stages`, 3 by default); `None`: no FSDP actions.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fsdp: Option<u32>,
+    /// With `fsdp`: each `WAIT_REDUCE_GRAD` deferred to just before the rank's next
+    /// `REDUCE_GRAD` or the end of the step (PyTorch's `defer_reduce_grad_wait`), so a
+    /// stage's reduction no longer holds the host while the rank's other stages compute.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub fsdp_defer_wait: bool,
 }
 
 impl Lowering {
@@ -61,6 +66,7 @@ impl Lowering {
         posting: RecvPosting::Ahead,
         streams: StreamLayout::PerPeer,
         fsdp: None,
+        fsdp_defer_wait: false,
     };
     /// Every policy, for comparisons and tests.
     pub const ALL: [Lowering; 6] = [
@@ -69,26 +75,31 @@ impl Lowering {
             posting: RecvPosting::Ahead,
             streams: StreamLayout::PeerPair,
             fsdp: None,
+            fsdp_defer_wait: false,
         },
         Lowering {
             posting: RecvPosting::Ahead,
             streams: StreamLayout::Shared,
             fsdp: None,
+            fsdp_defer_wait: false,
         },
         Lowering {
             posting: RecvPosting::Deferred,
             streams: StreamLayout::PerPeer,
             fsdp: None,
+            fsdp_defer_wait: false,
         },
         Lowering {
             posting: RecvPosting::Deferred,
             streams: StreamLayout::PeerPair,
             fsdp: None,
+            fsdp_defer_wait: false,
         },
         Lowering {
             posting: RecvPosting::Deferred,
             streams: StreamLayout::Shared,
             fsdp: None,
+            fsdp_defer_wait: false,
         },
     ];
 }
@@ -113,6 +124,9 @@ impl fmt::Display for Lowering {
         write!(f, "{posting} receives, {streams} streams")?;
         if let Some(k) = self.fsdp {
             write!(f, ", FSDP with {k} stages gathered")?;
+            if self.fsdp_defer_wait {
+                write!(f, ", reduction waits deferred")?;
+            }
         }
         Ok(())
     }
@@ -373,7 +387,7 @@ pub fn lower_with_fsdp(
     lowering: Lowering,
     max_active_stages: usize,
 ) -> Result<Lowered> {
-    let programs = fsdp_programs(schedule, max_active_stages)?;
+    let programs = fsdp_programs(schedule, max_active_stages, lowering.fsdp_defer_wait)?;
     let mut program: Vec<Vec<LoweredAction>> = vec![Vec::new(); schedule.ranks.len()];
     sweep_programs(schedule, Some(&programs), lowering.posting, |r, a| {
         program[r].push(a)
@@ -397,6 +411,7 @@ pub fn lower_with_fsdp(
 pub fn fsdp_programs(
     schedule: &Schedule,
     max_active_stages: usize,
+    defer_wait: bool,
 ) -> Result<Vec<Vec<LoweredAction>>> {
     if max_active_stages == 0 {
         return Err(Error::invalid(
@@ -410,7 +425,11 @@ pub fn fsdp_programs(
         .iter()
         .map(|actions| {
             let with_unshard = unshard_reshard(actions, max_active_stages)?;
-            Ok(reduce_grad(with_unshard, schedule.num_microbatches))
+            Ok(reduce_grad(
+                with_unshard,
+                schedule.num_microbatches,
+                defer_wait,
+            ))
         })
         .collect()
 }
@@ -469,12 +488,14 @@ fn unshard_reshard(actions: &[Action], window: usize) -> Result<Vec<LoweredActio
     Ok(out)
 }
 
-/// `_add_reduce_grad` (its wait not deferred) over one rank's program with FSDP's unshards:
-/// after the entry that completes a stage's `m`-th W or B, `REDUCE_GRAD` and
-/// `WAIT_REDUCE_GRAD` of that stage.
-fn reduce_grad(program: Vec<LoweredAction>, m: u32) -> Vec<LoweredAction> {
+/// `_add_reduce_grad` over one rank's program with FSDP's unshards: after the entry that
+/// completes a stage's `m`-th W or B, that stage's `REDUCE_GRAD`, and its `WAIT_REDUCE_GRAD`
+/// right after it, or with `defer_wait` (PyTorch's `defer_reduce_grad_wait`) just before the
+/// rank's next `REDUCE_GRAD` or at the end of the program.
+fn reduce_grad(program: Vec<LoweredAction>, m: u32, defer_wait: bool) -> Vec<LoweredAction> {
     use crate::ir::comm::FsdpAction::{ReduceGrad, WaitReduceGrad};
     let mut count: Vec<(crate::ir::StageId, u32)> = Vec::new();
+    let mut pending: Option<crate::ir::StageId> = None;
     let mut out = Vec::with_capacity(program.len() + 8);
     for entry in program {
         out.push(entry);
@@ -495,11 +516,22 @@ fn reduce_grad(program: Vec<LoweredAction>, m: u32) -> Vec<LoweredAction> {
                     1
                 }
             };
-            if n == m {
+            if n != m {
+                continue;
+            }
+            if defer_wait {
+                if let Some(p) = pending.replace(c.stage) {
+                    out.push(LoweredAction::Fsdp(p, WaitReduceGrad));
+                }
+                out.push(LoweredAction::Fsdp(c.stage, ReduceGrad));
+            } else {
                 out.push(LoweredAction::Fsdp(c.stage, ReduceGrad));
                 out.push(LoweredAction::Fsdp(c.stage, WaitReduceGrad));
             }
         }
+    }
+    if let Some(p) = pending {
+        out.push(LoweredAction::Fsdp(p, WaitReduceGrad));
     }
     out
 }
@@ -743,6 +775,7 @@ mod tests {
                 posting: RecvPosting::Deferred,
                 streams: StreamLayout::Shared,
                 fsdp: None,
+                fsdp_defer_wait: false,
             },
         )
         .unwrap();
@@ -787,7 +820,7 @@ mod tests {
         // 1F1B, p = 2, m = 2, rank 0 (stage 0): gathered before its first action, its
         // gradients reduced after its second (the m-th) B, resharded at the end.
         let s = ScheduleKind::OneFOneB.generate(2, 1, 2).unwrap();
-        let p = fsdp_programs(&s, 3).unwrap();
+        let p = fsdp_programs(&s, 3, false).unwrap();
         assert_eq!(
             fsdp_only(&p[0]),
             [
@@ -806,7 +839,7 @@ mod tests {
         // gathered. At 2F0 they are 2, 4, 6: stage 0 is resharded, 6 gathered. At 4F0: 4, 6
         // and 0 (the next round's 0F2): 2 out, 0 back in.
         let (s, _) = interleaved_1f1b(2, 4, 4, None).unwrap();
-        let p = fsdp_programs(&s, 3).unwrap();
+        let p = fsdp_programs(&s, 3, false).unwrap();
         assert_eq!(
             fsdp_only(&p[0])[..12],
             [
@@ -826,7 +859,28 @@ mod tests {
             p[0].last(),
             Some(LoweredAction::Fsdp(_, FsdpAction::Reshard))
         ));
-        assert!(fsdp_programs(&s, 0).is_err());
+        assert!(fsdp_programs(&s, 0, false).is_err());
+        // Deferred waits (PyTorch's defer_reduce_grad_wait), interleaved p = 2, v = 2, m = 4,
+        // rank 0 (stages 0 and 2): stage 2's backwards end first, so its REDUCE_GRAD comes
+        // first; its wait moves to just before stage 0's REDUCE_GRAD, and stage 0's wait to
+        // the end of the program, after the last RESHARD.
+        let (s, _) = interleaved_1f1b(2, 2, 4, None).unwrap();
+        let p = fsdp_programs(&s, 3, true).unwrap();
+        let tail: Vec<String> = fsdp_only(&p[0])
+            .into_iter()
+            .filter(|a| a.contains("REDUCE") || a.contains("RESHARD"))
+            .collect();
+        assert_eq!(
+            tail,
+            [
+                "2REDUCE_GRAD",
+                "2RESHARD",
+                "2WAIT_REDUCE_GRAD",
+                "0REDUCE_GRAD",
+                "0RESHARD",
+                "0WAIT_REDUCE_GRAD"
+            ]
+        );
     }
 
     #[test]

@@ -706,6 +706,7 @@ fn swept_streams(schedule: &Schedule, lowering: Lowering) -> Result<Lanes> {
         Some(window) => Some(crate::ir::lowering::fsdp_programs(
             schedule,
             window as usize,
+            lowering.fsdp_defer_wait,
         )?),
         None => None,
     };
@@ -863,6 +864,7 @@ mod tests {
             posting: RecvPosting::Ahead,
             streams: StreamLayout::Shared,
             fsdp: None,
+            fsdp_defer_wait: false,
         };
         let l = lower(&s, shared).unwrap();
         let names: Vec<String> = l.program[1].iter().map(ToString::to_string).collect();
@@ -978,6 +980,7 @@ mod tests {
                     posting,
                     streams,
                     fsdp: None,
+                    fsdp_defer_wait: false,
                 },
             )
             .unwrap();
@@ -1067,6 +1070,7 @@ mod tests {
                             posting,
                             streams: StreamLayout::PerPeer,
                             fsdp: None,
+                            fsdp_defer_wait: false,
                         };
                         if crate::ir::lowering::check_pair_order(&s, posting).is_err() {
                             continue;

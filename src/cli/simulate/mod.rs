@@ -90,7 +90,8 @@ pub(super) struct SimulateArgs {
     #[arg(long)]
     histogram: Option<PathBuf>,
     /// Uniform costs instead of a profile and workload: one rank's share of the model per
-    /// microbatch in seconds, e.g. f=1,b=1,w=1,comm=0 (keys f, b, w, comm, fb, fo). Per-rank
+    /// microbatch in seconds, e.g. f=1,b=1,w=1,comm=0 (keys f, b, w, comm, fb, fo, and with
+    /// --fsdp FSDP's ag and rs: one rank's all-gather and reduce-scatter). Per-rank
     /// values separated by `/` give heterogeneous ranks, e.g. f=1/1/1/2,b=2/2/2/3,w=1 (one
     /// value per rank of --pp, or one for all; with v stages per rank each stage costs its
     /// rank's share / v).
@@ -150,6 +151,11 @@ pub(super) struct SimulateArgs {
     /// `lowering.fsdp`, else none.
     #[arg(long, value_name = "MAX_ACTIVE_STAGES", num_args = 0..=1, default_missing_value = "3")]
     fsdp: Option<u32>,
+    /// With --fsdp: defer each `WAIT_REDUCE_GRAD` to the rank's next reduction or the end of
+    /// the step (PyTorch's `defer_reduce_grad_wait`), so a stage's reduction no longer holds
+    /// the rank's other stages. Default: the plan file's `lowering.fsdp_defer_wait`, else off.
+    #[arg(long, requires = "fsdp")]
+    fsdp_defer_wait: bool,
     /// Seed of the step sampler (default: the workload's, 0). Printed.
     #[arg(long)]
     seed: Option<u64>,
@@ -285,6 +291,7 @@ impl SimulateArgs {
                 P2pStreams::Shared => StreamLayout::Shared,
             }),
             fsdp: self.fsdp.map(Some),
+            fsdp_defer_wait: self.fsdp_defer_wait.then_some(true),
         }
     }
 }
