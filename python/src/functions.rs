@@ -100,23 +100,12 @@ pub(crate) fn import_trace<'py>(
     )
     .map_err(err)?;
     let d = PyDict::new(py);
-    let actions: Vec<Vec<(String, f64, f64)>> = t
-        .timeline
-        .compute
-        .iter()
-        .map(|ops| {
-            ops.iter()
-                .map(|o| {
-                    (
-                        o.action.to_string(),
-                        o.start_ns as f64 * 1e-9,
-                        o.end_ns as f64 * 1e-9,
-                    )
-                })
-                .collect()
-        })
-        .collect();
-    d.set_item("actions", actions)?;
+    d.set_item(
+        "actions",
+        spans(&t.timeline.compute, |o| {
+            (o.action.to_string(), o.start_ns, o.end_ns)
+        }),
+    )?;
     d.set_item("steps", t.steps)?;
     d.set_item("step", t.step)?;
     d.set_item(
@@ -138,22 +127,29 @@ pub(crate) fn import_trace<'py>(
         })
         .collect();
     d.set_item("nested", nested)?;
-    let comm: Vec<Vec<(String, f64, f64)>> = t
-        .timeline
-        .comm
+    d.set_item(
+        "comm",
+        spans(&t.timeline.comm, |c| {
+            (c.action.to_string(), c.start_ns, c.end_ns)
+        }),
+    )?;
+    Ok(d)
+}
+
+/// Per rank, each item as `(name, start_s, end_s)`, from `item`'s name and ns span.
+fn spans<T>(
+    lanes: &[Vec<T>],
+    item: impl Fn(&T) -> (String, u64, u64),
+) -> Vec<Vec<(String, f64, f64)>> {
+    lanes
         .iter()
         .map(|lane| {
             lane.iter()
-                .map(|c| {
-                    (
-                        c.action.to_string(),
-                        c.start_ns as f64 * 1e-9,
-                        c.end_ns as f64 * 1e-9,
-                    )
+                .map(|x| {
+                    let (name, start, end) = item(x);
+                    (name, start as f64 * 1e-9, end as f64 * 1e-9)
                 })
                 .collect()
         })
-        .collect();
-    d.set_item("comm", comm)?;
-    Ok(d)
+        .collect()
 }

@@ -178,31 +178,10 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def run_mismatch(rank: int, world: int, init: str, out_dir: str) -> None:
-    """Rank 1 plans other sequence lengths than rank 0: both must raise ValueError."""
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        cfg = ModelConfig(num_decoders=2)
-        pipe = flatpipe.Pipeline("1f1b", pp=world, num_layers=cfg.num_layers, token_budget=64)
-        stages = {rank: Stage(cfg, *pipe.stages[rank])}
-        rt = PipelineRuntime(stages, rank=rank, hidden_size=cfg.hidden)
-        plan = pipe.plan_step([30, 20, 50, 10] if rank == 0 else [31, 20, 50, 10])
-        inputs, targets = step_data(cfg, plan.microbatches(), 0)
-        try:
-            rt.step(plan, inputs, targets)
-            msg = None
-        except ValueError as e:
-            msg = str(e)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"error": msg}, f)
-    finally:
-        dist.destroy_process_group()
-
-
 def run_bad_plan(rank: int, world: int, init: str, out_dir: str, case: str) -> None:
-    """Plans that cannot run together: ``"schedule"``, rank 1 plans GPipe where rank 0 plans
-    1F1B (same lengths); ``"world"``, both plan pp = 4 in a world of 2. Each rank writes the
-    ValueError it got (or None)."""
+    """Plans that cannot run together: ``"lengths"``, rank 1 plans other sequence lengths;
+    ``"schedule"``, rank 1 plans GPipe where rank 0 plans 1F1B (same lengths); ``"world"``,
+    both plan pp = 4 in a world of 2. Each rank writes the ValueError it got (or None)."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         cfg = ModelConfig(num_decoders=4)
@@ -211,7 +190,10 @@ def run_bad_plan(rank: int, world: int, init: str, out_dir: str, case: str) -> N
         pipe = flatpipe.Pipeline(kind, pp=pp, num_layers=cfg.num_layers, token_budget=64)
         stages = {rank: Stage(cfg, *pipe.stages[rank])}
         rt = PipelineRuntime(stages, rank=rank, hidden_size=cfg.hidden)
-        plan = pipe.plan_step([30, 20, 50, 10, 40, 25])
+        lengths = [30, 20, 50, 10, 40, 25]
+        if case == "lengths" and rank == 1:
+            lengths[0] += 1
+        plan = pipe.plan_step(lengths)
         inputs, targets = step_data(cfg, plan.microbatches(), 0)
         try:
             rt.step(plan, inputs, targets)
