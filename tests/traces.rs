@@ -11,6 +11,13 @@ fn gz(name: &str) -> (String, String) {
     (name.to_string(), text)
 }
 
+/// The two rank files of the committed trace `prefix`, in rank order.
+fn rank_files(prefix: &str) -> Vec<(String, String)> {
+    (0..2)
+        .map(|r| gz(&format!("{prefix}.rank{r}.json.gz")))
+        .collect()
+}
+
 fn truth() -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(format!("{DIR}/truth.json")).unwrap()).unwrap()
 }
@@ -56,9 +63,7 @@ fn both_runtimes_traces_import_as_the_ranks_ran_them() {
 
 #[test]
 fn pytorchs_comm_events_are_counted_and_its_waits_left_out_of_busy_time() {
-    let files: Vec<_> = (0..2)
-        .map(|r| gz(&format!("torch-interleaved-1f1b.rank{r}.json.gz")))
-        .collect();
+    let files = rank_files("torch-interleaved-1f1b");
     let t = read_traces(&files, &ImportOptions::default()).unwrap();
     for label in ["SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD"] {
         assert!(
@@ -71,9 +76,7 @@ fn pytorchs_comm_events_are_counted_and_its_waits_left_out_of_busy_time() {
     // their first operator.
     assert!(t.leading_wait_ns.iter().sum::<u64>() > 0);
     // flatpipe's runtime records its program's sends, receives and waits as PyTorch's does.
-    let files: Vec<_> = (0..2)
-        .map(|r| gz(&format!("flatpipe-zb-v.rank{r}.json.gz")))
-        .collect();
+    let files = rank_files("flatpipe-zb-v");
     let t = read_traces(&files, &ImportOptions::default()).unwrap();
     for label in [
         "SEND_F",
@@ -117,9 +120,7 @@ fn a_trace_without_pp_events_is_refused_with_what_to_do() {
         "{e}"
     );
     assert!(e.contains("record_function"), "{e}");
-    let files: Vec<_> = (0..2)
-        .map(|r| gz(&format!("flatpipe-zb-v.rank{r}.json.gz")))
-        .collect();
+    let files = rank_files("flatpipe-zb-v");
     let e = read_traces(&files, &ImportOptions { step: Some(2) })
         .unwrap_err()
         .to_string();
@@ -130,9 +131,7 @@ fn a_trace_without_pp_events_is_refused_with_what_to_do() {
 fn pytorchs_comm_actions_land_on_comm_lanes_in_its_eager_lowerings_order() {
     use flatpipe::simulator::ir::comm::{FsdpAction, LoweredAction};
     use flatpipe::simulator::ir::lowering::RecvPosting;
-    let files: Vec<_> = (0..2)
-        .map(|r| gz(&format!("torch-interleaved-1f1b.rank{r}.json.gz")))
-        .collect();
+    let files = rank_files("torch-interleaved-1f1b");
     for step in 0..2 {
         let t = read_traces(&files, &ImportOptions { step: Some(step) }).unwrap();
         // torch 2.15's runtime runs `_add_send_recv`'s order (receives ahead): every rank's
@@ -174,9 +173,7 @@ fn pytorchs_whole_program_with_fsdp_actions_is_flatpipes_lowering() {
     // (max_active_stages 3) and `_add_reduce_grad` before the sweep: every PP: event of the
     // trace, compute and communication, in order, is `lower_with_fsdp`'s program.
     use flatpipe::simulator::ir::lowering::{Lowering, lower_with_fsdp};
-    let files: Vec<_> = (0..2)
-        .map(|r| gz(&format!("torch-interleaved-1f1b.rank{r}.json.gz")))
-        .collect();
+    let files = rank_files("torch-interleaved-1f1b");
     for step in 0..2 {
         let t = read_traces(&files, &ImportOptions { step: Some(step) }).unwrap();
         let lowered = lower_with_fsdp(&t.schedule, Lowering::UNCONTENDED, 3).unwrap();

@@ -39,7 +39,7 @@ pub(super) struct ScheduleArgs {
     /// stages gathered at once (its `max_active_stages`, default 3): the whole program torch
     /// runs for a sharded model.
     #[arg(long, requires = "comms", value_name = "MAX_ACTIVE_STAGES", num_args = 0..=1, default_missing_value = "3")]
-    fsdp: Option<usize>,
+    fsdp: Option<u32>,
     /// With --fsdp: each `WAIT_REDUCE_GRAD` deferred to the rank's next reduction or the end
     /// (PyTorch's `defer_reduce_grad_wait`).
     #[arg(long, requires = "fsdp")]
@@ -80,13 +80,11 @@ pub(super) fn schedule_cmd(a: ScheduleArgs) -> Result<ExitCode> {
             Some(posting) => {
                 let lowering = sim::ir::lowering::Lowering {
                     posting: posting.into(),
+                    fsdp: a.fsdp,
                     fsdp_defer_wait: a.fsdp_defer_wait,
                     ..Default::default()
                 };
-                let lowered = match a.fsdp {
-                    Some(window) => sim::ir::lowering::lower_with_fsdp(&s, lowering, window)?,
-                    None => sim::ir::lowering::lower(&s, lowering)?,
-                };
+                let lowered = sim::ir::lowering::lower(&s, lowering)?;
                 // Written as PyTorch would lower it (the interop check compares the two), with
                 // a warning where NCCL or gloo would pair its sends and receives wrongly.
                 if let Err(e) = sim::ir::lowering::check_pair_order(&s, lowering.posting) {

@@ -150,11 +150,19 @@ impl Collectives {
             compute_end: vec![Vec::new(); p],
         };
         for (r, prog) in programs.iter().enumerate() {
-            // Per stage: its latest all-gather and its latest reduction, op indices.
+            // Per stage of the rank: its latest all-gather and its latest reduction, op
+            // indices (a handful of entries, updated in place).
             let mut gathered: Vec<(crate::ir::StageId, u32)> = Vec::new();
             let mut reduced: Vec<(crate::ir::StageId, u32)> = Vec::new();
             let latest = |list: &[(crate::ir::StageId, u32)], s| {
-                list.iter().rev().find(|e| e.0 == s).map_or(NO_OP, |e| e.1)
+                list.iter().find(|e| e.0 == s).map_or(NO_OP, |e| e.1)
+            };
+            let set = |list: &mut Vec<(crate::ir::StageId, u32)>, s, k| match list
+                .iter_mut()
+                .find(|e| e.0 == s)
+            {
+                Some(e) => e.1 = k,
+                None => list.push((s, k)),
             };
             let mut barrier = NO_OP;
             let mut computes = 0u32;
@@ -178,7 +186,7 @@ impl Collectives {
                             action: FsdpAction::Unshard,
                             after: NO_OP,
                         });
-                        gathered.push((stage, next));
+                        set(&mut gathered, stage, next);
                     }
                     LoweredAction::Fsdp(stage, FsdpAction::ReduceGrad) => {
                         let after = computes.checked_sub(1).unwrap_or(NO_OP);
@@ -187,7 +195,7 @@ impl Collectives {
                             action: FsdpAction::ReduceGrad,
                             after,
                         });
-                        reduced.push((stage, next));
+                        set(&mut reduced, stage, next);
                     }
                     LoweredAction::Fsdp(stage, FsdpAction::WaitReduceGrad) => {
                         let k = latest(&reduced, stage);

@@ -115,7 +115,7 @@ pub(in crate::cli) fn simulate_uniform(
                 runs.push(run);
             }
             // A lowering that hangs leaves that schedule out of the comparison, said in a note.
-            Err(e) if is_hang(&e) => {
+            Err(e) if cannot_run(&e) => {
                 hung.push(format!("{name} not shown: {e}"));
                 first_hang.get_or_insert(e);
             }
@@ -176,7 +176,7 @@ pub(in crate::cli) fn simulate_uniform(
 ///
 /// # Errors
 /// A cost model that does not fit the schedule, or a replay that fails (a lowering that hangs
-/// among them: [`is_hang`]).
+/// among them: [`cannot_run`]).
 fn simulate_one(
     a: &SimulateArgs,
     spec: &CostSpec,
@@ -201,7 +201,7 @@ fn simulate_one(
 /// Whether `e` is a lowering that cannot run: its streams hang ([`sim::Error::StreamsHang`])
 /// or a rank pair posts its sends and receives in different orders
 /// ([`sim::Error::PairOrder`]).
-fn is_hang(e: &anyhow::Error) -> bool {
+fn cannot_run(e: &anyhow::Error) -> bool {
     matches!(
         e.downcast_ref::<sim::Error>(),
         Some(sim::Error::StreamsHang { .. } | sim::Error::PairOrder { .. })
