@@ -25,7 +25,11 @@ fn truth() -> serde_json::Value {
 #[test]
 fn both_runtimes_traces_import_as_the_ranks_ran_them() {
     let truth = truth();
-    for prefix in ["torch-interleaved-1f1b", "flatpipe-zb-v"] {
+    for prefix in [
+        "torch-interleaved-1f1b",
+        "flatpipe-zb-v",
+        "torch-fsdp-interleaved-1f1b",
+    ] {
         let names: Vec<String> = (0..2)
             .map(|r| format!("{prefix}.rank{r}.json.gz"))
             .collect();
@@ -172,20 +176,121 @@ fn pytorchs_whole_program_with_fsdp_actions_is_flatpipes_lowering() {
     // torch 2.15's runtime lowers a compute-only schedule with `_add_unshard_reshard`
     // (max_active_stages 3) and `_add_reduce_grad` before the sweep: every PP: event of the
     // trace, compute and communication, in order, is `lower_with_fsdp`'s program.
+    // The same with FSDP2 really sharding every stage over two data-parallel ranks.
     use flatpipe::simulator::ir::lowering::{Lowering, lower_with_fsdp};
-    let files = rank_files("torch-interleaved-1f1b");
-    for step in 0..2 {
-        let t = read_traces(&files, &ImportOptions { step: Some(step) }).unwrap();
-        let lowered = lower_with_fsdp(&t.schedule, Lowering::UNCONTENDED, 3).unwrap();
-        let names = |p: &[flatpipe::simulator::ir::comm::LoweredAction]| -> Vec<String> {
-            p.iter().map(ToString::to_string).collect()
-        };
-        for (r, ran) in t.program().iter().enumerate() {
-            assert_eq!(
-                names(ran),
-                names(&lowered.program[r]),
-                "step {step} rank {r}"
-            );
+    for prefix in ["torch-interleaved-1f1b", "torch-fsdp-interleaved-1f1b"] {
+        let files = rank_files(prefix);
+        for step in 0..2 {
+            let t = read_traces(&files, &ImportOptions { step: Some(step) }).unwrap();
+            let lowered = lower_with_fsdp(&t.schedule, Lowering::UNCONTENDED, 3).unwrap();
+            let names = |p: &[flatpipe::simulator::ir::comm::LoweredAction]| -> Vec<String> {
+                p.iter().map(ToString::to_string).collect()
+            };
+            for (r, ran) in t.program().iter().enumerate() {
+                assert_eq!(
+                    names(ran),
+                    names(&lowered.program[r]),
+                    "{prefix} step {step} rank {r}"
+                );
+            }
         }
     }
+}
+
+/// The `"ph": "X"` events of a committed trace file, read here with serde_json alone: per
+/// event its name, thread id, start and duration (µs, as the profiler wrote them).
+fn raw_events(name: &str) -> Vec<(String, String, f64, f64)> {
+    let (_, text) = gz(name);
+    let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    doc["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap_or_default().to_string(),
+                e["tid"].to_string(),
+                e["ts"].as_f64().unwrap(),
+                e["dur"].as_f64().unwrap_or(0.0),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn fsdps_collectives_under_pp_land_on_the_comm_lanes_with_their_measured_spans() {
+    use flatpipe::simulator::ir::comm::{FsdpAction, LoweredAction};
+    let prefix = "torch-fsdp-interleaved-1f1b";
+    let files = rank_files(prefix);
+    // Files of global ranks 0 and 2 (the pipeline ranks of data-parallel replica 0): in
+    // increasing order, so the import does not warn about their order.
+    let last = read_traces(&files, &ImportOptions::default()).unwrap();
+    assert!(
+        !last.warnings.iter().any(|w| w.contains("distributedInfo")),
+        "{:?}",
+        last.warnings
+    );
+    for r in 0..2 {
+        let events = raw_events(&format!("{prefix}.rank{r}.json.gz"));
+        // FSDP really ran: each REDUCE_GRAD span holds a reduce-scatter and each UNSHARD span
+        // an FSDP all-gather, on the same thread.
+        let inside = |span: &(String, String, f64, f64), what: &str| {
+            events.iter().any(|e| {
+                e.0 == what && e.1 == span.1 && e.2 >= span.2 && e.2 + e.3 <= span.2 + span.3
+            })
+        };
+        let spans = |label: &str| -> Vec<&(String, String, f64, f64)> {
+            events
+                .iter()
+                .filter(|e| {
+                    e.0.strip_prefix("PP:").is_some_and(|a| {
+                        a.trim_start_matches(|c: char| c.is_ascii_digit()) == label
+                    })
+                })
+                .collect()
+        };
+        let reduce = spans("REDUCE_GRAD");
+        let unshard = spans("UNSHARD");
+        assert_eq!(
+            (reduce.len(), unshard.len()),
+            (4, 4),
+            "rank {r}: 2 stages x 2 steps"
+        );
+        assert!(
+            reduce
+                .iter()
+                .all(|e| inside(e, "c10d::_reduce_scatter_base_"))
+        );
+        assert!(unshard.iter().all(|e| inside(e, "FSDP::all_gather")));
+        // The import puts them on the rank's comm lane with the durations the profiler wrote,
+        // step by step, in the trace's order.
+        for step in 0..2 {
+            let t = read_traces(&files, &ImportOptions { step: Some(step) }).unwrap();
+            for (label, action, all) in [
+                ("REDUCE_GRAD", FsdpAction::ReduceGrad, &reduce),
+                ("UNSHARD", FsdpAction::Unshard, &unshard),
+            ] {
+                let got: Vec<u64> = t.timeline.comm[r]
+                    .iter()
+                    .filter(|c| matches!(c.action, LoweredAction::Fsdp(_, a) if a == action))
+                    .map(|c| c.end_ns - c.start_ns)
+                    .collect();
+                let want: Vec<u64> = all[2 * step..2 * step + 2]
+                    .iter()
+                    .map(|e| (e.3 * 1e3).round() as u64)
+                    .collect();
+                assert_eq!(got.len(), 2, "rank {r} step {step} {label}");
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(
+                        g.abs_diff(*w) <= 1,
+                        "rank {r} step {step} {label}: {g} vs {w} ns"
+                    );
+                }
+            }
+        }
+    }
+    // Without FSDP (the plain interleaved trace) the same actions hold no collective.
+    let plain = raw_events("torch-interleaved-1f1b.rank0.json.gz");
+    assert!(!plain.iter().any(|e| e.0 == "c10d::_reduce_scatter_base_"));
 }

@@ -9,14 +9,24 @@
   receives and send waits, as PyTorch's runtime does);
 - ``torch-1f1b.rank0.json.gz``: PyTorch's ``Schedule1F1B`` (rank 0 of 2, one step), whose
   runtime records no ``PP:`` event at all: the import must refuse it and say what to do;
+- ``torch-fsdp-interleaved-1f1b.rank{0,1}.json.gz``: PyTorch's runtime again, now on 4
+  processes (pp 2 x dp 2) with every stage module under FSDP2 (``fully_shard`` over the
+  data-parallel ranks, ``reshard_after_forward=False`` as torchtitan sets it under PP), so its
+  ``UNSHARD`` all-gathers and ``REDUCE_GRAD`` reduce-scatters really move parameters and
+  gradients; the files are the pipeline ranks of data-parallel replica 0 (global ranks 0 and
+  2);
 - ``truth.json``: what each rank really ran, per file and step (compute actions in order), from
   the schedule objects, to check the import against.
 
-    .venv/bin/python scripts/traces/make_traces.py tests/data/traces
+    .venv/bin/python scripts/traces/make_traces.py tests/data/traces [--only NAME ...]
+
+(``--only torch-fsdp`` rewrites that trace alone and keeps truth.json's other entries; names:
+``torch``, ``flatpipe``, ``torch-1f1b``, ``torch-fsdp``.)
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import os
@@ -135,20 +145,75 @@ def flatpipe_worker(rank: int, world: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def torch_fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    pp, dp = 2, world // 2
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    pr, dr = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    stages = []
+    for s in (pr, pr + pp):
+        mod = Padded(Stage(CFG, s, s + 1))
+        fully_shard(mod, mesh=mesh["dp"], reshard_after_forward=False)
+        stages.append(
+            PipelineStage(mod, s, 2 * pp, torch.device("cpu"), group=mesh["pp"].get_group())
+        )
+    m, t = 4, 16
+    loss_fn = lambda out, y: F.cross_entropy(out[0], y[0])  # noqa: E731
+    sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+    g = torch.Generator().manual_seed(dr)
+    x = torch.randint(CFG.vocab, (m, t), generator=g)
+    y = torch.randint(CFG.vocab, (m, t), generator=g)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            if pr == 0:
+                sched.step(x)
+            else:
+                sched.step(target=y, losses=[])
+    if dr == 0:
+        write(prof, os.path.join(out, f"torch-fsdp-interleaved-1f1b.rank{pr}.json.gz"))
+        order = [str(a) for a in sched.pipeline_order[pr] if a is not None]
+        with open(os.path.join(out, f"truth-torch-fsdp-{pr}.json"), "w") as f:
+            json.dump([order, order], f)
+    dist.destroy_process_group()
+
+
+# name: (worker, processes, trace prefix with a truth entry or None)
+TRACES = {
+    "torch": (torch_worker, 2, "torch-interleaved-1f1b"),
+    "flatpipe": (flatpipe_worker, 2, "flatpipe-zb-v"),
+    "torch-1f1b": (torch_1f1b_worker, 2, None),
+    "torch-fsdp": (torch_fsdp_worker, 4, "torch-fsdp-interleaved-1f1b"),
+}
+
+
 def main() -> None:
-    out = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "tests/data/traces")
+    parser = argparse.ArgumentParser(description="Writes flatpipe's test traces.")
+    parser.add_argument("out", nargs="?", default="tests/data/traces")
+    parser.add_argument("--only", action="append", choices=list(TRACES), default=[])
+    args = parser.parse_args()
+    out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    for fn in (torch_worker, flatpipe_worker, torch_1f1b_worker):
+    only = args.only
+    names = only or list(TRACES)
+    truth_path = os.path.join(out, "truth.json")
+    truth = json.load(open(truth_path)) if only and os.path.exists(truth_path) else {}
+    for name in names:
+        fn, procs, prefix = TRACES[name]
         with tempfile.TemporaryDirectory() as d:
-            mp.spawn(fn, args=(2, os.path.join(d, "init"), out), nprocs=2, join=True)
-    truth = {}
-    for name, prefix in (("torch", "torch-interleaved-1f1b"), ("flatpipe", "flatpipe-zb-v")):
+            mp.spawn(fn, args=(procs, os.path.join(d, "init"), out), nprocs=procs, join=True)
+        if prefix is None:
+            continue
         for r in range(2):
             path = os.path.join(out, f"truth-{name}-{r}.json")
             truth[f"{prefix}.rank{r}.json.gz"] = json.load(open(path))
             os.unlink(path)
     truth["torch_version"] = torch.__version__
-    with open(os.path.join(out, "truth.json"), "w") as f:
+    with open(truth_path, "w") as f:
         json.dump(truth, f, indent=1)
         f.write("\n")
 

@@ -338,18 +338,25 @@ impl RawEvents {
             pp: Vec::new(),
             ops: BTreeMap::new(),
         };
+        // The previous file's global rank: the pipeline ranks of one data-parallel replica
+        // (global ranks 0 and 2 of a pp 2 x dp 2 mesh) come in increasing order, not always
+        // 0, 1, ...
+        let mut previous: Option<u64> = None;
         for (k, (origin, text)) in files.iter().enumerate() {
             let doc: Value = serde_json::from_str(text)
                 .map_err(|e| bad(origin, "JSON", e, "a JSON trace file"))?;
             let (events, rank) = events_of(&doc, origin)?;
             if files.len() > 1
                 && let Some(r) = rank
-                && r != k as u64
             {
-                warnings.push(format!(
-                    "{origin} is file {k} of {} but its trace says rank {r} (distributedInfo.rank): files are taken as ranks in the order given, so give them in rank order",
-                    files.len()
-                ));
+                if previous.is_some_and(|p| r <= p) {
+                    warnings.push(format!(
+                        "{origin} is file {k} of {} but its trace says rank {r} (distributedInfo.rank), after rank {} in the file before: files are taken as pipeline ranks in the order given, so give them in rank order",
+                        files.len(),
+                        previous.unwrap_or_default()
+                    ));
+                }
+                previous = Some(r);
             }
             for e in events {
                 let name = e.get("name").and_then(Value::as_str).unwrap_or_default();
