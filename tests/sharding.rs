@@ -364,3 +364,69 @@ fn plan_files_carry_the_sharding() {
         "{e}"
     );
 }
+
+/// FSDP's per-stage collectives as actions (`--fsdp` on a profile): each stage's `UNSHARD` is
+/// the ring all-gather of its bf16 weights and its `REDUCE_GRAD` the ring reduce-scatter of its
+/// fp32 gradients over the dp = 4 replicas of one node, `(n - 1)(alpha + bytes / (n beta))`
+/// written out here; without the option, and for the modes without per-stage collectives,
+/// they cost nothing (the step's tail holds them).
+#[test]
+fn fsdp_actions_cost_each_stages_ring_all_gather_and_reduce_scatter() {
+    use flatpipe::simulator::ir::StageId;
+    use flatpipe::simulator::ir::comm::FsdpAction;
+    let prof = profile("llama3.1-8b");
+    let n = prof.layers.len();
+    let stages = vec![0..n / 2, n / 2..n];
+    let placement = Placement::looped(2, 1);
+    let mbs = vec![
+        Microbatch {
+            chunk: None,
+            seq_lens: vec![512],
+            shape: Default::default(),
+        };
+        2
+    ];
+    let table = |sharding: Sharding, fsdp_actions: bool| {
+        TableCosts::with_options(
+            &prof,
+            &stages,
+            &placement,
+            &mbs,
+            &[],
+            &CostOptions {
+                sharding,
+                dp: 4,
+                fsdp_actions,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let link = &prof.hardware.intra_node; // global ranks r * 4 + d: 4 replicas in an 8-GPU node
+    let ring = |bytes: f64| 3.0 * (link.alpha_s + bytes / (4.0 * link.beta_bytes_per_s));
+    let c = table(Sharding::Fsdp, true);
+    for (s, r) in stages.iter().enumerate() {
+        let params: f64 = prof.layers[r.clone()]
+            .iter()
+            .map(|l| l.param_count as f64)
+            .sum();
+        let got = |a| c.fsdp_ns(StageId(s as u32), a) as f64 * 1e-9;
+        assert!((got(FsdpAction::Unshard) - ring(2.0 * params)).abs() < 2e-9);
+        assert!((got(FsdpAction::ReduceGrad) - ring(4.0 * params)).abs() < 2e-9);
+        assert_eq!(c.fsdp_ns(StageId(s as u32), FsdpAction::Reshard), 0);
+    }
+    for (sharding, on) in [
+        (Sharding::Fsdp, false),
+        (Sharding::Ddp, true),
+        (Sharding::Zero1, true),
+        (Sharding::FsdpPerMicrobatch, true),
+    ] {
+        let c = table(sharding, on);
+        assert_eq!(c.fsdp_ns(StageId(0), FsdpAction::Unshard), 0, "{sharding}");
+        assert_eq!(
+            c.fsdp_ns(StageId(1), FsdpAction::ReduceGrad),
+            0,
+            "{sharding}"
+        );
+    }
+}

@@ -69,6 +69,15 @@ pub struct Hardware {
     /// GPUs is refused (absent: as many nodes as a run asks for).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nodes: Option<u32>,
+    /// How much longer compute runs while a collective runs on the same device (a fraction:
+    /// 0.18 is 18% longer), applied only over the time they overlap: the communication
+    /// kernels take streaming multiprocessors and memory bandwidth from the compute. The
+    /// built-in GPUs derive it from the SMs a collective occupies: DeepSeek-V3 (arXiv
+    /// 2412.19437, §3.2.2) runs its all-to-all at full InfiniBand and NVLink bandwidth on 20
+    /// of an H800's 132 SMs, leaving compute `(SMs - 20) / SMs` of the device, so `SMs / (SMs -
+    /// 20) - 1`. Absent: 0 (not modelled). Range 0 to 10.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub collective_interference: f64,
 }
 
 impl Hardware {
@@ -126,6 +135,15 @@ impl Hardware {
         }
         if self.nodes == Some(0) {
             return Err(Error::invalid(origin, "nodes", 0, ">= 1 node (or absent)"));
+        }
+        let k = self.collective_interference;
+        if !(k.is_finite() && (0.0..=10.0).contains(&k)) {
+            return Err(Error::invalid(
+                origin,
+                "collective_interference",
+                k,
+                "a fraction from 0 to 10 (how much longer compute runs beside a collective)",
+            ));
         }
         self.intra_node.validate(origin, "intra_node")?;
         self.inter_node.validate(origin, "inter_node")

@@ -213,11 +213,19 @@ pub(super) fn run_config(
     }
     run.lowering = flags.lowering.over(run.lowering);
     if let Some(k) = run.lowering.fsdp {
-        bail!(
-            "FSDP's actions (--fsdp {k}, or a plan's lowering.fsdp) run with the --costs keys ag \
-             and rs; on a profile, FSDP's collectives are still the sharding model's step tail \
-             (--sharding fsdp): drop --fsdp, or compare with --costs"
-        );
+        use sim::costs::sharding::Sharding;
+        let per_step = matches!(run.sharding, Sharding::Fsdp | Sharding::Hsdp);
+        if !per_step || run.sharding.per_microbatch(run.pp) || run.dp < 2 {
+            bail!(
+                "FSDP's actions (--fsdp {k}, or a plan's lowering.fsdp) run the per-stage \
+                 all-gathers and gradient reductions of --sharding fsdp or hsdp across --dp >= 2 \
+                 replicas under pp >= 2; this run has --sharding {} with --dp {} at pp {}: give \
+                 --sharding fsdp and --dp 2 or more, or drop --fsdp",
+                run.sharding,
+                run.dp,
+                run.pp
+            );
+        }
     }
     Ok(run)
 }

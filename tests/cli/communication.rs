@@ -304,7 +304,56 @@ fn fsdp_collectives_run_as_actions_and_show_what_is_exposed() {
     let deferred = makespans(&["--fsdp", "--fsdp-defer-wait"]);
     assert!(of(&deferred, "interleaved-1f1b") < of(&fsdp, "interleaved-1f1b"));
     assert_eq!(of(&deferred, "1f1b"), of(&fsdp, "1f1b"));
+    // On a profile, --fsdp needs a sharding that runs FSDP's per-stage collectives.
     let o = flatpipe(dir.path(), &["simulate", "--fsdp", "--gantt", "none"]);
     assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
-    assert!(o.stderr.contains("sharding model"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("--sharding ddp with --dp 1 at pp 4"),
+        "{}",
+        o.stderr
+    );
+}
+
+#[test]
+fn fsdp_on_a_profile_runs_its_collectives_as_actions_in_place_of_the_tail() {
+    // llama3.1-70b, tp 8 x dp 4 x pp 4 under FSDP on H200: the same step with FSDP's
+    // collectives as the sharding model's tail (all-gather before the first forward, gradient
+    // reduction after the last compute) and as per-stage actions on the collective streams.
+    let dir = tempfile::tempdir().unwrap();
+    let step = |schedule: &str, extra: &[&str]| -> f64 {
+        let mut args = vec![
+            "simulate",
+            "--model",
+            "llama3.1-70b",
+            "--tp",
+            "8",
+            "--pp",
+            "4",
+            "--dp",
+            "4",
+            "--sharding",
+            "fsdp",
+            "--schedule",
+            schedule,
+            "--gantt",
+            "none",
+            "--format",
+            "json",
+        ];
+        args.extend(extra);
+        flatpipe(dir.path(), &args).json()[0]["step_time_s"]["mean"]
+            .as_f64()
+            .unwrap()
+    };
+    // One stage per rank: the stage's all-gather is the rank's, its reduction follows the
+    // rank's last backward, so the actions give the tail's closed form (to the ns of rounding).
+    let (tail, actions) = (step("1f1b", &[]), step("1f1b", &["--fsdp"]));
+    assert!((tail - actions).abs() < 1e-8, "{tail} vs {actions}");
+    // Two stages per rank: the first stage's reduction overlaps the other's last backwards,
+    // which the tail (every reduction after the rank's last compute) cannot.
+    let (tail, actions) = (
+        step("interleaved-1f1b", &[]),
+        step("interleaved-1f1b", &["--fsdp"]),
+    );
+    assert!(actions < tail, "{actions} vs {tail}");
 }

@@ -80,10 +80,14 @@ impl std::fmt::Display for CostSpec {
                     "uniform costs f={} b={} w={} comm={}",
                     s.f, s.b, s.w, s.comm
                 )?;
-                if s.fsdp != Default::default() {
+                if (s.fsdp.ag, s.fsdp.rs) != (0.0, 0.0) {
                     write!(out, " ag={} rs={}", s.fsdp.ag, s.fsdp.rs)?;
                 }
-                write!(out, " s")
+                write!(out, " s")?;
+                if s.fsdp.interference != 0.0 {
+                    write!(out, ", interference {}", s.fsdp.interference)?;
+                }
+                Ok(())
             }
             CostSpec::PerRank(s) => write!(
                 out,
@@ -136,6 +140,9 @@ impl CostModel for GivenCosts {
     }
     fn fsdp_ns(&self, s: StageId, action: crate::ir::comm::FsdpAction) -> u64 {
         delegate!(self, c => c.fsdp_ns(s, action))
+    }
+    fn collective_interference(&self) -> f64 {
+        delegate!(self, c => c.collective_interference())
     }
 }
 

@@ -102,6 +102,13 @@ pub trait CostModel: Sync {
     fn fsdp_ns(&self, _stage: StageId, _action: crate::ir::comm::FsdpAction) -> u64 {
         0
     }
+    /// How much longer a compute action runs while one of the rank's collectives (FSDP's
+    /// all-gathers and reduce-scatters on its collective stream) runs, as a fraction: over the
+    /// time they overlap, compute advances at `1 / (1 + k)` of its rate. 0 (the default): no
+    /// interference. Source of the profiles' value: `Hardware::collective_interference`.
+    fn collective_interference(&self) -> f64 {
+        0.0
+    }
     /// The unit of [`CostModel::activation`].
     fn memory_unit(&self) -> MemoryUnit;
 }

@@ -394,6 +394,49 @@ impl StepCollectives {
     }
 }
 
+/// One stage's FSDP collectives as actions on its rank's collective stream (PyTorch 2.15's
+/// runtime under `fully_shard` with `reshard_after_forward=False`: one `UNSHARD` and one
+/// `REDUCE_GRAD` per stage and step; [`crate::ir::lowering::fsdp_programs`]), seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StageFsdpCollectives {
+    /// `UNSHARD`: the ring all-gather of the stage's bf16 weights (2 bytes per parameter) over
+    /// the shard group.
+    pub all_gather_s: f64,
+    /// `REDUCE_GRAD`: the ring reduce-scatter of its fp32 gradients (4 bytes per parameter)
+    /// over the shard group, and under `hsdp` the all-reduce of the shard across the nodes
+    /// after it (FSDP2 runs both in the stage's post-backward reduction).
+    pub reduce_grad_s: f64,
+}
+
+impl StageFsdpCollectives {
+    /// The collectives of a stage of `params` parameters on pipeline rank `r` of `pp`, over
+    /// `dp` replicas on `hw`; `None` where `sharding` runs none per stage and step (`ddp`,
+    /// `zero1`, `zero2`, and the per-microbatch modes: `fsdp-mb`, `fsdp` / `hsdp` at pp 1).
+    pub fn of(
+        sharding: Sharding,
+        hw: &Hardware,
+        pp: u32,
+        dp: u32,
+        r: u32,
+        params: f64,
+    ) -> Option<Self> {
+        let per_step = matches!(sharding, Sharding::Fsdp | Sharding::Hsdp);
+        if !per_step || sharding.per_microbatch(pp) {
+            return None;
+        }
+        let g = DpGroup::of(sharding, hw, pp, dp, r);
+        Some(StageFsdpCollectives {
+            all_gather_s: all_gather_s(&g.shard_link, g.shard, 2.0 * params),
+            reduce_grad_s: reduce_scatter_s(&g.shard_link, g.shard, 4.0 * params)
+                + all_reduce_s(
+                    &g.replicate_link,
+                    g.replicate,
+                    4.0 * params / f64::from(g.shard),
+                ),
+        })
+    }
+}
+
 /// One stage's per-microbatch collectives (before overlap), seconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct MicrobatchCollectives {

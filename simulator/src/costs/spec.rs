@@ -32,6 +32,10 @@ pub struct FsdpCostSpec {
     pub ag: f64,
     /// Reduce-scatter of one rank's gradients (`REDUCE_GRAD`), seconds.
     pub rs: f64,
+    /// How much longer compute runs while one of these collectives runs on its rank, a
+    /// fraction 0 to 10 (`interference=0.18`; [`crate::CostModel::collective_interference`]);
+    /// default 0.
+    pub interference: f64,
 }
 
 impl Default for UniformCostSpec {
@@ -71,6 +75,18 @@ fn parse_cost_s(key: &str, v: &str) -> Result<f64> {
         ));
     }
     Ok(x)
+}
+
+/// The `interference` value of a `--costs` string: a fraction, 0 to 10.
+fn parse_interference(v: &str) -> Result<f64> {
+    match v.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && (0.0..=10.0).contains(&x) => Ok(x),
+        _ => Err(Error::invalid(
+            "costs interference",
+            v,
+            "a fraction from 0 to 10 (0.18: compute runs 18% longer beside a collective)",
+        )),
+    }
 }
 
 /// The `key=value` pairs of a `--costs` string, keys trimmed, in order.
@@ -209,6 +225,10 @@ impl FromStr for UniformCostSpec {
     fn from_str(s: &str) -> Result<Self> {
         let mut spec = UniformCostSpec::default();
         for (key, v) in cost_pairs(s, "f=1,b=1,w=1,comm=0")? {
+            if key == "interference" {
+                spec.fsdp.interference = parse_interference(v)?;
+                continue;
+            }
             let x = parse_cost_s(key, v)?;
             match key {
                 "f" => spec.f = x,
@@ -223,7 +243,7 @@ impl FromStr for UniformCostSpec {
                     return Err(Error::invalid(
                         "costs",
                         other,
-                        "keys are f, b, w, comm, fb, fo, and FSDP's ag and rs",
+                        "keys are f, b, w, comm, fb, fo, and FSDP's ag, rs and interference",
                     ));
                 }
             }
@@ -250,5 +270,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("f is given twice"), "{e}");
+        // interference is a fraction, not seconds: 0 to 10.
+        let c: UniformCostSpec = "ag=1,interference=0.18".parse().unwrap();
+        assert_eq!((c.fsdp.ag, c.fsdp.interference), (1.0, 0.18));
+        for bad in ["interference=-0.1", "interference=11", "interference=x"] {
+            let e = bad.parse::<UniformCostSpec>().unwrap_err().to_string();
+            assert!(
+                e.contains("costs interference") && e.contains("0 to 10"),
+                "{e}"
+            );
+        }
     }
 }

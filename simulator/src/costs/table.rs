@@ -2,7 +2,9 @@
 //! the step's microbatches.
 
 use super::recompute::{Recompute, RecomputeEffect, input_bytes_per_token, recompute_effect};
-use super::sharding::{MicrobatchCollectives, Sharding, StateBytes, exposed_s, global_rank};
+use super::sharding::{
+    MicrobatchCollectives, Sharding, StageFsdpCollectives, StateBytes, exposed_s, global_rank,
+};
 use super::{CostModel, MemoryUnit, ns_to_s, s_to_ns};
 use crate::batching::microbatch::Microbatch;
 use crate::ir::{ActionKind, ComputeAction, MicrobatchId, Placement, Rank, StageId};
@@ -46,6 +48,11 @@ pub struct CostOptions<'a> {
     /// Bytes per parameter in place of the sharding mode's (e.g. the CPU executor's fp32
     /// weights, gradients and AdamW moments, 16).
     pub state_bytes: Option<StateBytes>,
+    /// Whether FSDP's per-stage collectives run as actions of the lowering
+    /// ([`crate::ir::lowering::Lowering::fsdp`]): [`CostModel::fsdp_ns`] then prices them
+    /// ([`crate::costs::sharding::StageFsdpCollectives`]); otherwise it is 0 and the step's
+    /// tail holds them ([`crate::run::step::StepPlan::step_time_with_collectives`]).
+    pub fsdp_actions: bool,
 }
 
 /// Per (stage, microbatch) costs derived from a profile and the step's microbatches.
@@ -58,6 +65,10 @@ pub struct TableCosts {
     mfo: usize,
     optimizer: Vec<u64>,
     static_bytes: Vec<f64>,
+    /// Per stage: FSDP's all-gather and gradient reduction as actions, ns (empty: none).
+    fsdp: Vec<(u64, u64)>,
+    /// The hardware's `collective_interference`.
+    interference: f64,
 }
 
 impl TableCosts {
@@ -122,6 +133,8 @@ impl TableCosts {
             mfo,
             optimizer,
             static_bytes,
+            fsdp: build.fsdp_actions(),
+            interference: profile.hardware.collective_interference,
         })
     }
 
@@ -152,6 +165,8 @@ impl TableCosts {
             mfo: 0,
             optimizer: self.optimizer.clone(),
             static_bytes: self.static_bytes.clone(),
+            fsdp: self.fsdp.clone(),
+            interference: self.interference,
         }
     }
 
@@ -343,6 +358,35 @@ impl TableBuild<'_> {
     /// Adds the sharding's per-microbatch collectives (ZeRO-2's gradient reduce-scatter, FSDP
     /// resharded per microbatch) to F, I and W of every cell: prefetched layer by layer against
     /// the action's own compute, so only their exposed part ([`exposed_s`]).
+    /// Per stage, FSDP's all-gather and gradient reduction as actions, ns; empty unless
+    /// `opts.fsdp_actions` and the sharding runs them per stage and step.
+    fn fsdp_actions(&self) -> Vec<(u64, u64)> {
+        if !self.opts.fsdp_actions {
+            return Vec::new();
+        }
+        let (profile, pp) = (self.profile, self.placement.num_ranks);
+        let mut out = Vec::with_capacity(self.stages.len());
+        for (s, r) in self.stages.iter().enumerate() {
+            let params: u64 = profile.layers[r.clone()]
+                .iter()
+                .map(|l| l.param_count)
+                .sum();
+            let rank = self.placement.rank_of[s].0;
+            match StageFsdpCollectives::of(
+                self.opts.sharding,
+                &profile.hardware,
+                pp,
+                self.opts.dp,
+                rank,
+                params as f64,
+            ) {
+                Some(c) => out.push((s_to_ns(c.all_gather_s), s_to_ns(c.reduce_grad_s))),
+                None => return Vec::new(),
+            }
+        }
+        out
+    }
+
     fn add_microbatch_collectives(&self, cells: &mut [Cell], m: usize) {
         let (profile, opts) = (self.profile, &self.opts);
         let pp = self.placement.num_ranks;
@@ -497,6 +541,17 @@ impl CostModel for TableCosts {
     }
     fn optimizer_ns(&self, rank: Rank) -> u64 {
         self.optimizer[rank.idx()]
+    }
+    fn fsdp_ns(&self, s: StageId, action: crate::ir::comm::FsdpAction) -> u64 {
+        use crate::ir::comm::FsdpAction;
+        match (self.fsdp.get(s.idx()), action) {
+            (Some(&(ag, _)), FsdpAction::Unshard) => ag,
+            (Some(&(_, rs)), FsdpAction::ReduceGrad) => rs,
+            _ => 0,
+        }
+    }
+    fn collective_interference(&self) -> f64 {
+        self.interference
     }
     fn output_bytes(&self, s: StageId, mb: MicrobatchId) -> f64 {
         self.cell(s, mb).out_bytes

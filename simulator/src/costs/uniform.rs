@@ -15,6 +15,7 @@ pub struct UniformCosts {
     comm_ns: u64,
     ag_ns: u64,
     rs_ns: u64,
+    interference: f64,
     unit_per_stage: f64,
 }
 
@@ -31,6 +32,7 @@ impl UniformCosts {
             comm_ns: s_to_ns(spec.comm),
             ag_ns: s_to_ns(spec.fsdp.ag / v),
             rs_ns: s_to_ns(spec.fsdp.rs / v),
+            interference: spec.fsdp.interference,
             unit_per_stage: 1.0 / v,
         }
     }
@@ -72,6 +74,9 @@ impl CostModel for UniformCosts {
             crate::ir::comm::FsdpAction::ReduceGrad => self.rs_ns,
             _ => 0,
         }
+    }
+    fn collective_interference(&self) -> f64 {
+        self.interference
     }
     fn memory_unit(&self) -> MemoryUnit {
         MemoryUnit::Units

@@ -122,8 +122,12 @@ struct CollOp {
 struct Collectives {
     /// Per rank, its ops.
     ops: Vec<Vec<CollOp>>,
-    /// Per rank, each op's end, ns.
+    /// Per rank, each op's start and end, ns ([`UNSET`] until it is scheduled).
+    start: Vec<Vec<u64>>,
     end: Vec<Vec<u64>>,
+    /// Per rank: its first op that may still overlap the rank's next compute (compute starts
+    /// do not decrease; [`interfered_end`]).
+    first_live: Vec<usize>,
     /// Per rank, per compute action in order: the latest op it waits for (its stages' last
     /// all-gather, or a reduction the host waited for before it), or [`NO_OP`].
     need: Vec<Vec<u32>>,
@@ -145,7 +149,9 @@ impl Collectives {
         let p = programs.len();
         let mut c = Collectives {
             ops: vec![Vec::new(); p],
+            start: vec![Vec::new(); p],
             end: vec![Vec::new(); p],
+            first_live: vec![0; p],
             need: vec![Vec::new(); p],
             compute_end: vec![Vec::new(); p],
         };
@@ -206,11 +212,46 @@ impl Collectives {
                     _ => {}
                 }
             }
+            c.start[r] = vec![UNSET; c.ops[r].len()];
             c.end[r] = vec![UNSET; c.ops[r].len()];
             c.compute_end[r] = vec![UNSET; c.need[r].len()];
         }
         Some(c)
     }
+}
+
+/// The end of a compute of `dur` ns that starts at `start` on a rank whose collective stream
+/// ran ops `(starts, ends)` (in order, one at a time; [`UNSET`] from the first op not
+/// scheduled): outside the ops it advances at full rate, during one at `1 / (1 + k)`. Ops
+/// ending by `start` are skipped for good (`first_live`: compute starts do not decrease).
+fn interfered_end(
+    (starts, ends): (&[u64], &[u64]),
+    first_live: &mut usize,
+    start: u64,
+    dur: u64,
+    k: f64,
+) -> u64 {
+    while *first_live < ends.len() && ends[*first_live] != UNSET && ends[*first_live] <= start {
+        *first_live += 1;
+    }
+    let (mut t, mut left) = (start as f64, dur as f64);
+    for (&a, &b) in starts.iter().zip(ends).skip(*first_live) {
+        if b == UNSET || a as f64 >= t + left {
+            break;
+        }
+        // At full rate up to the op, then at 1 / (1 + k) while it runs.
+        if a as f64 > t {
+            left -= a as f64 - t;
+            t = a as f64;
+        }
+        let work = (b as f64 - t).max(0.0) / (1.0 + k);
+        if left <= work {
+            return (t + left * (1.0 + k)).round() as u64;
+        }
+        left -= work;
+        t = t.max(b as f64);
+    }
+    (t + left).round() as u64
 }
 
 /// A communication stream of one rank: its actions in program order.
@@ -410,7 +451,12 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
     /// Runs rank `r`'s compute stream as far as its inputs allow. `false` when the recorder
     /// stops the replay.
     fn advance_compute(&mut self, r: usize) -> bool {
-        let actions = &self.schedule.ranks[r];
+        let schedule: &'a Schedule = self.schedule;
+        let actions = &schedule.ranks[r];
+        let interference = match self.coll {
+            Some(_) => self.costs.collective_interference(),
+            None => 0.0,
+        };
         while self.pc[r] < actions.len() {
             let action = actions[self.pc[r]];
             let gate = match self.collective_gate(r) {
@@ -430,7 +476,11 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
                 },
             };
             let start = start.max(gate);
-            let end = start + dur;
+            let end = if interference > 0.0 {
+                self.interfered(r, start, dur, interference)
+            } else {
+                start + dur
+            };
             let op = TimedOp {
                 action,
                 start_ns: start,
@@ -451,6 +501,24 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
             }
         }
         true
+    }
+
+    /// The end of rank `r`'s compute of `dur` ns from `start`, slowed by `k` while the rank's
+    /// collectives run. Runs the collective stream as far as it can first: an op it cannot
+    /// schedule yet waits for a compute action at or after this one, so it starts after this
+    /// one ends.
+    fn interfered(&mut self, r: usize, start: u64, dur: u64, k: f64) -> u64 {
+        self.advance_collective(r);
+        let Some(c) = self.coll.as_mut() else {
+            return start + dur;
+        };
+        interfered_end(
+            (&c.start[r], &c.end[r]),
+            &mut c.first_live[r],
+            start,
+            dur,
+            k,
+        )
     }
 
     /// The earliest start FSDP's collectives allow rank `r`'s next compute action (0 without
@@ -482,6 +550,7 @@ impl<'a, C: CostModel, R: Recorder> Streams<'a, C, R> {
                 start = start.max(anchor);
             }
             let end = start + self.costs.fsdp_ns(op.stage, op.action);
+            c.start[r][self.pc[sid]] = start;
             c.end[r][self.pc[sid]] = end;
             self.clock[sid] = end;
             self.pc[sid] += 1;
@@ -963,6 +1032,78 @@ mod tests {
         // The lowered program replays the same.
         let l = lower(&s, with_fsdp).unwrap();
         assert_eq!(replay_lowered(&l, &UniformCosts::new(&c, 1)).unwrap(), t);
+    }
+
+    #[test]
+    fn compute_slows_only_while_a_collective_overlaps_it() {
+        // Work by hand: 10 s of compute from 0 beside one op [2, 6] at k = 1 runs 2 s at full
+        // rate, 4 s at half (2 s of work), then the last 6 s: ends at 12.
+        let mut live = 0;
+        assert_eq!(interfered_end((&[2], &[6]), &mut live, 0, 10, 1.0), 12);
+        // Wholly inside an op at k = 0.5: 10 s take 15.
+        assert_eq!(interfered_end((&[0], &[100]), &mut 0, 0, 10, 0.5), 15);
+        // An op after the compute's end, or one not scheduled yet, changes nothing.
+        assert_eq!(interfered_end((&[20], &[30]), &mut 0, 0, 10, 1.0), 10);
+        assert_eq!(interfered_end((&[2], &[UNSET]), &mut 0, 0, 10, 1.0), 10);
+        // Two ops [1, 2] and [3, 4] at k = 1: 1 + 0.5 + 1 + 0.5 s of work by 4, then 2 s: 6.
+        assert_eq!(interfered_end((&[1, 3], &[2, 4]), &mut 0, 0, 5, 1.0), 6);
+        // Ops ending by the start are skipped for good.
+        let mut live = 0;
+        assert_eq!(interfered_end((&[0, 5], &[2, 6]), &mut live, 3, 1, 1.0), 4);
+        assert_eq!(live, 1);
+    }
+
+    #[test]
+    fn fsdps_collectives_slow_the_compute_they_overlap() {
+        // Interleaved 1F1B, p = 1, v = 2, m = 1: per stage F 1 s, B 2 s, all-gather 2 s,
+        // reduce-scatter 1 s, the reductions' waits deferred, interference k = 1 (compute at
+        // half rate beside a collective). UNSHARDs [0, 2] and [2, 4]; 0F0 starts at 2 beside
+        // the second all-gather: its 1 s of work takes [2, 4]; 1F0 waits for that all-gather:
+        // [4, 5]; 1B0 [5, 7]; stage 1's reduction [7, 8] beside 0B0 from 7: 0.5 s of work by
+        // 8, the other 1.5 s by 9.5; stage 0's reduction [9.5, 10.5]. Without interference:
+        // 10 s (0F0 [2, 3], 0B0 [7, 9]).
+        let (s, _) = interleaved_1f1b(1, 2, 1, None).unwrap();
+        let lowering = Lowering {
+            fsdp: Some(3),
+            fsdp_defer_wait: true,
+            ..Lowering::UNCONTENDED
+        };
+        let spec = |k: f64| UniformCostSpec {
+            f: 2.0,
+            b: 4.0,
+            w: 0.0,
+            comm: 0.0,
+            fb: None,
+            fo: None,
+            fsdp: crate::costs::FsdpCostSpec {
+                ag: 4.0,
+                rs: 2.0,
+                interference: k,
+            },
+        };
+        let t = |k| replay_lowering(&s, lowering, &UniformCosts::new(&spec(k), 2)).unwrap();
+        assert_eq!(t(0.0).makespan_ns(), 10 * S);
+        let slow = t(1.0);
+        assert_eq!(slow.makespan_ns(), 10 * S + S / 2);
+        let span = |a: &str| {
+            let o = slow.compute[0]
+                .iter()
+                .find(|o| o.action.to_string() == a)
+                .unwrap();
+            (o.start_ns, o.end_ns)
+        };
+        assert_eq!(span("0F0"), (2 * S, 4 * S));
+        assert_eq!(span("1F0"), (4 * S, 5 * S));
+        assert_eq!(span("0B0"), (7 * S, 9 * S + S / 2));
+        // 1F1B at p = 2: every collective runs before the rank's first compute or after its
+        // last, so interference changes nothing.
+        let s = one_f_one_b(2, 2);
+        let with = |k| {
+            let mut c = spec(k);
+            (c.f, c.b) = (1.0, 2.0);
+            replay_lowering(&s, lowering, &UniformCosts::new(&c, 1)).unwrap()
+        };
+        assert_eq!(with(1.0), with(0.0));
     }
 
     #[test]

@@ -467,6 +467,7 @@ pub(crate) fn round_costs(
             sharding: config.sharding,
             dp: config.dp,
             state_bytes: config.state_bytes,
+            fsdp_actions: config.lowering.fsdp.is_some(),
         },
     )?;
     Ok(if last { c } else { c.without_optimizer() })

@@ -461,6 +461,7 @@ impl ScreenBase {
                 &params,
                 self.pipeline_s,
                 (end, start, opt),
+                false,
             )
         } else {
             self.pipeline_s

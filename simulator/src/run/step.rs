@@ -481,6 +481,7 @@ impl StepPlan {
             &params,
             pipeline_s,
             (&end, &start, &opt),
+            config.lowering.fsdp.is_some(),
         ))
     }
 }
@@ -534,24 +535,28 @@ pub fn rank_params(config: &RunConfig, profile: &Profile, placement: &Placement)
 /// The step time of [`StepPlan::step_time_with_collectives`] from its per-rank figures: the
 /// parameters of each pipeline rank, the pipeline's time, and per rank its last compute end,
 /// first compute start and optimizer time (latest, earliest and longest over replicas),
-/// seconds.
+/// seconds. With `fsdp_in_replay` (the lowering ran FSDP's per-stage all-gathers and gradient
+/// reductions as actions, [`crate::costs::sharding::StageFsdpCollectives`]), those are in
+/// `pipeline_s` already and the tail leaves them out.
 pub fn collectives_tail(
     config: &RunConfig,
     profile: &Profile,
     params: &[f64],
     pipeline_s: f64,
     (end, start, opt): (&[f64], &[f64], &[f64]),
+    fsdp_in_replay: bool,
 ) -> f64 {
     let (mut tail, mut delay) = (pipeline_s, 0.0f64);
+    let hw = &profile.hardware;
+    let (pp, dp) = (config.pp, config.dp);
+    let as_actions = fsdp_in_replay
+        && crate::costs::sharding::StageFsdpCollectives::of(config.sharding, hw, pp, dp, 0, 0.0)
+            .is_some();
     for r in 0..params.len() {
-        let c = StepCollectives::of(
-            config.sharding,
-            &profile.hardware,
-            config.pp,
-            config.dp,
-            r as u32,
-            params[r],
-        );
+        let mut c = StepCollectives::of(config.sharding, hw, pp, dp, r as u32, params[r]);
+        if as_actions {
+            (c.before_first_forward_s, c.gradient_reduction_s) = (0.0, 0.0);
+        }
         tail = tail.max(end[r] + c.gradient_reduction_s + opt[r] + c.after_optimizer_s);
         delay = delay.max(c.before_first_forward_s - start[r]);
     }

@@ -91,7 +91,8 @@ pub(super) struct SimulateArgs {
     histogram: Option<PathBuf>,
     /// Uniform costs instead of a profile and workload: one rank's share of the model per
     /// microbatch in seconds, e.g. f=1,b=1,w=1,comm=0 (keys f, b, w, comm, fb, fo, and with
-    /// --fsdp FSDP's ag and rs: one rank's all-gather and reduce-scatter). Per-rank
+    /// --fsdp FSDP's ag and rs: one rank's all-gather and reduce-scatter, and interference:
+    /// how much longer compute runs beside them, a fraction). Per-rank
     /// values separated by `/` give heterogeneous ranks, e.g. f=1/1/1/2,b=2/2/2/3,w=1 (one
     /// value per rank of --pp, or one for all; with v stages per rank each stage costs its
     /// rank's share / v).
@@ -145,10 +146,12 @@ pub(super) struct SimulateArgs {
     /// Run FSDP's per-stage actions as PyTorch 2.15's runtime lowers them for a sharded model
     /// (`UNSHARD` before a stage's compute, `REDUCE_GRAD` and its wait after its last
     /// backward, `RESHARD`), on a collective stream per rank, with at most this many stages
-    /// gathered at once (its `max_active_stages`; 3 when the flag has no value). Their times
-    /// are the `--costs` keys `ag` (all-gather of one rank's parameters) and `rs`
-    /// (reduce-scatter of its gradients), spread over its stages. Default: the plan file's
-    /// `lowering.fsdp`, else none.
+    /// gathered at once (its `max_active_stages`; 3 when the flag has no value). Under
+    /// `--costs` their times are the keys `ag` (all-gather of one rank's parameters) and `rs`
+    /// (reduce-scatter of its gradients), spread over its stages; on a profile (with
+    /// `--sharding fsdp` or `hsdp` and `--dp` >= 2) each stage's ring all-gather and
+    /// reduce-scatter over its data-parallel group, in place of the step's collective tail.
+    /// Default: the plan file's `lowering.fsdp`, else none.
     #[arg(long, value_name = "MAX_ACTIVE_STAGES", num_args = 0..=1, default_missing_value = "3")]
     fsdp: Option<u32>,
     /// With --fsdp: defer each `WAIT_REDUCE_GRAD` to the rank's next reduction or the end of

@@ -102,7 +102,9 @@ pub(in crate::cli) fn simulate_uniform(
         && u.fsdp != Default::default()
         && a.lowering().fsdp.is_none()
     {
-        tracing::warn!("the --costs keys ag and rs are FSDP's collectives: they apply with --fsdp");
+        tracing::warn!(
+            "the --costs keys ag, rs and interference are FSDP's collectives: they apply with --fsdp"
+        );
     }
     let keep_timeline = needs_timeline(a);
     let mut runs = Vec::new();

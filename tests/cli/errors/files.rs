@@ -24,6 +24,16 @@ fn malformed_files_name_the_file_and_field() {
         "{}",
         o.stderr
     );
+    std::fs::write(dir.path().join("k.yaml"), "name: x\nmemory_bytes: 1\npeak_flops: 1\nhbm_bytes_per_s: 1\ngpus_per_node: 8\nintra_node: {alpha_s: 0, beta_bytes_per_s: 1}\ninter_node: {alpha_s: 0, beta_bytes_per_s: 1}\ncollective_interference: -0.5\n").unwrap();
+    let o = flatpipe(dir.path(), &["simulate", "--hardware", "k.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        o.stderr
+            .contains("k.yaml: field `collective_interference` = -0.5")
+            && o.stderr.contains("0 to 10"),
+        "{}",
+        o.stderr
+    );
     std::fs::write(dir.path().join("w.csv"), "tokens\n100\n-3\n").unwrap();
     let o = flatpipe(dir.path(), &["simulate", "--workload", "w.csv"]);
     assert_eq!(o.status.code(), Some(2));
