@@ -1,15 +1,37 @@
 """Type stubs of flatpipe's native module (python/src/lib.rs)."""
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
 
 __version__: str
 
-class FlatpipeError(Exception):
-    """An error from the Rust core; the message names the file, field, value and allowed range."""
+__all__ = [
+    "FlatpipeError",
+    "__version__",
+    "Profile",
+    "Pipeline",
+    "Workload",
+    "Microbatch",
+    "StepPlan",
+    "ComputeAction",
+    "Action",
+    "CommAction",
+    "parse_action",
+    "plan",
+    "import_trace",
+]
 
+class FlatpipeError(ValueError):
+    """An error from the Rust core (a ``ValueError``): the message names the file, field, value
+    and allowed range; ``field`` and ``value`` hold the two where the error is about one field
+    (else ``None``)."""
+
+    field: Optional[str]
+    value: Optional[str]
+
+@final
 class Profile:
     """A cost profile: per layer and phase (F, I, W, Fo) ``t = c0 + c_tok * tokens + c_attn * pairs``
     (seconds), activation and parameter bytes, the hardware and its links."""
@@ -67,6 +89,7 @@ class Profile:
         """Layers: the embedding, the decoders and the head."""
     def to_yaml(self) -> str: ...
 
+@final
 class Workload:
     """A distribution of sequence lengths (tokens) and a step's size."""
 
@@ -80,6 +103,7 @@ class Workload:
     def sample_step(self, step: int, seed: Optional[int] = None) -> npt.NDArray[np.uint32]:
         """Step ``step``'s sequence lengths: the draw ``flatpipe simulate`` makes for it."""
 
+@final
 class Microbatch:
     """One microbatch: flat ``[T]`` tokens of several sequences."""
 
@@ -104,6 +128,7 @@ class Microbatch:
         """``None``, or ``(sequence, index, of, offset)`` for one chunk of a sequence longer
         than the token budget."""
 
+@final
 class ComputeAction:
     """One compute action: ``stage`` runs ``kind`` (``"F"``, ``"I"``, ``"W"``, ``"B"``,
     ``"Fo"``) on ``microbatch``, with the stages it sends its result to and receives its input
@@ -128,6 +153,7 @@ class ComputeAction:
         """The stage whose result this action waits on; ``None`` for W, stage 0's forward and
         the last stage's backward."""
 
+@final
 class CommAction:
     """One communication entry of a rank's lowered program (``StepPlan.lowered_actions_of``):
     a send, a receive, or the wait for a send, of the transfer carrying ``carries`` (``"F"``,
@@ -149,6 +175,7 @@ class CommAction:
     @property
     def peer(self) -> int: ...
 
+@final
 class Action:
     """One entry of a rank's action list: a compute action or an overlapped pair
     (``(0F3;1B2)OVERLAP_F_B``, forward first). Frozen, hashable; ``str()`` is ``text``."""
@@ -167,6 +194,7 @@ def parse_action(text: str) -> list[tuple[int, str, int]]:
     as ``(stage, kind, microbatch)`` (the core's parser). Raises ``ValueError`` naming the
     text."""
 
+@final
 class StepPlan:
     """One step, planned: per replica its microbatches and every rank's actions in PyTorch's
     notation, and with a profile the predicted timeline (seconds) and memory (bytes)."""
@@ -209,11 +237,12 @@ class StepPlan:
     def timeline(self, replica: int = 0) -> list[tuple[int, str, float, float]]:
         """``(rank, action, start_s, end_s)`` per compute action; empty without a profile."""
 
+@final
 class Pipeline:
     """A pipeline configuration that plans each step's sequence lengths into a StepPlan."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         schedule: str,
         pp: int,
         num_layers: Optional[int] = None,
@@ -228,7 +257,7 @@ class Pipeline:
         forward_only: Optional[int] = None,
         forward_only_mode: str = "fused",
         chunk_tokens: Optional[int] = None,
-    ) -> None: ...
+    ) -> Pipeline: ...
     @staticmethod
     def from_plan(path: str) -> Pipeline:
         """The pipeline of a plan file written by ``flatpipe plan -o``, with its profile."""

@@ -220,7 +220,6 @@ class PipelineRuntime:
         replica: int = 0,
         loss_denominator: Optional[float] = None,
         forward_only_inputs: Optional[Sequence[torch.Tensor]] = None,
-        _skip: frozenset = frozenset(),
     ) -> StepResult:
         """Runs this rank's actions of ``plan`` (replica ``replica``) and returns the loss.
 
@@ -247,7 +246,6 @@ class PipelineRuntime:
             loss_denominator=loss_denominator,
             forward_only_inputs=forward_only_inputs,
             train=True,
-            skip=_skip,
         )
 
     def eval_step(
@@ -272,7 +270,6 @@ class PipelineRuntime:
             loss_denominator=loss_denominator,
             forward_only_inputs=None,
             train=False,
-            skip=frozenset(),
         )
 
     def _run(
@@ -285,8 +282,10 @@ class PipelineRuntime:
         loss_denominator: Optional[float],
         forward_only_inputs: Optional[Sequence[torch.Tensor]],
         train: bool,
-        skip: frozenset,
+        skip: frozenset = frozenset(),
     ) -> StepResult:
+        """The step (``train``) or evaluation step; ``skip``: program entries not to run, by
+        their text (the tests' way to make a rank leave out an action)."""
         state = _StepState(self, plan, replica, train)
         state.take_inputs(inputs, targets, forward_only_inputs, loss_denominator)
         if self.check_plan and dist.is_initialized():

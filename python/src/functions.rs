@@ -19,7 +19,7 @@ pub(crate) fn plan<'py>(
     keep: usize,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     if steps == 0 {
-        return Err(err("steps = 0 is invalid: >= 1"));
+        return Err(invalid("steps", 0, ">= 1"));
     }
     let w = builtins::workload(workload).map_err(err)?;
     let seed = seed.unwrap_or(w.seed);

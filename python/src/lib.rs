@@ -30,7 +30,7 @@ use flatpipe_simulator::schedules::forward_only::FoMode;
 use flatpipe_simulator::schedules::generators::ScheduleKind;
 use numpy::{PyArray1, ToPyArray};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::fmt::Display;
@@ -55,12 +55,47 @@ pub use workload::*;
 create_exception!(
     _core,
     FlatpipeError,
-    PyException,
-    "An error from flatpipe's Rust core; the message names the file, field, value and allowed range."
+    PyValueError,
+    "An error from flatpipe's Rust core (a `ValueError`): the message names the file, field, value \
+     and allowed range; `field` and `value` hold the two where the error is about one field \
+     (else `None`)."
 );
 
-fn err(e: impl Display) -> PyErr {
-    FlatpipeError::new_err(e.to_string())
+/// The field and the value an error of the core names, where it is about one.
+fn field_of(e: &dyn std::any::Any) -> Option<(String, String)> {
+    use flatpipe_simulator::Error as SimError;
+    if let Some(SimError::InvalidArgument { field, value, .. }) = e.downcast_ref::<SimError>() {
+        return Some((field.clone(), value.clone()));
+    }
+    let profiles = match e.downcast_ref::<SimError>() {
+        Some(SimError::Profiles(p)) => Some(p),
+        _ => e.downcast_ref::<flatpipe_profiles::Error>(),
+    };
+    match profiles {
+        Some(flatpipe_profiles::Error::Invalid { field, value, .. }) => {
+            Some((field.clone(), value.clone()))
+        }
+        _ => None,
+    }
+}
+
+/// `e` as a [`FlatpipeError`] with its message, and its `field` and `value` attributes.
+fn err<E: Display + 'static>(e: E) -> PyErr {
+    let (field, value) = field_of(&e).unzip();
+    let e = FlatpipeError::new_err(e.to_string());
+    Python::attach(|py| {
+        let v = e.value(py);
+        // Setting an attribute on a fresh exception instance cannot fail.
+        let _ = v.setattr("field", field);
+        let _ = v.setattr("value", value);
+    });
+    e
+}
+
+/// `field = value is invalid: allowed`, as the core words it ([`FlatpipeError`] with `field`
+/// and `value` set).
+fn invalid(field: &str, value: impl Display, allowed: &str) -> PyErr {
+    err(flatpipe_simulator::Error::invalid(field, value, allowed))
 }
 
 /// The native module `flatpipe._core`.

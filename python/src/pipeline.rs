@@ -31,10 +31,10 @@ pub(crate) fn build_config(
     dp: u32,
 ) -> PyResult<RunConfig> {
     if pp == 0 {
-        return Err(err("pp = 0 is invalid: >= 1 rank per pipeline"));
+        return Err(invalid("pp", 0, ">= 1 rank per pipeline"));
     }
     if dp == 0 {
-        return Err(err("dp = 0 is invalid: >= 1 pipeline replica"));
+        return Err(invalid("dp", 0, ">= 1 pipeline replica"));
     }
     let v = kind.stages_per_rank(vpp).map_err(err)?;
     let n = (pp * v) as usize;
@@ -54,12 +54,12 @@ pub(crate) fn build_config(
     let mut params = PolicyParams::default();
     if let Some(b) = token_budget {
         if b == 0 {
-            return Err(err("token_budget = 0 is invalid: >= 1 token"));
+            return Err(invalid("token_budget", 0, ">= 1 token"));
         }
         params.token_budget = b;
     }
     if microbatches == Some(0) {
-        return Err(err("microbatches = 0 is invalid: >= 1"));
+        return Err(invalid("microbatches", 0, ">= 1"));
     }
     params.microbatches = microbatches;
     let mut config = RunConfig::new(

@@ -131,14 +131,16 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
             fo_inputs = [torch.randint(cfg.vocab, (mb.tokens,), generator=gf) for mb in fo_mbs]
             for m in stages.values():
                 m.zero_grad(set_to_none=True)
-            result = rt.step(
+            # The runtime's internal entry: the same as step(), with the test's skipped actions.
+            result = rt._run(
                 plan,
                 inputs[mine],
                 targets[mine],
                 replica=replica,
                 loss_denominator=denominator,
                 forward_only_inputs=fo_inputs or None,
-                _skip=skip,
+                train=True,
+                skip=skip,
             )
             fo_error = 0.0
             if result.forward_only:

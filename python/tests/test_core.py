@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -91,6 +92,39 @@ def test_errors_carry_the_rust_message(call, words):
         call()
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+def test_errors_are_value_errors_that_name_the_field_and_value(tmp_path):
+    # An argument out of range: a ValueError whose field and value are the argument's.
+    with pytest.raises(ValueError) as e:
+        flatpipe.Pipeline("1f1b", pp=0, num_layers=4)
+    assert isinstance(e.value, flatpipe.FlatpipeError)
+    assert (e.value.field, e.value.value) == ("pp", "0"), str(e.value)
+    # A field of a file: the hardware file's field and its value.
+    hw = tmp_path / "h.yaml"
+    hw.write_text(
+        "name: x\nmemory_bytes: 1\npeak_flops: -5\nhbm_bytes_per_s: 1\ngpus_per_node: 8\n"
+        "intra_node: {alpha_s: 0, beta_bytes_per_s: 1}\ninter_node: {alpha_s: 0, beta_bytes_per_s: 1}\n"
+    )
+    with pytest.raises(flatpipe.FlatpipeError) as e:
+        flatpipe.Profile.analytic("llama3.1-8b", str(hw))
+    assert (e.value.field, e.value.value) == ("peak_flops", "-5"), str(e.value)
+    # An error about no one field (a file that is not there) has neither.
+    with pytest.raises(flatpipe.FlatpipeError) as e:
+        flatpipe.Profile.load("/nonexistent/p.yaml")
+    assert (e.value.field, e.value.value) == (None, None)
+
+
+def test_the_stub_matches_the_native_module(tmp_path):
+    """mypy's stubtest checks python/flatpipe/_core.pyi against the built module: every class,
+    function, argument and default, as a type checker's user relies on them."""
+    r = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "flatpipe._core"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_workload_steps_are_seeded_draws():
