@@ -3,12 +3,40 @@
 
 use super::*;
 
-/// `1/2/3`: a list joined with slashes (microbatches per replica, layers per stage).
+/// `1/2/3`: a list joined with slashes (microbatches per replica, layers per stage), a run of
+/// three or more equal values written once with its count: `2/3 x4/2`, `1 x128`.
 pub(super) fn slash_list<T: ToString>(xs: impl IntoIterator<Item = T>) -> String {
-    xs.into_iter()
-        .map(|x| x.to_string())
-        .collect::<Vec<_>>()
-        .join("/")
+    let mut runs: Vec<(String, usize)> = Vec::new();
+    for x in xs {
+        let x = x.to_string();
+        match runs.last_mut() {
+            Some((last, n)) if *last == x => *n += 1,
+            _ => runs.push((x, 1)),
+        }
+    }
+    let mut parts = Vec::new();
+    for (x, n) in runs {
+        if n >= 3 {
+            parts.push(format!("{x} x{n}"));
+        } else {
+            parts.extend(std::iter::repeat_n(x, n));
+        }
+    }
+    parts.join("/")
+}
+
+#[cfg(test)]
+mod slash_list_tests {
+    use super::slash_list;
+
+    #[test]
+    fn runs_of_three_or_more_are_counted() {
+        assert_eq!(slash_list([1, 2, 3]), "1/2/3");
+        assert_eq!(slash_list([2, 3, 3, 3, 3, 2]), "2/3 x4/2");
+        assert_eq!(slash_list([5, 5, 7]), "5/5/7");
+        assert_eq!(slash_list(vec![1; 128]), "1 x128");
+        assert_eq!(slash_list(Vec::<u32>::new()), "");
+    }
 }
 
 pub(super) fn emit<T: Serialize>(

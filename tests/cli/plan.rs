@@ -364,3 +364,40 @@ fn plan_prints_progress_lines_off_a_terminal() {
         .unwrap();
     assert_eq!(done, total, "{last}");
 }
+
+/// The workload's default step (128 sequences of ShareGPT) cannot feed 256 data-parallel
+/// replicas: the plan says so up front, naming the flags for the run's global batch, and the
+/// no-pipeline baseline's refusal names them too. The long per-stage lists print as runs.
+#[test]
+fn a_default_step_smaller_than_the_replicas_is_named_with_the_flags_to_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "plan",
+        "--model",
+        "tiny",
+        "--hardware",
+        "cpu",
+        "--ranks",
+        "512",
+        "--pp",
+        "2",
+        "--gantt",
+        "none",
+    ];
+    let o = flatpipe(dir.path(), &args);
+    assert!(o.status.success(), "{}", o.stderr);
+    let all = format!("{}{}", o.stdout, o.stderr);
+    assert!(
+        all.contains("the workload's default step holds 128 sequences, fewer than the up to 256")
+            && all.contains("--seqs-per-step or --tokens-per-step"),
+        "{all}"
+    );
+    assert!(
+        all.contains("a replica would get none (a larger step: more sequences or tokens"),
+        "{all}"
+    );
+    let mut with_batch = args.to_vec();
+    with_batch.extend(["--seqs-per-step", "256", "--steps", "2"]);
+    let o = flatpipe(dir.path(), &with_batch);
+    assert!(!o.stderr.contains("default step holds"), "{}", o.stderr);
+}

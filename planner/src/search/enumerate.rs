@@ -148,7 +148,7 @@ pub(super) fn layouts(
                 out.rejected.push((
                     format!("{}dp={dp} pp={pp}", tp_prefix(*tp)),
                     format!(
-                        "{dp} replicas, but a sampled step has only {fewest_seqs} sequence(s): a replica would get none"
+                        "{dp} replicas, but a sampled step has only {fewest_seqs} sequence(s): a replica would get none (a larger step: more sequences or tokens per step)"
                     ),
                 ));
                 continue;

@@ -106,6 +106,7 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         bail!("--keep = 0 is invalid: >= 1 plan");
     }
     let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, None, &workload)?;
+    warn_small_default_step(a, &space, size);
     let seed = a.seed.unwrap_or(workload.seed);
     let config = SearchConfig {
         steps: a.steps,
@@ -215,4 +216,22 @@ pub(super) fn search_with_progress(
         pb.finish_and_clear();
     }
     Ok(result)
+}
+
+/// Warns when the workload's default step (neither `--seqs-per-step` nor `--tokens-per-step`
+/// given) holds fewer sequences than the search's most data-parallel replicas, which it then
+/// leaves out: the user names the run's global batch.
+fn warn_small_default_step(a: &PlanArgs, space: &planner::search::SearchSpace, size: StepSize) {
+    if let (None, None, StepSize::Seqs(n)) = (a.seqs_per_step, a.tokens_per_step, size) {
+        let min_pp = space.pp.iter().copied().min().unwrap_or(1).max(1);
+        let max_dp = space.ranks / min_pp;
+        if max_dp > n {
+            tracing::warn!(
+                "the workload's default step holds {n} sequences, fewer than the up to {max_dp} \
+                 data-parallel replicas of {} GPUs: layouts with more than {n} replicas are left \
+                 out; give the run's global batch with --seqs-per-step or --tokens-per-step",
+                space.ranks
+            );
+        }
+    }
 }

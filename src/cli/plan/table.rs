@@ -27,7 +27,7 @@ pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
     ]);
     for r in rows {
         let c = &r.candidate;
-        let sizes: Vec<String> = c.run.stages.iter().map(|x| x.len().to_string()).collect();
+        let sizes = slash_list(c.run.stages.iter().map(|x| x.len()));
         let rec = recompute_summary(&c.run.recompute);
         t.add_row([
             r.rank.to_string(),
@@ -49,7 +49,7 @@ pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
                 gib(c.peak_memory_bytes.iter().copied().fold(0.0, f64::max)),
                 gib(limit)
             ),
-            sizes.join("/"),
+            sizes,
             rec,
         ]);
     }
