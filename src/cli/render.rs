@@ -25,20 +25,6 @@ pub(super) fn slash_list<T: ToString>(xs: impl IntoIterator<Item = T>) -> String
     parts.join("/")
 }
 
-#[cfg(test)]
-mod slash_list_tests {
-    use super::slash_list;
-
-    #[test]
-    fn runs_of_three_or_more_are_counted() {
-        assert_eq!(slash_list([1, 2, 3]), "1/2/3");
-        assert_eq!(slash_list([2, 3, 3, 3, 3, 2]), "2/3 x4/2");
-        assert_eq!(slash_list([5, 5, 7]), "5/5/7");
-        assert_eq!(slash_list(vec![1; 128]), "1 x128");
-        assert_eq!(slash_list(Vec::<u32>::new()), "");
-    }
-}
-
 pub(super) fn emit<T: Serialize>(
     format: Format,
     reports: &T,
@@ -276,4 +262,18 @@ pub(super) fn gantt_title(
         fmt_s(m.makespan_s),
         100.0 * m.bubble_ratio
     )
+}
+
+#[cfg(test)]
+mod slash_list_tests {
+    use super::slash_list;
+
+    #[test]
+    fn runs_of_three_or_more_are_counted() {
+        assert_eq!(slash_list([1, 2, 3]), "1/2/3");
+        assert_eq!(slash_list([2, 3, 3, 3, 3, 2]), "2/3 x4/2");
+        assert_eq!(slash_list([5, 5, 7]), "5/5/7");
+        assert_eq!(slash_list(vec![1; 128]), "1 x128");
+        assert_eq!(slash_list(Vec::<u32>::new()), "");
+    }
 }
