@@ -301,13 +301,27 @@ class PipelineRuntime:
         size: one all-reduce of a digest of the plan (the step, its microbatches' token
         counts, the ranks, the stages and every rank's actions; max of ``h`` and of ``-h``)
         before any transfer, so that a mismatch is a ``ValueError`` on every rank instead of a
-        hang or a size error inside the transport; then the group's size against the plan's
+        hang or a size error inside the transport; in the same all-reduce, a digest of the
+        boundary tensors' width and dtype (``hidden_size``, ``dtype``): gloo accepts a message
+        narrower than the receive buffer and leaves its tail unwritten, so a rank given another
+        width would read a silently wrong tensor; then the group's size against the plan's
         ranks (the same on every rank once the plans agree)."""
         actions = [plan.actions(r, replica) for r in range(plan.num_ranks)]
         text = repr((plan.step, replica, tokens, plan.num_ranks, plan.num_stages, actions))
-        h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-        t = torch.tensor([h, -h], dtype=torch.int64)
+
+        def digest(text: str) -> int:
+            return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+        h = digest(text)
+        io = digest(repr((self.hidden_size, str(self.dtype))))
+        t = torch.tensor([h, -h, io, -io], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if int(t[2]) != io or -int(t[3]) != io:
+            raise ValueError(
+                f"rank {self.rank}: the pipeline's ranks were given different boundary tensors "
+                f"(this rank's: hidden_size = {self.hidden_size}, dtype = {self.dtype}); every "
+                "rank must send and receive [T, hidden_size] tensors of one width and dtype"
+            )
         if int(t[0]) != h or -int(t[1]) != h:
             raise ValueError(
                 f"rank {self.rank}: the pipeline's ranks were given different step plans (this "

@@ -183,7 +183,9 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
 def run_bad_plan(rank: int, world: int, init: str, out_dir: str, case: str) -> None:
     """Plans that cannot run together: ``"lengths"``, rank 1 plans other sequence lengths;
     ``"schedule"``, rank 1 plans GPipe where rank 0 plans 1F1B (same lengths); ``"world"``,
-    both plan pp = 4 in a world of 2. Each rank writes the ValueError it got (or None)."""
+    both plan pp = 4 in a world of 2; ``"hidden"``, rank 1's runtime is told half the hidden
+    size (its receives would take a narrower tensor). Each rank writes the ValueError it got
+    (or None)."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         cfg = ModelConfig(num_decoders=4)
@@ -191,7 +193,8 @@ def run_bad_plan(rank: int, world: int, init: str, out_dir: str, case: str) -> N
         pp = 4 if case == "world" else world
         pipe = flatpipe.Pipeline(kind, pp=pp, num_layers=cfg.num_layers, token_budget=64)
         stages = {rank: Stage(cfg, *pipe.stages[rank])}
-        rt = PipelineRuntime(stages, rank=rank, hidden_size=cfg.hidden)
+        hidden = cfg.hidden // 2 if case == "hidden" and rank == 1 else cfg.hidden
+        rt = PipelineRuntime(stages, rank=rank, hidden_size=hidden)
         lengths = [30, 20, 50, 10, 40, 25]
         if case == "lengths" and rank == 1:
             lengths[0] += 1

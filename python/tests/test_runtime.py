@@ -132,12 +132,14 @@ def test_dropping_one_w_is_caught(tmp_path):
         ("lengths", "different step plans"),
         ("schedule", "different step plans"),
         ("world", "the plan has 4 pipeline ranks"),
+        ("hidden", "different boundary tensors"),
     ],
 )
 def test_plans_that_cannot_run_together_raise_on_every_rank(tmp_path, case, says):
     """Ranks planning other sequence lengths (gloo would abort the process on the size
-    mismatch), other schedules with the same lengths (a hang), or a pp = 4 plan in a world of
-    2 (a hang): a ValueError on every rank within the timeout."""
+    mismatch), other schedules with the same lengths (a hang), a pp = 4 plan in a world of 2
+    (a hang), or another hidden size on one rank (gloo would fill a narrower tensor's share of
+    the buffer and leave the rest): a ValueError on every rank within the timeout."""
     ctx = mp.start_processes(
         run_bad_plan,
         args=(2, str(tmp_path / "init"), str(tmp_path), case),
