@@ -13,11 +13,15 @@ pub(crate) fn plan<'py>(
     py: Python<'py>,
     profile: PyRef<'_, PyProfile>,
     workload: &str,
-    ranks: u32,
-    steps: u32,
-    seed: Option<u64>,
-    keep: usize,
+    ranks: i128,
+    steps: i128,
+    seed: Option<i128>,
+    keep: i128,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    let ranks: u32 = nat("ranks", ranks)?;
+    let steps: u32 = nat("steps", steps)?;
+    let seed: Option<u64> = nat_opt("seed", seed)?;
+    let keep: usize = nat("keep", keep)?;
     if steps == 0 {
         return Err(invalid("steps", 0, ">= 1"));
     }
@@ -86,8 +90,9 @@ pub(crate) fn plan<'py>(
 pub(crate) fn import_trace<'py>(
     py: Python<'py>,
     paths: Vec<String>,
-    step: Option<usize>,
+    step: Option<i128>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let step: Option<usize> = nat_opt("step", step)?;
     let mut files = Vec::with_capacity(paths.len());
     for p in &paths {
         let text = flatpipe_simulator::io::kineto::read_trace_file(std::path::Path::new(p))

@@ -92,6 +92,33 @@ fn err<E: Display + 'static>(e: E) -> PyErr {
     e
 }
 
+/// An unsigned integer type an argument converts to ([`nat`]).
+pub(crate) trait Nat: Sized + TryFrom<i128> {
+    /// The largest value, for the error's range.
+    const MAX: u128;
+}
+impl Nat for u32 {
+    const MAX: u128 = u32::MAX as u128;
+}
+impl Nat for u64 {
+    const MAX: u128 = u64::MAX as u128;
+}
+impl Nat for usize {
+    const MAX: u128 = usize::MAX as u128;
+}
+
+/// The integer argument `field` as a `T`: Python's ints arrive as `i128` so that a negative or
+/// oversized one is a [`FlatpipeError`] naming the argument and its range, not PyO3's
+/// `OverflowError` without a name.
+fn nat<T: Nat>(field: &str, v: i128) -> PyResult<T> {
+    T::try_from(v).map_err(|_| invalid(field, v, &format!("an integer from 0 to {}", T::MAX)))
+}
+
+/// [`nat`] of an optional argument.
+fn nat_opt<T: Nat>(field: &str, v: Option<i128>) -> PyResult<Option<T>> {
+    v.map(|v| nat(field, v)).transpose()
+}
+
 /// `field = value is invalid: allowed`, as the core words it ([`FlatpipeError`] with `field`
 /// and `value` set).
 fn invalid(field: &str, value: impl Display, allowed: &str) -> PyErr {

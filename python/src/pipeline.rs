@@ -96,19 +96,40 @@ impl PyPipeline {
     #[allow(clippy::too_many_arguments)]
     fn new(
         schedule: &str,
-        pp: u32,
-        num_layers: Option<usize>,
-        vpp: Option<u32>,
-        stages: Option<Vec<(usize, usize)>>,
-        token_budget: Option<u64>,
-        microbatches: Option<u32>,
+        pp: i128,
+        num_layers: Option<i128>,
+        vpp: Option<i128>,
+        stages: Option<Vec<(i128, i128)>>,
+        token_budget: Option<i128>,
+        microbatches: Option<i128>,
         policy: Option<&str>,
-        dp: u32,
+        dp: i128,
         profile: Option<PyRef<'_, PyProfile>>,
-        forward_only: Option<u32>,
+        forward_only: Option<i128>,
         forward_only_mode: &str,
-        chunk_tokens: Option<u64>,
+        chunk_tokens: Option<i128>,
     ) -> PyResult<Self> {
+        let pp: u32 = nat("pp", pp)?;
+        let num_layers: Option<usize> = nat_opt("num_layers", num_layers)?;
+        let vpp: Option<u32> = nat_opt("vpp", vpp)?;
+        let stages: Option<Vec<(usize, usize)>> = stages
+            .map(|s| {
+                s.into_iter()
+                    .enumerate()
+                    .map(|(k, (a, b))| {
+                        Ok((
+                            nat(&format!("stages[{k}][0]"), a)?,
+                            nat(&format!("stages[{k}][1]"), b)?,
+                        ))
+                    })
+                    .collect::<PyResult<Vec<_>>>()
+            })
+            .transpose()?;
+        let token_budget: Option<u64> = nat_opt("token_budget", token_budget)?;
+        let microbatches: Option<u32> = nat_opt("microbatches", microbatches)?;
+        let dp: u32 = nat("dp", dp)?;
+        let forward_only: Option<u32> = nat_opt("forward_only", forward_only)?;
+        let chunk_tokens: Option<u64> = nat_opt("chunk_tokens", chunk_tokens)?;
         let kind = parse_schedule(schedule)?;
         let profile = profile.map(|p| p.inner.clone());
         let num_layers = match (num_layers, &profile) {
@@ -217,7 +238,13 @@ impl PyPipeline {
     /// data-parallel shares first when `dp > 1`), each rank's actions and, with a profile, the
     /// predicted timeline and memory.
     #[pyo3(signature = (seq_lens, step = 0))]
-    fn plan_step(&self, py: Python<'_>, seq_lens: Vec<u32>, step: u64) -> PyResult<PyStepPlan> {
+    fn plan_step(&self, py: Python<'_>, seq_lens: Vec<i128>, step: i128) -> PyResult<PyStepPlan> {
+        let step: u64 = nat("step", step)?;
+        let seq_lens: Vec<u32> = seq_lens
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| nat(&format!("seq_lens[{i}]"), s))
+            .collect::<PyResult<_>>()?;
         if seq_lens.is_empty() {
             return Err(err("seq_lens is empty: a step needs >= 1 sequence"));
         }
@@ -253,9 +280,11 @@ impl PyPipeline {
         &self,
         py: Python<'py>,
         workload: Option<&str>,
-        steps: u32,
-        seed: Option<u64>,
+        steps: i128,
+        seed: Option<i128>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let steps: u32 = nat("steps", steps)?;
+        let seed: Option<u64> = nat_opt("seed", seed)?;
         let profile = self
             .profile
             .clone()

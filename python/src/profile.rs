@@ -33,7 +33,8 @@ impl PyProfile {
 
     /// The profile of one GPU of a Megatron-style tensor-parallel group of `tp` GPUs.
     #[pyo3(signature = (tp, sequence_parallel = true))]
-    fn tensor_parallel(&self, tp: u32, sequence_parallel: bool) -> PyResult<Self> {
+    fn tensor_parallel(&self, tp: i128, sequence_parallel: bool) -> PyResult<Self> {
+        let tp: u32 = nat("tp", tp)?;
         let p = self
             .inner
             .tensor_parallel(tp, sequence_parallel)

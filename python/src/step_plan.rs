@@ -14,7 +14,8 @@ pub struct PyStepPlan {
 }
 
 impl PyStepPlan {
-    fn replica(&self, replica: usize) -> PyResult<&flatpipe_simulator::run::step::ReplicaPlan> {
+    fn replica(&self, replica: i128) -> PyResult<&flatpipe_simulator::run::step::ReplicaPlan> {
+        let replica: usize = nat("replica", replica)?;
         let n = self.plan.replicas.len();
         let r = self.plan.replicas.get(replica).ok_or_else(|| {
             err(format!(
@@ -33,19 +34,21 @@ impl PyStepPlan {
     /// The replica's predicted timeline and memory (`None` without a profile).
     fn prediction(
         &self,
-        replica: usize,
+        replica: i128,
     ) -> PyResult<Option<&flatpipe_simulator::run::step::RoundPrediction>> {
         Ok(self.replica(replica)?.rounds[0].prediction.as_ref())
     }
 
-    fn check_rank(&self, rank: u32) -> PyResult<()> {
+    /// `rank` checked against the pipeline's ranks.
+    fn check_rank(&self, rank: i128) -> PyResult<u32> {
+        let rank: u32 = nat("rank", rank)?;
         let p = self.placement.num_ranks;
         if rank >= p {
             return Err(err(format!(
                 "rank = {rank} is out of range: the pipeline has {p} ranks (0..{p})"
             )));
         }
-        Ok(())
+        Ok(rank)
     }
 }
 
@@ -82,8 +85,8 @@ impl PyStepPlan {
     }
 
     /// The stages `rank` runs, in stage order.
-    fn stages_of(&self, rank: u32) -> PyResult<Vec<u32>> {
-        self.check_rank(rank)?;
+    fn stages_of(&self, rank: i128) -> PyResult<Vec<u32>> {
+        let rank = self.check_rank(rank)?;
         Ok(self
             .placement
             .stages_of(Rank(rank))
@@ -94,22 +97,22 @@ impl PyStepPlan {
 
     /// The replica's microbatches, in id order.
     #[pyo3(signature = (replica = 0))]
-    fn microbatches(&self, replica: usize) -> PyResult<Vec<PyMicrobatch>> {
+    fn microbatches(&self, replica: i128) -> PyResult<Vec<PyMicrobatch>> {
         let r = self.replica(replica)?;
         Ok(PyMicrobatch::numbered(&r.microbatches))
     }
 
     /// The forward-only microbatches of the replica's step (their own id space), if any.
     #[pyo3(signature = (replica = 0))]
-    fn forward_only_microbatches(&self, replica: usize) -> PyResult<Vec<PyMicrobatch>> {
+    fn forward_only_microbatches(&self, replica: i128) -> PyResult<Vec<PyMicrobatch>> {
         let r = self.replica(replica)?;
         Ok(PyMicrobatch::numbered(&r.rounds[0].fo))
     }
 
     /// `rank`'s actions in the replica's step, in the order it runs them.
     #[pyo3(signature = (rank, replica = 0))]
-    fn actions(&self, rank: u32, replica: usize) -> PyResult<Vec<String>> {
-        self.check_rank(rank)?;
+    fn actions(&self, rank: i128, replica: i128) -> PyResult<Vec<String>> {
+        let rank = self.check_rank(rank)?;
         let r = self.replica(replica)?;
         Ok(r.rounds[0].schedule.ranks[rank as usize]
             .iter()
@@ -125,8 +128,8 @@ impl PyStepPlan {
     /// # Errors
     /// `FlatpipeError` for a rank or replica out of range, or a replica of several rounds.
     #[pyo3(signature = (rank, replica = 0))]
-    fn actions_of(&self, rank: u32, replica: usize) -> PyResult<Vec<PyAction>> {
-        self.check_rank(rank)?;
+    fn actions_of(&self, rank: i128, replica: i128) -> PyResult<Vec<PyAction>> {
+        let rank = self.check_rank(rank)?;
         let r = self.replica(replica)?;
         let num_stages = self.placement.num_stages();
         Ok(r.rounds[0].schedule.ranks[rank as usize]
@@ -151,8 +154,8 @@ impl PyStepPlan {
     fn lowered_actions_of(
         &self,
         py: Python<'_>,
-        rank: u32,
-        replica: usize,
+        rank: i128,
+        replica: i128,
         posting: &str,
         forward_only: bool,
     ) -> PyResult<Vec<Py<PyAny>>> {
@@ -167,7 +170,7 @@ impl PyStepPlan {
                 )));
             }
         };
-        self.check_rank(rank)?;
+        let rank = self.check_rank(rank)?;
         let r = self.replica(replica)?;
         let mut schedule = (*r.rounds[0].schedule).clone();
         if forward_only {
@@ -221,14 +224,14 @@ impl PyStepPlan {
 
     /// The schedule's name.
     #[pyo3(signature = (replica = 0))]
-    fn schedule_name(&self, replica: usize) -> PyResult<String> {
+    fn schedule_name(&self, replica: i128) -> PyResult<String> {
         Ok(self.replica(replica)?.rounds[0].schedule.name.clone())
     }
 
     /// Predicted step time of the replica's pipeline (the replay's makespan, optimizer
     /// included), seconds; `None` without a profile.
     #[pyo3(signature = (replica = 0))]
-    fn predicted_step_time_s(&self, replica: usize) -> PyResult<Option<f64>> {
+    fn predicted_step_time_s(&self, replica: i128) -> PyResult<Option<f64>> {
         Ok(self
             .prediction(replica)?
             .map(|p| p.simulation.metrics.makespan_s))
@@ -236,7 +239,7 @@ impl PyStepPlan {
 
     /// Predicted bubble ratio of the replica's pipeline; `None` without a profile.
     #[pyo3(signature = (replica = 0))]
-    fn predicted_bubble_ratio(&self, replica: usize) -> PyResult<Option<f64>> {
+    fn predicted_bubble_ratio(&self, replica: i128) -> PyResult<Option<f64>> {
         Ok(self
             .prediction(replica)?
             .map(|p| p.simulation.metrics.bubble_ratio))
@@ -245,7 +248,7 @@ impl PyStepPlan {
     /// Predicted peak memory per rank (parameters, gradients, optimizer state and the peak of
     /// activations), bytes; `None` without a profile.
     #[pyo3(signature = (replica = 0))]
-    fn predicted_peak_bytes(&self, replica: usize) -> PyResult<Option<Vec<f64>>> {
+    fn predicted_peak_bytes(&self, replica: i128) -> PyResult<Option<Vec<f64>>> {
         Ok(self.prediction(replica)?.map(|p| {
             p.simulation
                 .metrics
@@ -260,7 +263,7 @@ impl PyStepPlan {
     /// The predicted timeline: `(rank, action, start_s, end_s)` per compute action, rank by
     /// rank in run order; empty without a profile.
     #[pyo3(signature = (replica = 0))]
-    fn timeline(&self, replica: usize) -> PyResult<Vec<(u32, String, f64, f64)>> {
+    fn timeline(&self, replica: i128) -> PyResult<Vec<(u32, String, f64, f64)>> {
         let Some(p) = self.prediction(replica)? else {
             return Ok(Vec::new());
         };

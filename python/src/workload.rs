@@ -39,12 +39,16 @@ impl PyWorkload {
     fn sample_step<'py>(
         &self,
         py: Python<'py>,
-        step: u64,
-        seed: Option<u64>,
-    ) -> Bound<'py, PyArray1<u32>> {
+        step: i128,
+        seed: Option<i128>,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let step: u64 = nat("step", step)?;
+        let seed: Option<u64> = nat_opt("seed", seed)?;
         let w = &self.inner;
-        w.sample_step(seed.unwrap_or(w.seed), step, w.default_step_size())
-            .to_pyarray(py)
+        Ok(
+            w.sample_step(seed.unwrap_or(w.seed), step, w.default_step_size())
+                .to_pyarray(py),
+        )
     }
 
     fn __repr__(&self) -> String {

@@ -115,6 +115,32 @@ def test_errors_are_value_errors_that_name_the_field_and_value(tmp_path):
     assert (e.value.field, e.value.value) == (None, None)
 
 
+def _pipe():
+    return flatpipe.Pipeline("1f1b", pp=2, num_layers=4)
+
+
+@pytest.mark.parametrize(
+    "call, field, value",
+    [
+        (lambda: flatpipe.Pipeline("1f1b", pp=-1, num_layers=4), "pp", "-1"),
+        (lambda: flatpipe.Pipeline("1f1b", pp=2**40, num_layers=4), "pp", str(2**40)),
+        (lambda: flatpipe.Pipeline("1f1b", pp=2, num_layers=4, token_budget=-5), "token_budget", "-5"),
+        (lambda: flatpipe.Pipeline("1f1b", pp=2, stages=[(0, 2), (-2, 4)]), "stages[1][0]", "-2"),
+        (lambda: _pipe().plan_step([100, -3]), "seq_lens[1]", "-3"),
+        (lambda: _pipe().plan_step([100], step=-1), "step", "-1"),
+        (lambda: _pipe().plan_step([100]).actions(-1), "rank", "-1"),
+        (lambda: _pipe().plan_step([100]).microbatches(replica=-2), "replica", "-2"),
+        (lambda: flatpipe.Workload.load("sharegpt-v3").sample_step(-1), "step", "-1"),
+    ],
+)
+def test_negative_or_oversized_integers_name_the_argument(call, field, value):
+    """PyO3 turned these into an OverflowError without the argument's name."""
+    with pytest.raises(flatpipe.FlatpipeError) as e:
+        call()
+    assert (e.value.field, e.value.value) == (field, value), str(e.value)
+    assert "an integer from 0 to" in str(e.value)
+
+
 def test_the_stub_matches_the_native_module(tmp_path):
     """mypy's stubtest checks python/flatpipe/_core.pyi against the built module: every class,
     function, argument and default, as a type checker's user relies on them."""
