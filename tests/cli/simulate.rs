@@ -215,6 +215,41 @@ fn simulate_takes_more_forward_only_than_training_microbatches() {
     assert!(v[0]["fo_separate_s"].as_f64().unwrap() > 0.0);
 }
 
+/// With forward-only work each rank also holds the frozen model's weights: the params+opt
+/// column counts them, so params+opt plus peak activations is the memory of the rank that
+/// holds both maxima (rank 0 under 1F1B: the most layers' state and the most in-flight
+/// microbatches). The column left them out (38.06 + 68.27 GiB against 110.56 GiB).
+#[test]
+fn with_forward_only_work_the_memory_columns_add_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = flatpipe_json(
+        dir.path(),
+        &[
+            "simulate",
+            "--schedule",
+            "1f1b",
+            "--fo-microbatches",
+            "same",
+            "--gantt",
+            "none",
+            "--format",
+            "json",
+        ],
+    );
+    let r = &v[0];
+    let (state, act, total) = (
+        r["static_bytes"].as_f64().unwrap(),
+        r["peak_activation_bytes"].as_f64().unwrap(),
+        r["peak_memory_bytes"].as_f64().unwrap(),
+    );
+    assert!(
+        (state + act - total).abs() < 1.0,
+        "{state} + {act} != {total}"
+    );
+    // The frozen weights are on top of rank 0's own parameters and optimizer state.
+    assert!(state > r["ranks"][0]["static_bytes"].as_f64().unwrap());
+}
+
 /// `simulate` runs one fixed tp x dp x pp configuration and says so.
 #[test]
 fn simulate_takes_a_tensor_parallel_configuration() {

@@ -410,10 +410,16 @@ impl ReplicaPlan {
         }
         if out.fo.is_some() {
             // The frozen model's weights (the profile's dtype) live on every rank for the whole
-            // step, besides its own state and activations.
-            let placement = &self.rounds.first()?.schedule.placement;
+            // step, besides its own state and activations: static memory, counted with the
+            // rank's parameters and optimizer state so that the columns add up.
+            let first = self.rounds.first()?;
+            let placement = &first.schedule.placement;
+            let state = &first.prediction.as_ref()?.static_bytes;
+            out.static_bytes = 0.0;
             for (r, mem) in out.rank_memory_bytes.iter_mut().enumerate() {
-                *mem += frozen_bytes(config, profile, placement, r);
+                let frozen = frozen_bytes(config, profile, placement, r);
+                *mem += frozen;
+                out.static_bytes = out.static_bytes.max(state[r] + frozen);
             }
         }
         Some(out)
@@ -591,7 +597,8 @@ pub struct StepOutcome {
     pub model_flops: f64,
     /// Peak activation memory over ranks and rounds, bytes.
     pub peak_activation_bytes: f64,
-    /// Largest parameters + gradients + optimizer state of a rank, bytes.
+    /// Largest parameters + gradients + optimizer state of a rank (with forward-only work, plus
+    /// the frozen model's weights it holds), bytes.
     pub static_bytes: f64,
     /// Per pipeline rank: parameters, gradients and optimizer state plus the peak activation
     /// memory (largest over replicas and rounds), bytes.
