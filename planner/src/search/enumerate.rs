@@ -160,6 +160,7 @@ pub(super) fn layouts(
                 pp,
                 dp,
                 n_layers: base.layers.len(),
+                fo: config.forward_only.map(|f| f.microbatches),
             };
             layout.candidates(space, &steps, &mut out)?;
         }
@@ -211,6 +212,9 @@ struct PipelineLayout<'a> {
     dp: u32,
     /// Layers of the model (a stage holds at least one).
     n_layers: usize,
+    /// Forward-only work per replica and step: `Some(Some(k))` k microbatches (the training
+    /// ones cycled), `Some(None)` one per training microbatch, `None` none.
+    fo: Option<Option<u32>>,
 }
 
 impl PipelineLayout<'_> {
@@ -232,7 +236,8 @@ impl PipelineLayout<'_> {
                 if let Some(&(_, i)) = cuts.iter().find(|(k, _)| *k == cut.cut_key()) {
                     return Ok(i);
                 }
-                out.stats.push(batch_stats(self.profile, steps, &cut)?);
+                out.stats
+                    .push(batch_stats(self.profile, steps, &cut, self.fo)?);
                 cuts.push((cut.cut_key(), out.stats.len() - 1));
                 Ok(out.stats.len() - 1)
             };

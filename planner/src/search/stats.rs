@@ -20,7 +20,8 @@ pub(super) struct BatchStats {
     pub max_count: u32,
     /// The most tokens any sampled microbatch computes.
     pub max_tokens: f64,
-    /// Per step: the largest replica's total F + I + W time over all layers, seconds.
+    /// Per step: the largest replica's total F + I + W time over all layers, with its
+    /// forward-only work (`Fo`), seconds.
     pub replica_work_s: Vec<f64>,
 }
 
@@ -52,7 +53,9 @@ pub(super) fn cut_config(
 /// The statistics of `steps` (sequence lengths, tokens) cut by [`cut_step`] under `cut`
 /// ([`cut_config`]), with `profile`'s costs: the balance cost ([`balance_cost`]) splits the
 /// data-parallel shares and balances the microbatches, and a replica's work is its
-/// microbatches' fixed plus per-token plus per-pair F + I + W time.
+/// microbatches' fixed plus per-token plus per-pair F + I + W time, and with forward-only work
+/// `fo` (`Some(Some(k))`: k forward-only microbatches, the training ones cycled, as the run
+/// builds them; `Some(None)`: one per training microbatch) their `Fo` time.
 ///
 /// # Errors
 /// [`cut_step`]'s (a replica without sequences, the policy's).
@@ -60,19 +63,21 @@ pub(super) fn batch_stats(
     profile: &Profile,
     steps: &[Vec<u32>],
     cut: &RunConfig,
+    fo: Option<Option<u32>>,
 ) -> Result<BatchStats> {
-    // Per microbatch: fixed, per computed token and per computed causal pair, seconds.
-    let (tok, pair) = profile.layers.iter().fold((0.0, 0.0), |acc, l| {
-        (
-            acc.0 + l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s,
-            acc.1 + l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s,
-        )
-    });
-    let c0: f64 = profile
-        .layers
-        .iter()
-        .map(|l| l.f.c0_s + l.i.c0_s + l.w.c0_s)
-        .sum();
+    // Per microbatch: fixed, per computed token and per computed causal pair, seconds, of the
+    // training phases and of the forward-only one.
+    let sum = |phase: &dyn Fn(&flatpipe_profiles::LayerProfile) -> f64| -> f64 {
+        profile.layers.iter().map(phase).sum()
+    };
+    let c0 = sum(&|l| l.f.c0_s + l.i.c0_s + l.w.c0_s);
+    let tok = sum(&|l| l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s);
+    let pair = sum(&|l| l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s);
+    let (fo_c0, fo_tok, fo_pair) = (
+        sum(&|l| l.fo.c0_s),
+        sum(&|l| l.fo.c_tok_s),
+        sum(&|l| l.fo.c_attn_s),
+    );
     let cost = balance_cost(profile);
     let (mut n, mut t_sum, mut a_sum, mut max_count) = (0usize, 0.0, 0.0, 0u32);
     let mut max_tokens = 0.0f64;
@@ -89,6 +94,13 @@ pub(super) fn batch_stats(
                 t_sum += t;
                 a_sum += a;
                 work += c0 + tok * t + pair * a;
+            }
+            if let (Some(k), m @ 1..) = (fo, b.microbatches.len()) {
+                for j in 0..k.map_or(m, |k| k as usize) {
+                    let mb = &b.microbatches[j % m];
+                    let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
+                    work += fo_c0 + fo_tok * t + fo_pair * a;
+                }
             }
             worst = worst.max(work);
         }
@@ -124,7 +136,7 @@ mod tests {
             Policy::FlatFfd,
             (1000, None),
         );
-        let s = batch_stats(&p, &[vec![300, 200, 100, 50]], &cut).unwrap();
+        let s = batch_stats(&p, &[vec![300, 200, 100, 50]], &cut, None).unwrap();
         assert_eq!(s.mean_tokens, (300.0 + 350.0) / 2.0);
         assert_eq!(s.mean_pairs, (45_150.0 + 26_425.0) / 2.0);
         assert_eq!((s.max_count, s.max_tokens), (1, 350.0));
@@ -143,5 +155,20 @@ mod tests {
             "{} vs {want}",
             s.replica_work_s[0]
         );
+        // With forward-only work each replica also runs Fo over its microbatches: one per
+        // training microbatch, or 3 of them cycled (the one microbatch three times).
+        let fo = |t: f64, a: f64| {
+            sum(&|l| l.fo.c0_s) + sum(&|l| l.fo.c_tok_s) * t + sum(&|l| l.fo.c_attn_s) * a
+        };
+        for (spec, times) in [(None, 1.0), (Some(3), 3.0)] {
+            let s = batch_stats(&p, &[vec![300, 200, 100, 50]], &cut, Some(spec)).unwrap();
+            let want = (work(300.0, 45_150.0) + times * fo(300.0, 45_150.0))
+                .max(work(350.0, 26_425.0) + times * fo(350.0, 26_425.0));
+            assert!(
+                (s.replica_work_s[0] - want).abs() <= 1e-12 * want,
+                "{spec:?}: {} vs {want}",
+                s.replica_work_s[0]
+            );
+        }
     }
 }
