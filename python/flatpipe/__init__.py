@@ -17,7 +17,11 @@ no padding and no shape exchange.
 ['0F0', '0F1', '0B0', '0B1']
 """
 
+import enum
+
 from ._core import (
+    POLICIES,
+    SCHEDULES,
     Action,
     CommAction,
     ComputeAction,
@@ -33,7 +37,44 @@ from ._core import (
     plan,
 )
 
+
+class Schedule(str, enum.Enum):
+    """The pipeline schedules, by the name ``Pipeline(schedule=...)`` takes (a ``str``: either
+    form works)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    LOOPED_BFS = "looped-bfs"
+    ZB_H1 = "zb-h1"
+    ZB_H2 = "zb-h2"
+    ZB_V = "zb-v"
+    DUALPIPEV = "dualpipev"
+    ZB_AUTO = "zb-auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Policy(str, enum.Enum):
+    """The microbatching policies, by the name ``Pipeline(policy=...)`` takes."""
+
+    PADDED = "padded"
+    PACKED = "packed"
+    FLAT_FFD = "flat-ffd"
+    FLAT_BALANCED = "flat-balanced"
+    VERL_KK = "verl-kk"
+    FLAT_PLANNED = "flat-planned"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 __all__ = [
+    "POLICIES",
+    "SCHEDULES",
+    "Policy",
+    "Schedule",
     "Action",
     "CommAction",
     "ComputeAction",

@@ -6,10 +6,14 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+SCHEDULES: list[str]
+POLICIES: list[str]
 
 __all__ = [
     "FlatpipeError",
     "__version__",
+    "SCHEDULES",
+    "POLICIES",
     "Profile",
     "Pipeline",
     "Workload",

@@ -130,6 +130,12 @@ fn invalid(field: &str, value: impl Display, allowed: &str) -> PyErr {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FlatpipeError", m.py().get_type::<FlatpipeError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The names `Pipeline(schedule=..., policy=...)` accepts, in the core's order (the Python
+    // package's `Schedule` and `Policy` enums are checked against them).
+    let schedules: Vec<&str> = ScheduleKind::ALL.iter().map(|k| k.name()).collect();
+    let policies: Vec<&str> = Policy::ALL.iter().map(|p| p.name()).collect();
+    m.add("SCHEDULES", schedules)?;
+    m.add("POLICIES", policies)?;
     m.add_class::<PyProfile>()?;
     m.add_class::<PyPipeline>()?;
     m.add_class::<PyWorkload>()?;

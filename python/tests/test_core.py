@@ -141,6 +141,18 @@ def test_negative_or_oversized_integers_name_the_argument(call, field, value):
     assert "an integer from 0 to" in str(e.value)
 
 
+def test_the_schedule_and_policy_enums_are_the_cores_names():
+    assert [s.value for s in flatpipe.Schedule] == flatpipe.SCHEDULES
+    assert [p.value for p in flatpipe.Policy] == flatpipe.POLICIES
+    # An enum member is a str: it goes wherever a name does.
+    pipe = flatpipe.Pipeline(
+        flatpipe.Schedule.ZB_V, pp=2, num_layers=8, policy=flatpipe.Policy.FLAT_BALANCED
+    )
+    assert pipe.schedule == "zb-v" == flatpipe.Schedule.ZB_V
+    assert str(flatpipe.Schedule.ONE_F_ONE_B) == "1f1b"
+    assert flatpipe.Schedule(pipe.schedule) is flatpipe.Schedule.ZB_V
+
+
 def test_the_stub_matches_the_native_module(tmp_path):
     """mypy's stubtest checks python/flatpipe/_core.pyi against the built module: every class,
     function, argument and default, as a type checker's user relies on them."""
