@@ -246,19 +246,19 @@ fn megatron_layout_round_trips() {
         ]
     );
     // The layout alone carries the virtual stages (Megatron refuses it with a second one).
-    let args = megatron(&p, &prof).unwrap();
-    megatron_rules(&args, 4).unwrap_or_else(|e| panic!("{e}\n{args}"));
+    let args = megatron(&p, &prof, 12).unwrap();
+    megatron_rules(&args, 4, 1).unwrap_or_else(|e| panic!("{e}\n{args}"));
     // V placements cannot be expressed; ZB warns.
     let v = plan(ScheduleKind::ZbV, 4, &stages);
     assert!(
-        megatron(&v, &prof)
+        megatron(&v, &prof, 12)
             .unwrap_err()
             .to_string()
             .contains("V placement")
     );
     let zb = plan(ScheduleKind::ZbH1, 4, &even_split(34, 4).unwrap());
     assert!(
-        megatron(&zb, &prof)
+        megatron(&zb, &prof, 12)
             .unwrap()
             .starts_with("# warning: Megatron-LM has no zb-h1")
     );
@@ -420,7 +420,7 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
 /// - `megatron/core/transformer/transformer_config.py`, `TransformerConfig.__post_init__`:
 ///   granularity `full` or `selective`; method `block` or `uniform`, required unless
 ///   `selective`; `--recompute-num-layers` required unless `selective`, and absent with it.
-fn megatron_rules(text: &str, pp: u32) -> Result<(), String> {
+fn megatron_rules(text: &str, pp: u32, dp: u32) -> Result<(), String> {
     let mut args: std::collections::HashMap<String, Option<String>> = Default::default();
     let flat: String = text
         .lines()
@@ -455,12 +455,42 @@ fn megatron_rules(text: &str, pp: u32) -> Result<(), String> {
     if args.get("--pipeline-model-parallel-size") != Some(&Some(pp.to_string())) {
         return Err(format!("--pipeline-model-parallel-size is not {pp}"));
     }
+    let mut vpp = 1;
     if let Some(Some(layout)) = args.get("--pipeline-model-parallel-layout") {
         let stages = parse_megatron_layout(layout)
             .map_err(|e| e.to_string())?
             .len();
         if stages % pp as usize != 0 {
             return Err(format!("{stages} layout stages, not a multiple of pp {pp}"));
+        }
+        vpp = stages / pp as usize;
+    }
+    // The batch (megatron/training/arguments.py, validate_args: micro batch > 0;
+    // megatron/core/num_microbatches_calculator.py: the global batch a multiple of micro batch
+    // x dp; megatron/core/pipeline_parallel/schedules.py, interleaved: pp <= group <= M, and the
+    // last group, M mod microbatch_group_size_per_vp_stage (default pp), 0 or >= pp).
+    let int = |name: &str| -> Result<Option<u64>, String> {
+        match args.get(name) {
+            None => Ok(None),
+            Some(Some(v)) => v.parse().map(Some).map_err(|_| format!("{name} {v}")),
+            Some(None) => Err(format!("{name} without a value")),
+        }
+    };
+    if let Some(mbs) = int("--micro-batch-size")? {
+        let gbs = int("--global-batch-size")?.unwrap_or(mbs * u64::from(dp));
+        if mbs == 0 || gbs == 0 || gbs % (mbs * u64::from(dp)) != 0 {
+            return Err(format!(
+                "global batch {gbs} is not a multiple of {mbs} x dp {dp}"
+            ));
+        }
+        let m = gbs / (mbs * u64::from(dp));
+        let pp = u64::from(pp);
+        // With groups of pp, a last group of M mod pp microbatches is fewer than pp unless 0.
+        if vpp > 1 && (m < pp || m % pp != 0) {
+            return Err(format!("interleaved: {m} microbatches for pp {pp}"));
+        }
+        if int("--seq-length")?.unwrap_or(0) == 0 {
+            return Err("no --seq-length".into());
         }
     }
     let gran = args.get("--recompute-granularity").cloned().flatten();
@@ -522,8 +552,8 @@ fn megatron_exports_pass_megatrons_argument_checks() {
                         _ => modes[s % 3], // all three mixed
                     })
                     .collect();
-                let args = megatron(&p, &prof).unwrap();
-                megatron_rules(&args, 4)
+                let args = megatron(&p, &prof, 12).unwrap();
+                megatron_rules(&args, 4, 1)
                     .unwrap_or_else(|e| panic!("{kind} v={v} pattern {pattern}: {e}\n{args}"));
                 let same_schedule = kind == ScheduleKind::OneFOneB && v == 1
                     || kind == ScheduleKind::Interleaved1F1B;
@@ -587,15 +617,15 @@ fn exports_carry_the_sharding() {
             t.contains("fsdp_reshard_after_forward = \"always\""),
             m == Sharding::FsdpPerMicrobatch
         );
-        let args = megatron(&p, &prof).unwrap();
-        megatron_rules(&args, 2).unwrap_or_else(|e| panic!("{m}: {e}\n{args}"));
+        let args = megatron(&p, &prof, 4).unwrap();
+        megatron_rules(&args, 2, dp).unwrap_or_else(|e| panic!("{m}: {e}\n{args}"));
         assert_eq!(
             args.contains("--use-distributed-optimizer"),
             m != Sharding::Ddp,
             "{m}\n{args}"
         );
         assert_eq!(
-            args.contains("# warning"),
+            args.contains("# warning: the plan shards as"),
             !matches!(m, Sharding::Ddp | Sharding::Zero1),
             "{m}\n{args}"
         );
@@ -643,4 +673,64 @@ fn tied_budgets_choose_the_one_that_holds_the_sequences() {
     let (a, b) = (&r.ranked[0], &r.ranked[1]);
     assert_eq!(a.summary.step_time_s.mean, b.summary.step_time_s.mean);
     assert_eq!((a.token_budget(), b.token_budget()), (8192, 4096));
+}
+
+/// The Megatron export's batch: a flat plan's microbatch is one packed sample of at most the
+/// token budget (`--seq-length`, `--micro-batch-size 1`, `--global-batch-size` = microbatches x
+/// dp) with the documents kept apart (`--dataloader-inter-document-masking`,
+/// `--reset-position-ids`); `packed` keeps the sample without the masking; `padded` leaves the
+/// batch to the user. Interleaved Megatron runs a multiple of pp microbatches: 10 at pp 4 are
+/// rounded up to 12 (global batch 24 over dp 2), said in a warning. Each passes the rules.
+#[test]
+fn megatron_exports_the_batch_its_schedule_can_run() {
+    use flatpipe::simulator::batching::policy::Policy;
+    let prof = profile();
+    // An argument's value, read from the argument lines (not the `# warning:` lines).
+    let value = |args: &str, name: &str| -> Option<String> {
+        let mut words = args
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .flat_map(str::split_whitespace);
+        words.find(|w| *w == name)?;
+        words.next().map(str::to_string)
+    };
+    let mut p = plan(ScheduleKind::OneFOneB, 4, &even_split(34, 4).unwrap());
+    p.run.dp = 2;
+    let args = megatron(&p, &prof, 10).unwrap();
+    megatron_rules(&args, 4, 2).unwrap_or_else(|e| panic!("{e}\n{args}"));
+    assert_eq!(value(&args, "--seq-length").as_deref(), Some("16384"));
+    assert_eq!(value(&args, "--micro-batch-size").as_deref(), Some("1"));
+    assert_eq!(value(&args, "--global-batch-size").as_deref(), Some("20"));
+    assert!(
+        args.contains("--dataloader-inter-document-masking")
+            && args.contains("--reset-position-ids")
+    );
+    assert!(!args.contains("rounded up"), "{args}");
+    let mut i = plan(
+        ScheduleKind::Interleaved1F1B,
+        4,
+        &even_split(34, 8).unwrap(),
+    );
+    i.run.dp = 2;
+    let args = megatron(&i, &prof, 10).unwrap();
+    megatron_rules(&args, 4, 2).unwrap_or_else(|e| panic!("{e}\n{args}"));
+    assert_eq!(value(&args, "--global-batch-size").as_deref(), Some("24"));
+    assert!(
+        args.contains("the step's 10 are rounded up to 12"),
+        "{args}"
+    );
+    // The rules refuse the unrounded count, as Megatron would.
+    let unrounded = args.replace("--global-batch-size 24", "--global-batch-size 20");
+    assert!(megatron_rules(&unrounded, 4, 2).is_err());
+    p.run.policy = Policy::Packed;
+    let args = megatron(&p, &prof, 10).unwrap();
+    assert!(args.contains("--seq-length") && !args.contains("--dataloader-inter-document-masking"));
+    p.run.policy = Policy::Padded;
+    let args = megatron(&p, &prof, 10).unwrap();
+    assert!(
+        value(&args, "--seq-length").is_none()
+            && args.contains("leave Megatron-LM's batch settings"),
+        "{args}"
+    );
+    megatron_rules(&args, 4, 2).unwrap_or_else(|e| panic!("{e}\n{args}"));
 }

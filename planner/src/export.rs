@@ -394,6 +394,56 @@ pub fn megatron_layout(plan: &Plan, profile: &Profile) -> Result<String> {
     Ok(stages.join("|"))
 }
 
+/// Megatron-LM's batch arguments for a step of `microbatches` microbatches per replica, and
+/// the warnings where Megatron runs another batch than the plan:
+/// - a flat policy's microbatch is one packed sample of at most the token budget:
+///   `--seq-length` the budget, `--micro-batch-size 1`, `--global-batch-size` microbatches x
+///   dp, and the documents kept apart in attention and positions
+///   (`--dataloader-inter-document-masking`, which hands the attention `cu_seqlens`, and
+///   `--reset-position-ids`; `megatron/training/arguments.py`). Megatron's GPT dataset packs
+///   documents into samples of exactly `--seq-length` tokens and splits a document across
+///   samples where flatpipe keeps it whole: warned. `packed` is the same without the masking.
+/// - Megatron's interleaved schedule needs the microbatch count to be a multiple of pp (its
+///   `microbatch_group_size_per_vp_stage` defaults to pp, and
+///   `megatron/core/pipeline_parallel/schedules.py` refuses a last group of fewer than pp):
+///   the global batch is rounded up to one, warned.
+/// - `padded` microbatches have no packed-sample form here: warned, batch arguments left out.
+pub fn megatron_batch(plan: &Plan, microbatches: u32) -> (Vec<String>, Vec<String>) {
+    let (mut args, mut warnings) = (Vec::new(), Vec::new());
+    let policy = plan.run.policy;
+    if policy == flatpipe_simulator::batching::policy::Policy::Padded {
+        warnings.push(
+            "the plan pads its microbatches to their longest sequence; these arguments leave Megatron-LM's batch settings (--seq-length, --micro-batch-size, --global-batch-size) to you".into(),
+        );
+        return (args, warnings);
+    }
+    let (pp, dp) = (plan.run.pp.max(1), plan.run.dp.max(1));
+    let v = plan.run.stages.len() as u32 / pp;
+    let mut m = microbatches.max(1);
+    if v > 1 && m % pp != 0 {
+        let rounded = m.div_ceil(pp) * pp;
+        warnings.push(format!(
+            "Megatron-LM's interleaved schedule runs a multiple of pp = {pp} microbatches; the step's {m} are rounded up to {rounded}"
+        ));
+        m = rounded;
+    }
+    args.push(format!("--seq-length {}", plan.run.params.token_budget));
+    args.push("--micro-batch-size 1".into());
+    args.push(format!(
+        "--global-batch-size {}",
+        u64::from(m) * u64::from(dp)
+    ));
+    if policy.is_flat() {
+        args.push("--dataloader-inter-document-masking".into());
+        args.push("--reset-position-ids".into());
+    }
+    warnings.push(format!(
+        "Megatron-LM's GPT dataset packs documents into samples of exactly --seq-length tokens and splits a document across samples where the plan keeps each whole in one microbatch of at most {} tokens",
+        plan.run.params.token_budget
+    ));
+    (args, warnings)
+}
+
 /// The Megatron-LM arguments of `plan`: `--pipeline-model-parallel-size`, the
 /// `--pipeline-model-parallel-layout` alone (it implies the virtual stages: Megatron-LM's
 /// `megatron/training/arguments.py`, `validate_args`, allows at most one of
@@ -402,11 +452,12 @@ pub fn megatron_layout(plan: &Plan, profile: &Profile) -> Result<String> {
 /// count divided by pp), and the closest activation recomputation settings
 /// ([`megatron_recompute`]). `# warning:` lines say where Megatron runs something else than
 /// the plan: its schedule (1F1B, or interleaved 1F1B for v > 1) and recomputation that cannot
-/// be expressed per stage.
+/// be expressed per stage; and the batch of a step of `microbatches` microbatches per
+/// replica ([`megatron_batch`]).
 ///
 /// # Errors
 /// As [`megatron_layout`].
-pub fn megatron(plan: &Plan, profile: &Profile) -> Result<String> {
+pub fn megatron(plan: &Plan, profile: &Profile, microbatches: u32) -> Result<String> {
     let layout = megatron_layout(plan, profile)?;
     let v = plan.run.stages.len() as u32 / plan.run.pp.max(1);
     let mut out = String::new();
@@ -422,6 +473,9 @@ pub fn megatron(plan: &Plan, profile: &Profile) -> Result<String> {
         ));
     }
     let (mut args, mut warnings) = megatron_recompute(plan, profile);
+    let (batch, batch_warnings) = megatron_batch(plan, microbatches);
+    args.extend(batch);
+    warnings.extend(batch_warnings);
     // Megatron-LM's sharded data parallelism under PP is its distributed optimizer (ZeRO-1,
     // `--use-distributed-optimizer`); deeper sharding is warned.
     if plan.run.dp > 1 && plan.run.sharding != Sharding::Ddp {

@@ -65,7 +65,7 @@ pub(super) fn export(
             )
         }
         ExportFormat::Megatron => {
-            let mut text = planner::export::megatron(plan, profile)?;
+            let mut text = planner::export::megatron(plan, profile, step.microbatches)?;
             let at = text.find('\n').map_or(0, |i| i + 1);
             let warnings: String = step
                 .warnings
