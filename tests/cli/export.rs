@@ -153,3 +153,43 @@ fn an_export_warns_what_the_target_runs_instead() {
         "{text}"
     );
 }
+
+/// `--export megatron` names a target that cannot place V schedules (Megatron-LM puts stage i
+/// on rank i mod pp): the search leaves them out instead of choosing one and failing after the
+/// search, and a `--schedule` of V schedules only is refused up front with what to give.
+#[test]
+fn an_export_to_megatron_searches_what_megatron_can_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = [
+        "plan", "--ranks", "2", "--pp", "2", "--steps", "2", "--gantt", "none", "--export",
+        "megatron",
+    ];
+    let mut only_v = base.to_vec();
+    only_v.extend(["--schedule", "zb-v,dualpipev"]);
+    let o = flatpipe(dir.path(), &only_v);
+    assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("cannot run the V placement of zb-v, dualpipev")
+            && o.stderr.contains("--export pytorch-csv"),
+        "{}",
+        o.stderr
+    );
+    // zb-v is the fastest of these at pp 2 without the export; with it, 1f1b is chosen and
+    // exported.
+    let mut mixed = base.to_vec();
+    mixed.extend(["--schedule", "zb-v,1f1b"]);
+    let o = flatpipe(dir.path(), &mixed);
+    assert!(o.status.success(), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("zb-v left out of --schedule"),
+        "{}",
+        o.stderr
+    );
+    assert!(
+        o.stdout.contains("--pipeline-model-parallel-size 2") && o.stderr.contains("chosen: 1f1b"),
+        "{}\n{}",
+        o.stdout,
+        o.stderr
+    );
+}

@@ -50,6 +50,9 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
     if !a.schedule.is_empty() {
         space.kinds = parse_kinds(&a.schedule)?;
     }
+    if a.export == Some(super::ExportFormat::Megatron) {
+        restrict_to_megatron(&mut space.kinds, !a.schedule.is_empty())?;
+    }
     if !a.token_budgets.is_empty() {
         if a.token_budgets.contains(&0) {
             bail!("--token-budgets: 0 is invalid: every budget >= 1 token");
@@ -234,4 +237,41 @@ fn warn_small_default_step(a: &PlanArgs, space: &planner::search::SearchSpace, s
             );
         }
     }
+}
+
+/// `--export megatron`: Megatron-LM's layout puts stage i on rank i mod pp, so the search
+/// leaves out the schedules of the V placement (rank r holding stages r and 2p-1-r) rather
+/// than choose one it cannot export. An explicit `--schedule` of V schedules only is refused.
+fn restrict_to_megatron(kinds: &mut Vec<ScheduleKind>, given: bool) -> Result<()> {
+    let is_v = |k: &ScheduleKind| {
+        k.stages_per_rank(None)
+            .is_ok_and(|v| k.placement_for(v) == sim::ir::PlacementKind::V)
+    };
+    let left_out: Vec<String> = kinds
+        .iter()
+        .filter(|k| is_v(k))
+        .map(|k| k.to_string())
+        .collect();
+    if left_out.is_empty() {
+        return Ok(());
+    }
+    kinds.retain(|k| !is_v(k));
+    if kinds.is_empty() {
+        bail!(
+            "--export megatron: Megatron-LM places stage i on rank i mod pp and cannot run the V placement of {}; give --schedule with a loop-placed schedule (1f1b, interleaved-1f1b, zb-h1, ...) or export another target (--export pytorch-csv)",
+            left_out.join(", ")
+        );
+    }
+    if !given {
+        tracing::info!(
+            "--export megatron: the search leaves out {} (V placement, which Megatron-LM's layout cannot express)",
+            left_out.join(", ")
+        );
+    } else {
+        tracing::warn!(
+            "--export megatron: {} left out of --schedule (V placement, which Megatron-LM's layout cannot express)",
+            left_out.join(", ")
+        );
+    }
+    Ok(())
 }
