@@ -194,3 +194,53 @@ fn an_export_to_megatron_searches_what_megatron_can_run() {
         o.stderr
     );
 }
+
+/// Llama-3.1-70B on 32 H100: the plan chosen under the limit leaves its busiest rank less than
+/// 5% of it, which the notes and the export say, with the re-plan that keeps a margin;
+/// `--memory-margin 0.05` plans under 95% of the limit, and nothing is said. A margin outside
+/// [0, 1) is refused.
+#[test]
+fn a_plan_with_little_memory_headroom_says_so_and_offers_a_margin() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |margin: &str| {
+        flatpipe(
+            dir.path(),
+            &[
+                "plan",
+                "--model",
+                "llama3.1-70b",
+                "--hardware",
+                "h100",
+                "--ranks",
+                "32",
+                "--steps",
+                "4",
+                "--gantt",
+                "none",
+                "--export",
+                "megatron",
+                "--memory-margin",
+                margin,
+            ],
+        )
+    };
+    let o = run("0");
+    assert!(o.status.success(), "{}", o.stderr);
+    assert!(
+        o.stdout
+            .contains("# warning: the plan's busiest rank needs")
+            && o.stdout.contains("re-plan with --memory-margin 0.05"),
+        "{}",
+        o.stdout
+    );
+    let o = run("0.05");
+    assert!(o.status.success(), "{}", o.stderr);
+    assert!(!o.stdout.contains("headroom") && !o.stderr.contains("headroom"));
+    let o = run("1");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        o.stderr.contains("--memory-margin 1 is invalid"),
+        "{}",
+        o.stderr
+    );
+}

@@ -65,6 +65,10 @@ pub(super) struct PlanArgs {
     /// the CUDA context, communication buffers and fragmentation: 4 GiB, at most 1/8 of it).
     #[arg(long)]
     memory_limit: Option<String>,
+    /// Keep this fraction of the memory limit free: the search plans under limit x (1 -
+    /// margin), a headroom for steps longer than the sampled ones (e.g. 0.05; default 0).
+    #[arg(long, default_value_t = 0.0)]
+    memory_margin: f64,
     /// Pipeline degrees to try, comma-separated (default: every divisor of --ranks).
     #[arg(long, value_delimiter = ',')]
     pp: Vec<u32>,
@@ -138,8 +142,9 @@ pub(super) struct PlanArgs {
     format: Format,
 }
 
-/// Above this fraction of the memory limit, `plan` notes that the chosen plan has little margin.
-const MARGIN_NOTE_FRACTION: f64 = 0.98;
+/// Above this fraction of the memory limit, `plan` notes that the chosen plan has little margin
+/// (and its export says so).
+const MARGIN_NOTE_FRACTION: f64 = 0.95;
 
 /// One row of `plan`'s output.
 #[derive(Debug, Serialize)]
@@ -254,6 +259,13 @@ fn write_outputs(
         Some(step) => export(a, plan, &r.profile, step)?,
         None => (None, Vec::new()),
     };
+    // Little headroom: said in the export too, with the re-plan that keeps a margin.
+    if let (Some(w), Some((ext, text))) = (headroom_warning(best, r.limit), &mut export_text)
+        && *ext != "pytorch.csv"
+    {
+        let at = text.find('\n').map_or(0, |i| i + 1);
+        text.insert_str(at, &format!("# warning: {w}\n"));
+    }
     // torchtitan trains on rows of seq_len = the token budget: a longer sequence is cut across
     // rows there, where flatpipe predicted it as a microbatch of its own. Said in the file.
     if let (Some(ExportFormat::Torchtitan), Some((_, text))) = (a.export, &mut export_text) {

@@ -144,16 +144,25 @@ pub(super) fn sizing_notes(
             }
         ));
     }
-    // The sampled steps' peak is not every step's: say when the chosen plan leaves little room.
+    if let Some(w) = headroom_warning(best, limit) {
+        notes.push(format!("{w} (on the {} sampled steps)", a.steps));
+    }
+    notes
+}
+
+/// When the chosen plan's busiest rank needs more than [`MARGIN_NOTE_FRACTION`] of the memory
+/// `limit` (bytes): what that means and the re-plan that keeps a margin. The sampled steps'
+/// peak is not every step's.
+pub(super) fn headroom_warning(best: &planner::search::Candidate, limit: f64) -> Option<String> {
     let peak = best.peak_memory_bytes.iter().copied().fold(0.0, f64::max);
-    if peak > MARGIN_NOTE_FRACTION * limit {
-        notes.push(format!(
-            "the chosen plan's busiest rank needs {} of the {} limit ({:.1}%) on the {} sampled steps; a rarer, longer step may need more: a lower --memory-limit keeps a margin",
+    (peak > MARGIN_NOTE_FRACTION * limit).then(|| {
+        format!(
+            "the plan's busiest rank needs {} of the {} memory limit ({:.1}%, less than {:.0}% headroom); a rarer, longer step may need more: re-plan with --memory-margin {:.2} to keep that much free",
             fmt_bytes(peak),
             fmt_bytes(limit),
             100.0 * peak / limit,
-            a.steps
-        ));
-    }
-    notes
+            100.0 * (1.0 - MARGIN_NOTE_FRACTION),
+            1.0 - MARGIN_NOTE_FRACTION
+        )
+    })
 }

@@ -40,6 +40,12 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
     let workload = builtins::workload(&workload_name)?;
     let limit = memory_limit(a.memory_limit.as_deref(), &profile)?;
+    if !(a.memory_margin.is_finite() && (0.0..1.0).contains(&a.memory_margin)) {
+        bail!(
+            "--memory-margin {} is invalid: a fraction of the memory limit from 0 to below 1 (e.g. 0.05)",
+            a.memory_margin
+        );
+    }
     let mut space = SearchSpace::default_for(a.ranks);
     if !a.pp.is_empty() {
         space.pp = dedup(a.pp.clone());
@@ -115,7 +121,7 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         steps: a.steps,
         seed,
         size,
-        memory_limit_bytes: limit,
+        memory_limit_bytes: limit * (1.0 - a.memory_margin),
         state_bytes: None,
         rank_by: match a.rank_by {
             RankByArg::Mean => RankBy::Mean,
