@@ -734,3 +734,35 @@ fn megatron_exports_the_batch_its_schedule_can_run() {
     );
     megatron_rules(&args, 4, 2).unwrap_or_else(|e| panic!("{e}\n{args}"));
 }
+
+/// torchtitan's `[model]`: a flat plan's packed rows keep their documents apart, which
+/// torchtitan 0.2.2 runs with its `8B_varlen` flavor (varlen attention, block_causal mask);
+/// a `packed` plan attends across documents (the plain flavor); the 70B flavor has no varlen
+/// form there, which the export says. (The interop check loads these with torchtitan's parser
+/// and checks the flavor's mask in torchtitan's own `llama3_args`.)
+#[test]
+fn torchtitan_exports_the_attention_the_plan_predicted() {
+    use flatpipe::simulator::batching::policy::Policy;
+    let prof = profile();
+    let mut p = plan(ScheduleKind::OneFOneB, 2, &even_split(34, 2).unwrap());
+    let t = torchtitan(&p, &prof, 8, None).unwrap();
+    assert!(
+        t.contains("[model]\nname = \"llama3\"\nflavor = \"8B_varlen\"\n"),
+        "{t}"
+    );
+    assert!(!t.contains("varlen flavor"), "{t}");
+    p.run.policy = Policy::Packed;
+    let t = torchtitan(&p, &prof, 8, None).unwrap();
+    assert!(t.contains("flavor = \"8B\"\n"), "{t}");
+    p.run.policy = Policy::FlatFfd;
+    p.inputs.model = Some("llama3.1-70b".into());
+    let t = torchtitan(&p, &prof, 8, None).unwrap();
+    assert!(
+        t.contains("flavor = \"70B\"\n")
+            && t.contains("# warning: torchtitan 0.2.2 has no varlen flavor of llama3 70B"),
+        "{t}"
+    );
+    p.inputs.model = Some("my-model.yaml".into());
+    let t = torchtitan(&p, &prof, 8, None).unwrap();
+    assert!(!t.contains("\n[model]\n") && t.contains("torchtitan has no flavor of my-model.yaml"));
+}

@@ -259,8 +259,53 @@ pub fn torchtitan(
     for w in warnings {
         head.push_str(&format!("# warning: {w}\n"));
     }
+    let (model, warning) = torchtitan_model(plan);
+    if let Some(w) = warning {
+        head.push_str(&format!("# warning: {w}\n"));
+    }
+    if let Some((name, flavor)) = model {
+        out.push_str(&format!(
+            "\n[model]\nname = \"{name}\"\nflavor = \"{flavor}\"\n"
+        ));
+    }
     out.push_str(&format!("\n[activation_checkpoint]\n{ac}"));
     Ok(head + &out)
+}
+
+/// torchtitan's `[model]` for `plan` (`name`, `flavor`) and a warning where its attention is
+/// not the plan's. A flat plan's microbatch is a row of packed documents that attend each to
+/// itself (flatpipe's `cu_seqlens`): in torchtitan 0.2.2 that is a flavor with `attn_type =
+/// "varlen"` and `attn_mask_type = "block_causal"` (`torchtitan/models/llama3/__init__.py`:
+/// `8B_varlen`; the 70B and 405B flavors run causal attention over the whole row, across
+/// documents: warned). `packed` plans attend across documents: the plain flavor. A model
+/// torchtitan has no flavor for is left to the user (warned).
+pub fn torchtitan_model(plan: &Plan) -> (Option<(&'static str, String)>, Option<String>) {
+    let size = match plan.inputs.model.as_deref() {
+        Some("llama3.1-8b") => "8B",
+        Some("llama3.1-70b") => "70B",
+        Some("llama3.1-405b") => "405B",
+        other => {
+            return (
+                None,
+                Some(format!(
+                    "torchtitan has no flavor of {}: set [model] name and flavor, one whose attention keeps the packed documents of a row apart (attn_type = \"varlen\", attn_mask_type = \"block_causal\") for a flat plan",
+                    other.unwrap_or("this model")
+                )),
+            );
+        }
+    };
+    if !plan.run.policy.is_flat() {
+        return (Some(("llama3", size.to_string())), None);
+    }
+    if size == "8B" {
+        return (Some(("llama3", "8B_varlen".into())), None);
+    }
+    (
+        Some(("llama3", size.to_string())),
+        Some(format!(
+            "torchtitan 0.2.2 has no varlen flavor of llama3 {size}: its {size} flavor runs causal attention across the documents packed in a row, where the plan predicted each attending to itself; add a flavor with attn_type = \"varlen\", attn_mask_type = \"block_causal\" to torchtitan's llama3_args"
+        )),
+    )
 }
 
 /// torchtitan's data-parallel degrees for the plan's sharding over `dp` replicas,

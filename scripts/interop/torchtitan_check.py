@@ -7,7 +7,9 @@ the way `run_train.sh --job.config_file` does (unknown fields and bad values are
 and the parsed values are checked against the plan file next to it: the pipeline degree, the
 schedule (a name torch's `get_schedule_class` knows, or a CSV whose every action torch's
 `_Action.from_str` parses, with one row per rank), one model part per stage, one packed row of
-the token budget per microbatch, the activation checkpointing mode, the tensor-parallel degree
+the token budget per microbatch, the model flavor (a flat Llama-3.1-8B plan's is torchtitan's
+varlen one, whose block_causal mask keeps a row's documents apart), the activation
+checkpointing mode, the tensor-parallel degree
 and the data-parallel degrees: torchtitan's `ParallelDims` accepts them for tp x dp x pp GPUs,
 they are what the plan's sharding maps to (FSDP shard degree dp; HSDP replicate x shard; DDP replicate dp), and never
 DDP with a pipeline (torchtitan's `apply_ddp` refuses more than one mesh dimension). Exits 1 on
@@ -47,6 +49,18 @@ def check(toml_path: str) -> None:
     else:
         get_schedule_class(par.pipeline_parallel_schedule)
         schedule = par.pipeline_parallel_schedule
+    # The model: a flavor torchtitan defines; a flat plan on Llama-3.1-8B runs varlen attention
+    # with the documents of a row kept apart (block_causal), as the plan predicted.
+    from torchtitan.models.llama3 import llama3_args
+
+    if cfg.model.name == "llama3" and plan.get("model") == "llama3.1-8b":
+        args = llama3_args[cfg.model.flavor]
+        if plan.get("policy", "flat-ffd") not in ("padded", "packed"):
+            assert (args.attn_type, args.attn_mask_type) == ("varlen", "block_causal"), (
+                cfg.model.flavor,
+                args.attn_type,
+                args.attn_mask_type,
+            )
     dp = plan.get("dp") or 1
     sharding = plan.get("sharding", "ddp")
     tp = plan.get("tp") or 1
