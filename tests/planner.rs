@@ -1,7 +1,9 @@
 //! The planner: partition solvers against each other and by hand, memory limits, exports, and
 //! the chosen plan against the plans a user would try by hand.
 
-use flatpipe::planner::export::{megatron, megatron_layout, parse_megatron_layout, torchtitan};
+use flatpipe::planner::export::{
+    megatron, megatron_layout, parse_megatron_layout, torchtitan, verl,
+};
 use flatpipe::planner::partition::{
     LayerCost, PartitionProblem, StaticBytes, solve, solve_dp, solve_milp,
 };
@@ -765,4 +767,98 @@ fn torchtitan_exports_the_attention_the_plan_predicted() {
     p.inputs.model = Some("my-model.yaml".into());
     let t = torchtitan(&p, &prof, 8, None).unwrap();
     assert!(!t.contains("\n[model]\n") && t.contains("torchtitan has no flavor of my-model.yaml"));
+}
+
+/// The verl export's overrides, each checked against verl 0.7.0's own flattened Megatron
+/// trainer configuration (tests/data/verl, written by scripts/verl_config_fixture.sh from verl's
+/// source): the key exists and the value has the type verl's default has (a boolean, an
+/// integer, a string; `null` where verl allows it). Dynamic batching at the plan's budget, the
+/// pipeline and virtual stages, recomputation; V placements refused, other schedules warned.
+#[test]
+fn verl_exports_overrides_of_verls_own_configuration() {
+    use serde_yaml::Value;
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/verl/ppo_megatron_trainer.v0.7.0.yaml"
+    ))
+    .unwrap();
+    let config: Value = serde_yaml::from_str(&text).unwrap();
+    let check = |export: &str| {
+        for line in export.lines().filter(|l| !l.starts_with('#')) {
+            let (key, value) = line.split_once('=').unwrap_or_else(|| panic!("{line}"));
+            let mut node = &config;
+            for part in key.split('.') {
+                node = node
+                    .get(part)
+                    .unwrap_or_else(|| panic!("{key}: no `{part}` in verl's configuration"));
+            }
+            let fits = match node {
+                Value::Bool(_) => matches!(value, "True" | "False"),
+                Value::Number(_) => value.parse::<i64>().is_ok(),
+                Value::String(_) => !value.is_empty(),
+                // verl's `null` defaults take a value or stay null.
+                Value::Null => !value.is_empty(),
+                _ => false,
+            };
+            assert!(fits, "{key}={value}: verl's default is {node:?}");
+        }
+    };
+    // The check refuses what verl does not have, and a value of another type.
+    for bad in [
+        "actor_rollout_ref.actor.no_such_field=1",
+        "actor_rollout_ref.actor.use_dynamic_bsz=8192",
+    ] {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(bad)));
+        assert!(r.is_err(), "{bad}");
+    }
+    let prof = profile();
+    let value = |export: &str, key: &str| -> String {
+        export
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("actor_rollout_ref.actor.{key}=")))
+            .unwrap_or_else(|| panic!("{key}:\n{export}"))
+            .to_string()
+    };
+    let mut p = plan(
+        ScheduleKind::Interleaved1F1B,
+        4,
+        &even_split(34, 8).unwrap(),
+    );
+    p.run.params.token_budget = 8192;
+    p.run.recompute = vec![flatpipe::simulator::costs::Recompute::Full; 8];
+    let e = verl(&p, &prof).unwrap();
+    check(&e);
+    assert_eq!(value(&e, "use_dynamic_bsz"), "True");
+    assert_eq!(value(&e, "ppo_max_token_len_per_gpu"), "8192");
+    assert_eq!(value(&e, "megatron.pipeline_model_parallel_size"), "4");
+    assert_eq!(
+        value(&e, "megatron.virtual_pipeline_model_parallel_size"),
+        "2"
+    );
+    assert_eq!(
+        value(
+            &e,
+            "megatron.override_transformer_config.recompute_granularity"
+        ),
+        "full"
+    );
+    assert!(!e.contains("schedule, not"), "{e}");
+    let one = plan(ScheduleKind::ZbH1, 4, &even_split(34, 4).unwrap());
+    let e = verl(&one, &prof).unwrap();
+    check(&e);
+    assert_eq!(
+        value(&e, "megatron.virtual_pipeline_model_parallel_size"),
+        "null"
+    );
+    assert!(
+        e.contains("# warning: verl runs Megatron-LM's 1F1B schedule, not zb-h1"),
+        "{e}"
+    );
+    let v = plan(ScheduleKind::ZbV, 4, &even_split(34, 8).unwrap());
+    assert!(
+        verl(&v, &prof)
+            .unwrap_err()
+            .to_string()
+            .contains("V placement")
+    );
 }

@@ -75,6 +75,17 @@ pub(super) fn export(
             text.insert_str(at, &warnings);
             ("megatron.txt", text)
         }
+        ExportFormat::Verl => {
+            let mut text = planner::export::verl(plan, profile)?;
+            let at = text.find('\n').map_or(0, |i| i + 1);
+            let warnings: String = step
+                .warnings_for(false)
+                .iter()
+                .map(|w| format!("# warning: {w}\n"))
+                .collect();
+            text.insert_str(at, &warnings);
+            ("verl.txt", text)
+        }
         ExportFormat::PytorchCsv => {
             warn_stderr();
             (

@@ -20,6 +20,7 @@ pub(super) enum ExportFormat {
     Torchtitan,
     Megatron,
     PytorchCsv,
+    Verl,
 }
 
 impl ExportFormat {
@@ -29,6 +30,7 @@ impl ExportFormat {
             ExportFormat::Torchtitan => "torchtitan",
             ExportFormat::Megatron => "megatron",
             ExportFormat::PytorchCsv => "pytorch-csv",
+            ExportFormat::Verl => "verl",
         }
     }
 }
@@ -130,7 +132,7 @@ pub(super) struct PlanArgs {
     #[arg(short, long)]
     output: Option<PathBuf>,
     /// Export the chosen plan; printed, or written next to -o (plan.torchtitan.toml,
-    /// plan.megatron.txt, plan.pytorch.csv).
+    /// plan.megatron.txt, plan.pytorch.csv, plan.verl.txt).
     #[arg(long, value_enum)]
     export: Option<ExportFormat>,
     /// Write the Gantt chart of the chosen plan's first step here (default flatpipe-plan.png;

@@ -56,8 +56,16 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
     if !a.schedule.is_empty() {
         space.kinds = parse_kinds(&a.schedule)?;
     }
-    if a.export == Some(super::ExportFormat::Megatron) {
+    if matches!(
+        a.export,
+        Some(super::ExportFormat::Megatron | super::ExportFormat::Verl)
+    ) {
         restrict_to_megatron(&mut space.kinds, !a.schedule.is_empty())?;
+    }
+    if a.export == Some(super::ExportFormat::Verl) {
+        // verl cuts each step itself (dynamic batching: Karmarkar-Karp under the token
+        // budget): the search predicts that microbatching.
+        space.policy = sim::batching::policy::Policy::VerlKk;
     }
     if !a.token_budgets.is_empty() {
         if a.token_budgets.contains(&0) {
