@@ -105,11 +105,13 @@ pub fn build_step(
     build_step_of(&flat, vocab, seed, step, reduction)
 }
 
-/// [`build_step`] from the planned microbatches, chunks of longer sequences included: a
-/// chunk's ids, labels and weights are its rows of its whole sequence, drawn from `(seed,
-/// step, d, sequence)` (so the chunks of a sequence and the sequence unsplit hold the same
-/// tokens), and under the per-sequence reduction a chunked sequence counts once, with its whole
-/// length.
+/// [`build_step`] from the planned microbatches, chunks of longer sequences included. A
+/// sequence's ids are drawn from `(seed, step, its length, j)`, j counting the step's earlier
+/// sequences of that length (over every replica, in microbatch order): the step's multiset of
+/// (length, tokens) is the same however the plan packs, splits over replicas or chunks it, so
+/// its loss does not depend on the plan. A chunk's ids, labels and weights are its rows of its
+/// whole sequence (the chunks of a sequence and the sequence unsplit hold the same tokens), and
+/// under the per-sequence reduction a chunked sequence counts once, with its whole length.
 pub fn build_step_of(
     replicas: &[Vec<Microbatch>],
     vocab: u32,
@@ -133,6 +135,17 @@ pub fn build_step_of(
         }
     }
     let base = seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    // Per length: how many of the step's sequences of that length have had their ids drawn; a
+    // chunked sequence's draw is kept for its later chunks.
+    let mut drawn: HashMap<u64, u64> = HashMap::new();
+    let mut chunk_key: HashMap<(usize, u32), u64> = HashMap::new();
+    let mut key_of = |len: u64| -> u64 {
+        let j = drawn.entry(len).or_default();
+        let key =
+            base ^ len.wrapping_mul(0xD6E8_FEB8_6659_FD93) ^ j.wrapping_mul(0xA076_1D64_78BD_642F);
+        *j += 1;
+        key
+    };
     let weight = |s: u64| match reduction {
         LossReduction::PerToken => 1.0 / total_tokens as f64,
         LossReduction::PerSequence => 1.0 / (total_seqs as f64 * s as f64),
@@ -142,8 +155,7 @@ pub fn build_step_of(
         .enumerate()
         .map(|(d, mbs)| {
             mbs.iter()
-                .enumerate()
-                .map(|(k, mb)| {
+                .map(|mb| {
                     let mut data = MicrobatchData {
                         seq_lens: mb.seq_lens.clone(),
                         cu_seqlens: vec![0],
@@ -152,18 +164,16 @@ pub fn build_step_of(
                         loss_weights: Vec::new(),
                         chunk: mb.chunk,
                     };
-                    for (i, &s) in mb.seq_lens.iter().enumerate() {
+                    for &s in &mb.seq_lens {
                         let (key, len, from) = match mb.chunk {
-                            Some(c) => (
-                                base ^ ((d as u64) << 48) ^ (0xC4C4 << 32) ^ c.sequence as u64,
-                                whole[&(d, c.sequence)] as usize,
-                                c.offset as usize,
-                            ),
-                            None => (
-                                base ^ ((d as u64) << 48) ^ ((k as u64) << 24) ^ i as u64,
-                                s as usize,
-                                0,
-                            ),
+                            Some(c) => {
+                                let len = whole[&(d, c.sequence)];
+                                let key = *chunk_key
+                                    .entry((d, c.sequence))
+                                    .or_insert_with(|| key_of(len));
+                                (key, len as usize, c.offset as usize)
+                            }
+                            None => (key_of(u64::from(s)), s as usize, 0),
                         };
                         let mut rng = ChaCha8Rng::seed_from_u64(key);
                         let ids = sequence_ids(&mut rng, len + 1, vocab);

@@ -611,7 +611,7 @@ pub fn verl(plan: &Plan, profile: &Profile) -> Result<String> {
     }
     if plan.run.policy != flatpipe_simulator::batching::policy::Policy::VerlKk {
         head.push_str(&format!(
-            "# warning: verl cuts each step into microbatches itself (Karmarkar-Karp under ppo_max_token_len_per_gpu, rounded up to a multiple of the virtual stages); the plan predicted its policy {} (plan with --export verl to predict verl's)\n",
+            "# warning: verl cuts each step into microbatches itself (Karmarkar-Karp under ppo_max_token_len_per_gpu, rounded up to a multiple of the virtual stages); the plan predicted its policy {} (a plan made for the verl export predicts verl's)\n",
             plan.run.policy
         ));
     }

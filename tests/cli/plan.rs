@@ -276,7 +276,7 @@ fn plan_notes_a_chosen_plan_without_memory_margin() {
     let out = &o.stdout;
     let line = out
         .lines()
-        .find(|l| l.starts_with("the chosen plan's busiest rank needs"))
+        .find(|l| l.starts_with("the plan's busiest rank needs"))
         .unwrap_or_else(|| panic!("{out}"));
     let num = |t: &str| -> f64 {
         t.trim_matches(|c: char| !c.is_ascii_digit() && c != '.')
@@ -284,7 +284,9 @@ fn plan_notes_a_chosen_plan_without_memory_margin() {
             .unwrap()
     };
     let words: Vec<&str> = line.split_whitespace().collect();
-    let (need, limit) = (num(words[6]), num(words[10]));
+    // "the plan's busiest rank needs 135.80 GiB of the 136.40 GiB memory limit (99.6%, ..."
+    let (need, limit) = (num(words[5]), num(words[9]));
+    assert!(line.contains("re-plan with --memory-margin 0.05"), "{line}");
     let pct = num(words[13]);
     assert!(
         (pct - 100.0 * need / limit).abs() < 0.06 && pct > 98.0,

@@ -39,13 +39,7 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         .clone()
         .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
     let workload = builtins::workload(&workload_name)?;
-    let limit = memory_limit(a.memory_limit.as_deref(), &profile)?;
-    if !(a.memory_margin.is_finite() && (0.0..1.0).contains(&a.memory_margin)) {
-        bail!(
-            "--memory-margin {} is invalid: a fraction of the memory limit from 0 to below 1 (e.g. 0.05)",
-            a.memory_margin
-        );
-    }
+    let (limit, search_limit) = limits(a, &profile)?;
     let mut space = SearchSpace::default_for(a.ranks);
     if !a.pp.is_empty() {
         space.pp = dedup(a.pp.clone());
@@ -56,17 +50,7 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
     if !a.schedule.is_empty() {
         space.kinds = parse_kinds(&a.schedule)?;
     }
-    if matches!(
-        a.export,
-        Some(super::ExportFormat::Megatron | super::ExportFormat::Verl)
-    ) {
-        restrict_to_megatron(&mut space.kinds, !a.schedule.is_empty())?;
-    }
-    if a.export == Some(super::ExportFormat::Verl) {
-        // verl cuts each step itself (dynamic batching: Karmarkar-Karp under the token
-        // budget): the search predicts that microbatching.
-        space.policy = sim::batching::policy::Policy::VerlKk;
-    }
+    for_export_target(a, &mut space)?;
     if !a.token_budgets.is_empty() {
         if a.token_budgets.contains(&0) {
             bail!("--token-budgets: 0 is invalid: every budget >= 1 token");
@@ -129,7 +113,7 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         steps: a.steps,
         seed,
         size,
-        memory_limit_bytes: limit * (1.0 - a.memory_margin),
+        memory_limit_bytes: search_limit,
         state_bytes: None,
         rank_by: match a.rank_by {
             RankByArg::Mean => RankBy::Mean,
@@ -251,6 +235,39 @@ fn warn_small_default_step(a: &PlanArgs, space: &planner::search::SearchSpace, s
             );
         }
     }
+}
+
+/// The memory limit per rank (`--memory-limit`, else the hardware's less a reserve) and the
+/// limit the search plans under, less `--memory-margin` of it, bytes.
+///
+/// # Errors
+/// A limit that does not parse; a margin outside [0, 1).
+fn limits(a: &PlanArgs, profile: &Profile) -> Result<(f64, f64)> {
+    let limit = memory_limit(a.memory_limit.as_deref(), profile)?;
+    if !(a.memory_margin.is_finite() && (0.0..1.0).contains(&a.memory_margin)) {
+        bail!(
+            "--memory-margin {} is invalid: a fraction of the memory limit from 0 to below 1 (e.g. 0.05)",
+            a.memory_margin
+        );
+    }
+    Ok((limit, limit * (1.0 - a.memory_margin)))
+}
+
+/// The search narrowed to what `--export`'s target runs: Megatron-LM and verl (which runs
+/// Megatron's layout) place no V schedule ([`restrict_to_megatron`]); verl cuts each step
+/// itself (dynamic batching: Karmarkar-Karp under the token budget), so the search predicts
+/// that microbatching (`verl-kk`).
+fn for_export_target(a: &PlanArgs, space: &mut planner::search::SearchSpace) -> Result<()> {
+    if matches!(
+        a.export,
+        Some(super::ExportFormat::Megatron | super::ExportFormat::Verl)
+    ) {
+        restrict_to_megatron(&mut space.kinds, !a.schedule.is_empty())?;
+    }
+    if a.export == Some(super::ExportFormat::Verl) {
+        space.policy = sim::batching::policy::Policy::VerlKk;
+    }
+    Ok(())
 }
 
 /// `--export megatron`: Megatron-LM's layout puts stage i on rank i mod pp, so the search
