@@ -576,3 +576,57 @@ fn a_planned_chunk_size_is_reported_as_applied() {
         o.stderr
     );
 }
+
+/// `simulate --plan P --schedule a,b` compares those schedules on the plan's split,
+/// recomputation and sharding: the plan's own schedule (1F1B) gives the plan's step time, and
+/// a schedule of another number of stages per rank (zb-v) is left out, or refused when it is
+/// the only one.
+#[test]
+fn a_plan_compares_schedules_on_its_own_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = crate::cli::common::repo_file("examples/plan.yaml");
+    let rows = |extra: &[&str]| -> Vec<(String, f64)> {
+        let mut args = vec![
+            "simulate",
+            "--plan",
+            plan.as_str(),
+            "--gantt",
+            "none",
+            "--format",
+            "json",
+        ];
+        args.extend(extra);
+        flatpipe_json(dir.path(), &args)
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["schedule"].as_str().unwrap().to_string(),
+                    r["step_time_s"]["mean"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let own = rows(&[]);
+    assert_eq!(own.len(), 1);
+    let compared = rows(&["--schedule", "1f1b,zb-h1,zb-v"]);
+    let names: Vec<&str> = compared.iter().map(|r| r.0.as_str()).collect();
+    assert!(names.contains(&"1f1b") && names.contains(&"zb-h1") && !names.contains(&"zb-v"));
+    let one = compared.iter().find(|r| r.0 == own[0].0).unwrap();
+    assert!((one.1 - own[0].1).abs() < 1e-9, "{one:?} vs {own:?}");
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--plan",
+            plan.as_str(),
+            "--schedule",
+            "zb-v",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
+    assert!(o.stderr.contains("1 stage(s) per rank"), "{}", o.stderr);
+}

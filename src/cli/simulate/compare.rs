@@ -162,9 +162,11 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
                 .collect::<Result<Vec<Capacity>, _>>()?,
         )
     };
-    // A plan file runs its own schedule; --schedule-csv its; else each schedule asked for.
+    // A plan file runs its own schedule, or with --schedule those of its stages per rank;
+    // --schedule-csv its; else each schedule asked for.
     let sources: Vec<Option<ScheduleSource>> = match (schedules, &plan) {
         (Schedules::Csv(s), _) => vec![Some(ScheduleSource::Given(s))],
+        (Schedules::Kinds(kinds), Some(p)) if !a.schedule.is_empty() => plan_schedules(p, kinds)?,
         (_, Some(_)) => vec![None],
         (Schedules::Kinds(kinds), None) => kinds
             .into_iter()
@@ -232,4 +234,42 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
         limit_source,
         configs: combos,
     })
+}
+
+/// `simulate --plan P --schedule ...`: the schedules to compare on the plan's split,
+/// recomputation and sharding, those whose stages per rank are the plan's (`v`); the others
+/// are left out with a warning (their split would be another).
+///
+/// # Errors
+/// When no schedule asked for runs the plan's stages per rank, naming those that would.
+fn plan_schedules(plan: &Plan, kinds: Vec<ScheduleKind>) -> Result<Vec<Option<ScheduleSource>>> {
+    let v = plan.run.v;
+    let fits = |k: &ScheduleKind| k.stages_per_rank(Some(v)).is_ok_and(|kv| kv == v);
+    let (keep, left): (Vec<ScheduleKind>, Vec<ScheduleKind>) = kinds.into_iter().partition(fits);
+    let names = |ks: &[ScheduleKind]| {
+        ks.iter()
+            .map(|k| k.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let same: Vec<ScheduleKind> = ScheduleKind::ALL.iter().copied().filter(fits).collect();
+    if keep.is_empty() {
+        bail!(
+            "the plan's split has {v} stage(s) per rank ({} stages), which none of {} runs: compare {} on this plan, or plan again with --schedule",
+            plan.run.stages.len(),
+            names(&left),
+            names(&same)
+        );
+    }
+    if !left.is_empty() {
+        tracing::warn!(
+            "{} left out: the plan's split has {v} stage(s) per rank, which they do not run (schedules that do: {})",
+            names(&left),
+            names(&same)
+        );
+    }
+    Ok(keep
+        .into_iter()
+        .map(|k| Some(ScheduleSource::Kind(k)))
+        .collect())
 }

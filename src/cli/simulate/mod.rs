@@ -16,8 +16,9 @@ pub(super) use uniform::simulate_uniform;
 pub(super) struct SimulateArgs {
     #[command(flatten)]
     inputs: Inputs,
-    /// Run a plan file (sets pp, vpp, schedule, stages and microbatching).
-    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "token_budget", "schedule_csv"])]
+    /// Run a plan file (sets pp, vpp, schedule, stages and microbatching); with --schedule,
+    /// compare those schedules on the plan's split, recomputation and sharding.
+    #[arg(long, conflicts_with_all = ["pp", "vpp", "microbatches", "token_budget", "schedule_csv"])]
     plan: Option<PathBuf>,
     /// Simulate a schedule from PyTorch's compute-only pipeline-order CSV (one row per rank;
     /// its rows set pp, its stages the placement, its microbatch indices m).
