@@ -38,7 +38,14 @@ from ._core import (
 )
 
 
-class Schedule(str, enum.Enum):
+class _Name(str, enum.Enum):
+    """A name the core takes, as a ``str`` enum member (``str()`` gives the name)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Schedule(_Name):
     """The pipeline schedules, by the name ``Pipeline(schedule=...)`` takes (a ``str``: either
     form works)."""
 
@@ -52,11 +59,8 @@ class Schedule(str, enum.Enum):
     DUALPIPEV = "dualpipev"
     ZB_AUTO = "zb-auto"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Policy(str, enum.Enum):
+class Policy(_Name):
     """The microbatching policies, by the name ``Pipeline(policy=...)`` takes."""
 
     PADDED = "padded"
@@ -65,9 +69,6 @@ class Policy(str, enum.Enum):
     FLAT_BALANCED = "flat-balanced"
     VERL_KK = "verl-kk"
     FLAT_PLANNED = "flat-planned"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 __all__ = [
