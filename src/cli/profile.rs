@@ -74,6 +74,9 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
     }
     let mut cfg = backend.backend.profile_config(a.quick);
     cfg.concurrency = a.concurrency;
+    if backend.backend == executor::backend::Backend::Cpu {
+        check_profile_memory(&model, &cfg, super::checks::available_memory_bytes())?;
+    }
     let start = std::time::Instant::now();
     let profile = measure(&backend, &model, a.hardware.as_deref(), &cfg)?;
     profiles::write_atomic(&a.output, profile.to_yaml()?.as_bytes())?;
@@ -151,4 +154,35 @@ pub(super) fn profile_cmd(a: ProfileArgs) -> Result<ExitCode> {
     }
     notes.extend(executor::backend::gemm_rates(backend.backend)?);
     emit(a.format, &report, &header, &t, &notes)
+}
+
+/// Refuses, before anything is allocated, a CPU profile this machine cannot hold: its optimizer
+/// measurement builds the whole model (`profile_optimizer`: fp32 weights, gradients and both
+/// AdamW moments, 16 bytes per parameter, over its `concurrency` parts at once), and each layer
+/// kind runs the grid's largest microbatch
+/// ([`flatpipe_executor::cpu::MemoryFloor`]; `available`: the host's available memory, `None`
+/// where unknown: no check).
+fn check_profile_memory(
+    model: &profiles::ModelSpec,
+    cfg: &executor::profiler::ProfileConfig,
+    available: Option<f64>,
+) -> Result<()> {
+    let largest = cfg.tokens.iter().copied().max().unwrap_or(0) as u64;
+    let floor = executor::cpu::MemoryFloor::of(model, largest);
+    let need = floor.state + floor.activations;
+    if let Some(have) = available
+        && need > have
+    {
+        bail!(
+            "profiling {} on the CPU backend needs at least {}: {} of fp32 weights, gradients and AdamW state for the optimizer's measurement ({} parameters x 16 bytes) and {} of activations ({largest} tokens in every layer); this machine has {} available. Profile a smaller model, or use the analytic profile (--model {} --hardware H in simulate and plan)",
+            model.name,
+            fmt_bytes(need),
+            fmt_bytes(floor.state),
+            model.param_count(),
+            fmt_bytes(floor.activations),
+            fmt_bytes(have),
+            model.name
+        );
+    }
+    Ok(())
 }

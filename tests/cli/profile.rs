@@ -167,3 +167,32 @@ fn a_profile_written_by_the_profiler_drives_simulate_plan_and_execute() {
         });
     assert_eq!(warned, cores >= 2, "{v}");
 }
+
+/// `profile` on the CPU backend measures the optimizer on the whole model (16 bytes per
+/// parameter of fp32 state): Llama-3.1-405B needs about 6.3 TB, refused before anything is
+/// allocated (it allocated for minutes before), naming what it needs and what the machine has;
+/// no file is written.
+#[test]
+fn profile_refuses_a_model_the_host_cannot_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "profile",
+            "--model",
+            "llama3.1-405b",
+            "--quick",
+            "-o",
+            "p.yaml",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("405853388800 parameters x 16 bytes")
+            && o.stderr.contains("available")
+            && o.stderr.contains("analytic profile"),
+        "{}",
+        o.stderr
+    );
+    assert!(!dir.path().join("p.yaml").exists());
+}
