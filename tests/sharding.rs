@@ -368,8 +368,9 @@ fn plan_files_carry_the_sharding() {
 /// FSDP's per-stage collectives as actions (`--fsdp` on a profile): each stage's `UNSHARD` is
 /// the ring all-gather of its bf16 weights and its `REDUCE_GRAD` the ring reduce-scatter of its
 /// fp32 gradients over the dp = 4 replicas of one node, `(n - 1)(alpha + bytes / (n beta))`
-/// written out here; without the option, and for the modes without per-stage collectives,
-/// they cost nothing (the step's tail holds them).
+/// written out here; DDP's all-reduce and ZeRO-1's reduce-scatter of the gradients at
+/// REDUCE_GRAD; without the option, and for the modes without per-stage collectives (ZeRO-2,
+/// FSDP resharded per microbatch), they cost nothing (the step's tail holds them).
 #[test]
 fn fsdp_actions_cost_each_stages_ring_all_gather_and_reduce_scatter() {
     use flatpipe::simulator::ir::StageId;
@@ -415,10 +416,27 @@ fn fsdp_actions_cost_each_stages_ring_all_gather_and_reduce_scatter() {
         assert!((got(FsdpAction::ReduceGrad) - ring(4.0 * params)).abs() < 2e-9);
         assert_eq!(c.fsdp_ns(StageId(s as u32), FsdpAction::Reshard), 0);
     }
+    // DDP all-reduces the gradients (the ring all-reduce: twice the reduce-scatter's time)
+    // and ZeRO-1 reduce-scatters them at REDUCE_GRAD; neither gathers weights at UNSHARD.
+    for sharding in [Sharding::Ddp, Sharding::Zero1] {
+        let c = table(sharding, true);
+        for (s, r) in stages.iter().enumerate() {
+            let params: f64 = prof.layers[r.clone()]
+                .iter()
+                .map(|l| l.param_count as f64)
+                .sum();
+            let got = |a| c.fsdp_ns(StageId(s as u32), a) as f64 * 1e-9;
+            let steps = if sharding == Sharding::Ddp { 2.0 } else { 1.0 };
+            assert_eq!(got(FsdpAction::Unshard), 0.0, "{sharding}");
+            assert!(
+                (got(FsdpAction::ReduceGrad) - steps * ring(4.0 * params)).abs() < 2e-9,
+                "{sharding}"
+            );
+        }
+    }
     for (sharding, on) in [
         (Sharding::Fsdp, false),
-        (Sharding::Ddp, true),
-        (Sharding::Zero1, true),
+        (Sharding::Zero2, true),
         (Sharding::FsdpPerMicrobatch, true),
     ] {
         let c = table(sharding, on);

@@ -213,14 +213,13 @@ pub(super) fn run_config(
     }
     run.lowering = flags.lowering.over(run.lowering);
     if let Some(k) = run.lowering.fsdp {
-        use sim::costs::sharding::Sharding;
-        let per_step = matches!(run.sharding, Sharding::Fsdp | Sharding::Hsdp);
-        if !per_step || run.sharding.per_microbatch(run.pp) || run.dp < 2 {
+        let per_stage = sim::costs::sharding::StageCollectives::runs(run.sharding, run.pp);
+        if !per_stage || run.dp < 2 || run.pp < 2 {
             bail!(
-                "FSDP's actions (--fsdp {k}, or a plan's lowering.fsdp) run the per-stage \
-                 all-gathers and gradient reductions of --sharding fsdp or hsdp across --dp >= 2 \
-                 replicas under pp >= 2; this run has --sharding {} with --dp {} at pp {}: give \
-                 --sharding fsdp and --dp 2 or more, or drop --fsdp",
+                "the per-stage actions (--fsdp {k}, or a plan's lowering.fsdp) run the data-parallel \
+                 collectives of --sharding fsdp, hsdp, ddp or zero1 across --dp >= 2 replicas \
+                 under pp >= 2; this run has --sharding {} with --dp {} at pp {}: give --sharding \
+                 fsdp and --dp 2 or more, or drop --fsdp",
                 run.sharding,
                 run.dp,
                 run.pp

@@ -320,7 +320,7 @@ fn fsdp_on_a_profile_runs_its_collectives_as_actions_in_place_of_the_tail() {
     // collectives as the sharding model's tail (all-gather before the first forward, gradient
     // reduction after the last compute) and as per-stage actions on the collective streams.
     let dir = tempfile::tempdir().unwrap();
-    let step = |schedule: &str, extra: &[&str]| -> f64 {
+    let step_with = |sharding: &str, schedule: &str, extra: &[&str]| -> f64 {
         let mut args = vec![
             "simulate",
             "--model",
@@ -332,7 +332,7 @@ fn fsdp_on_a_profile_runs_its_collectives_as_actions_in_place_of_the_tail() {
             "--dp",
             "4",
             "--sharding",
-            "fsdp",
+            sharding,
             "--schedule",
             schedule,
             "--gantt",
@@ -345,10 +345,18 @@ fn fsdp_on_a_profile_runs_its_collectives_as_actions_in_place_of_the_tail() {
             .as_f64()
             .unwrap()
     };
+    let step = |schedule: &str, extra: &[&str]| step_with("fsdp", schedule, extra);
     // One stage per rank: the stage's all-gather is the rank's, its reduction follows the
-    // rank's last backward, so the actions give the tail's closed form (to the ns of rounding).
-    let (tail, actions) = (step("1f1b", &[]), step("1f1b", &["--fsdp"]));
-    assert!((tail - actions).abs() < 1e-8, "{tail} vs {actions}");
+    // rank's last backward, so the actions give the tail's closed form (to the ns of rounding);
+    // so do DDP's all-reduce and ZeRO-1's reduce-scatter in REDUCE_GRAD's place.
+    for sharding in ["fsdp", "ddp", "zero1"] {
+        let tail = step_with(sharding, "1f1b", &[]);
+        let actions = step_with(sharding, "1f1b", &["--fsdp"]);
+        assert!(
+            (tail - actions).abs() < 1e-8,
+            "{sharding}: {tail} vs {actions}"
+        );
+    }
     // Two stages per rank: the first stage's reduction overlaps the other's last backwards,
     // which the tail (every reduction after the rank's last compute) cannot.
     let (tail, actions) = (

@@ -394,24 +394,36 @@ impl StepCollectives {
     }
 }
 
-/// One stage's FSDP collectives as actions on its rank's collective stream (PyTorch 2.15's
-/// runtime under `fully_shard` with `reshard_after_forward=False`: one `UNSHARD` and one
-/// `REDUCE_GRAD` per stage and step; [`crate::ir::lowering::fsdp_programs`]), seconds.
+/// One stage's data-parallel collectives as actions on its rank's collective stream, in
+/// PyTorch 2.15's runtime's per-stage `UNSHARD` and `REDUCE_GRAD` slots
+/// ([`crate::ir::lowering::fsdp_programs`]), seconds: FSDP2 (`fully_shard`,
+/// `reshard_after_forward=False` under PP) gathers the stage's weights at `UNSHARD` and
+/// reduce-scatters its gradients at `REDUCE_GRAD`; DDP all-reduces the gradients, and ZeRO-1
+/// (Megatron's distributed optimizer) reduce-scatters them, both after the stage's last
+/// backward, where `REDUCE_GRAD` stands (ZeRO-1's all-gather of the updated weights follows the
+/// optimizer and stays in the step's tail).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct StageFsdpCollectives {
+pub struct StageCollectives {
     /// `UNSHARD`: the ring all-gather of the stage's bf16 weights (2 bytes per parameter) over
-    /// the shard group.
+    /// the shard group (FSDP and HSDP; 0 for the others).
     pub all_gather_s: f64,
-    /// `REDUCE_GRAD`: the ring reduce-scatter of its fp32 gradients (4 bytes per parameter)
-    /// over the shard group, and under `hsdp` the all-reduce of the shard across the nodes
-    /// after it (FSDP2 runs both in the stage's post-backward reduction).
+    /// `REDUCE_GRAD`: the gradient reduction of the stage's fp32 gradients (4 bytes per
+    /// parameter): FSDP's ring reduce-scatter over the shard group (under `hsdp` then the
+    /// all-reduce of the shard across the nodes, as FSDP2 runs both in the stage's
+    /// post-backward reduction), DDP's ring all-reduce, ZeRO-1's ring reduce-scatter.
     pub reduce_grad_s: f64,
 }
 
-impl StageFsdpCollectives {
+impl StageCollectives {
+    /// Whether `sharding` on `pp` pipeline ranks runs collectives per stage and step (all but
+    /// `zero2` and the per-microbatch modes).
+    pub fn runs(sharding: Sharding, pp: u32) -> bool {
+        !matches!(sharding, Sharding::Zero2) && !sharding.per_microbatch(pp)
+    }
+
     /// The collectives of a stage of `params` parameters on pipeline rank `r` of `pp`, over
-    /// `dp` replicas on `hw`; `None` where `sharding` runs none per stage and step (`ddp`,
-    /// `zero1`, `zero2`, and the per-microbatch modes: `fsdp-mb`, `fsdp` / `hsdp` at pp 1).
+    /// `dp` replicas on `hw`; `None` where `sharding` runs none per stage and step (`zero2`
+    /// and the per-microbatch modes: `fsdp-mb`, `fsdp` / `hsdp` at pp 1).
     pub fn of(
         sharding: Sharding,
         hw: &Hardware,
@@ -420,19 +432,25 @@ impl StageFsdpCollectives {
         r: u32,
         params: f64,
     ) -> Option<Self> {
-        let per_step = matches!(sharding, Sharding::Fsdp | Sharding::Hsdp);
-        if !per_step || sharding.per_microbatch(pp) {
+        if !Self::runs(sharding, pp) {
             return None;
         }
         let g = DpGroup::of(sharding, hw, pp, dp, r);
-        Some(StageFsdpCollectives {
-            all_gather_s: all_gather_s(&g.shard_link, g.shard, 2.0 * params),
-            reduce_grad_s: reduce_scatter_s(&g.shard_link, g.shard, 4.0 * params)
-                + all_reduce_s(
-                    &g.replicate_link,
-                    g.replicate,
-                    4.0 * params / f64::from(g.shard),
-                ),
+        let grads = 4.0 * params;
+        Some(match sharding {
+            Sharding::Ddp => StageCollectives {
+                all_gather_s: 0.0,
+                reduce_grad_s: all_reduce_s(&g.shard_link, g.replicate, grads),
+            },
+            Sharding::Zero1 => StageCollectives {
+                all_gather_s: 0.0,
+                reduce_grad_s: reduce_scatter_s(&g.shard_link, g.shard, grads),
+            },
+            _ => StageCollectives {
+                all_gather_s: all_gather_s(&g.shard_link, g.shard, 2.0 * params),
+                reduce_grad_s: reduce_scatter_s(&g.shard_link, g.shard, grads)
+                    + all_reduce_s(&g.replicate_link, g.replicate, grads / f64::from(g.shard)),
+            },
         })
     }
 }

@@ -3,7 +3,7 @@
 
 use super::recompute::{Recompute, RecomputeEffect, input_bytes_per_token, recompute_effect};
 use super::sharding::{
-    MicrobatchCollectives, Sharding, StageFsdpCollectives, StateBytes, exposed_s, global_rank,
+    MicrobatchCollectives, Sharding, StageCollectives, StateBytes, exposed_s, global_rank,
 };
 use super::{CostModel, MemoryUnit, ns_to_s, s_to_ns};
 use crate::batching::microbatch::Microbatch;
@@ -50,7 +50,7 @@ pub struct CostOptions<'a> {
     pub state_bytes: Option<StateBytes>,
     /// Whether FSDP's per-stage collectives run as actions of the lowering
     /// ([`crate::ir::lowering::Lowering::fsdp`]): [`CostModel::fsdp_ns`] then prices them
-    /// ([`crate::costs::sharding::StageFsdpCollectives`]); otherwise it is 0 and the step's
+    /// ([`crate::costs::sharding::StageCollectives`]); otherwise it is 0 and the step's
     /// tail holds them ([`crate::run::step::StepPlan::step_time_with_collectives`]).
     pub fsdp_actions: bool,
 }
@@ -372,7 +372,7 @@ impl TableBuild<'_> {
                 .map(|l| l.param_count)
                 .sum();
             let rank = self.placement.rank_of[s].0;
-            match StageFsdpCollectives::of(
+            match StageCollectives::of(
                 self.opts.sharding,
                 &profile.hardware,
                 pp,

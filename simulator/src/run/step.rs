@@ -493,8 +493,9 @@ impl StepPlan {
 }
 
 impl StepPlan {
-    /// Per pipeline rank: its last compute end (latest over replicas, the rounds one after the
-    /// other), its first compute start (earliest) and its optimizer time (longest), seconds.
+    /// Per pipeline rank: its last compute end (or last gradient reduction, when the lowering
+    /// ran the collectives as actions; latest over replicas, the rounds one after the other),
+    /// its first compute start (earliest) and its optimizer time (longest), seconds.
     /// `None` without a prediction.
     pub fn rank_times(&self) -> Option<(Vec<f64>, Vec<f64>, Vec<f64>)> {
         let placement = &self.replicas.first()?.rounds.first()?.schedule.placement;
@@ -512,8 +513,19 @@ impl StepPlan {
                         start[r] = start[r].min(ns_to_s(first));
                     }
                     if i + 1 == n {
+                        // The rank's work ends with its last compute or, when the lowering
+                        // ran the data-parallel collectives as actions, its last reduction.
                         let last = tl.compute[r].last().map_or(0, |o| o.end_ns);
-                        end[r] = end[r].max(ns_to_s(offset + last));
+                        let reduced = tl.comm.get(r).map_or(0, |lane| {
+                            lane.iter()
+                                .filter(|c| {
+                                    matches!(c.action, crate::ir::comm::LoweredAction::Fsdp(..))
+                                })
+                                .map(|c| c.end_ns)
+                                .max()
+                                .unwrap_or(0)
+                        });
+                        end[r] = end[r].max(ns_to_s(offset + last.max(reduced)));
                         if let Some((a, b)) = tl.optimizer[r] {
                             opt[r] = opt[r].max(ns_to_s(b - a));
                         }
@@ -542,7 +554,7 @@ pub fn rank_params(config: &RunConfig, profile: &Profile, placement: &Placement)
 /// parameters of each pipeline rank, the pipeline's time, and per rank its last compute end,
 /// first compute start and optimizer time (latest, earliest and longest over replicas),
 /// seconds. With `fsdp_in_replay` (the lowering ran FSDP's per-stage all-gathers and gradient
-/// reductions as actions, [`crate::costs::sharding::StageFsdpCollectives`]), those are in
+/// reductions as actions, [`crate::costs::sharding::StageCollectives`]), those are in
 /// `pipeline_s` already and the tail leaves them out.
 pub fn collectives_tail(
     config: &RunConfig,
@@ -555,12 +567,13 @@ pub fn collectives_tail(
     let (mut tail, mut delay) = (pipeline_s, 0.0f64);
     let hw = &profile.hardware;
     let (pp, dp) = (config.pp, config.dp);
-    let as_actions = fsdp_in_replay
-        && crate::costs::sharding::StageFsdpCollectives::of(config.sharding, hw, pp, dp, 0, 0.0)
-            .is_some();
+    let as_actions =
+        fsdp_in_replay && crate::costs::sharding::StageCollectives::runs(config.sharding, pp);
     for r in 0..params.len() {
         let mut c = StepCollectives::of(config.sharding, hw, pp, dp, r as u32, params[r]);
         if as_actions {
+            // In the replay already: FSDP's all-gather and every mode's gradient reduction
+            // (ZeRO-1's all-gather after the optimizer stays here).
             (c.before_first_forward_s, c.gradient_reduction_s) = (0.0, 0.0);
         }
         tail = tail.max(end[r] + c.gradient_reduction_s + opt[r] + c.after_optimizer_s);

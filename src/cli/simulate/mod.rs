@@ -150,8 +150,9 @@ pub(super) struct SimulateArgs {
     /// gathered at once (its `max_active_stages`; 3 when the flag has no value). Under
     /// `--costs` their times are the keys `ag` (all-gather of one rank's parameters) and `rs`
     /// (reduce-scatter of its gradients), spread over its stages; on a profile (with
-    /// `--sharding fsdp` or `hsdp` and `--dp` >= 2) each stage's ring all-gather and
-    /// reduce-scatter over its data-parallel group, in place of the step's collective tail.
+    /// `--sharding fsdp`, `hsdp`, `ddp` or `zero1` and `--dp` >= 2) each stage's FSDP
+    /// all-gather and gradient reduction over its data-parallel group, in place of the step's
+    /// collective tail.
     /// Default: the plan file's `lowering.fsdp`, else none.
     #[arg(long, value_name = "MAX_ACTIVE_STAGES", num_args = 0..=1, default_missing_value = "3")]
     fsdp: Option<u32>,
