@@ -405,20 +405,14 @@ fn fsdp_actions_cost_each_stages_ring_all_gather_and_reduce_scatter() {
     };
     let link = &prof.hardware.intra_node; // global ranks r * 4 + d: 4 replicas in an 8-GPU node
     let ring = |bytes: f64| 3.0 * (link.alpha_s + bytes / (4.0 * link.beta_bytes_per_s));
-    let c = table(Sharding::Fsdp, true);
-    for (s, r) in stages.iter().enumerate() {
-        let params: f64 = prof.layers[r.clone()]
-            .iter()
-            .map(|l| l.param_count as f64)
-            .sum();
-        let got = |a| c.fsdp_ns(StageId(s as u32), a) as f64 * 1e-9;
-        assert!((got(FsdpAction::Unshard) - ring(2.0 * params)).abs() < 2e-9);
-        assert!((got(FsdpAction::ReduceGrad) - ring(4.0 * params)).abs() < 2e-9);
-        assert_eq!(c.fsdp_ns(StageId(s as u32), FsdpAction::Reshard), 0);
-    }
-    // DDP all-reduces the gradients (the ring all-reduce: twice the reduce-scatter's time)
-    // and ZeRO-1 reduce-scatters them at REDUCE_GRAD; neither gathers weights at UNSHARD.
-    for sharding in [Sharding::Ddp, Sharding::Zero1] {
+    // Per sharding: whether UNSHARD gathers the stage's bf16 weights, and the ring passes of
+    // REDUCE_GRAD's reduction of its fp32 gradients: FSDP reduce-scatters (1), DDP all-reduces
+    // (2: a reduce-scatter then an all-gather), ZeRO-1 reduce-scatters (1).
+    for (sharding, gathers, passes) in [
+        (Sharding::Fsdp, true, 1.0),
+        (Sharding::Ddp, false, 2.0),
+        (Sharding::Zero1, false, 1.0),
+    ] {
         let c = table(sharding, true);
         for (s, r) in stages.iter().enumerate() {
             let params: f64 = prof.layers[r.clone()]
@@ -426,12 +420,17 @@ fn fsdp_actions_cost_each_stages_ring_all_gather_and_reduce_scatter() {
                 .map(|l| l.param_count as f64)
                 .sum();
             let got = |a| c.fsdp_ns(StageId(s as u32), a) as f64 * 1e-9;
-            let steps = if sharding == Sharding::Ddp { 2.0 } else { 1.0 };
-            assert_eq!(got(FsdpAction::Unshard), 0.0, "{sharding}");
+            let gather = if gathers { ring(2.0 * params) } else { 0.0 };
             assert!(
-                (got(FsdpAction::ReduceGrad) - steps * ring(4.0 * params)).abs() < 2e-9,
+                (got(FsdpAction::Unshard) - gather).abs() < 2e-9,
                 "{sharding}"
             );
+            let reduce = passes * ring(4.0 * params);
+            assert!(
+                (got(FsdpAction::ReduceGrad) - reduce).abs() < 2e-9,
+                "{sharding}"
+            );
+            assert_eq!(c.fsdp_ns(StageId(s as u32), FsdpAction::Reshard), 0);
         }
     }
     for (sharding, on) in [
