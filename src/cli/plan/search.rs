@@ -21,7 +21,6 @@ pub(super) struct ResolvedSearch {
 /// Resolves `plan`'s flags into a [`ResolvedSearch`], refusing a bad output path or a search
 /// too large for memory before it starts.
 pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
-    use planner::search::{RankBy, SearchConfig, SearchSpace};
     // A bad output path is found before the search, not after it.
     let chart = super::chart_path(&a.gantt, "flatpipe-plan.png");
     super::check_outputs(chart.iter().chain(&a.output))?;
@@ -40,7 +39,37 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         .unwrap_or_else(|| builtins::DEFAULT_WORKLOAD.to_string());
     let workload = builtins::workload(&workload_name)?;
     let (limit, search_limit) = limits(a, &profile)?;
-    let mut space = SearchSpace::default_for(a.ranks);
+    let space = search_space(a, &profile)?;
+    if a.keep == 0 {
+        bail!("--keep = 0 is invalid: >= 1 plan");
+    }
+    let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, None, &workload)?;
+    warn_small_default_step(a, &space, size);
+    let seed = a.seed.unwrap_or(workload.seed);
+    let config = search_config(a, seed, size, search_limit)?;
+    check_search_memory(a, &space, &workload, (seed, size))?;
+    Ok(ResolvedSearch {
+        chart,
+        profile,
+        workload,
+        workload_name,
+        limit,
+        space,
+        config,
+        seed,
+        size,
+    })
+}
+
+/// The search space of `plan`'s flags: the default for `--ranks`, narrowed by `--pp`, `--vpp`,
+/// `--schedule` (and the export's target, [`for_export_target`]), `--token-budgets`,
+/// `--recompute`, `--sharding` and `--tp` (checked against `profile`'s tensor-parallel
+/// degrees).
+///
+/// # Errors
+/// A value out of range or that does not parse, naming the flag.
+fn search_space(a: &PlanArgs, profile: &Profile) -> Result<planner::search::SearchSpace> {
+    let mut space = planner::search::SearchSpace::default_for(a.ranks);
     if !a.pp.is_empty() {
         space.pp = dedup(a.pp.clone());
     }
@@ -81,7 +110,7 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
         );
     }
     if !a.tp.is_empty() {
-        let valid: Vec<u32> = planner::search::tensor_parallel_degrees(&profile)
+        let valid: Vec<u32> = planner::search::tensor_parallel_degrees(profile)
             .into_iter()
             .filter(|t| a.ranks % t == 0)
             .collect();
@@ -103,13 +132,24 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
     }
     space.sequence_parallel = !a.no_sequence_parallel;
     space.chunk = !a.no_chunk;
-    if a.keep == 0 {
-        bail!("--keep = 0 is invalid: >= 1 plan");
-    }
-    let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, None, &workload)?;
-    warn_small_default_step(a, &space, size);
-    let seed = a.seed.unwrap_or(workload.seed);
-    let config = SearchConfig {
+    space.sequence_parallel = !a.no_sequence_parallel;
+    space.chunk = !a.no_chunk;
+    Ok(space)
+}
+
+/// The search's configuration: sampled steps, seed and step size, the memory limit it plans
+/// under (bytes), ranking, kept plans, split solver and forward-only work.
+///
+/// # Errors
+/// `--split-solver highs` in a build without HiGHS; a bad forward-only spec.
+fn search_config(
+    a: &PlanArgs,
+    seed: u64,
+    size: StepSize,
+    search_limit: f64,
+) -> Result<planner::search::SearchConfig> {
+    use planner::search::{RankBy, SearchConfig};
+    Ok(SearchConfig {
         steps: a.steps,
         seed,
         size,
@@ -135,9 +175,21 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
             SplitSolver::Bnb => planner::partition::ExactSplit::DEFAULT,
         },
         forward_only: a.fo.spec()?,
-    };
-    // The search keeps every sampled step and runs one Monte Carlo per candidate: the largest
-    // candidate (most ranks per pipeline, most stages per rank, smallest budget) sets the peak.
+    })
+}
+
+/// Refuses a search this host cannot hold: it keeps every sampled step and runs one Monte
+/// Carlo per candidate, the largest candidate (most ranks per pipeline, most stages per rank,
+/// smallest budget) setting the peak.
+///
+/// # Errors
+/// The estimate against the available memory, with the numbers.
+fn check_search_memory(
+    a: &PlanArgs,
+    space: &planner::search::SearchSpace,
+    workload: &Workload,
+    (seed, size): (u64, StepSize),
+) -> Result<()> {
     let mut widest = flatpipe_simulator::run::config::RunConfig::new(
         ScheduleSource::Kind(ScheduleKind::OneFOneB),
         space.pp.iter().copied().max().unwrap_or(1),
@@ -149,24 +201,13 @@ pub(super) fn resolve_search(a: &PlanArgs) -> Result<ResolvedSearch> {
     widest.params.token_budget = space.token_budgets.iter().copied().min().unwrap_or(1);
     super::check_monte_carlo_memory(
         "the plan search",
-        &workload,
+        workload,
         seed,
         size,
         a.steps,
         a.steps,
         &[widest],
-    )?;
-    Ok(ResolvedSearch {
-        chart,
-        profile,
-        workload,
-        workload_name,
-        limit,
-        space,
-        config,
-        seed,
-        size,
-    })
+    )
 }
 
 /// Runs the plan search with a progress bar once it takes over a second, logging what is

@@ -111,23 +111,7 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
             "--capacity cannot be combined with --schedule-csv: a loaded schedule has the fixed capacity of its microbatch count"
         );
     }
-    // One per-rank memory limit for building zb-auto and checking every row: --memory-limit,
-    // else the plan file's (the one it was searched under), else the hardware's.
-    let planned_limit = plan
-        .as_ref()
-        .and_then(|p| p.predicted.as_ref())
-        .map(|p| p.memory_limit_bytes);
-    let (limit, limit_source) = match (&a.memory_limit, planned_limit) {
-        (Some(text), _) => (
-            memory_limit(Some(text), &profile)?,
-            format!("--memory-limit {text}"),
-        ),
-        (None, Some(bytes)) => (bytes, "the plan file's memory limit".to_string()),
-        (None, None) => (
-            memory_limit(None, &profile)?,
-            format!("{}'s memory less its reserve", profile.hardware.name),
-        ),
-    };
+    let (limit, limit_source) = row_limit(a, plan.as_ref(), &profile)?;
     let flags = resolve::RunFlags {
         pp: a.pp,
         vpp: a.vpp,
@@ -142,37 +126,8 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
         forward_only: a.fo.fo_microbatches.map(|_| a.fo.spec()).transpose()?,
         memory_limit_bytes: Some(limit),
     };
-    let policies: Vec<Option<Policy>> = if a.policy.is_empty() {
-        vec![None]
-    } else {
-        dedup(
-            a.policy
-                .iter()
-                .map(|x| x.parse().map(Some))
-                .collect::<Result<Vec<Option<Policy>>, _>>()?,
-        )
-    };
-    let capacities: Vec<Capacity> = if a.capacity.is_empty() {
-        vec![Capacity::Dynamic]
-    } else {
-        dedup(
-            a.capacity
-                .iter()
-                .map(|x| x.parse())
-                .collect::<Result<Vec<Capacity>, _>>()?,
-        )
-    };
-    // A plan file runs its own schedule, or with --schedule those of its stages per rank;
-    // --schedule-csv its; else each schedule asked for.
-    let sources: Vec<Option<ScheduleSource>> = match (schedules, &plan) {
-        (Schedules::Csv(s), _) => vec![Some(ScheduleSource::Given(s))],
-        (Schedules::Kinds(kinds), Some(p)) if !a.schedule.is_empty() => plan_schedules(p, kinds)?,
-        (_, Some(_)) => vec![None],
-        (Schedules::Kinds(kinds), None) => kinds
-            .into_iter()
-            .map(|k| Some(ScheduleSource::Kind(k)))
-            .collect(),
-    };
+    let (policies, capacities) = policies_and_capacities(a)?;
+    let sources = schedule_sources(a, schedules, plan.as_ref())?;
     let mut combos = Vec::new();
     for source in &sources {
         for &policy in &policies {
@@ -197,25 +152,7 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
         first.params.token_budget,
     );
     let policies: Vec<Policy> = dedup(combos.iter().map(|c| c.policy).collect());
-    if let Some(m) = microbatches {
-        let pairs: f64 = combos
-            .iter()
-            .map(|c| f64::from(p) * f64::from(c.v) * f64::from(m))
-            .sum();
-        super::check_schedule_memory(
-            &format!(
-                "--microbatches {m} with --pp {p} and {} schedule(s)",
-                combos.len()
-            ),
-            pairs,
-        )?;
-    }
-    super::check_monte_carlo_memory("the Monte Carlo", &workload, seed, size, steps, 0, &combos)?;
-    if let Some(c) = combos.first() {
-        base_profile
-            .hardware
-            .check_gpus(u64::from(tp.0) * u64::from(c.dp.max(1)) * u64::from(p))?;
-    }
+    check_combos(&combos, (&workload, seed, size, steps), &base_profile, tp)?;
     Ok(Comparison {
         plan,
         profile,
@@ -234,6 +171,116 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
         limit_source,
         configs: combos,
     })
+}
+
+/// The one per-rank memory limit for building zb-auto and checking every row, bytes, and where
+/// it came from: `--memory-limit`, else the plan file's (the one it was searched under), else
+/// the hardware's less its reserve.
+///
+/// # Errors
+/// A `--memory-limit` that does not parse.
+fn row_limit(a: &SimulateArgs, plan: Option<&Plan>, profile: &Profile) -> Result<(f64, String)> {
+    let planned = plan
+        .and_then(|p| p.predicted.as_ref())
+        .map(|p| p.memory_limit_bytes);
+    Ok(match (&a.memory_limit, planned) {
+        (Some(text), _) => (
+            memory_limit(Some(text), profile)?,
+            format!("--memory-limit {text}"),
+        ),
+        (None, Some(bytes)) => (bytes, "the plan file's memory limit".to_string()),
+        (None, None) => (
+            memory_limit(None, profile)?,
+            format!("{}'s memory less its reserve", profile.hardware.name),
+        ),
+    })
+}
+
+/// `--policy` and `--capacity` as given (deduplicated), or one default each (`None`: the run's
+/// own policy; dynamic capacity).
+///
+/// # Errors
+/// A name that does not parse.
+fn policies_and_capacities(a: &SimulateArgs) -> Result<(Vec<Option<Policy>>, Vec<Capacity>)> {
+    let policies = if a.policy.is_empty() {
+        vec![None]
+    } else {
+        dedup(
+            a.policy
+                .iter()
+                .map(|x| x.parse().map(Some))
+                .collect::<Result<Vec<Option<Policy>>, _>>()?,
+        )
+    };
+    let capacities = if a.capacity.is_empty() {
+        vec![Capacity::Dynamic]
+    } else {
+        dedup(
+            a.capacity
+                .iter()
+                .map(|x| x.parse())
+                .collect::<Result<Vec<Capacity>, _>>()?,
+        )
+    };
+    Ok((policies, capacities))
+}
+
+/// The schedules compared: a plan file runs its own schedule, or with `--schedule` those of
+/// its stages per rank ([`plan_schedules`]); `--schedule-csv` its; else each schedule asked
+/// for (`None`: the plan's own).
+///
+/// # Errors
+/// As [`plan_schedules`].
+fn schedule_sources(
+    a: &SimulateArgs,
+    schedules: Schedules,
+    plan: Option<&Plan>,
+) -> Result<Vec<Option<ScheduleSource>>> {
+    Ok(match (schedules, plan) {
+        (Schedules::Csv(s), _) => vec![Some(ScheduleSource::Given(s))],
+        (Schedules::Kinds(kinds), Some(p)) if !a.schedule.is_empty() => plan_schedules(p, kinds)?,
+        (_, Some(_)) => vec![None],
+        (Schedules::Kinds(kinds), None) => kinds
+            .into_iter()
+            .map(|k| Some(ScheduleSource::Kind(k)))
+            .collect(),
+    })
+}
+
+/// Refuses, before any work, runs this host or cluster cannot hold: the schedules of a fixed
+/// microbatch count (`--microbatches`), the Monte Carlo's steps, and more GPUs (tp x dp x pp)
+/// than the hardware's cluster has.
+///
+/// # Errors
+/// Each check's, with the numbers.
+fn check_combos(
+    combos: &[sim::run::config::RunConfig],
+    (workload, seed, size, steps): (&Workload, u64, StepSize, u32),
+    base_profile: &Profile,
+    tp: (u32, bool),
+) -> Result<()> {
+    let Some(first) = combos.first() else {
+        return Ok(());
+    };
+    let p = first.pp;
+    if let Some(m) = first.params.microbatches {
+        let pairs: f64 = combos
+            .iter()
+            .map(|c| f64::from(p) * f64::from(c.v) * f64::from(m))
+            .sum();
+        super::check_schedule_memory(
+            &format!(
+                "--microbatches {m} with --pp {p} and {} schedule(s)",
+                combos.len()
+            ),
+            pairs,
+        )?;
+    }
+    super::check_monte_carlo_memory("the Monte Carlo", workload, seed, size, steps, 0, combos)?;
+    base_profile
+        .hardware
+        .check_gpus(u64::from(tp.0) * u64::from(first.dp.max(1)) * u64::from(p))?;
+    Ok(())
 }
 
 /// `simulate --plan P --schedule ...`: the schedules to compare on the plan's split,
