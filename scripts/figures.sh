@@ -189,7 +189,7 @@ CARRIED = [
     ("whole `flatpipe simulate --costs f=1,b=2,w=1,comm=0.1 --pp 64 --microbatches 4096 --schedule 1f1b --gantt none` process",
      "51 ms median (40-123 ms), 36 MiB peak", "10 runs", f"2026-12-04, {DEV}"),
     ("the same process under other lowerings, against the default in the same call: deferred receives on per-peer streams; ahead receives on peer-pair streams; on one shared stream",
-     "0.026 s (x1.16, 36 MiB); 0.084 s (x3.7, 92 MiB); 0.098 s (x4.4, 94 MiB), against 0.022-0.023 s and 36 MiB", "whole-process timer, 10 pairs each", f"2026-12-06, {DEV}"),
+     "0.025 s (x1.16, 36 MiB); 0.091 s (x4.1, 92 MiB); 0.106 s (x4.6, 94 MiB), against 0.021-0.023 s and 36 MiB", "whole-process timer, 10 pairs each", f"2026-12-07, {DEV}"),
     ("replay without timeline, 1F1B p = 64, m = 4,096 (1.04 M DAG nodes)", "57.6 M ops/s (18.1 ms)",
      "criterion mean, `cargo bench --bench simulator`", f"2026-12-04, {DEV}"),
     ("replay with the timeline, same step; generate + validate + replay", "37.9 M ops/s (27.5 ms); 31.6 M ops/s (32.9 ms)",

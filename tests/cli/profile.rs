@@ -187,12 +187,32 @@ fn profile_refuses_a_model_the_host_cannot_hold() {
         ],
     );
     assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
+    let e = &o.stderr;
     assert!(
-        o.stderr.contains("405853388800 parameters x 16 bytes")
-            && o.stderr.contains("available")
-            && o.stderr.contains("analytic profile"),
-        "{}",
-        o.stderr
+        e.contains("available") && e.contains("analytic profile"),
+        "{e}"
     );
+    // "... for the optimizer's measurement (N parameters x 16 bytes) ...": N is the model's
+    // 405 billion parameters (Meta's published size, within 1%), and the state is 16 N bytes.
+    let n: f64 = e
+        .split(" parameters x 16 bytes")
+        .next()
+        .and_then(|head| head.rsplit('(').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("{e}"));
+    assert!((n / 405e9 - 1.0).abs() < 0.01, "{n}");
+    let gib = |after: &str| -> f64 {
+        let t = e
+            .split(after)
+            .nth(1)
+            .unwrap_or_else(|| panic!("{after}: {e}"));
+        t.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let state = gib("GiB: ");
+    assert!(
+        (state * 1024f64.powi(3) / (16.0 * n) - 1.0).abs() < 1e-3,
+        "{state} GiB for {n}"
+    );
+    assert!(gib("needs at least ") > state);
     assert!(!dir.path().join("p.yaml").exists());
 }
