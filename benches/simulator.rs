@@ -1,5 +1,7 @@
 //! Simulator throughput: build and replay the DAG of one 1F1B step with p = 64, m = 4096
-//! (524,288 compute ops and 516,096 transfers), reported as simulated ops per second.
+//! (524,288 compute ops and 516,096 transfers), reported as simulated ops per second; and the
+//! other costs of a simulated step (every schedule, packing, planned microbatches, sampled
+//! steps, zb-auto, chunk ordering).
 
 use criterion::{Criterion, Throughput, criterion_group};
 use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
@@ -289,8 +291,26 @@ fn bench_zb_auto(c: &mut Criterion) {
     g.finish();
 }
 
+/// One 16,777,216-token sequence (the longest a workload may hold) cut into 4,096 chunks of
+/// 4,096 tokens, ordered into 1F1B at p = 8: every backward of the chain waits for the later
+/// chunks' forwards, so each rank hoists thousands of forwards ahead of its first backward.
+fn bench_chunks(c: &mut Criterion) {
+    use flatpipe::simulator::ir::MicrobatchId;
+    use flatpipe::simulator::schedules::chunks::order_chunks;
+    let (p, m) = (8u32, 4096u32);
+    let schedule = ScheduleKind::OneFOneB.generate(p, 1, m).unwrap();
+    let chain: Vec<MicrobatchId> = (0..m).map(MicrobatchId).collect();
+    let mut g = c.benchmark_group("order_chunks");
+    g.sample_size(10);
+    g.bench_function("1f1b_p8_one_sequence_in_4096_chunks", |b| {
+        b.iter(|| order_chunks(black_box(&schedule), std::slice::from_ref(&chain)).unwrap())
+    });
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    bench_chunks,
     bench_zb_auto,
     bench_1f1b,
     bench_every_schedule,

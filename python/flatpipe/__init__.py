@@ -36,6 +36,7 @@ from ._core import (
     parse_action,
     plan,
 )
+from .results import ImportedTrace, Nested, PlanCandidate, SimulationSummary, Span
 
 
 class _Name(str, enum.Enum):
@@ -80,9 +81,14 @@ __all__ = [
     "CommAction",
     "ComputeAction",
     "FlatpipeError",
+    "ImportedTrace",
     "Microbatch",
+    "Nested",
+    "PlanCandidate",
     "Pipeline",
     "Profile",
+    "SimulationSummary",
+    "Span",
     "StepPlan",
     "Workload",
     "__version__",

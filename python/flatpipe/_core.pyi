@@ -5,6 +5,8 @@ from typing import Optional, Sequence, Tuple, Union, final
 import numpy as np
 import numpy.typing as npt
 
+from .results import ImportedTrace, PlanCandidate, SimulationSummary
+
 __version__: str
 SCHEDULES: list[str]
 POLICIES: list[str]
@@ -268,7 +270,7 @@ class Pipeline:
     def plan_step(self, seq_lens: Sequence[int], step: int = 0) -> StepPlan: ...
     def simulate(
         self, workload: Optional[str] = None, steps: int = 16, seed: Optional[int] = None
-    ) -> dict[str, float]:
+    ) -> SimulationSummary:
         """Predicted step time (mean, p50, p90, p99, seconds), bubble ratio, tokens per second,
         MFU, peak memory (bytes) over ``steps`` steps of ``workload``."""
     @property
@@ -296,16 +298,9 @@ def plan(
     steps: int = 8,
     seed: Optional[int] = None,
     keep: int = 5,
-) -> list[dict[str, object]]:
-    """The planner's search, best first: tp, dp, pp, vpp, schedule, token_budget, sharding,
-    stages (layer ranges), recompute (per stage), step_time_mean_s, step_time_p90_s,
-    lower_bound_s, peak_memory_bytes (per rank)."""
+) -> list[PlanCandidate]:
+    """The planner's search, best first (at most ``keep`` candidates)."""
 
-def import_trace(paths: Sequence[str], step: Optional[int] = None) -> dict[str, object]:
+def import_trace(paths: Sequence[str], step: Optional[int] = None) -> ImportedTrace:
     """PyTorch profiler traces of a pipelined run (one file per rank, ``.gz`` too), as
-    ``flatpipe import-trace`` reads them: ``actions`` (per rank, ``(action, start_s, end_s)`` of
-    the imported step, busy time from each action's first nested operator), ``nested`` (per
-    rank, per action, ``(events, comm_s)``: the events the profiler recorded in the span and
-    the seconds in ``c10d::`` calls), ``comm`` (per rank, ``(action, start_s, end_s)`` of each
-    send, receive, wait and FSDP action of the step: its comm lane), ``steps``, ``step``,
-    ``leading_wait_s``, ``other_events``, ``warnings``."""
+    ``flatpipe import-trace`` reads them: one step (default the last) of them."""

@@ -384,7 +384,7 @@ def profile_from_trace(
     ``overhead_per_event_s`` (:func:`profiler_overhead_s`), the profiler's own cost of the
     events recorded in it."""
     first = import_trace(list(paths))
-    chosen = list(range(first["steps"])) if steps is None else list(steps)
+    chosen = list(range(first.steps)) if steps is None else list(steps)
     if len(chosen) != len(plans):
         raise ValueError(f"{len(plans)} plans for {len(chosen)} traced steps {chosen}")
     timed = []
@@ -395,12 +395,12 @@ def profile_from_trace(
         # ``PP:1RECV_F1``; not the waits) on the comm lanes.
         posting += sum(
             e - s
-            for lane in t["comm"]
+            for lane in t.comm
             for a, s, e in lane
             if ("SEND_" in a or "RECV_" in a) and "WAIT_" not in a
         )
         ranks = []
-        for acts, nested in zip(t["actions"], t["nested"]):
+        for acts, nested in zip(t.actions, t.nested):
             row = []
             for (a, s, e), (events, comm) in zip(acts, nested):
                 # The profiler's own cost is no busy time of the run being predicted: it is

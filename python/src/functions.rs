@@ -5,8 +5,9 @@ use super::*;
 
 /// The planner's search: the best (tp, dp, pp, vpp, schedule, token budget, sharding, stages,
 /// recomputation) for `profile` on `ranks` GPUs over `steps` steps of `workload` (sampled with
-/// `seed`, default the workload's), under the hardware's memory less a reserve, as a list of at most `keep` dicts, best
-/// first (predicted mean step time, seconds; peak memory per rank, bytes).
+/// `seed`, default the workload's), under the hardware's memory less a reserve, as a list of
+/// at most `keep` `flatpipe.results.PlanCandidate`s, best first (predicted mean step time,
+/// seconds; peak memory per rank, bytes).
 #[pyfunction]
 #[pyo3(signature = (profile, workload, ranks, *, steps = 8, seed = None, keep = 5))]
 pub(crate) fn plan<'py>(
@@ -17,7 +18,7 @@ pub(crate) fn plan<'py>(
     steps: i128,
     seed: Option<i128>,
     keep: i128,
-) -> PyResult<Vec<Bound<'py, PyDict>>> {
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let ranks: u32 = nat("ranks", ranks)?;
     let steps: u32 = nat("steps", steps)?;
     let seed: Option<u64> = nat_opt("seed", seed)?;
@@ -75,23 +76,24 @@ pub(crate) fn plan<'py>(
             d.set_item("step_time_p90_s", c.summary.step_time_s.p90)?;
             d.set_item("lower_bound_s", c.lower_bound_s)?;
             d.set_item("peak_memory_bytes", c.peak_memory_bytes.clone())?;
-            Ok(d)
+            typed_result(&d, "PlanCandidate")
         })
         .collect()
 }
 
 /// Reads PyTorch profiler traces of a pipelined run (`PP:<action>` events; one file per rank in
 /// rank order, `.gz` read too), as `flatpipe import-trace` does
-/// (`simulator/src/io/kineto.rs`), and returns a dict: `actions` (per rank, `(action, start_s,
-/// end_s)` of the imported step, busy time from each action's first nested operator), `steps`,
-/// `step`, `leading_wait_s` (per rank), `other_events` and `warnings`.
+/// (`simulator/src/io/kineto.rs`), and returns a `flatpipe.results.ImportedTrace`: `actions`
+/// (per rank, `(action, start_s, end_s)` of the imported step, busy time from each action's
+/// first nested operator), `nested`, `comm`, `steps`, `step`, `leading_wait_s` (per rank),
+/// `other_events` and `warnings`.
 #[pyfunction]
 #[pyo3(signature = (paths, step = None))]
 pub(crate) fn import_trace<'py>(
     py: Python<'py>,
     paths: Vec<String>,
     step: Option<i128>,
-) -> PyResult<Bound<'py, PyDict>> {
+) -> PyResult<Bound<'py, PyAny>> {
     let step: Option<usize> = nat_opt("step", step)?;
     let mut files = Vec::with_capacity(paths.len());
     for p in &paths {
@@ -138,7 +140,7 @@ pub(crate) fn import_trace<'py>(
             (c.action.to_string(), c.start_ns, c.end_ns)
         }),
     )?;
-    Ok(d)
+    typed_result(&d, "ImportedTrace")
 }
 
 /// Per rank, each item as `(name, start_s, end_s)`, from `item`'s name and ns span.

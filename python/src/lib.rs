@@ -61,6 +61,15 @@ create_exception!(
      (else `None`)."
 );
 
+/// `flatpipe.results.<class_name>(**fields)`: a typed result (a frozen dataclass of
+/// `flatpipe/results.py`) from the fields the core filled in.
+fn typed_result<'py>(fields: &Bound<'py, PyDict>, class_name: &str) -> PyResult<Bound<'py, PyAny>> {
+    let py = fields.py();
+    py.import("flatpipe.results")?
+        .getattr(class_name)?
+        .call((), Some(fields))
+}
+
 /// The field and the value an error of the core names, where it is about one.
 fn field_of(e: &dyn std::any::Any) -> Option<(String, String)> {
     use flatpipe_simulator::Error as SimError;

@@ -273,8 +273,9 @@ impl PyPipeline {
     }
 
     /// Monte Carlo over `steps` steps sampled from `workload` (a built-in name or a file;
-    /// default the plan's) with `seed` (default the workload's, as `flatpipe simulate`): predicted step time (mean, p50, p90, p99, seconds), bubble ratio,
-    /// tokens per second and peak memory per rank (bytes). Needs a profile.
+    /// default the plan's) with `seed` (default the workload's, as `flatpipe simulate`), as a
+    /// `flatpipe.results.SimulationSummary`: predicted step time (mean, p50, p90, p99,
+    /// seconds), bubble ratio, tokens per second, MFU and peak memory (bytes). Needs a profile.
     #[pyo3(signature = (workload = None, steps = 16, seed = None))]
     fn simulate<'py>(
         &self,
@@ -282,7 +283,7 @@ impl PyPipeline {
         workload: Option<&str>,
         steps: i128,
         seed: Option<i128>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let steps: u32 = nat("steps", steps)?;
         let seed: Option<u64> = nat_opt("seed", seed)?;
         let profile = self
@@ -330,7 +331,7 @@ impl PyPipeline {
         d.set_item("mfu", s.mfu)?;
         d.set_item("peak_memory_bytes", s.peak_memory_bytes)?;
         d.set_item("microbatches_mean", s.microbatches_mean)?;
-        Ok(d)
+        typed_result(&d, "SimulationSummary")
     }
 
     /// Schedule name.

@@ -219,21 +219,34 @@ def test_simulate_matches_the_binary():
         "1f1b", pp=4, profile=flatpipe.Profile.analytic("llama3.1-8b", "h200"), token_budget=16384
     )
     got = pipe.simulate("sharegpt-v3", steps=6)
-    assert got["step_time_mean_s"] == pytest.approx(row["step_time_s"]["mean"], rel=1e-9)
-    assert got["peak_memory_bytes"] == pytest.approx(row["peak_memory_bytes"], rel=1e-9)
+    assert got.step_time_mean_s == pytest.approx(row["step_time_s"]["mean"], rel=1e-9)
+    assert got.peak_memory_bytes == pytest.approx(row["peak_memory_bytes"], rel=1e-9)
 
 
 def test_plan_ranks_candidates_best_first():
     profile = flatpipe.Profile.analytic("llama3.1-8b", "h200")
     ranked = flatpipe.plan(profile, "sharegpt-v3", ranks=8, steps=2, keep=3)
     assert 1 <= len(ranked) <= 3
-    times = [c["step_time_mean_s"] for c in ranked]
+    assert all(isinstance(c, flatpipe.PlanCandidate) for c in ranked)
+    times = [c.step_time_mean_s for c in ranked]
     assert times == sorted(times)
     for c in ranked:
-        assert c["tp"] * c["dp"] * c["pp"] == 8
-        assert c["stages"][0][0] == 0 and c["stages"][-1][1] == profile.num_layers
-        assert len(c["recompute"]) == len(c["stages"])
-        assert c["lower_bound_s"] <= c["step_time_mean_s"]
+        assert c.tp * c.dp * c.pp == 8
+        assert c.stages[0][0] == 0 and c.stages[-1][1] == profile.num_layers
+        assert len(c.recompute) == len(c.stages) == c.pp * c.vpp
+        assert c.lower_bound_s <= c.step_time_mean_s
+        assert c.schedule in flatpipe.SCHEDULES and len(c.peak_memory_bytes) == c.pp
+    # The best candidate is the binary's plan on the same search.
+    out = subprocess.run(
+        [flatpipe_bin(), "plan", "--model", "llama3.1-8b", "--hardware", "h200", "--workload",
+         "sharegpt-v3", "--ranks", "8", "--steps", "2", "--keep", "3", "--format", "json",
+         "--gantt", "none"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    best = json.loads(out)["plans"][0]
+    assert ranked[0].step_time_mean_s == pytest.approx(best["summary"]["step_time_s"]["mean"], rel=1e-9)
+    with pytest.raises(AttributeError):
+        ranked[0].step_time_mean_s = 0.0  # frozen
 
 
 def test_submodules_load_on_first_use():

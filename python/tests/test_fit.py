@@ -160,12 +160,12 @@ def test_a_profile_fitted_from_real_traces():
     ranks over a 4-layer model, one layer per stage) fit every kind and phase."""
     paths = [os.path.join(TRACES, f"flatpipe-zb-v.rank{r}.json.gz") for r in range(2)]
     t = flatpipe.import_trace(paths)
-    assert t["steps"] == 2 and t["step"] == 1 and "RECV_F" in t["other_events"]
+    assert t.steps == 2 and t.step == 1 and "RECV_F" in t.other_events
     # The traced steps, planned again exactly as the script planned them.
     pipe = flatpipe.Pipeline("zb-v", pp=2, num_layers=4, token_budget=64)
     plans = [pipe.plan_step(lens, i) for i, lens in enumerate([[40, 7, 19, 33, 12, 5, 28, 50], [30, 25, 35, 28, 60]])]
     for i, plan in enumerate(plans):
-        got = flatpipe.import_trace(paths, i)["actions"]
+        got = flatpipe.import_trace(paths, i).actions
         assert [[a for a, _, _ in rank] for rank in got] == [plan.actions(r) for r in range(2)]
     base = flatpipe.Profile.analytic("llama3.1-8b", "cpu")
     kinds = ["embedding", "decoder", "decoder", "head"]
@@ -195,10 +195,10 @@ def test_nested_events_of_a_real_trace_match_a_count_of_the_raw_events():
     t = flatpipe.import_trace(paths)
     with gzip.open(paths[0], "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    spans = [e for e in events if e["name"].startswith("PP:") and e["name"][3:] in set(a for a, _, _ in t["actions"][0])]
+    spans = [e for e in events if e["name"].startswith("PP:") and e["name"][3:] in set(a for a, _, _ in t.actions[0])]
     spans.sort(key=lambda e: e["ts"])
-    last = spans[-len(t["actions"][0]) :]
-    assert [e["name"][3:] for e in last] == [a for a, _, _ in t["actions"][0]]
+    last = spans[-len(t.actions[0]) :]
+    assert [e["name"][3:] for e in last] == [a for a, _, _ in t.actions[0]]
     want = []
     for span in last:
         inside = [
@@ -210,7 +210,7 @@ def test_nested_events_of_a_real_trace_match_a_count_of_the_raw_events():
         ]
         comm = sum(e["dur"] for e in inside if e["name"].startswith("c10d::")) * 1e-6
         want.append((len(inside), comm))
-    got = t["nested"][0]
+    got = t.nested[0]
     assert [n for n, _ in got] == [n for n, _ in want]
     assert [c for _, c in got] == pytest.approx([c for _, c in want], abs=1e-9)
     assert sum(n for n, _ in got) > 0

@@ -85,18 +85,12 @@ pub(super) fn candidate(ctx: &Context<'_>, c: &Pending, fitted: Fitted) -> Candi
     }
 }
 
-/// Why no candidate fits: the first six rejections (and how many more); led, when the static
+/// Why no candidate fits: the first rejection of each of the first six kinds of reason (and
+/// how many are like it); led, when the static
 /// state alone cannot fit even split over the most pipeline ranks searched, by that.
 pub(super) fn nothing_fits(ctx: &Context<'_>, rejected: &[(String, String)]) -> Error {
     let config = &ctx.config;
-    let mut reasons: Vec<String> = rejected
-        .iter()
-        .take(6)
-        .map(|(w, r)| format!("{w}: {r}"))
-        .collect();
-    if rejected.len() > 6 {
-        reasons.push(format!("... and {} more", rejected.len() - 6));
-    }
+    let mut reasons = distinct_reasons(rejected, 6);
     if let Some(least) = least_static(ctx)
         && least.bytes > config.memory_limit_bytes
     {
@@ -123,6 +117,35 @@ pub(super) fn nothing_fits(ctx: &Context<'_>, rejected: &[(String, String)]) -> 
         );
     }
     Error::NoFeasiblePlan(reasons.join("; "))
+}
+
+/// The first rejection of each kind of reason (the reason with its numbers left out), the
+/// first `most` kinds, each with how many more rejections read like it, so that one kind
+/// that hit many layouts (every replica empty) does not hide the others (activations over
+/// the limit).
+fn distinct_reasons(rejected: &[(String, String)], most: usize) -> Vec<String> {
+    let kind = |r: &str| -> String { r.chars().filter(|c| !c.is_ascii_digit()).collect() };
+    let mut kinds: Vec<(String, String, usize)> = Vec::new();
+    for (what, reason) in rejected {
+        let k = kind(reason);
+        match kinds.iter_mut().find(|(seen, _, _)| *seen == k) {
+            Some(entry) => entry.2 += 1,
+            None => kinds.push((k, format!("{what}: {reason}"), 0)),
+        }
+    }
+    let shown = kinds.len().min(most);
+    let mut out: Vec<String> = kinds[..shown]
+        .iter()
+        .map(|(_, first, like)| match like {
+            0 => first.clone(),
+            n => format!("{first} (and {n} more like it)"),
+        })
+        .collect();
+    let hidden: usize = kinds[shown..].iter().map(|(_, _, n)| n + 1).sum();
+    if hidden > 0 {
+        out.push(format!("... and {hidden} more of other kinds"));
+    }
+    out
 }
 
 /// The layout searched whose static state per rank is least.
@@ -167,4 +190,44 @@ fn least_static(ctx: &Context<'_>) -> Option<LeastStatic> {
         }
     }
     least
+}
+
+#[cfg(test)]
+mod tests {
+    use super::distinct_reasons;
+
+    fn rejected(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(w, r)| (w.to_string(), r.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn one_kind_of_reason_does_not_hide_the_others() {
+        // Five layouts with empty replicas, then two over the memory limit, then one more kind:
+        // the first of each kind is shown, with the count of those like it.
+        let list = rejected(&[
+            ("dp=8", "8 replicas, 1 sequence"),
+            ("dp=4", "4 replicas, 1 sequence"),
+            ("dp=2", "2 replicas, 1 sequence"),
+            ("tp=2 dp=4", "4 replicas, 1 sequence"),
+            ("tp=2 dp=2", "2 replicas, 1 sequence"),
+            ("pp=8", "peak 278.7 GiB over 136.4 GiB"),
+            ("tp=8", "peak 512.0 GiB over 136.4 GiB"),
+            ("pp=4", "no schedule"),
+        ]);
+        assert_eq!(
+            distinct_reasons(&list, 6),
+            [
+                "dp=8: 8 replicas, 1 sequence (and 4 more like it)",
+                "pp=8: peak 278.7 GiB over 136.4 GiB (and 1 more like it)",
+                "pp=4: no schedule",
+            ]
+        );
+        // At most two kinds shown: the third kind's one rejection is counted, not shown.
+        assert_eq!(
+            distinct_reasons(&list, 2).last().unwrap(),
+            "... and 1 more of other kinds"
+        );
+    }
 }
