@@ -667,7 +667,13 @@ class _StepState:
                 raise RuntimeError(f"rank {self.me}: {p} runs before its receive {key} was posted")
             work, buf = self.pending.pop(key)
             w0 = time.perf_counter()
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"rank {self.me}: receiving {key} from rank {self.stage_rank[src]} failed "
+                    f"({e}); the sending rank stopped first: its error says why"
+                ) from e
             wait += time.perf_counter() - w0
             got[key] = buf
         return got, wait
@@ -706,8 +712,22 @@ class _StepState:
 
     def _send(self, part: ComputeAction, tensor: torch.Tensor) -> None:
         """Hands ``part``'s result ``[T, H]`` to stage ``part.sends_to``: directly when this
-        rank runs that stage, else to the program's SEND entry that follows."""
+        rank runs that stage, else to the program's SEND entry that follows. Raises
+        ``ValueError`` when the result is not the plan's boundary tensor (the microbatch's
+        tokens x ``hidden_size`` in the runtime's ``dtype``): the peer's receive is sized from
+        the plan, and gloo fills a narrower message's share of the buffer and leaves the rest,
+        so a stage module with another width or dtype would hand on a silently wrong tensor."""
         dst_stage = part.sends_to
+        rows = (self.fo_tokens if part.kind == "Fo" else self.tokens)[part.microbatch]
+        rt = self.rt
+        if tuple(tensor.shape) != (rows, rt.hidden_size) or tensor.dtype != rt.dtype:
+            raise ValueError(
+                f"rank {self.me}: {part} produced a {list(tensor.shape)} {tensor.dtype} tensor "
+                f"for stage {dst_stage}, but the plan's boundary tensor is [{rows}, "
+                f"{rt.hidden_size}] {rt.dtype} (the microbatch's tokens x hidden_size, in the "
+                "runtime's dtype): the stage module must output [T, hidden_size] in the "
+                "PipelineRuntime's dtype"
+            )
         key = (_carried(part.kind), dst_stage, part.microbatch)
         if self.stage_rank[dst_stage] == self.me:
             self.local[key] = tensor

@@ -184,8 +184,9 @@ def run_bad_plan(rank: int, world: int, init: str, out_dir: str, case: str) -> N
     """Plans that cannot run together: ``"lengths"``, rank 1 plans other sequence lengths;
     ``"schedule"``, rank 1 plans GPipe where rank 0 plans 1F1B (same lengths); ``"world"``,
     both plan pp = 4 in a world of 2; ``"hidden"``, rank 1's runtime is told half the hidden
-    size (its receives would take a narrower tensor). Each rank writes the ValueError it got
-    (or None)."""
+    size (its receives would take a narrower tensor); ``"module"``, rank 0's stage module
+    outputs bfloat16 where the runtime was told float32 (a message half the buffer's size).
+    Each rank writes the error it got (or None), with its type."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         cfg = ModelConfig(num_decoders=4)
@@ -193,6 +194,8 @@ def run_bad_plan(rank: int, world: int, init: str, out_dir: str, case: str) -> N
         pp = 4 if case == "world" else world
         pipe = flatpipe.Pipeline(kind, pp=pp, num_layers=cfg.num_layers, token_budget=64)
         stages = {rank: Stage(cfg, *pipe.stages[rank])}
+        if case == "module" and rank == 0:
+            stages[0] = _Cast(stages[0], torch.bfloat16)
         hidden = cfg.hidden // 2 if case == "hidden" and rank == 1 else cfg.hidden
         rt = PipelineRuntime(stages, rank=rank, hidden_size=hidden)
         lengths = [30, 20, 50, 10, 40, 25]
@@ -203,12 +206,24 @@ def run_bad_plan(rank: int, world: int, init: str, out_dir: str, case: str) -> N
         try:
             rt.step(plan, inputs, targets)
             msg = None
-        except ValueError as e:
-            msg = str(e)
+        except (ValueError, RuntimeError) as e:
+            msg = f"{type(e).__name__}: {e}"
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"error": msg}, f)
     finally:
         dist.destroy_process_group()
+
+
+class _Cast(torch.nn.Module):
+    """A stage module whose output is cast to ``dtype`` (a module that does not output what the
+    runtime was told)."""
+
+    def __init__(self, inner: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, x, cu_seqlens, **kw):
+        return self.inner(x, cu_seqlens, **kw).to(self.dtype)
 
 
 def run_traced(rank: int, world: int, init: str, out_dir: str) -> None:

@@ -133,13 +133,17 @@ def test_dropping_one_w_is_caught(tmp_path):
         ("schedule", "different step plans"),
         ("world", "the plan has 4 pipeline ranks"),
         ("hidden", "different boundary tensors"),
+        ("module", "torch.bfloat16 tensor for stage 1, but the plan's boundary tensor is"),
     ],
 )
 def test_plans_that_cannot_run_together_raise_on_every_rank(tmp_path, case, says):
     """Ranks planning other sequence lengths (gloo would abort the process on the size
     mismatch), other schedules with the same lengths (a hang), a pp = 4 plan in a world of 2
     (a hang), or another hidden size on one rank (gloo would fill a narrower tensor's share of
-    the buffer and leave the rest): a ValueError on every rank within the timeout."""
+    the buffer and leave the rest): a ValueError on every rank within the timeout. A stage
+    module whose output is not the boundary tensor the runtime was told (bfloat16 for float32:
+    gloo would accept the half-size message) is refused before the send, and the receiving
+    rank's wait fails instead of hanging."""
     ctx = mp.start_processes(
         run_bad_plan,
         args=(2, str(tmp_path / "init"), str(tmp_path), case),
@@ -153,9 +157,14 @@ def test_plans_that_cannot_run_together_raise_on_every_rank(tmp_path, case, says
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"{case}: the ranks hung")
-    for r in range(2):
-        e = json.load(open(tmp_path / f"rank{r}.json"))["error"]
-        assert e and says in e, e
+    errors = [json.load(open(tmp_path / f"rank{r}.json"))["error"] for r in range(2)]
+    if case == "module":
+        # The sender refuses its module's output; the receiver's wait fails when it stops.
+        assert errors[0] and errors[0].startswith("ValueError") and says in errors[0], errors
+        assert errors[1] and "the sending rank stopped first" in errors[1], errors
+        return
+    for e in errors:
+        assert e and e.startswith("ValueError") and says in e, e
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
