@@ -233,3 +233,45 @@ mod tests {
         assert!(e.contains("layers[1].ffn") && e.contains(">= 1"), "{e}");
     }
 }
+
+/// The measured GEMM tables of `profiles/data/gemm/` (not yet read by the analytic profile),
+/// checked as data: every row a positive shape at or under its GPU's datasheet peak.
+#[cfg(test)]
+mod gemm_tables {
+    const TABLES: &[(&str, &str, &str)] = &[
+        (
+            "h100-sxm-bf16.csv",
+            include_str!("../data/gemm/h100-sxm-bf16.csv"),
+            "h100",
+        ),
+        (
+            "h200-sxm-bf16.csv",
+            include_str!("../data/gemm/h200-sxm-bf16.csv"),
+            "h200",
+        ),
+    ];
+
+    #[test]
+    fn every_row_is_a_shape_under_the_peak() {
+        for (name, text, hw) in TABLES {
+            let peak = super::hardware(hw).unwrap().peak_flops / 1e12;
+            let rows: Vec<Vec<f64>> = text
+                .lines()
+                .filter(|l| !l.starts_with('#') && !l.starts_with("m,"))
+                .map(|l| l.split(',').map(|x| x.trim().parse().unwrap()).collect())
+                .collect();
+            assert!(rows.len() >= 8, "{name}: {} rows", rows.len());
+            for r in &rows {
+                assert_eq!(r.len(), 4, "{name}: {r:?}");
+                assert!(
+                    r[..3].iter().all(|&d| d >= 1.0 && d.fract() == 0.0),
+                    "{name}: {r:?}"
+                );
+                assert!(
+                    r[3] > 0.0 && r[3] <= peak,
+                    "{name}: {r:?} over the peak {peak}"
+                );
+            }
+        }
+    }
+}
