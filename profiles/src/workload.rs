@@ -230,11 +230,12 @@ impl Workload {
             ));
         }
         // The format is read from the text: a CSV's header is a comma-separated line without
-        // a YAML key's colon, or the single column `tokens` (whatever the file is called).
+        // a YAML key's colon, or the single column `tokens` (whatever the file is called); YAML
+        // comment lines (`#`) are not a header.
         let first = text
             .lines()
             .map(str::trim)
-            .find(|l| !l.is_empty())
+            .find(|l| !l.is_empty() && !l.starts_with('#'))
             .unwrap_or("");
         let looks_csv = first == "tokens" || (first.contains(',') && !first.contains(':'));
         if looks_csv
@@ -465,6 +466,23 @@ mod tests {
         assert!(
             e.contains("w.yaml") && e.contains("lengths.csv") && e.contains("nowhere.csv"),
             "{e}"
+        );
+    }
+
+    /// A workload YAML that opens with a comment line holding a comma and no colon (the
+    /// published runs' files do) is YAML, not a CSV header.
+    #[test]
+    fn a_yaml_opening_with_a_comment_is_yaml() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.yaml");
+        let text = "# The batch (Dubey et al. 2024, Table 4)\n\nname: w\nlengths: {kind: fixed, tokens: 8192}\nseqs_per_step: 2048\n";
+        std::fs::write(&path, text).unwrap();
+        let w = Workload::from_file(&path).unwrap();
+        assert_eq!(w.name, "w");
+        assert!(
+            matches!(w.lengths, LengthDistribution::Fixed { tokens: 8192 }),
+            "{:?}",
+            w.lengths
         );
     }
 
