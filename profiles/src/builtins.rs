@@ -249,6 +249,11 @@ mod gemm_tables {
             include_str!("../data/gemm/h200-sxm-bf16.csv"),
             "h200",
         ),
+        (
+            "b200-bf16.csv",
+            include_str!("../data/gemm/b200-bf16.csv"),
+            "b200",
+        ),
     ];
 
     #[test]
