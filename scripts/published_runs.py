@@ -289,7 +289,7 @@ def main() -> int:
 WHY = """\
 Why they miss today: the analytic profile runs every GEMM and attention kernel at one flat 40% of
 the datasheet peak, so every row's predicted MFU sits near the same low value whatever the
-source reports. The measured GEMM tables of `profiles/data/gemm/` (H100, H200) are what the
+source reports. The measured GEMM tables of `profiles/data/gemm/` (H100, H200, B200) are what the
 profile is to use instead; no A100 table by shape is committed yet. BLOOM's run also set
 `CUDA_LAUNCH_BLOCKING=1` and crossed nodes at 6.25 GB/s per GPU, both in its run file."""
 
