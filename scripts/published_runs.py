@@ -14,7 +14,7 @@ where the source states one) and a plan file (the stated parallelism and layer s
 `flatpipe simulate --plan` on it and turns the predicted step time into the reported metric.
 `--check` exits 1 when the written table would differ from the file (a stale page).
 
-Needs python3 >= 3.11 (tomllib) and the release binary.
+Needs python3 >= 3.11 (tomllib; or tomli from PyPI) and the flatpipe binary.
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ import tempfile
 
 try:
     import tomllib
-except ImportError:  # pragma: no cover - python < 3.11
-    sys.exit("scripts/published_runs.py needs python 3.11 or newer (tomllib)")
+except ImportError:  # python < 3.11: the same parser from PyPI (the test environment has it)
+    try:
+        import tomli as tomllib
+    except ImportError:
+        sys.exit("scripts/published_runs.py needs python 3.11 or newer (tomllib), or tomli")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(ROOT, "examples", "published", "runs")

@@ -1,0 +1,160 @@
+"""Pipeline stages from a Hugging Face decoder-only model, for ``flatpipe.torch``.
+
+:func:`stages` cuts a ``*ForCausalLM`` of Hugging Face ``transformers`` (Llama, Qwen2, Qwen3,
+Mistral: the models whose ``.model`` holds ``embed_tokens``, ``layers``, ``norm`` and
+``rotary_emb`` and whose ``lm_head`` is the head) into the stages a pipeline rank runs, by
+flatpipe's layer numbering: layer 0 is the embedding, layers ``1..L`` the decoder layers,
+``L + 1`` the final norm with the head. Each stage takes its layers' modules from the unsplit
+model (its parameters are the model's own, not copies), so a user splits a model they already
+have; the other layers are simply never run on that rank.
+
+A stage honours :class:`flatpipe.torch.StageModule`: ``forward(x, cu_seqlens)`` with token ids
+``[T]`` on the first stage and hidden states ``[T, H]`` after it, logits ``[T, V]`` from the
+last. The flat microbatch is run as one row of ``T`` tokens: positions restart at every
+sequence boundary of ``cu_seqlens``, and the attention mask is the model's own
+(``transformers.masking_utils.create_causal_mask``), which detects the packed sequences from
+those positions and never lets a token attend across a boundary. Which attention runs is the
+model's ``attn_implementation``: ``sdpa`` and ``eager`` (the CPU, and CUDA without
+FlashAttention) take a block-diagonal causal mask of ``T x T``; ``flash_attention_2`` on CUDA
+takes no mask and runs FlashAttention's variable-length kernel over the sequences the
+positions delimit (transformers' packed-sequence path; not exercised by flatpipe's tests, which
+run on the CPU).
+
+Not supported: sequences cut into chunks (``Pipeline(chunk_tokens=...)``: a stage refuses the
+earlier chunks' keys and values), and a tied embedding and head on stages of different ranks
+(:func:`stages` refuses it: the two copies' gradients would need an all-reduce).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["HFStage", "stages", "positions"]
+
+
+def positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Positions ``[T]`` (int64) restarting at 0 at every boundary of ``cu_seqlens`` ``[n + 1]``."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
+    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+
+
+def _parts(model: nn.Module) -> Tuple[nn.Module, int]:
+    """The model's decoder stack (``model.model``) and its decoder count, or a ``ValueError``
+    naming what is missing."""
+    inner = getattr(model, "model", None)
+    missing = [
+        n
+        for n in ("embed_tokens", "layers", "norm", "rotary_emb")
+        if inner is None or not hasattr(inner, n)
+    ]
+    if missing or not hasattr(model, "lm_head"):
+        raise ValueError(
+            f"{type(model).__name__} is not a decoder-only *ForCausalLM flatpipe can cut: it "
+            f"lacks {', '.join(['model.' + m for m in missing] or ['lm_head'])} (supported: "
+            "Llama, Qwen2, Qwen3, Mistral)"
+        )
+    return inner, len(inner.layers)
+
+
+class HFStage(nn.Module):
+    """Layers ``[start, end)`` of a Hugging Face ``*ForCausalLM`` by flatpipe's numbering (0 the
+    embedding, ``1..L`` the decoders, ``L + 1`` the final norm and head), as a
+    :class:`flatpipe.torch.StageModule`."""
+
+    def __init__(self, model: nn.Module, start: int, end: int) -> None:
+        super().__init__()
+        inner, decoders = _parts(model)
+        total = decoders + 2
+        if not 0 <= start < end <= total:
+            raise ValueError(
+                f"layers [{start}, {end}) are invalid for {type(model).__name__} with {total} "
+                f"layers (embedding, {decoders} decoders, head): 0 <= start < end <= {total}"
+            )
+        self.config = model.config
+        self.start, self.end = start, end
+        self.embed = inner.embed_tokens if start == 0 else None
+        first, last = max(start, 1) - 1, min(end, decoders + 1) - 1
+        self.layers = nn.ModuleList(inner.layers[first:last]) if last > first else nn.ModuleList()
+        self.norm = inner.norm if end == total else None
+        self.head = model.lm_head if end == total else None
+        self.rotary = inner.rotary_emb
+        mine = {id(p) for p in self.parameters()}
+        self._names = {n: p for n, p in model.named_parameters() if id(p) in mine}
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, kv: Optional[object] = None
+    ) -> torch.Tensor:
+        """``x``: token ids ``[T]`` (first stage) or hidden states ``[T, H]``; ``cu_seqlens``
+        ``[n + 1]`` int64. Returns ``[T, H]``, or logits ``[T, V]`` on the last stage."""
+        if kv is not None:
+            raise ValueError(
+                "a Hugging Face stage does not run sequence chunks (Pipeline(chunk_tokens=...)): "
+                "plan without chunk_tokens, or with a token budget of at least the longest sequence"
+            )
+        h = self.embed(x) if self.embed is not None else x
+        h = h.unsqueeze(0)
+        if len(self.layers):
+            from transformers.masking_utils import create_causal_mask
+
+            pos = positions(cu_seqlens.to(h.device)).unsqueeze(0)
+            mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=h,
+                attention_mask=None,
+                cache=None,
+                position_ids=pos,
+            )
+            rope = self.rotary(h, position_ids=pos)
+            for layer in self.layers:
+                h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        if self.head is not None:
+            return self.head(self.norm(h)).squeeze(0)
+        # A copy, not the view `squeeze` gives: PyTorch's split backward
+        # (`stage_backward_input`) detaches a stage's output in place, which a view refuses.
+        return h.squeeze(0).clone()
+
+    def layer_parameters(self) -> Dict[str, nn.Parameter]:
+        """The stage's parameters by their name in the whole model
+        (``model.layers.3.self_attn.q_proj.weight``): for checkpoints and for comparing a
+        pipelined run with the unsplit model."""
+        return dict(self._names)
+
+
+def stages(
+    model: nn.Module,
+    layer_ranges: Sequence[Tuple[int, int]],
+    stage_ranks: Sequence[int],
+    rank: int,
+) -> Dict[int, HFStage]:
+    """Rank ``rank``'s stages of ``model`` by global stage index, from a pipeline's layer ranges
+    and stage-to-rank map (``Pipeline.stages`` and ``Pipeline.stage_ranks``, or a plan's).
+
+    Raises ``ValueError`` when the ranges do not cover the model's layers in order, or when the
+    model ties its embedding and head (``tie_word_embeddings``) and the first and last stages
+    are on different ranks."""
+    _, decoders = _parts(model)
+    total = decoders + 2
+    if len(layer_ranges) != len(stage_ranks):
+        raise ValueError(f"{len(layer_ranges)} layer ranges for {len(stage_ranks)} stage ranks")
+    ends = [0] + [b for _, b in layer_ranges]
+    if [a for a, _ in layer_ranges] != ends[:-1] or ends[-1] != total:
+        raise ValueError(
+            f"the stages' layer ranges {list(layer_ranges)} do not cover the model's {total} "
+            f"layers (embedding, {decoders} decoders, head) in order: plan with num_layers = {total}"
+        )
+    if getattr(model.config, "tie_word_embeddings", False) and stage_ranks[0] != stage_ranks[-1]:
+        raise ValueError(
+            f"{type(model).__name__} ties its embedding and head (tie_word_embeddings), but "
+            f"the first stage runs on rank {stage_ranks[0]} and the last on rank "
+            f"{stage_ranks[-1]}: their gradients would need an all-reduce flatpipe does not run; "
+            "untie them, or use a V placement (both on rank 0)"
+        )
+    return {
+        s: HFStage(model, a, b)
+        for s, ((a, b), r) in enumerate(zip(layer_ranges, stage_ranks))
+        if r == rank
+    }

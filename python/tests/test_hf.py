@@ -1,0 +1,90 @@
+"""Hugging Face models as pipeline stages (flatpipe.hf): a tiny Llama and Qwen3 with random
+weights, cut by flatpipe's plans and run on gloo, against the unsplit model run one sequence at
+a time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("transformers")
+
+from _hf_workers import ATOL, run, tiny  # noqa: E402
+from flatpipe.hf import HFStage, positions, stages  # noqa: E402
+
+# Steps whose microbatch counts and lengths differ (a 64-token budget): ten sequences, five with
+# one longer than the budget, two.
+STEPS = [[40, 7, 19, 33, 12, 5, 28, 50, 9, 17], [90, 30, 25, 35, 28], [20, 11]]
+
+
+def launch(tmp_path, world, spec):
+    mp.spawn(run, args=(world, str(tmp_path / "init"), spec, str(tmp_path)), nprocs=world, join=True)
+    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+
+
+@pytest.mark.parametrize(
+    "model, world, schedule",
+    [
+        ("llama", 2, "1f1b"),
+        ("llama", 2, "interleaved-1f1b"),
+        ("llama", 2, "zb-v"),
+        ("llama", 2, "zb-auto"),
+        ("qwen3", 2, "zb-v"),
+        ("qwen3", 4, "1f1b"),
+        ("llama", 4, "interleaved-1f1b"),
+    ],
+)
+def test_loss_and_gradients_equal_the_unsplit_model(tmp_path, model, world, schedule):
+    spec = {"model": model, "decoders": 6, "schedule": schedule, "budget": 64, "steps": STEPS}
+    reports = launch(tmp_path, world, spec)
+    for rank, steps in enumerate(reports):
+        for s in steps:
+            where = f"{model} {schedule} rank {rank} step {s['step']} microbatches {s['microbatches']}"
+            assert not s["missing"], f"{where}: no gradient for {s['missing']}"
+            assert abs(s["loss"] - s["want_loss"]) <= 1e-5 * abs(s["want_loss"]), where
+            assert s["grad_excess"] <= ATOL, f"{where}: gradient off by {s['grad_excess']}"
+    # Every parameter of the model is on exactly one rank.
+    total = sum(1 for _ in tiny(model, 6).parameters())
+    assert sum(r[0]["params"] for r in reports) == total
+    # The steps really vary in microbatch count.
+    assert len({len(s["microbatches"]) for s in reports[0]}) == len(STEPS)
+
+
+def test_positions_restart_at_every_boundary():
+    cu = torch.tensor([0, 3, 4, 8])
+    assert positions(cu).tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+
+
+def test_a_packed_microbatch_equals_its_sequences_one_at_a_time():
+    """The whole model as one stage on a packed microbatch against each sequence alone; and
+    the same tokens as one sequence differ (the check can fail)."""
+    model = tiny("qwen3", 2).eval()
+    lens = [5, 9, 1, 7]
+    cu = torch.tensor([0, 5, 14, 15, 22])
+    x = torch.randint(96, (22,), generator=torch.Generator().manual_seed(3))
+    whole = HFStage(model, 0, 4)
+    with torch.no_grad():
+        packed = whole(x, cu)
+        alone = torch.cat([model(x[a:b].unsqueeze(0)).logits[0] for a, b in zip(cu[:-1], cu[1:])])
+        one = whole(x, torch.tensor([0, 22]))
+    assert packed.shape == (sum(lens), 96)
+    assert (packed - alone).abs().max() < 1e-5
+    assert (one - alone).abs().max() > 1e-3
+
+
+def test_bad_cuts_are_refused_with_the_reason():
+    model = tiny("llama", 2)
+    with pytest.raises(ValueError, match=r"do not cover the model's 4 layers"):
+        stages(model, [(0, 2), (2, 3)], [0, 1], 0)
+    with pytest.raises(ValueError, match=r"0 <= start < end <= 4"):
+        HFStage(model, 2, 5)
+    model.config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match="ties its embedding and head"):
+        stages(model, [(0, 2), (2, 4)], [0, 1], 0)
+    with pytest.raises(ValueError, match="is not a decoder-only"):
+        stages(torch.nn.Linear(2, 2), [(0, 1)], [0], 0)
+    with pytest.raises(ValueError, match="does not run sequence chunks"):
+        HFStage(tiny("llama", 2), 0, 4)(torch.tensor([1, 2]), torch.tensor([0, 2]), kv=object())
