@@ -97,11 +97,12 @@ __all__ = [
     "plan",
 ]
 
-# The submodules that need torch (torch, models, hf: Hugging Face stages, which also needs
-# transformers) or numpy-only helpers (fit) load on first use,
+# The submodules that need torch (torch, models; hf and titan, stages from Hugging Face and
+# torchtitan models, which also need those libraries) or numpy-only helpers (fit) load on first
+# use,
 # so `import flatpipe` does not import torch: `flatpipe.torch.PipelineRuntime` works without an
 # explicit `import flatpipe.torch`.
-_LAZY = ("torch", "models", "fit", "hf")
+_LAZY = ("torch", "models", "fit", "hf", "titan")
 
 
 def __getattr__(name: str):

@@ -1,6 +1,6 @@
-"""Hugging Face models as pipeline stages (flatpipe.hf): a tiny Llama and Qwen3 with random
-weights, cut by flatpipe's plans and run on gloo, against the unsplit model run one sequence at
-a time."""
+"""Other libraries' models as pipeline stages: Hugging Face (flatpipe.hf: a tiny Llama and
+Qwen3) and torchtitan (flatpipe.titan: its Llama 3), random weights, cut by flatpipe's plans and
+run on gloo, against the unsplit model run one sequence at a time."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("transformers")
 
 from _hf_workers import ATOL, run, tiny  # noqa: E402
+from flatpipe import titan  # noqa: E402
 from flatpipe.hf import HFStage, positions, stages  # noqa: E402
 
 # Steps whose microbatch counts and lengths differ (a 64-token budget): ten sequences, five with
@@ -35,6 +36,9 @@ def launch(tmp_path, world, spec):
         ("qwen3", 2, "zb-v"),
         ("qwen3", 4, "1f1b"),
         ("llama", 4, "interleaved-1f1b"),
+        ("titan", 2, "zb-v"),
+        ("titan", 2, "interleaved-1f1b"),
+        ("titan", 4, "zb-auto"),
     ],
 )
 def test_loss_and_gradients_equal_the_unsplit_model(tmp_path, model, world, schedule):
@@ -88,3 +92,25 @@ def test_bad_cuts_are_refused_with_the_reason():
         stages(torch.nn.Linear(2, 2), [(0, 1)], [0], 0)
     with pytest.raises(ValueError, match="does not run sequence chunks"):
         HFStage(tiny("llama", 2), 0, 4)(torch.tensor([1, 2]), torch.tensor([0, 2]), kv=object())
+
+
+def test_a_titan_stage_runs_the_models_own_attention():
+    """torchtitan's model on a packed microbatch with its own compiled FlexAttention (forward
+    only: it has no CPU backward) against the same weights cut into two stages, whose blocks run
+    SDPA under the same document mask on the CPU."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    own = tiny("titan", 2)
+    cut = tiny("titan", 2)
+    first, last = titan.TitanStage(cut, 0, 2), titan.TitanStage(cut, 2, 4)
+    cu = torch.tensor([0, 6, 7, 20])
+    doc = torch.repeat_interleave(torch.arange(3), cu[1:] - cu[:-1])
+    mask = create_block_mask(lambda b, h, q, k: (q >= k) & (doc[q] == doc[k]), None, None, 20, 20, device="cpu")
+    x = torch.randint(96, (20,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = own(x.unsqueeze(0), attention_masks=mask, positions=titan.positions(cu).unsqueeze(0))[0]
+        got = last(first(x, cu), cu)
+    assert (got - want).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="attn_type is 'sdpa'"):
+        own.model_args.attn_type = "sdpa"
+        titan.stages(own, [(0, 4)], [0], 0)

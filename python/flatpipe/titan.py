@@ -1,0 +1,148 @@
+"""Pipeline stages from torchtitan's Llama 3 model, for ``flatpipe.torch``.
+
+:func:`stages` cuts a ``torchtitan.models.llama3.Transformer`` (torchtitan 0.2) into the stages a
+pipeline rank runs, by flatpipe's layer numbering: 0 the token embedding, ``1..L`` the
+transformer blocks, ``L + 1`` the final norm with the output projection. Each stage takes its
+modules from the unsplit model.
+
+A stage runs a flat microbatch as one row of ``T`` tokens, with positions restarting at each
+``cu_seqlens`` boundary (torchtitan's ``positions`` index its RoPE cache) and a document mask
+(causal within a sequence, never across one) as FlexAttention's ``BlockMask``: the model must be
+built with ``attn_type="flex"`` (``"sdpa"`` has no document mask; ``"varlen"`` is not wired
+yet). On CUDA the blocks run torchtitan's compiled FlexAttention. FlexAttention has no backward
+on the CPU, so on the CPU a stage runs PyTorch's SDPA under the same mask, materialised as a
+``T x T`` boolean matrix: :func:`stages` gives every block of the stage an attention kernel
+(:class:`DocumentAttention`) that picks by device; it holds no parameters, so the model's state
+dict is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .hf import positions
+
+__all__ = ["TitanStage", "DocumentAttention", "stages"]
+
+
+class DocumentAttention(nn.Module):
+    """FlexAttention on CUDA (torchtitan's compiled wrapper), SDPA under the block mask's own
+    ``mask_mod`` materialised as ``[T, T]`` on the CPU, where FlexAttention has no backward.
+    Takes ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``."""
+
+    def forward(self, q, k, v, *, block_mask, enable_gqa: bool = False, **kw) -> torch.Tensor:
+        if q.device.type != "cpu":
+            from torchtitan.models.attention import FlexAttentionWrapper
+
+            return FlexAttentionWrapper()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, **kw)
+        idx = torch.arange(q.shape[2], device=q.device)
+        dense = block_mask.mask_mod(0, 0, idx[:, None], idx[None, :])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=enable_gqa)
+
+
+def _check(model: nn.Module) -> int:
+    """The model's block count, or a ``ValueError`` naming what is missing or unsupported."""
+    missing = [n for n in ("tok_embeddings", "layers", "norm", "output", "freqs_cis") if not hasattr(model, n)]
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__} is not torchtitan's Llama 3 Transformer: it lacks "
+            f"{', '.join(missing)}"
+        )
+    attn = getattr(getattr(model, "model_args", None), "attn_type", None)
+    if attn != "flex":
+        raise ValueError(
+            f"the model's attn_type is {attn!r}: a flat microbatch needs a document mask, which "
+            "torchtitan gives with attn_type='flex' (build the model with it)"
+        )
+    return len(model.layers)
+
+
+class TitanStage(nn.Module):
+    """Layers ``[start, end)`` of torchtitan's Llama 3 ``Transformer`` by flatpipe's numbering,
+    as a :class:`flatpipe.torch.StageModule`."""
+
+    def __init__(self, model: nn.Module, start: int, end: int) -> None:
+        super().__init__()
+        blocks = _check(model)
+        total = blocks + 2
+        if not 0 <= start < end <= total:
+            raise ValueError(
+                f"layers [{start}, {end}) are invalid for a {blocks}-block model ({total} layers "
+                f"with the embedding and the output): 0 <= start < end <= {total}"
+            )
+        self.embed = model.tok_embeddings if start == 0 else None
+        keys = list(model.layers.keys())[max(start, 1) - 1 : min(end, blocks + 1) - 1]
+        self.blocks = nn.ModuleList(model.layers[k] for k in keys)
+        for block in self.blocks:
+            block.attention.inner_attention = DocumentAttention()
+        self.norm = model.norm if end == total else None
+        self.output = model.output if end == total else None
+        self._model = [model]  # the RoPE cache (a buffer of the model), not a submodule here
+        mine = {id(p) for p in self.parameters()}
+        self._names = {n: p for n, p in model.named_parameters() if id(p) in mine}
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, kv: Optional[object] = None
+    ) -> torch.Tensor:
+        """``x``: token ids ``[T]`` (first stage) or hidden states ``[T, H]``; ``cu_seqlens``
+        ``[n + 1]`` int64. Returns ``[T, H]``, or logits ``[T, V]`` on the last stage."""
+        if kv is not None:
+            raise ValueError(
+                "a torchtitan stage does not run sequence chunks (Pipeline(chunk_tokens=...))"
+            )
+        h = (self.embed(x) if self.embed is not None else x).unsqueeze(0)
+        if len(self.blocks):
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            cu = cu_seqlens.to(h.device)
+            pos = positions(cu)
+            freqs = self._model[0].freqs_cis
+            if int(pos.max()) >= freqs.shape[0]:
+                raise ValueError(
+                    f"a sequence of {int(pos.max()) + 1} tokens is longer than the model's "
+                    f"max_seq_len {freqs.shape[0]}"
+                )
+            doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=h.device), cu[1:] - cu[:-1])
+
+            def document(b, head, q, k):
+                return (q >= k) & (doc[q] == doc[k])
+
+            t = h.shape[1]
+            mask = create_block_mask(document, None, None, t, t, device=h.device.type)
+            for block in self.blocks:
+                h = block(h, freqs.to(h.device), attention_masks=mask, positions=pos.unsqueeze(0))
+        if self.output is not None:
+            return self.output(self.norm(h)).squeeze(0)
+        # A copy: PyTorch's split backward detaches a stage's output in place (hf.HFStage).
+        return h.squeeze(0).clone()
+
+    def layer_parameters(self) -> Dict[str, nn.Parameter]:
+        """The stage's parameters by their name in the whole model (``layers.3.attention.wq.weight``)."""
+        return dict(self._names)
+
+
+def stages(
+    model: nn.Module,
+    layer_ranges: Sequence[Tuple[int, int]],
+    stage_ranks: Sequence[int],
+    rank: int,
+) -> Dict[int, TitanStage]:
+    """Rank ``rank``'s stages of ``model`` by global stage index, from a pipeline's layer ranges
+    and stage-to-rank map (``Pipeline.stages`` and ``Pipeline.stage_ranks``). Raises
+    ``ValueError`` when the ranges do not cover the model's layers in order."""
+    total = _check(model) + 2
+    ends = [0] + [b for _, b in layer_ranges]
+    if len(layer_ranges) != len(stage_ranks) or [a for a, _ in layer_ranges] != ends[:-1] or ends[-1] != total:
+        raise ValueError(
+            f"the stages' layer ranges {list(layer_ranges)} (on ranks {list(stage_ranks)}) do "
+            f"not cover the model's {total} layers in order: plan with num_layers = {total}"
+        )
+    return {
+        s: TitanStage(model, a, b)
+        for s, ((a, b), r) in enumerate(zip(layer_ranges, stage_ranks))
+        if r == rank
+    }
