@@ -11,14 +11,20 @@ have; the other layers are simply never run on that rank.
 A stage honours :class:`flatpipe.torch.StageModule`: ``forward(x, cu_seqlens)`` with token ids
 ``[T]`` on the first stage and hidden states ``[T, H]`` after it, logits ``[T, V]`` from the
 last. The flat microbatch is run as one row of ``T`` tokens: positions restart at every
-sequence boundary of ``cu_seqlens``, and the attention mask is the model's own
-(``transformers.masking_utils.create_causal_mask``), which detects the packed sequences from
-those positions and never lets a token attend across a boundary. Which attention runs is the
-model's ``attn_implementation``: ``sdpa`` and ``eager`` (the CPU, and CUDA without
-FlashAttention) take a block-diagonal causal mask of ``T x T``; ``flash_attention_2`` on CUDA
-takes no mask and runs FlashAttention's variable-length kernel over the sequences the
-positions delimit (transformers' packed-sequence path; not exercised by flatpipe's tests, which
-run on the CPU).
+sequence boundary of ``cu_seqlens``, and attention never crosses a boundary. Which attention
+runs (:func:`stages`' ``attention``):
+
+- ``"varlen"`` (the default unless the model runs FlashAttention): flatpipe's
+  ``flatpipe_varlen`` attention function, registered with transformers' ``AttentionInterface``
+  and set as the model's ``attn_implementation``: PyTorch's SDPA, causal, once per sequence
+  (the boundaries are where the positions restart), so its cost follows the sequences' query-key
+  pairs ``sum s (s + 1) / 2``, as flatpipe's cost model prices attention, on any device.
+- ``"model"``: the model's own ``attn_implementation`` with transformers' packed-sequence mask
+  (``transformers.masking_utils.create_causal_mask`` recognises the packed sequences from the
+  positions): with ``sdpa`` or ``eager`` a block-diagonal causal ``T x T`` mask, whose cost grows
+  with ``T^2`` whatever the sequences; with ``flash_attention_2`` on CUDA no mask, and
+  FlashAttention's variable-length kernel over the sequences (transformers' packed path; not
+  exercised by flatpipe's tests, which run on the CPU).
 
 Not supported: sequences cut into chunks (``Pipeline(chunk_tokens=...)``: a stage refuses the
 earlier chunks' keys and values), and a tied embedding and head on stages of different ranks
@@ -32,7 +38,10 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-__all__ = ["HFStage", "stages", "positions"]
+__all__ = ["HFStage", "stages", "positions", "model_yaml", "use_varlen", "varlen_attention"]
+
+#: The name flatpipe's per-sequence attention is registered under in transformers.
+VARLEN = "flatpipe_varlen"
 
 
 def positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -40,6 +49,39 @@ def positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
     return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-function interface (``query [1, H, T, D]``, ``key, value
+    [1, H_kv, T, D]``; returns ``([1, T, H, D], None)``): causal SDPA once per sequence, the
+    sequences being where ``kwargs["position_ids"]`` restarts at 0. Grouped-query attention
+    through SDPA's ``enable_gqa``."""
+    pos = kwargs.get("position_ids")
+    if pos is None or query.shape[0] != 1:
+        raise ValueError("flatpipe_varlen attention needs position_ids and one row of tokens")
+    t = query.shape[2]
+    starts = torch.nonzero(pos[0] == 0).flatten().tolist() + [t]
+    gqa = query.shape[1] != key.shape[1]
+    outs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+            is_causal=True, scale=scaling, dropout_p=dropout, enable_gqa=gqa,
+        )
+        for a, b in zip(starts[:-1], starts[1:])
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def use_varlen(model: nn.Module) -> None:
+    """Sets ``model``'s ``attn_implementation`` to flatpipe's per-sequence SDPA
+    (:func:`varlen_attention`, registered with transformers' ``AttentionInterface``); what
+    :func:`stages` does by default. Call it before measuring the model's stages
+    (:func:`flatpipe.torch.profile`) so that the profile times the attention the run uses."""
+    if model.config._attn_implementation != VARLEN:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(VARLEN, varlen_attention)
+        model.set_attn_implementation(VARLEN)
 
 
 def _parts(model: nn.Module) -> Tuple[nn.Module, int]:
@@ -66,6 +108,9 @@ class HFStage(nn.Module):
     :class:`flatpipe.torch.StageModule`."""
 
     def __init__(self, model: nn.Module, start: int, end: int) -> None:
+        """Takes the model's modules of layers ``[start, end)``; the attention is the model's
+        ``attn_implementation`` at each forward (``flatpipe_varlen`` after :func:`stages`
+        with ``attention="varlen"``)."""
         super().__init__()
         inner, decoders = _parts(model)
         total = decoders + 2
@@ -101,13 +146,15 @@ class HFStage(nn.Module):
             from transformers.masking_utils import create_causal_mask
 
             pos = positions(cu_seqlens.to(h.device)).unsqueeze(0)
-            mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=h,
-                attention_mask=None,
-                cache=None,
-                position_ids=pos,
-            )
+            mask = None
+            if self.config._attn_implementation != VARLEN:
+                mask = create_causal_mask(
+                    config=self.config,
+                    inputs_embeds=h,
+                    attention_mask=None,
+                    cache=None,
+                    position_ids=pos,
+                )
             rope = self.rotary(h, position_ids=pos)
             for layer in self.layers:
                 h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
@@ -129,14 +176,26 @@ def stages(
     layer_ranges: Sequence[Tuple[int, int]],
     stage_ranks: Sequence[int],
     rank: int,
+    attention: Optional[str] = None,
 ) -> Dict[int, HFStage]:
     """Rank ``rank``'s stages of ``model`` by global stage index, from a pipeline's layer ranges
     and stage-to-rank map (``Pipeline.stages`` and ``Pipeline.stage_ranks``, or a plan's).
 
-    Raises ``ValueError`` when the ranges do not cover the model's layers in order, or when the
-    model ties its embedding and head (``tie_word_embeddings``) and the first and last stages
-    are on different ranks."""
+    ``attention`` (module docstring): ``"varlen"`` sets the model's ``attn_implementation`` to
+    flatpipe's per-sequence SDPA; ``"model"`` keeps the model's own; default ``"model"`` when the
+    model runs FlashAttention (``flash_attention_2`` / ``_3``), else ``"varlen"``.
+
+    Raises ``ValueError`` when the ranges do not cover the model's layers in order, for another
+    ``attention``, or when the model ties its embedding and head (``tie_word_embeddings``) and the
+    first and last stages are on different ranks."""
     _, decoders = _parts(model)
+    own = model.config._attn_implementation
+    if attention is None:
+        attention = "model" if own and own.startswith("flash_attention") else "varlen"
+    if attention not in ("varlen", "model"):
+        raise ValueError(f"attention = {attention!r} is invalid: 'varlen' or 'model'")
+    if attention == "varlen":
+        use_varlen(model)
     total = decoders + 2
     if len(layer_ranges) != len(stage_ranks):
         raise ValueError(f"{len(layer_ranges)} layer ranges for {len(stage_ranks)} stage ranks")
@@ -158,3 +217,23 @@ def stages(
         for s, ((a, b), r) in enumerate(zip(layer_ranges, stage_ranks))
         if r == rank
     }
+
+
+def model_yaml(model: nn.Module, name: Optional[str] = None) -> str:
+    """flatpipe's model file (``docs/reference.md``) for a Hugging Face Llama-style
+    ``*ForCausalLM``: its embedding, decoders (hidden size, SwiGLU size, query and key-value
+    heads) and head, in the model's dtype (``bf16`` or ``fp32``): what ``Profile.analytic``
+    takes as the base of :func:`flatpipe.torch.profile`."""
+    _parts(model)
+    c = model.config
+    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(model.dtype)
+    if dtype is None:
+        raise ValueError(f"the model's dtype {model.dtype} is not bf16 or fp32")
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return (
+        f"name: {name or c.model_type}\ndtype: {dtype}\nlayers:\n"
+        f"  - {{kind: embedding, vocab: {c.vocab_size}, hidden: {c.hidden_size}}}\n"
+        f"  - {{kind: decoder, count: {c.num_hidden_layers}, hidden: {c.hidden_size}, "
+        f"ffn: {c.intermediate_size}, heads: {c.num_attention_heads}, kv_heads: {kv}}}\n"
+        f"  - {{kind: head, vocab: {c.vocab_size}, hidden: {c.hidden_size}}}\n"
+    )

@@ -70,6 +70,7 @@ from . import Action, CommAction, ComputeAction, StepPlan, parse_action
 from .models import ChunkKV
 
 __all__ = [
+    "profile",
     "StageModule",
     "PipelineRuntime",
     "StepResult",
@@ -890,3 +891,11 @@ def clip_grad_norm_(
         for g in grads:
             g.mul_(max_norm / (norm + 1e-6))
     return norm
+
+
+def profile(*args, **kwargs):
+    """:func:`flatpipe.measure.profile`: a cost profile measured on the user's own stage modules
+    (F, I, W and B per layer kind over a grid of microbatches, the link, the optimizer)."""
+    from .measure import profile as measured
+
+    return measured(*args, **kwargs)

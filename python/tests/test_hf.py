@@ -114,3 +114,48 @@ def test_a_titan_stage_runs_the_models_own_attention():
     with pytest.raises(ValueError, match="attn_type is 'sdpa'"):
         own.model_args.attn_type = "sdpa"
         titan.stages(own, [(0, 4)], [0], 0)
+
+
+def test_a_measured_profile_is_what_plan_and_simulate_take(tmp_path):
+    """flatpipe.torch.profile on a tiny Hugging Face model's own stages: every kind and phase
+    fitted, and the profile's YAML accepted by `flatpipe simulate --profile` and `flatpipe plan
+    --profile` (the binary the tests built)."""
+    import subprocess
+
+    import flatpipe
+    from conftest import flatpipe_bin
+    from flatpipe import hf
+
+    model = tiny("llama", 2)
+    hf.use_varlen(model)
+    path = tmp_path / "model.yaml"
+    path.write_text(hf.model_yaml(model, "tiny-hf"))
+    base = flatpipe.Profile.analytic(str(path), "cpu")
+    prof, fits = flatpipe.torch.profile(
+        lambda a, b: HFStage(model, a, b), 4, base, hidden_size=32, vocab_size=96,
+        tokens=(64, 128), seq_lens=(None, 16), repeats=1,
+    )
+    for kind in ("embedding", "decoder", "head"):
+        for phase in ("F", "I", "W", "B"):
+            assert (kind, phase) in fits, (kind, phase)
+    assert fits[("decoder", "F")][1] > 0 or fits[("decoder", "F")][0] > 0
+    text = prof.to_yaml()
+    assert "measured by flatpipe.torch.profile" in text
+    (tmp_path / "p.yaml").write_text(text)
+    common = ["--profile", str(tmp_path / "p.yaml"), "--workload", "tiny-chat", "--gantt", "none"]
+    sim = subprocess.run(
+        [flatpipe_bin(), "simulate", *common, "--pp", "2", "--schedule", "1f1b",
+         "--token-budget", "128", "--steps", "2", "--format", "json"],
+        capture_output=True, text=True,
+    )
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)[0]["step_time_s"]["mean"] > 0
+    plan = subprocess.run(
+        [flatpipe_bin(), "plan", *common, "--ranks", "2", "--tp", "1", "--steps", "2", "-o",
+         str(tmp_path / "plan.yaml")],
+        capture_output=True, text=True,
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert flatpipe.Pipeline.from_plan(str(tmp_path / "plan.yaml")).num_layers == 4
+    with pytest.raises(ValueError, match="num_layers = 2 is invalid"):
+        flatpipe.torch.profile(lambda a, b: None, 2, base, hidden_size=32, vocab_size=96)
