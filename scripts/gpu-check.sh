@@ -21,7 +21,12 @@
 #      split 2, 4 and 8 ways (tensor parallelism) against whole (the profile's gemm_split);
 #   3. 4-rank 1F1B and ZB-H1 runs of that model on ShareGPT lengths, predicted against measured,
 #      with Gantt charts and Chrome traces of the measured timelines;
-#   4. a small run checked against the CPU reference (--verify) on the GPU.
+#   4. a small run checked against the CPU reference (--verify) on the GPU;
+#   5. with FLATPIPE_PY set to a python with CUDA torch and the flatpipe wheel built here
+#      (`scripts/python-test.sh` leaves it in target/wheels; installed with --no-deps if
+#      missing): two of Llama-3.1-8B's layers profiled in bf16 with PyTorch's own kernels
+#      (python/bench/torch_profile_gpu.py), compared with step 2's profile and the analytic one,
+#      and the README's main job planned from it.
 # On an H200 (2026-12-04, one pass) the steps took 6 s, 185 s, 35 s per run and 2 s: 267 s in all
 # (docs/gpu/h200-2026-12-04/).
 # FLATPIPE_STEP_TIMEOUT=SECONDS stops any one command that runs longer (a hung kernel or a slow
@@ -87,6 +92,21 @@ fi
 echo "== 4. the CPU example on the GPU, checked against the CPU reference"
 timeout "$limit" "$bin" execute --backend cuda --plan examples/cpu-tiny/plan.yaml --steps 2 --seqs-per-step 8 --verify \
     --gantt "$out/cpu-tiny-on-gpu.png" 2>&1 | tee "$out/verify.txt" || status=1
+
+if [ -n "${FLATPIPE_PY:-}" ]; then
+    echo "== 5. Llama-3.1-8B layers profiled with PyTorch's kernels, and the main job planned from it"
+    if ! "$FLATPIPE_PY" -c "import flatpipe" 2>/dev/null; then
+        "$FLATPIPE_PY" -m pip install -q --no-deps target/wheels/flatpipe-*.whl || status=1
+    fi
+    compare=()
+    [ -f "$out/h200-llama3.1-8b-profile.yaml" ] && compare=(--compare "$out/h200-llama3.1-8b-profile.yaml")
+    timeout "$limit" "$FLATPIPE_PY" python/bench/torch_profile_gpu.py "$out/torch-profile" "${compare[@]}" \
+        2>&1 | tee "$out/torch-profile.txt" || status=1
+    if [ -f "$out/torch-profile/torch-profile.yaml" ]; then
+        timeout "$limit" "$bin" plan --profile "$out/torch-profile/torch-profile.yaml" --gantt "$out/plan-torch-profile.png" \
+            2>&1 | tee "$out/plan-torch-profile.txt" || status=1
+    fi
+fi
 
 echo "results in $out/ (exit $status)"
 exit $status

@@ -5,6 +5,7 @@ run on gloo, against the unsplit model run one sequence at a time."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -159,3 +160,22 @@ def test_a_measured_profile_is_what_plan_and_simulate_take(tmp_path):
     assert flatpipe.Pipeline.from_plan(str(tmp_path / "plan.yaml")).num_layers == 4
     with pytest.raises(ValueError, match="num_layers = 2 is invalid"):
         flatpipe.torch.profile(lambda a, b: None, 2, base, hidden_size=32, vocab_size=96)
+
+
+def test_the_gpu_profile_script_runs_dry_on_the_cpu(tmp_path):
+    """python/bench/torch_profile_gpu.py (step 5 of scripts/gpu-check.sh) with --small on the
+    CPU: a profile YAML and the comparison written."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "torch_profile_gpu.py")
+    out = subprocess.run(
+        [sys.executable, script, str(tmp_path), "--device", "cpu", "--small"],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "decoder layer at T = 128" in out.stdout
+    import flatpipe
+
+    measured = flatpipe.Profile.load(str(tmp_path / "torch-profile.yaml"))
+    assert measured.num_layers == 4 and "flatpipe.torch.profile" in measured.to_yaml()
