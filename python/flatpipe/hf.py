@@ -51,6 +51,32 @@ def positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
 
 
+def check_cover(layer_ranges: Sequence[Tuple[int, int]], stage_ranks: Sequence[int], total: int, what: str) -> None:
+    """``ValueError`` unless ``layer_ranges`` (one per entry of ``stage_ranks``) cover layers
+    ``0..total`` in order; ``what`` describes the model's layers for the message."""
+    ends = [0] + [b for _, b in layer_ranges]
+    if len(layer_ranges) != len(stage_ranks) or [a for a, _ in layer_ranges] != ends[:-1] or ends[-1] != total:
+        raise ValueError(
+            f"the stages' layer ranges {list(layer_ranges)} (on ranks {list(stage_ranks)}) do not "
+            f"cover the model's {total} layers ({what}) in order: plan with num_layers = {total}"
+        )
+
+
+def own_names(stage: nn.Module, model: nn.Module) -> Dict[str, nn.Parameter]:
+    """``stage``'s parameters by their names in ``model``."""
+    mine = {id(p) for p in stage.parameters()}
+    return {n: p for n, p in model.named_parameters() if id(p) in mine}
+
+
+def refuse_chunks(kv: Optional[object], library: str) -> None:
+    """``ValueError`` when a stage of ``library``'s model is given a chunk's keys and values."""
+    if kv is not None:
+        raise ValueError(
+            f"a {library} stage does not run sequence chunks (Pipeline(chunk_tokens=...)): plan "
+            "without chunk_tokens, or with a token budget of at least the longest sequence"
+        )
+
+
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention-function interface (``query [1, H, T, D]``, ``key, value
     [1, H_kv, T, D]``; returns ``([1, T, H, D], None)``): causal SDPA once per sequence, the
@@ -127,21 +153,15 @@ class HFStage(nn.Module):
         self.norm = inner.norm if end == total else None
         self.head = model.lm_head if end == total else None
         self.rotary = inner.rotary_emb
-        mine = {id(p) for p in self.parameters()}
-        self._names = {n: p for n, p in model.named_parameters() if id(p) in mine}
+        self._names = own_names(self, model)
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor, kv: Optional[object] = None
     ) -> torch.Tensor:
         """``x``: token ids ``[T]`` (first stage) or hidden states ``[T, H]``; ``cu_seqlens``
         ``[n + 1]`` int64. Returns ``[T, H]``, or logits ``[T, V]`` on the last stage."""
-        if kv is not None:
-            raise ValueError(
-                "a Hugging Face stage does not run sequence chunks (Pipeline(chunk_tokens=...)): "
-                "plan without chunk_tokens, or with a token budget of at least the longest sequence"
-            )
-        h = self.embed(x) if self.embed is not None else x
-        h = h.unsqueeze(0)
+        refuse_chunks(kv, "Hugging Face")
+        h = (self.embed(x) if self.embed is not None else x).unsqueeze(0)
         if len(self.layers):
             from transformers.masking_utils import create_causal_mask
 
@@ -196,15 +216,7 @@ def stages(
         raise ValueError(f"attention = {attention!r} is invalid: 'varlen' or 'model'")
     if attention == "varlen":
         use_varlen(model)
-    total = decoders + 2
-    if len(layer_ranges) != len(stage_ranks):
-        raise ValueError(f"{len(layer_ranges)} layer ranges for {len(stage_ranks)} stage ranks")
-    ends = [0] + [b for _, b in layer_ranges]
-    if [a for a, _ in layer_ranges] != ends[:-1] or ends[-1] != total:
-        raise ValueError(
-            f"the stages' layer ranges {list(layer_ranges)} do not cover the model's {total} "
-            f"layers (embedding, {decoders} decoders, head) in order: plan with num_layers = {total}"
-        )
+    check_cover(layer_ranges, stage_ranks, decoders + 2, f"embedding, {decoders} decoders, head")
     if getattr(model.config, "tie_word_embeddings", False) and stage_ranks[0] != stage_ranks[-1]:
         raise ValueError(
             f"{type(model).__name__} ties its embedding and head (tie_word_embeddings), but "

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hf import positions
+from .hf import check_cover, own_names, positions, refuse_chunks
 
 __all__ = ["TitanStage", "DocumentAttention", "stages"]
 
@@ -82,18 +82,14 @@ class TitanStage(nn.Module):
         self.norm = model.norm if end == total else None
         self.output = model.output if end == total else None
         self._model = [model]  # the RoPE cache (a buffer of the model), not a submodule here
-        mine = {id(p) for p in self.parameters()}
-        self._names = {n: p for n, p in model.named_parameters() if id(p) in mine}
+        self._names = own_names(self, model)
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor, kv: Optional[object] = None
     ) -> torch.Tensor:
         """``x``: token ids ``[T]`` (first stage) or hidden states ``[T, H]``; ``cu_seqlens``
         ``[n + 1]`` int64. Returns ``[T, H]``, or logits ``[T, V]`` on the last stage."""
-        if kv is not None:
-            raise ValueError(
-                "a torchtitan stage does not run sequence chunks (Pipeline(chunk_tokens=...))"
-            )
+        refuse_chunks(kv, "torchtitan")
         h = (self.embed(x) if self.embed is not None else x).unsqueeze(0)
         if len(self.blocks):
             from torch.nn.attention.flex_attention import create_block_mask
@@ -134,13 +130,8 @@ def stages(
     """Rank ``rank``'s stages of ``model`` by global stage index, from a pipeline's layer ranges
     and stage-to-rank map (``Pipeline.stages`` and ``Pipeline.stage_ranks``). Raises
     ``ValueError`` when the ranges do not cover the model's layers in order."""
-    total = _check(model) + 2
-    ends = [0] + [b for _, b in layer_ranges]
-    if len(layer_ranges) != len(stage_ranks) or [a for a, _ in layer_ranges] != ends[:-1] or ends[-1] != total:
-        raise ValueError(
-            f"the stages' layer ranges {list(layer_ranges)} (on ranks {list(stage_ranks)}) do "
-            f"not cover the model's {total} layers in order: plan with num_layers = {total}"
-        )
+    blocks = _check(model)
+    check_cover(layer_ranges, stage_ranks, blocks + 2, f"embedding, {blocks} blocks, output")
     return {
         s: TitanStage(model, a, b)
         for s, ((a, b), r) in enumerate(zip(layer_ranges, stage_ranks))
