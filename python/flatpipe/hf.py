@@ -38,7 +38,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-__all__ = ["HFStage", "stages", "positions", "model_yaml", "use_varlen", "varlen_attention"]
+__all__ = ["CutStage", "HFStage", "stages", "positions", "model_yaml", "use_varlen", "varlen_attention"]
 
 #: The name flatpipe's per-sequence attention is registered under in transformers.
 VARLEN = "flatpipe_varlen"
@@ -128,7 +128,39 @@ def _parts(model: nn.Module) -> Tuple[nn.Module, int]:
     return inner, len(inner.layers)
 
 
-class HFStage(nn.Module):
+class CutStage(nn.Module):
+    """What a stage cut from another library's model does around its layers (the subclass
+    sets ``embed``, ``layers``, ``norm``, ``head`` and ``library``, and runs its layers in
+    :meth:`run_layers`): a :class:`flatpipe.torch.StageModule`."""
+
+    library = ""
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, kv: Optional[object] = None
+    ) -> torch.Tensor:
+        """``x``: token ids ``[T]`` (first stage) or hidden states ``[T, H]``; ``cu_seqlens``
+        ``[n + 1]`` int64. Returns ``[T, H]``, or logits ``[T, V]`` on the last stage."""
+        refuse_chunks(kv, self.library)
+        h = (self.embed(x) if self.embed is not None else x).unsqueeze(0)
+        if len(self.layers):
+            h = self.run_layers(h, cu_seqlens.to(h.device))
+        if self.head is not None:
+            return self.head(self.norm(h)).squeeze(0)
+        # A copy, not the view `squeeze` gives: PyTorch's split backward
+        # (`stage_backward_input`) detaches a stage's output in place, which a view refuses.
+        return h.squeeze(0).clone()
+
+    def run_layers(self, h: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The stage's layers on ``h`` ``[1, T, H]``."""
+        raise NotImplementedError
+
+    def layer_parameters(self) -> Dict[str, nn.Parameter]:
+        """The stage's parameters by their name in the whole model: for checkpoints and for
+        comparing a pipelined run with the unsplit model."""
+        return dict(self._names)
+
+
+class HFStage(CutStage):
     """Layers ``[start, end)`` of a Hugging Face ``*ForCausalLM`` by flatpipe's numbering (0 the
     embedding, ``1..L`` the decoders, ``L + 1`` the final norm and head), as a
     :class:`flatpipe.torch.StageModule`."""
@@ -155,40 +187,27 @@ class HFStage(nn.Module):
         self.rotary = inner.rotary_emb
         self._names = own_names(self, model)
 
-    def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, kv: Optional[object] = None
-    ) -> torch.Tensor:
-        """``x``: token ids ``[T]`` (first stage) or hidden states ``[T, H]``; ``cu_seqlens``
-        ``[n + 1]`` int64. Returns ``[T, H]``, or logits ``[T, V]`` on the last stage."""
-        refuse_chunks(kv, "Hugging Face")
-        h = (self.embed(x) if self.embed is not None else x).unsqueeze(0)
-        if len(self.layers):
-            from transformers.masking_utils import create_causal_mask
+    library = "Hugging Face"
 
-            pos = positions(cu_seqlens.to(h.device)).unsqueeze(0)
-            mask = None
-            if self.config._attn_implementation != VARLEN:
-                mask = create_causal_mask(
-                    config=self.config,
-                    inputs_embeds=h,
-                    attention_mask=None,
-                    cache=None,
-                    position_ids=pos,
-                )
-            rope = self.rotary(h, position_ids=pos)
-            for layer in self.layers:
-                h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
-        if self.head is not None:
-            return self.head(self.norm(h)).squeeze(0)
-        # A copy, not the view `squeeze` gives: PyTorch's split backward
-        # (`stage_backward_input`) detaches a stage's output in place, which a view refuses.
-        return h.squeeze(0).clone()
+    def run_layers(self, h: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The decoder layers on ``h`` ``[1, T, H]``: positions from ``cu_seqlens``, the mask
+        (none under ``flatpipe_varlen``) and the rotary embedding computed once for the stage."""
+        from transformers.masking_utils import create_causal_mask
 
-    def layer_parameters(self) -> Dict[str, nn.Parameter]:
-        """The stage's parameters by their name in the whole model
-        (``model.layers.3.self_attn.q_proj.weight``): for checkpoints and for comparing a
-        pipelined run with the unsplit model."""
-        return dict(self._names)
+        pos = positions(cu_seqlens).unsqueeze(0)
+        mask = None
+        if self.config._attn_implementation != VARLEN:
+            mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=h,
+                attention_mask=None,
+                cache=None,
+                position_ids=pos,
+            )
+        rope = self.rotary(h, position_ids=pos)
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        return h
 
 
 def stages(

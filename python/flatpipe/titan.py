@@ -18,13 +18,13 @@ dict is unchanged.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hf import check_cover, own_names, positions, refuse_chunks
+from .hf import CutStage, check_cover, own_names, positions
 
 __all__ = ["TitanStage", "DocumentAttention", "stages"]
 
@@ -61,7 +61,7 @@ def _check(model: nn.Module) -> int:
     return len(model.layers)
 
 
-class TitanStage(nn.Module):
+class TitanStage(CutStage):
     """Layers ``[start, end)`` of torchtitan's Llama 3 ``Transformer`` by flatpipe's numbering,
     as a :class:`flatpipe.torch.StageModule`."""
 
@@ -76,49 +76,38 @@ class TitanStage(nn.Module):
             )
         self.embed = model.tok_embeddings if start == 0 else None
         keys = list(model.layers.keys())[max(start, 1) - 1 : min(end, blocks + 1) - 1]
-        self.blocks = nn.ModuleList(model.layers[k] for k in keys)
-        for block in self.blocks:
+        self.layers = nn.ModuleList(model.layers[k] for k in keys)
+        for block in self.layers:
             block.attention.inner_attention = DocumentAttention()
         self.norm = model.norm if end == total else None
-        self.output = model.output if end == total else None
+        self.head = model.output if end == total else None
         self._model = [model]  # the RoPE cache (a buffer of the model), not a submodule here
         self._names = own_names(self, model)
 
-    def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, kv: Optional[object] = None
-    ) -> torch.Tensor:
-        """``x``: token ids ``[T]`` (first stage) or hidden states ``[T, H]``; ``cu_seqlens``
-        ``[n + 1]`` int64. Returns ``[T, H]``, or logits ``[T, V]`` on the last stage."""
-        refuse_chunks(kv, "torchtitan")
-        h = (self.embed(x) if self.embed is not None else x).unsqueeze(0)
-        if len(self.blocks):
-            from torch.nn.attention.flex_attention import create_block_mask
+    library = "torchtitan"
 
-            cu = cu_seqlens.to(h.device)
-            pos = positions(cu)
-            freqs = self._model[0].freqs_cis
-            if int(pos.max()) >= freqs.shape[0]:
-                raise ValueError(
-                    f"a sequence of {int(pos.max()) + 1} tokens is longer than the model's "
-                    f"max_seq_len {freqs.shape[0]}"
-                )
-            doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=h.device), cu[1:] - cu[:-1])
+    def run_layers(self, h: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        """The blocks on ``h`` ``[1, T, H]``: positions from ``cu_seqlens`` (``cu``), which index
+        the RoPE cache, and the document mask as a ``BlockMask``."""
+        from torch.nn.attention.flex_attention import create_block_mask
 
-            def document(b, head, q, k):
-                return (q >= k) & (doc[q] == doc[k])
+        pos = positions(cu)
+        freqs = self._model[0].freqs_cis
+        if int(pos.max()) >= freqs.shape[0]:
+            raise ValueError(
+                f"a sequence of {int(pos.max()) + 1} tokens is longer than the model's "
+                f"max_seq_len {freqs.shape[0]}"
+            )
+        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=h.device), cu[1:] - cu[:-1])
 
-            t = h.shape[1]
-            mask = create_block_mask(document, None, None, t, t, device=h.device.type)
-            for block in self.blocks:
-                h = block(h, freqs.to(h.device), attention_masks=mask, positions=pos.unsqueeze(0))
-        if self.output is not None:
-            return self.output(self.norm(h)).squeeze(0)
-        # A copy: PyTorch's split backward detaches a stage's output in place (hf.HFStage).
-        return h.squeeze(0).clone()
+        def document(b, head, q, k):
+            return (q >= k) & (doc[q] == doc[k])
 
-    def layer_parameters(self) -> Dict[str, nn.Parameter]:
-        """The stage's parameters by their name in the whole model (``layers.3.attention.wq.weight``)."""
-        return dict(self._names)
+        t = h.shape[1]
+        mask = create_block_mask(document, None, None, t, t, device=h.device.type)
+        for block in self.layers:
+            h = block(h, freqs.to(h.device), attention_masks=mask, positions=pos.unsqueeze(0))
+        return h
 
 
 def stages(
