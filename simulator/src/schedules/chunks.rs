@@ -288,6 +288,13 @@ impl Hoist<'_> {
                 _ => vec![action],
             };
             while let Some(action) = todo.pop() {
+                // A half of a split pair whose forward the other half just hoisted.
+                if let Action::Compute(a) = action
+                    && is_f(&a)
+                    && hoisted[slot(&a)]
+                {
+                    continue;
+                }
                 let mut need: Vec<ComputeAction> = Vec::new();
                 for a in action.parts() {
                     match a.kind {
@@ -517,6 +524,31 @@ mod tests {
                 (got, want) => proptest::prop_assert!(false, "{kind} p={p} v={v} m={m}: {got:?} against {want:?}"),
             }
         }
+    }
+
+    /// An overlapped pair whose backward needs the pair's own forward: the pair is split, the
+    /// forward hoisted before the backward, and not run a second time at its old place.
+    #[test]
+    fn a_pair_whose_backward_needs_its_own_forward() {
+        let chains = vec![ids(&[0, 1])];
+        let chain_of = vec![Some((0, 0)), Some((0, 1))];
+        let hoist = Hoist {
+            chains: &chains,
+            chain_of: &chain_of,
+            rank_of: &[0],
+            m: 2,
+            s_count: 1,
+        };
+        let f = |mb| ComputeAction::new(0, ActionKind::F, mb);
+        let b = |mb| ComputeAction::new(0, ActionKind::B, mb);
+        let program = vec![Action::Compute(f(0)), Action::Overlap(b(1), f(1))];
+        let got: Vec<String> = hoist
+            .rank(0, program)
+            .unwrap()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(got, ["0F0", "0F1", "0B1"]);
     }
 
     #[test]
