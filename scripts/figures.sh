@@ -225,6 +225,8 @@ CARRIED = [
      f"2026-12-03, {DEV}"),
     ("full `flatpipe calibrate` (five measured steps per schedule): median |error|", "5.7% (3.8% in an earlier run)",
      "predicted against measured makespan", f"2026-12-03, {DEV}"),
+    ("whole `plan --workload` of one 16,777,216-token sequence (`--seqs-per-step 1 --steps 1`, 600 candidates)",
+     "3.3 s (63 s before chunk ordering became one pass per rank)", "one run each", f"2026-12-07, {DEV}"),
     ("A Hugging Face Llama (hidden 256, 6 decoders) profiled by `flatpipe.torch.profile`, planned and run (`python/bench/own_model.py`): median |error| over every step",
      "4.6%, 3.0%, 4.3% in three runs (the planned looped BFS alone: 7.7%, 4.3%, 5.4%)", "2 gloo processes, 6 measured steps per schedule after 2 warm-up", f"2026-12-07, {DEV}"),
     ("PyTorch closed loop (`python/bench/closed_loop.py`, fitted on ZB-V): median |error| over six other schedules",
