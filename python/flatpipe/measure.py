@@ -110,10 +110,13 @@ def _time_phases(
 def measure_link(hidden: int, dtype: torch.dtype, device, group=None, sizes=(256, 1024, 4096, 16384), repeats: int = 5):
     """``(alpha_s, beta_bytes_per_s)`` of the link between ranks 0 and 1 of ``group`` (default
     the world), from half the round trip of ``[T, hidden]`` tensors of each size, the median of
-    ``repeats``; every rank of the group must call it. ``None`` on a group of one rank."""
+    ``repeats``, fitted by least squares; every rank of the group must call it and gets rank 0's
+    fit. ``None`` without a process group of two ranks or more."""
     if not dist.is_initialized() or dist.get_world_size(group) < 2:
         return None
     me = dist.get_rank(group)
+    # send / recv take global ranks.
+    peer = dist.get_global_rank(group, 1 - me) if group is not None and me < 2 else 1 - me
     pts = []
     for t in sizes:
         buf = torch.zeros(t, hidden, dtype=dtype, device=device)
@@ -122,16 +125,20 @@ def measure_link(hidden: int, dtype: torch.dtype, device, group=None, sizes=(256
             dist.barrier(group)
             c = time.perf_counter()
             if me == 0:
-                dist.send(buf, 1, group=group)
-                dist.recv(buf, 1, group=group)
+                dist.send(buf, peer, group=group)
+                dist.recv(buf, peer, group=group)
             elif me == 1:
-                dist.recv(buf, 0, group=group)
-                dist.send(buf, 0, group=group)
+                dist.recv(buf, peer, group=group)
+                dist.send(buf, peer, group=group)
             one_way.append((time.perf_counter() - c) / 2)
         pts.append((buf.numel() * buf.element_size(), statistics.median(one_way[1:])))
     pts_a = np.array(pts)
     inv_beta, alpha = np.polyfit(pts_a[:, 0], pts_a[:, 1], 1)
-    return max(float(alpha), 0.0), 1.0 / max(float(inv_beta), 1e-15)
+    # Rank 0's fit on every rank (the others' timings are of barriers only).
+    fit = torch.tensor([max(float(alpha), 0.0), 1.0 / max(float(inv_beta), 1e-15)], dtype=torch.float64, device=device)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(fit, src=src, group=group)
+    return float(fit[0]), float(fit[1])
 
 
 def profile(
@@ -170,11 +177,17 @@ def profile(
     Returns the profile and each ``(kind, phase)``'s ``(c0_s, c_tok_s, c_attn_s, r2)``, with
     ``("link", "p2p")`` ``(alpha_s, 1 / beta, 0, nan)`` when the link was measured and
     ``("optimizer", "step")`` ``(seconds per parameter, 0, 0, nan)``. Raises ``ValueError`` for
-    a model of fewer than 3 layers or a grid with no point.
+    a model of fewer than 3 layers, a grid with no point or a size outside 1 to 2^24 tokens,
+    and an optimizer without a process group to measure the link on (the two are set
+    together).
     """
     if num_layers < 3:
         raise ValueError(f"num_layers = {num_layers} is invalid: >= 3 (embedding, decoders, head)")
     device = torch.device(device)
+    for name, values in (("tokens", tokens), ("seq_lens", [s for s in seq_lens if s is not None])):
+        bad = [v for v in values if not (isinstance(v, int) and 1 <= v <= 1 << 24)]
+        if bad:
+            raise ValueError(f"{name} = {bad[0]!r} is invalid: an integer from 1 to 16,777,216")
     points = _mixes(tokens, seq_lens)
     if not points:
         raise ValueError("tokens is empty: give at least one microbatch size")
