@@ -260,3 +260,16 @@ def run_traced(rank: int, world: int, init: str, out_dir: str) -> None:
             )
     finally:
         dist.destroy_process_group()
+
+
+def run_link(rank: int, world: int, init: str, out_dir: str) -> None:
+    """flatpipe.measure.measure_link on every rank: writes the (alpha, beta) each rank got."""
+    from flatpipe.measure import measure_link
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        got = measure_link(16, torch.float32, "cpu", sizes=(64, 512, 4096), repeats=3)
+        with open(os.path.join(out_dir, f"link{rank}.json"), "w") as f:
+            json.dump(got, f)
+    finally:
+        dist.destroy_process_group()

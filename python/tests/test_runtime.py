@@ -11,7 +11,7 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
-from _workers import ATOL, run, run_bad_plan, run_traced
+from _workers import ATOL, run, run_bad_plan, run_link, run_traced
 
 # Variable-length steps at a 64-token budget: different T per microbatch, a different number of
 # microbatches per step, a step with fewer microbatches than ranks (m < p), and a sequence 10x
@@ -230,3 +230,13 @@ def test_deferred_receives_give_the_same_gradients(tmp_path):
         "posting": "deferred",
     }
     check(launch(tmp_path, 2, spec))
+
+
+def test_the_link_is_measured_once_for_every_rank(tmp_path):
+    """flatpipe.torch.profile's link on 3 processes: ranks 0 and 1 ping-pong, and every rank
+    gets rank 0's fit, a latency >= 0 and a finite bandwidth > 0."""
+    mp.spawn(run_link, args=(3, str(tmp_path / "init"), str(tmp_path)), nprocs=3, join=True)
+    got = [json.load(open(tmp_path / f"link{r}.json")) for r in range(3)]
+    assert got[0] == got[1] == got[2], got
+    alpha, beta = got[0]
+    assert alpha >= 0 and 0 < beta < float("inf"), got
