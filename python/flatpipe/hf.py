@@ -38,17 +38,12 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .models import positions  # each token's position in its sequence, [T] int64
+
 __all__ = ["CutStage", "HFStage", "stages", "positions", "model_yaml", "use_varlen", "varlen_attention"]
 
 #: The name flatpipe's per-sequence attention is registered under in transformers.
 VARLEN = "flatpipe_varlen"
-
-
-def positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Positions ``[T]`` (int64) restarting at 0 at every boundary of ``cu_seqlens`` ``[n + 1]``."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
-    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
 
 
 def check_cover(layer_ranges: Sequence[Tuple[int, int]], stage_ranks: Sequence[int], total: int, what: str) -> None:

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hf import CutStage, check_cover, own_names, positions
+from .hf import CutStage, check_cover, own_names
+from .models import positions
 
 __all__ = ["TitanStage", "DocumentAttention", "stages"]
 

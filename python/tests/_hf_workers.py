@@ -14,9 +14,10 @@ import flatpipe
 from flatpipe import hf, titan
 from flatpipe.torch import PipelineRuntime
 
-#: fp32 pipelined run against the unsplit model run one sequence at a time: the same operations
-#: per token except the packed attention's summation order and the gradient accumulation order.
-RTOL, ATOL = 1e-4, 1e-6
+from _workers import ATOL, gradient_excess  # noqa: F401 (ATOL: the tests import it from here)
+
+#: The tolerances are _workers' (RTOL, ATOL): an fp32 pipelined run against the unsplit model run
+#: one sequence at a time differs only in summation orders.
 
 
 def tiny(kind: str, decoders: int):
@@ -96,13 +97,7 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
                 seqs += [x[a:b] for a, b in zip(cu[:-1], cu[1:])]
                 ys += [y[a:b] for a, b in zip(cu[:-1], cu[1:])]
             want_loss, want = reference(kind, decoders, seqs, ys)
-            worst, missing = 0.0, []
-            for s in mine.values():
-                for name, p in s.layer_parameters().items():
-                    if p.grad is None:
-                        missing.append(name)
-                        continue
-                    worst = max(worst, ((p.grad - want[name]).abs() - RTOL * want[name].abs()).max().item())
+            worst, missing = gradient_excess(mine.values(), want)
             report.append({
                 "step": step, "microbatches": [mb.tokens for mb in mbs], "loss": result.loss,
                 "want_loss": want_loss, "grad_excess": worst, "missing": missing,

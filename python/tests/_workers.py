@@ -18,6 +18,20 @@ from flatpipe.torch import PipelineRuntime
 RTOL, ATOL = 1e-4, 1e-6
 
 
+def gradient_excess(stages, want):
+    """``(worst, missing)``: the largest ``|grad - want| - RTOL |want|`` over the stages'
+    parameters (by their whole-model names, ``layer_parameters()``), and the names of those with
+    no gradient."""
+    worst, missing = 0.0, []
+    for m in stages:
+        for name, p in m.layer_parameters().items():
+            if p.grad is None:
+                missing.append(name)
+                continue
+            worst = max(worst, ((p.grad - want[name]).abs() - RTOL * want[name].abs()).max().item())
+    return worst, missing
+
+
 def step_data(cfg: ModelConfig, mbs, step: int):
     """Token ids and targets per microbatch, the same on every rank (seeded by the step)."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -150,14 +164,7 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
                         cu = torch.as_tensor(fo_mbs[k].cu_seqlens, dtype=torch.int64)
                         fo_error = max(fo_error, (out - whole(fo_inputs[k], cu)).abs().max().item())
             want_loss, want = reference(cfg, every, inputs, targets, reduction)
-            worst, missing = 0.0, []
-            for m in stages.values():
-                for name, p in m.layer_parameters().items():
-                    if p.grad is None:
-                        missing.append(name)
-                        continue
-                    err = ((p.grad - want[name]).abs() - RTOL * want[name].abs()).max().item()
-                    worst = max(worst, err)
+            worst, missing = gradient_excess(stages.values(), want)
             report.append(
                 {
                     "step": step,
