@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -168,13 +168,17 @@ def builtin_decoders(model: str, name: str) -> int:
 
 def hardware_yaml(gpu: str, gbps_per_node: float) -> str:
     """The built-in `gpu`'s file (profiles/data/hardware/) with the stated inter-node bandwidth:
-    `gbps_per_node` Gb/s per node shared by its 8 GPUs, as bytes per second per GPU."""
+    `gbps_per_node` Gb/s per node shared by its 8 GPUs, as bytes per second per GPU (the link's
+    latency stays the file's: no source states one)."""
     with open(os.path.join(ROOT, "profiles", "data", "hardware", f"{gpu}.yaml")) as f:
         lines = f.read().splitlines()
     beta = gbps_per_node * 1e9 / 8 / GPUS_PER_NODE
-    link = (f"inter_node: {{name: {gbps_per_node:g} Gb/s per node, alpha_s: 10.0e-6, "
-            f"beta_bytes_per_s: {beta:.6e}}}")
-    return "\n".join(link if l.startswith("inter_node:") else l for l in lines) + "\n"
+
+    def restated(line: str) -> str:
+        line = re.sub(r"name: [^,]*", f"name: {gbps_per_node:g} Gb/s per node", line, count=1)
+        return re.sub(r"beta_bytes_per_s: [^,}]*", f"beta_bytes_per_s: {beta:.6e}", line, count=1)
+
+    return "\n".join(restated(l) if l.startswith("inter_node:") else l for l in lines) + "\n"
 
 
 def predict(run: dict, work: str) -> dict:
