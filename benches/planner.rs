@@ -31,6 +31,7 @@ fn layer_costs(decoders: u32) -> Vec<LayerCost> {
     let model = ModelSpec {
         name: "bench".into(),
         dtype: flatpipe::profiles::Dtype::Bf16,
+        attention: Default::default(),
         layers: vec![
             g(
                 LayerKind::Embedding,

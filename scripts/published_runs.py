@@ -41,7 +41,7 @@ RUNS = os.path.join(ROOT, "examples", "published", "runs")
 FIELDS = {
     "gpu", "gpus", "model", "seq_len", "global_batch", "tp", "pp", "microbatch_sequences",
     "schedule", "vpp", "recompute", "sharding", "sequence_parallel", "inter_node_gbps_per_node",
-    "split",
+    "split", "attention",
 }
 GPUS_PER_NODE = 8
 
@@ -76,14 +76,15 @@ def load(path: str) -> dict:
     return run
 
 
-def gpt_model(m: dict) -> str:
-    """A GPT of the stated shape as flatpipe's model YAML: multi-head attention, and the GeLU
-    MLP of width 4h (two GEMMs) as the SwiGLU decoder's three GEMMs of width 8h/3 rounded, the
-    same parameters and FLOPs per token to within the rounding."""
+def gpt_model(m: dict, attention: str) -> str:
+    """A GPT of the stated shape as flatpipe's model YAML: multi-head attention (`attention`:
+    fused or unfused), and the GeLU MLP of width 4h (two GEMMs) as the SwiGLU decoder's three
+    GEMMs of width 8h/3 rounded, the same parameters and FLOPs per token to within the
+    rounding."""
     h, heads = m["hidden"], m["heads"]
     ffn = round(8 * h / 3)
     return (
-        f"name: gpt-{m['parameters_b']}b\ndtype: bf16\nlayers:\n"
+        f"name: gpt-{m['parameters_b']}b\ndtype: bf16\nattention: {attention}\nlayers:\n"
         f"  - {{kind: embedding, vocab: {m['vocab']}, hidden: {h}}}\n"
         f"  - {{kind: decoder, count: {m['layers']}, hidden: {h}, ffn: {ffn}, heads: {heads}, kv_heads: {heads}}}\n"
         f"  - {{kind: head, vocab: {m['vocab']}, hidden: {h}}}\n"
@@ -122,9 +123,12 @@ def plan_yaml(run: dict, work: str) -> str:
     if isinstance(c["model"], dict):
         model = os.path.join(work, f"{name}.model.yaml")
         with open(model, "w") as f:
-            f.write(gpt_model(c["model"]))
+            f.write(gpt_model(c["model"], c.get("attention", "fused")))
         decoders = c["model"]["layers"]
     else:
+        if c.get("attention", "fused") != "fused":
+            raise RunError(f"{name}: attention `{c['attention']}` needs a model of a stated shape, "
+                           "not the built-in `{model}` (its attention is fused)")
         model = c["model"]
         decoders = builtin_decoders(model, name)
     workload = os.path.join(work, f"{name}.workload.yaml")

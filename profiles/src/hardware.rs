@@ -1,5 +1,6 @@
 //! Hardware: one device type and its links.
 
+use crate::gemm::{AttentionSpec, GemmCurve, GemmSpec};
 use crate::{Error, Result, yaml};
 use serde::{Deserialize, Serialize};
 
@@ -78,6 +79,14 @@ pub struct Hardware {
     /// 20) - 1`. Absent: 0 (not modelled). Range 0 to 10.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub collective_interference: f64,
+    /// GEMM throughput by shape: a measured table or the roofline of the GPU's maximum
+    /// achievable matmul FLOP/s ([`crate::gemm`]). Absent: the analytic profile's flat
+    /// efficiency.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm: Option<GemmSpec>,
+    /// The fused attention kernel's throughput ([`crate::gemm`]). Absent: the GEMM curve's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<AttentionSpec>,
 }
 
 impl Hardware {
@@ -145,7 +154,24 @@ impl Hardware {
                 "a fraction from 0 to 10 (how much longer compute runs beside a collective)",
             ));
         }
+        if let Some(g) = &self.gemm {
+            g.validate(origin)?;
+        }
+        if let Some(a) = &self.attention {
+            a.validate(origin)?;
+        }
         self.intra_node.validate(origin, "intra_node")?;
         self.inter_node.validate(origin, "inter_node")
+    }
+
+    /// The GPU's GEMM curve, if its file names one.
+    ///
+    /// # Errors
+    /// As [`GemmSpec::curve`].
+    pub fn gemm_curve(&self) -> Result<Option<GemmCurve>> {
+        self.gemm
+            .as_ref()
+            .map(|g| g.curve(self.hbm_bytes_per_s, &self.name))
+            .transpose()
     }
 }

@@ -28,6 +28,7 @@
 mod analytic;
 pub mod builtins;
 mod error;
+pub mod gemm;
 mod hardware;
 mod model;
 mod profile;
@@ -37,8 +38,9 @@ mod yaml;
 
 pub use analytic::{AnalyticOptions, analytic_profile};
 pub use error::{Error, Result};
+pub use gemm::{AttentionSpec, GemmCurve, GemmSpec};
 pub use hardware::{Hardware, Link};
-pub use model::{Dtype, Layer, LayerGroup, LayerKind, ModelSpec};
+pub use model::{AttentionImpl, Dtype, Layer, LayerGroup, LayerKind, ModelSpec};
 pub use profile::{
     ActionOverhead, CostCoeffs, FitQuality, GemmSplit, LayerProfile, LayerShape, MIN_FIT_R2, Phase,
     Profile, ProfileSource, Provenance,

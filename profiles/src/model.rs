@@ -96,6 +96,29 @@ pub struct ModelSpec {
     pub dtype: Dtype,
     /// Layers in order: one embedding first, decoders, one head last.
     pub layers: Vec<LayerGroup>,
+    /// How the decoders compute attention (default `fused`).
+    #[serde(default, skip_serializing_if = "AttentionImpl::is_fused")]
+    pub attention: AttentionImpl,
+}
+
+/// How a model's attention runs: which kernels the analytic profile prices.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionImpl {
+    /// One fused kernel over the causal half of the scores (FlashAttention, cuDNN; the
+    /// hardware file's `attention` rates).
+    #[default]
+    Fused,
+    /// The scores materialised: `QKᵀ` and `PV` as batched GEMMs over the whole `s x s` square,
+    /// the causal mask and softmax as a separate memory-bound kernel (Megatron-LM before
+    /// FlashAttention, Hugging Face's `eager`).
+    Unfused,
+}
+
+impl AttentionImpl {
+    fn is_fused(&self) -> bool {
+        *self == AttentionImpl::Fused
+    }
 }
 
 /// One layer of the expanded layer list, with all sizes resolved.

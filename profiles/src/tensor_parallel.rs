@@ -16,8 +16,9 @@
 //!   from the profile where measured ([`crate::GemmSplit`], which `flatpipe profile` records):
 //!   the per-token term of the decoders and the head divides by `t x relative_throughput`
 //!   instead of `t`. The per-token term also holds the elementwise work, which the split does
-//!   not slow, so this overstates the loss by that share. An analytic profile, or a tp the
-//!   profile did not measure, loses nothing, and the profile's notes say so.
+//!   not slow, so this overstates the loss by that share. An analytic profile prices the split on
+//!   its hardware's GEMM curve; a tp the profile did not measure or price loses nothing, and the
+//!   profile's notes say so.
 //! - Collectives, on the intra-node link, not overlapped with compute (Megatron's
 //!   `--tp-comm-overlap` is off by default), ring costs over `t` of `B = [T, H]` activations in the
 //!   model's dtype: a decoder's forward has two all-reduces (after the attention output and the
@@ -263,7 +264,8 @@ mod tests {
 
     #[test]
     fn measured_gemm_split_slows_the_gemm_term_only() {
-        let p = profile();
+        let mut p = profile();
+        p.gemm_split.clear(); // the analytic profile's own split, priced on its GEMM curve
         let mut q = p.clone();
         q.gemm_split = vec![crate::GemmSplit {
             tp: 4,
