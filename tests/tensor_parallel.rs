@@ -20,7 +20,9 @@ fn profile(model: &str) -> Profile {
 /// parallelism and two all-gathers `(t-1) (a + 2HT / (t b))` with it.
 #[test]
 fn decoder_collectives_follow_the_ring_formulas() {
-    let p = profile("llama3.1-70b");
+    let mut p = profile("llama3.1-70b");
+    // The narrower GEMMs' loss is the profiles crate's test; here the collectives alone.
+    p.gemm_split.clear();
     let (a, b) = (
         p.hardware.intra_node.alpha_s,
         p.hardware.intra_node.beta_bytes_per_s,
