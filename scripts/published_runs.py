@@ -128,7 +128,7 @@ def plan_yaml(run: dict, work: str) -> str:
     else:
         if c.get("attention", "fused") != "fused":
             raise RunError(f"{name}: attention `{c['attention']}` needs a model of a stated shape, "
-                           "not the built-in `{model}` (its attention is fused)")
+                           f"not the built-in `{c['model']}` (its attention is fused)")
         model = c["model"]
         decoders = builtin_decoders(model, name)
     workload = os.path.join(work, f"{name}.workload.yaml")
@@ -185,20 +185,60 @@ def hardware_yaml(gpu: str, gbps_per_node: float) -> str:
     return "\n".join(restated(l) if l.startswith("inter_node:") else l for l in lines) + "\n"
 
 
-def predict(run: dict, work: str) -> dict:
-    """The run's prediction: step time, MFU, memory per GPU and whether it fits, and the
-    reported metric's predicted value."""
-    plan = plan_yaml(run, work)
+def simulate(run: dict, plan: str) -> dict:
+    """`flatpipe simulate --plan` on one step: its JSON result row."""
     out = subprocess.run([BIN, "simulate", "--plan", plan, "--steps", "1", "--gantt", "none",
                           "--format", "json"], capture_output=True, text=True)
     if out.returncode != 0:
         raise RunError(f"{run['name']}: flatpipe simulate exited {out.returncode}: {out.stderr.strip()}")
-    row = json.loads(out.stdout)[0]
+    return json.loads(out.stdout)[0]
+
+
+def predict(run: dict, work: str) -> dict:
+    """The run's prediction: step time, MFU, memory per GPU and whether it fits, and the
+    reported metric's predicted value; for an FSDP run that does not fit, also its memory with
+    the gradients reduced after every backward (`zero2`)."""
+    plan = plan_yaml(run, work)
+    row = simulate(run, plan)
     step_s = row["step_time_s"]["mean"]
     value = metric_value(run, row)
-    return {"step_s": step_s, "mfu": row["mfu"], "value": value, "bubble": row["bubble_ratio_mean"],
+    extra = {}
+    if not row["fits"] and run["config"].get("sharding") == "fsdp":
+        with open(plan) as f:
+            text = f.read().replace("sharding: fsdp", "sharding: zero2")
+        with open(plan, "w") as f:
+            f.write(text)
+        extra["zero2_gib"] = simulate(run, plan)["peak_memory_bytes"] / 2**30
+    return {**extra, "step_s": step_s, "mfu": row["mfu"], "value": value, "bubble": row["bubble_ratio_mean"],
             "gib": row["peak_memory_bytes"] / 2**30, "limit_gib": row["memory_limit_bytes"] / 2**30,
+            "act_gib": row["peak_activation_bytes"] / 2**30, "static_gib": row["static_bytes"] / 2**30,
             "fits": row["fits"]}
+
+
+def gemm_curve(gpu: str) -> str:
+    """The built-in `gpu`'s GEMM curve as its hardware file names it: `table` or `roofline`."""
+    with open(os.path.join(ROOT, "profiles", "data", "hardware", f"{gpu}.yaml")) as f:
+        for line in f:
+            if line.startswith("gemm:"):
+                return "table" if "table:" in line else "roofline"
+    return "flat"
+
+
+def reason(run: dict) -> str:
+    """One line on why the prediction differs, from what the model knows of the run: the GEMM
+    curve its GPU has, its attention kernel, and its memory."""
+    c, p = run["config"], run["prediction"]
+    gemm = {
+        "table": f"{c['gpu'].upper()} GEMMs from a measured table by shape",
+        "roofline": f"{c['gpu'].upper()} GEMMs on the roofline of a 2025 measurement of its best matmul rate (no table by shape); the run's own kernels are not measured",
+        "flat": f"{c['gpu'].upper()} GEMMs at a flat efficiency",
+    }[gemm_curve(c["gpu"])]
+    attention = "unfused attention" if c.get("attention") == "unfused" else "fused attention"
+    line = f"{gemm}; {attention}"
+    if not p["fits"]:
+        line += (f"; over memory: {p['act_gib']:.1f} GiB of activations in flight on the fullest rank"
+                 f" and {p['static_gib']:.1f} GiB of weights, gradients and optimizer state")
+    return line
 
 
 def peak_flops(gpu: str) -> float:
@@ -240,14 +280,14 @@ def table(runs: list[dict]) -> str:
         rows.append(f"| {r['name']} | {c['gpus']:,} {c['gpu'].upper()} | {layout} | "
                     f"{rep['metric']} | {rep['value']:g} | {p['value']:.4g} | {err:+.1%} | "
                     f"{p['step_s']:.3f} s, bubble {p['bubble']:.0%}, MFU {p['mfu']:.1%} | "
-                    f"{p['gib']:.1f} GiB, {fits} |")
+                    f"{p['gib']:.1f} GiB, {fits} | {reason(r)} |")
     med = statistics.median(errors)
     over = [f"{r['name']} ({r['prediction']['gib']:.1f} GiB against {r['prediction']['limit_gib']:.1f})"
             for r in runs if not r["prediction"]["fits"]]
     memory = ("Over flatpipe's memory limit, though the source ran it: " + ", ".join(over)
-              + "; the memory model is what is wrong there (parameters, gradients and optimizer"
-              " state as the run's sharding holds them, activations, a 4 GiB reserve).") if over else (
-              "Every run fits flatpipe's memory model.")
+              + ". " + MEMORY.format(zero2=", ".join(
+                  f"{r['name']} {r['prediction']['zero2_gib']:.1f} GiB" for r in runs
+                  if "zero2_gib" in r["prediction"]))) if over else "Every run fits flatpipe's memory model."
     head = [
         "# Fidelity: published runs against flatpipe's predictions",
         "",
@@ -263,8 +303,8 @@ def table(runs: list[dict]) -> str:
         "",
         memory,
         "",
-        "| run | GPUs | tp x pp x dp | metric | reported | predicted | error | predicted step | memory per GPU |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | GPUs | tp x pp x dp | metric | reported | predicted | error | predicted step | memory per GPU | why it differs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     return "\n".join(head + rows) + "\n"
 
@@ -298,11 +338,33 @@ def main() -> int:
 
 # Why the predictions miss, in one place: the causes are the model's, not the runs'.
 WHY = """\
-Why they miss today: the analytic profile runs every GEMM and attention kernel at one flat 40% of
-the datasheet peak, so every row's predicted MFU sits near the same low value whatever the
-source reports. The measured GEMM tables of `profiles/data/gemm/` (H100, H200, B200) are what the
-profile is to use instead; no A100 table by shape is committed yet. BLOOM's run also set
-`CUDA_LAUNCH_BLOCKING=1` and crossed nodes at 6.25 GB/s per GPU, both in its run file."""
+What the prediction is made of: each layer's GEMMs priced one by one at its GPU's GEMM curve
+(`profiles/data/hardware/`: the H100's is OpenXLA's measured table by shape; no table by shape
+exists here for the A100, whose curve is the roofline of its maximum achievable matmul rate,
+271.2 TFLOP/s, measured in 2025 with torch 2.6 and CUDA 12.6), attention by the kernel the run
+used (the batched GEMMs and softmax of Megatron-LM before FlashAttention; cuDNN's measured
+rates on the H100), tensor-parallel collectives on the datasheet NVLink rate, and the schedule
+replayed step by step. No constant is fitted to these rows.
+
+Why they miss: every A100 row is predicted faster than it ran. The GEMMs dominate those steps,
+and the A100's curve is today's cuBLAS at its best shape, as one GPU alone reaches it; what
+Megatron-LM's 2021 and 2022 kernels reached at these shapes, and what NCCL reached on the
+NVSwitch, no source at hand measures (a measured A100 table by shape is what would settle it).
+The Llama 3 rows are predicted faster than Meta reports; the paper does not state its
+attention kernel, its overlap of the tensor-parallel collectives or its GPUs' sustained clocks.
+BLOOM's run also set `CUDA_LAUNCH_BLOCKING=1` and crossed nodes at 6.25 GB/s per GPU, both in
+its run file."""
+
+# Why the Llama 3 rows do not fit, in one place.
+MEMORY = """\
+Without activation recomputation every schedule of the 1F1B family holds, on its first rank,
+the activations of about all 126 decoders for one microbatch (65 KB per token per decoder with
+tp 8 and sequence parallelism, 8,192 tokens: 67 GB for 1F1B, 1.125x that for interleaving with
+8 virtual stages), before any weight; and FSDP as torchtitan runs it under PP keeps the stage's
+gradients unsharded in fp32 for the whole step (12.7 GB here). Reducing the gradients after
+every backward instead (flatpipe's `zero2`) needs {zero2}; which of the two Meta ran,
+and whether anything was recomputed or offloaded, is what the run file's transcription of
+section 3.3.2 must settle."""
 
 BIN = ""
 if __name__ == "__main__":

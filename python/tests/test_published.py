@@ -77,3 +77,17 @@ def test_the_recompute_flop_count_is_a_count_of_the_passes():
     b, s, l, h, v = 8, 2048, 24, 2304, 51200
     per_token = 4 * l * (24 * h * h + 4 * s * h) + 3 * 2 * h * v
     assert got == pytest.approx(per_token * b * s / (step_s * 4) / 1e12, rel=1e-12)
+
+
+def test_unfused_attention_needs_a_model_of_a_stated_shape(tmp_path):
+    """A GPT of a stated shape carries the run's attention into its model file; a built-in
+    model (whose attention is fused) refuses an unfused one by name."""
+    pr = script()
+    text = pr.gpt_model({"parameters_b": 1, "layers": 2, "hidden": 64, "heads": 4, "vocab": 100},
+                        "unfused")
+    assert "\nattention: unfused\n" in text
+    run = {"name": "r", "config": {"gpu": "a100", "gpus": 8, "model": "llama3.1-8b",
+                                   "seq_len": 2048, "global_batch": 8, "tp": 1, "pp": 1,
+                                   "schedule": "1f1b", "attention": "unfused"}}
+    with pytest.raises(pr.RunError, match="attention `unfused` needs a model of a stated shape"):
+        pr.plan_yaml(run, str(tmp_path))
