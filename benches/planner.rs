@@ -27,6 +27,10 @@ fn layer_costs(decoders: u32) -> Vec<LayerCost> {
         heads,
         kv_heads: kv,
         vocab,
+        head_dim: None,
+        mla: None,
+        moe: None,
+        mtp: false,
     };
     let model = ModelSpec {
         name: "bench".into(),

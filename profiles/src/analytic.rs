@@ -44,6 +44,7 @@
 //!
 //! The gradient buffers dgrad produces for wgrad are not modelled.
 
+use crate::decoder::{self, Gemm};
 use crate::gemm::GemmCurve;
 use crate::{
     AttentionImpl, CostCoeffs, Error, GemmSplit, Hardware, Layer, LayerKind, LayerProfile,
@@ -127,24 +128,27 @@ impl Kernels {
         })
     }
 
-    /// Seconds of the GEMMs `[(n, k)]` (each `[T, k] x [k, n]`) in `phase` at `t` tokens.
-    fn gemm_s(&self, gemms: &[(f64, f64)], phase: Phase, t: f64) -> f64 {
+    /// Seconds of `gemms` in `phase` at `t` tokens.
+    fn gemm_s(&self, gemms: &[Gemm], phase: Phase, t: f64) -> f64 {
         gemms
             .iter()
-            .map(|&(n, k)| match &self.curve {
-                None => 2.0 * t * n * k * self.flat_s,
-                Some(c) => match phase {
-                    Phase::Forward => c.time_s(t, n, k),
-                    Phase::Dgrad => c.time_s(t, k, n),
-                    Phase::Wgrad => c.time_s(k, n, t),
-                },
+            .map(|g| {
+                let m = g.rows * t;
+                match &self.curve {
+                    None => 2.0 * g.count * m * g.n * g.k * self.flat_s,
+                    Some(c) => match phase {
+                        Phase::Forward => c.grouped_time_s(g.count, m, g.n, g.k),
+                        Phase::Dgrad => c.grouped_time_s(g.count, m, g.k, g.n),
+                        Phase::Wgrad => c.grouped_time_s(g.count, g.k, g.n, m),
+                    },
+                }
             })
             .sum()
     }
 
     /// `(c0, c_tok)` of the GEMMs in `phase`: fitted over [`TOKEN_GRID`] in least relative
     /// squares with `c0 >= 0` (exact for the flat rate, which has no fixed part).
-    fn gemm_fit(&self, gemms: &[(f64, f64)], phase: Phase) -> (f64, f64) {
+    fn gemm_fit(&self, gemms: &[Gemm], phase: Phase) -> (f64, f64) {
         let ys: Vec<(f64, f64)> = TOKEN_GRID
             .iter()
             .map(|&t| (t, self.gemm_s(gemms, phase, t)))
@@ -172,8 +176,9 @@ impl Kernels {
         }
     }
 
-    /// Seconds per causal query-key pair of a decoder with hidden size `h` and `heads` heads, in
-    /// the forward (`backward = false`) or the input-gradient pass.
+    /// Seconds per causal query-key pair of a decoder with attention width `h` (its forward's
+    /// FLOPs per pair over 4: [`decoder::Widths::attention`]) and `heads` heads, in the forward
+    /// (`backward = false`) or the input-gradient pass.
     fn attention_pair_s(&self, h: f64, heads: f64, backward: bool) -> f64 {
         let (flops, rate) = if backward {
             (10.0 * h, self.attention_s.1)
@@ -200,10 +205,12 @@ impl Kernels {
 
     /// The relative throughput of a decoder's GEMMs split `tp` ways (see the module docs).
     fn split_throughput(&self, l: &Layer, tp: f64) -> f64 {
-        let (whole, parts) = (decoder_gemms(l, 1.0), decoder_gemms(l, tp));
+        let (whole, parts) = (decoder::gemms(l, 1.0), decoder::gemms(l, tp));
         let t = SPLIT_TOKENS as f64;
-        let ratio =
-            self.gemm_s(&whole, Phase::Forward, t) / (tp * self.gemm_s(&parts, Phase::Forward, t));
+        let flops = |g: &[Gemm]| -> f64 { g.iter().map(|x| x.rows * x.count * x.n * x.k).sum() };
+        // Throughput (FLOPs / time) split over whole: the split GEMMs do `flops(parts)` each.
+        let ratio = (flops(&parts) / self.gemm_s(&parts, Phase::Forward, t))
+            / (flops(&whole) / self.gemm_s(&whole, Phase::Forward, t));
         ratio.clamp(1e-3, 2.0)
     }
 }
@@ -213,19 +220,6 @@ enum Phase {
     Forward,
     Dgrad,
     Wgrad,
-}
-
-/// A decoder's GEMMs `(n, k)` on one of `tp` tensor-parallel GPUs: Q/K/V and gate/up split by
-/// columns, O and down by rows.
-fn decoder_gemms(l: &Layer, tp: f64) -> [(f64, f64); 4] {
-    let (h, f) = (l.hidden as f64, l.ffn as f64);
-    let kv = h / l.heads as f64 * l.kv_heads as f64;
-    [
-        ((h + 2.0 * kv) / tp, h),
-        (h, h / tp),
-        (2.0 * f / tp, h),
-        (h, f / tp),
-    ]
 }
 
 /// Derives a cost profile of `model` on `hw` from FLOP counts and the hardware's kernel curves
@@ -323,7 +317,7 @@ pub fn analytic_profile(
 /// One layer's profile: its phases' costs, activations, parameters and model FLOPs.
 fn layer_profile(l: &Layer, model: &ModelSpec, k: &Kernels, c0: f64) -> LayerProfile {
     let (h, d) = (l.hidden as f64, k.d);
-    let coeffs = |gemms: &[(f64, f64)], phase: Phase, tok_bytes: f64, pair_s: f64| {
+    let coeffs = |gemms: &[Gemm], phase: Phase, tok_bytes: f64, pair_s: f64| {
         let (a, b) = k.gemm_fit(gemms, phase);
         CostCoeffs {
             c0_s: c0 + a,
@@ -337,44 +331,52 @@ fn layer_profile(l: &Layer, model: &ModelSpec, k: &Kernels, c0: f64) -> LayerPro
             let bytes = 2.0 * h * d;
             let f = coeffs(&[], Phase::Forward, bytes, 0.0);
             let w = coeffs(&[], Phase::Wgrad, 2.0 * bytes, 0.0);
-            (f.clone(), CostCoeffs::default(), w, f, 0.0, 4.0, h * d)
+            (f, CostCoeffs::default(), w, f, 0.0, 4.0, h * d)
         }
         LayerKind::Decoder => {
-            let ffn = l.ffn as f64;
-            let kv = h / l.heads as f64 * l.kv_heads as f64;
-            let gemms = decoder_gemms(l, 1.0);
-            // Elementwise traffic per token (read + write, dtype bytes): two RMSNorms
-            // (4h), rotary on Q and K (2(h + kv)), two residual adds (6h), SwiGLU (3f).
-            let elem_f = d * (4.0 * h + 2.0 * (h + kv) + 6.0 * h + 3.0 * ffn);
+            let gemms = decoder::gemms(l, 1.0);
+            let wd = decoder::widths(l);
+            // Elementwise traffic per token (read + write, dtype bytes): two RMSNorms (4h),
+            // rotary on Q and K (2 rotary), two residual adds (6h), SwiGLU (3 mlp), and a
+            // mixture of experts' dispatch and combine copies (4 top_k h).
+            let elem_f = d * (10.0 * h + 2.0 * wd.rotary + 3.0 * wd.mlp + 4.0 * wd.routed * h);
             let heads = l.heads as f64;
             let f = coeffs(
                 &gemms,
                 Phase::Forward,
                 elem_f,
-                k.attention_pair_s(h, heads, false),
+                k.attention_pair_s(wd.attention, heads, false),
             );
+            // Kept for dgrad: the layer input, Q, K/V, the mid residual, gate/up outputs and
+            // the fp32 log-sum-exp per head; for wgrad: both norms' outputs (a routed copy per
+            // expert a token goes to), the attention output and the SwiGLU output.
             (
-                f.clone(),
+                f,
                 coeffs(
                     &gemms,
                     Phase::Dgrad,
                     2.0 * elem_f,
-                    k.attention_pair_s(h, heads, true),
+                    k.attention_pair_s(wd.attention, heads, true),
                 ),
                 coeffs(&gemms, Phase::Wgrad, 0.0, 0.0),
                 f,
-                d * (3.0 * h + 2.0 * kv + 2.0 * ffn) + 4.0 * heads,
-                d * (3.0 * h + ffn),
+                d * (2.0 * h + wd.q + wd.kv + 2.0 * wd.mlp) + 4.0 * heads,
+                d * (2.0 * h + wd.o_in + wd.routed * h + wd.mlp),
                 h * d,
             )
         }
         LayerKind::Head => {
-            let gemms = [(l.vocab as f64, h)];
+            let gemms = [Gemm {
+                rows: 1.0,
+                n: l.vocab as f64,
+                k: h,
+                count: 1.0,
+            }];
             // Norm (2h) and the fp32 softmax / cross-entropy over V logits (read + write).
             let elem = 2.0 * h * d + 2.0 * l.vocab as f64 * 4.0;
             let f = coeffs(&gemms, Phase::Forward, elem, 0.0);
             (
-                f.clone(),
+                f,
                 coeffs(&gemms, Phase::Dgrad, elem, 0.0),
                 coeffs(&gemms, Phase::Wgrad, 0.0, 0.0),
                 f,
@@ -387,11 +389,10 @@ fn layer_profile(l: &Layer, model: &ModelSpec, k: &Kernels, c0: f64) -> LayerPro
     let params = l.param_count();
     let (flops_tok, flops_pair) = match l.kind {
         LayerKind::Embedding => (0.0, 0.0),
-        LayerKind::Decoder => {
-            let kv = h / l.heads as f64 * l.kv_heads as f64;
-            let matmul = h * (h + 2.0 * kv) + h * h + 3.0 * h * l.ffn as f64;
-            (6.0 * matmul, 12.0 * h)
-        }
+        LayerKind::Decoder => (
+            6.0 * decoder::macs_per_token(l),
+            12.0 * decoder::widths(l).attention,
+        ),
         LayerKind::Head => (6.0 * h * l.vocab as f64, 0.0),
     };
     LayerProfile {

@@ -19,6 +19,22 @@ pub const MODELS: &[(&str, &str)] = &[
         include_str!("../data/models/llama3.1-405b.yaml"),
     ),
     ("tiny", include_str!("../data/models/tiny.yaml")),
+    (
+        "deepseek-v3",
+        include_str!("../data/models/deepseek-v3.yaml"),
+    ),
+    (
+        "qwen3-30b-a3b",
+        include_str!("../data/models/qwen3-30b-a3b.yaml"),
+    ),
+    (
+        "qwen3-235b-a22b",
+        include_str!("../data/models/qwen3-235b-a22b.yaml"),
+    ),
+    (
+        "mixtral-8x7b",
+        include_str!("../data/models/mixtral-8x7b.yaml"),
+    ),
 ];
 
 /// Built-in hardware names and their YAML.
@@ -234,7 +250,7 @@ mod tests {
     }
 }
 
-/// The measured GEMM tables of `profiles/data/gemm/` (not yet read by the analytic profile),
+/// The measured GEMM tables of `profiles/data/gemm/` (the hardware files' `gemm` curves),
 /// checked as data: every row a positive shape at or under its GPU's datasheet peak.
 #[cfg(test)]
 mod gemm_tables {

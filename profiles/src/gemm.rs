@@ -5,7 +5,8 @@
 //! - `table`: a measured table of `profiles/data/gemm/` (rows `m,n,k,tflops`). A shape is
 //!   looked up in `log2` space: each dimension is clamped to the table's range (a GEMM larger
 //!   than every measured one runs as the largest did), then the rows are weighted by inverse
-//!   distance to the fourth power (Shepard 1968), so a measured shape returns its own figure.
+//!   distance to the fourth power (Shepard 1968), so a measured shape returns its own figure;
+//!   a GEMM smaller than every measured one in some dimension takes the time of the smallest.
 //! - `max_flops` (no table): the GPU's maximum achievable matmul FLOP/s, MAMF (Bekman, *Machine
 //!   Learning Engineering*, "Maximum Achievable Matmul FLOPS comparison table", measured with
 //!   `mamf-finder.py`), under a roofline `t = max(2mnk / max_flops, 2 (mk + kn + mn) / hbm) +
@@ -216,6 +217,14 @@ impl GemmCurve {
             GemmCurve::Table { rows, lo, hi } => {
                 let q = [m.log2(), n.log2(), k.log2()];
                 let q: Vec<f64> = (0..3).map(|d| q[d].clamp(lo[d], hi[d])).collect();
+                // A dimension under the table's smallest runs as the smallest measured one did
+                // (same time); over its largest, at the largest one's rate.
+                let (m, n, k) = (
+                    m.max(lo[0].exp2()),
+                    n.max(lo[1].exp2()),
+                    k.max(lo[2].exp2()),
+                );
+                let flops = 2.0 * m * n * k;
                 let (mut num, mut den) = (0.0, 0.0);
                 for r in rows {
                     let d2: f64 = (0..3).map(|d| (r[d] - q[d]).powi(2)).sum();
@@ -228,6 +237,19 @@ impl GemmCurve {
                 }
                 flops / (num / den)
             }
+        }
+    }
+
+    /// Seconds of `count` GEMMs `[m, k] x [k, n]` run as one grouped kernel (the routed
+    /// experts): on the roofline the fixed cost is paid once; a table's rows are single GEMMs,
+    /// each with its own fixed cost, so there `count` times one GEMM's time (an upper bound on
+    /// a grouped kernel's).
+    pub fn grouped_time_s(&self, count: f64, m: f64, n: f64, k: f64) -> f64 {
+        match self {
+            GemmCurve::Roofline { overhead_s, .. } => {
+                count * (self.time_s(m, n, k) - overhead_s) + overhead_s
+            }
+            GemmCurve::Table { .. } => count * self.time_s(m, n, k),
         }
     }
 }
@@ -282,6 +304,9 @@ mod tests {
         assert!((c.flops_per_s(1024.0, 4096.0, 4096.0) / 751.9e12 - 1.0).abs() < 1e-9);
         // Past the table's largest dimension a GEMM runs at the largest measured rate.
         assert!((c.flops_per_s(16384.0, 8192.0, 4096.0) / 780.2e12 - 1.0).abs() < 1e-9);
+        // Under the table's smallest m (256), the time of m = 256.
+        let small = c.time_s(16.0, 4096.0, 4096.0);
+        assert!((small / c.time_s(256.0, 4096.0, 4096.0) - 1.0).abs() < 1e-12);
         // Between rows: between its neighbours' rates.
         let mid = c.flops_per_s(3000.0, 4096.0, 4096.0);
         assert!(mid > 700e12 && mid < 790e12, "{mid}");

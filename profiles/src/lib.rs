@@ -27,6 +27,7 @@
 
 mod analytic;
 pub mod builtins;
+mod decoder;
 mod error;
 pub mod gemm;
 mod hardware;
@@ -36,11 +37,11 @@ mod tensor_parallel;
 mod workload;
 mod yaml;
 
-pub use analytic::{AnalyticOptions, analytic_profile};
+pub use analytic::{AnalyticOptions, FLAT_EFFICIENCY, analytic_profile};
 pub use error::{Error, Result};
 pub use gemm::{AttentionSpec, GemmCurve, GemmSpec};
 pub use hardware::{Hardware, Link};
-pub use model::{AttentionImpl, Dtype, Layer, LayerGroup, LayerKind, ModelSpec};
+pub use model::{AttentionImpl, Dtype, Layer, LayerGroup, LayerKind, Mla, ModelSpec, Moe};
 pub use profile::{
     ActionOverhead, CostCoeffs, FitQuality, GemmSplit, LayerProfile, LayerShape, MIN_FIT_R2, Phase,
     Profile, ProfileSource, Provenance,

@@ -24,12 +24,18 @@ pub(super) fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
             kind: "model",
             name: name.to_string(),
             description: {
-                let n = m.param_count() as f64;
-                let params = if n >= 1e9 {
-                    format!("{:.2}B", n / 1e9)
-                } else {
-                    format!("{:.2}M", n / 1e6)
+                let count = |n: u64| {
+                    let n = n as f64;
+                    if n >= 1e9 {
+                        format!("{:.2}B", n / 1e9)
+                    } else {
+                        format!("{:.2}M", n / 1e6)
+                    }
                 };
+                let mut params = count(m.param_count());
+                if m.active_param_count() < m.main_param_count() {
+                    params += &format!(" ({} activated)", count(m.active_param_count()));
+                }
                 format!(
                     "{} decoder layers, {params} parameters, {}",
                     m.num_decoder_layers(),
@@ -60,7 +66,9 @@ pub(super) fn list_builtins(a: BuiltinsArgs) -> Result<ExitCode> {
         out.push(Entry {
             kind: "profile",
             name: name.clone(),
-            description: "analytic profile (FLOP counts over datasheet peaks)".into(),
+            description:
+                "analytic profile (GEMMs by shape on the hardware's curve, attention by kernel)"
+                    .into(),
         });
     }
     for (name, _) in builtins::WORKLOADS {

@@ -339,6 +339,23 @@ pub(super) fn head_dgrad<O: OpSet>(
 /// [`Error::Unsupported`] naming the layer and its sizes.
 pub(crate) fn attn_dims(l: &flatpipe_profiles::Layer) -> Result<AttnDims> {
     let (h, heads, kvh) = (l.hidden as usize, l.heads as usize, l.kv_heads as usize);
+    if l.moe.is_some() || l.mla.is_some() || l.mtp || l.head_dim * l.heads != l.hidden {
+        return Err(Error::Unsupported(format!(
+            "decoder layer {}: the executor's kernels run dense grouped-query decoders with head dimension hidden / heads; this one has {}",
+            l.index,
+            [
+                l.moe.map(|m| format!("{} experts", m.experts)),
+                l.mla.map(|_| "latent attention".to_string()),
+                l.mtp.then(|| "a multi-token-prediction module".to_string()),
+                (l.head_dim * l.heads != l.hidden)
+                    .then(|| format!("head dimension {}", l.head_dim)),
+            ]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join(", ")
+        )));
+    }
     if heads == 0 || kvh == 0 || h % heads != 0 || heads % kvh != 0 || (h / heads) % 2 != 0 {
         return Err(Error::Unsupported(format!(
             "decoder layer {}: hidden {h}, heads {heads}, kv_heads {kvh}: the kernels need heads | hidden, kv_heads | heads and an even head dimension",
@@ -436,4 +453,27 @@ pub(crate) fn build_layers<O: OpSet>(
         layers.push((l.index, layer));
     }
     Ok(layers)
+}
+
+#[cfg(test)]
+mod tests {
+    use flatpipe_profiles::builtins;
+
+    #[test]
+    fn decoders_the_kernels_do_not_run_are_refused_by_name() {
+        for (model, what) in [
+            ("qwen3-30b-a3b", "128 experts, head dimension 128"),
+            ("deepseek-v3", "latent attention"),
+        ] {
+            let m = builtins::model(model).unwrap();
+            let l = m.layers()[m.layers().len() - 2];
+            let e = super::attn_dims(&l).unwrap_err().to_string();
+            assert!(
+                e.contains(what) && e.contains("dense grouped-query"),
+                "{model}: {e}"
+            );
+        }
+        let llama = builtins::model("llama3.1-8b").unwrap();
+        assert!(super::attn_dims(&llama.layers()[1]).is_ok());
+    }
 }
