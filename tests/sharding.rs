@@ -447,3 +447,33 @@ fn fsdp_actions_cost_each_stages_ring_all_gather_and_reduce_scatter() {
         );
     }
 }
+
+/// Expert parallelism: Qwen3-30B-A3B (48 layers of 128 experts of 768, hidden 2048) on pp = 2,
+/// dp = 8, ep = 8 under Megatron's distributed optimizer. Each GPU holds 1/8 of every layer's
+/// experts; their master weights and moments shard over the dp / ep = 1 replica that holds the
+/// same experts ("6 + 12/1" = 18 bytes), the other weights' over all 8 ("6 + 12/8").
+#[test]
+fn expert_parallel_memory_by_hand() {
+    let m = builtins::model("qwen3-30b-a3b").unwrap();
+    let hw = builtins::hardware("h100").unwrap();
+    let base = analytic_profile(&m, &hw, &Default::default()).unwrap();
+    let prof = base.expert_parallel(8, 1, true).unwrap();
+    let stages = even_split(prof.layers.len(), 2).unwrap();
+    let c = costs(&prof, &stages, Sharding::Zero1, 8);
+    let experts_per_layer = 128.0 * 3.0 * 2048.0 * 768.0 / 8.0;
+    for (r, range) in stages.iter().enumerate() {
+        let all: f64 = base.layers[range.clone()]
+            .iter()
+            .map(|l| l.param_count as f64)
+            .sum();
+        let decoders = range.clone().filter(|&i| (1..=48).contains(&i)).count() as f64;
+        let local_experts = decoders * experts_per_layer;
+        let rest = all - decoders * 8.0 * experts_per_layer;
+        let want = rest * (6.0 + 12.0 / 8.0) + local_experts * 18.0;
+        let got = c.static_bytes(Rank(r as u32));
+        assert!(
+            (got - want).abs() <= 1e-9 * want,
+            "rank {r}: {got} vs {want}"
+        );
+    }
+}

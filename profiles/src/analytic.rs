@@ -311,6 +311,7 @@ pub fn analytic_profile(
         gemm_split,
         action_overhead: Default::default(),
         first_stage_backward_in_w: false,
+        expert_parallel: 1,
     })
 }
 
@@ -415,6 +416,9 @@ fn layer_profile(l: &Layer, model: &ModelSpec, k: &Kernels, c0: f64) -> LayerPro
             heads: l.heads,
             kv_heads: l.kv_heads,
             vocab: l.vocab,
+            experts: l.moe.map_or(0, |m| m.experts),
+            top_k: l.moe.map_or(0, |m| m.top_k),
+            expert_params: l.moe.map_or(0, |m| m.experts * 3 * l.hidden * m.expert_ffn),
         },
     }
 }

@@ -29,6 +29,7 @@ mod analytic;
 pub mod builtins;
 mod decoder;
 mod error;
+mod expert_parallel;
 pub mod gemm;
 mod hardware;
 mod model;

@@ -112,6 +112,28 @@ pub struct LayerShape {
     /// Vocabulary size (embedding and head).
     #[serde(default)]
     pub vocab: u64,
+    /// Routed experts of a mixture-of-experts decoder (0: a dense MLP).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub experts: u64,
+    /// Experts each token is routed to.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub top_k: u64,
+    /// Of `param_count`, the routed experts' weights this GPU holds (what expert parallelism
+    /// divides: [`Profile::expert_parallel`]).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub expert_params: u64,
+}
+
+fn is_zero_u64(x: &u64) -> bool {
+    *x == 0
+}
+
+fn is_one_u32(x: &u32) -> bool {
+    *x == 1
+}
+
+fn one_u32() -> u32 {
+    1
 }
 
 impl LayerShape {
@@ -234,6 +256,11 @@ pub struct Profile {
     /// the first stage's I and W as the other stages' (false).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub first_stage_backward_in_w: bool,
+    /// The expert-parallel degree this profile is one GPU of ([`Profile::expert_parallel`]):
+    /// its routed experts' optimizer state shards over `dp / expert_parallel` replicas, not
+    /// `dp`. 1 without expert parallelism.
+    #[serde(default = "one_u32", skip_serializing_if = "is_one_u32")]
+    pub expert_parallel: u32,
 }
 
 /// Fixed seconds per stage action, by action kind (a forward-only `Fo` pays `f_s`).
@@ -328,6 +355,9 @@ impl Profile {
     /// # Errors
     /// [`Error::Invalid`] naming the field, its value and the allowed range.
     pub fn validate(&self, origin: &str) -> Result<()> {
+        if self.expert_parallel == 0 {
+            return Err(Error::invalid(origin, "expert_parallel", 0, ">= 1"));
+        }
         self.hardware.validate(origin)?;
         if self.layers.len() < 2 {
             return Err(Error::invalid(

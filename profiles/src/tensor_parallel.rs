@@ -69,6 +69,37 @@ fn split(c: &CostCoeffs, t: f64, gemm: f64, comm: (f64, f64)) -> CostCoeffs {
 }
 
 impl Profile {
+    /// Checks every layer can be split `tp` ways: its shape is known, and `tp` divides a
+    /// decoder's attention heads and key-value heads.
+    fn check_splittable(&self, tp: u32, origin: &str) -> Result<()> {
+        let origin = origin.to_string();
+        for l in &self.layers {
+            let s = &l.shape;
+            if s.hidden == 0 || (l.kind == LayerKind::Decoder && s.heads == 0) {
+                return Err(Error::invalid(
+                    &origin,
+                    format!("layers[{}].shape", l.name),
+                    "unknown",
+                    "the layer's hidden size, heads and key-value heads (an analytic profile records them)",
+                ));
+            }
+            if l.kind == LayerKind::Decoder
+                && (s.heads % u64::from(tp) != 0 || s.kv_heads % u64::from(tp) != 0)
+            {
+                return Err(Error::invalid(
+                    &origin,
+                    "tp",
+                    tp,
+                    format!(
+                        "a divisor of {}'s {} attention heads and {} key-value heads (Megatron requires both)",
+                        l.name, s.heads, s.kv_heads
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The profile of one GPU of a tensor-parallel group of `tp` GPUs, with or without sequence
     /// parallelism (see the module documentation for every term and its source). `tp = 1`
     /// returns the profile unchanged.
@@ -96,30 +127,7 @@ impl Profile {
         if tp == 1 {
             return Ok(self.clone());
         }
-        for l in &self.layers {
-            let s = &l.shape;
-            if s.hidden == 0 || (l.kind == LayerKind::Decoder && s.heads == 0) {
-                return Err(Error::invalid(
-                    &origin,
-                    format!("layers[{}].shape", l.name),
-                    "unknown",
-                    "the layer's hidden size, heads and key-value heads (an analytic profile records them)",
-                ));
-            }
-            if l.kind == LayerKind::Decoder
-                && (s.heads % u64::from(tp) != 0 || s.kv_heads % u64::from(tp) != 0)
-            {
-                return Err(Error::invalid(
-                    &origin,
-                    "tp",
-                    tp,
-                    format!(
-                        "a divisor of {}'s {} attention heads and {} key-value heads (Megatron requires both)",
-                        l.name, s.heads, s.kv_heads
-                    ),
-                ));
-            }
-        }
+        self.check_splittable(tp, &origin)?;
         let t = f64::from(tp);
         let link = &self.hardware.intra_node;
         let (a, b) = (link.alpha_s, link.beta_bytes_per_s);
@@ -167,6 +175,9 @@ impl Profile {
                     l.param_count = (l.param_count.saturating_sub(norms)) / u64::from(tp) + norms;
                     l.shape.heads /= u64::from(tp);
                     l.shape.kv_heads /= u64::from(tp);
+                    // The experts split as the dense MLP does (Megatron's expert tensor
+                    // parallelism at its default, the tensor-parallel size).
+                    l.shape.expert_params /= u64::from(tp);
                 }
                 LayerKind::Embedding => {
                     let f = if sequence_parallel { rs(act) } else { exchange };

@@ -221,8 +221,7 @@ impl PyPipeline {
                 )));
             }
         };
-        let (tp, sp) = plan.tensor_parallel();
-        let profile = Arc::new(profile.tensor_parallel(tp, sp).map_err(err)?);
+        let profile = Arc::new(plan.per_gpu(&profile).map_err(err)?);
         plan.validate(path, profile.layers.len()).map_err(err)?;
         // The plan's run as the file gives it (checked against the model above).
         let config = plan.run.clone();

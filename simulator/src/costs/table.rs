@@ -484,12 +484,22 @@ impl TableBuild<'_> {
             .state_bytes
             .unwrap_or_else(|| opts.sharding.state_bytes_on(&profile.hardware, pp, opts.dp))
             .total();
+        // The routed experts' state shards over the replicas that hold the same experts.
+        let ep = profile.expert_parallel.max(1);
+        let expert_state = opts
+            .state_bytes
+            .unwrap_or_else(|| {
+                let dp = (opts.dp / ep).max(1);
+                opts.sharding.state_bytes_on(&profile.hardware, pp, dp)
+            })
+            .total();
         for (s, r) in self.stages.iter().enumerate() {
             let layers = &profile.layers[r.clone()];
             let params: u64 = layers.iter().map(|l| l.param_count).sum();
+            let experts: u64 = layers.iter().map(|l| l.shape.expert_params).sum();
             let rank = placement.rank_of[s].idx();
             optimizer[rank] += s_to_ns(params as f64 * profile.optimizer_s_per_param);
-            static_bytes[rank] += params as f64 * state;
+            static_bytes[rank] += (params - experts) as f64 * state + experts as f64 * expert_state;
             for l in layers {
                 largest_layer[rank] = largest_layer[rank].max(l.param_count as f64);
             }

@@ -70,6 +70,10 @@ pub struct Plan {
     pub tp: u32,
     /// Sequence parallelism with `tp > 1` (true when `tp` is 1).
     pub sequence_parallel: bool,
+    /// Expert-parallel degree: data-parallel replicas that split each mixture-of-experts
+    /// layer's routed experts (`flatpipe_profiles::Profile::expert_parallel`), >= 1, a divisor
+    /// of `dp`.
+    pub ep: u32,
     /// What the planner predicted (informational; `simulate --plan` recomputes).
     pub predicted: Option<Predicted>,
     /// Where the plan came from: hashes of the profile and workload it was planned on.
@@ -117,6 +121,9 @@ pub struct PlanFile {
     /// Sequence parallelism with `tp > 1` (default true).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     sequence_parallel: Option<bool>,
+    /// Expert-parallel degree (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ep: Option<u32>,
     pp: u32,
     /// Stages per rank; default: the schedule's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -261,6 +268,7 @@ impl TryFrom<PlanFile> for Plan {
             run,
             tp,
             sequence_parallel: tp == 1 || f.sequence_parallel.unwrap_or(true),
+            ep: f.ep.unwrap_or(1),
             predicted: f.predicted,
             provenance: f.provenance,
         })
@@ -286,6 +294,7 @@ impl From<Plan> for PlanFile {
             dp: Some(run.dp),
             tp: (p.tp > 1).then_some(p.tp),
             sequence_parallel: (p.tp > 1).then_some(p.sequence_parallel),
+            ep: (p.ep > 1).then_some(p.ep),
             pp: run.pp,
             vpp: Some(run.v),
             placement: schedule.placement_for(run.v),
@@ -378,6 +387,7 @@ impl Plan {
             run,
             tp: 1,
             sequence_parallel: true,
+            ep: 1,
             predicted: None,
             provenance: None,
         }
@@ -403,6 +413,20 @@ impl Plan {
     /// The tensor-parallel degree and whether sequence parallelism is on.
     pub fn tensor_parallel(&self) -> (u32, bool) {
         (self.tp, self.sequence_parallel)
+    }
+
+    /// The per-GPU profile of this plan's layout: `profile` split by its tensor parallelism,
+    /// then by its expert parallelism.
+    ///
+    /// # Errors
+    /// [`flatpipe_profiles::Error::Invalid`] from either split.
+    pub fn per_gpu(
+        &self,
+        profile: &flatpipe_profiles::Profile,
+    ) -> flatpipe_profiles::Result<flatpipe_profiles::Profile> {
+        profile
+            .tensor_parallel(self.tp, self.sequence_parallel)?
+            .expert_parallel(self.ep, self.tp, self.sequence_parallel)
     }
 
     /// Parses a plan file's text. `origin` names the file in errors.
@@ -483,6 +507,16 @@ impl Plan {
         };
         if self.tp == 0 {
             return Err(in_file(Error::invalid("tp", 0, ">= 1 GPU per rank")));
+        }
+        if self.ep == 0 || self.run.dp % self.ep != 0 {
+            return Err(in_file(Error::invalid(
+                "ep",
+                self.ep,
+                format!(
+                    "a divisor of dp = {} (the expert-parallel group is made of data-parallel replicas)",
+                    self.run.dp
+                ),
+            )));
         }
         self.run.validate(num_layers).map_err(in_file)
     }
@@ -571,6 +605,25 @@ mod tests {
     /// What the file alone decides is refused as it is read, naming the file and the field: a
     /// vpp the schedule does not run (instead of ignored), a placement it does not use, neither
     /// or both of the microbatchings, a field the format does not have.
+    #[test]
+    fn expert_parallelism_round_trips_and_divides_dp() {
+        let p = Plan::from_yaml(&file("token_budget: 8\ndp: 4\nep: 2\n"), "p.yaml").unwrap();
+        assert_eq!(p.ep, 2);
+        p.validate("p.yaml", 10).unwrap();
+        let again = Plan::from_yaml(&p.to_yaml().unwrap(), "q.yaml").unwrap();
+        assert_eq!(again.ep, 2);
+        let q = Plan::from_yaml(&file("token_budget: 8\ndp: 4\nep: 3\n"), "p.yaml").unwrap();
+        let e = q.validate("p.yaml", 10).unwrap_err().to_string();
+        assert!(
+            e.contains("p.yaml: ep") && e.contains("a divisor of dp = 4"),
+            "{e}"
+        );
+        // Without it, 1 and nothing written.
+        let r = Plan::from_yaml(&file("token_budget: 8\n"), "p.yaml").unwrap();
+        assert_eq!(r.ep, 1);
+        assert!(!r.to_yaml().unwrap().lines().any(|l| l.starts_with("ep:")));
+    }
+
     #[test]
     fn a_file_the_schedule_cannot_run_is_refused_as_it_is_read() {
         let e = |extra: &str| {

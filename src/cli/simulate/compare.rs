@@ -73,13 +73,16 @@ fn resolve_inputs(
         Some(p) => p.tensor_parallel(),
         None => (a.tp.unwrap_or(1), !a.no_sequence_parallel),
     };
+    let ep = plan.map_or(a.ep.unwrap_or(1), |p| p.ep);
     let base_profile = profile.clone();
+    let split = |p: &Profile| {
+        p.tensor_parallel(tp.0, tp.1)
+            .and_then(|q| q.expert_parallel(ep, tp.0, tp.1))
+    };
     let profile = match &a.plan {
-        // A plan file's tp: its error names the file, not a flag.
-        Some(path) => profile
-            .tensor_parallel(tp.0, tp.1)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
-        None => profile.tensor_parallel(tp.0, tp.1)?,
+        // A plan file's tp and ep: the error names the file, not a flag.
+        Some(path) => split(&profile).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
+        None => split(&profile)?,
     };
     Ok((base_profile, profile, tp, workload))
 }
@@ -151,6 +154,13 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
         first.params.microbatches,
         first.params.token_budget,
     );
+    let ep = profile.expert_parallel;
+    if let Some(c) = combos.iter().find(|c| c.dp.max(1) % ep != 0) {
+        bail!(
+            "--ep = {ep} is invalid: a divisor of --dp = {} (the expert-parallel group is made of data-parallel replicas)",
+            c.dp.max(1)
+        );
+    }
     let policies: Vec<Policy> = dedup(combos.iter().map(|c| c.policy).collect());
     check_combos(&combos, (&workload, seed, size, steps), &base_profile, tp)?;
     Ok(Comparison {

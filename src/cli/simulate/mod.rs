@@ -40,6 +40,10 @@ pub(super) struct SimulateArgs {
     /// Tensor parallelism without sequence parallelism.
     #[arg(long, conflicts_with_all = ["plan", "costs"])]
     no_sequence_parallel: bool,
+    /// Expert-parallel degree (default 1): data-parallel replicas that split each
+    /// mixture-of-experts layer's routed experts; must divide --dp and the experts.
+    #[arg(long, conflicts_with_all = ["plan", "costs"], value_parser = clap::value_parser!(u32).range(1..))]
+    ep: Option<u32>,
     /// Data-parallel replicas of the pipeline (default 1), each taking a cost-balanced share of
     /// every step.
     #[arg(long, conflicts_with_all = ["plan", "costs"], value_parser = clap::value_parser!(u32).range(1..))]

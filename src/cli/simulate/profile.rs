@@ -303,15 +303,21 @@ fn forward_only_notes(a: &SimulateArgs, c: &Comparison, rows: &[Row]) -> Vec<Str
 fn header(c: &Comparison, mc: &MonteCarlo) -> String {
     let (p, tp) = (c.p, c.tp);
     let dp = c.configs.first().map_or(1, |c| c.dp.max(1));
+    let ep = c.profile.expert_parallel;
     let layout = if tp.0 > 1 || dp > 1 {
         format!(
-            " x {} GPUs (tp={}{} x dp={dp} x pp={p}, {})",
+            " x {} GPUs (tp={}{} x dp={dp}{} x pp={p}, {})",
             tp.0 * dp * p,
             tp.0,
             if tp.0 > 1 && tp.1 {
                 " with sequence parallelism"
             } else {
                 ""
+            },
+            if ep > 1 {
+                format!(" with ep={ep}")
+            } else {
+                String::new()
             },
             c.configs.first().map(|c| c.sharding).unwrap_or_default()
         )

@@ -22,6 +22,35 @@ fn bad_input_is_a_clear_error_with_exit_code_2() {
         (&["simulate", "--gantt", "chart.jpg"], "svg or .png"),
         // A directory given for a file: said as such (it was "no such file").
         (&["simulate", "--workload", "."], "Is a directory"),
+        // Expert parallelism: a divisor of dp and of the experts, on a model that has them.
+        (
+            &[
+                "simulate",
+                "--model",
+                "qwen3-30b-a3b",
+                "--dp",
+                "4",
+                "--ep",
+                "8",
+            ],
+            "--ep = 8 is invalid: a divisor of --dp = 4",
+        ),
+        (
+            &[
+                "simulate",
+                "--model",
+                "qwen3-30b-a3b",
+                "--dp",
+                "6",
+                "--ep",
+                "3",
+            ],
+            "a divisor of layers.0's 128 routed experts",
+        ),
+        (
+            &["simulate", "--dp", "2", "--ep", "2"],
+            "no mixture-of-experts layer",
+        ),
     ];
     for (args, needle) in cases {
         let o = flatpipe(dir.path(), args);
