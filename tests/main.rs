@@ -6,6 +6,7 @@ mod cli;
 mod closed_forms;
 mod exact;
 mod microbatch_planning;
+mod moe;
 mod planner;
 mod properties;
 mod readme;

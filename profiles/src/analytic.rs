@@ -48,7 +48,7 @@ use crate::decoder::{self, Gemm};
 use crate::gemm::GemmCurve;
 use crate::{
     AttentionImpl, CostCoeffs, Error, GemmSplit, Hardware, Layer, LayerKind, LayerProfile,
-    LayerShape, ModelSpec, Profile, ProfileSource, Provenance, Result,
+    LayerShape, ModelSpec, Profile, ProfileSource, Provenance, Result, RoutedCosts,
 };
 
 /// The flat fraction of `peak_flops` for GEMMs and attention on hardware without a GEMM curve.
@@ -387,6 +387,26 @@ fn layer_profile(l: &Layer, model: &ModelSpec, k: &Kernels, c0: f64) -> LayerPro
             )
         }
     };
+    let routed = (l.kind == LayerKind::Decoder && l.moe.is_some()).then(|| {
+        // The routed experts' GEMMs alone, fitted as the layer's are (no fixed launch cost).
+        let experts: Vec<Gemm> = decoder::gemms(l, 1.0)
+            .into_iter()
+            .filter(|g| g.count > 1.0 || g.rows < 1.0)
+            .collect();
+        let part = |phase: Phase| {
+            let (a, b) = k.gemm_fit(&experts, phase);
+            CostCoeffs {
+                c0_s: a,
+                c_tok_s: b,
+                c_attn_s: 0.0,
+            }
+        };
+        RoutedCosts {
+            f: part(Phase::Forward),
+            i: part(Phase::Dgrad),
+            w: part(Phase::Wgrad),
+        }
+    });
     let params = l.param_count();
     let (flops_tok, flops_pair) = match l.kind {
         LayerKind::Embedding => (0.0, 0.0),
@@ -420,6 +440,7 @@ fn layer_profile(l: &Layer, model: &ModelSpec, k: &Kernels, c0: f64) -> LayerPro
             top_k: l.moe.map_or(0, |m| m.top_k),
             expert_params: l.moe.map_or(0, |m| m.experts * 3 * l.hidden * m.expert_ffn),
         },
+        routed,
     }
 }
 

@@ -19,7 +19,8 @@
 //!   even router leaves `(ep - 1) / ep` of the `k T H d` bytes on other GPUs; with sequence
 //!   parallelism each of the `tp` GPUs sends its `1/tp` of the tokens. One all-to-all costs
 //!   `(ep - 1) alpha + bytes / beta` (pairwise exchange, Thakur, Rabenseifner and Gropp 2005).
-//!   Routing imbalance is not modelled: every GPU receives the mean.
+//!   The all-to-alls join the layer's routed part (`LayerProfile::routed`), which the cost
+//!   model scales by the router's imbalance.
 
 use crate::{CostCoeffs, Error, LayerKind, Profile, Result};
 
@@ -111,6 +112,11 @@ impl Profile {
             add(&mut l.i);
             if let Some(b) = l.b.as_mut() {
                 add(b);
+            }
+            // The busiest GPU receives and sends more of both with the tokens it is routed.
+            if let Some(r) = l.routed.as_mut() {
+                add(&mut r.f);
+                add(&mut r.i);
             }
         }
         out.expert_parallel = self.expert_parallel * ep;

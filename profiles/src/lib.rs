@@ -45,7 +45,7 @@ pub use hardware::{Hardware, Link};
 pub use model::{AttentionImpl, Dtype, Layer, LayerGroup, LayerKind, Mla, ModelSpec, Moe};
 pub use profile::{
     ActionOverhead, CostCoeffs, FitQuality, GemmSplit, LayerProfile, LayerShape, MIN_FIT_R2, Phase,
-    Profile, ProfileSource, Provenance,
+    Profile, ProfileSource, Provenance, RoutedCosts,
 };
 pub use workload::{LengthDistribution, StepSize, Workload};
 pub use yaml::{check_writable, read_to_string, write_atomic};

@@ -94,6 +94,24 @@ pub struct LayerProfile {
     /// ([`Profile::tensor_parallel`]).
     #[serde(default, skip_serializing_if = "LayerShape::is_unknown")]
     pub shape: LayerShape,
+    /// Of a mixture-of-experts layer's `f`, `i` and `w`, the part that runs on the tokens its
+    /// router sends to this GPU's experts (their GEMMs, and with expert parallelism the
+    /// all-to-alls): what a GPU that receives more than the mean share runs longer. The
+    /// forward-only pass pays as `f`, a fused backward as `i + w`. Absent for other layers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routed: Option<RoutedCosts>,
+}
+
+/// The routed part of a mixture-of-experts layer's costs ([`LayerProfile::routed`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutedCosts {
+    /// Of the forward.
+    pub f: CostCoeffs,
+    /// Of the input-gradient pass.
+    pub i: CostCoeffs,
+    /// Of the weight-gradient pass.
+    pub w: CostCoeffs,
 }
 
 /// What tensor parallelism needs of a layer's shape (0 where unknown or not applicable).

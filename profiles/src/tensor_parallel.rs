@@ -168,6 +168,11 @@ impl Profile {
                     l.w = split(&l.w, t, gemm, w);
                     l.fo = split(&l.fo, t, gemm, f);
                     l.b = l.b.map(|b| split(&b, t, gemm, add(i, w)));
+                    l.routed = l.routed.map(|r| crate::RoutedCosts {
+                        f: split(&r.f, t, gemm, none),
+                        i: split(&r.i, t, gemm, none),
+                        w: split(&r.w, t, gemm, none),
+                    });
                     let keep = if sequence_parallel { 0.0 } else { 2.0 * act };
                     l.act_bytes_per_token_i = (l.act_bytes_per_token_i - keep).max(0.0) / t + keep;
                     l.act_bytes_per_token_w = (l.act_bytes_per_token_w - keep).max(0.0) / t + keep;

@@ -22,6 +22,7 @@
 
 pub mod given;
 pub mod recompute;
+pub mod routing;
 pub mod sharding;
 pub mod spec;
 pub mod stage;

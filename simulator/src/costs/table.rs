@@ -310,10 +310,11 @@ impl TableBuild<'_> {
                     - l.coeffs(Phase::W).time_s(t, a)
             })
             .sum();
+        let [xf, xi, xw] = self.routing_excess_s(r, mb);
         let cell = Cell {
-            f: s_to_ns(self.phase_s(r, Phase::F, t, a)),
-            i: s_to_ns(self.phase_s(r, Phase::I, t, a) + e.extra_i_s),
-            w: s_to_ns(self.phase_s(r, Phase::W, t, a)),
+            f: s_to_ns(self.phase_s(r, Phase::F, t, a) + xf),
+            i: s_to_ns(self.phase_s(r, Phase::I, t, a) + e.extra_i_s + xi),
+            w: s_to_ns(self.phase_s(r, Phase::W, t, a) + xw),
             b: 0,
             fwd_comm: if s + 1 < n {
                 self.transfer_ns(s, s + 1, self.out_bytes(s, t))
@@ -334,6 +335,32 @@ impl TableBuild<'_> {
         (cell, b_delta_s)
     }
 
+    /// What the busiest GPU of an expert-parallel group runs beyond the mean in the stage's
+    /// mixture-of-experts layers for microbatch `mb`, seconds of F, I and W: each layer's
+    /// routed part times the router model's imbalance less one ([`super::routing`]: only a
+    /// microbatch's padding, which all goes to the same experts, unbalances it).
+    fn routing_excess_s(&self, r: &Range<usize>, mb: &Microbatch) -> [f64; 3] {
+        let profile = self.profile;
+        let ep = profile.expert_parallel;
+        let t = mb.computed_tokens() as f64;
+        if ep <= 1 || t <= 0.0 {
+            return [0.0; 3];
+        }
+        let padding = (t - mb.tokens() as f64) / t;
+        let mut out = [0.0; 3];
+        for j in r.clone() {
+            let l = &profile.layers[j];
+            let Some(routed) = l.routed else { continue };
+            let (experts, k) = (l.shape.experts, l.shape.top_k);
+            let hot = super::routing::padding_experts_on_busiest(j, experts, k, ep);
+            let x = super::routing::imbalance(padding, hot, k, ep) - 1.0;
+            for (o, c) in out.iter_mut().zip([routed.f, routed.i, routed.w]) {
+                *o += x * c.time_s(t, 0.0);
+            }
+        }
+        out
+    }
+
     /// Forward-only (time with its postings, transfer to the next stage) per (stage, fo
     /// microbatch), ns, before the per-action overhead.
     fn forward_only_cells(&self, fo_microbatches: &[Microbatch]) -> Vec<(u64, u64)> {
@@ -349,7 +376,8 @@ impl TableBuild<'_> {
                 };
                 let post = if s + 1 < n { self.post_ns(s, s + 1) } else { 0 }
                     + if s > 0 { self.post_ns(s - 1, s) } else { 0 };
-                fo[s * mfo + k] = (s_to_ns(self.phase_s(r, Phase::Fo, t, a)) + post, comm);
+                let xf = self.routing_excess_s(r, mb)[0];
+                fo[s * mfo + k] = (s_to_ns(self.phase_s(r, Phase::Fo, t, a) + xf) + post, comm);
             }
         }
         fo
