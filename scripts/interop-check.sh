@@ -27,6 +27,9 @@ trap 'rm -rf "$out"' EXIT
 # Llama-3.1-70B on 2 nodes with tensor parallelism inside each (tp = 8, pp = 2).
 "$bin" plan -o "$out/tp.yaml" --export torchtitan --model llama3.1-70b --ranks 16 --tp 8 --pp 2 \
     --steps 8 --gantt "$out/g.png" >/dev/null
+# Qwen3-30B-A3B's experts over the 8 data-parallel replicas (ep = 8, pp = 2).
+"$bin" plan -o "$out/moe.yaml" --export torchtitan --model qwen3-30b-a3b --hardware h100 --ranks 16 \
+    --tp 1 --pp 2 --ep 8 --steps 4 --gantt "$out/g.png" >/dev/null
 (cd "$out" && "$py" "$OLDPWD/scripts/interop/torchtitan_check.py" .)
 # Every schedule kind lowered to sends, receives and send waits, receives ahead and deferred:
 # equal to torch's own lowering (_add_send_recv, _add_wait_send, _defer_recv_ops), and loadable

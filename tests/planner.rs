@@ -11,6 +11,7 @@ use flatpipe::planner::search::{RankBy, SearchConfig, SearchSpace, search};
 use flatpipe::profiles::{AnalyticOptions, StepSize, analytic_profile, builtins};
 use flatpipe::simulator::batching::policy::Policy;
 use flatpipe::simulator::costs::Recompute;
+use flatpipe::simulator::costs::sharding::Sharding;
 use flatpipe::simulator::run::plan::even_split;
 use flatpipe::simulator::run::{
     config::{Capacity, RunConfig, ScheduleSource},
@@ -495,6 +496,23 @@ fn megatron_rules(text: &str, pp: u32, dp: u32) -> Result<(), String> {
             return Err("no --seq-length".into());
         }
     }
+    // Expert parallelism (arguments.py: "num_experts must be non None to use expert model
+    // parallelism", "Number of experts should be a multiple of expert model parallel_size";
+    // megatron/core/parallel_state.py: the world size divisible by expert tp x ep x pp).
+    if let Some(ep) = int("--expert-model-parallel-size")? {
+        let experts = int("--num-experts")?.ok_or("expert parallelism without --num-experts")?;
+        if ep == 0 || experts % ep != 0 {
+            return Err(format!("{experts} experts, not a multiple of ep {ep}"));
+        }
+        let tp = int("--tensor-model-parallel-size")?.unwrap_or(1);
+        let etp = int("--expert-tensor-parallel-size")?.unwrap_or(tp);
+        let world = tp * u64::from(dp) * u64::from(pp);
+        if world % (etp * ep * u64::from(pp)) != 0 {
+            return Err(format!(
+                "world {world} not divisible by etp {etp} x ep {ep} x pp {pp}"
+            ));
+        }
+    }
     let gran = args.get("--recompute-granularity").cloned().flatten();
     let method = args.get("--recompute-method").cloned().flatten();
     let layers = args.get("--recompute-num-layers").cloned().flatten();
@@ -861,4 +879,114 @@ fn verl_exports_overrides_of_verls_own_configuration() {
             .to_string()
             .contains("V placement")
     );
+}
+
+/// Expert parallelism in the search: Qwen3-30B-A3B on 16 H100s at pp = 2 (dp = 8) under
+/// Megatron's distributed optimizer. Without it each GPU holds half the model's experts with
+/// their state sharded over 8 replicas; the searched degrees are 1 and the powers of two that
+/// divide the 128 experts; under a limit only expert parallelism meets, the chosen plan has it,
+/// and its predicted memory is what `simulate` gives on the candidate's own profile.
+#[test]
+fn the_search_finds_expert_parallelism_where_memory_needs_it() {
+    let m = builtins::model("qwen3-30b-a3b").unwrap();
+    let h = builtins::hardware("h100").unwrap();
+    let prof = analytic_profile(&m, &h, &AnalyticOptions::default()).unwrap();
+    assert_eq!(
+        flatpipe::planner::search::expert_parallel_degrees(&prof),
+        [1, 2, 4, 8, 16, 32, 64, 128]
+    );
+    assert_eq!(
+        flatpipe::planner::search::expert_parallel_degrees(&profile()),
+        [1]
+    );
+    let w = builtins::workload("sharegpt-v3").unwrap();
+    let mut space = SearchSpace::default_for(16);
+    space.pp = vec![2];
+    space.tp = vec![1];
+    space.kinds = vec![ScheduleKind::OneFOneB];
+    space.token_budgets = vec![4096];
+    space.sharding = vec![Sharding::Zero1];
+    space.chunk = false;
+    let config = SearchConfig {
+        steps: 2,
+        seed: 0,
+        size: StepSize::Seqs(64),
+        memory_limit_bytes: 60.0 * (1u64 << 30) as f64,
+        state_bytes: None,
+        rank_by: RankBy::Mean,
+        keep: 3,
+        exact_split: flatpipe::planner::partition::ExactSplit::DEFAULT,
+        forward_only: None,
+    };
+    let result = search(&prof, &w, &space, &config, &|_, _| {}).unwrap();
+    let best = &result.ranked[0];
+    assert!(best.ep > 1, "{}", best.describe());
+    assert!(result.ranked.iter().all(|c| c.run.dp % c.ep == 0));
+    // ep = 1 holds half of 30.5B parameters at 6 + 12/8 bytes: over 100 GiB, rejected.
+    let per_gpu = best.profile(&prof).unwrap();
+    assert_eq!(per_gpu.expert_parallel, best.ep);
+    let mc = montecarlo::run(
+        &per_gpu,
+        &w,
+        0,
+        StepSize::Seqs(64),
+        2,
+        std::slice::from_ref(&best.run),
+        &|| {},
+    )
+    .unwrap();
+    let peak = mc.outcomes[0]
+        .iter()
+        .map(|o| o.rank_memory_bytes.iter().copied().fold(0.0, f64::max))
+        .fold(0.0, f64::max);
+    let planned = best.peak_memory_bytes.iter().copied().fold(0.0, f64::max);
+    assert!((peak / planned - 1.0).abs() < 1e-9, "{peak} vs {planned}");
+}
+
+/// A mixture-of-experts plan's Megatron-LM arguments carry its experts, router top-k, expert
+/// parallelism and dispatcher, and pass Megatron's rules; the expert-parallel degree that does
+/// not divide the experts fails them.
+#[test]
+fn megatron_exports_expert_parallelism() {
+    let m = builtins::model("qwen3-30b-a3b").unwrap();
+    let h = builtins::hardware("h100").unwrap();
+    let prof = analytic_profile(&m, &h, &AnalyticOptions::default()).unwrap();
+    let stages = even_split(prof.layers.len(), 2).unwrap();
+    let mut p = Plan::new("sharegpt-v3", ScheduleKind::OneFOneB, 2, &stages, 8192);
+    p.run.dp = 8;
+    p.ep = 8;
+    let args = megatron(&p, &prof, 16).unwrap();
+    for want in [
+        "--num-experts 128",
+        "--moe-router-topk 8",
+        "--expert-model-parallel-size 8",
+        "--expert-tensor-parallel-size 1",
+        "--moe-token-dispatcher-type alltoall",
+    ] {
+        assert!(args.contains(want), "{want}: {args}");
+    }
+    megatron_rules(&args, 2, 8).unwrap_or_else(|e| panic!("{e}\n{args}"));
+    let bad = args.replace(
+        "--expert-model-parallel-size 8",
+        "--expert-model-parallel-size 3",
+    );
+    assert!(
+        megatron_rules(&bad, 2, 8)
+            .unwrap_err()
+            .contains("not a multiple of ep 3")
+    );
+    // A dense model's arguments name no experts.
+    assert!(
+        !megatron(
+            &plan(ScheduleKind::OneFOneB, 2, &stages_of_dense()),
+            &profile(),
+            16
+        )
+        .unwrap()
+        .contains("--num-experts")
+    );
+}
+
+fn stages_of_dense() -> Vec<std::ops::Range<usize>> {
+    even_split(34, 2).unwrap()
 }

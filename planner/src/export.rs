@@ -218,6 +218,12 @@ pub fn torchtitan(
             head.push_str("# warning: the plan has tensor parallelism without sequence parallelism; torchtitan always shards the norms along the sequence (less activation memory than planned)\n");
         }
     }
+    if plan.ep > 1 {
+        // torchtitan 0.2.x: experts split over the data-parallel (and tensor-parallel) GPUs;
+        // its expert tensor parallelism is either 1 or tp, and flatpipe models tp.
+        out.push_str(&format!("expert_parallel_degree = {}\n", plan.ep));
+        out.push_str(&format!("expert_tensor_parallel_degree = {tp}\n"));
+    }
     if let Some(dp) = Some(plan.run.dp).filter(|d| *d > 1) {
         let (replicate, shard, warning) = torchtitan_data_parallel(plan, profile, dp);
         out.push_str(&format!("data_parallel_replicate_degree = {replicate}\n"));
@@ -565,6 +571,7 @@ pub fn megatron(plan: &Plan, profile: &Profile, microbatches: u32) -> Result<Str
             out.push_str("--sequence-parallel \\\n");
         }
     }
+    out.push_str(&megatron_experts(plan, profile));
     out.push_str(&format!(
         "--pipeline-model-parallel-size {} \\\n",
         plan.run.pp
@@ -575,6 +582,23 @@ pub fn megatron(plan: &Plan, profile: &Profile, microbatches: u32) -> Result<Str
     }
     out.push('\n');
     Ok(out)
+}
+
+/// Megatron-LM's mixture-of-experts arguments for `plan` on `profile`'s model, one per line
+/// (empty for a dense model): the experts and the router's top-k of its first
+/// mixture-of-experts layer (`--num-experts`, `--moe-router-topk`), the expert-parallel degree
+/// and the expert tensor-parallel degree flatpipe models (the tensor-parallel size, Megatron's
+/// default made explicit), and the all-to-all token dispatcher whose cost the plan predicted
+/// (`--moe-token-dispatcher-type alltoall`; `megatron/training/arguments.py`).
+fn megatron_experts(plan: &Plan, profile: &Profile) -> String {
+    let Some(moe) = profile.layers.iter().find(|l| l.shape.experts > 0) else {
+        return String::new();
+    };
+    let (tp, _) = plan.tensor_parallel();
+    format!(
+        "--num-experts {} \\\n--moe-router-topk {} \\\n--expert-model-parallel-size {} \\\n--expert-tensor-parallel-size {tp} \\\n--moe-token-dispatcher-type alltoall \\\n",
+        moe.shape.experts, moe.shape.top_k, plan.ep
+    )
 }
 
 /// verl's actor settings for `plan` as Hydra overrides of its Megatron trainer configuration

@@ -30,7 +30,7 @@ pub fn candidate_plan(
         run,
         tp: c.tp,
         sequence_parallel: c.tp == 1 || c.sequence_parallel,
-        ep: 1,
+        ep: c.ep,
         predicted: Some(Predicted {
             step_time_mean_s: c.summary.step_time_s.mean,
             step_time_p90_s: c.summary.step_time_s.p90,

@@ -41,6 +41,7 @@ pub const MODELS: &[(&str, &str)] = &[
 pub const HARDWARE: &[(&str, &str)] = &[
     ("h200", include_str!("../data/hardware/h200.yaml")),
     ("h100", include_str!("../data/hardware/h100.yaml")),
+    ("h800", include_str!("../data/hardware/h800.yaml")),
     ("a100", include_str!("../data/hardware/a100.yaml")),
     ("b200", include_str!("../data/hardware/b200.yaml")),
     ("cpu", include_str!("../data/hardware/cpu.yaml")),

@@ -9,7 +9,8 @@ schedule (a name torch's `get_schedule_class` knows, or a CSV whose every action
 `_Action.from_str` parses, with one row per rank), one model part per stage, one packed row of
 the token budget per microbatch, the model flavor (a flat Llama-3.1-8B plan's is torchtitan's
 varlen one, whose block_causal mask keeps a row's documents apart), the activation
-checkpointing mode, the tensor-parallel degree
+checkpointing mode, the tensor- and expert-parallel degrees (torchtitan's `ParallelDims` checks
+the expert-parallel one against the data-parallel shards)
 and the data-parallel degrees: torchtitan's `ParallelDims` accepts them for tp x dp x pp GPUs,
 they are what the plan's sharding maps to (FSDP shard degree dp; HSDP replicate x shard; DDP replicate dp), and never
 DDP with a pipeline (torchtitan's `apply_ddp` refuses more than one mesh dimension). Exits 1 on
@@ -64,15 +65,19 @@ def check(toml_path: str) -> None:
     dp = plan.get("dp") or 1
     sharding = plan.get("sharding", "ddp")
     tp = plan.get("tp") or 1
+    ep = plan.get("ep") or 1
     assert par.tensor_parallel_degree == tp, (par.tensor_parallel_degree, tp)
+    assert par.expert_parallel_degree == ep, (par.expert_parallel_degree, ep)
+    etp = par.expert_tensor_parallel_degree if ep > 1 else 1
+    assert ep == 1 or etp == tp, (etp, tp)
     dims = ParallelDims(
         dp_replicate=par.data_parallel_replicate_degree,
         dp_shard=par.data_parallel_shard_degree,
         cp=1,
         tp=tp,
         pp=plan["pp"],
-        ep=1,
-        etp=1,
+        ep=ep,
+        etp=etp,
         world_size=dp * plan["pp"] * tp,
     )
     assert dims.dp_replicate * dims.dp_shard == dp, (dims.dp_replicate, dims.dp_shard, dp)
@@ -91,7 +96,7 @@ def check(toml_path: str) -> None:
         f"ok: {toml_path}: pp {par.pipeline_parallel_degree}, {schedule}, "
         f"{len(par.module_fqns_per_model_part)} parts, {cfg.training.local_batch_size} microbatches "
         f"of {cfg.training.seq_len} tokens, activation checkpoint {cfg.activation_checkpoint.mode}, "
-        f"tp {tp}, dp {dp} {sharding}: replicate {dims.dp_replicate} x shard {dims.dp_shard}"
+        f"tp {tp}, ep {ep}, dp {dp} {sharding}: replicate {dims.dp_replicate} x shard {dims.dp_shard}"
     )
 
 

@@ -18,7 +18,7 @@ use serde::{Serialize, Serializer};
 /// configuration does not describe (tensor parallelism, which transforms the profile, and the
 /// split solver's report), and the search's results.
 ///
-/// Serialized (`plan --format json`) as the flat fields `tp`, `sequence_parallel`, `dp`, `pp`,
+/// Serialized (`plan --format json`) as the flat fields `tp`, `sequence_parallel`, `ep`, `dp`, `pp`,
 /// `vpp`, `schedule`, `token_budget`, `chunk_tokens`, `sharding`, `lower_bound_s`, `summary`,
 /// `peak_memory_bytes`, in that order.
 #[derive(Debug, Clone)]
@@ -35,6 +35,9 @@ pub struct Candidate {
     pub tp: u32,
     /// Sequence parallelism with `tp > 1`.
     pub sequence_parallel: bool,
+    /// Expert-parallel degree: data-parallel replicas that split each mixture-of-experts
+    /// layer's routed experts ([`Profile::expert_parallel`]; 1 for a dense model).
+    pub ep: u32,
     /// What the split solver reported about the split `run` holds.
     pub split: SplitReport,
     /// Lower bound on the mean step time, seconds.
@@ -83,13 +86,15 @@ impl Candidate {
         }
     }
 
-    /// The profile this candidate is simulated on: one GPU of its tensor-parallel group
-    /// ([`Profile::tensor_parallel`] of the searched `base`).
+    /// The profile this candidate is simulated on: one GPU of its tensor-parallel group and
+    /// expert-parallel group ([`Profile::tensor_parallel`], then [`Profile::expert_parallel`],
+    /// of the searched `base`).
     ///
     /// # Errors
-    /// As [`Profile::tensor_parallel`] (not for a profile the search accepted this tp on).
+    /// As those (not for a profile the search accepted this tp and ep on).
     pub fn profile(&self, base: &Profile) -> Result<Profile> {
         base.tensor_parallel(self.tp, self.sequence_parallel)
+            .and_then(|p| p.expert_parallel(self.ep, self.tp, self.sequence_parallel))
             .map_err(|e| Error::Simulator(e.into()))
     }
 
@@ -113,14 +118,19 @@ impl Candidate {
         self.run.params.chunk_tokens
     }
 
-    /// `schedule tp=.. dp=.. pp=.. v=.. budget=..[ chunk=..] sharding` (`tp=..` only above 1,
-    /// `chunk=..` only when long sequences are cut).
+    /// `schedule tp=.. ep=.. dp=.. pp=.. v=.. budget=..[ chunk=..] sharding` (`tp=..` and
+    /// `ep=..` only above 1, `chunk=..` only when long sequences are cut).
     pub fn describe(&self) -> String {
         format!(
-            "{} {}dp={} pp={} v={} budget={}{} {}",
+            "{} {}{}dp={} pp={} v={} budget={}{} {}",
             self.schedule_name(),
             if self.tp > 1 {
                 format!("tp={} ", self.tp)
+            } else {
+                String::new()
+            },
+            if self.ep > 1 {
+                format!("ep={} ", self.ep)
             } else {
                 String::new()
             },
@@ -150,6 +160,7 @@ impl Candidate {
 struct CandidateJson<'a> {
     tp: u32,
     sequence_parallel: bool,
+    ep: u32,
     dp: u32,
     pp: u32,
     vpp: u32,
@@ -167,6 +178,7 @@ impl Serialize for Candidate {
         CandidateJson {
             tp: self.tp,
             sequence_parallel: self.sequence_parallel,
+            ep: self.ep,
             dp: self.run.dp,
             pp: self.run.pp,
             vpp: self.run.v,

@@ -36,17 +36,13 @@ pub(super) struct Pending {
 }
 
 impl Pending {
-    /// `kind tp=.. dp=.. pp=.. v=.. budget=..[ chunk=..] sharding` (`tp=..` only above 1): the
-    /// name a rejection is reported under.
-    pub fn describe(&self, tp: u32) -> String {
+    /// `kind tp=.. ep=.. dp=.. pp=.. v=.. budget=..[ chunk=..] sharding` (`tp=..` and `ep=..`
+    /// only above 1): the name a rejection is reported under.
+    pub fn describe(&self, tp: u32, ep: u32) -> String {
         format!(
             "{} {}dp={} pp={} v={} budget={}{} {}",
             self.kind,
-            if tp > 1 {
-                format!("tp={tp} ")
-            } else {
-                String::new()
-            },
+            prefix(tp, ep),
             self.dp,
             self.pp,
             self.v,
@@ -66,7 +62,8 @@ impl Pending {
 
 /// What the enumeration found.
 pub(super) struct Layouts {
-    /// (tp, one GPU's profile of that tensor-parallel degree), the degrees that apply.
+    /// (tp, one GPU's profile of that tensor-parallel degree and of an expert-parallel degree,
+    /// its `expert_parallel`), the degrees that apply.
     pub profiles: Vec<(u32, Profile)>,
     /// Statistics of the sampled steps, one per distinct cut of a (tp, pp).
     pub stats: Vec<BatchStats>,
@@ -142,11 +139,19 @@ pub(super) fn layouts(
     let fewest_seqs = steps.iter().map(Vec::len).min().unwrap_or(0);
     for (tpi, (tp, profile)) in profiles.iter().enumerate() {
         let ranks = space.ranks / *tp;
+        let ep = profile.expert_parallel;
         for &pp in space.pp.iter().filter(|&&pp| ranks % pp == 0) {
             let dp = ranks / pp;
+            if dp % ep != 0 {
+                out.rejected.push((
+                    format!("{}dp={dp} pp={pp}", prefix(*tp, ep)),
+                    format!("ep = {ep} does not divide dp = {dp} (the expert-parallel group is made of data-parallel replicas)"),
+                ));
+                continue;
+            }
             if fewest_seqs < dp as usize {
                 out.rejected.push((
-                    format!("{}dp={dp} pp={pp}", tp_prefix(*tp)),
+                    format!("{}dp={dp} pp={pp}", prefix(*tp, ep)),
                     format!(
                         "{dp} replicas, but a sampled step has only {fewest_seqs} sequence(s): a replica would get none (a larger step: more sequences or tokens per step)"
                     ),
@@ -169,14 +174,20 @@ pub(super) fn layouts(
     Ok(out)
 }
 
-/// The profile of one GPU for every tensor-parallel degree in `tps`; a degree that does not
-/// divide the GPUs or the model's heads is rejected into `rejected`.
+/// The profile of one GPU for every tensor-parallel degree in `tps` and every expert-parallel
+/// degree of the space ([`super::expert_parallel_degrees`] by default); a degree that does not
+/// divide the GPUs, the model's heads or its experts is rejected into `rejected`.
 fn tp_profiles(
     base: &Profile,
     space: &SearchSpace,
     tps: Vec<u32>,
     rejected: &mut Vec<(String, String)>,
 ) -> Vec<(u32, Profile)> {
+    let eps = if space.ep.is_empty() {
+        super::expert_parallel_degrees(base)
+    } else {
+        space.ep.clone()
+    };
     let mut profiles = Vec::new();
     for tp in tps {
         if space.ranks % tp != 0 {
@@ -186,21 +197,33 @@ fn tp_profiles(
             ));
             continue;
         }
-        match base.tensor_parallel(tp, space.sequence_parallel) {
-            Ok(p) => profiles.push((tp, p)),
-            Err(e) => rejected.push((format!("tp={tp}"), e.to_string())),
+        let split = match base.tensor_parallel(tp, space.sequence_parallel) {
+            Ok(p) => p,
+            Err(e) => {
+                rejected.push((format!("tp={tp}"), e.to_string()));
+                continue;
+            }
+        };
+        for &ep in &eps {
+            match split.expert_parallel(ep, tp, space.sequence_parallel && tp > 1) {
+                Ok(p) => profiles.push((tp, p)),
+                Err(e) => rejected.push((prefix(tp, ep).trim_end().to_string(), e.to_string())),
+            }
         }
     }
     profiles
 }
 
-/// `tp=.. ` above tp = 1, else nothing.
-fn tp_prefix(tp: u32) -> String {
+/// `tp=.. ep=.. ` (each above 1), else nothing.
+fn prefix(tp: u32, ep: u32) -> String {
+    let mut out = String::new();
     if tp > 1 {
-        format!("tp={tp} ")
-    } else {
-        String::new()
+        out.push_str(&format!("tp={tp} "));
     }
+    if ep > 1 {
+        out.push_str(&format!("ep={ep} "));
+    }
+    out
 }
 
 /// One (tp, pp) of the enumeration: `dp` replicas of `pp` ranks of `tp` GPUs each.
@@ -248,7 +271,7 @@ impl PipelineLayout<'_> {
                     if s_count > self.n_layers {
                         let what = format!(
                             "{kind} {}dp={dp} pp={pp} v={v} budget={budget}",
-                            tp_prefix(tp)
+                            prefix(tp, self.profile.expert_parallel)
                         );
                         out.rejected.push((
                             what,

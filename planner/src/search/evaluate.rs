@@ -7,7 +7,7 @@ use super::candidate::run_config;
 use super::enumerate::Pending;
 use super::screen::{Screen, Screens, first_over, over_limit_reason, peak_memory, screen};
 use super::split::plan_candidate;
-use super::state_bytes;
+use super::{expert_state_bytes, state_bytes};
 use crate::partition::Partition;
 use crate::{Error, Result};
 use flatpipe_simulator::ScheduleKind;
@@ -67,7 +67,10 @@ pub(super) fn evaluate(
 ) -> Result<Evaluation> {
     let config = &ctx.config;
     let profile = &ctx.profiles[c.tpi].1;
-    let state = state_bytes(profile, config, c.sharding, c.pp, c.dp);
+    let state = (
+        state_bytes(profile, config, c.sharding, c.pp, c.dp),
+        expert_state_bytes(profile, config, c.sharding, c.pp, c.dp),
+    );
     let stats = &ctx.stats[c.stats];
     let mut act_tokens = c.budget as f64;
     let mut solved = first;

@@ -78,6 +78,10 @@ pub struct SearchSpace {
     pub tp: Vec<u32>,
     /// Sequence parallelism with tensor parallelism (Korthikanti et al. 2022).
     pub sequence_parallel: bool,
+    /// Expert-parallel degrees to try on a mixture-of-experts model (empty: 1 and every power
+    /// of two that divides every such layer's routed experts, [`expert_parallel_degrees`]; a
+    /// degree must also divide a candidate's dp). Dense models run at 1.
+    pub ep: Vec<u32>,
     /// Where a sampled step holds a sequence longer than a token budget, also try cutting
     /// such sequences into chunks of the budget and of half of it
     /// ([`flatpipe_simulator::batching::policy::PolicyParams::chunk_tokens`]).
@@ -104,6 +108,7 @@ impl SearchSpace {
             ],
             tp: Vec::new(),
             sequence_parallel: true,
+            ep: Vec::new(),
             chunk: true,
         }
     }
@@ -302,6 +307,38 @@ pub fn tensor_parallel_degrees(profile: &Profile) -> Vec<u32> {
 }
 
 /// Bytes per parameter of `sharding` on pipeline rank 0 of `pp` x `dp`, or the config's override.
+/// The expert-parallel degrees the search tries by default on `profile`'s model: 1 and every
+/// power of two that divides every mixture-of-experts layer's routed experts (just 1 for a dense
+/// model).
+pub fn expert_parallel_degrees(profile: &Profile) -> Vec<u32> {
+    let experts: Vec<u64> = profile
+        .layers
+        .iter()
+        .map(|l| l.shape.experts)
+        .filter(|&e| e > 0)
+        .collect();
+    if experts.is_empty() {
+        return vec![1];
+    }
+    (0..16)
+        .map(|i| 1u32 << i)
+        .take_while(|&e| experts.iter().all(|&x| x % u64::from(e) == 0))
+        .collect()
+}
+
+/// The state bytes per parameter of `profile`'s routed experts on a candidate: sharded over the
+/// `dp / ep` replicas that hold the same experts.
+fn expert_state_bytes(
+    profile: &Profile,
+    config: &SearchConfig,
+    sharding: Sharding,
+    pp: u32,
+    dp: u32,
+) -> StateBytes {
+    let ep = profile.expert_parallel.max(1);
+    state_bytes(profile, config, sharding, pp, (dp / ep).max(1))
+}
+
 fn state_bytes(
     profile: &Profile,
     config: &SearchConfig,

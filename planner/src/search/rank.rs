@@ -51,15 +51,22 @@ impl Ranking {
         self.ranked.truncate(self.keep.max(1));
     }
 
-    /// Whether a ranked candidate has the layout (tp, dp, pp, token budget, sharding): a
-    /// deferred candidate of that layout is a finalist.
+    /// Whether a ranked candidate has the layout ((tp, ep), (dp, pp, token budget, sharding)):
+    /// a deferred candidate of that layout is a finalist.
     pub fn holds_layout(
         &self,
-        (tp, dp, pp, budget, sharding): (u32, u32, u32, u64, Sharding),
+        (tp, ep): (u32, u32),
+        (dp, pp, budget, sharding): (u32, u32, u64, Sharding),
     ) -> bool {
         self.ranked.iter().any(|r| {
-            (r.tp, r.run.dp, r.run.pp, r.token_budget(), r.run.sharding)
-                == (tp, dp, pp, budget, sharding)
+            (
+                r.tp,
+                r.ep,
+                r.run.dp,
+                r.run.pp,
+                r.token_budget(),
+                r.run.sharding,
+            ) == (tp, ep, dp, pp, budget, sharding)
         })
     }
 }
@@ -78,6 +85,7 @@ pub(super) fn candidate(ctx: &Context<'_>, c: &Pending, fitted: Fitted) -> Candi
         run,
         tp,
         sequence_parallel: ctx.space.sequence_parallel && tp > 1,
+        ep: profile.expert_parallel,
         split: SplitReport::of(split),
         lower_bound_s: c.lower_bound_s,
         summary: montecarlo::summarize(&outcomes, c.dp * c.pp, profile.hardware.peak_flops),

@@ -9,7 +9,7 @@ use super::evaluate::{Evaluation, evaluate};
 use super::rank::{Ranking, candidate};
 use super::screen::Screens;
 use super::split::plan_candidate;
-use super::{Context, ZB_AUTO_MAX_FINALISTS, state_bytes};
+use super::{Context, ZB_AUTO_MAX_FINALISTS, expert_state_bytes, state_bytes};
 use crate::Result;
 use crate::partition::Partition;
 use flatpipe_simulator::ScheduleKind;
@@ -115,7 +115,10 @@ impl Round<'_, '_> {
                     &ctx.config,
                     &ctx.stats[c.stats],
                     (c.pp, c.v, c.kind, c.budget as f64),
-                    state_bytes(profile, &ctx.config, c.sharding, c.pp, c.dp),
+                    (
+                        state_bytes(profile, &ctx.config, c.sharding, c.pp, c.dp),
+                        expert_state_bytes(profile, &ctx.config, c.sharding, c.pp, c.dp),
+                    ),
                     &ctx.inflight,
                 ))
             })
@@ -154,8 +157,9 @@ impl Round<'_, '_> {
             }
             Evaluation::Screened => self.tally.pruned += 1,
             Evaluation::Rejected(reason) => {
-                let tp = self.ctx.profiles[c.tpi].0;
-                self.tally.rejected.push((c.describe(tp), reason));
+                let (tp, profile) = &self.ctx.profiles[c.tpi];
+                let what = c.describe(*tp, profile.expert_parallel);
+                self.tally.rejected.push((what, reason));
             }
         }
         Ok(())
@@ -166,11 +170,12 @@ impl Round<'_, '_> {
     fn finalists(&mut self, deferred: Vec<Pending>) -> Vec<Pending> {
         let mut out = Vec::new();
         for c in deferred {
-            let tp = self.ctx.profiles[c.tpi].0;
+            let (tp, profile) = &self.ctx.profiles[c.tpi];
             if self.ranking.ranked.is_empty()
-                || self
-                    .ranking
-                    .holds_layout((tp, c.dp, c.pp, c.budget, c.sharding))
+                || self.ranking.holds_layout(
+                    (*tp, profile.expert_parallel),
+                    (c.dp, c.pp, c.budget, c.sharding),
+                )
             {
                 out.push(c);
                 continue;

@@ -65,17 +65,19 @@ pub(super) fn plan_candidate(
     config: &SearchConfig,
     stats: &BatchStats,
     (pp, v, kind, act_tokens): (u32, u32, ScheduleKind, f64),
-    state: StateBytes,
+    (state, expert_state): (StateBytes, StateBytes),
     cache: &InflightCache,
 ) -> Result<Partition> {
+    // A layer's routed experts hold `expert_state` bytes per parameter (sharded over fewer
+    // replicas), counted as the parameters that would hold as much at `state`.
+    let ratio = expert_state.total() / state.total();
+    let equivalent = |l: &flatpipe_profiles::LayerProfile| -> f64 {
+        let e = l.shape.expert_params as f64;
+        l.param_count as f64 - e + e * ratio
+    };
     // Quick reject, before the schedule is built: the static memory alone, spread perfectly
     // over pp ranks, must fit.
-    let static_total: f64 = profile
-        .layers
-        .iter()
-        .map(|l| l.param_count as f64)
-        .sum::<f64>()
-        * state.total();
+    let static_total: f64 = profile.layers.iter().map(equivalent).sum::<f64>() * state.total();
     if static_total / pp as f64 > config.memory_limit_bytes {
         let gib = |b: f64| b / (1u64 << 30) as f64;
         return Err(Error::InfeasibleMemory {
@@ -111,7 +113,7 @@ pub(super) fn plan_candidate(
             LayerCost {
                 time_s,
                 act_bytes,
-                params: l.param_count,
+                params: equivalent(l).round() as u64,
             }
         })
         .collect();

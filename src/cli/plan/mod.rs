@@ -102,6 +102,10 @@ pub(super) struct PlanArgs {
     /// then stay whole on every GPU of a group).
     #[arg(long)]
     no_sequence_parallel: bool,
+    /// Expert-parallel degrees to try on a mixture-of-experts model, each dividing a
+    /// candidate's dp (default: 1 and every power of two that divides the routed experts).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
+    ep: Vec<u32>,
     /// Sampled steps per candidate. Default 64.
     #[arg(long, default_value_t = 64)]
     steps: u32,
@@ -250,7 +254,7 @@ fn write_outputs(
     let exported = match a.export {
         Some(_) => Some(planner::export::exported_step(
             plan,
-            &r.profile.tensor_parallel(best.tp, best.sequence_parallel)?,
+            &best.profile(&r.profile)?,
             workload,
             size,
             r.config.steps,
@@ -317,7 +321,7 @@ fn draw_chosen(
     let Some(gantt) = &r.chart else {
         return Ok(None);
     };
-    let per_gpu = r.profile.tensor_parallel(best.tp, best.sequence_parallel)?;
+    let per_gpu = best.profile(&r.profile)?;
     let chosen = plan.run_config()?;
     let first = montecarlo::run(&per_gpu, &r.workload, r.seed, r.size, 1, &[chosen], &|| {})?;
     let Some((s, simulation)) = &first.first[0] else {

@@ -134,6 +134,7 @@ fn search_space(a: &PlanArgs, profile: &Profile) -> Result<planner::search::Sear
     space.chunk = !a.no_chunk;
     space.sequence_parallel = !a.no_sequence_parallel;
     space.chunk = !a.no_chunk;
+    space.ep = dedup(a.ep.clone());
     Ok(space)
 }
 

@@ -2,11 +2,13 @@
 
 use super::*;
 
-/// `plan`'s table: the ranked plans, best first, each with its layout, predicted step time,
-/// lower bound and peak memory against the per-rank `limit` (bytes).
+/// `plan`'s table: the ranked plans, best first, each with its layout (an `ep` column where a
+/// row has expert parallelism), predicted step time, lower bound and peak memory against the
+/// per-rank `limit` (bytes).
 pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
     let gib = |b: f64| b / (1u64 << 30) as f64;
-    let mut t = new_table(&[
+    let with_ep = rows.iter().any(|r| r.candidate.ep > 1);
+    let mut head = vec![
         "#",
         "schedule",
         "tp",
@@ -24,12 +26,16 @@ pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
         "peak mem (max rank)",
         "layers per stage",
         "recompute",
-    ]);
+    ];
+    if with_ep {
+        head.insert(3, "ep");
+    }
+    let mut t = new_table(&head);
     for r in rows {
         let c = &r.candidate;
         let sizes = slash_list(c.run.stages.iter().map(|x| x.len()));
         let rec = recompute_summary(&c.run.recompute);
-        t.add_row([
+        let mut row = vec![
             r.rank.to_string(),
             c.schedule_name(),
             c.tp.to_string(),
@@ -51,7 +57,11 @@ pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
             ),
             sizes,
             rec,
-        ]);
+        ];
+        if with_ep {
+            row.insert(3, c.ep.to_string());
+        }
+        t.add_row(row);
     }
     t
 }
