@@ -1,7 +1,10 @@
-//! The analytic cost profile: FLOP counts over datasheet peaks.
+//! The analytic cost profile: each GEMM priced by shape on the hardware's GEMM curve, attention
+//! by kernel, elementwise work over HBM bandwidth.
 //!
-//! For a decoder layer with hidden size `h`, SwiGLU size `f`, `a` query heads and `k` key/value
-//! heads (`kv = h / a * k`), per token (a GEMM `[m, k] x [k, n]` costs `2mnk` FLOPs):
+//! For a dense decoder layer with hidden size `h`, SwiGLU size `f`, `a` query heads and `k`
+//! key/value heads (`kv = h / a * k`), per token (a GEMM `[m, k] x [k, n]` costs `2mnk` FLOPs;
+//! latent attention, a head dimension of its own, mixtures of experts and MTP modules change
+//! the GEMMs and widths as [`crate::decoder`] lists them):
 //!
 //! | phase | GEMM FLOPs per token | attention FLOPs per query-key pair |
 //! |---|---|---|
@@ -41,6 +44,12 @@
 //!   attention output, MLP norm output, SwiGLU output);
 //! - kept until I only: `d * (3h + 2kv + 2f) + 4a` (layer input, Q/K/V, mid residual, gate and
 //!   up outputs, fp32 log-sum-exp per head).
+//!
+//! With [`crate::decoder::Widths`] in general: `d (2h + q + kv + 2 mlp) + 4a` until I and
+//! `d (2h + o_in + top_k h + mlp)` until W (a mixture of experts keeps each routed copy of the MLP
+//! norm's output for its expert's wgrad). A mixture-of-experts layer's routed experts' GEMMs
+//! are also kept apart as its `routed` costs, which the cost model scales by the router's
+//! imbalance.
 //!
 //! The gradient buffers dgrad produces for wgrad are not modelled.
 

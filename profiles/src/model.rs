@@ -282,6 +282,34 @@ impl Layer {
     }
 }
 
+/// Field `name` of layer group `i` (of `kind`), which the kind requires: its value, >= 1.
+fn need_field(origin: &str, i: usize, kind: LayerKind, name: &str, v: Option<u64>) -> Result<u64> {
+    let field = format!("layers[{i}].{name}");
+    match v {
+        Some(x) if x >= 1 => Ok(x),
+        Some(x) => Err(Error::invalid(origin, field, x, ">= 1")),
+        None => Err(Error::invalid(
+            origin,
+            field,
+            "missing",
+            format!("required for kind {kind:?}").to_lowercase(),
+        )),
+    }
+}
+
+/// Field `name` of layer group `i` (of `kind`), which the kind does not take: absent.
+fn forbid_field(origin: &str, i: usize, kind: LayerKind, name: &str, v: Option<u64>) -> Result<()> {
+    match v {
+        Some(x) => Err(Error::invalid(
+            origin,
+            format!("layers[{i}].{name}"),
+            x,
+            format!("not allowed for kind {kind:?}").to_lowercase(),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Checks a mixture-of-experts MLP: every size >= 1 and `top_k <= experts`.
 fn check_moe(m: &Moe, origin: &str, i: usize) -> Result<()> {
     for (name, v) in [
@@ -374,34 +402,8 @@ impl ModelSpec {
             );
         }
         for (i, g) in self.layers.iter().enumerate() {
-            let need = |name: &str, v: Option<u64>| -> Result<u64> {
-                match v {
-                    Some(x) if x >= 1 => Ok(x),
-                    Some(x) => Err(Error::invalid(
-                        origin,
-                        format!("layers[{i}].{name}"),
-                        x,
-                        ">= 1",
-                    )),
-                    None => Err(Error::invalid(
-                        origin,
-                        format!("layers[{i}].{name}"),
-                        "missing",
-                        format!("required for kind {:?}", g.kind).to_lowercase(),
-                    )),
-                }
-            };
-            let forbid = |name: &str, v: Option<u64>| -> Result<()> {
-                match v {
-                    Some(x) => Err(Error::invalid(
-                        origin,
-                        format!("layers[{i}].{name}"),
-                        x,
-                        format!("not allowed for kind {:?}", g.kind).to_lowercase(),
-                    )),
-                    None => Ok(()),
-                }
-            };
+            let need = |name: &str, v: Option<u64>| need_field(origin, i, g.kind, name, v);
+            let forbid = |name: &str, v: Option<u64>| forbid_field(origin, i, g.kind, name, v);
             if g.count == 0 {
                 return bad(format!("layers[{i}].count"), "0".into(), ">= 1");
             }
@@ -479,34 +481,8 @@ impl ModelSpec {
         let bad = |field: String, value: String, allowed: &str| {
             Err(Error::invalid(origin, field, value, allowed))
         };
-        let need = |name: &str, v: Option<u64>| -> Result<u64> {
-            match v {
-                Some(x) if x >= 1 => Ok(x),
-                Some(x) => Err(Error::invalid(
-                    origin,
-                    format!("layers[{i}].{name}"),
-                    x,
-                    ">= 1",
-                )),
-                None => Err(Error::invalid(
-                    origin,
-                    format!("layers[{i}].{name}"),
-                    "missing",
-                    "required for kind decoder",
-                )),
-            }
-        };
-        let forbid = |name: &str, v: Option<u64>| -> Result<()> {
-            match v {
-                Some(x) => Err(Error::invalid(
-                    origin,
-                    format!("layers[{i}].{name}"),
-                    x,
-                    "not allowed for kind decoder",
-                )),
-                None => Ok(()),
-            }
-        };
+        let need = |name: &str, v: Option<u64>| need_field(origin, i, g.kind, name, v);
+        let forbid = |name: &str, v: Option<u64>| forbid_field(origin, i, g.kind, name, v);
         let h = need("hidden", g.hidden)?;
         let heads = need("heads", g.heads)?;
         let kv = need("kv_heads", g.kv_heads)?;

@@ -19,6 +19,9 @@ class PlanCandidate:
 
     tp: int
     """Tensor-parallel degree (GPUs per rank)."""
+    ep: int
+    """Expert-parallel degree: data-parallel replicas that split each mixture-of-experts layer's
+    routed experts (1 for a dense model)."""
     dp: int
     """Data-parallel replicas."""
     pp: int

@@ -50,6 +50,7 @@ pub(crate) fn plan<'py>(
         .map(|c| {
             let d = PyDict::new(py);
             d.set_item("tp", c.tp)?;
+            d.set_item("ep", c.ep)?;
             d.set_item("dp", c.run.dp)?;
             d.set_item("pp", c.run.pp)?;
             d.set_item("vpp", c.run.v)?;
