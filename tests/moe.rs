@@ -99,3 +99,69 @@ fn padding_unbalances_an_expert_parallel_group_and_flat_does_not() {
     assert!((got - excess).abs() < 3e-9, "{got} vs {excess}");
     assert!(excess > 0.0);
 }
+
+/// DualPipe's overlapped pair on the two-expert model (ep = 2 inside an H100 node): each of the
+/// 2 decoders pays a dispatch and a combine per pass, `2 (alpha + T k H d (1 - 1/ep) / beta)`;
+/// the pair F + B of one microbatch takes `max(C + k min(C, A), A)` with `A` its 4 passes'
+/// all-to-alls, `C` the rest of its time and `k` the H100's collective interference (0.18).
+#[test]
+fn an_overlapped_pair_hides_its_all_to_alls_under_the_other_chunk() {
+    let prof = two_expert_profile();
+    let mb = Microbatch {
+        chunk: None,
+        seq_lens: vec![400],
+        shape: Shape::Flat,
+    };
+    let stages = even_split(prof.layers.len(), 1).unwrap();
+    let c = TableCosts::with_options(
+        &prof,
+        &stages,
+        &Placement::looped(1, 1),
+        std::slice::from_ref(&mb),
+        &[],
+        &CostOptions {
+            dp: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let action = |kind| ComputeAction {
+        kind,
+        stage: StageId(0),
+        microbatch: MicrobatchId(0),
+    };
+    let link = &prof.hardware.intra_node;
+    let per_pass = 2.0 * 2.0 * (link.alpha_s + 400.0 * 256.0 * 2.0 * 0.5 / link.beta_bytes_per_s);
+    let a = 2.0 * per_pass;
+    let (tf, tb) = (
+        ns_to_s(c.compute_ns(action(ActionKind::F))),
+        ns_to_s(c.compute_ns(action(ActionKind::B))),
+    );
+    let rest = tf + tb - a;
+    let want = (rest + 0.18 * rest.min(a)).max(a);
+    let got = ns_to_s(c.overlap_ns(action(ActionKind::F), action(ActionKind::B)));
+    assert!((got - want).abs() < 5e-9, "{got} vs {want}");
+    assert!(got < tf + tb);
+    // A dense model's pair is the sum of its two chunks.
+    let dense = analytic_profile(
+        &builtins::model("tiny").unwrap(),
+        &builtins::hardware("h100").unwrap(),
+        &AnalyticOptions::default(),
+    )
+    .unwrap();
+    let stages = even_split(dense.layers.len(), 1).unwrap();
+    let d = TableCosts::with_options(
+        &dense,
+        &stages,
+        &Placement::looped(1, 1),
+        std::slice::from_ref(&mb),
+        &[],
+        &CostOptions::default(),
+    )
+    .unwrap();
+    let sum = d.compute_ns(action(ActionKind::F)) + d.compute_ns(action(ActionKind::B));
+    assert_eq!(
+        d.overlap_ns(action(ActionKind::F), action(ActionKind::B)),
+        sum
+    );
+}

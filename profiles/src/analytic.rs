@@ -414,6 +414,7 @@ fn layer_profile(l: &Layer, model: &ModelSpec, k: &Kernels, c0: f64) -> LayerPro
             f: part(Phase::Forward),
             i: part(Phase::Dgrad),
             w: part(Phase::Wgrad),
+            all_to_all: CostCoeffs::default(),
         }
     });
     let params = l.param_count();

@@ -117,6 +117,7 @@ impl Profile {
             if let Some(r) = l.routed.as_mut() {
                 add(&mut r.f);
                 add(&mut r.i);
+                add(&mut r.all_to_all);
             }
         }
         out.expert_parallel = self.expert_parallel * ep;
@@ -161,6 +162,10 @@ mod tests {
             assert!((c1.c_tok_s - c0.c_tok_s - 2.0 * bytes / b).abs() < 1e-18);
         }
         assert_eq!(l1.w, l0.w);
+        // The routed part holds the same all-to-alls, apart, for an overlapping schedule.
+        let r = l1.routed.unwrap();
+        assert!((r.all_to_all.c0_s - 2.0 * 7.0 * a).abs() < 1e-15);
+        assert!((r.all_to_all.c_tok_s - 2.0 * bytes / b).abs() < 1e-18);
         assert_eq!(q.layers[0], p.layers[0]);
         assert_eq!(q.expert_parallel, 8);
         // 16 x tp 1 leaves the node: the inter-node link.

@@ -32,6 +32,11 @@ pub struct CostCoeffs {
 }
 
 impl CostCoeffs {
+    /// Whether every coefficient is 0.
+    pub fn is_zero(&self) -> bool {
+        *self == CostCoeffs::default()
+    }
+
     /// Predicted time in seconds for a microbatch of `tokens` tokens and `attn_pairs` pairs.
     pub fn time_s(&self, tokens: f64, attn_pairs: f64) -> f64 {
         self.c0_s + self.c_tok_s * tokens + self.c_attn_s * attn_pairs
@@ -112,6 +117,11 @@ pub struct RoutedCosts {
     pub i: CostCoeffs,
     /// Of the weight-gradient pass.
     pub w: CostCoeffs,
+    /// Of `f` and of `i` each, the all-to-alls (a dispatch and a combine) expert parallelism
+    /// adds: what a schedule that overlaps a forward with a backward (DualPipe's pairs) can hide
+    /// under the other chunk's compute. Zero without expert parallelism.
+    #[serde(default, skip_serializing_if = "CostCoeffs::is_zero")]
+    pub all_to_all: CostCoeffs,
 }
 
 /// What tensor parallelism needs of a layer's shape (0 where unknown or not applicable).

@@ -172,6 +172,7 @@ impl Profile {
                         f: split(&r.f, t, gemm, none),
                         i: split(&r.i, t, gemm, none),
                         w: split(&r.w, t, gemm, none),
+                        all_to_all: r.all_to_all,
                     });
                     let keep = if sequence_parallel { 0.0 } else { 2.0 * act };
                     l.act_bytes_per_token_i = (l.act_bytes_per_token_i - keep).max(0.0) / t + keep;

@@ -5,16 +5,23 @@ use super::enumerate::Layouts;
 use super::{MIN_NODE_BUDGET, SEARCH_NODE_BUDGET, SearchConfig};
 use crate::partition::ExactSplit;
 use flatpipe_profiles::Profile;
+use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::costs::sharding::{Sharding, StepCollectives};
 
 /// Sets every candidate's lower bound on the mean step time, seconds: its heaviest replica's
-/// compute per step, averaged over the sampled steps and divided over its pp ranks (no
-/// bubble), plus without a pipeline the step's data-parallel collectives
-/// ([`collectives_lb`]); then orders the candidates by it (stable: ties keep the enumeration
-/// order).
+/// compute per step (less its expert-parallel all-to-alls for the schedules that may overlap a
+/// forward with a backward: DualPipeV, and zb-auto, which may run DualPipeV's order), averaged
+/// over the sampled steps and divided over its pp ranks (no bubble), plus without a pipeline
+/// the step's data-parallel collectives ([`collectives_lb`]); then orders the candidates by it
+/// (stable: ties keep the enumeration order).
 pub(super) fn bound_and_order(layouts: &mut Layouts) {
     for c in &mut layouts.pending {
-        let work = &layouts.stats[c.stats].replica_work_s;
+        let stats = &layouts.stats[c.stats];
+        let work = if matches!(c.kind, ScheduleKind::DualPipeV | ScheduleKind::ZbAuto) {
+            &stats.replica_compute_s
+        } else {
+            &stats.replica_work_s
+        };
         let work_lb = work.iter().sum::<f64>() / work.len().max(1) as f64 / c.pp as f64;
         let profile = &layouts.profiles[c.tpi].1;
         c.lower_bound_s = work_lb + collectives_lb(profile, c.sharding, c.pp, c.dp);

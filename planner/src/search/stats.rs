@@ -23,6 +23,10 @@ pub(super) struct BatchStats {
     /// Per step: the largest replica's total F + I + W time over all layers, with its
     /// forward-only work (`Fo`), seconds.
     pub replica_work_s: Vec<f64>,
+    /// Per step: the largest replica's work less its expert-parallel all-to-alls (those of
+    /// its forwards and input-gradient passes), seconds: what no schedule that overlaps a
+    /// forward with a backward (DualPipe's pairs, which may hide every all-to-all) can beat.
+    pub replica_compute_s: Vec<f64>,
 }
 
 /// The run configuration a layout's steps are cut with: `kind` on `pp` ranks of `v` stages,
@@ -73,6 +77,15 @@ pub(super) fn batch_stats(
     let c0 = sum(&|l| l.f.c0_s + l.i.c0_s + l.w.c0_s);
     let tok = sum(&|l| l.f.c_tok_s + l.i.c_tok_s + l.w.c_tok_s);
     let pair = sum(&|l| l.f.c_attn_s + l.i.c_attn_s + l.w.c_attn_s);
+    // The all-to-alls an F and an I each pay (the routed layers'), fixed and per token.
+    let a2a = |c: fn(&flatpipe_profiles::CostCoeffs) -> f64| -> f64 {
+        profile
+            .layers
+            .iter()
+            .filter_map(|l| l.routed.map(|r| 2.0 * c(&r.all_to_all)))
+            .sum()
+    };
+    let (a2a_c0, a2a_tok) = (a2a(|c| c.c0_s), a2a(|c| c.c_tok_s));
     let (fo_c0, fo_tok, fo_pair) = (
         sum(&|l| l.fo.c0_s),
         sum(&|l| l.fo.c_tok_s),
@@ -82,11 +95,12 @@ pub(super) fn batch_stats(
     let (mut n, mut t_sum, mut a_sum, mut max_count) = (0usize, 0.0, 0.0, 0u32);
     let mut max_tokens = 0.0f64;
     let mut replica_work_s = Vec::with_capacity(steps.len());
+    let mut replica_compute_s = Vec::with_capacity(steps.len());
     for seqs in steps {
-        let mut worst = 0.0f64;
+        let (mut worst, mut worst_compute) = (0.0f64, 0.0f64);
         for b in cut_step(cut, seqs, &cost)? {
             max_count = max_count.max(b.microbatches.len() as u32);
-            let mut work = 0.0;
+            let (mut work, mut hideable) = (0.0, 0.0);
             for mb in &b.microbatches {
                 let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
                 n += 1;
@@ -94,6 +108,7 @@ pub(super) fn batch_stats(
                 t_sum += t;
                 a_sum += a;
                 work += c0 + tok * t + pair * a;
+                hideable += a2a_c0 + a2a_tok * t;
             }
             if let (Some(k), m @ 1..) = (fo, b.microbatches.len()) {
                 for j in 0..k.map_or(m, |k| k as usize) {
@@ -103,8 +118,10 @@ pub(super) fn batch_stats(
                 }
             }
             worst = worst.max(work);
+            worst_compute = worst_compute.max(work - hideable);
         }
         replica_work_s.push(worst);
+        replica_compute_s.push(worst_compute);
     }
     Ok(BatchStats {
         mean_tokens: t_sum / n.max(1) as f64,
@@ -112,6 +129,7 @@ pub(super) fn batch_stats(
         max_count: max_count.max(1),
         max_tokens,
         replica_work_s,
+        replica_compute_s,
     })
 }
 

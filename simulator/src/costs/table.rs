@@ -29,6 +29,9 @@ struct Cell {
     /// The largest one layer recomputes (a fused B frees each layer's before the next).
     act_iw_layer: f64,
     out_bytes: f64,
+    /// Of `f` and of `i` each, the expert-parallel all-to-alls (the router's imbalance
+    /// included), which an overlapped forward-backward pair can hide.
+    all_to_all: u64,
 }
 
 /// Options of [`TableCosts::with_options`].
@@ -310,7 +313,7 @@ impl TableBuild<'_> {
                     - l.coeffs(Phase::W).time_s(t, a)
             })
             .sum();
-        let [xf, xi, xw] = self.routing_excess_s(r, mb);
+        let ([xf, xi, xw], all_to_all) = self.routing_s(r, mb);
         let cell = Cell {
             f: s_to_ns(self.phase_s(r, Phase::F, t, a) + xf),
             i: s_to_ns(self.phase_s(r, Phase::I, t, a) + e.extra_i_s + xi),
@@ -331,34 +334,37 @@ impl TableBuild<'_> {
             act_iw: e.act_iw,
             act_iw_layer,
             out_bytes: if s + 1 < n { self.out_bytes(s, t) } else { 0.0 },
+            all_to_all: s_to_ns(all_to_all),
         };
         (cell, b_delta_s)
     }
 
-    /// What the busiest GPU of an expert-parallel group runs beyond the mean in the stage's
-    /// mixture-of-experts layers for microbatch `mb`, seconds of F, I and W: each layer's
-    /// routed part times the router model's imbalance less one ([`super::routing`]: only a
-    /// microbatch's padding, which all goes to the same experts, unbalances it).
-    fn routing_excess_s(&self, r: &Range<usize>, mb: &Microbatch) -> [f64; 3] {
+    /// The stage's mixture-of-experts layers under the router model for microbatch `mb`
+    /// ([`super::routing`]: only a microbatch's padding, which all goes to the same experts,
+    /// unbalances it): what the busiest GPU of an expert-parallel group runs beyond the mean, in
+    /// seconds of F, I and W (each layer's routed part times the imbalance less one), and the
+    /// seconds of all-to-all one F or one I pays (imbalance included).
+    fn routing_s(&self, r: &Range<usize>, mb: &Microbatch) -> ([f64; 3], f64) {
         let profile = self.profile;
         let ep = profile.expert_parallel;
         let t = mb.computed_tokens() as f64;
         if ep <= 1 || t <= 0.0 {
-            return [0.0; 3];
+            return ([0.0; 3], 0.0);
         }
         let padding = (t - mb.tokens() as f64) / t;
-        let mut out = [0.0; 3];
+        let (mut out, mut all_to_all) = ([0.0; 3], 0.0);
         for j in r.clone() {
             let l = &profile.layers[j];
             let Some(routed) = l.routed else { continue };
             let (experts, k) = (l.shape.experts, l.shape.top_k);
             let hot = super::routing::padding_experts_on_busiest(j, experts, k, ep);
-            let x = super::routing::imbalance(padding, hot, k, ep) - 1.0;
+            let rho = super::routing::imbalance(padding, hot, k, ep);
             for (o, c) in out.iter_mut().zip([routed.f, routed.i, routed.w]) {
-                *o += x * c.time_s(t, 0.0);
+                *o += (rho - 1.0) * c.time_s(t, 0.0);
             }
+            all_to_all += rho * routed.all_to_all.time_s(t, 0.0);
         }
-        out
+        (out, all_to_all)
     }
 
     /// Forward-only (time with its postings, transfer to the next stage) per (stage, fo
@@ -376,7 +382,7 @@ impl TableBuild<'_> {
                 };
                 let post = if s + 1 < n { self.post_ns(s, s + 1) } else { 0 }
                     + if s > 0 { self.post_ns(s - 1, s) } else { 0 };
-                let xf = self.routing_excess_s(r, mb)[0];
+                let xf = self.routing_s(r, mb).0[0];
                 fo[s * mfo + k] = (s_to_ns(self.phase_s(r, Phase::Fo, t, a) + xf) + post, comm);
             }
         }
@@ -590,6 +596,27 @@ impl CostModel for TableCosts {
     }
     fn collective_interference(&self) -> f64 {
         self.interference
+    }
+    /// An overlapped pair (DualPipe's): each chunk's expert-parallel all-to-alls run beside the
+    /// other's compute on their own stream (DeepSeek-V3, arXiv 2412.19437, §3.2.1), so the pair
+    /// takes the longer of its compute, slowed by the hardware's collective interference over
+    /// the time they overlap, and its all-to-alls: `max(C + k min(C, A), A)`, with `A` both
+    /// chunks' all-to-alls and `C` the rest of their time. Without all-to-alls, the sum.
+    fn overlap_ns(&self, f: ComputeAction, b: ComputeAction) -> u64 {
+        let (tf, tb) = (self.compute_ns(f), self.compute_ns(b));
+        let a2a = |x: ComputeAction| match x.kind {
+            ActionKind::F | ActionKind::I | ActionKind::B => {
+                self.cell(x.stage, x.microbatch).all_to_all
+            }
+            _ => 0,
+        };
+        let a = a2a(f) + a2a(b);
+        if a == 0 {
+            return tf + tb;
+        }
+        let c = (tf + tb).saturating_sub(a) as f64;
+        let k = self.interference;
+        (c + k * c.min(a as f64)).max(a as f64).round() as u64
     }
     fn output_bytes(&self, s: StageId, mb: MicrobatchId) -> f64 {
         self.cell(s, mb).out_bytes
