@@ -903,7 +903,7 @@ fn the_search_finds_expert_parallelism_where_memory_needs_it() {
     let mut space = SearchSpace::default_for(16);
     space.pp = vec![2];
     space.tp = vec![1];
-    space.kinds = vec![ScheduleKind::OneFOneB];
+    space.kinds = vec![ScheduleKind::OneFOneB, ScheduleKind::DualPipeV];
     space.token_budgets = vec![4096];
     space.sharding = vec![Sharding::Zero1];
     space.chunk = false;
@@ -922,6 +922,16 @@ fn the_search_finds_expert_parallelism_where_memory_needs_it() {
     let best = &result.ranked[0];
     assert!(best.ep > 1, "{}", best.describe());
     assert!(result.ranked.iter().all(|c| c.run.dp % c.ep == 0));
+    // The bound stays a bound where DualPipeV's pairs hide the all-to-alls.
+    for c in &result.ranked {
+        let mean = c.summary.step_time_s.mean;
+        assert!(
+            c.lower_bound_s <= mean * (1.0 + 1e-9),
+            "{}: {} > {mean}",
+            c.describe(),
+            c.lower_bound_s
+        );
+    }
     // ep = 1 holds half of 30.5B parameters at 6 + 12/8 bytes: over 100 GiB, rejected.
     let per_gpu = best.profile(&prof).unwrap();
     assert_eq!(per_gpu.expert_parallel, best.ep);
