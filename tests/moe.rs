@@ -6,7 +6,8 @@ use flatpipe::profiles::{AnalyticOptions, ModelSpec, Profile, analytic_profile, 
 use flatpipe::simulator::batching::microbatch::{Microbatch, Shape};
 use flatpipe::simulator::costs::ns_to_s;
 use flatpipe::simulator::costs::{CostOptions, TableCosts};
-use flatpipe::simulator::ir::{ActionKind, ComputeAction, MicrobatchId, StageId};
+use flatpipe::simulator::ir::{Action, ActionKind, ComputeAction, MicrobatchId, StageId};
+use flatpipe::simulator::replay::metrics::all_to_all_time;
 use flatpipe::simulator::run::plan::even_split;
 use flatpipe::simulator::{CostModel, Placement};
 
@@ -142,6 +143,20 @@ fn an_overlapped_pair_hides_its_all_to_alls_under_the_other_chunk() {
     let got = ns_to_s(c.overlap_ns(action(ActionKind::F), action(ActionKind::B)));
     assert!((got - want).abs() < 5e-9, "{got} vs {want}");
     assert!(got < tf + tb);
+    // F alone, the pair, then B alone: every pass's all-to-alls in all, exposed whole where an
+    // action runs alone and, of the pair, its time beyond its compute.
+    assert!((ns_to_s(c.all_to_all_ns(action(ActionKind::F))) - per_pass).abs() < 2e-9);
+    assert_eq!(c.all_to_all_ns(action(ActionKind::W)), 0);
+    let rank = [
+        Action::Compute(action(ActionKind::F)),
+        Action::Overlap(action(ActionKind::F), action(ActionKind::B)),
+        Action::Compute(action(ActionKind::B)),
+    ];
+    let x = all_to_all_time(&rank, &c).expect("expert-parallel all-to-alls");
+    assert!((x.total_s - 4.0 * per_pass).abs() < 1e-8, "{x:?}");
+    let exposed = 2.0 * per_pass + (want - rest);
+    assert!((x.exposed_s - exposed).abs() < 1e-8, "{x:?} vs {exposed}");
+    assert!(x.exposed_s < x.total_s);
     // A dense model's pair is the sum of its two chunks.
     let dense = analytic_profile(
         &builtins::model("tiny").unwrap(),
@@ -164,4 +179,5 @@ fn an_overlapped_pair_hides_its_all_to_alls_under_the_other_chunk() {
         d.overlap_ns(action(ActionKind::F), action(ActionKind::B)),
         sum
     );
+    assert_eq!(all_to_all_time(&rank, &d), None);
 }

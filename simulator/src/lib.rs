@@ -59,7 +59,7 @@ pub use ir::{
     Action, ActionKind, ComputeAction, MicrobatchId, Placement, PlacementKind, Rank, Schedule,
     StageId,
 };
-pub use replay::metrics::Metrics;
+pub use replay::metrics::{AllToAllTime, Metrics};
 pub use replay::timeline::Timeline;
 pub use run::plan::{Microbatching, Plan};
 pub use schedules::generators::ScheduleKind;

@@ -65,6 +65,11 @@ pub trait CostModel: Sync {
     fn overlap_ns(&self, f: ComputeAction, b: ComputeAction) -> u64 {
         self.compute_ns(f) + self.compute_ns(b)
     }
+    /// Of [`CostModel::compute_ns`] of `a`, the expert-parallel all-to-alls (dispatch and
+    /// combine) it pays when it runs alone, ns; 0 for a dense layer and for W (default: 0).
+    fn all_to_all_ns(&self, _a: ComputeAction) -> u64 {
+        0
+    }
     /// Duration of the transfer that action `kind` of `stage` sends for microbatch `mb`, ns:
     /// after F or Fo the activations go to stage + 1, after I or B the gradient goes to
     /// stage - 1. Only asked when the two stages are on different ranks.

@@ -562,6 +562,15 @@ impl CostModel for TableCosts {
             ActionKind::Fo => unreachable!("handled above"),
         }
     }
+    /// F, I and B each pay the cell's two all-to-alls (B holds the I); W and Fo none.
+    fn all_to_all_ns(&self, a: ComputeAction) -> u64 {
+        match a.kind {
+            ActionKind::F | ActionKind::I | ActionKind::B => {
+                self.cell(a.stage, a.microbatch).all_to_all
+            }
+            ActionKind::W | ActionKind::Fo => 0,
+        }
+    }
     #[inline]
     fn comm_ns(&self, stage: StageId, mb: MicrobatchId, kind: ActionKind) -> u64 {
         match kind {
@@ -604,13 +613,7 @@ impl CostModel for TableCosts {
     /// chunks' all-to-alls and `C` the rest of their time. Without all-to-alls, the sum.
     fn overlap_ns(&self, f: ComputeAction, b: ComputeAction) -> u64 {
         let (tf, tb) = (self.compute_ns(f), self.compute_ns(b));
-        let a2a = |x: ComputeAction| match x.kind {
-            ActionKind::F | ActionKind::I | ActionKind::B => {
-                self.cell(x.stage, x.microbatch).all_to_all
-            }
-            _ => 0,
-        };
-        let a = a2a(f) + a2a(b);
+        let a = self.all_to_all_ns(f) + self.all_to_all_ns(b);
         if a == 0 {
             return tf + tb;
         }

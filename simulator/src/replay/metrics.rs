@@ -30,6 +30,46 @@ pub struct RankMetrics {
     /// Most microbatches in flight at once: from the end of a microbatch's first F on this rank
     /// to the end of its last W or B here.
     pub peak_inflight_microbatches: u32,
+    /// The expert-parallel all-to-alls this rank's actions pay ([`all_to_all_time`]); `None`
+    /// without any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub all_to_all: Option<AllToAllTime>,
+}
+
+/// Expert-parallel all-to-all time of one rank over a step, seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct AllToAllTime {
+    /// Dispatch and combine of every F, I and B, as each would pay them run alone.
+    pub total_s: f64,
+    /// What stays on the rank's compute time: all of an action run alone's; of an overlapped
+    /// pair, its time beyond its compute (`overlap - (f + b - a)`, the all-to-alls `a` that
+    /// the other chunk's compute did not hide, and the interference they cause).
+    pub exposed_s: f64,
+}
+
+/// The expert-parallel all-to-all time of `actions` (one rank's) under `costs`
+/// ([`AllToAllTime`]); `None` when they pay none.
+pub fn all_to_all_time<C: CostModel>(actions: &[Action], costs: &C) -> Option<AllToAllTime> {
+    let (mut total, mut exposed) = (0u64, 0u64);
+    for a in actions {
+        match *a {
+            Action::Compute(c) => {
+                let x = costs.all_to_all_ns(c);
+                total += x;
+                exposed += x;
+            }
+            Action::Overlap(f, b) => {
+                let x = costs.all_to_all_ns(f) + costs.all_to_all_ns(b);
+                let compute = (costs.compute_ns(f) + costs.compute_ns(b)).saturating_sub(x);
+                total += x;
+                exposed += costs.overlap_ns(f, b).saturating_sub(compute);
+            }
+        }
+    }
+    (total > 0).then(|| AllToAllTime {
+        total_s: ns_to_s(total),
+        exposed_s: ns_to_s(exposed),
+    })
 }
 
 /// Metrics of one simulated step.
@@ -46,6 +86,10 @@ pub struct Metrics {
     pub gap_to_lower_bound: f64,
     /// Per rank.
     pub ranks: Vec<RankMetrics>,
+    /// The expert-parallel all-to-alls of the rank with the most exposed ([`AllToAllTime`]);
+    /// `None` without any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub all_to_all: Option<AllToAllTime>,
 }
 
 /// The terms of the makespan's lower bound ([`lower_bound_ns`] is their largest), ns; each holds
@@ -753,9 +797,14 @@ pub(crate) fn assemble<C: CostModel>(
             peak_activation_units: units,
             static_bytes: (unit == MemoryUnit::Bytes).then_some(static_bytes),
             peak_inflight_microbatches: t.peak_inflight,
+            all_to_all: all_to_all_time(&schedule.ranks[r], costs),
         });
     }
     let lb = lower_bound_ns(schedule, costs);
+    let all_to_all = ranks
+        .iter()
+        .filter_map(|r| r.all_to_all)
+        .max_by(|a, b| a.exposed_s.total_cmp(&b.exposed_s));
     Metrics {
         makespan_s: ns_to_s(makespan),
         bubble_ratio: if makespan == 0 {
@@ -770,5 +819,6 @@ pub(crate) fn assemble<C: CostModel>(
             makespan as f64 / lb as f64 - 1.0
         },
         ranks,
+        all_to_all,
     }
 }

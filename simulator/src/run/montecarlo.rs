@@ -120,6 +120,10 @@ pub struct Summary {
     /// over the steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fo_hidden_fraction: Option<f64>,
+    /// With expert parallelism: the mean over steps of the all-to-all time of the rank that
+    /// exposes the most (in all, and exposed; [`crate::AllToAllTime`]), seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub all_to_all_mean: Option<crate::AllToAllTime>,
 }
 
 /// Summarises `outcomes` of one configuration on `p` ranks in all (dp x pp) of `peak_flops`
@@ -175,6 +179,18 @@ pub fn summarize(outcomes: &[StepOutcome], p: u32, peak_flops: f64) -> Summary {
                 (acc.0 + a, acc.1 + b, acc.2 + o.step_time_s)
             });
             (tr + fo - comb) / fo
+        }),
+        all_to_all_mean: outcomes.iter().any(|o| o.all_to_all.is_some()).then(|| {
+            let (t, e) = outcomes
+                .iter()
+                .filter_map(|o| o.all_to_all)
+                .fold((0.0, 0.0), |acc, x| {
+                    (acc.0 + x.total_s, acc.1 + x.exposed_s)
+                });
+            crate::AllToAllTime {
+                total_s: t / n,
+                exposed_s: e / n,
+            }
         }),
     }
 }

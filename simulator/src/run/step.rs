@@ -386,6 +386,7 @@ impl ReplicaPlan {
             rounds: self.rounds.len() as u32,
             fo: None,
             lower_bound_s: self.lower_bound_s,
+            all_to_all: None,
         };
         for round in &self.rounds {
             let pred = round.prediction.as_ref()?;
@@ -406,6 +407,14 @@ impl ReplicaPlan {
             }
             if pred.fo_alone_s.is_some() {
                 out.fo = pred.fo_alone_s;
+            }
+            if let Some(x) = sim.metrics.all_to_all {
+                let acc = out.all_to_all.get_or_insert(crate::AllToAllTime {
+                    total_s: 0.0,
+                    exposed_s: 0.0,
+                });
+                acc.total_s += x.total_s;
+                acc.exposed_s += x.exposed_s;
             }
         }
         if out.fo.is_some() {
@@ -626,6 +635,10 @@ pub struct StepOutcome {
     /// Under `flat-planned`: the step-time bound over every cut and order of the step's
     /// sequences (the slower replica's, [`crate::run::mb_plan::lower_bound_s`]), seconds.
     pub lower_bound_s: Option<f64>,
+    /// The expert-parallel all-to-alls of the rank that exposes the most, summed over the
+    /// rounds (the slower-exposing replica's); `None` without any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub all_to_all: Option<crate::AllToAllTime>,
 }
 
 /// The rounds of one step under a fixed capacity `k`, one after the other as they run (each
@@ -727,6 +740,10 @@ pub(crate) fn merge_replicas(a: StepOutcome, b: StepOutcome) -> StepOutcome {
         },
         lower_bound_s: match (a.lower_bound_s, b.lower_bound_s) {
             (Some(x), Some(y)) => Some(x.max(y)),
+            (x, y) => x.or(y),
+        },
+        all_to_all: match (a.all_to_all, b.all_to_all) {
+            (Some(x), Some(y)) => Some(if y.exposed_s > x.exposed_s { y } else { x }),
             (x, y) => x.or(y),
         },
     }

@@ -2,9 +2,9 @@
 
 use super::*;
 
-/// `plan`'s table: the ranked plans, best first, each with its layout (an `ep` column where a
-/// row has expert parallelism), predicted step time, lower bound and peak memory against the
-/// per-rank `limit` (bytes).
+/// `plan`'s table: the ranked plans, best first, each with its layout (an `ep` column and, last,
+/// the exposed all-to-all where a row has expert parallelism), predicted step time, lower bound
+/// and peak memory against the per-rank `limit` (bytes).
 pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let with_ep = rows.iter().any(|r| r.candidate.ep > 1);
@@ -29,6 +29,7 @@ pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
     ];
     if with_ep {
         head.insert(3, "ep");
+        head.push("a2a exposed");
     }
     let mut t = new_table(&head);
     for r in rows {
@@ -60,6 +61,7 @@ pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
         ];
         if with_ep {
             row.insert(3, c.ep.to_string());
+            row.push(all_to_all_cell(c.summary.all_to_all_mean));
         }
         t.add_row(row);
     }

@@ -56,8 +56,22 @@ pub(super) fn comparison_rows(
 /// The comparison's table: one step's metrics (lower bound and gap of its schedule), or the
 /// step-time distribution over several steps.
 pub(super) fn comparison_table(reports: &[&McReport], steps: u32) -> PlainTable {
+    // With expert parallelism, the last column: what each schedule leaves of its all-to-alls.
+    let a2a = reports.iter().any(|r| r.summary.all_to_all_mean.is_some());
+    let with_a2a = |mut head: Vec<&'static str>| {
+        if a2a {
+            head.push("a2a exposed");
+        }
+        new_table(&head)
+    };
+    let a2a_cell = |r: &McReport, mut row: Vec<String>| {
+        if a2a {
+            row.push(all_to_all_cell(r.summary.all_to_all_mean));
+        }
+        row
+    };
     if steps == 1 {
-        let mut t = new_table(&[
+        let mut t = with_a2a(vec![
             "schedule",
             "policy",
             "capacity",
@@ -86,21 +100,24 @@ pub(super) fn comparison_table(reports: &[&McReport], steps: u32) -> PlainTable 
                 ),
                 None => ("-".into(), "-".into()),
             };
-            t.add_row([
-                r.schedule.clone(),
-                r.policy.clone(),
-                r.capacity.clone(),
-                format!("{}", s.microbatches_mean),
-                fmt_s(s.step_time_s.mean),
-                pct(s.bubble_ratio_mean),
-                lb,
-                gap,
-                fmt_bytes(s.peak_activation_bytes),
-                fmt_bytes(s.static_bytes),
-                memory_cell(r),
-                format!("{:.0}", s.tokens_per_s),
-                pct(s.mfu),
-            ]);
+            t.add_row(a2a_cell(
+                r,
+                vec![
+                    r.schedule.clone(),
+                    r.policy.clone(),
+                    r.capacity.clone(),
+                    format!("{}", s.microbatches_mean),
+                    fmt_s(s.step_time_s.mean),
+                    pct(s.bubble_ratio_mean),
+                    lb,
+                    gap,
+                    fmt_bytes(s.peak_activation_bytes),
+                    fmt_bytes(s.static_bytes),
+                    memory_cell(r),
+                    format!("{:.0}", s.tokens_per_s),
+                    pct(s.mfu),
+                ],
+            ));
         }
         t
     } else {
@@ -127,7 +144,7 @@ pub(super) fn comparison_table(reports: &[&McReport], steps: u32) -> PlainTable 
         if bound {
             head.push("mean bound");
         }
-        let mut t = new_table(&head);
+        let mut t = with_a2a(head);
         for r in reports {
             let s = &r.summary;
             let mut row = vec![
@@ -149,7 +166,7 @@ pub(super) fn comparison_table(reports: &[&McReport], steps: u32) -> PlainTable 
             if bound {
                 row.push(s.lower_bound_mean_s.map_or("-".into(), fmt_s));
             }
-            t.add_row(row);
+            t.add_row(a2a_cell(r, row));
         }
         t
     }
