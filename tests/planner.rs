@@ -422,7 +422,9 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
 ///   `--pipeline-model-parallel-size`; `selective` granularity takes no `--recompute-method`;
 /// - `megatron/core/transformer/transformer_config.py`, `TransformerConfig.__post_init__`:
 ///   granularity `full` or `selective`; method `block` or `uniform`, required unless
-///   `selective`; `--recompute-num-layers` required unless `selective`, and absent with it.
+///   `selective`; `--recompute-num-layers` required unless `selective`, and absent with it;
+///   group-limited routing names its groups, which divide the experts, and its group top-k is
+///   at most the groups and divides the router's top-k.
 fn megatron_rules(text: &str, pp: u32, dp: u32) -> Result<(), String> {
     let mut args: std::collections::HashMap<String, Option<String>> = Default::default();
     let flat: String = text
@@ -511,6 +513,23 @@ fn megatron_rules(text: &str, pp: u32, dp: u32) -> Result<(), String> {
             return Err(format!(
                 "world {world} not divisible by etp {etp} x ep {ep} x pp {pp}"
             ));
+        }
+        // Group-limited routing (transformer_config.py's __post_init__): the groups given,
+        // dividing the experts, no more chosen than exist, and dividing the router's top-k.
+        if let Some(g) = int("--moe-router-group-topk")? {
+            let groups = int("--moe-router-num-groups")?
+                .ok_or("group limited routing without --moe-router-num-groups")?;
+            let topk = int("--moe-router-topk")?.unwrap_or(2);
+            if groups == 0 || experts % groups != 0 {
+                return Err(format!(
+                    "{experts} experts not divisible by {groups} groups"
+                ));
+            }
+            if g > groups || g == 0 || topk % g != 0 {
+                return Err(format!(
+                    "group top-k {g} of {groups} groups, router top-k {topk}"
+                ));
+            }
         }
     }
     let gran = args.get("--recompute-granularity").cloned().flatten();
@@ -985,6 +1004,27 @@ fn megatron_exports_expert_parallelism() {
             .unwrap_err()
             .contains("not a multiple of ep 3")
     );
+    // Within a node, no group-limited routing.
+    assert!(!args.contains("--moe-router-num-groups"), "{args}");
+    // DeepSeek-V3's node-limited routing (4 nodes a token) at ep 64 over 8 nodes of 8 H800s:
+    // one group per node, 4 of the 8 chosen; at ep 16 over 2 nodes, 2 of 2.
+    let m = builtins::model("deepseek-v3").unwrap();
+    let h = builtins::hardware("h800").unwrap();
+    let ds = analytic_profile(&m, &h, &AnalyticOptions::default()).unwrap();
+    let stages = even_split(ds.layers.len(), 16).unwrap();
+    for (ep, dp, groups, topk) in [(64, 128, 8, 4), (16, 128, 2, 2)] {
+        let mut p = Plan::new("deepseek-v3-4k", ScheduleKind::OneFOneB, 16, &stages, 4096);
+        p.run.dp = dp;
+        p.ep = ep;
+        let args = megatron(&p, &ds, 4096).unwrap();
+        for want in [
+            format!("--moe-router-num-groups {groups}"),
+            format!("--moe-router-group-topk {topk}"),
+        ] {
+            assert!(args.contains(&want), "{want}: {args}");
+        }
+        megatron_rules(&args, 16, dp).unwrap_or_else(|e| panic!("{e}\n{args}"));
+    }
     // A dense model's arguments name no experts.
     assert!(
         !megatron(

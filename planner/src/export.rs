@@ -589,16 +589,33 @@ pub fn megatron(plan: &Plan, profile: &Profile, microbatches: u32) -> Result<Str
 /// mixture-of-experts layer (`--num-experts`, `--moe-router-topk`), the expert-parallel degree
 /// and the expert tensor-parallel degree flatpipe models (the tensor-parallel size, Megatron's
 /// default made explicit), and the all-to-all token dispatcher whose cost the plan predicted
-/// (`--moe-token-dispatcher-type alltoall`; `megatron/training/arguments.py`).
+/// (`--moe-token-dispatcher-type alltoall`; `megatron/training/arguments.py`). Under
+/// node-limited routing (`max_nodes`) across `n > 1` nodes, Megatron's group-limited routing
+/// with one group per node (`--moe-router-num-groups n --moe-router-group-topk min(M, n)`, the
+/// "node-limited" use its help text gives), where `n` divides the experts and the group top-k
+/// divides the router's top-k (`TransformerConfig.__post_init__`'s checks).
 fn megatron_experts(plan: &Plan, profile: &Profile) -> String {
     let Some(moe) = profile.layers.iter().find(|l| l.shape.experts > 0) else {
         return String::new();
     };
     let (tp, _) = plan.tensor_parallel();
-    format!(
+    let mut out = format!(
         "--num-experts {} \\\n--moe-router-topk {} \\\n--expert-model-parallel-size {} \\\n--expert-tensor-parallel-size {tp} \\\n--moe-token-dispatcher-type alltoall \\\n",
         moe.shape.experts, moe.shape.top_k, plan.ep
-    )
+    );
+    let nodes = (u64::from(plan.ep) * u64::from(tp))
+        .div_ceil(u64::from(profile.hardware.gpus_per_node.max(1)));
+    let group_topk = moe.shape.max_nodes.min(nodes);
+    if moe.shape.max_nodes > 0
+        && nodes > 1
+        && moe.shape.experts % nodes == 0
+        && moe.shape.top_k % group_topk == 0
+    {
+        out.push_str(&format!(
+            "--moe-router-num-groups {nodes} \\\n--moe-router-group-topk {group_topk} \\\n"
+        ));
+    }
+    out
 }
 
 /// verl's actor settings for `plan` as Hydra overrides of its Megatron trainer configuration

@@ -449,6 +449,8 @@ fn layer_profile(l: &Layer, model: &ModelSpec, k: &Kernels, c0: f64) -> LayerPro
             experts: l.moe.map_or(0, |m| m.experts),
             top_k: l.moe.map_or(0, |m| m.top_k),
             expert_params: l.moe.map_or(0, |m| m.experts * 3 * l.hidden * m.expert_ffn),
+            max_nodes: l.moe.map_or(0, |m| m.max_nodes),
+            fp8_dispatch: l.moe.is_some_and(|m| m.fp8_dispatch),
         },
         routed,
     }

@@ -12,17 +12,18 @@
 //! - Compute: unchanged. An even router sends each GPU's experts `k T / E` tokens from each of
 //!   the `ep` GPUs, the FLOPs of `T` tokens' share; the profile does not re-price the experts'
 //!   GEMMs at the `ep` times taller batches they then see (a slight pessimism).
-//! - Communication, on the intra-node link when the group's `ep x tp` GPUs fit a node and the
-//!   inter-node link otherwise, not overlapped: an all-to-all dispatches each token's `k`
-//!   copies of its hidden state to the experts' GPUs and another combines the results (the
-//!   forward, and the forward-only pass), and the input-gradient pass runs both backwards. An
-//!   even router leaves `(ep - 1) / ep` of the `k T H d` bytes on other GPUs; with sequence
-//!   parallelism each of the `tp` GPUs sends its `1/tp` of the tokens. One all-to-all costs
-//!   `(ep - 1) alpha + bytes / beta` (pairwise exchange, Thakur, Rabenseifner and Gropp 2005).
-//!   The all-to-alls join the layer's routed part (`LayerProfile::routed`), which the cost
-//!   model scales by the router's imbalance.
+//! - Communication, not overlapped here (an overlapping schedule hides it: the cost model's
+//!   `overlap_ns`): an all-to-all dispatches each token's `k` copies of its hidden state to the
+//!   experts' GPUs and another combines the results (the forward, and the forward-only pass),
+//!   and the input-gradient pass runs both backwards. With sequence parallelism each of the
+//!   `tp` GPUs sends its `1/tp` of the tokens. Inside a node the copies cross NVLink; across
+//!   nodes the network, with NVLink beside it, and under node-limited routing once per node
+//!   (`all_to_all_pair` has each case's formula). One all-to-all's latency is that of a
+//!   pairwise exchange (Thakur, Rabenseifner and Gropp 2005). The all-to-alls join the layer's
+//!   routed part (`LayerProfile::routed`), which the cost model scales by the router's
+//!   imbalance.
 
-use crate::{CostCoeffs, Error, LayerKind, Profile, Result};
+use crate::{CostCoeffs, Error, Hardware, LayerKind, LayerShape, Profile, Result};
 
 impl Profile {
     /// The profile of one GPU of an expert-parallel group of `ep` GPUs (see the module
@@ -69,13 +70,6 @@ impl Profile {
                 ),
             ));
         }
-        let e = f64::from(ep);
-        let group = u64::from(ep) * u64::from(tp);
-        let link = if group <= u64::from(self.hardware.gpus_per_node) {
-            &self.hardware.intra_node
-        } else {
-            &self.hardware.inter_node
-        };
         let share = if sequence_parallel {
             1.0 / f64::from(tp)
         } else {
@@ -98,11 +92,7 @@ impl Profile {
             l.param_bytes = l.param_bytes.saturating_sub((gone as f64 * d) as u64);
             l.shape.expert_params = local;
             // Dispatch and combine: (c0, c_tok) of two all-to-alls.
-            let bytes = l.shape.top_k as f64 * l.shape.hidden as f64 * d * share * (e - 1.0) / e;
-            let pair = (
-                2.0 * (e - 1.0) * link.alpha_s,
-                2.0 * bytes / link.beta_bytes_per_s,
-            );
+            let pair = all_to_all_pair(&l.shape, &self.hardware, ep, tp, share, d);
             let add = |c: &mut CostCoeffs| {
                 c.c0_s += pair.0;
                 c.c_tok_s += pair.1;
@@ -121,13 +111,78 @@ impl Profile {
             }
         }
         out.expert_parallel = self.expert_parallel * ep;
+        let nodes =
+            (u64::from(ep) * u64::from(tp)).div_ceil(u64::from(self.hardware.gpus_per_node));
         out.provenance.notes.push_str(&format!(
-            "; expert parallelism over {ep} GPUs ({} layers): routed experts / {ep}, two all-to-alls per forward and per input-gradient pass on {}",
+            "; expert parallelism over {ep} GPUs on {nodes} node(s) ({} layers): routed experts / {ep}, two all-to-alls per forward and per input-gradient pass",
             moe.len(),
-            link.name
         ));
         Ok(out)
     }
+}
+
+/// Bytes per element of an FP8 payload with one FP32 scale per 128 elements (DeepSeek-V3,
+/// arXiv 2412.19437, §3.3.2's 1 x 128 activation tiles).
+pub const FP8_WITH_SCALES_BYTES: f64 = 1.0 + 4.0 / 128.0;
+
+/// One pass's dispatch and combine all-to-alls on one GPU of an expert-parallel group of `ep`
+/// GPUs (each of `tp`), for a layer of shape `l` whose `k` routed copies of a token carry
+/// `share x hidden` elements of `d` bytes (the dispatch's FP8 with its scales under
+/// `fp8_dispatch`): `(c0_s, c_tok_s)`, seconds and seconds per token. With `n` nodes of
+/// `g = ep / n` group GPUs each:
+/// - One node (`ep x tp <= gpus_per_node`): each all-to-all moves `(ep - 1) / ep` of the `k`
+///   copies on NVLink, `(ep - 1) alpha_nv + bytes / beta_nv`.
+/// - Several nodes, no node limit: of the `k` copies, `(n - 1) / n` cross the network and
+///   `(g - 1) / ep` stay on the node's NVLink, both at once: `max(ib / beta_ib, nv / beta_nv)`
+///   per token, `(ep - 1) alpha_ib`.
+/// - Several nodes, node-limited to `M` (`max_nodes`): a token's copies reach
+///   `D = m (1 - (1 - 1/m)^k)` distinct nodes of `m = min(M, n)` (uniform top-k among the
+///   chosen nodes' experts), `D (n - 1) / n` of them remote; it crosses the network once per
+///   remote node and NVLink forwards its `k` copies inside each node, `(g - 1) / g` of them to
+///   another GPU (DeepSeek-V3 §3.2.2, DeepEP's internode kernels): `max(D (n - 1) / n bytes /
+///   beta_ib, k (g - 1) / g bytes / beta_nv)` per token, `(n - 1) alpha_ib + (g - 1)
+///   alpha_nv`.
+fn all_to_all_pair(
+    l: &LayerShape,
+    hw: &Hardware,
+    ep: u32,
+    tp: u32,
+    share: f64,
+    d: f64,
+) -> (f64, f64) {
+    let (e, k) = (f64::from(ep), l.top_k as f64);
+    let copy = l.hidden as f64 * share;
+    let dispatch_d = if l.fp8_dispatch {
+        FP8_WITH_SCALES_BYTES
+    } else {
+        d
+    };
+    let (nv, ib) = (&hw.intra_node, &hw.inter_node);
+    let group = u64::from(ep) * u64::from(tp);
+    let nodes = group.div_ceil(u64::from(hw.gpus_per_node.max(1)));
+    // Per token: copies over the network and over NVLink, and the latency of one all-to-all.
+    let (ib_copies, nv_copies, alpha) = if nodes <= 1 {
+        (0.0, k * (e - 1.0) / e, (e - 1.0) * nv.alpha_s)
+    } else {
+        let n = nodes as f64;
+        let g = (e / n).max(1.0);
+        if l.max_nodes == 0 {
+            (k * (n - 1.0) / n, k * (g - 1.0) / e, (e - 1.0) * ib.alpha_s)
+        } else {
+            let m = (l.max_nodes as f64).min(n);
+            let distinct = m * (1.0 - (1.0 - 1.0 / m).powf(k));
+            (
+                distinct * (n - 1.0) / n,
+                k * (g - 1.0) / g,
+                (n - 1.0) * ib.alpha_s + (g - 1.0) * nv.alpha_s,
+            )
+        }
+    };
+    let per_token = |bytes: f64| {
+        (ib_copies * copy * bytes / ib.beta_bytes_per_s)
+            .max(nv_copies * copy * bytes / nv.beta_bytes_per_s)
+    };
+    (2.0 * alpha, per_token(dispatch_d) + per_token(d))
 }
 
 #[cfg(test)]
@@ -168,15 +223,52 @@ mod tests {
         assert!((r.all_to_all.c_tok_s - 2.0 * bytes / b).abs() < 1e-18);
         assert_eq!(q.layers[0], p.layers[0]);
         assert_eq!(q.expert_parallel, 8);
-        // 16 x tp 1 leaves the node: the inter-node link.
+        // 16 x tp 1 spans two nodes: of the 8 copies, 4 cross the network and 8 x 7/16 = 3.5
+        // go to another GPU of the node, at once; 15 messages on the network's latency.
         let r = p.expert_parallel(16, 1, true).unwrap();
-        let (a, b) = (
-            p.hardware.inter_node.alpha_s,
-            p.hardware.inter_node.beta_bytes_per_s,
+        let (ib, nv) = (&p.hardware.inter_node, &p.hardware.intra_node);
+        let copy = 2048.0 * 2.0;
+        let per_a2a = (4.0 * copy / ib.beta_bytes_per_s).max(3.5 * copy / nv.beta_bytes_per_s);
+        assert!((r.layers[1].f.c_tok_s - l0.f.c_tok_s - 2.0 * per_a2a).abs() < 1e-18);
+        assert!((r.layers[1].f.c0_s - l0.f.c0_s - 2.0 * 15.0 * ib.alpha_s).abs() < 1e-15);
+    }
+
+    #[test]
+    fn node_limited_fp8_dispatch_crosses_the_network_once_per_node() {
+        // DeepSeek-V3 (top 8 of 256, hidden 7168, at most 4 nodes a token, FP8 dispatch) at ep
+        // 64 over 8 H800 nodes: the 8 copies of a token reach 4 (1 - (3/4)^8) = 3.5996 of its 4
+        // chosen nodes, 7/8 of them remote; NVLink forwards the 8 copies, 7/8 of them to
+        // another of the node's 8 GPUs. Dispatch: 1 + 4/128 bytes per element; combine: 2.
+        let m = builtins::model("deepseek-v3").unwrap();
+        let hw = builtins::hardware("h800").unwrap();
+        let p = analytic_profile(&m, &hw, &AnalyticOptions::default()).unwrap();
+        let q = p.expert_parallel(64, 1, true).unwrap();
+        let j = p.layers.iter().position(|l| l.shape.experts > 0).unwrap();
+        assert_eq!(
+            (p.layers[j].shape.max_nodes, p.layers[j].shape.fp8_dispatch),
+            (4, true)
         );
-        let bytes = 8.0 * 2048.0 * 2.0 * 15.0 / 16.0;
-        assert!((r.layers[1].f.c_tok_s - l0.f.c_tok_s - 2.0 * bytes / b).abs() < 1e-18);
-        assert!((r.layers[1].f.c0_s - l0.f.c0_s - 2.0 * 15.0 * a).abs() < 1e-15);
+        let (ib, nv) = (&hw.inter_node, &hw.intra_node);
+        let remote = 4.0 * (1.0 - 0.75f64.powi(8)) * 7.0 / 8.0;
+        let per_a2a = |bytes: f64| {
+            (remote * 7168.0 * bytes / ib.beta_bytes_per_s)
+                .max(8.0 * 7.0 / 8.0 * 7168.0 * bytes / nv.beta_bytes_per_s)
+        };
+        let want = per_a2a(1.03125) + per_a2a(2.0);
+        let got = q.layers[j].i.c_tok_s - p.layers[j].i.c_tok_s;
+        assert!((got - want).abs() < 1e-18, "{got} vs {want}");
+        let alpha = 7.0 * ib.alpha_s + 7.0 * nv.alpha_s;
+        assert!((q.layers[j].f.c0_s - p.layers[j].f.c0_s - 2.0 * alpha).abs() < 1e-15);
+        // Without the node limit, in bf16, 7/8 of the 8 copies cross the network, dispatch
+        // and combine alike.
+        let mut plain = p.clone();
+        for l in &mut plain.layers {
+            l.shape.max_nodes = 0;
+            l.shape.fp8_dispatch = false;
+        }
+        let r = plain.expert_parallel(64, 1, true).unwrap();
+        let flat = 2.0 * 8.0 * 7.0 / 8.0 * 7168.0 * 2.0 / ib.beta_bytes_per_s;
+        assert!((r.layers[j].f.c_tok_s - p.layers[j].f.c_tok_s - flat).abs() < 1e-18);
     }
 
     #[test]

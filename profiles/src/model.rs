@@ -122,6 +122,21 @@ pub struct Moe {
     /// Experts every token runs, each of width `expert_ffn` (default 0).
     #[serde(default)]
     pub shared_experts: u64,
+    /// Node-limited routing: each token goes to experts on at most this many nodes (DeepSeek-V3's
+    /// `M`, arXiv 2412.19437 §3.2.2; Hugging Face's `topk_group` where its expert groups map to
+    /// nodes), and its dispatch crosses the network once per node, then NVLink to each expert's
+    /// GPU. 0 (the default): no limit, one plain all-to-all.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub max_nodes: u64,
+    /// Dispatch in FP8 with one FP32 scale per 128 elements (DeepSeek-V3 §3.3: `1 + 4/128`
+    /// bytes per element); the combine stays in the model's dtype. Default false: both in the
+    /// model's dtype.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub fp8_dispatch: bool,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 fn is_false(b: &bool) -> bool {

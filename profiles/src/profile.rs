@@ -150,6 +150,12 @@ pub struct LayerShape {
     /// divides: [`Profile::expert_parallel`]).
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub expert_params: u64,
+    /// Node-limited routing's nodes per token (0: no limit; [`crate::Moe::max_nodes`]).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub max_nodes: u64,
+    /// The dispatch all-to-all moves FP8 with its scales ([`crate::Moe::fp8_dispatch`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fp8_dispatch: bool,
 }
 
 fn is_zero_u64(x: &u64) -> bool {
