@@ -36,7 +36,7 @@ trap 'rm -rf "$out"' EXIT
 # as a compute_comms CSV; with FSDP's actions, equal to what torch's compute-only loader runs.
 comms="$out/comms"
 mkdir "$comms"
-for kind in gpipe 1f1b interleaved-1f1b looped-bfs zb-h1 zb-h2 zb-v dualpipev zb-auto; do
+for kind in gpipe 1f1b interleaved-1f1b looped-bfs zb-h1 zb-h2 zb-v dualpipev combined-1f1b zb-auto; do
     for size in "4 8" "3 7" "8 16"; do
         set -- $size
         base="$comms/$kind-p$1-m$2"

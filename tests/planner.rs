@@ -514,6 +514,29 @@ fn megatron_rules(text: &str, pp: u32, dp: u32) -> Result<(), String> {
                 "world {world} not divisible by etp {etp} x ep {ep} x pp {pp}"
             ));
         }
+        // EP A2A overlap (transformer_config.py's __post_init__): expert parallelism, the
+        // all-to-all or flex dispatcher, a virtual pipeline when pp > 1, no full recomputation.
+        if args.contains_key("--overlap-moe-expert-parallel-comm") {
+            if ep <= 1 {
+                return Err("overlap_moe_expert_parallel_comm without expert parallelism".into());
+            }
+            let dispatcher = args.get("--moe-token-dispatcher-type").cloned().flatten();
+            if !matches!(dispatcher.as_deref(), Some("alltoall" | "flex")) {
+                return Err(format!("overlap with the {dispatcher:?} dispatcher"));
+            }
+            if pp > 1 && vpp < 2 {
+                return Err("overlap with pp > 1 and no virtual pipeline".into());
+            }
+            if args
+                .get("--recompute-granularity")
+                .cloned()
+                .flatten()
+                .as_deref()
+                == Some("full")
+            {
+                return Err("overlap with full recomputation".into());
+            }
+        }
         // Group-limited routing (transformer_config.py's __post_init__): the groups given,
         // dividing the experts, no more chosen than exist, and dividing the router's top-k.
         if let Some(g) = int("--moe-router-group-topk")? {
@@ -1006,6 +1029,51 @@ fn megatron_exports_expert_parallelism() {
     );
     // Within a node, no group-limited routing.
     assert!(!args.contains("--moe-router-num-groups"), "{args}");
+    assert!(
+        !args.contains("--overlap-moe-expert-parallel-comm"),
+        "{args}"
+    );
+    // Combined 1F1B (v = 2) is Megatron's interleaved 1F1B with the EP A2A overlap; with full
+    // recomputation, or one stage per rank, Megatron refuses the overlap: left out, warned.
+    let v2 = even_split(prof.layers.len(), 4).unwrap();
+    let mut c = Plan::new("sharegpt-v3", ScheduleKind::Combined1F1B, 2, &v2, 8192);
+    c.run.dp = 8;
+    c.ep = 8;
+    let args = megatron(&c, &prof, 16).unwrap();
+    assert!(
+        args.contains("--overlap-moe-expert-parallel-comm"),
+        "{args}"
+    );
+    assert!(!args.contains("# warning: Megatron-LM has no"), "{args}");
+    megatron_rules(&args, 2, 8).unwrap_or_else(|e| panic!("{e}\n{args}"));
+    // verl's Megatron workers: the same, as its own settings and transformer-config overrides.
+    let v = verl(&c, &prof).unwrap();
+    for want in [
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8",
+        "actor_rollout_ref.actor.megatron.override_transformer_config.overlap_moe_expert_parallel_comm=True",
+    ] {
+        assert!(v.lines().any(|l| l == want), "{want}: {v}");
+    }
+    c.run.recompute = vec![flatpipe::simulator::costs::Recompute::Full; 4];
+    let args = megatron(&c, &prof, 16).unwrap();
+    assert!(
+        !args
+            .lines()
+            .any(|l| l.starts_with("--overlap-moe-expert-parallel-comm")),
+        "{args}"
+    );
+    assert!(args.contains("refuses full recomputation"), "{args}");
+    megatron_rules(&args, 2, 8).unwrap_or_else(|e| panic!("{e}\n{args}"));
+    let forced = args.replacen(
+        "--pipeline-model-parallel-size",
+        "--overlap-moe-expert-parallel-comm \\\n--pipeline-model-parallel-size",
+        1,
+    );
+    assert!(
+        megatron_rules(&forced, 2, 8)
+            .unwrap_err()
+            .contains("full recomputation")
+    );
     // DeepSeek-V3's node-limited routing (4 nodes a token) at ep 64 over 8 nodes of 8 H800s:
     // one group per node, 4 of the 8 chosen; at ep 16 over 2 nodes, 2 of 2.
     let m = builtins::model("deepseek-v3").unwrap();

@@ -3,7 +3,7 @@
 //! costs f/v, b/v, w/v.
 
 use flatpipe::simulator::ir::pytorch_csv::{read_pytorch_csv, write_pytorch_csv};
-use flatpipe::simulator::schedules::generators::interleaved_1f1b;
+use flatpipe::simulator::schedules::generators::{combined_1f1b, interleaved_1f1b};
 use flatpipe::simulator::{ScheduleKind, Simulation, UniformCostSpec, UniformCosts, simulate};
 
 fn run(kind: ScheduleKind, p: u32, v: u32, m: u32, spec: UniformCostSpec) -> Simulation {
@@ -298,5 +298,47 @@ fn dualpipev_against_interleaving_on_equal_devices() {
         for v in [2, 3, 4, 6, 8] {
             assert!(hidden < interleaved(v), "p={p} v={v}: {hidden}");
         }
+    }
+}
+
+/// Megatron-LM's combined 1F1B when nothing hides (its overlapped pair costs F + B): the same
+/// makespan as interleaved 1F1B, `m(f+b+w) + (p-1)(f+b+w)/v` for m a multiple of p (the extra
+/// warm-up forward runs in what was a bubble), with at most one more microbatch in flight on a
+/// rank.
+/// On one rank, `F0, (F1; B0), .., B(m-1)`: `f + (m-1) fb + b + w` for a pair of cost `fb`.
+#[test]
+fn combined_1f1b_against_interleaving() {
+    let (f, b, w) = (12.0, 24.0, 12.0);
+    for p in 2..=6u32 {
+        for v in 2..=3u32 {
+            for k in 1..=3 {
+                let m = k * p;
+                let combined = run(ScheduleKind::Combined1F1B, p, v, m, spec(f, b, w));
+                let interleaved = run(ScheduleKind::Interleaved1F1B, p, v, m, spec(f, b, w));
+                let want = m as f64 * (f + b + w) + (p - 1) as f64 * (f + b + w) / v as f64;
+                assert_eq!(combined.metrics.makespan_s, want, "p={p} v={v} m={m}");
+                for (c, i) in combined
+                    .metrics
+                    .ranks
+                    .iter()
+                    .zip(&interleaved.metrics.ranks)
+                {
+                    let extra = c.peak_inflight_microbatches - i.peak_inflight_microbatches;
+                    assert!(extra <= 1, "p={p} v={v} m={m} rank {}: {extra}", c.rank);
+                }
+            }
+        }
+    }
+    for m in 1..=6u32 {
+        let s = UniformCostSpec {
+            fb: Some(40.0),
+            ..spec(f, b, w)
+        };
+        let one_rank = combined_1f1b(1, 1, m).unwrap();
+        let got = simulate(&one_rank, &UniformCosts::new(&s, 1))
+            .unwrap()
+            .metrics
+            .makespan_s;
+        assert_eq!(got, f + (m - 1) as f64 * 40.0 + b + w, "m={m}");
     }
 }

@@ -514,12 +514,15 @@ pub fn megatron_batch(plan: &Plan, microbatches: u32) -> (Vec<String>, Vec<Strin
 
 /// The schedule Megatron-LM (and verl's Megatron workers) run in place of `plan`'s: its
 /// interleaved 1F1B for several stages per rank, else its 1F1B; `None` when that is the plan's
-/// own schedule.
+/// own schedule (combined 1F1B is its interleaved 1F1B under
+/// `--overlap-moe-expert-parallel-comm`, [`megatron_overlap`]).
 fn megatron_runs_instead(plan: &Plan) -> Option<&'static str> {
     let v = plan.run.stages.len() as u32 / plan.run.pp.max(1);
     let same = matches!(
         (plan.schedule(), v > 1),
-        (Some(ScheduleKind::OneFOneB), false) | (Some(ScheduleKind::Interleaved1F1B), _)
+        (Some(ScheduleKind::OneFOneB), false)
+            | (Some(ScheduleKind::Interleaved1F1B), _)
+            | (Some(ScheduleKind::Combined1F1B), _)
     );
     (!same).then_some(if v > 1 { "interleaved 1F1B" } else { "1F1B" })
 }
@@ -547,6 +550,12 @@ pub fn megatron(plan: &Plan, profile: &Profile, microbatches: u32) -> Result<Str
         ));
     }
     let (mut args, mut warnings) = megatron_recompute(plan, profile);
+    if let Some(overlap) = megatron_overlap(plan, &args) {
+        match overlap {
+            Ok(arg) => args.push(arg),
+            Err(w) => warnings.push(w),
+        }
+    }
     let (batch, batch_warnings) = megatron_batch(plan, microbatches);
     args.extend(batch);
     warnings.extend(batch_warnings);
@@ -582,6 +591,38 @@ pub fn megatron(plan: &Plan, profile: &Profile, microbatches: u32) -> Result<Str
     }
     out.push('\n');
     Ok(out)
+}
+
+/// For a combined-1F1B plan, Megatron-LM's `--overlap-moe-expert-parallel-comm` (its combined
+/// 1F1B), or why Megatron refuses it for this plan given its recomputation arguments
+/// `recompute` (`TransformerConfig.__post_init__`: expert parallelism, a virtual pipeline when
+/// `pp > 1`, no full recomputation); `None` for other schedules.
+fn megatron_overlap(
+    plan: &Plan,
+    recompute: &[String],
+) -> Option<std::result::Result<String, String>> {
+    if plan.schedule() != Some(ScheduleKind::Combined1F1B) {
+        return None;
+    }
+    let v = plan.run.stages.len() as u32 / plan.run.pp.max(1);
+    let why = if plan.ep <= 1 {
+        Some("it needs expert parallelism (ep > 1) and the plan has none")
+    } else if plan.run.pp > 1 && v < 2 {
+        Some("it needs a virtual pipeline when pp > 1")
+    } else if recompute
+        .iter()
+        .any(|a| a == "--recompute-granularity full")
+    {
+        Some("it refuses full recomputation, which the plan runs")
+    } else {
+        None
+    };
+    Some(match why {
+        None => Ok("--overlap-moe-expert-parallel-comm".into()),
+        Some(why) => Err(format!(
+            "Megatron-LM's combined 1F1B (--overlap-moe-expert-parallel-comm) is left out: {why}; these arguments run interleaved 1F1B without the overlap (the predicted step time is combined-1f1b's)"
+        )),
+    })
 }
 
 /// Megatron-LM's mixture-of-experts arguments for `plan` on `profile`'s model, one per line
@@ -626,8 +667,10 @@ fn megatron_experts(plan: &Plan, profile: &Profile) -> String {
 ///   reference model's and the rollout's log-prob passes take the actor's by default);
 /// - the pipeline and tensor parallelism of the plan (`megatron.pipeline_model_parallel_size`,
 ///   `virtual_pipeline_model_parallel_size` for v > 1, `tensor_model_parallel_size`,
-///   `sequence_parallel`), and the recomputation ([`megatron_recompute`], as
-///   `megatron.override_transformer_config` fields).
+///   `sequence_parallel`), the expert parallelism (`expert_model_parallel_size`,
+///   `expert_tensor_parallel_size`), and the recomputation ([`megatron_recompute`]) and a
+///   combined-1F1B plan's `overlap_moe_expert_parallel_comm` (`megatron_overlap`), as
+///   `megatron.override_transformer_config` fields.
 ///
 /// `# warning:` lines say where verl runs something else: Megatron's 1F1B or interleaved
 /// schedule, verl's own microbatching (Karmarkar-Karp over the token budget,
@@ -687,7 +730,21 @@ pub fn verl(plan: &Plan, profile: &Profile) -> Result<String> {
         "{actor}.megatron.sequence_parallel={}",
         if tp > 1 && sp { "True" } else { "False" }
     ));
-    let (args, warnings) = megatron_recompute(plan, profile);
+    if plan.ep > 1 {
+        // verl's McoreEngineConfig: the experts split over the data-parallel GPUs.
+        out.push(format!(
+            "{actor}.megatron.expert_model_parallel_size={}",
+            plan.ep
+        ));
+        out.push(format!("{actor}.megatron.expert_tensor_parallel_size={tp}"));
+    }
+    let (mut args, mut warnings) = megatron_recompute(plan, profile);
+    if let Some(overlap) = megatron_overlap(plan, &args) {
+        match overlap {
+            Ok(arg) => args.push(arg),
+            Err(w) => warnings.push(w),
+        }
+    }
     for w in warnings {
         head.push_str(&format!("# warning: {w}\n"));
     }

@@ -58,6 +58,7 @@ class Schedule(_Name):
     ZB_H2 = "zb-h2"
     ZB_V = "zb-v"
     DUALPIPEV = "dualpipev"
+    COMBINED_1F1B = "combined-1f1b"
     ZB_AUTO = "zb-auto"
 
 

@@ -17,7 +17,8 @@ LENS = [60, 7] + [55] * 10 + [40, 21]
 def plans():
     """Step plans of several schedule kinds on 2 and 4 ranks, one with forward-only work."""
     out = []
-    for kind in ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "gpipe"):
+    for kind in ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev",
+                 "combined-1f1b", "gpipe"):
         for pp in (2, 4):
             pipe = flatpipe.Pipeline(kind, pp=pp, num_layers=16, token_budget=64)
             out.append((f"{kind} pp={pp}", pipe.plan_step(LENS)))
@@ -57,6 +58,7 @@ def test_the_plans_cover_overlapped_pairs_and_forward_only_work():
     overlaps = {n for n, pl in PLANS for r in range(pl.num_ranks) for a in pl.actions_of(r)
                 if a.is_overlap}
     assert "dualpipev pp=2" in overlaps and "dualpipev pp=4" in overlaps, overlaps
+    assert "combined-1f1b pp=2" in overlaps and "combined-1f1b pp=4" in overlaps, overlaps
     assert "Fo" in kinds["zb-v forward_only=3"]
     assert kinds["zb-v pp=2"] == {"F", "I", "W"}
 

@@ -122,7 +122,8 @@ pub(super) fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             "--pp {pp} on {cores} cores: ranks share cores, so the OS scheduler's time slicing enters the measurement"
         );
     }
-    let kinds = parse_kinds(&a.schedule)?;
+    // The executor runs dense models only: no all-to-all for combined 1F1B to hide.
+    let kinds = parse_kinds(&a.schedule, false)?;
     let steps = a.steps.unwrap_or(if a.quick { 3 } else { 5 });
     if steps == 0 {
         bail!("--steps = 0 is invalid: >= 1 step");

@@ -6,7 +6,7 @@ use super::*;
 #[derive(Debug, Args)]
 pub(super) struct ScheduleArgs {
     /// Schedule kind (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v, dualpipev,
-    /// zb-auto: for unit costs under 1F1B memory).
+    /// combined-1f1b, zb-auto: for unit costs under 1F1B memory).
     #[arg(long)]
     schedule: String,
     /// Pipeline-parallel degree (ranks).

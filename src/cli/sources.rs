@@ -73,9 +73,16 @@ pub(super) fn analytic(model: &str, hardware: &str) -> Result<Profile> {
     )?)
 }
 
-pub(super) fn parse_kinds(names: &[String]) -> Result<Vec<ScheduleKind>> {
+/// The schedule kinds `names` asks for; none or `all`: every kind, combined 1F1B only where
+/// `expert_parallel` (it overlaps expert-parallel all-to-alls; without them it is interleaved
+/// 1F1B with one more microbatch in flight).
+pub(super) fn parse_kinds(names: &[String], expert_parallel: bool) -> Result<Vec<ScheduleKind>> {
     if names.is_empty() || names.iter().any(|n| n.trim() == "all") {
-        return Ok(ScheduleKind::ALL.to_vec());
+        return Ok(ScheduleKind::ALL
+            .iter()
+            .copied()
+            .filter(|&k| expert_parallel || k != ScheduleKind::Combined1F1B)
+            .collect());
     }
     let mut kinds = Vec::new();
     for n in names {

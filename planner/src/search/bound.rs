@@ -10,14 +10,18 @@ use flatpipe_simulator::costs::sharding::{Sharding, StepCollectives};
 
 /// Sets every candidate's lower bound on the mean step time, seconds: its heaviest replica's
 /// compute per step (less its expert-parallel all-to-alls for the schedules that may overlap a
-/// forward with a backward: DualPipeV, and zb-auto, which may run DualPipeV's order), averaged
+/// forward with a backward: DualPipeV, combined 1F1B, and zb-auto, which may run DualPipeV's
+/// order), averaged
 /// over the sampled steps and divided over its pp ranks (no bubble), plus without a pipeline
 /// the step's data-parallel collectives ([`collectives_lb`]); then orders the candidates by it
 /// (stable: ties keep the enumeration order).
 pub(super) fn bound_and_order(layouts: &mut Layouts) {
     for c in &mut layouts.pending {
         let stats = &layouts.stats[c.stats];
-        let work = if matches!(c.kind, ScheduleKind::DualPipeV | ScheduleKind::ZbAuto) {
+        let work = if matches!(
+            c.kind,
+            ScheduleKind::DualPipeV | ScheduleKind::Combined1F1B | ScheduleKind::ZbAuto
+        ) {
             &stats.replica_compute_s
         } else {
             &stats.replica_work_s

@@ -265,7 +265,7 @@ impl PipelineLayout<'_> {
                 Ok(out.stats.len() - 1)
             };
             stats_of(ScheduleKind::OneFOneB, 1, out)?;
-            for (kind, vs) in schedule_shapes(space, pp)? {
+            for (kind, vs) in schedule_shapes(space, pp, self.profile.expert_parallel)? {
                 for v in vs {
                     let s_count = (pp * v) as usize;
                     if s_count > self.n_layers {
@@ -326,22 +326,30 @@ fn budget_options(space: &SearchSpace, pp: u32, longest: u64) -> Vec<(u64, Optio
 /// (schedule, its stages per rank to try) on `pp` ranks. pp = 1 is no pipeline: one rank runs
 /// F then B of each microbatch in turn (gradient accumulation), whatever the schedule; one
 /// candidate, as 1F1B on one stage. Interleaved kinds take the space's v >= 2, the others
-/// their own.
+/// their own. Combined 1F1B only with expert parallelism (`ep > 1`): without all-to-alls to
+/// hide it is interleaved 1F1B with one more microbatch in flight.
 ///
 /// # Errors
 /// A kind's [`ScheduleKind::stages_per_rank`].
-fn schedule_shapes(space: &SearchSpace, pp: u32) -> Result<Vec<(ScheduleKind, Vec<u32>)>> {
+fn schedule_shapes(space: &SearchSpace, pp: u32, ep: u32) -> Result<Vec<(ScheduleKind, Vec<u32>)>> {
     let kinds: Vec<ScheduleKind> = if pp == 1 {
         vec![ScheduleKind::OneFOneB]
     } else {
-        space.kinds.clone()
+        space
+            .kinds
+            .iter()
+            .copied()
+            .filter(|&k| k != ScheduleKind::Combined1F1B || ep > 1)
+            .collect()
     };
     kinds
         .into_iter()
         .map(|kind| {
             let vs: Vec<u32> = match kind {
                 _ if pp == 1 => vec![1],
-                ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => {
+                ScheduleKind::Interleaved1F1B
+                | ScheduleKind::LoopedBfs
+                | ScheduleKind::Combined1F1B => {
                     space.vpp.iter().copied().filter(|v| *v >= 2).collect()
                 }
                 _ => vec![kind.stages_per_rank(None)?],

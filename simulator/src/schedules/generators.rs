@@ -10,6 +10,7 @@
 //! | `zb-h1`, `zb-h2` | loop, v = 1 | Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 |
 //! | `zb-v` | V, v = 2 | Qi et al. 2024, "Pipeline Parallelism with Controllable Memory" |
 //! | `dualpipev` | V, v = 2 | DeepSeek-V3 report; the DualPipe repository's DualPipeV |
+//! | `combined-1f1b` | loop, v >= 2 | Megatron-LM's combined 1F1B (`--overlap-moe-expert-parallel-comm`) |
 //!
 //! GPipe runs every forward, then every backward; 1F1B bounds in-flight microbatches on rank `r`
 //! by `min(p - r, m)`:
@@ -54,6 +55,11 @@ pub enum ScheduleKind {
     /// DualPipeV: V placement with overlapped forward-backward pairs (DeepSeek).
     #[serde(rename = "dualpipev")]
     DualPipeV,
+    /// Megatron-LM's combined 1F1B: interleaved 1F1B whose steady-state forward and backward
+    /// run as overlapped pairs, one more warm-up forward per rank
+    /// ([`combined_1f1b`]; `--overlap-moe-expert-parallel-comm`).
+    #[serde(rename = "combined-1f1b")]
+    Combined1F1B,
     /// zb-auto: built per step from its costs under an activation-memory limit (loop placement,
     /// or V with 2 stages per rank); see [`crate::schedules::zb_auto`].
     #[serde(rename = "zb-auto")]
@@ -71,6 +77,7 @@ impl ScheduleKind {
         ScheduleKind::ZbH2,
         ScheduleKind::ZbV,
         ScheduleKind::DualPipeV,
+        ScheduleKind::Combined1F1B,
         ScheduleKind::ZbAuto,
     ];
 
@@ -85,6 +92,7 @@ impl ScheduleKind {
             ScheduleKind::ZbH2 => "zb-h2",
             ScheduleKind::ZbV => "zb-v",
             ScheduleKind::DualPipeV => "dualpipev",
+            ScheduleKind::Combined1F1B => "combined-1f1b",
             ScheduleKind::ZbAuto => "zb-auto",
         }
     }
@@ -98,7 +106,10 @@ impl ScheduleKind {
             ScheduleKind::LoopedBfs => Some("LoopedBFS"),
             ScheduleKind::ZbV => Some("ZBVZeroBubble"),
             ScheduleKind::DualPipeV => Some("DualPipeV"),
-            ScheduleKind::ZbH1 | ScheduleKind::ZbH2 | ScheduleKind::ZbAuto => None,
+            ScheduleKind::ZbH1
+            | ScheduleKind::ZbH2
+            | ScheduleKind::Combined1F1B
+            | ScheduleKind::ZbAuto => None,
         }
     }
 
@@ -148,6 +159,12 @@ impl ScheduleKind {
         match (self, vpp) {
             (_, Some(0)) => Err(Error::invalid("vpp", 0, ">= 1 stage per rank")),
             (ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs, v) => Ok(v.unwrap_or(2)),
+            (ScheduleKind::Combined1F1B, Some(1)) => Err(Error::invalid(
+                "vpp",
+                1,
+                "2 or more stages per rank for combined-1f1b (Megatron-LM's EP A2A overlap runs on a virtual pipeline)",
+            )),
+            (ScheduleKind::Combined1F1B, v) => Ok(v.unwrap_or(2)),
             (ScheduleKind::ZbAuto, None | Some(1)) => Ok(1),
             (ScheduleKind::ZbAuto, Some(2)) => Ok(2),
             (ScheduleKind::ZbAuto, Some(v)) => Err(Error::invalid(
@@ -183,7 +200,10 @@ impl ScheduleKind {
         if want != v
             && !matches!(
                 self,
-                ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs | ScheduleKind::ZbAuto
+                ScheduleKind::Interleaved1F1B
+                    | ScheduleKind::LoopedBfs
+                    | ScheduleKind::Combined1F1B
+                    | ScheduleKind::ZbAuto
             )
         {
             return Err(Error::invalid(
@@ -201,6 +221,7 @@ impl ScheduleKind {
             ScheduleKind::ZbH2 => zb_h2(p, m),
             ScheduleKind::ZbV => zb_v(p, m),
             ScheduleKind::DualPipeV => dualpipev(p, m),
+            ScheduleKind::Combined1F1B => combined_1f1b(p, v, m)?,
             ScheduleKind::ZbAuto => {
                 // Without a step's costs: unit costs (f = b = w, no transfers) under 1F1B's
                 // memory, p units. With costs, `build`.
@@ -390,21 +411,28 @@ pub fn interleaved_1f1b(p: u32, v: u32, m: u32, g: Option<u32>) -> Result<(Sched
                 format!("in 1..={m}"),
             ));
         }
-        let s = interleaved_with_group(p, v, m, g);
+        let s = interleaved_with_group(p, v, m, g, false);
         check_deadlock_free(&s)?;
         return Ok((s, g));
     }
+    first_deadlock_free(p, v, m, false)
+}
+
+/// Interleaved 1F1B (`combined`: Megatron's combined 1F1B) with the default microbatch group
+/// size `min(p, m)`, or else the smallest deadlock-free one, and the size used.
+fn first_deadlock_free(p: u32, v: u32, m: u32, combined: bool) -> Result<(Schedule, u32)> {
     let default = p.min(m);
-    let s = interleaved_with_group(p, v, m, default);
+    let s = interleaved_with_group(p, v, m, default, combined);
     if crate::replay::is_deadlock_free(&s) {
         return Ok((s, default));
     }
     for g in 1..=m {
-        let s = interleaved_with_group(p, v, m, g);
+        let s = interleaved_with_group(p, v, m, g, combined);
         if crate::replay::is_deadlock_free(&s) {
             tracing::info!(
-                "interleaved-1f1b with p = {p}, v = {v}, m = {m} deadlocks with the default microbatch group size {default} \
-                 (the last group is short); using the smallest deadlock-free group size {g}"
+                "{} with p = {p}, v = {v}, m = {m} deadlocks with the default microbatch group size {default} \
+                 (the last group is short); using the smallest deadlock-free group size {g}",
+                s.name
             );
             return Ok((s, g));
         }
@@ -420,7 +448,42 @@ fn check_deadlock_free(s: &Schedule) -> Result<()> {
     }
 }
 
-fn interleaved_with_group(p: u32, v: u32, m: u32, g: u32) -> Schedule {
+/// Megatron-LM's combined 1F1B (`megatron/core/pipeline_parallel/combined_1f1b.py`, run under
+/// `--overlap-moe-expert-parallel-comm`): [`interleaved_1f1b`]'s order with one more warm-up
+/// forward per rank (`schedules.py`: `num_warmup_microbatches += 1`, so that each steady-state
+/// forward and backward belong to different microbatches), and each steady-state forward run
+/// together with the backward after it as one overlapped pair, `(F; B)OVERLAP_F_B`, whose
+/// expert-parallel all-to-alls hide under the other's compute. On one rank (Megatron's
+/// `combined_1f1b_schedule_for_no_pipelining`): `F0, (F1; B0), .., (F(m-1); B(m-2)), B(m-1)`.
+/// On several ranks it needs a virtual pipeline (`v >= 2`), as Megatron-LM requires: with one
+/// stage per rank each pair waits for a backward that the next rank's pair holds behind its own
+/// forward, and the ranks serialize (p = 2, m = 4, f = 12, b = 24, w = 12: 336 against
+/// 1F1B's 240).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a zero argument or `v = 1` on several ranks;
+/// [`Error::Deadlock`] as [`interleaved_1f1b`].
+pub fn combined_1f1b(p: u32, v: u32, m: u32) -> Result<Schedule> {
+    if p == 0 || v == 0 || m == 0 {
+        return Err(Error::invalid(
+            "p, v, m",
+            format!("{p}, {v}, {m}"),
+            "all >= 1",
+        ));
+    }
+    if p > 1 && v == 1 {
+        return Err(Error::invalid(
+            "vpp",
+            1,
+            "at least 2 stages per rank for combined-1f1b on several ranks (Megatron-LM's EP A2A overlap runs on a virtual pipeline)",
+        ));
+    }
+    Ok(first_deadlock_free(p, v, m, true)?.0)
+}
+
+/// Megatron's interleaved 1F1B with microbatch group size `g`; `combined`: one more warm-up
+/// forward per rank and the steady state's F and B as overlapped pairs ([`combined_1f1b`]).
+fn interleaved_with_group(p: u32, v: u32, m: u32, g: u32, combined: bool) -> Schedule {
     // Megatron's schedule table: (microbatch, chunk) in forward order.
     let mut table = Vec::with_capacity((m * v) as usize);
     let mut start = 0;
@@ -435,9 +498,9 @@ fn interleaved_with_group(p: u32, v: u32, m: u32, g: u32) -> Schedule {
     let ranks = (0..p)
         .map(|r| {
             let warm = if v == 1 {
-                (p - r - 1).min(m)
+                (p - r - 1 + u32::from(combined)).min(m)
             } else {
-                ((p - r - 1) * 2 + (v - 1) * g).min(total)
+                ((p - r - 1) * 2 + (v - 1) * g + u32::from(combined)).min(total)
             };
             let fwd = |k: u32| {
                 let (mb, c) = table[k as usize];
@@ -449,14 +512,22 @@ fn interleaved_with_group(p: u32, v: u32, m: u32, g: u32) -> Schedule {
             };
             let mut a: Vec<Action> = (0..warm).map(fwd).collect();
             for i in 0..total - warm {
-                a.push(fwd(warm + i));
-                a.push(bwd(i));
+                let (f, b) = (fwd(warm + i), bwd(i));
+                match (combined, f, b) {
+                    (true, Action::Compute(f), Action::Compute(b)) => a.push(Action::Overlap(f, b)),
+                    _ => a.extend([f, b]),
+                }
             }
             a.extend((total - warm..total).map(bwd));
             a
         })
         .collect();
-    schedule("interleaved-1f1b", Placement::looped(p, v), m, ranks)
+    let name = if combined {
+        "combined-1f1b"
+    } else {
+        "interleaved-1f1b"
+    };
+    schedule(name, Placement::looped(p, v), m, ranks)
 }
 
 /// Breadth-first looping (PyTorch's `ScheduleLoopedBFS`): rank `r` runs every microbatch's
@@ -754,6 +825,7 @@ mod tests {
                 ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => &[1, 2, 3],
                 ScheduleKind::ZbAuto => &[1, 2],
                 ScheduleKind::ZbV | ScheduleKind::DualPipeV => &[2],
+                ScheduleKind::Combined1F1B => &[2, 3],
                 _ => &[1],
             };
             for &v in vs {
@@ -768,5 +840,86 @@ mod tests {
             }
         }
         assert!(ScheduleKind::OneFOneB.placement_on(4, 2).is_err());
+    }
+
+    /// Megatron-LM's `combined_1f1b_schedule_for_no_pipelining` on one rank: F0 alone, then
+    /// each backward paired with the next forward, the last backward alone.
+    #[test]
+    fn combined_1f1b_on_one_rank_is_megatrons_no_pipelining_order() {
+        let s = combined_1f1b(1, 1, 4).unwrap();
+        let got: Vec<String> = s.ranks[0].iter().map(|a| a.to_string()).collect();
+        assert_eq!(
+            got,
+            [
+                "0F0",
+                "(0F1;0B0)OVERLAP_F_B",
+                "(0F2;0B1)OVERLAP_F_B",
+                "(0F3;0B2)OVERLAP_F_B",
+                "0B3"
+            ]
+        );
+    }
+
+    /// On several ranks: interleaved 1F1B's warm-up forwards plus one (Megatron's
+    /// `num_warmup_microbatches += 1`), every steady-state F with the B after it as one pair,
+    /// each F and B of every (stage, microbatch) once; one stage per rank on several ranks is
+    /// refused, by the kind too.
+    #[test]
+    fn combined_1f1b_warms_up_one_more_and_pairs_the_steady_state() {
+        for p in 2..=5u32 {
+            for v in 2..=3u32 {
+                for m in 1..=12u32 {
+                    let c = combined_1f1b(p, v, m).unwrap();
+                    c.validate().unwrap();
+                    let g = p.min(m);
+                    if c != interleaved_with_group(p, v, m, g, true) {
+                        // The default group size deadlocks: another was chosen.
+                        continue;
+                    }
+                    let warm = |a: &[Action]| {
+                        a.iter()
+                            .take_while(
+                                |x| matches!(x, Action::Compute(c) if c.kind == ActionKind::F),
+                            )
+                            .count()
+                    };
+                    for r in 0..p as usize {
+                        let total = (m * v) as usize;
+                        let megatron = (p as usize - r - 1) * 2 + (v - 1) as usize * g as usize;
+                        assert_eq!(
+                            warm(&c.ranks[r]),
+                            (megatron + 1).min(total),
+                            "p={p} v={v} m={m} r={r}"
+                        );
+                        let parts: usize = c.ranks[r].iter().map(|a| a.parts().count()).sum();
+                        assert_eq!(parts, 2 * total, "p={p} v={v} m={m} r={r}");
+                        let pairs = c.ranks[r]
+                            .iter()
+                            .filter(|a| matches!(a, Action::Overlap(..)))
+                            .count();
+                        assert_eq!(pairs, total - warm(&c.ranks[r]), "p={p} v={v} m={m} r={r}");
+                    }
+                }
+            }
+        }
+        let e = combined_1f1b(4, 1, 8).unwrap_err().to_string();
+        assert!(e.contains("virtual pipeline"), "{e}");
+        // Why: on one stage per rank the pairs serialize the ranks (f = 12, b = 24, w = 12,
+        // p = 2, m = 4): 336 against 1F1B's (m + p - 1)(f + b + w) = 240.
+        let spec = crate::UniformCostSpec {
+            f: 12.0,
+            b: 24.0,
+            w: 12.0,
+            comm: 0.0,
+            fb: None,
+            fo: None,
+            fsdp: Default::default(),
+        };
+        let costs = crate::UniformCosts::new(&spec, 1);
+        let serial = crate::simulate(&interleaved_with_group(2, 1, 4, 2, true), &costs).unwrap();
+        assert_eq!(serial.metrics.makespan_s, 336.0);
+        let plain = crate::simulate(&one_f_one_b(2, 4), &costs).unwrap();
+        assert_eq!(plain.metrics.makespan_s, 240.0);
+        assert!(ScheduleKind::Combined1F1B.stages_per_rank(Some(1)).is_err());
     }
 }

@@ -77,7 +77,8 @@ fn search_space(a: &PlanArgs, profile: &Profile) -> Result<planner::search::Sear
         space.vpp = dedup(a.vpp.clone());
     }
     if !a.schedule.is_empty() {
-        space.kinds = parse_kinds(&a.schedule)?;
+        // The search keeps combined 1F1B to its expert-parallel candidates itself.
+        space.kinds = parse_kinds(&a.schedule, true)?;
     }
     for_export_target(a, &mut space)?;
     if !a.token_budgets.is_empty() {

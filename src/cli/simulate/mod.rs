@@ -25,7 +25,8 @@ pub(super) struct SimulateArgs {
     #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "token_budget"])]
     schedule_csv: Option<PathBuf>,
     /// Schedules to compare, comma-separated (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1,
-    /// zb-h2, zb-v, dualpipev, zb-auto) or `all` (the default).
+    /// zb-h2, zb-v, dualpipev, combined-1f1b, zb-auto) or `all` (the default; combined-1f1b
+    /// only with --ep > 1).
     #[arg(long, value_delimiter = ',')]
     schedule: Vec<String>,
     /// Pipeline-parallel degree (ranks). Default 4.
@@ -350,7 +351,7 @@ pub(super) fn simulate(a: SimulateArgs) -> Result<ExitCode> {
                 &path.display().to_string(),
             )?)
         }
-        None => Schedules::Kinds(parse_kinds(&a.schedule)?),
+        None => Schedules::Kinds(parse_kinds(&a.schedule, a.ep.is_some_and(|ep| ep > 1))?),
     };
     // Checks --fo-loss-dependency against the forward-only work up front.
     a.fo.spec()?;
