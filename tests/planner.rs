@@ -413,6 +413,44 @@ fn branch_and_bound_chooses_the_plan_highs_chooses() {
     }
 }
 
+/// The layout's multi-token-prediction rules (`PipelineParallelLayerLayout.validate_layer_layout`
+/// in `megatron/core/transformer/pipeline_parallel_layer_layout.py`): as many `m` layers as
+/// `--mtp-num-layers` (none without it), no decoder layer after the first `m`, and `m` only in
+/// a rank's last virtual stage (stage index `vpp_index * pp + pp_rank`). `layout` is
+/// flatpipe's, written out without repetition.
+fn mtp_rules(
+    layout: &str,
+    args: &std::collections::HashMap<String, Option<String>>,
+    pp: usize,
+    vpp: usize,
+) -> Result<(), String> {
+    let want: usize = match args.get("--mtp-num-layers") {
+        Some(Some(n)) => n.parse().map_err(|_| format!("--mtp-num-layers {n}"))?,
+        Some(None) => return Err("--mtp-num-layers without a value".into()),
+        None => 0,
+    };
+    let flat: String = layout.chars().filter(|c| *c != '|').collect();
+    if flat.matches('m').count() != want {
+        return Err(format!(
+            "{} mtp layers in the layout, --mtp-num-layers {want}",
+            flat.matches('m').count()
+        ));
+    }
+    if let Some(first) = flat.find('m')
+        && flat[first..].contains('t')
+    {
+        return Err("decoder layers must be placed before MTP layers".into());
+    }
+    for (i, stage) in layout.split('|').enumerate() {
+        if stage.contains('m') && i / pp != vpp - 1 {
+            return Err(format!(
+                "an MTP layer in stage {i}, not a last virtual stage"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The rules Megatron-LM's own argument checks enforce on the arguments flatpipe exports,
 /// parsed from the exported text (`megatron-core` does not ship `arguments.py`, so they are
 /// encoded here, each with its source, Megatron-LM at d98e8a6, 2026-08-22):
@@ -469,6 +507,7 @@ fn megatron_rules(text: &str, pp: u32, dp: u32) -> Result<(), String> {
             return Err(format!("{stages} layout stages, not a multiple of pp {pp}"));
         }
         vpp = stages / pp as usize;
+        mtp_rules(layout, &args, pp as usize, vpp)?;
     }
     // The batch (megatron/training/arguments.py, validate_args: micro batch > 0;
     // megatron/core/num_microbatches_calculator.py: the global batch a multiple of micro batch
@@ -1085,6 +1124,11 @@ fn megatron_exports_expert_parallelism() {
         p.run.dp = dp;
         p.ep = ep;
         let args = megatron(&p, &ds, 4096).unwrap();
+        // The MTP module: `m` before the loss, in the last stage, and counted.
+        assert!(
+            args.contains("mL\"") && args.contains("--mtp-num-layers 1"),
+            "{args}"
+        );
         for want in [
             format!("--moe-router-num-groups {groups}"),
             format!("--moe-router-group-topk {topk}"),
@@ -1107,4 +1151,29 @@ fn megatron_exports_expert_parallelism() {
 
 fn stages_of_dense() -> Vec<std::ops::Range<usize>> {
     even_split(34, 2).unwrap()
+}
+
+/// The hand-ported MTP layout rules refuse what Megatron-LM refuses: a count other than
+/// `--mtp-num-layers`, a decoder after an MTP layer, an MTP layer outside a last virtual stage.
+#[test]
+fn megatron_mtp_rules_refuse_what_megatron_refuses() {
+    let one: std::collections::HashMap<String, Option<String>> =
+        [("--mtp-num-layers".to_string(), Some("1".to_string()))].into();
+    mtp_rules("Ett|tmL", &one, 2, 1).unwrap();
+    let none = std::collections::HashMap::new();
+    assert!(
+        mtp_rules("Ett|tmL", &none, 2, 1)
+            .unwrap_err()
+            .contains("mtp layers")
+    );
+    assert!(
+        mtp_rules("Etm|tL", &one, 2, 1)
+            .unwrap_err()
+            .contains("before MTP")
+    );
+    assert!(
+        mtp_rules("Et|tm||L", &one, 2, 2)
+            .unwrap_err()
+            .contains("last virtual")
+    );
 }

@@ -432,8 +432,9 @@ pub fn torchtitan_activation_checkpoint(plan: &Plan, profile: &Profile) -> (Stri
 }
 
 /// Megatron-LM's `--pipeline-model-parallel-layout` string of `plan`: stages separated by `|`,
-/// `E` the embedding, `t` a decoder layer, `L` the loss (head); stage list index
-/// `vpp_index * pp + pp_rank`, which is flatpipe's loop placement order.
+/// `E` the embedding, `t` a decoder layer, `m` a multi-token-prediction module, `L` the loss
+/// (head); stage list index `vpp_index * pp + pp_rank`, which is flatpipe's loop placement
+/// order.
 ///
 /// # Errors
 /// [`Error::Export`] for V placements, which the layout cannot express.
@@ -453,6 +454,7 @@ pub fn megatron_layout(plan: &Plan, profile: &Profile) -> Result<String> {
         for l in &profile.layers[s.start..s.end] {
             text.push(match l.kind {
                 LayerKind::Embedding => 'E',
+                LayerKind::Decoder if l.shape.mtp => 'm',
                 LayerKind::Decoder => 't',
                 LayerKind::Head => 'L',
             });
@@ -581,6 +583,11 @@ pub fn megatron(plan: &Plan, profile: &Profile, microbatches: u32) -> Result<Str
         }
     }
     out.push_str(&megatron_experts(plan, profile));
+    let mtp = profile.layers.iter().filter(|l| l.shape.mtp).count();
+    if mtp > 0 {
+        // The layout's `m` layers (`megatron/training/arguments.py`: `--mtp-num-layers`).
+        out.push_str(&format!("--mtp-num-layers {mtp} \\\n"));
+    }
     out.push_str(&format!(
         "--pipeline-model-parallel-size {} \\\n",
         plan.run.pp

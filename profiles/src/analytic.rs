@@ -56,8 +56,8 @@
 use crate::decoder::{self, Gemm};
 use crate::gemm::GemmCurve;
 use crate::{
-    AttentionImpl, CostCoeffs, Error, GemmSplit, Hardware, Layer, LayerKind, LayerProfile,
-    LayerShape, ModelSpec, Profile, ProfileSource, Provenance, Result, RoutedCosts,
+    AttentionImpl, CostCoeffs, Error, ExpertBatching, GemmSplit, Hardware, Layer, LayerKind,
+    LayerProfile, LayerShape, ModelSpec, Profile, ProfileSource, Provenance, Result, RoutedCosts,
 };
 
 /// The flat fraction of `peak_flops` for GEMMs and attention on hardware without a GEMM curve.
@@ -213,6 +213,43 @@ impl Kernels {
     }
 
     /// The relative throughput of a decoder's GEMMs split `tp` ways (see the module docs).
+    /// The routed experts' GEMM throughput of `l` (a mixture-of-experts decoder) on one GPU of
+    /// an expert-parallel group of each power of two `ep` dividing its experts, relative to
+    /// `ep = 1`, at [`SPLIT_TOKENS`] tokens per GPU: `E / ep` experts of `ep T k / E` rows
+    /// each against `E` of `T k / E`, forward, dgrad and wgrad together.
+    fn expert_batching(&self, l: &Layer) -> Vec<ExpertBatching> {
+        let experts: Vec<Gemm> = decoder::gemms(l, 1.0)
+            .into_iter()
+            .filter(|g| g.count > 1.0 || g.rows < 1.0)
+            .collect();
+        let t = SPLIT_TOKENS as f64;
+        let time = |ep: f64| -> f64 {
+            let gs: Vec<Gemm> = experts
+                .iter()
+                .map(|g| Gemm {
+                    rows: g.rows * ep,
+                    count: g.count / ep,
+                    ..*g
+                })
+                .collect();
+            [Phase::Forward, Phase::Dgrad, Phase::Wgrad]
+                .into_iter()
+                .map(|p| self.gemm_s(&gs, p, t))
+                .sum()
+        };
+        let (e, one) = (l.moe.map_or(1, |m| m.experts), time(1.0));
+        (1..)
+            .map(|i| 1u64 << i)
+            .take_while(|&ep| ep <= e)
+            .filter(|&ep| e % ep == 0 && ep <= u64::from(u32::MAX))
+            .map(|ep| ExpertBatching {
+                ep: ep as u32,
+                relative_throughput: (one / time(ep as f64)).clamp(1e-3, 1e3),
+                tokens: SPLIT_TOKENS,
+            })
+            .collect()
+    }
+
     fn split_throughput(&self, l: &Layer, tp: f64) -> f64 {
         let (whole, parts) = (decoder::gemms(l, 1.0), decoder::gemms(l, tp));
         let t = SPLIT_TOKENS as f64;
@@ -276,6 +313,16 @@ pub fn analytic_profile(
             .collect(),
         _ => Vec::new(),
     };
+    let expert_batching = match (
+        &k.curve,
+        model
+            .layers()
+            .iter()
+            .find(|l| l.kind == LayerKind::Decoder && l.moe.is_some()),
+    ) {
+        (Some(_), Some(l)) => k.expert_batching(l),
+        _ => Vec::new(),
+    };
     let kernels = match (&k.curve, &hw.gemm) {
         (Some(_), Some(g)) => format!(
             "GEMMs by shape ({}), attention {}",
@@ -321,6 +368,7 @@ pub fn analytic_profile(
         action_overhead: Default::default(),
         first_stage_backward_in_w: false,
         expert_parallel: 1,
+        expert_batching,
     })
 }
 
@@ -451,6 +499,7 @@ fn layer_profile(l: &Layer, model: &ModelSpec, k: &Kernels, c0: f64) -> LayerPro
             expert_params: l.moe.map_or(0, |m| m.experts * 3 * l.hidden * m.expert_ffn),
             max_nodes: l.moe.map_or(0, |m| m.max_nodes),
             fp8_dispatch: l.moe.is_some_and(|m| m.fp8_dispatch),
+            mtp: l.mtp,
         },
         routed,
     }
@@ -528,6 +577,44 @@ mod tests {
         assert_eq!(
             p.gemm_split.iter().map(|g| g.tp).collect::<Vec<_>>(),
             [2, 4, 8]
+        );
+    }
+
+    /// Qwen3-30B-A3B's routed experts (128 of width 768, top 8, hidden 2048) at 4,096 tokens
+    /// per A100: `E / ep` grouped GEMMs of `ep T k / E` rows (forward `[m, 2048] x [2048,
+    /// 1536]` and `[m, 768] x [768, 2048]`, dgrad and wgrad their transposes) on the
+    /// roofline, which pays the fixed cost once per grouped kernel.
+    #[test]
+    fn expert_batching_is_the_grouped_gemms_at_taller_batches() {
+        let model = builtins::model("qwen3-30b-a3b").unwrap();
+        let hw = builtins::hardware("a100").unwrap();
+        let p = analytic_profile(&model, &hw, &AnalyticOptions::default()).unwrap();
+        let grouped =
+            |count: f64, m: f64, n: f64, k: f64| count * (a100_gemm_s(m, n, k) - 6e-6) + 6e-6;
+        let time = |ep: f64| {
+            let (count, m) = (128.0 / ep, 4096.0 * 8.0 * ep / 128.0);
+            [(1536.0, 2048.0), (2048.0, 768.0)]
+                .iter()
+                .map(|&(n, k)| {
+                    grouped(count, m, n, k) + grouped(count, m, k, n) + grouped(count, k, n, m)
+                })
+                .sum::<f64>()
+        };
+        let b = p.expert_batching.iter().find(|b| b.ep == 8).unwrap();
+        assert!(
+            (b.relative_throughput / (time(1.0) / time(8.0)) - 1.0).abs() < 1e-9,
+            "{b:?}"
+        );
+        assert!(b.relative_throughput > 1.0, "{b:?}");
+        assert_eq!(
+            p.expert_batching.iter().map(|b| b.ep).collect::<Vec<_>>(),
+            [2, 4, 8, 16, 32, 64, 128]
+        );
+        // A dense model has none.
+        assert!(
+            llama8b_on("a100", AttentionImpl::Fused)
+                .expert_batching
+                .is_empty()
         );
     }
 

@@ -9,9 +9,11 @@
 //!   of the experts' weights (`shape.expert_params`). Their optimizer state shards over the
 //!   `dp / ep` replicas that hold the same experts (`Profile::expert_parallel` tells the cost
 //!   model); the other weights' over all `dp`.
-//! - Compute: unchanged. An even router sends each GPU's experts `k T / E` tokens from each of
-//!   the `ep` GPUs, the FLOPs of `T` tokens' share; the profile does not re-price the experts'
-//!   GEMMs at the `ep` times taller batches they then see (a slight pessimism).
+//! - Compute: the same FLOPs on taller batches. An even router sends each GPU's `E / ep` experts
+//!   `k T / E` tokens from each of the `ep` GPUs, `ep k T / E` rows each: the experts' GEMMs
+//!   (`LayerProfile::routed`, and the layer's phases by as much) take `1 / r` of their time,
+//!   `r` the profile's `expert_batching` throughput at `ep` (priced on the GEMM curve at 4,096
+//!   tokens per GPU; 1 where unknown).
 //! - Communication, not overlapped here (an overlapping schedule hides it: the cost model's
 //!   `overlap_ns`): an all-to-all dispatches each token's `k` copies of its hidden state to the
 //!   experts' GPUs and another combines the results (the forward, and the forward-only pass),
@@ -75,6 +77,14 @@ impl Profile {
         } else {
             1.0
         };
+        // The experts' GEMMs on ep times taller batches: their time times `speed_now / speed`.
+        let speed = |g: u32| -> f64 {
+            self.expert_batching
+                .iter()
+                .find(|b| b.ep == g)
+                .map_or(1.0, |b| b.relative_throughput)
+        };
+        let batching = speed(self.expert_parallel) / speed(self.expert_parallel * ep);
         let mut out = self.clone();
         for l in out
             .layers
@@ -91,6 +101,25 @@ impl Profile {
             l.param_count -= gone;
             l.param_bytes = l.param_bytes.saturating_sub((gone as f64 * d) as u64);
             l.shape.expert_params = local;
+            if let Some(r) = l.routed.as_mut() {
+                let less = 1.0 - batching;
+                let cut = |c: &mut CostCoeffs, part: CostCoeffs| {
+                    c.c0_s -= less * part.c0_s;
+                    c.c_tok_s -= less * part.c_tok_s;
+                };
+                let (f, i, w) = (r.f, r.i, r.w);
+                cut(&mut l.f, f);
+                cut(&mut l.fo, f);
+                cut(&mut l.i, i);
+                cut(&mut l.w, w);
+                if let Some(b) = l.b.as_mut() {
+                    cut(b, i);
+                    cut(b, w);
+                }
+                cut(&mut r.f, f);
+                cut(&mut r.i, i);
+                cut(&mut r.w, w);
+            }
             // Dispatch and combine: (c0, c_tok) of two all-to-alls.
             let pair = all_to_all_pair(&l.shape, &self.hardware, ep, tp, share, d);
             let add = |c: &mut CostCoeffs| {
@@ -199,8 +228,10 @@ mod tests {
     fn experts_divide_and_two_all_to_alls_follow_the_formula() {
         // Qwen3-30B-A3B: 128 experts of 768, top 8, hidden 2048, bf16; ep 8 inside an H100 node
         // (NVLink: alpha a, bandwidth b). Each all-to-all moves 8 x 2048 x 2 x 7/8 bytes per
-        // token; F and I each pay two: 2 (7a + T bytes / b).
-        let p = qwen();
+        // token; F and I each pay two: 2 (7a + T bytes / b). (The experts' taller batches
+        // apart: `expert_batching` is cleared.)
+        let mut p = qwen();
+        p.expert_batching.clear();
         let q = p.expert_parallel(8, 1, true).unwrap();
         let (a, b) = (
             p.hardware.intra_node.alpha_s,
@@ -241,7 +272,8 @@ mod tests {
         // another of the node's 8 GPUs. Dispatch: 1 + 4/128 bytes per element; combine: 2.
         let m = builtins::model("deepseek-v3").unwrap();
         let hw = builtins::hardware("h800").unwrap();
-        let p = analytic_profile(&m, &hw, &AnalyticOptions::default()).unwrap();
+        let mut p = analytic_profile(&m, &hw, &AnalyticOptions::default()).unwrap();
+        p.expert_batching.clear();
         let q = p.expert_parallel(64, 1, true).unwrap();
         let j = p.layers.iter().position(|l| l.shape.experts > 0).unwrap();
         assert_eq!(
@@ -269,6 +301,38 @@ mod tests {
         let r = plain.expert_parallel(64, 1, true).unwrap();
         let flat = 2.0 * 8.0 * 7.0 / 8.0 * 7168.0 * 2.0 / ib.beta_bytes_per_s;
         assert!((r.layers[j].f.c_tok_s - p.layers[j].f.c_tok_s - flat).abs() < 1e-18);
+    }
+
+    /// With ep 8 each GPU's experts run 8 times taller batches: the routed GEMMs take `1 / r`
+    /// of their time (`r` the profile's `expert_batching` at 8), and the layer's phases lose
+    /// what they lose; the all-to-alls are the same with or without it.
+    #[test]
+    fn taller_batches_speed_up_the_experts_gemms() {
+        let p = qwen();
+        let mut plain = p.clone();
+        plain.expert_batching.clear();
+        let r = p.expert_batching.iter().find(|b| b.ep == 8).unwrap();
+        assert!(r.relative_throughput > 1.0, "{r:?}");
+        let less = 1.0 - 1.0 / r.relative_throughput;
+        let (q, u) = (
+            p.expert_parallel(8, 1, true).unwrap(),
+            plain.expert_parallel(8, 1, true).unwrap(),
+        );
+        let (r0, rq, ru) = (
+            p.layers[1].routed.unwrap(),
+            q.layers[1].routed.unwrap(),
+            u.layers[1].routed.unwrap(),
+        );
+        for (got, want, part) in [
+            (&q.layers[1].f, &u.layers[1].f, r0.f),
+            (&q.layers[1].i, &u.layers[1].i, r0.i),
+            (&q.layers[1].w, &u.layers[1].w, r0.w),
+            (&rq.f, &ru.f, r0.f),
+        ] {
+            assert!((want.c_tok_s - got.c_tok_s - less * part.c_tok_s).abs() < 1e-18);
+            assert!((want.c0_s - got.c0_s - less * part.c0_s).abs() < 1e-15);
+        }
+        assert_eq!(rq.all_to_all, ru.all_to_all);
     }
 
     #[test]

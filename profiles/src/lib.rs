@@ -44,8 +44,8 @@ pub use gemm::{AttentionSpec, GemmCurve, GemmSpec};
 pub use hardware::{Hardware, Link};
 pub use model::{AttentionImpl, Dtype, Layer, LayerGroup, LayerKind, Mla, ModelSpec, Moe};
 pub use profile::{
-    ActionOverhead, CostCoeffs, FitQuality, GemmSplit, LayerProfile, LayerShape, MIN_FIT_R2, Phase,
-    Profile, ProfileSource, Provenance, RoutedCosts,
+    ActionOverhead, CostCoeffs, ExpertBatching, FitQuality, GemmSplit, LayerProfile, LayerShape,
+    MIN_FIT_R2, Phase, Profile, ProfileSource, Provenance, RoutedCosts,
 };
 pub use workload::{LengthDistribution, StepSize, Workload};
 pub use yaml::{check_writable, read_to_string, write_atomic};

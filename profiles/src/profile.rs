@@ -156,6 +156,9 @@ pub struct LayerShape {
     /// The dispatch all-to-all moves FP8 with its scales ([`crate::Moe::fp8_dispatch`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub fp8_dispatch: bool,
+    /// A multi-token-prediction module after the main model ([`crate::Layer::mtp`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mtp: bool,
 }
 
 fn is_zero_u64(x: &u64) -> bool {
@@ -295,6 +298,26 @@ pub struct Profile {
     /// `dp`. 1 without expert parallelism.
     #[serde(default = "one_u32", skip_serializing_if = "is_one_u32")]
     pub expert_parallel: u32,
+    /// The routed experts' GEMM throughput on one GPU of an expert-parallel group relative to
+    /// one GPU without expert parallelism, per group size: with `ep` GPUs each runs `E / ep`
+    /// experts on `ep` times taller batches (every GPU's tokens for them), the same FLOPs at
+    /// the GEMM curve's better rate. [`Profile::expert_parallel`] applies it. Empty: not known
+    /// (a flat GEMM rate, or a profile without routed experts).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expert_batching: Vec<ExpertBatching>,
+}
+
+/// The routed experts' GEMM throughput at one expert-parallel degree ([`Profile::expert_batching`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExpertBatching {
+    /// Expert-parallel group size, >= 2.
+    pub ep: u32,
+    /// `(FLOPs / time)` of the experts' GEMMs (forward, dgrad and wgrad) on one GPU of the
+    /// group over that without expert parallelism, > 0 (above 1: taller batches run faster).
+    pub relative_throughput: f64,
+    /// Tokens per GPU `T` it was priced at.
+    pub tokens: u64,
 }
 
 /// Fixed seconds per stage action, by action kind (a forward-only `Fo` pays `f_s`).
