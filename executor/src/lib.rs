@@ -47,6 +47,7 @@ pub mod interpreter;
 
 pub mod kernels;
 pub mod model;
+pub mod moe;
 pub mod null;
 pub mod precision;
 pub mod profiler;
