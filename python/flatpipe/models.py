@@ -9,6 +9,16 @@ from a generator seeded with ``(seed, layer index)``, so a stage built from any 
 exactly the weights the same layers have in the whole model: a pipelined run and a
 single-process run of one model start from the same parameters.
 
+With ``experts > 0`` every decoder's MLP is a mixture of experts instead: a linear router,
+softmax gating, each token's ``top_k`` experts with their weights normalised to sum to 1
+(Qwen3-MoE's ``norm_topk_prob``), ``experts`` SwiGLU experts of width ``expert_ffn``. Passing
+an ``ep_group`` to :class:`Stage` splits the experts over that process group (expert
+parallelism): each process holds ``experts / ep`` of them, and every MoE layer sends each
+token's routed copies to the processes holding its experts and brings the results back with
+two autograd-aware ``all_to_all_single`` calls, after exchanging how many rows go where (the
+receiver sizes its buffers from those counts). The experts' weights are drawn per (seed, layer,
+expert), so a process holds exactly the weights its experts have in the whole model.
+
 Attention is causal inside each sequence and never crosses a ``cu_seqlens`` boundary; rotary
 positions restart at 0 at each sequence's first token (as FlashAttention's varlen kernels and
 torchtitan's document masking see them). A chunk of a longer sequence (``forward(x, cu_seqlens,
@@ -40,6 +50,12 @@ class ModelConfig:
     num_decoders: int = 4
     seed: int = 0
     rope_theta: float = 10000.0
+    #: Routed experts per decoder (0: a dense SwiGLU MLP of width ``ffn``).
+    experts: int = 0
+    #: Experts each token is routed to.
+    top_k: int = 2
+    #: Width of one expert's SwiGLU.
+    expert_ffn: int = 32
 
     @property
     def num_layers(self) -> int:
@@ -124,8 +140,114 @@ class _RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
 
 
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with the given split sizes; its backward sends the
+    gradients back with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, send: List[int], recv: List[int], group):  # type: ignore[override]
+        import torch.distributed as dist
+
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        import torch.distributed as dist
+
+        out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+class _Expert(nn.Module):
+    def __init__(self, cfg: ModelConfig, g: torch.Generator) -> None:
+        super().__init__()
+        h, f = cfg.hidden, cfg.expert_ffn
+        self.w_gate = _init((h, f), g, h**-0.5)
+        self.w_up = _init((h, f), g, h**-0.5)
+        self.w_down = _init((f, h), g, f**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ self.w_gate) * (x @ self.w_up)) @ self.w_down
+
+
+class _MoE(nn.Module):
+    """A mixture-of-experts MLP (see the module documentation); with ``ep_group`` it holds the
+    experts ``[r E / ep, (r + 1) E / ep)`` of its rank ``r`` in the group."""
+
+    def __init__(self, cfg: ModelConfig, index: int, ep_group=None) -> None:
+        super().__init__()
+        import torch.distributed as dist
+
+        h, e, f = cfg.hidden, cfg.experts, cfg.expert_ffn
+        if not 1 <= cfg.top_k <= e:
+            raise ValueError(f"top_k = {cfg.top_k}: between 1 and experts = {e}")
+        self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self.rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        if e % self.ep:
+            raise ValueError(f"{e} experts do not divide over an expert-parallel group of {self.ep}")
+        self.cfg, self.group, self.local = cfg, ep_group, e // self.ep
+        self.router = _init((h, e), _gen(cfg, index), h**-0.5)
+        first = self.rank * self.local
+        self.first = first
+        self.experts = nn.ModuleList(
+            _Expert(cfg, _gen(cfg, 1_000_000 * (index + 1) + x))
+            for x in range(first, first + self.local)
+        )
+
+    def route(self, m: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` experts ``[T, k]`` (highest first) and normalised weights."""
+        probs = torch.softmax(m @ self.router, dim=-1)
+        w, idx = torch.topk(probs, self.cfg.top_k, dim=-1)
+        return idx, w / w.sum(-1, keepdim=True)
+
+    def _experts(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """The local experts on ``rows``, sorted by local expert with ``counts`` rows each."""
+        out, start = [], 0
+        for ex, n in zip(self.experts, counts):
+            out.append(ex(rows[start : start + n]))
+            start += n
+        return torch.cat(out) if out else rows
+
+    def forward(self, m: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t, k, e = m.shape[0], self.cfg.top_k, self.cfg.experts
+        idx, w = self.route(m)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = m.repeat_interleave(k, dim=0)[order]
+        per_expert = torch.bincount(flat, minlength=e)
+        if self.group is None:
+            y = self._experts(rows, per_expert.tolist())
+        else:
+            # Rows for each destination rank, then the per-expert counts every rank receives.
+            per_rank = per_expert.view(self.ep, self.local)
+            recv_counts = torch.empty_like(per_rank)
+            dist.all_to_all_single(recv_counts, per_rank.contiguous(), group=self.group)
+            send = per_rank.sum(1).tolist()
+            recv = recv_counts.sum(1).tolist()
+            got = _AllToAll.apply(rows, send, recv, self.group)
+            # Received blocks are by source rank, each sorted by local expert: regroup by expert.
+            src = torch.repeat_interleave(
+                torch.arange(self.ep * self.local), recv_counts.reshape(-1)
+            )
+            expert_of = src % self.local
+            by_expert = torch.argsort(expert_of, stable=True)
+            out = self._experts(got[by_expert], recv_counts.sum(0).tolist())
+            back = torch.empty_like(out)
+            back[by_expert] = out
+            y = _AllToAll.apply(back, recv, send, self.group)
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        return (unsorted.view(t, k, -1) * w.unsqueeze(-1)).sum(1)
+
+
 class _Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, ep_group=None) -> None:
         super().__init__()
         g, h, d = _gen(cfg, index), cfg.hidden, cfg.head_dim
         s = h**-0.5
@@ -136,9 +258,11 @@ class _Decoder(nn.Module):
         self.wv = _init((h, cfg.kv_heads * d), g, s)
         self.wo = _init((cfg.heads * d, h), g, s)
         self.mlp_norm = _RMSNorm(h)
-        self.w_gate = _init((h, cfg.ffn), g, s)
-        self.w_up = _init((h, cfg.ffn), g, s)
-        self.w_down = _init((cfg.ffn, h), g, cfg.ffn**-0.5)
+        self.moe = _MoE(cfg, index, ep_group) if cfg.experts > 0 else None
+        if self.moe is None:
+            self.w_gate = _init((h, cfg.ffn), g, s)
+            self.w_up = _init((h, cfg.ffn), g, s)
+            self.w_down = _init((cfg.ffn, h), g, cfg.ffn**-0.5)
 
     def forward(
         self,
@@ -162,15 +286,19 @@ class _Decoder(nn.Module):
         )
         x = x + o.transpose(0, 1).reshape(t, -1) @ self.wo
         m = self.mlp_norm(x)
+        if self.moe is not None:
+            return x + self.moe(m)
         return x + (F.silu(m @ self.w_gate) * (m @ self.w_up)) @ self.w_down
 
 
 class Stage(nn.Module):
     """Layers ``[start, end)`` of the model: ``forward(x, cu_seqlens)`` takes token ids ``[T]``
     when the range starts at the embedding, hidden states ``[T, H]`` otherwise, and returns
-    ``[T, H]``, or logits ``[T, vocab]`` when the range ends at the head."""
+    ``[T, H]``, or logits ``[T, vocab]`` when the range ends at the head. ``ep_group``: the
+    process group its mixture-of-experts layers split their experts over (``None``: every
+    expert here)."""
 
-    def __init__(self, cfg: ModelConfig, start: int, end: int) -> None:
+    def __init__(self, cfg: ModelConfig, start: int, end: int, ep_group=None) -> None:
         super().__init__()
         if not 0 <= start < end <= cfg.num_layers:
             raise ValueError(
@@ -181,7 +309,8 @@ class Stage(nn.Module):
         if start == 0:
             self.embedding = _init((cfg.vocab, cfg.hidden), _gen(cfg, 0), 1.0)
         self.decoders = nn.ModuleList(
-            _Decoder(cfg, i) for i in range(max(start, 1), min(end, cfg.num_decoders + 1))
+            _Decoder(cfg, i, ep_group)
+            for i in range(max(start, 1), min(end, cfg.num_decoders + 1))
         )
         self.norm = self.output = None
         if end == cfg.num_layers:
@@ -225,6 +354,10 @@ class Stage(nn.Module):
         first = max(self.start, 1)
         for i, d in enumerate(self.decoders):
             for name, p in d.named_parameters():
+                if d.moe is not None and name.startswith("moe.experts."):
+                    # By the expert's index in the whole model, not in this process.
+                    _, _, local, rest = name.split(".", 3)
+                    name = f"moe.experts.{d.moe.first + int(local)}.{rest}"
                 out[f"layers.{first + i}.{name}"] = p
         if self.output is not None:
             head = self.cfg.num_layers - 1

@@ -1,0 +1,87 @@
+"""The mixture-of-experts reference layer (``flatpipe.models`` with ``experts > 0``): against a
+per-token loop of its definition, and split over 2 gloo processes (expert parallelism with
+``all_to_all_single``) against one process, outputs and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from _moe_workers import CFG, run_ep, tokens
+from flatpipe.models import ModelConfig, Stage
+
+
+def per_token(moe, m):
+    """The layer's definition, one token at a time: softmax over the router's logits, the
+    ``top_k`` largest (ties to the lower index), weights divided by their sum, and the weighted
+    sum of those experts' SwiGLU outputs."""
+    out = []
+    for row in m:
+        p = torch.softmax(row @ moe.router, dim=-1)
+        order = p.detach()
+        chosen = sorted(range(p.numel()), key=lambda e: (-float(order[e]), e))[: moe.cfg.top_k]
+        total = sum(p[e] for e in chosen)
+        y = 0
+        for e in chosen:
+            ex = moe.experts[e]
+            y = y + p[e] / total * ((F.silu(row @ ex.w_gate) * (row @ ex.w_up)) @ ex.w_down)
+        out.append(y)
+    return torch.stack(out)
+
+
+def test_the_layer_is_its_definition():
+    cfg = ModelConfig(experts=6, top_k=2, expert_ffn=8, num_decoders=1, seed=1)
+    moe = Stage(cfg, 1, 2).decoders[0].moe
+    m = torch.randn(17, cfg.hidden, generator=torch.Generator().manual_seed(7))
+    r = torch.randn(17, cfg.hidden)
+    got = moe(m)
+    want = per_token(moe, m)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    (got * r).sum().backward()
+    have = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    moe.zero_grad()
+    (want * r).sum().backward()
+    for n, p in moe.named_parameters():
+        assert torch.allclose(have[n], p.grad, atol=1e-5), n
+
+
+def test_expert_parallel_equals_one_process(tmp_path):
+    world = 2
+    mp.spawn(run_ep, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    got = [torch.load(tmp_path / f"ep{r}.pt") for r in range(world)]
+    # One process, every expert, both ranks' tokens: the loss is the sum of the two.
+    ref = Stage(CFG, 1, 3)
+    want = {}
+    for r in range(world):
+        x, cu, proj = tokens(r)
+        x.requires_grad_(True)
+        y = ref(x, cu)
+        (y * proj).sum().backward()
+        assert torch.allclose(got[r]["y"], y.detach(), atol=1e-5), r
+        assert torch.allclose(got[r]["dx"], x.grad, atol=1e-5), r
+    want = {k: p.grad for k, p in ref.layer_parameters().items()}
+    # Each expert's gradient lives on the process holding it; the rest is summed over both (what
+    # the data-parallel reduction does).
+    names = set()
+    for g in got:
+        names |= set(g["grads"])
+    assert names == set(want)
+    for name, w in want.items():
+        if ".moe.experts." in name:
+            (have,) = [g["grads"][name] for g in got if name in g["grads"]]
+        else:
+            have = sum(g["grads"][name] for g in got)
+        assert torch.allclose(have, w, atol=1e-5), name
+    # The skewed microbatch did send very uneven counts: most rows to two experts.
+    moe = ref.decoders[0].moe
+    x, _, _ = tokens(1)
+    idx, _ = moe.route(ref.decoders[0].mlp_norm(x))
+    counts = torch.bincount(idx.reshape(-1), minlength=CFG.experts)
+    assert int(counts.max()) >= 18, counts
+
+
+def test_bad_expert_settings_are_refused():
+    with pytest.raises(ValueError, match="top_k"):
+        Stage(ModelConfig(experts=2, top_k=3), 1, 2)
