@@ -197,6 +197,10 @@ class _MoE(nn.Module):
             _Expert(cfg, _gen(cfg, 1_000_000 * (index + 1) + x))
             for x in range(first, first + self.local)
         )
+        if ep_group is not None:
+            # Split experts: PipelineRuntime reduces their gradients over its expert_dp_group.
+            for p in self.experts.parameters():
+                p.flatpipe_expert = True  # type: ignore[attr-defined]
 
     def route(self, m: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts ``[T, k]`` (highest first) and normalised weights."""

@@ -164,6 +164,15 @@ class PipelineRuntime:
         posting: where receives are posted in the core's lowering: ``"ahead"`` (PyTorch's
             ``_add_send_recv``, the default) or ``"deferred"`` (``_defer_recv_ops``: just
             before the compute that reads them).
+        ep_group: the expert-parallel group of this rank's stages (the ``ep_group`` their
+            mixture-of-experts layers split their experts over: ranks of the same pipeline
+            rank in other replicas). Its members run each MoE layer's all-to-alls together, so
+            they must run the same actions in the same order: before each step one small
+            all-reduce over it checks that they have the same number of microbatches (plan with
+            a fixed ``microbatches`` count per replica), a ``ValueError`` otherwise.
+        expert_dp_group: where the experts' gradients are all-reduced instead of ``dp_group``
+            (the parameters a stage marks with ``flatpipe_expert = True``: the ranks holding
+            the same experts, ``dp / ep`` of them); ``None``: not reduced (``ep = dp``).
         check_plan: before each step, check with one small all-reduce over ``group`` that every
             rank was given the same plan (the step, its microbatches' token counts), so that a
             mismatch raises a ``ValueError`` naming it instead of failing inside the transport.
@@ -186,6 +195,8 @@ class PipelineRuntime:
         annotate: bool = True,
         check_plan: bool = True,
         posting: str = "ahead",
+        ep_group: Optional[dist.ProcessGroup] = None,
+        expert_dp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if posting not in ("ahead", "deferred"):
             raise ValueError(f"posting = {posting!r} is invalid: 'ahead' or 'deferred'")
@@ -209,6 +220,8 @@ class PipelineRuntime:
         self.annotate = annotate
         self.check_plan = check_plan
         self.posting = posting
+        self.ep_group = ep_group
+        self.expert_dp_group = expert_dp_group
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -291,11 +304,25 @@ class PipelineRuntime:
         state.take_inputs(inputs, targets, forward_only_inputs, loss_denominator)
         if self.check_plan and dist.is_initialized():
             self._check_same_plan(plan, replica, state.tokens)
+        if self.ep_group is not None:
+            self._check_expert_partners(len(state.tokens))
         state.lower(plan, replica)
         state.run_program(skip)
         return state.finish()
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _check_expert_partners(self, microbatches: int) -> None:
+        """The expert-parallel group's members must run as many microbatches (their MoE layers'
+        all-to-alls pair up action by action): one all-reduce of ``(m, -m)`` with max."""
+        t = torch.tensor([microbatches, -microbatches], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
+        if int(t[0]) != microbatches or int(-t[1]) != microbatches:
+            raise ValueError(
+                f"expert-parallel partners run {int(-t[1])} to {int(t[0])} microbatches this "
+                f"step (this rank {microbatches}): their all-to-alls pair up action by action, "
+                "so plan every replica with the same count (Pipeline(..., microbatches=N))"
+            )
 
     def _check_same_plan(self, plan: StepPlan, replica: int, tokens: List[int]) -> None:
         """Every rank of the pipeline must run the same step plan, on a group of the plan's
@@ -366,12 +393,13 @@ class PipelineRuntime:
     def _stage_done(self, stage: int) -> List[object]:
         if self.on_stage_backward_done is not None:
             self.on_stage_backward_done(stage)
-        if self.dp_group is None:
-            return []
         works = []
         for p in self.stages[stage].parameters():
-            if p.grad is not None:
-                works.append(dist.all_reduce(p.grad, group=self.dp_group, async_op=True))
+            group = (
+                self.expert_dp_group if getattr(p, "flatpipe_expert", False) else self.dp_group
+            )
+            if p.grad is not None and group is not None:
+                works.append(dist.all_reduce(p.grad, group=group, async_op=True))
         return works
 
     def _check(self, what: str, tensors: Sequence[torch.Tensor], tokens: List[int]) -> None:

@@ -94,7 +94,9 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
         # Every process creates every group, in the same order.
         pipe_groups = [dist.new_group([r * dp + d for r in range(pp)]) for d in range(dp)]
         dp_groups = [dist.new_group([r * dp + d for d in range(dp)]) for r in range(pp)]
-        cfg = ModelConfig(num_decoders=spec["decoders"], seed=spec.get("seed", 0))
+        cfg = ModelConfig(num_decoders=spec["decoders"], seed=spec.get("seed", 0), **spec.get("moe", {}))
+        # Expert parallelism over the replicas of each pipeline rank (ep = dp).
+        ep_group = dp_groups[prank] if spec.get("ep") else None
         pipe = flatpipe.Pipeline(
             spec["schedule"],
             pp=pp,
@@ -103,9 +105,10 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
             dp=dp,
             forward_only=spec.get("forward_only"),
             chunk_tokens=spec.get("chunk_tokens"),
+            microbatches=spec.get("microbatches"),
         )
         stages = {
-            s: Stage(cfg, *pipe.stages[s])
+            s: Stage(cfg, *pipe.stages[s], ep_group=ep_group)
             for s in range(len(pipe.stages))
             if pipe.stage_ranks[s] == prank
         }
@@ -119,6 +122,7 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
             pipeline_ranks=[r * dp + replica for r in range(pp)],
             dp_group=dp_groups[prank] if dp > 1 else None,
             posting=spec.get("posting", "ahead"),
+            ep_group=ep_group,
         )
         skip = frozenset(spec.get("skip", {}).get(str(rank), []))
         report = []

@@ -85,3 +85,59 @@ def test_expert_parallel_equals_one_process(tmp_path):
 def test_bad_expert_settings_are_refused():
     with pytest.raises(ValueError, match="top_k"):
         Stage(ModelConfig(experts=2, top_k=3), 1, 2)
+
+
+# A step of variable-length sequences, cut into 4 microbatches per replica: the expert-parallel
+# partners (the two replicas of a pipeline rank) run the same actions, with different T.
+EP_STEPS = [[40, 7, 19, 33, 12, 5, 28, 50, 9, 17, 61, 22]]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "dualpipev"])
+def test_pipeline_with_expert_parallelism_equals_one_process(tmp_path, schedule):
+    """pp 2 x dp 2 on 4 gloo processes, each mixture-of-experts layer's 4 experts split over the
+    two replicas of its pipeline rank (ep = dp = 2): the step's loss, and every gradient against
+    the single-process run of the whole model on both replicas' data (experts' on the process
+    holding them, the rest after the data-parallel all-reduce)."""
+    import json
+
+    from _workers import run
+
+    spec = {
+        "schedule": schedule,
+        "decoders": 4,
+        "budget": 64,
+        "microbatches": 4,
+        "dp": 2,
+        "ep": True,
+        "moe": {"experts": 4, "top_k": 2, "expert_ffn": 16},
+        "steps": EP_STEPS,
+    }
+    world = 4
+    mp.spawn(run, args=(world, str(tmp_path / "init"), spec, str(tmp_path)), nprocs=world, join=True)
+    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    for rank, steps in enumerate(reports):
+        for i, s in enumerate(steps):
+            where = f"{schedule} rank {rank} step {i}"
+            assert not s["missing"], f"{where}: no gradient for {s['missing']}"
+            loss = sum(reports[(rank // 2) * 2 + d][i]["loss"] for d in range(2))
+            assert abs(loss - s["want_loss"]) <= 1e-5 * abs(s["want_loss"]), where
+            assert s["grad_excess"] <= 1e-6, f"{where}: {s['grad_excess']}"
+
+
+def test_partners_with_different_microbatch_counts_are_refused(tmp_path):
+    """Without a fixed count the two replicas cut this step into different numbers of
+    microbatches: their all-to-alls would not pair up, so the runtime refuses the step on both
+    (one process per replica, pp = 1)."""
+    from _workers import run
+
+    spec = {
+        "schedule": "1f1b",
+        "decoders": 2,
+        "budget": 64,
+        "dp": 2,
+        "ep": True,
+        "moe": {"experts": 4, "top_k": 2, "expert_ffn": 16},
+        "steps": [[4, 50, 56, 1, 58]],
+    }
+    with pytest.raises(Exception, match="expert-parallel partners run 1 to 2 microbatches"):
+        mp.spawn(run, args=(2, str(tmp_path / "init"), spec, str(tmp_path)), nprocs=2, join=True)
