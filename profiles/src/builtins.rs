@@ -247,7 +247,7 @@ mod tests {
         let e = ModelSpec::from_yaml(text, "m.yaml")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("layers[1].ffn") && e.contains(">= 1"), "{e}");
+        assert!(e.contains("layers[1].ffn") && e.contains("in 1..=16777216"), "{e}");
     }
 }
 

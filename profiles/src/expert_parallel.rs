@@ -57,18 +57,19 @@ impl Profile {
                 "1: the model has no mixture-of-experts layer",
             ));
         }
-        if let Some(l) = self
+        if let Some((j, l)) = self
             .layers
             .iter()
-            .find(|l| l.shape.experts > 0 && l.shape.experts % u64::from(ep) != 0)
+            .enumerate()
+            .find(|(_, l)| l.shape.experts > 0 && l.shape.experts % u64::from(ep) != 0)
         {
             return Err(Error::invalid(
                 &origin,
                 "ep",
                 ep,
                 format!(
-                    "a divisor of {}'s {} routed experts",
-                    l.name, l.shape.experts
+                    "a divisor of the {} routed experts of layer {j} of the model ({}, counting the embedding as 0)",
+                    l.shape.experts, l.name
                 ),
             ));
         }

@@ -7,6 +7,15 @@ use serde::{Deserialize, Serialize};
 /// 3.1 405B has 128 with its embedding and head), and low enough that every per-layer table
 /// stays small; a count past it is a typo, refused before anything is built.
 pub const MAX_LAYERS: u32 = 4096;
+/// The largest width a model file may give (hidden, FFN, vocabulary, an expert's FFN, a latent
+/// rank): 2^24, far above any published model's (Llama 3.1 405B's FFN is 53,248), and small
+/// enough that a layer's parameter count stays exact in 64 bits.
+pub const MAX_WIDTH: u64 = 1 << 24;
+/// The most attention heads, key-value heads or dimensions per head: 2^16.
+pub const MAX_HEADS: u64 = 1 << 16;
+/// The most routed (or shared) experts per layer, and nodes per token: 4,096 (the published
+/// models have at most a few hundred: DeepSeek-V3 256, Kimi K2 384, Qwen3-Next 512).
+pub const MAX_EXPERTS: u64 = 4096;
 /// Element type of weights and activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -300,9 +309,14 @@ impl Layer {
 /// Field `name` of layer group `i` (of `kind`), which the kind requires: its value, >= 1.
 fn need_field(origin: &str, i: usize, kind: LayerKind, name: &str, v: Option<u64>) -> Result<u64> {
     let field = format!("layers[{i}].{name}");
+    let most = if matches!(name, "heads" | "kv_heads" | "head_dim") {
+        MAX_HEADS
+    } else {
+        MAX_WIDTH
+    };
     match v {
-        Some(x) if x >= 1 => Ok(x),
-        Some(x) => Err(Error::invalid(origin, field, x, ">= 1")),
+        Some(x) if (1..=most).contains(&x) => Ok(x),
+        Some(x) => Err(Error::invalid(origin, field, x, format!("in 1..={most}"))),
         None => Err(Error::invalid(
             origin,
             field,
@@ -325,19 +339,22 @@ fn forbid_field(origin: &str, i: usize, kind: LayerKind, name: &str, v: Option<u
     }
 }
 
-/// Checks a mixture-of-experts MLP: every size >= 1 and `top_k <= experts`.
+/// Checks a mixture-of-experts MLP: every size >= 1 and at most [`MAX_EXPERTS`] experts (and
+/// nodes, shared experts) or [`MAX_WIDTH`] wide, and `top_k <= experts`.
 fn check_moe(m: &Moe, origin: &str, i: usize) -> Result<()> {
-    for (name, v) in [
-        ("experts", m.experts),
-        ("top_k", m.top_k),
-        ("expert_ffn", m.expert_ffn),
+    for (name, v, least, most) in [
+        ("experts", m.experts, 1, MAX_EXPERTS),
+        ("top_k", m.top_k, 1, MAX_EXPERTS),
+        ("expert_ffn", m.expert_ffn, 1, MAX_WIDTH),
+        ("shared_experts", m.shared_experts, 0, MAX_EXPERTS),
+        ("max_nodes", m.max_nodes, 0, MAX_EXPERTS),
     ] {
-        if v == 0 {
+        if !(least..=most).contains(&v) {
             return Err(Error::invalid(
                 origin,
                 format!("layers[{i}].moe.{name}"),
-                0,
-                ">= 1",
+                v,
+                format!("in {least}..={most}"),
             ));
         }
     }
@@ -356,18 +373,19 @@ fn check_moe(m: &Moe, origin: &str, i: usize) -> Result<()> {
 /// (the MLA dimensions replace it), and `kv_heads == heads` (every head has its own key and
 /// value once the latent is projected up).
 fn check_mla(m: &Mla, g: &LayerGroup, origin: &str, i: usize) -> Result<()> {
-    for (name, v) in [
-        ("kv_lora_rank", m.kv_lora_rank),
-        ("qk_nope_head_dim", m.qk_nope_head_dim),
-        ("qk_rope_head_dim", m.qk_rope_head_dim),
-        ("v_head_dim", m.v_head_dim),
+    for (name, v, most) in [
+        ("kv_lora_rank", m.kv_lora_rank, MAX_WIDTH),
+        ("q_lora_rank", m.q_lora_rank.max(1), MAX_WIDTH),
+        ("qk_nope_head_dim", m.qk_nope_head_dim, MAX_HEADS),
+        ("qk_rope_head_dim", m.qk_rope_head_dim, MAX_HEADS),
+        ("v_head_dim", m.v_head_dim, MAX_HEADS),
     ] {
-        if v == 0 {
+        if !(1..=most).contains(&v) {
             return Err(Error::invalid(
                 origin,
                 format!("layers[{i}].mla.{name}"),
-                0,
-                ">= 1",
+                v,
+                format!("in 1..={most}"),
             ));
         }
     }
@@ -725,6 +743,27 @@ mod tests {
             (
                 "{kind: decoder, hidden: 8, ffn: 8, heads: 3, kv_heads: 1}",
                 "heads",
+            ),
+            // Sizes past what fits a parameter count in 64 bits, or the memory to route them.
+            (
+                "{kind: decoder, hidden: 8, heads: 2, kv_heads: 1, moe: {experts: 4294967296, top_k: 2, expert_ffn: 8}}",
+                "moe.experts",
+            ),
+            (
+                "{kind: decoder, hidden: 8, heads: 2, kv_heads: 1, moe: {experts: 4, top_k: 2, expert_ffn: 18446744073709551615}}",
+                "moe.expert_ffn",
+            ),
+            (
+                "{kind: decoder, hidden: 8, heads: 2, kv_heads: 1, moe: {experts: 4, top_k: 2, expert_ffn: 8, max_nodes: 5000}}",
+                "moe.max_nodes",
+            ),
+            (
+                "{kind: decoder, hidden: 33554432, ffn: 8, heads: 2, kv_heads: 1}",
+                "hidden",
+            ),
+            (
+                "{kind: decoder, hidden: 8, ffn: 8, heads: 2, kv_heads: 1, head_dim: 100000}",
+                "head_dim",
             ),
         ] {
             let text = format!("{base}  - {decoder}\n{head}");

@@ -193,6 +193,24 @@ fn an_export_to_megatron_searches_what_megatron_can_run() {
         o.stdout,
         o.stderr
     );
+    // Without --schedule the search keeps to the schedules Megatron-LM runs (1F1B, interleaved
+    // 1F1B, combined 1F1B), says so, and the export runs the plan it predicted: no warning that
+    // Megatron runs another schedule.
+    let o = flatpipe(dir.path(), &base);
+    assert!(o.status.success(), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("keeps to the schedules Megatron-LM runs"),
+        "{}",
+        o.stderr
+    );
+    for other in ["zb-h1", "zb-h2", "zb-auto", "gpipe", "looped-bfs", "zb-v"] {
+        assert!(
+            !o.stderr.contains(&format!("   {other} ")),
+            "{other}: {}",
+            o.stderr
+        );
+    }
+    assert!(!o.stdout.contains("Megatron-LM has no"), "{}", o.stdout);
 }
 
 /// Llama-3.1-70B on 32 H100: the plan chosen under the limit leaves its busiest rank less than
@@ -219,6 +237,10 @@ fn a_plan_with_little_memory_headroom_says_so_and_offers_a_margin() {
                 "none",
                 "--export",
                 "megatron",
+                // Every schedule Megatron can be given, as a user may ask (the default keeps
+                // to the ones it runs).
+                "--schedule",
+                "all",
                 "--memory-margin",
                 margin,
             ],

@@ -192,13 +192,16 @@ pub fn lower_bound_terms<C: CostModel>(schedule: &Schedule, costs: &C) -> LowerB
     terms
 }
 
-/// What the lower bound's steps share: the schedule, and how each (stage, microbatch) runs its
-/// backward.
+/// What the lower bound's steps share: the schedule, how each (stage, microbatch) runs its
+/// backward, and which actions run in an overlapped pair.
 struct BoundLayout<'a> {
     schedule: &'a Schedule,
     /// Per (stage s, microbatch k), at `s * m + k`: whether the schedule splits its backward
     /// into I then W (else it runs a fused B).
     split: Vec<bool>,
+    /// Each half of an overlapped pair, with its pair: both halves end when the pair does, so
+    /// along a microbatch's path a half costs at most the pair ([`BoundLayout::cost`]).
+    paired: std::collections::HashMap<ComputeAction, (ComputeAction, ComputeAction)>,
 }
 
 impl<'a> BoundLayout<'a> {
@@ -206,12 +209,34 @@ impl<'a> BoundLayout<'a> {
     fn new(schedule: &'a Schedule) -> Self {
         let m = schedule.num_microbatches;
         let mut split = vec![false; (schedule.num_stages() * m) as usize];
-        for a in schedule.ranks.iter().flatten().flat_map(Action::parts) {
-            if a.kind == ActionKind::I {
-                split[(a.stage.0 * m + a.microbatch.0) as usize] = true;
+        let mut paired = std::collections::HashMap::new();
+        for a in schedule.ranks.iter().flatten() {
+            if let Action::Overlap(f, b) = *a {
+                paired.insert(f, (f, b));
+                paired.insert(b, (f, b));
+            }
+            for a in a.parts() {
+                if a.kind == ActionKind::I {
+                    split[(a.stage.0 * m + a.microbatch.0) as usize] = true;
+                }
             }
         }
-        BoundLayout { schedule, split }
+        BoundLayout {
+            schedule,
+            split,
+            paired,
+        }
+    }
+
+    /// The least time action `a` adds to its microbatch's path, ns: its own duration, or the
+    /// pair's where it runs in an overlapped pair that takes less (a pair of duration `fb`
+    /// delivers both halves `fb` after it starts).
+    fn cost<C: CostModel>(&self, costs: &C, a: ComputeAction) -> u64 {
+        let own = costs.compute_ns(a);
+        match self.paired.get(&a) {
+            Some(&(f, b)) => own.min(costs.overlap_ns(f, b)),
+            None => own,
+        }
     }
 
     /// Whether a transfer from stage `s` to stage `t` crosses ranks.
@@ -275,7 +300,7 @@ impl<'a> BoundLayout<'a> {
                     start = start.max(ef[(s - 1) * n + k] + c);
                 }
                 ef[s * n + k] =
-                    start + costs.compute_ns(ComputeAction::new(s as u32, ActionKind::F, ch[k].0));
+                    start + self.cost(costs, ComputeAction::new(s as u32, ActionKind::F, ch[k].0));
             }
         }
         ef
@@ -315,7 +340,7 @@ impl<'a> BoundLayout<'a> {
                     start = start.max(ef[s * n + k]);
                 }
                 chains.backward_start_ns[s * m + ch[k].idx()] = start;
-                eb[s * n + k] = start + costs.compute_ns(id(s, k, self.backward_kind(s, ch[k])));
+                eb[s * n + k] = start + self.cost(costs, id(s, k, self.backward_kind(s, ch[k])));
                 let w = if self.is_split(s, ch[k]) {
                     costs.compute_ns(id(s, k, ActionKind::W))
                 } else {
@@ -419,7 +444,7 @@ impl<'a> MicrobatchPaths<'a> {
             if self.first_stage[r] == s {
                 self.fill[r] = self.fill[r].min(t);
             }
-            t += costs.compute_ns(ComputeAction::new(s, kind, mb.0));
+            t += layout.cost(costs, ComputeAction::new(s, kind, mb.0));
             if s + 1 < s_count && layout.crosses(s, s + 1) {
                 let c = costs.comm_ns(StageId(s), mb, kind);
                 self.sends
@@ -454,7 +479,7 @@ impl<'a> MicrobatchPaths<'a> {
                 .unwrap_or(0);
             self.first_backward[r] = self.first_backward[r].min(t.max(chained));
             let bwd = layout.backward_kind(s as usize, mb);
-            t += costs.compute_ns(ComputeAction::new(s, bwd, mb.0));
+            t += layout.cost(costs, ComputeAction::new(s, bwd, mb.0));
             let w = if is_split {
                 costs.compute_ns(ComputeAction::new(s, ActionKind::W, mb.0))
             } else {

@@ -313,10 +313,32 @@ fn for_export_target(a: &PlanArgs, space: &mut planner::search::SearchSpace) -> 
     Ok(())
 }
 
-/// `--export megatron`: Megatron-LM's layout puts stage i on rank i mod pp, so the search
-/// leaves out the schedules of the V placement (rank r holding stages r and 2p-1-r) rather
-/// than choose one it cannot export. An explicit `--schedule` of V schedules only is refused.
+/// `--export megatron`: without `--schedule`, the search keeps to the schedules Megatron-LM
+/// runs (1F1B, interleaved 1F1B, and combined 1F1B, its `--overlap-moe-expert-parallel-comm`),
+/// so that the export runs the plan it predicted. A given `--schedule` is kept, less the
+/// schedules of the V placement (rank r holding stages r and 2p-1-r), which Megatron's layout
+/// puts stage i on rank i mod pp cannot express; one of V schedules only is refused.
 fn restrict_to_megatron(kinds: &mut Vec<ScheduleKind>, given: bool) -> Result<()> {
+    if !given {
+        let runs = [
+            ScheduleKind::OneFOneB,
+            ScheduleKind::Interleaved1F1B,
+            ScheduleKind::Combined1F1B,
+        ];
+        let left_out: Vec<String> = kinds
+            .iter()
+            .filter(|k| !runs.contains(k))
+            .map(|k| k.to_string())
+            .collect();
+        kinds.retain(|k| runs.contains(k));
+        if !left_out.is_empty() {
+            tracing::warn!(
+                "--export megatron: the search keeps to the schedules Megatron-LM runs (1f1b, interleaved-1f1b, combined-1f1b), leaving out {}; give --schedule to plan others (exported with a warning, Megatron running its 1F1B in their place)",
+                left_out.join(", ")
+            );
+        }
+        return Ok(());
+    }
     let is_v = |k: &ScheduleKind| {
         k.stages_per_rank(None)
             .is_ok_and(|v| k.placement_for(v) == sim::ir::PlacementKind::V)

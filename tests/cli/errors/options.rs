@@ -45,7 +45,7 @@ fn bad_input_is_a_clear_error_with_exit_code_2() {
                 "--ep",
                 "3",
             ],
-            "a divisor of layers.0's 128 routed experts",
+            "a divisor of the 128 routed experts of layer 1 of the model",
         ),
         (
             &["simulate", "--dp", "2", "--ep", "2"],
