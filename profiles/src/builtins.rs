@@ -247,7 +247,10 @@ mod tests {
         let e = ModelSpec::from_yaml(text, "m.yaml")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("layers[1].ffn") && e.contains("in 1..=16777216"), "{e}");
+        assert!(
+            e.contains("layers[1].ffn") && e.contains("in 1..=16777216"),
+            "{e}"
+        );
     }
 }
 

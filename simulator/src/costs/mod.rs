@@ -70,6 +70,11 @@ pub trait CostModel: Sync {
     fn all_to_all_ns(&self, _a: ComputeAction) -> u64 {
         0
     }
+    /// Whether any action pays all-to-alls ([`CostModel::all_to_all_ns`]); `false` lets the
+    /// metrics skip looking (default: `false`).
+    fn has_all_to_all(&self) -> bool {
+        false
+    }
     /// Duration of the transfer that action `kind` of `stage` sends for microbatch `mb`, ns:
     /// after F or Fo the activations go to stage + 1, after I or B the gradient goes to
     /// stage - 1. Only asked when the two stages are on different ranks.

@@ -72,6 +72,8 @@ pub struct TableCosts {
     fsdp: Vec<(u64, u64)>,
     /// The hardware's `collective_interference`.
     interference: f64,
+    /// Whether some cell pays expert-parallel all-to-alls.
+    has_all_to_all: bool,
 }
 
 impl TableCosts {
@@ -129,9 +131,11 @@ impl TableCosts {
         build.add_microbatch_collectives(&mut cells, m);
         build.add_action_overheads(&mut cells, &b_delta_s, m, &mut fo, mfo);
         let (optimizer, static_bytes) = build.rank_state();
+        let has_all_to_all = cells.iter().any(|c| c.all_to_all > 0);
         Ok(TableCosts {
             m,
             cells,
+            has_all_to_all,
             fo,
             mfo,
             optimizer,
@@ -170,6 +174,7 @@ impl TableCosts {
             static_bytes: self.static_bytes.clone(),
             fsdp: self.fsdp.clone(),
             interference: self.interference,
+            has_all_to_all: self.has_all_to_all,
         }
     }
 
@@ -561,6 +566,9 @@ impl CostModel for TableCosts {
             ActionKind::B => c.b,
             ActionKind::Fo => unreachable!("handled above"),
         }
+    }
+    fn has_all_to_all(&self) -> bool {
+        self.has_all_to_all
     }
     /// F, I and B each pay the cell's two all-to-alls (B holds the I); W and Fo none.
     fn all_to_all_ns(&self, a: ComputeAction) -> u64 {

@@ -50,6 +50,9 @@ pub struct AllToAllTime {
 /// The expert-parallel all-to-all time of `actions` (one rank's) under `costs`
 /// ([`AllToAllTime`]); `None` when they pay none.
 pub fn all_to_all_time<C: CostModel>(actions: &[Action], costs: &C) -> Option<AllToAllTime> {
+    if !costs.has_all_to_all() {
+        return None;
+    }
     let (mut total, mut exposed) = (0u64, 0u64);
     for a in actions {
         match *a {
