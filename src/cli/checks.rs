@@ -76,7 +76,7 @@ pub(super) fn check_monte_carlo_memory(
             configs.iter().map(|c| c.pp).max().unwrap_or(1),
             fmt_bytes(need)
         ),
-        "use fewer steps, sequences per step, ranks, schedules or forward-only microbatches, or a larger token budget",
+        "use fewer steps, sequences per step, ranks (a smaller --pp range: the deepest pipeline sets the estimate), schedules or forward-only microbatches, or a larger token budget",
     )
 }
 

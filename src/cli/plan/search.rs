@@ -133,9 +133,19 @@ fn search_space(a: &PlanArgs, profile: &Profile) -> Result<planner::search::Sear
     }
     space.sequence_parallel = !a.no_sequence_parallel;
     space.chunk = !a.no_chunk;
-    space.sequence_parallel = !a.no_sequence_parallel;
-    space.chunk = !a.no_chunk;
     space.ep = dedup(a.ep.clone());
+    let moe = profile.layers.iter().any(|l| l.shape.experts > 0);
+    let ep_one = !space.ep.is_empty() && space.ep.iter().all(|&e| e <= 1);
+    if space.kinds.iter().all(|&k| k == ScheduleKind::Combined1F1B) && (!moe || ep_one) {
+        tracing::warn!(
+            "--schedule combined-1f1b runs only with expert parallelism (ep > 1), and {}: the search has its no-pipeline candidates alone",
+            if moe {
+                "--ep allows only 1"
+            } else {
+                "the model has no mixture-of-experts layer"
+            }
+        );
+    }
     Ok(space)
 }
 
