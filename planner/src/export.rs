@@ -552,12 +552,7 @@ pub fn megatron(plan: &Plan, profile: &Profile, microbatches: u32) -> Result<Str
         ));
     }
     let (mut args, mut warnings) = megatron_recompute(plan, profile);
-    if let Some(overlap) = megatron_overlap(plan, &args) {
-        match overlap {
-            Ok(arg) => args.push(arg),
-            Err(w) => warnings.push(w),
-        }
-    }
+    megatron_overlap(plan, &mut args, &mut warnings);
     let (batch, batch_warnings) = megatron_batch(plan, microbatches);
     args.extend(batch);
     warnings.extend(batch_warnings);
@@ -600,36 +595,30 @@ pub fn megatron(plan: &Plan, profile: &Profile, microbatches: u32) -> Result<Str
     Ok(out)
 }
 
-/// For a combined-1F1B plan, Megatron-LM's `--overlap-moe-expert-parallel-comm` (its combined
-/// 1F1B), or why Megatron refuses it for this plan given its recomputation arguments
-/// `recompute` (`TransformerConfig.__post_init__`: expert parallelism, a virtual pipeline when
-/// `pp > 1`, no full recomputation); `None` for other schedules.
-fn megatron_overlap(
-    plan: &Plan,
-    recompute: &[String],
-) -> Option<std::result::Result<String, String>> {
+/// For a combined-1F1B plan, adds Megatron-LM's `--overlap-moe-expert-parallel-comm` (its
+/// combined 1F1B) to `args`, the plan's other Megatron arguments, or to `warnings` why Megatron
+/// refuses it for this plan (`TransformerConfig.__post_init__`: expert parallelism, a virtual
+/// pipeline when `pp > 1`, no full recomputation); nothing for other schedules.
+fn megatron_overlap(plan: &Plan, args: &mut Vec<String>, warnings: &mut Vec<String>) {
     if plan.schedule() != Some(ScheduleKind::Combined1F1B) {
-        return None;
+        return;
     }
     let v = plan.run.stages.len() as u32 / plan.run.pp.max(1);
     let why = if plan.ep <= 1 {
         Some("it needs expert parallelism (ep > 1) and the plan has none")
     } else if plan.run.pp > 1 && v < 2 {
         Some("it needs a virtual pipeline when pp > 1")
-    } else if recompute
-        .iter()
-        .any(|a| a == "--recompute-granularity full")
-    {
+    } else if args.iter().any(|a| a == "--recompute-granularity full") {
         Some("it refuses full recomputation, which the plan runs")
     } else {
         None
     };
-    Some(match why {
-        None => Ok("--overlap-moe-expert-parallel-comm".into()),
-        Some(why) => Err(format!(
+    match why {
+        None => args.push("--overlap-moe-expert-parallel-comm".into()),
+        Some(why) => warnings.push(format!(
             "Megatron-LM's combined 1F1B (--overlap-moe-expert-parallel-comm) is left out: {why}; these arguments run interleaved 1F1B without the overlap (the predicted step time is combined-1f1b's)"
         )),
-    })
+    }
 }
 
 /// Megatron-LM's mixture-of-experts arguments for `plan` on `profile`'s model, one per line
@@ -746,12 +735,7 @@ pub fn verl(plan: &Plan, profile: &Profile) -> Result<String> {
         out.push(format!("{actor}.megatron.expert_tensor_parallel_size={tp}"));
     }
     let (mut args, mut warnings) = megatron_recompute(plan, profile);
-    if let Some(overlap) = megatron_overlap(plan, &args) {
-        match overlap {
-            Ok(arg) => args.push(arg),
-            Err(w) => warnings.push(w),
-        }
-    }
+    megatron_overlap(plan, &mut args, &mut warnings);
     for w in warnings {
         head.push_str(&format!("# warning: {w}\n"));
     }

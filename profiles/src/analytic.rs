@@ -218,10 +218,7 @@ impl Kernels {
     /// `ep = 1`, at [`SPLIT_TOKENS`] tokens per GPU: `E / ep` experts of `ep T k / E` rows
     /// each against `E` of `T k / E`, forward, dgrad and wgrad together.
     fn expert_batching(&self, l: &Layer) -> Vec<ExpertBatching> {
-        let experts: Vec<Gemm> = decoder::gemms(l, 1.0)
-            .into_iter()
-            .filter(|g| g.count > 1.0 || g.rows < 1.0)
-            .collect();
+        let experts = decoder::routed_gemms(l);
         let t = SPLIT_TOKENS as f64;
         let time = |ep: f64| -> f64 {
             let gs: Vec<Gemm> = experts
@@ -241,7 +238,8 @@ impl Kernels {
         (1..)
             .map(|i| 1u64 << i)
             .take_while(|&ep| ep <= e)
-            .filter(|&ep| e % ep == 0 && ep <= u64::from(u32::MAX))
+            // At most MAX_EXPERTS (4,096): a u32.
+            .filter(|&ep| e % ep == 0)
             .map(|ep| ExpertBatching {
                 ep: ep as u32,
                 relative_throughput: (one / time(ep as f64)).clamp(1e-3, 1e3),
@@ -446,10 +444,7 @@ fn layer_profile(l: &Layer, model: &ModelSpec, k: &Kernels, c0: f64) -> LayerPro
     };
     let routed = (l.kind == LayerKind::Decoder && l.moe.is_some()).then(|| {
         // The routed experts' GEMMs alone, fitted as the layer's are (no fixed launch cost).
-        let experts: Vec<Gemm> = decoder::gemms(l, 1.0)
-            .into_iter()
-            .filter(|g| g.count > 1.0 || g.rows < 1.0)
-            .collect();
+        let experts = decoder::routed_gemms(l);
         let part = |phase: Phase| {
             let (a, b) = k.gemm_fit(&experts, phase);
             CostCoeffs {

@@ -123,6 +123,15 @@ pub(crate) fn gemms(l: &Layer, tp: f64) -> Vec<Gemm> {
     out
 }
 
+/// The routed experts' grouped GEMMs of [`gemms`] (`l`'s on one GPU, `tp = 1`): empty for a
+/// dense MLP.
+pub(crate) fn routed_gemms(l: &Layer) -> Vec<Gemm> {
+    gemms(l, 1.0)
+        .into_iter()
+        .filter(|g| g.count > 1.0 || g.rows < 1.0)
+        .collect()
+}
+
 /// The decoder's widths (see [`Widths`]).
 pub(crate) fn widths(l: &Layer) -> Widths {
     let heads = l.heads as f64;

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -146,8 +147,6 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, send: List[int], recv: List[int], group):  # type: ignore[override]
-        import torch.distributed as dist
-
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
@@ -155,8 +154,6 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        import torch.distributed as dist
-
         out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return out, None, None, None
@@ -180,8 +177,6 @@ class _MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int, ep_group=None) -> None:
         super().__init__()
-        import torch.distributed as dist
-
         h, e, f = cfg.hidden, cfg.experts, cfg.expert_ffn
         if not 1 <= cfg.top_k <= e:
             raise ValueError(f"top_k = {cfg.top_k}: between 1 and experts = {e}")
@@ -217,8 +212,6 @@ class _MoE(nn.Module):
         return torch.cat(out) if out else rows
 
     def forward(self, m: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         t, k, e = m.shape[0], self.cfg.top_k, self.cfg.experts
         idx, w = self.route(m)
         flat = idx.reshape(-1)

@@ -904,8 +904,12 @@ mod tests {
         }
         let e = combined_1f1b(4, 1, 8).unwrap_err().to_string();
         assert!(e.contains("virtual pipeline"), "{e}");
-        // Why: on one stage per rank the pairs serialize the ranks (f = 12, b = 24, w = 12,
-        // p = 2, m = 4): 336 against 1F1B's (m + p - 1)(f + b + w) = 240.
+        // Why: on one stage per rank the pairs serialize the ranks (f = 12, B = b + w = 36,
+        // a pair 48, p = 2, m = 4). By hand: rank 0 runs F0 F1 (0-24), rank 1 F0 (12-24);
+        // rank 1's (F1;B0) 24-72; rank 0's (F2;B0) waits for B0's gradient, 72-120; rank 1's
+        // (F2;B1) waits for F2, 120-168; rank 0's (F3;B1) 168-216; rank 1's (F3;B2) 216-264;
+        // rank 1's B3 264-300, rank 0's B2 264-300 and B3 300-336. 1F1B: (m + p - 1)(f + B)
+        // = 240.
         let spec = crate::UniformCostSpec {
             f: 12.0,
             b: 24.0,
