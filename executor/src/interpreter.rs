@@ -54,6 +54,9 @@ pub struct StepOptions {
     pub optimizer: Option<(AdamW, u64)>,
     /// Clip the global gradient norm to this value.
     pub max_grad_norm: Option<f64>,
+    /// Expert parallelism: replicas `[g ep, (g + 1) ep)` form an expert-parallel group whose
+    /// stages split the routed experts ([`crate::model::experts::ExpertLink`]); 0 or 1: none.
+    pub ep: usize,
 }
 
 /// What one step measured and computed.
@@ -70,6 +73,30 @@ pub struct StepRun {
     pub fo_losses: Vec<Vec<LossSums>>,
     /// Global gradient L2 norm over every stage (after the all-reduce, before clipping).
     pub grad_norm: f64,
+    /// `all_to_all[g]`: rank g's expert-parallel all-to-alls, as `(stage, span)` with the
+    /// span's start and end in nanoseconds from the timeline's origin; empty without experts.
+    pub all_to_all: Vec<Vec<MeasuredAllToAll>>,
+}
+
+/// One expert-parallel all-to-all as its rank measured it (host clock).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MeasuredAllToAll {
+    /// The stage whose layer ran it.
+    pub stage: u32,
+    /// Global layer index.
+    pub layer: usize,
+    /// Microbatch.
+    pub microbatch: u32,
+    /// Of a forward-only microbatch.
+    pub forward_only: bool,
+    /// Which exchange.
+    pub phase: crate::worker::Phase,
+    /// Values sent to other ranks.
+    pub values_sent: usize,
+    /// From its first send, ns.
+    pub start_ns: u64,
+    /// To its last receive, ns.
+    pub end_ns: u64,
 }
 
 /// Which way a message goes.
@@ -144,6 +171,7 @@ struct RankOut {
     transfers: Vec<TimedTransfer>,
     losses: Vec<(u32, LossSums)>,
     fo_losses: Vec<(u32, LossSums)>,
+    all_to_all: Vec<MeasuredAllToAll>,
 }
 
 struct RankCtx<'a, W: StageWorker> {
@@ -401,6 +429,22 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
                 tr.end_ns = at(tr.end_ns)?;
             }
         }
+        let t0 = self.t0;
+        for (s, w) in self.stages.iter_mut() {
+            for a in w.take_all_to_alls() {
+                let ns = |i: Instant| i.saturating_duration_since(t0).as_nanos() as u64;
+                self.out.all_to_all.push(MeasuredAllToAll {
+                    stage: *s,
+                    layer: a.layer,
+                    microbatch: a.microbatch,
+                    forward_only: a.forward_only,
+                    phase: a.phase,
+                    values_sent: a.values_sent,
+                    start_ns: ns(a.start),
+                    end_ns: ns(a.end),
+                });
+            }
+        }
         for (_, w) in self.stages.iter_mut() {
             for (mb, fo, l) in w.take_losses()? {
                 let list = if fo {
@@ -443,10 +487,17 @@ pub fn run_step<W: StageWorker>(
         }
     }
     let t0 = Instant::now();
+    let ep = opts.ep.max(1);
+    if dp % ep != 0 {
+        return Err(Error::Invalid(format!(
+            "expert parallelism ep = {ep} must divide the {dp} data-parallel replicas"
+        )));
+    }
+    check_expert_partners(replicas, ep)?;
     let outs = run_pipelines(ranks, replicas, pp, t0)?;
     let opt_start = t0.elapsed().as_nanos() as u64;
-    all_reduce_grads(ranks, dp, pp)?;
-    let grad_norm = global_grad_norm(&mut ranks[..pp])?;
+    all_reduce_grads(ranks, dp, pp, ep)?;
+    let grad_norm = global_grad_norm(&mut ranks[..pp * ep], pp)?;
     let optimizer = match opts.optimizer {
         Some((adamw, t)) => {
             let scale = match opts.max_grad_norm {
@@ -579,6 +630,9 @@ fn run_pipelines<W: StageWorker>(
                     for p in ctx.peers.iter().flatten() {
                         let _ = p.send(Msg::Abort);
                     }
+                    for (_, w) in ctx.stages.iter() {
+                        w.abort_step();
+                    }
                 }
                 res.map(|()| ctx.out)
             }));
@@ -612,54 +666,111 @@ fn run_pipelines<W: StageWorker>(
     Ok(outs)
 }
 
-/// The data-parallel all-reduce of the gradients: replica 0's pipeline rank r sums its peers'
-/// gradients (parameter by parameter, in each worker's visiting order), then every replica
-/// takes the sum. Nothing to do for `dp = 1`.
+/// The data-parallel all-reduce of the gradients: for each pipeline rank r, the first
+/// replica of a group sums its peers' gradients (parameter by parameter, in each worker's
+/// visiting order), then every replica of the group takes the sum. The routed experts' over
+/// their expert-data-parallel group (replicas `d` with the same `d mod ep`, holding the same
+/// experts), every other gradient over all replicas (DeepSpeed-MoE and Megatron-LM reduce them
+/// so). Nothing to do for `dp = 1`.
 ///
 /// # Errors
-/// A worker's [`StageWorker::visit_grads`] error.
+/// A worker's [`StageWorker::visit_grads`] / [`StageWorker::visit_expert_grads`] error.
 fn all_reduce_grads<W: StageWorker>(
     ranks: &mut [Vec<(u32, W)>],
     dp: usize,
     pp: usize,
+    ep: usize,
 ) -> Result<()> {
-    if dp <= 1 {
+    for r in 0..pp {
+        let all: Vec<usize> = (0..dp).map(|d| d * pp + r).collect();
+        sum_over(ranks, &all, false)?;
+        for e in 0..ep {
+            let group: Vec<usize> = (e..dp).step_by(ep).map(|d| d * pp + r).collect();
+            sum_over(ranks, &group, true)?;
+        }
+    }
+    Ok(())
+}
+
+/// Sums the gradients of `group` (rank indices) and gives every member the sum: the routed
+/// experts' (`experts`) or every other.
+fn sum_over<W: StageWorker>(
+    ranks: &mut [Vec<(u32, W)>],
+    group: &[usize],
+    experts: bool,
+) -> Result<()> {
+    if group.len() <= 1 {
         return Ok(());
     }
-    for r in 0..pp {
-        let mut sum: Vec<Vec<f32>> = Vec::new();
-        for d in 0..dp {
-            let mut k = 0;
-            for (_, w) in ranks[d * pp + r].iter_mut() {
-                w.visit_grads(&mut |g| {
-                    if d == 0 {
-                        sum.push(g.to_vec());
-                    } else if let Some(s) = sum.get_mut(k) {
-                        for (a, b) in s.iter_mut().zip(g.iter()) {
-                            *a += *b;
-                        }
-                    }
-                    k += 1;
-                })?;
-            }
+    let visit = |w: &mut W, f: &mut dyn FnMut(&mut [f32])| {
+        if experts {
+            w.visit_expert_grads(f)
+        } else {
+            w.visit_grads(f)
         }
-        for d in 0..dp {
-            let mut k = 0;
-            for (_, w) in ranks[d * pp + r].iter_mut() {
-                w.visit_grads(&mut |g| {
-                    if let Some(s) = sum.get(k).filter(|s| s.len() == g.len()) {
-                        g.copy_from_slice(s);
+    };
+    let mut sum: Vec<Vec<f32>> = Vec::new();
+    for (i, &g) in group.iter().enumerate() {
+        let mut k = 0;
+        for (_, w) in ranks[g].iter_mut() {
+            visit(w, &mut |buf| {
+                if i == 0 {
+                    sum.push(buf.to_vec());
+                } else if let Some(s) = sum.get_mut(k) {
+                    for (a, b) in s.iter_mut().zip(buf.iter()) {
+                        *a += *b;
                     }
-                    k += 1;
-                })?;
+                }
+                k += 1;
+            })?;
+        }
+    }
+    for &g in group {
+        let mut k = 0;
+        for (_, w) in ranks[g].iter_mut() {
+            visit(w, &mut |buf| {
+                if let Some(s) = sum.get(k).filter(|s| s.len() == buf.len()) {
+                    buf.copy_from_slice(s);
+                }
+                k += 1;
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// The replicas of an expert-parallel group run the same schedule for the same microbatch
+/// counts: every all-to-all of microbatch k pairs the group's k-th microbatches.
+///
+/// # Errors
+/// [`Error::Invalid`] naming the replicas whose counts differ.
+fn check_expert_partners(replicas: &[Replica<'_>], ep: usize) -> Result<()> {
+    for (g, group) in replicas.chunks(ep).enumerate() {
+        let first = &group[0];
+        for (i, r) in group.iter().enumerate().skip(1) {
+            if r.microbatches.len() != first.microbatches.len()
+                || r.fo_microbatches.len() != first.fo_microbatches.len()
+                || r.schedule.ranks != first.schedule.ranks
+            {
+                return Err(Error::Invalid(format!(
+                    "replicas {} and {} of an expert-parallel group run {} and {} microbatches (+{} and {} forward-only) or different schedules; the group's all-to-alls pair their microbatches one to one, so they need the same counts (a fixed microbatch count per replica)",
+                    g * ep,
+                    g * ep + i,
+                    first.microbatches.len(),
+                    r.microbatches.len(),
+                    first.fo_microbatches.len(),
+                    r.fo_microbatches.len()
+                )));
             }
         }
     }
     Ok(())
 }
 
-/// The global gradient L2 norm over the stages of `ranks` (one replica's pipeline ranks: after
-/// the all-reduce every replica holds the same gradients).
+/// The global gradient L2 norm over the stages of `ranks` (the first `ep` replicas' pipeline
+/// ranks, `pp` each: after the all-reduce every replica holds the same gradients, and the
+/// first expert-parallel group holds every expert once): every gradient but the routed
+/// experts' from the first replica, the routed experts' from all of them.
 ///
 /// Each rank's share of the squared norm on its own thread, then their sum (the all-reduce
 /// of one scalar): as frameworks clip, and as the profile's optimizer time (norm + AdamW
@@ -669,15 +780,19 @@ fn all_reduce_grads<W: StageWorker>(
 /// # Errors
 /// A worker's [`StageWorker::grad_sq_norm`] error; [`Error::Invalid`] for a thread that
 /// panicked.
-fn global_grad_norm<W: StageWorker>(ranks: &mut [Vec<(u32, W)>]) -> Result<f64> {
+fn global_grad_norm<W: StageWorker>(ranks: &mut [Vec<(u32, W)>], pp: usize) -> Result<f64> {
     let partial: Vec<Result<f64>> = std::thread::scope(|scope| {
         let hs: Vec<_> = ranks
             .iter_mut()
-            .map(|rank| {
+            .enumerate()
+            .map(|(g, rank)| {
                 scope.spawn(move || -> Result<f64> {
                     let mut sq = 0.0;
                     for (_, w) in rank.iter() {
-                        sq += w.grad_sq_norm()?;
+                        if g < pp {
+                            sq += w.grad_sq_norm()?;
+                        }
+                        sq += w.expert_grad_sq_norm()?;
                     }
                     Ok(sq)
                 })
@@ -757,8 +872,10 @@ fn collect_step(
     };
     let mut microbatch_losses = vec![Vec::new(); dp];
     let mut fo_losses = vec![Vec::new(); dp];
+    let mut all_to_all = Vec::with_capacity(outs.len());
     for (g, o) in outs.into_iter().enumerate() {
         let d = g / pp;
+        all_to_all.push(o.all_to_all);
         timeline.compute.push(o.ops);
         timeline.transfers.extend(o.transfers);
         microbatch_losses[d].extend(o.losses);
@@ -786,6 +903,10 @@ fn collect_step(
         *a -= origin;
         *b -= origin;
     }
+    for a in all_to_all.iter_mut().flatten() {
+        a.start_ns = a.start_ns.saturating_sub(origin);
+        a.end_ns = a.end_ns.saturating_sub(origin);
+    }
     let sort = |v: &mut Vec<(u32, LossSums)>| {
         v.sort_by_key(|x| x.0);
         v.iter().map(|x| x.1).collect::<Vec<_>>()
@@ -799,5 +920,6 @@ fn collect_step(
         microbatch_losses,
         fo_losses,
         grad_norm,
+        all_to_all,
     }
 }

@@ -19,14 +19,7 @@
 use crate::kernels::{matmul, swiglu, swiglu_backward};
 use ndarray::{Array2, ArrayView2};
 
-/// How the router turns logits into scores.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Gating {
-    /// `softmax(logits)` over the experts.
-    Softmax,
-    /// `sigmoid(logits)` per expert.
-    Sigmoid,
-}
+pub use flatpipe_profiles::Gating;
 
 /// Each token's chosen experts and weights, from [`route`].
 #[derive(Debug, Clone, PartialEq)]

@@ -8,6 +8,7 @@
 use crate::cpu::CpuStage;
 use crate::data::{LossReduction, MicrobatchData, build_step_of, join_chunks};
 use crate::interpreter::{Replica, StepOptions, StepRun, run_step};
+use crate::model::experts::{ExpertLink, ExpertShard};
 use crate::worker::{AdamW, StageInput, StageWorker};
 use crate::{Error, Result};
 use flatpipe_profiles::Profile;
@@ -45,6 +46,10 @@ pub struct Setup {
     pub seed: u64,
     /// Seed of the weights.
     pub init_seed: u64,
+    /// Expert parallelism: each group of `ep` consecutive data-parallel replicas splits every
+    /// mixture-of-experts layer's routed experts (`E / ep` per replica) and exchanges their
+    /// tokens by all-to-all; 1: every replica holds every expert. Divides dp.
+    pub ep: u32,
     /// How token losses become the step's loss.
     pub reduction: LossReduction,
     /// Optimizer.
@@ -70,6 +75,7 @@ impl std::fmt::Debug for Setup {
             .field("pp", &self.config.pp)
             .field("v", &self.config.v)
             .field("dp", &self.config.dp)
+            .field("ep", &self.ep)
             .finish_non_exhaustive()
     }
 }
@@ -210,6 +216,30 @@ impl Setup {
                 c.sharding
             )));
         }
+        if self.ep == 0 || c.dp % self.ep != 0 {
+            return Err(Error::Invalid(format!(
+                "ep = {}: expert parallelism splits the experts over groups of replicas, so it must divide dp = {}",
+                self.ep, c.dp
+            )));
+        }
+        if self.ep > 1 {
+            for l in self.model.layers() {
+                if let Some(m) = l.moe
+                    && m.experts % u64::from(self.ep) != 0
+                {
+                    return Err(Error::Invalid(format!(
+                        "ep = {}: layer {} of {} has {} routed experts, which ep must divide",
+                        self.ep, l.index, self.model.name, m.experts
+                    )));
+                }
+            }
+            if !self.model.layers().iter().any(|l| l.moe.is_some()) {
+                return Err(Error::Invalid(format!(
+                    "ep = {}: model {} has no mixture-of-experts layer to split",
+                    self.ep, self.model.name
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -293,6 +323,7 @@ pub struct Executor<W> {
     /// `ranks[d * pp + r]`: replica d's pipeline rank r, its stages as `(stage id, worker)`.
     pub ranks: Vec<Vec<(u32, W)>>,
     pp: usize,
+    ep: usize,
     steps_done: u64,
     fo_feeds_loss: bool,
 }
@@ -305,14 +336,42 @@ impl Executor<CpuStage> {
     pub fn cpu(setup: &Setup) -> Result<Self> {
         setup.check()?;
         let placement = setup.placement()?;
-        Executor::build(setup, &placement, |s| {
+        let ep = setup.ep as usize;
+        // One exchange per (expert-parallel group, stage): replica d is index d mod ep of
+        // group d / ep.
+        let groups = setup.config.dp as usize / ep;
+        let abort = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut links: Vec<Vec<Option<ExpertLink>>> = (0..groups * setup.config.stages.len())
+            .map(|_| {
+                if ep > 1 {
+                    ExpertLink::group(ep, &abort)
+                        .into_iter()
+                        .map(Some)
+                        .collect()
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let num_stages = setup.config.stages.len();
+        Executor::build_ranked(setup, &placement, |d, _, s| {
             let mode = setup.config.recompute_of(s);
-            CpuStage::new(
+            let shard = ExpertShard { index: d % ep, ep };
+            let stage = CpuStage::sharded(
                 &setup.model,
                 setup.config.stages[s].clone(),
                 setup.init_seed,
                 mode,
-            )
+                shard,
+            )?;
+            let link = links
+                .get_mut((d / ep) * num_stages + s)
+                .and_then(|g| g.get_mut(d % ep))
+                .and_then(Option::take);
+            Ok(match link {
+                Some(l) if stage.has_moe() => stage.with_link(l),
+                _ => stage,
+            })
         })
     }
 }
@@ -354,6 +413,7 @@ impl<W: StageWorker> Executor<W> {
         Ok(Executor {
             ranks,
             pp,
+            ep: setup.ep.max(1) as usize,
             steps_done: 0,
             fo_feeds_loss: setup.config.forward_only.is_some_and(|f| f.loss_dependency),
         })
@@ -381,6 +441,7 @@ impl<W: StageWorker> Executor<W> {
         let opts = StepOptions {
             optimizer: Some((setup.adamw, self.steps_done + 1)),
             max_grad_norm: setup.max_grad_norm,
+            ep: self.ep,
         };
         let run = run_step(&mut self.ranks, &replicas, &opts)?;
         self.steps_done += 1;
@@ -394,7 +455,16 @@ impl<W: StageWorker> Executor<W> {
     /// Any interpreter or backend error.
     pub fn gradients(&mut self, step: &PreparedStep) -> Result<StepRun> {
         let replicas = self.replicas(step);
-        run_step(&mut self.ranks, &replicas, &StepOptions::default())
+        let opts = self.options();
+        run_step(&mut self.ranks, &replicas, &opts)
+    }
+
+    /// No optimizer, this executor's expert parallelism.
+    fn options(&self) -> StepOptions {
+        StepOptions {
+            ep: self.ep,
+            ..StepOptions::default()
+        }
     }
 
     /// Runs a forward-only (evaluation) step over the step's microbatches: `Fo` on every stage,
@@ -424,21 +494,23 @@ impl<W: StageWorker> Executor<W> {
                 fo_feeds_loss: false,
             })
             .collect();
-        run_step(&mut self.ranks, &replicas, &StepOptions::default())
+        let opts = self.options();
+        run_step(&mut self.ranks, &replicas, &opts)
     }
 
-    /// Replica 0's gradients by parameter name.
+    /// Replica 0's gradients by parameter name (and its expert-parallel group's routed
+    /// experts').
     pub fn named_grads(&self) -> BTreeMap<String, Vec<f32>> {
-        self.ranks[..self.pp]
+        self.ranks[..self.pp * self.ep]
             .iter()
             .flatten()
             .flat_map(|(_, w)| w.named_grads())
             .collect()
     }
 
-    /// Replica 0's parameters by name.
+    /// Replica 0's parameters by name (and its expert-parallel group's routed experts').
     pub fn named_params(&self) -> BTreeMap<String, Vec<f32>> {
-        self.ranks[..self.pp]
+        self.ranks[..self.pp * self.ep]
             .iter()
             .flatten()
             .flat_map(|(_, w)| w.named_params())
@@ -521,11 +593,16 @@ impl Reference {
             self.stage.backward_input(i, mb, None)?;
             self.stage.backward_weight(i, mb)?;
         }
-        let grad_norm = self.stage.grad_sq_norm()?.sqrt();
+        let grad_norm = self.grad_norm()?;
         if optimize {
             self.optimize(setup, grad_norm)?;
         }
         Ok(ReferenceStep { loss, grad_norm })
+    }
+
+    /// The global gradient norm of the whole model, routed experts included.
+    fn grad_norm(&self) -> Result<f64> {
+        Ok((self.stage.grad_sq_norm()? + self.stage.expert_grad_sq_norm()?).sqrt())
     }
 
     /// The optimizer step on the gradients held: clipping to `setup.max_grad_norm` by the
@@ -571,12 +648,9 @@ impl Reference {
                 h.len()
             )));
         }
-        let mut at = 0;
-        self.stage.visit_grads(&mut |buf| {
-            buf.copy_from_slice(&grads[&held[at].0]);
-            at += 1;
-        })?;
-        let grad_norm = self.stage.grad_sq_norm()?.sqrt();
+        self.stage
+            .visit_named_grads(&mut |name, buf| buf.copy_from_slice(&grads[name]))?;
+        let grad_norm = self.grad_norm()?;
         self.optimize(setup, grad_norm)?;
         Ok(grad_norm)
     }

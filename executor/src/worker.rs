@@ -214,17 +214,47 @@ pub trait StageWorker: Send {
     /// A backend failure (the gradients would otherwise carry the last step's).
     fn zero_grads(&mut self) -> Result<()>;
 
-    /// Calls `f` on every gradient buffer, in a fixed order (for the data-parallel all-reduce).
+    /// Calls `f` on every gradient buffer but the routed experts', in a fixed order (for the
+    /// data-parallel all-reduce).
     ///
     /// # Errors
     /// A backend failure reading or writing a gradient.
     fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) -> Result<()>;
 
-    /// `Σ g²` over this stage's gradients, in f64.
+    /// `Σ g²` over this stage's gradients but the routed experts', in f64.
     ///
     /// # Errors
     /// A backend failure.
     fn grad_sq_norm(&self) -> Result<f64>;
+
+    /// Calls `f` on every routed expert's gradient buffer this stage holds, in a fixed order
+    /// (they are split over the expert-parallel group and reduced over the
+    /// expert-data-parallel group; [`StageWorker::visit_grads`] visits every other gradient).
+    /// Default: none.
+    ///
+    /// # Errors
+    /// A backend failure reading or writing a gradient.
+    fn visit_expert_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+        let _ = f;
+        Ok(())
+    }
+
+    /// `Σ g²` over the routed experts' gradients this stage holds. Default: 0.
+    ///
+    /// # Errors
+    /// A backend failure.
+    fn expert_grad_sq_norm(&self) -> Result<f64> {
+        Ok(0.0)
+    }
+
+    /// Another rank of the step failed: stop waiting on the expert-parallel group. Default:
+    /// nothing to stop.
+    fn abort_step(&self) {}
+
+    /// The expert-parallel all-to-alls this stage ran since the last call. Default: none.
+    fn take_all_to_alls(&mut self) -> Vec<AllToAllSpan> {
+        Vec::new()
+    }
 
     /// One optimizer step at step number `t >= 1` with gradients scaled by `grad_scale`
     /// (clipping); done when it returns (a GPU waits for it).
@@ -281,4 +311,36 @@ pub trait StageWorker: Send {
     fn device_clock(&mut self) -> Option<&mut dyn DeviceClock> {
         None
     }
+}
+
+/// Which exchange of an MoE layer a message belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// F: token rows to the experts' ranks.
+    Dispatch,
+    /// F: expert outputs back to the tokens' ranks.
+    Combine,
+    /// I: output gradients to the experts' ranks.
+    GradDispatch,
+    /// I: input gradients back to the tokens' ranks.
+    GradCombine,
+}
+
+/// One all-to-all as this rank saw it: from its first send to its last receive.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AllToAllSpan {
+    /// Global layer index.
+    pub layer: usize,
+    /// Microbatch.
+    pub microbatch: u32,
+    /// A forward-only microbatch's.
+    pub forward_only: bool,
+    /// Which exchange.
+    pub phase: Phase,
+    /// Values sent to other ranks (rows x H, f32).
+    pub values_sent: usize,
+    /// First send.
+    pub start: std::time::Instant,
+    /// Last receive.
+    pub end: std::time::Instant,
 }

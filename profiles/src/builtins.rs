@@ -19,6 +19,7 @@ pub const MODELS: &[(&str, &str)] = &[
         include_str!("../data/models/llama3.1-405b.yaml"),
     ),
     ("tiny", include_str!("../data/models/tiny.yaml")),
+    ("tiny-moe", include_str!("../data/models/tiny-moe.yaml")),
     (
         "deepseek-v3",
         include_str!("../data/models/deepseek-v3.yaml"),

@@ -42,7 +42,7 @@ pub use analytic::{AnalyticOptions, FLAT_EFFICIENCY, analytic_profile};
 pub use error::{Error, Result};
 pub use gemm::{AttentionSpec, GemmCurve, GemmSpec};
 pub use hardware::{Hardware, Link};
-pub use model::{AttentionImpl, Dtype, Layer, LayerGroup, LayerKind, Mla, ModelSpec, Moe};
+pub use model::{AttentionImpl, Dtype, Gating, Layer, LayerGroup, LayerKind, Mla, ModelSpec, Moe};
 pub use profile::{
     ActionOverhead, CostCoeffs, ExpertBatching, FitQuality, GemmSplit, LayerProfile, LayerShape,
     MIN_FIT_R2, Phase, Profile, ProfileSource, Provenance, RoutedCosts,

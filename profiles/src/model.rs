@@ -142,6 +142,38 @@ pub struct Moe {
     /// model's dtype.
     #[serde(default, skip_serializing_if = "is_false")]
     pub fp8_dispatch: bool,
+    /// How the router turns its logits into scores (default softmax).
+    #[serde(default, skip_serializing_if = "Gating::is_softmax")]
+    pub gating: Gating,
+    /// Whether each token's `top_k` weights are divided by their sum (Hugging Face's
+    /// `norm_topk_prob`; default true, as Qwen3-MoE, Mixtral and DeepSeek-V3 route).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub normalise_top_k: bool,
+}
+
+/// How a mixture-of-experts router scores the experts from its logits `x Wr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Gating {
+    /// `softmax(logits)` over the experts (Mixtral, Qwen3-MoE).
+    #[default]
+    Softmax,
+    /// `sigmoid(logits)` per expert (DeepSeek-V3, arXiv 2412.19437 §2.1.2).
+    Sigmoid,
+}
+
+impl Gating {
+    fn is_softmax(&self) -> bool {
+        *self == Gating::Softmax
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 fn is_zero(n: &u64) -> bool {

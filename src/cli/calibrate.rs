@@ -310,6 +310,7 @@ fn plan_schedules(
             step_size: size,
             seed: workload.seed,
             init_seed: 0,
+            ep: 1,
             reduction: executor::LossReduction::PerToken,
             adamw: AdamW::default(),
             max_grad_norm: Some(1.0),

@@ -132,6 +132,7 @@ impl CudaStage {
             model,
             range.clone(),
             seed,
+            crate::model::experts::ExpertShard::ALL,
             &mut |name, shape, how, _| {
                 let n = shape.0 * shape.1;
                 match exact.remove(name) {

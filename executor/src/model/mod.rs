@@ -14,12 +14,15 @@
 //! weights are stored `[in, out]` (`y = x W`), row-major on every backend.
 //!
 //! - [`ops`]: the [`OpSet`] trait a backend implements.
+//! - [`experts`]: the decoder's MLP, dense or mixture of experts, and the expert-parallel
+//!   token exchange ([`experts::ExpertLink`]).
 //! - [`params`]: a parameter with its gradient and moments, and how it is initialised.
 //! - `saved`: what F keeps until I and what I keeps until W, per layer.
 //! - `layers`: the layers' parameters, their construction from a layer range, and each
 //!   layer's forward and dgrad (written once over the op set).
 //! - [`stage`]: [`Stage`], the [`crate::worker::StageWorker`] over any op set.
 
+pub mod experts;
 pub(crate) mod layers;
 pub mod ops;
 pub mod params;

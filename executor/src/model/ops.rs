@@ -81,6 +81,22 @@ pub trait OpSet: Send + Debug + 'static {
     fn visit(&self, t: &mut Self::Tensor, f: &mut dyn FnMut(&mut [f32])) -> Result<()>;
     /// `t`'s values on the host; NaN where they cannot be read (the error is logged).
     fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// A `[rows, cols]` tensor of `values` (row-major) from the host. Default: unsupported
+    /// (mixture-of-experts layers need it, [`OpSet::supports_moe`]).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on a backend without it; a backend failure.
+    fn upload_host(&self, values: Vec<f32>, rows: usize, cols: usize) -> Result<Self::Tensor> {
+        let _ = (values, rows, cols);
+        Err(Error::Unsupported(
+            "host tensors (mixture-of-experts layers) on this backend".into(),
+        ))
+    }
+    /// Whether the backend runs mixture-of-experts layers (their routing and token exchange
+    /// run on the host, [`crate::model::experts`]). Default: no.
+    fn supports_moe(&self) -> bool {
+        false
+    }
     /// `Σ x²` in f64.
     ///
     /// # Errors

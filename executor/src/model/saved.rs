@@ -1,6 +1,7 @@
 //! What a layer's F keeps until its I ([`FCtx`]) and what its I keeps until its W ([`WCtx`]),
 //! with none or selective recomputation, and their sizes in bytes.
 
+use super::experts::{MoeF, MoeW, SwigluF, SwigluW};
 use super::ops::OpSet;
 
 /// What a decoder's forward keeps for its backward, all `[T, X]` (`rstd` `[T]`, `lse`
@@ -18,9 +19,39 @@ pub(crate) struct DecoderF<T> {
     pub(crate) h2: T,
     pub(crate) xhat2: T,
     pub(crate) rstd2: T,
-    pub(crate) gate: T,
-    pub(crate) up: T,
-    pub(crate) act: T,
+    pub(crate) mlp: MlpF<T>,
+}
+
+/// What a decoder's MLP forward keeps.
+#[derive(Debug)]
+pub(crate) enum MlpF<T> {
+    Dense(SwigluF<T>),
+    Moe(Box<MoeF<T>>),
+}
+
+impl<T> MlpF<T> {
+    fn tensors(&self) -> Vec<&T> {
+        match self {
+            MlpF::Dense(f) => vec![&f.gate, &f.up, &f.act],
+            MlpF::Moe(m) => m.tensors(),
+        }
+    }
+}
+
+/// What a decoder's MLP dgrad keeps for its wgrad.
+#[derive(Debug)]
+pub(crate) enum MlpW<T> {
+    Dense(SwigluW<T>),
+    Moe(Box<MoeW<T>>),
+}
+
+impl<T> MlpW<T> {
+    fn tensors(&self) -> Vec<&T> {
+        match self {
+            MlpW::Dense(w) => vec![&w.act, &w.dgate, &w.dup],
+            MlpW::Moe(m) => m.tensors(),
+        }
+    }
 }
 
 /// What a decoder's forward keeps under selective recomputation: the GEMM outputs (q and k after
@@ -48,8 +79,17 @@ pub(crate) struct DecoderSelective<T> {
 
 impl<T> DecoderSelective<T> {
     /// Keeps what selective recomputation keeps of a forward's context.
-    pub(super) fn keep(c: DecoderF<T>) -> Self {
-        DecoderSelective {
+    ///
+    /// # Errors
+    /// [`crate::Error::Unsupported`] for a mixture-of-experts layer (its experts' activations
+    /// live on other ranks).
+    pub(super) fn keep(c: DecoderF<T>) -> crate::Result<Self> {
+        let MlpF::Dense(mlp) = c.mlp else {
+            return Err(crate::Error::Unsupported(
+                "selective recomputation of a mixture-of-experts layer".into(),
+            ));
+        };
+        Ok(DecoderSelective {
             xhat1: c.xhat1,
             rstd1: c.rstd1,
             q: c.q,
@@ -57,9 +97,9 @@ impl<T> DecoderSelective<T> {
             v: c.v,
             xhat2: c.xhat2,
             rstd2: c.rstd2,
-            gate: c.gate,
-            up: c.up,
-        }
+            gate: mlp.gate,
+            up: mlp.up,
+        })
     }
 }
 
@@ -94,13 +134,11 @@ pub(crate) struct DecoderW<O: OpSet> {
     pub(super) o: O::Tensor,
     pub(super) h2: O::Tensor,
     pub(super) xhat2: O::Tensor,
-    pub(super) act: O::Tensor,
+    pub(super) mlp: MlpW<O::Tensor>,
     pub(super) dq: O::Tensor,
     pub(super) dk: O::Tensor,
     pub(super) dv: O::Tensor,
     pub(super) da: O::Tensor,
-    pub(super) dgate: O::Tensor,
-    pub(super) dup: O::Tensor,
     pub(super) dm: O::Hidden,
     pub(super) dh1: O::Tensor,
     pub(super) dh2: O::Tensor,
@@ -133,10 +171,18 @@ impl<O: OpSet> FCtx<O> {
             FCtx::Embedding => 0,
             FCtx::Input(x) => O::bytes(O::tensor(x)),
             FCtx::Head(c) => sum_bytes::<O>(&[&c.h, &c.xhat, &c.rstd, &c.logits, &c.lse]),
-            FCtx::Decoder(c) => sum_bytes::<O>(&[
-                &c.h1, &c.xhat1, &c.rstd1, &c.q, &c.k, &c.v, &c.o, &c.lse, &c.h2, &c.xhat2,
-                &c.rstd2, &c.gate, &c.up, &c.act,
-            ]),
+            FCtx::Decoder(c) => {
+                let mut ts = vec![
+                    &c.h1, &c.xhat1, &c.rstd1, &c.q, &c.k, &c.v, &c.o, &c.lse, &c.h2, &c.xhat2,
+                    &c.rstd2,
+                ];
+                ts.extend(c.mlp.tensors());
+                let host = match &c.mlp {
+                    MlpF::Moe(m) => m.host_bytes(),
+                    MlpF::Dense(_) => 0,
+                };
+                sum_bytes::<O>(&ts) + host
+            }
             FCtx::Selective(c) => sum_bytes::<O>(&[
                 &c.xhat1, &c.rstd1, &c.q, &c.k, &c.v, &c.xhat2, &c.rstd2, &c.gate, &c.up,
             ]),
@@ -154,23 +200,24 @@ impl<O: OpSet> WCtx<O> {
                 dlogits,
                 dh,
             } => sum_bytes::<O>(&[h, xhat, dlogits, dh]),
-            WCtx::Decoder(w) => sum_bytes::<O>(&[
-                &w.h1,
-                &w.xhat1,
-                &w.o,
-                &w.h2,
-                &w.xhat2,
-                &w.act,
-                &w.dq,
-                &w.dk,
-                &w.dv,
-                &w.da,
-                &w.dgate,
-                &w.dup,
-                O::tensor(&w.dm),
-                &w.dh1,
-                &w.dh2,
-            ]),
+            WCtx::Decoder(w) => {
+                let mut ts = vec![
+                    &w.h1,
+                    &w.xhat1,
+                    &w.o,
+                    &w.h2,
+                    &w.xhat2,
+                    &w.dq,
+                    &w.dk,
+                    &w.dv,
+                    &w.da,
+                    O::tensor(&w.dm),
+                    &w.dh1,
+                    &w.dh2,
+                ];
+                ts.extend(w.mlp.tensors());
+                sum_bytes::<O>(&ts)
+            }
         }
     }
 }

@@ -2,10 +2,13 @@
 //! F, I and W, keeps per microbatch what they save, recomputes per the plan, and holds the
 //! parameters and the optimizer state.
 
-use super::layers::{ChunkDgrad, Layer, decoder_dgrad, decoder_forward, head_dgrad, head_forward};
+use super::experts::{AllToAllSpan, Exchange, ExpertLink, moe_wgrad, swiglu_wgrad};
+use super::layers::{
+    ChunkDgrad, Layer, Mlp, decoder_dgrad, decoder_forward, head_dgrad, head_forward,
+};
 use super::ops::OpSet;
 use super::params::Param;
-use super::saved::{DecoderSelective, FCtx, WCtx};
+use super::saved::{DecoderSelective, FCtx, MlpW, WCtx};
 use crate::worker::{
     AdamW, CopyStamps, DeviceClock, LossSums, Misuse, StageInput, StageOutput, StageWorker,
 };
@@ -39,6 +42,8 @@ pub struct Stage<O: OpSet> {
     /// Per (chunk microbatch, layer position): the gradients of its rotated keys and values
     /// that its later chunks' dgrads produced, summed, `[tokens, kv]` each.
     later_kv: HashMap<(u32, usize), (O::Tensor, O::Tensor)>,
+    /// The stage's end of its expert-parallel group (none: every expert is here).
+    link: Option<ExpertLink>,
 }
 
 impl<O: OpSet> Stage<O> {
@@ -61,7 +66,36 @@ impl<O: OpSet> Stage<O> {
             peak_saved: 0,
             chains: HashMap::new(),
             later_kv: HashMap::new(),
+            link: None,
         }
+    }
+
+    /// Exchanges the routed experts' tokens through `link` (the stage holds the experts of
+    /// `link`'s index, [`super::experts::ExpertShard`]).
+    pub fn with_link(mut self, link: ExpertLink) -> Self {
+        self.link = Some(link);
+        self
+    }
+
+    /// Calls `f(name, gradient)` on every parameter's gradient, routed experts included.
+    ///
+    /// # Errors
+    /// A backend failure reading or writing a gradient.
+    pub fn visit_named_grads(&mut self, f: &mut dyn FnMut(&str, &mut [f32])) -> Result<()> {
+        for (_, l) in &mut self.layers {
+            for p in l.params_mut() {
+                let name = p.name.as_str();
+                self.ops.visit(&mut p.grad, &mut |g| f(name, g))?;
+            }
+        }
+        self.ops.synchronize()
+    }
+
+    /// Whether a layer of this stage is a mixture of experts.
+    pub fn has_moe(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|(_, l)| matches!(l, Layer::Decoder(d) if matches!(d.mlp, Mlp::Moe(_))))
     }
 
     /// Bytes of activations and gradients this stage holds for microbatches between F and W
@@ -181,6 +215,7 @@ impl<O: OpSet> Stage<O> {
         Ok(Some(out))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run_layer(
         ops: &O,
         layer: &Layer<O::Tensor>,
@@ -189,6 +224,7 @@ impl<O: OpSet> Stage<O> {
         keep: bool,
         recompute: Recompute,
         prefix: Option<(&O::Tensor, &O::Tensor)>,
+        ex: &mut Exchange<'_>,
     ) -> Result<(Flow<O>, Option<FCtx<O>>)> {
         let t = O::tokens(data);
         Ok(match (layer, flow) {
@@ -197,12 +233,12 @@ impl<O: OpSet> Stage<O> {
                 keep.then_some(FCtx::Embedding),
             ),
             (Layer::Decoder(d), Flow::Hidden(x)) => {
-                let (y, c) = decoder_forward(ops, d, O::tensor(&x), data, prefix)?;
+                let (y, c) = decoder_forward(ops, d, O::tensor(&x), data, prefix, ex)?;
                 let ctx = match (keep, recompute) {
                     (false, _) => None,
                     (true, Recompute::Full) => Some(FCtx::Input(x)),
                     (true, Recompute::Selective) => {
-                        Some(FCtx::Selective(Box::new(DecoderSelective::keep(c))))
+                        Some(FCtx::Selective(Box::new(DecoderSelective::keep(c)?)))
                     }
                     (true, Recompute::None) => Some(FCtx::Decoder(Box::new(c))),
                 };
@@ -296,13 +332,27 @@ impl<O: OpSet> StageWorker for Stage<O> {
             None => None,
         };
         let mut ctxs = Vec::with_capacity(self.layers.len());
-        for (l, (_, layer)) in self.layers.iter().enumerate() {
+        for (l, (index, layer)) in self.layers.iter().enumerate() {
             let p = prefix
                 .as_ref()
                 .and_then(|p| p[l].as_ref())
                 .map(|(k, v)| (k, v));
-            let (next, ctx) =
-                Self::run_layer(&self.ops, layer, flow, &dev, keep, self.recompute, p)?;
+            let mut ex = Exchange {
+                link: self.link.as_mut(),
+                layer: *index,
+                microbatch: mb,
+                forward_only: !keep,
+            };
+            let (next, ctx) = Self::run_layer(
+                &self.ops,
+                layer,
+                flow,
+                &dev,
+                keep,
+                self.recompute,
+                p,
+                &mut ex,
+            )?;
             flow = next;
             ctxs.extend(ctx);
         }
@@ -360,11 +410,17 @@ impl<O: OpSet> StageWorker for Stage<O> {
         let t = O::tokens(&dev);
         let mut dy = grad;
         let mut wctxs = Vec::with_capacity(ctxs.len());
-        for (pos, ((_, layer), ctx)) in self.layers.iter().zip(ctxs).enumerate().rev() {
+        for (pos, ((index, layer), ctx)) in self.layers.iter().zip(ctxs).enumerate().rev() {
+            let mut ex = Exchange {
+                link: self.link.as_mut(),
+                layer: *index,
+                microbatch: mb,
+                forward_only: false,
+            };
             let ctx = match (ctx, layer) {
                 // Full recomputation: rerun this layer's forward from its saved input.
                 (FCtx::Input(x), Layer::Decoder(d)) => FCtx::Decoder(Box::new(
-                    decoder_forward(ops, d, O::tensor(&x), &dev, None)?.1,
+                    decoder_forward(ops, d, O::tensor(&x), &dev, None, &mut ex)?.1,
                 )),
                 (
                     FCtx::Input(x),
@@ -408,7 +464,7 @@ impl<O: OpSet> StageWorker for Stage<O> {
                             .map(|(k, v)| (k, v)),
                         later: self.later_kv.remove(&(mb, pos)),
                     });
-                    let (dx, w, earlier) = decoder_dgrad(ops, d, *c, dy, &dev, cg)?;
+                    let (dx, w, earlier) = decoder_dgrad(ops, d, *c, dy, &dev, cg, &mut ex)?;
                     // Hand each earlier chunk its rows of the key/value gradients.
                     if let (Some((dkp, dvp)), Some((ch, chain))) = (earlier, &chunk) {
                         let kv = d.kv();
@@ -479,14 +535,22 @@ impl<O: OpSet> StageWorker for Stage<O> {
                 }
                 (Layer::Decoder(d), WCtx::Decoder(w)) => {
                     let d = &mut **d;
-                    let (h, f, kv) = (d.hidden, d.ffn, d.kv());
+                    let w = *w;
+                    let (h, kv) = (d.hidden, d.kv());
                     ops.linear_dw(&mut d.wq.grad, &w.h1, &w.dq, t, h, h)?;
                     ops.linear_dw(&mut d.wk.grad, &w.h1, &w.dk, t, h, kv)?;
                     ops.linear_dw(&mut d.wv.grad, &w.h1, &w.dv, t, h, kv)?;
                     ops.linear_dw(&mut d.wo.grad, &w.o, &w.da, t, h, h)?;
-                    ops.linear_dw(&mut d.w1.grad, &w.h2, &w.dgate, t, h, f)?;
-                    ops.linear_dw(&mut d.w3.grad, &w.h2, &w.dup, t, h, f)?;
-                    ops.linear_dw(&mut d.w2.grad, &w.act, O::tensor(&w.dm), t, f, h)?;
+                    let dm = O::tensor(&w.dm);
+                    match (&mut d.mlp, w.mlp) {
+                        (Mlp::Dense(s), MlpW::Dense(sw)) => {
+                            swiglu_wgrad(ops, s, &w.h2, dm, &sw, t, h)?;
+                        }
+                        (Mlp::Moe(m), MlpW::Moe(mw)) => {
+                            moe_wgrad(ops, m, *mw, &w.h2, dm, (t, h))?;
+                        }
+                        _ => return Err(Misuse::GradientsOfAnotherKind.into()),
+                    }
                     ops.rmsnorm_dg(&mut d.attn_norm.grad, &w.dh1, &w.xhat1, t, h)?;
                     ops.rmsnorm_dg(&mut d.ffn_norm.grad, &w.dh2, &w.xhat2, t, h)?;
                 }
@@ -504,12 +568,24 @@ impl<O: OpSet> StageWorker for Stage<O> {
                 self.ops.fill_zero(&mut p.grad)?;
             }
         }
+        if let Some(link) = &mut self.link {
+            link.reset();
+        }
         Ok(())
     }
 
     fn visit_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
         for (_, l) in &mut self.layers {
-            for p in l.params_mut() {
+            for p in l.replicated_mut() {
+                self.ops.visit(&mut p.grad, f)?;
+            }
+        }
+        self.ops.synchronize()
+    }
+
+    fn visit_expert_grads(&mut self, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+        for (_, l) in &mut self.layers {
+            for p in l.routed_mut() {
                 self.ops.visit(&mut p.grad, f)?;
             }
         }
@@ -518,10 +594,31 @@ impl<O: OpSet> StageWorker for Stage<O> {
 
     fn grad_sq_norm(&self) -> Result<f64> {
         let mut sum = 0.0;
-        for p in self.layers.iter().flat_map(|(_, l)| l.params()) {
+        for p in self.layers.iter().flat_map(|(_, l)| l.replicated()) {
             sum += self.ops.sum_squares(&p.grad)?;
         }
         Ok(sum)
+    }
+
+    fn expert_grad_sq_norm(&self) -> Result<f64> {
+        let mut sum = 0.0;
+        for p in self.layers.iter().flat_map(|(_, l)| l.routed()) {
+            sum += self.ops.sum_squares(&p.grad)?;
+        }
+        Ok(sum)
+    }
+
+    fn abort_step(&self) {
+        if let Some(link) = &self.link {
+            link.abort();
+        }
+    }
+
+    fn take_all_to_alls(&mut self) -> Vec<AllToAllSpan> {
+        self.link
+            .as_mut()
+            .map(ExpertLink::take_spans)
+            .unwrap_or_default()
     }
 
     fn optimizer_step(&mut self, opt: &AdamW, t: u64, grad_scale: f32) -> Result<()> {

@@ -51,6 +51,7 @@ pub fn setup(
         step_size: StepSize::Seqs(3 * m),
         seed: 11,
         init_seed: 5,
+        ep: 1,
         reduction: LossReduction::PerToken,
         adamw: AdamW::default(),
         max_grad_norm: Some(1.0),

@@ -261,6 +261,7 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
             dp * pp
         );
     }
+    let ep = expert_parallel(a, plan.as_ref(), &config);
     let balance = flatpipe_simulator::run::config::balance_cost(&profile);
     let setup = Setup {
         model: model.clone(),
@@ -272,6 +273,7 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
             .or(plan.as_ref().map(|p| p.inputs.seed))
             .unwrap_or(workload.seed),
         init_seed: a.init_seed,
+        ep,
         reduction,
         adamw: AdamW {
             lr: a.lr,
@@ -290,4 +292,21 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         setup,
         backend,
     })
+}
+
+/// The expert-parallel degree: --ep, else the plan's, else 1; warns when the step's
+/// microbatch count is left to the token budget (an expert-parallel group's replicas need the
+/// same count).
+fn expert_parallel(
+    a: &ExecuteArgs,
+    plan: Option<&Plan>,
+    config: &flatpipe_simulator::run::config::RunConfig,
+) -> u32 {
+    let ep = a.ep.or(plan.map(|p| p.ep)).unwrap_or(1);
+    if ep > 1 && config.params.microbatches.is_none() {
+        tracing::warn!(
+            "ep = {ep} without --microbatches: the replicas of an expert-parallel group pair their microbatches one to one, so a step whose token budget cuts them into different counts is refused; give --microbatches to fix the count"
+        );
+    }
+    ep
 }

@@ -63,6 +63,11 @@ pub(super) struct ExecuteArgs {
     /// Data-parallel replicas (inline; default 1).
     #[arg(long)]
     dp: Option<u32>,
+    /// Expert-parallel degree (inline, or the plan's; default 1): groups of this many
+    /// data-parallel replicas split each mixture-of-experts layer's routed experts and exchange
+    /// their tokens by all-to-all. Must divide --dp and the experts.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    ep: Option<u32>,
     /// Exactly this many microbatches per replica and step, balanced by predicted cost (inline;
     /// without it, the token budget cuts the step).
     #[arg(long, conflicts_with = "token_budget")]
