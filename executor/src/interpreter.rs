@@ -24,9 +24,12 @@
 //! stages (what clipping needs), and the optimizer step on every rank in parallel.
 
 use crate::data::MicrobatchData;
-use crate::worker::{AdamW, LossSums, StageInput, StageOutput, StageWorker};
+use crate::worker::{
+    AdamW, AllToAllSpan, ComputeStream, LossSums, StageInput, StageOutput, StageWorker,
+};
 use crate::{Error, Result};
 use flatpipe_simulator::ir::{ActionKind, ComputeAction, Rank, Schedule};
+use flatpipe_simulator::replay::metrics::AllToAllTime;
 use flatpipe_simulator::replay::timeline::{TimedOp, TimedTransfer, Timeline};
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -76,6 +79,29 @@ pub struct StepRun {
     /// `all_to_all[g]`: rank g's expert-parallel all-to-alls, as `(stage, span)` with the
     /// span's start and end in nanoseconds from the timeline's origin; empty without experts.
     pub all_to_all: Vec<Vec<MeasuredAllToAll>>,
+    /// `exposed_all_to_all_ns[g]`: the time rank g's actions waited on all-to-alls while none
+    /// of their parts computed (an overlapped pair hides one half's all-to-all under the other
+    /// half's compute), nanoseconds.
+    pub exposed_all_to_all_ns: Vec<u64>,
+}
+
+impl StepRun {
+    /// The measured expert-parallel all-to-all time of the rank with the most exposed, as
+    /// [`flatpipe_simulator::replay::metrics::Metrics::all_to_all`] reports the predicted one:
+    /// `total_s` the ranks' all-to-all spans summed (from the first send to the last receive,
+    /// waiting on a late partner included), `exposed_s` the time its actions waited on them
+    /// with no part computing. `None` without expert parallelism.
+    pub fn all_to_all_time(&self) -> Option<AllToAllTime> {
+        self.all_to_all
+            .iter()
+            .zip(&self.exposed_all_to_all_ns)
+            .filter(|(spans, _)| !spans.is_empty())
+            .map(|(spans, &exposed)| AllToAllTime {
+                total_s: spans.iter().map(|a| a.end_ns - a.start_ns).sum::<u64>() as f64 * 1e-9,
+                exposed_s: exposed as f64 * 1e-9,
+            })
+            .max_by(|a, b| a.exposed_s.total_cmp(&b.exposed_s))
+    }
 }
 
 /// One expert-parallel all-to-all as its rank measured it (host clock).
@@ -172,6 +198,7 @@ struct RankOut {
     losses: Vec<(u32, LossSums)>,
     fo_losses: Vec<(u32, LossSums)>,
     all_to_all: Vec<MeasuredAllToAll>,
+    exposed_all_to_all_ns: u64,
 }
 
 struct RankCtx<'a, W: StageWorker> {
@@ -309,30 +336,116 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
         Ok(Some(self.recv(dir, a)?))
     }
 
+    /// Refuses a loss that needs a forward-only result not yet computed.
+    fn precheck(&self, a: &ComputeAction) -> Result<()> {
+        let last = self.schedule.num_stages() - 1;
+        let mb = a.microbatch.0;
+        if a.kind == ActionKind::F
+            && a.stage.0 == last
+            && self.replica.fo_feeds_loss
+            && !self.out.fo_losses.iter().any(|(k, _)| *k == mb)
+        {
+            return Err(Error::Invalid(format!(
+                "rank {}: {a} computes microbatch {mb}'s loss, which needs forward-only microbatch {mb}'s result ({last}Fo{mb}), not yet run",
+                self.global
+            )));
+        }
+        Ok(())
+    }
+
     /// Runs one compute action on its inputs and sends its output.
     fn compute(&mut self, a: &ComputeAction, input: Option<W::Hidden>) -> Result<()> {
+        self.precheck(a)?;
+        let data = self.data(a)?;
+        let out = work(self.stage(a.stage.0)?, a, data, input)?;
+        self.deliver(a, out)
+    }
+
+    /// Runs an overlapped pair whose stages exchange tokens with an expert-parallel group:
+    /// each half on its own thread, sharing one [`ComputeStream`] that a half holds while it
+    /// computes and lets go while it waits on an all-to-all, so one half's dispatch and combine
+    /// are on the wire while the other half computes (DualPipe; Megatron-LM's combined 1F1B),
+    /// and the rank never computes two things at once. Returns each half's `(start, end)`.
+    ///
+    /// # Errors
+    /// Either half's error (the other half is stopped through the expert-parallel links).
+    fn compute_overlapped(
+        &mut self,
+        parts: &[ComputeAction],
+        inputs: Vec<Option<W::Hidden>>,
+    ) -> Result<[(Instant, Instant); 2]> {
+        let (a0, a1) = (parts[0], parts[1]);
+        self.precheck(&a0)?;
+        self.precheck(&a1)?;
+        let (d0, d1) = (self.data(&a0)?, self.data(&a1)?);
+        let index = |s: u32| {
+            self.index.get(&s).copied().ok_or_else(|| {
+                Error::Invalid(format!(
+                    "rank {} runs an action of stage {s}, which it does not hold",
+                    self.global
+                ))
+            })
+        };
+        let (i0, i1) = (index(a0.stage.0)?, index(a1.stage.0)?);
+        let (w0, w1) = two_mut(self.stages, i0, i1);
+        let stream = Arc::new(ComputeStream::default());
+        w0.1.set_compute_stream(Some(Arc::clone(&stream)));
+        w1.1.set_compute_stream(Some(Arc::clone(&stream)));
+        let mut inputs = inputs.into_iter();
+        let (in0, in1) = (inputs.next().flatten(), inputs.next().flatten());
+        let half = |w: &mut W, a: &ComputeAction, d, input| {
+            let t = Instant::now();
+            stream.acquire();
+            let out = work(w, a, d, input);
+            stream.release();
+            if out.is_err() {
+                w.abort_step();
+            }
+            (out, t, Instant::now())
+        };
+        let (r0, r1) = std::thread::scope(|scope| {
+            let other = scope.spawn(|| half(&mut w1.1, &a1, d1, in1));
+            let r0 = half(&mut w0.1, &a0, d0, in0);
+            let t = r0.1;
+            let r1 = other.join().unwrap_or_else(|_| {
+                (
+                    Err(Error::Invalid(
+                        "an overlapped half's thread panicked".into(),
+                    )),
+                    t,
+                    t,
+                )
+            });
+            (r0, r1)
+        });
+        w0.1.set_compute_stream(None);
+        w1.1.set_compute_stream(None);
+        let (o0, s0, e0) = r0;
+        let (o1, s1, e1) = r1;
+        let (o0, o1) = match (o0, o1) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => return Err(e),
+        };
+        self.deliver(&a0, o0)?;
+        self.deliver(&a1, o1)?;
+        Ok([(s0, e0), (s1, e1)])
+    }
+
+    /// Whether a part's stage exchanges tokens with an expert-parallel group.
+    fn exchanges(&mut self, parts: &[ComputeAction]) -> bool {
+        parts
+            .iter()
+            .any(|a| self.stage(a.stage.0).is_ok_and(|w| w.exchanges_tokens()))
+    }
+
+    /// Sends a computed action's output on, or keeps its loss.
+    fn deliver(&mut self, a: &ComputeAction, out: Worked<W::Hidden>) -> Result<()> {
         let last = self.schedule.num_stages() - 1;
         let (s, mb) = (a.stage.0, a.microbatch.0);
         let to = a.sends(self.schedule.num_stages());
-        let data = self.data(a)?;
-        match a.kind {
-            ActionKind::F | ActionKind::Fo => {
+        match out {
+            Worked::Forward(out) => {
                 let keep = a.kind == ActionKind::F;
-                if keep
-                    && s == last
-                    && self.replica.fo_feeds_loss
-                    && !self.out.fo_losses.iter().any(|(k, _)| *k == mb)
-                {
-                    return Err(Error::Invalid(format!(
-                        "rank {}: {a} computes microbatch {mb}'s loss, which needs forward-only microbatch {mb}'s result ({last}Fo{mb}), not yet run",
-                        self.global
-                    )));
-                }
-                let input = match input {
-                    Some(h) => StageInput::Hidden(h),
-                    None => StageInput::Tokens,
-                };
-                let out = self.stage(s)?.forward(mb, data, input, keep)?;
                 match (out, to) {
                     (StageOutput::Hidden(h), Some(to)) => {
                         let dir = if keep { Dir::Forward } else { Dir::ForwardOnly };
@@ -360,21 +473,48 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
                     }
                 }
             }
-            ActionKind::I | ActionKind::B => {
-                let dx = self.stage(s)?.backward_input(mb, data, input)?;
+            Worked::Backward(dx) => {
                 if let Some(to) = to {
                     let dx = dx.ok_or_else(|| {
                         Error::Invalid(format!("stage {s} produced no input gradient"))
                     })?;
                     self.send(Dir::Backward, a, to.0, dx)?;
                 }
-                if a.kind == ActionKind::B {
-                    self.stage(s)?.backward_weight(mb, data)?;
-                }
             }
-            ActionKind::W => self.stage(s)?.backward_weight(mb, data)?,
+            Worked::Weight => {}
         }
         Ok(())
+    }
+
+    /// Moves the all-to-alls that `parts` ran (from their stages' links) to the rank's output,
+    /// and adds the time the action waited on them with no part computing to its exposed
+    /// all-to-all time. `windows`: each part's `(start, end)`.
+    fn note_all_to_alls(&mut self, parts: &[ComputeAction], windows: &[(Instant, Instant)]) {
+        let t0 = self.t0;
+        let ns = |i: Instant| i.saturating_duration_since(t0).as_nanos() as u64;
+        let mut per_part = Vec::with_capacity(parts.len());
+        for a in parts {
+            let spans = match self.stage(a.stage.0) {
+                Ok(w) => w.take_all_to_alls(),
+                Err(_) => Vec::new(),
+            };
+            per_part.push(spans);
+        }
+        self.out.exposed_all_to_all_ns += exposed_ns(windows, &per_part);
+        for (a, spans) in parts.iter().zip(per_part) {
+            for x in spans {
+                self.out.all_to_all.push(MeasuredAllToAll {
+                    stage: a.stage.0,
+                    layer: x.layer,
+                    microbatch: x.microbatch,
+                    forward_only: x.forward_only,
+                    phase: x.phase,
+                    values_sent: x.values_sent,
+                    start_ns: ns(x.start),
+                    end_ns: ns(x.end),
+                });
+            }
+        }
     }
 
     fn run(&mut self, r: usize) -> Result<()> {
@@ -394,10 +534,23 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
                 inputs.push(self.inputs(a)?);
             }
             let start = self.clock()?;
-            for (a, input) in parts.iter().zip(inputs) {
-                self.compute(a, input)?;
-            }
+            let overlap = parts.len() == 2
+                && parts[0].stage != parts[1].stage
+                && !self.device
+                && self.exchanges(&parts);
+            let windows = if overlap {
+                self.compute_overlapped(&parts, inputs)?.to_vec()
+            } else {
+                let mut w = Vec::with_capacity(parts.len());
+                for (a, input) in parts.iter().zip(inputs) {
+                    let t = Instant::now();
+                    self.compute(a, input)?;
+                    w.push((t, Instant::now()));
+                }
+                w
+            };
             let end = self.clock()?;
+            self.note_all_to_alls(&parts, &windows);
             self.out.ops.push(TimedOp {
                 action: *action,
                 start_ns: start,
@@ -429,22 +582,6 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
                 tr.end_ns = at(tr.end_ns)?;
             }
         }
-        let t0 = self.t0;
-        for (s, w) in self.stages.iter_mut() {
-            for a in w.take_all_to_alls() {
-                let ns = |i: Instant| i.saturating_duration_since(t0).as_nanos() as u64;
-                self.out.all_to_all.push(MeasuredAllToAll {
-                    stage: *s,
-                    layer: a.layer,
-                    microbatch: a.microbatch,
-                    forward_only: a.forward_only,
-                    phase: a.phase,
-                    values_sent: a.values_sent,
-                    start_ns: ns(a.start),
-                    end_ns: ns(a.end),
-                });
-            }
-        }
         for (_, w) in self.stages.iter_mut() {
             for (mb, fo, l) in w.take_losses()? {
                 let list = if fo {
@@ -459,6 +596,87 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
         }
         Ok(())
     }
+}
+
+/// What a worker computed for one action, before it is sent on.
+enum Worked<H> {
+    Forward(StageOutput<H>),
+    Backward(Option<H>),
+    Weight,
+}
+
+/// Runs one compute action on its stage's worker.
+fn work<W: StageWorker>(
+    w: &mut W,
+    a: &ComputeAction,
+    data: &MicrobatchData,
+    input: Option<W::Hidden>,
+) -> Result<Worked<W::Hidden>> {
+    let mb = a.microbatch.0;
+    Ok(match a.kind {
+        ActionKind::F | ActionKind::Fo => {
+            let input = match input {
+                Some(h) => StageInput::Hidden(h),
+                None => StageInput::Tokens,
+            };
+            Worked::Forward(w.forward(mb, data, input, a.kind == ActionKind::F)?)
+        }
+        ActionKind::I | ActionKind::B => {
+            let dx = w.backward_input(mb, data, input)?;
+            if a.kind == ActionKind::B {
+                w.backward_weight(mb, data)?;
+            }
+            Worked::Backward(dx)
+        }
+        ActionKind::W => {
+            w.backward_weight(mb, data)?;
+            Worked::Weight
+        }
+    })
+}
+
+/// Two distinct elements of a slice, mutably.
+fn two_mut<T>(v: &mut [T], i: usize, j: usize) -> (&mut T, &mut T) {
+    if i < j {
+        let (a, b) = v.split_at_mut(j);
+        (&mut a[i], &mut b[0])
+    } else {
+        let (a, b) = v.split_at_mut(i);
+        (&mut b[0], &mut a[j])
+    }
+}
+
+/// The time an action spent in all-to-alls while none of its parts computed: the union of the
+/// parts' all-to-all spans, less the instants where some part was inside its window and not
+/// in one of its own spans. `windows[p]`: part p's `(start, end)`; `spans[p]`: its all-to-alls.
+fn exposed_ns(windows: &[(Instant, Instant)], spans: &[Vec<AllToAllSpan>]) -> u64 {
+    let Some(origin) = windows.iter().map(|w| w.0).min() else {
+        return 0;
+    };
+    let ns = |i: Instant| i.saturating_duration_since(origin).as_nanos() as u64;
+    // Elementary intervals between every boundary.
+    let mut cuts: Vec<u64> = windows.iter().flat_map(|w| [ns(w.0), ns(w.1)]).collect();
+    cuts.extend(
+        spans
+            .iter()
+            .flatten()
+            .flat_map(|s| [ns(s.start), ns(s.end)]),
+    );
+    cuts.sort_unstable();
+    cuts.dedup();
+    let inside = |t: u64, a: Instant, b: Instant| ns(a) <= t && t < ns(b);
+    let mut exposed = 0;
+    for w in cuts.windows(2) {
+        let mid = w[0]; // the interval [w0, w1) is uniform; test its start
+        let waiting = spans.iter().flatten().any(|s| inside(mid, s.start, s.end));
+        let computing = windows.iter().zip(spans).any(|((a, b), sp)| {
+            inside(mid, *a, *b) && !sp.iter().any(|s| inside(mid, s.start, s.end))
+        });
+        if waiting && !computing {
+            exposed += w[1] - w[0];
+        }
+    }
+    exposed
 }
 
 /// Runs one step of every replica on `ranks` (`ranks[d * pp + r]`: the stages of replica d's
@@ -873,9 +1091,11 @@ fn collect_step(
     let mut microbatch_losses = vec![Vec::new(); dp];
     let mut fo_losses = vec![Vec::new(); dp];
     let mut all_to_all = Vec::with_capacity(outs.len());
+    let mut exposed_all_to_all_ns = Vec::with_capacity(outs.len());
     for (g, o) in outs.into_iter().enumerate() {
         let d = g / pp;
         all_to_all.push(o.all_to_all);
+        exposed_all_to_all_ns.push(o.exposed_all_to_all_ns);
         timeline.compute.push(o.ops);
         timeline.transfers.extend(o.transfers);
         microbatch_losses[d].extend(o.losses);
@@ -921,5 +1141,6 @@ fn collect_step(
         fo_losses,
         grad_norm,
         all_to_all,
+        exposed_all_to_all_ns,
     }
 }

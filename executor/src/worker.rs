@@ -251,6 +251,18 @@ pub trait StageWorker: Send {
     /// nothing to stop.
     fn abort_step(&self) {}
 
+    /// Whether this stage exchanges tokens with an expert-parallel group (an overlapped pair
+    /// with such a stage runs its halves around each other's all-to-alls). Default: no.
+    fn exchanges_tokens(&self) -> bool {
+        false
+    }
+
+    /// The compute stream this stage's all-to-alls let go while they wait (`None`: they hold
+    /// the rank's only thread anyway). Default: ignored.
+    fn set_compute_stream(&mut self, stream: Option<std::sync::Arc<ComputeStream>>) {
+        let _ = stream;
+    }
+
     /// The expert-parallel all-to-alls this stage ran since the last call. Default: none.
     fn take_all_to_alls(&mut self) -> Vec<AllToAllSpan> {
         Vec::new()
@@ -343,4 +355,41 @@ pub struct AllToAllSpan {
     pub start: std::time::Instant,
     /// Last receive.
     pub end: std::time::Instant,
+}
+
+/// A rank's compute stream, shared by the two halves of an overlapped pair that run on two
+/// threads: a half holds it while it computes and lets it go while it waits on an all-to-all,
+/// as one GPU stream runs one half's kernels while the other half's tokens are on the wire
+/// (DualPipe; Megatron-LM's combined 1F1B). The rank never computes two things at once, so the
+/// overlap hides communication and adds no compute.
+#[derive(Debug, Default)]
+pub struct ComputeStream {
+    busy: std::sync::Mutex<bool>,
+    free: std::sync::Condvar,
+}
+
+impl ComputeStream {
+    /// Waits until the stream is free and takes it.
+    pub fn acquire(&self) {
+        let mut busy = self
+            .busy
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        while *busy {
+            busy = self
+                .free
+                .wait(busy)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        *busy = true;
+    }
+
+    /// Lets the stream go.
+    pub fn release(&self) {
+        *self
+            .busy
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = false;
+        self.free.notify_one();
+    }
 }

@@ -60,6 +60,7 @@ fn check(s: &Setup, step: &PreparedStep) -> std::collections::BTreeMap<String, V
         let microbatches: usize = step.replicas.iter().map(|r| r.microbatches.len()).sum();
         let spans: usize = run.all_to_all.iter().map(Vec::len).sum();
         assert_eq!(spans, 4 * moe_layers * microbatches, "{name}");
+        check_exposed(&run, s, &name);
     }
     let mut exec = Executor::cpu(s).unwrap();
     let mut reference = Reference::new(s).unwrap();
@@ -91,6 +92,32 @@ fn check(s: &Setup, step: &PreparedStep) -> std::collections::BTreeMap<String, V
 
 /// A schedule, its `(pp, v, m)`, dp and ep.
 type Case = (ScheduleKind, (u32, u32, u32), u32, u32);
+
+/// The exposed all-to-all time of each rank: all of it where actions run one part at a time
+/// (their all-to-alls never overlap each other), less than all of it on a rank that runs
+/// overlapped pairs (a half waits on the wire while the other computes).
+fn check_exposed(run: &flatpipe_executor::interpreter::StepRun, s: &Setup, name: &str) {
+    let pairs = matches!(
+        s.config.source,
+        ScheduleSource::Kind(ScheduleKind::DualPipeV | ScheduleKind::Combined1F1B)
+    );
+    let mut hidden_somewhere = false;
+    for (g, spans) in run.all_to_all.iter().enumerate() {
+        let total: u64 = spans.iter().map(|a| a.end_ns - a.start_ns).sum();
+        let exposed = run.exposed_all_to_all_ns[g];
+        assert!(exposed <= total, "{name} rank {g}: {exposed} > {total}");
+        if !pairs {
+            assert_eq!(exposed, total, "{name} rank {g}");
+        }
+        hidden_somewhere |= exposed < total;
+    }
+    if pairs {
+        assert!(
+            hidden_somewhere,
+            "{name}: no all-to-all hid under a paired half"
+        );
+    }
+}
 
 #[test]
 fn expert_parallel_steps_match_the_single_rank_run() {

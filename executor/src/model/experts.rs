@@ -25,6 +25,7 @@
 use super::ops::OpSet;
 use super::params::Param;
 use crate::moe::{Routing, route, route_backward};
+use crate::worker::ComputeStream;
 pub use crate::worker::{AllToAllSpan, Phase};
 use crate::{Error, Result};
 use flatpipe_profiles::Moe;
@@ -207,6 +208,7 @@ pub struct ExpertLink {
     early: HashMap<(Key, usize), Payload>,
     abort: Arc<AtomicBool>,
     spans: Vec<AllToAllSpan>,
+    stream: Option<Arc<ComputeStream>>,
 }
 
 impl std::fmt::Debug for ExpertLink {
@@ -232,8 +234,14 @@ impl ExpertLink {
                 early: HashMap::new(),
                 abort: Arc::clone(abort),
                 spans: Vec::new(),
+                stream: None,
             })
             .collect()
+    }
+
+    /// Lets `stream` go while waiting on the group, and takes it back after.
+    pub fn set_compute_stream(&mut self, stream: Option<Arc<ComputeStream>>) {
+        self.stream = stream;
     }
 
     /// This rank's index in its group.
@@ -285,11 +293,26 @@ impl ExpertLink {
                 .send(packet)
                 .map_err(|_| Error::Aborted(self.index as u32))?;
         }
+        if let Some(s) = &self.stream {
+            s.release();
+        }
+        let mut received = Ok(());
         for (r, slot) in got.iter_mut().enumerate() {
             if slot.is_none() {
-                *slot = Some(self.receive(key, r)?);
+                match self.receive(key, r) {
+                    Ok(p) => *slot = Some(p),
+                    Err(e) => {
+                        received = Err(e);
+                        break;
+                    }
+                }
             }
         }
+        let end = Instant::now();
+        if let Some(s) = &self.stream {
+            s.acquire();
+        }
+        received?;
         self.spans.push(AllToAllSpan {
             layer: key.layer,
             microbatch: key.microbatch,
@@ -297,7 +320,7 @@ impl ExpertLink {
             phase: key.phase,
             values_sent,
             start,
-            end: Instant::now(),
+            end,
         });
         Ok(got.into_iter().flatten().collect())
     }

@@ -10,7 +10,8 @@ use super::ops::OpSet;
 use super::params::Param;
 use super::saved::{DecoderSelective, FCtx, MlpW, WCtx};
 use crate::worker::{
-    AdamW, CopyStamps, DeviceClock, LossSums, Misuse, StageInput, StageOutput, StageWorker,
+    AdamW, ComputeStream, CopyStamps, DeviceClock, LossSums, Misuse, StageInput, StageOutput,
+    StageWorker,
 };
 use crate::{Error, MicrobatchData, Result};
 use flatpipe_simulator::costs::Recompute;
@@ -611,6 +612,16 @@ impl<O: OpSet> StageWorker for Stage<O> {
     fn abort_step(&self) {
         if let Some(link) = &self.link {
             link.abort();
+        }
+    }
+
+    fn exchanges_tokens(&self) -> bool {
+        self.link.is_some()
+    }
+
+    fn set_compute_stream(&mut self, stream: Option<std::sync::Arc<ComputeStream>>) {
+        if let Some(link) = &mut self.link {
+            link.set_compute_stream(stream);
         }
     }
 

@@ -378,7 +378,7 @@ fn render(a: &ExecuteArgs, r: &ResolvedRun, ran: Ran) -> Result<ExitCode> {
         );
         notes.extend(write_step_charts(
             &title,
-            &run.timeline,
+            run,
             r.gantt.as_deref(),
             a.trace.as_deref(),
         )?);

@@ -18,6 +18,9 @@ pub(super) struct StepRow {
     pub(super) fo_microbatches: usize,
     /// Time the ranks spent on forward-only actions, summed over ranks, seconds.
     pub(super) fo_busy_s: f64,
+    /// The measured expert-parallel all-to-all time of the rank with the most exposed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) all_to_all: Option<sim::AllToAllTime>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) predicted_makespan_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -117,6 +120,7 @@ pub(super) fn step_row(
             .map(|r| r.fo_microbatches.len())
             .sum(),
         fo_busy_s: fo_s,
+        all_to_all: run.all_to_all_time(),
         predicted_makespan_s: predicted,
         rel_error: predicted.map(|p| (p - makespan_s) / makespan_s),
         verify,
@@ -144,6 +148,10 @@ pub(super) fn execute_table(
     if with_fo {
         cols.extend(["Fo", "Fo busy"]);
     }
+    let a2a = steps.iter().any(|r| r.all_to_all.is_some());
+    if a2a {
+        cols.push("a2a exposed");
+    }
     if predict {
         cols.extend(["predicted", "error"]);
     }
@@ -165,6 +173,9 @@ pub(super) fn execute_table(
         if with_fo {
             row.extend([r.fo_microbatches.to_string(), fmt_s(r.fo_busy_s)]);
         }
+        if a2a {
+            row.push(all_to_all_cell(r.all_to_all));
+        }
         if let (Some(p), Some(e)) = (r.predicted_makespan_s, r.rel_error) {
             row.extend([fmt_s(p), format!("{:+.1}%", 100.0 * e)]);
         }
@@ -182,24 +193,65 @@ pub(super) fn execute_table(
 }
 
 /// Writes the last step's measured timeline as a Gantt chart and a Chrome trace where asked, and
-/// says where.
+/// says where. The trace also shows each rank's expert-parallel all-to-alls, on threads of
+/// their own ([`all_to_all_events`]).
 pub(super) fn write_step_charts(
     title: &str,
-    timeline: &sim::Timeline,
+    run: &flatpipe_executor::interpreter::StepRun,
     gantt: Option<&Path>,
     trace: Option<&Path>,
 ) -> Result<Vec<String>> {
     let mut notes = Vec::new();
     if let Some(path) = gantt {
-        sim::io::gantt::write_gantt(path, title, timeline)?;
+        sim::io::gantt::write_gantt(path, title, &run.timeline)?;
         notes.push(format!("Gantt chart of the last step: {}", path.display()));
     }
     if let Some(path) = trace {
-        let doc = sim::io::trace::chrome_trace(timeline);
+        let mut doc = sim::io::trace::chrome_trace(&run.timeline);
+        if let Some(events) = doc["traceEvents"].as_array_mut() {
+            events.extend(all_to_all_events(run));
+        }
         profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
         notes.push(format!("Chrome trace of the last step: {}", path.display()));
     }
     Ok(notes)
+}
+
+/// Chrome-trace events of the measured all-to-alls: on rank g's threads `1000 + k` ("all-to-all
+/// k", a new thread where spans overlap, as an overlapped pair's two halves' do), named
+/// `L<layer> <phase> <stage>F<microbatch>` (`I` for the backward's two).
+fn all_to_all_events(run: &flatpipe_executor::interpreter::StepRun) -> Vec<serde_json::Value> {
+    use flatpipe_executor::worker::Phase;
+    let mut events = Vec::new();
+    for (g, spans) in run.all_to_all.iter().enumerate() {
+        let mut ends: Vec<u64> = Vec::new();
+        let mut sorted = spans.clone();
+        sorted.sort_by_key(|a| a.start_ns);
+        for a in sorted {
+            let k = match ends.iter().position(|&e| e <= a.start_ns) {
+                Some(k) => k,
+                None => {
+                    events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": g, "tid": 1000 + ends.len(), "args": {"name": format!("all-to-all {}", ends.len())}}));
+                    ends.push(0);
+                    ends.len() - 1
+                }
+            };
+            ends[k] = a.end_ns;
+            let (phase, kind) = match a.phase {
+                Phase::Dispatch => ("dispatch", if a.forward_only { "Fo" } else { "F" }),
+                Phase::Combine => ("combine", if a.forward_only { "Fo" } else { "F" }),
+                Phase::GradDispatch => ("dispatch", "I"),
+                Phase::GradCombine => ("combine", "I"),
+            };
+            events.push(serde_json::json!({
+                "ph": "X", "cat": "all_to_all", "pid": g, "tid": 1000 + k,
+                "name": format!("L{} {phase} {}{kind}{}", a.layer, a.stage, a.microbatch),
+                "ts": a.start_ns as f64 / 1e3, "dur": (a.end_ns - a.start_ns) as f64 / 1e3,
+                "args": {"values_sent": a.values_sent},
+            }));
+        }
+    }
+    events
 }
 
 /// What the prediction column stands on: the profile (`profile_arg` as the user named it) and
