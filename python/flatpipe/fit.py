@@ -180,8 +180,9 @@ def profile_from_steps(
             ``"head"``), or one kind for a stage of one layer.
         steps: per step, its plan and every rank's :class:`ActionTiming` list.
 
-    Every action is a sample of :func:`fit_actions` (an overlapped pair of DualPipeV's, whose
-    halves this runtime runs in sequence, is one sample of both). The I, W and F actions fit
+    Every action is a sample of :func:`fit_actions` (an overlapped pair of DualPipeV's is one
+    sample of both halves: the runtime runs them in sequence, or interleaved on one compute
+    stream when their experts split over different groups, never at once). The I, W and F actions fit
     each kind's phases and, when stages hold different numbers of layers, a fixed cost per
     action and phase. The first stage's I is a no-op in the runtime (its input, token ids,
     needs no gradient) and its W runs the whole backward, as in PyTorch's runtime: that W is

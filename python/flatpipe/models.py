@@ -28,15 +28,25 @@ offset and its queries attend to the earlier chunks' keys and values, then its o
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ModelConfig", "Stage", "ChunkKV", "causal_document_mask", "positions"]
+__all__ = [
+    "ModelConfig",
+    "Stage",
+    "ChunkKV",
+    "ComputeStream",
+    "causal_document_mask",
+    "positions",
+]
 
 
 @dataclass(frozen=True)
@@ -141,22 +151,89 @@ class _RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
 
 
+class ComputeStream:
+    """One rank's compute, shared by the two halves of an overlapped pair that
+    :class:`flatpipe.torch.PipelineRuntime` runs on two threads: a half holds it while it
+    computes and lets it go while one of its all-to-alls is on the wire, so the other half
+    computes meanwhile (DualPipe; Megatron-LM's combined 1F1B; torchtitan's ``OVERLAP_F_B``),
+    and the rank never computes two things at once.
+
+    ``events``: ``(half, what, start_s, end_s)`` from the stream's creation, ``what`` being
+    ``"compute"`` (a stretch holding the stream) or the all-to-all's name (``"dispatch"``,
+    ``"combine"``, ``"counts"``, and ``"dispatch grad"`` / ``"combine grad"`` in the backward:
+    from posting it to its completion)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self._since: Dict[int, float] = {}
+        self.events: List[Tuple[int, str, float, float]] = []
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _acquire(self, half: int) -> None:
+        self._lock.acquire()
+        self._since[half] = self._now()
+
+    def _release(self, half: int) -> None:
+        self.events.append((half, "compute", self._since.pop(half), self._now()))
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def bound(self, half: int) -> Iterator[None]:
+        """Runs the body as ``half`` (0 or 1) of the pair on this thread, holding the stream
+        but while its all-to-alls are on the wire."""
+        _BOUND.stream = (self, half)
+        self._acquire(half)
+        try:
+            yield
+        finally:
+            self._release(half)
+            _BOUND.stream = None
+
+
+#: The stream (and half) the current thread computes on, if it runs half of an overlapped pair.
+_BOUND = threading.local()
+
+
+@contextlib.contextmanager
+def _on_the_wire(what: str) -> Iterator[None]:
+    """Around a collective: the current thread's half of an overlapped pair lets its compute
+    stream go until the collective completes (and records it); nothing otherwise."""
+    bound = getattr(_BOUND, "stream", None)
+    if bound is None:
+        yield
+        return
+    stream, half = bound
+    stream._release(half)
+    t0 = stream._now()
+    try:
+        yield
+    finally:
+        t1 = stream._now()
+        stream._acquire(half)
+        stream.events.append((half, what, t0, t1))
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` of rows with the given split sizes; its backward sends the
-    gradients back with the splits swapped."""
+    gradients back with the splits swapped. ``what`` names it in an overlapped pair's trace."""
 
     @staticmethod
-    def forward(ctx, x, send: List[int], recv: List[int], group):  # type: ignore[override]
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(ctx, x, send: List[int], recv: List[int], group, what: str):  # type: ignore[override]
+        ctx.send, ctx.recv, ctx.group, ctx.what = send, recv, group, what
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        with _on_the_wire(what):
+            dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return out, None, None, None
+        with _on_the_wire(f"{ctx.what} grad"):
+            dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None, None
 
 
 class _Expert(nn.Module):
@@ -224,10 +301,11 @@ class _MoE(nn.Module):
             # Rows for each destination rank, then the per-expert counts every rank receives.
             per_rank = per_expert.view(self.ep, self.local)
             recv_counts = torch.empty_like(per_rank)
-            dist.all_to_all_single(recv_counts, per_rank.contiguous(), group=self.group)
+            with _on_the_wire("counts"):
+                dist.all_to_all_single(recv_counts, per_rank.contiguous(), group=self.group)
             send = per_rank.sum(1).tolist()
             recv = recv_counts.sum(1).tolist()
-            got = _AllToAll.apply(rows, send, recv, self.group)
+            got = _AllToAll.apply(rows, send, recv, self.group, "dispatch")
             # Received blocks are by source rank, each sorted by local expert: regroup by expert.
             src = torch.repeat_interleave(
                 torch.arange(self.ep * self.local), recv_counts.reshape(-1)
@@ -237,7 +315,7 @@ class _MoE(nn.Module):
             out = self._experts(got[by_expert], recv_counts.sum(0).tolist())
             back = torch.empty_like(out)
             back[by_expert] = out
-            y = _AllToAll.apply(back, recv, send, self.group)
+            y = _AllToAll.apply(back, recv, send, self.group, "combine")
         unsorted = torch.empty_like(y)
         unsorted[order] = y
         return (unsorted.view(t, k, -1) * w.unsqueeze(-1)).sum(1)
@@ -302,6 +380,8 @@ class Stage(nn.Module):
                 f"layer range [{start}, {end}) is invalid for a model of {cfg.num_layers} layers"
             )
         self.cfg, self.start, self.end = cfg, start, end
+        #: The process group the experts split over (``None``: every expert here).
+        self.ep_group = ep_group
         self.embedding = None
         if start == 0:
             self.embedding = _init((cfg.vocab, cfg.hidden), _gen(cfg, 0), 1.0)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
@@ -67,7 +68,7 @@ from torch.distributed.pipelining._backward import (
 )
 
 from . import Action, CommAction, ComputeAction, StepPlan, parse_action
-from .models import ChunkKV
+from .models import ChunkKV, ComputeStream
 
 __all__ = [
     "profile",
@@ -131,6 +132,13 @@ class StepResult:
     actions: List[ActionTiming] = field(default_factory=list)
     #: Forward-only outputs of the last stage, by forward-only microbatch id (last stage only).
     forward_only: Dict[int, torch.Tensor] = field(default_factory=dict)
+    #: The overlapped pairs this rank ran with their halves interleaved (their stages' experts
+    #: split over different process groups): per pair its action text and the events of its
+    #: :class:`flatpipe.models.ComputeStream`, ``(half, what, start_s, end_s)`` with times from
+    #: the step's start (half 0 the pair's first action).
+    overlapped: List[Tuple[str, List[Tuple[int, str, float, float]]]] = field(
+        default_factory=list
+    )
 
 
 class PipelineRuntime:
@@ -596,6 +604,7 @@ class _StepState:
         self.fo_out: Dict[int, torch.Tensor] = {}
         self.reductions: List[object] = []
         self.timings: List[ActionTiming] = []
+        self.overlapped: List[Tuple[str, List[Tuple[int, str, float, float]]]] = []
         # The current action's seconds in compute and in posting transfers.
         self.compute_s = self.post_s = 0.0
 
@@ -661,13 +670,12 @@ class _StepState:
         self.compute_s = self.post_s = 0.0
         with self.rt._annotate(f"PP:{text}"):
             got, wait = self.receive_inputs(parts)
+            if self._interleaves(parts):
+                self.run_overlapped(text, parts, got)
+            else:
+                for p in parts:
+                    self.run_part(p, got)
             for p in parts:
-                if p.kind in ("F", "Fo"):
-                    self.forward(p, got)
-                elif p.kind in ("I", "B"):
-                    self.input_backward(p, got)
-                else:
-                    self.weight_backward(p)
                 if self.last_backward.get(p.stage) == (p.kind, p.microbatch):
                     self.reductions.extend(self.rt._stage_done(p.stage))
         now = time.perf_counter()
@@ -675,6 +683,53 @@ class _StepState:
             ActionTiming(
                 text, a0 - self.t_start, now - self.t_start, wait, self.compute_s, self.post_s
             )
+        )
+
+    def run_part(self, p: ComputeAction, got: Dict[_Key, torch.Tensor]) -> None:
+        """One compute action on its received inputs."""
+        if p.kind in ("F", "Fo"):
+            self.forward(p, got)
+        elif p.kind in ("I", "B"):
+            self.input_backward(p, got)
+        else:
+            self.weight_backward(p)
+
+    def _interleaves(self, parts: Sequence[ComputeAction]) -> bool:
+        """Whether an overlapped pair runs with its halves interleaved: a training step, two
+        stages whose experts split over two different process groups (each half's
+        all-to-alls then go through its own group, in the same order on every rank)."""
+        if len(parts) != 2 or not self.train:
+            return False
+        groups = [getattr(self.rt.stages[p.stage], "ep_group", None) for p in parts]
+        return groups[0] is not None and groups[1] is not None and groups[0] is not groups[1]
+
+    def run_overlapped(
+        self, text: str, parts: Sequence[ComputeAction], got: Dict[_Key, torch.Tensor]
+    ) -> None:
+        """Runs an overlapped pair's halves on two threads sharing one
+        :class:`flatpipe.models.ComputeStream`: a half computes while it holds the stream and
+        lets it go while its all-to-all is on the wire, so the other half computes meanwhile.
+        Re-raises the first half's error (after both threads end)."""
+        stream = ComputeStream()
+        errors: List[Optional[BaseException]] = [None, None]
+
+        def half(i: int) -> None:
+            try:
+                with stream.bound(i):
+                    self.run_part(parts[i], got)
+            except BaseException as e:  # re-raised on the step's thread
+                errors[i] = e
+
+        t0 = stream._t0 - self.t_start
+        other = threading.Thread(target=half, args=(1,), name=f"flatpipe {text} half 1")
+        other.start()
+        half(0)
+        other.join()
+        for e in errors:
+            if e is not None:
+                raise e
+        self.overlapped.append(
+            (text, [(h, what, a + t0, b + t0) for h, what, a, b in stream.events])
         )
 
     # ---- transfers ------------------------------------------------------------------------
@@ -898,6 +953,7 @@ class _StepState:
             wall_s=time.perf_counter() - self.t_start,
             actions=self.timings,
             forward_only=self.fo_out,
+            overlapped=self.overlapped,
         )
 
 

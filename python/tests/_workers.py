@@ -107,11 +107,20 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
             chunk_tokens=spec.get("chunk_tokens"),
             microbatches=spec.get("microbatches"),
         )
+        stage_groups = {}
+        if spec.get("ep") == "per-stage":
+            # One expert-parallel group per stage (every process creates every group, in stage
+            # order), so an overlapped pair's halves exchange through different groups.
+            for s in range(len(pipe.stages)):
+                r = pipe.stage_ranks[s]
+                stage_groups[s] = dist.new_group([r * dp + d for d in range(dp)])
         stages = {
-            s: Stage(cfg, *pipe.stages[s], ep_group=ep_group)
+            s: Stage(cfg, *pipe.stages[s], ep_group=stage_groups.get(s, ep_group))
             for s in range(len(pipe.stages))
             if pipe.stage_ranks[s] == prank
         }
+        if stage_groups:
+            ep_group = stage_groups[min(stages)]
         reduction = spec.get("reduction", "token")
         rt = PipelineRuntime(
             stages,
@@ -183,6 +192,7 @@ def run(rank: int, world: int, init: str, spec: dict, out_dir: str) -> None:
                     "forward_only": [len(fo_mbs), len(result.forward_only), fo_error],
                     "missing": missing,
                     "wall_s": result.wall_s,
+                    "overlapped": result.overlapped,
                 }
             )
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -124,6 +124,52 @@ def test_pipeline_with_expert_parallelism_equals_one_process(tmp_path, schedule)
             assert s["grad_excess"] <= 1e-6, f"{where}: {s['grad_excess']}"
 
 
+def test_overlapped_pairs_interleave_around_their_all_to_alls(tmp_path):
+    """DualPipeV at pp 2 x ep 2 with one expert-parallel group per stage: each overlapped pair
+    runs its halves on two threads sharing the rank's compute stream. The gradients still equal
+    one process's, no two compute stretches of a pair overlap, and the trace shows the order:
+    in the pairs whose two halves both exchange tokens, an all-to-all of one half is posted
+    before a stretch of the other half's compute starts and completes after it starts (the
+    other half computed while it was on the wire). A half without a mixture-of-experts layer
+    (a stage of only the head) computes in one stretch, and a pair whose other half has
+    finished has nothing left to hide under."""
+    import json
+
+    from _workers import run
+
+    spec = {
+        "schedule": "dualpipev",
+        "decoders": 6,
+        "budget": 64,
+        "microbatches": 4,
+        "dp": 2,
+        "ep": "per-stage",
+        "moe": {"experts": 4, "top_k": 2, "expert_ffn": 16},
+        "steps": EP_STEPS,
+    }
+    world = 4
+    mp.spawn(run, args=(world, str(tmp_path / "init"), spec, str(tmp_path)), nprocs=world, join=True)
+    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    pairs = hidden = 0
+    for rank, steps in enumerate(reports):
+        s = steps[0]
+        loss = sum(reports[(rank // 2) * 2 + d][0]["loss"] for d in range(2))
+        assert abs(loss - s["want_loss"]) <= 1e-5 * abs(s["want_loss"]), rank
+        assert s["grad_excess"] <= 1e-6, f"rank {rank}: {s['grad_excess']}"
+        for text, events in s["overlapped"]:
+            compute = sorted((a, b, h) for h, what, a, b in events if what == "compute")
+            for (a0, b0, _), (a1, _, _) in zip(compute, compute[1:]):
+                assert b0 <= a1, f"rank {rank} {text}: two halves computed at once"
+            wires = [(h, what, a, b) for h, what, a, b in events if what != "compute"]
+            if {h for h, _, _, _ in wires} == {0, 1}:
+                pairs += 1
+                hidden += any(
+                    a < c0 < b for h, _, a, b in wires for c0, _, ch in compute if ch != h
+                )
+    assert pairs > 0, "no overlapped pair whose halves both exchange tokens ran interleaved"
+    assert hidden > 0, f"none of {pairs} pairs computed one half under the other's all-to-all"
+
+
 def test_partners_with_different_microbatch_counts_are_refused(tmp_path):
     """Without a fixed count the two replicas cut this step into different numbers of
     microbatches: their all-to-alls would not pair up, so the runtime refuses the step on both
