@@ -88,19 +88,31 @@ pub struct StepRun {
 impl StepRun {
     /// The measured expert-parallel all-to-all time of the rank with the most exposed, as
     /// [`flatpipe_simulator::replay::metrics::Metrics::all_to_all`] reports the predicted one:
-    /// `total_s` the ranks' all-to-all spans summed (from the first send to the last receive,
-    /// waiting on a late partner included), `exposed_s` the time its actions waited on them
-    /// with no part computing. `None` without expert parallelism.
+    /// `total_s` the exchanges themselves summed (each from the group's last member entering
+    /// it to its last receive), `exposed_s` the part of them during which none of the action's
+    /// parts computed. `None` without expert parallelism.
     pub fn all_to_all_time(&self) -> Option<AllToAllTime> {
         self.all_to_all
             .iter()
             .zip(&self.exposed_all_to_all_ns)
             .filter(|(spans, _)| !spans.is_empty())
             .map(|(spans, &exposed)| AllToAllTime {
-                total_s: spans.iter().map(|a| a.end_ns - a.start_ns).sum::<u64>() as f64 * 1e-9,
+                total_s: spans.iter().map(|a| a.end_ns - a.ready_ns).sum::<u64>() as f64 * 1e-9,
                 exposed_s: exposed as f64 * 1e-9,
             })
             .max_by(|a, b| a.exposed_s.total_cmp(&b.exposed_s))
+    }
+
+    /// The most time a rank's all-to-alls waited for a slower member of their group to enter
+    /// them (each from its first send to the last member's), seconds; `None` without expert
+    /// parallelism. The simulator prices this wait as the group's costliest microbatch
+    /// ([`flatpipe_simulator::run::step::StepPlan::expert_coupled`]).
+    pub fn all_to_all_wait_s(&self) -> Option<f64> {
+        self.all_to_all
+            .iter()
+            .filter(|spans| !spans.is_empty())
+            .map(|spans| spans.iter().map(|a| a.ready_ns - a.start_ns).sum::<u64>() as f64 * 1e-9)
+            .max_by(f64::total_cmp)
     }
 }
 
@@ -121,6 +133,8 @@ pub struct MeasuredAllToAll {
     pub values_sent: usize,
     /// From its first send, ns.
     pub start_ns: u64,
+    /// When the group's last member entered it (the wait for a slower partner ends), ns.
+    pub ready_ns: u64,
     /// To its last receive, ns.
     pub end_ns: u64,
 }
@@ -511,6 +525,7 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
                     phase: x.phase,
                     values_sent: x.values_sent,
                     start_ns: ns(x.start),
+                    ready_ns: ns(x.ready),
                     end_ns: ns(x.end),
                 });
             }
@@ -646,9 +661,11 @@ fn two_mut<T>(v: &mut [T], i: usize, j: usize) -> (&mut T, &mut T) {
     }
 }
 
-/// The time an action spent in all-to-alls while none of its parts computed: the union of the
-/// parts' all-to-all spans, less the instants where some part was inside its window and not
-/// in one of its own spans. `windows[p]`: part p's `(start, end)`; `spans[p]`: its all-to-alls.
+/// The time an action's all-to-alls ran while none of its parts computed: the union of the
+/// parts' exchanges (each from the group's last member entering it to its end), less the
+/// instants where some part was inside its window and not in one of its own all-to-alls
+/// (waiting for a partner included). `windows[p]`: part p's `(start, end)`; `spans[p]`: its
+/// all-to-alls.
 fn exposed_ns(windows: &[(Instant, Instant)], spans: &[Vec<AllToAllSpan>]) -> u64 {
     let Some(origin) = windows.iter().map(|w| w.0).min() else {
         return 0;
@@ -660,7 +677,7 @@ fn exposed_ns(windows: &[(Instant, Instant)], spans: &[Vec<AllToAllSpan>]) -> u6
         spans
             .iter()
             .flatten()
-            .flat_map(|s| [ns(s.start), ns(s.end)]),
+            .flat_map(|s| [ns(s.start), ns(s.ready), ns(s.end)]),
     );
     cuts.sort_unstable();
     cuts.dedup();
@@ -668,7 +685,7 @@ fn exposed_ns(windows: &[(Instant, Instant)], spans: &[Vec<AllToAllSpan>]) -> u6
     let mut exposed = 0;
     for w in cuts.windows(2) {
         let mid = w[0]; // the interval [w0, w1) is uniform; test its start
-        let waiting = spans.iter().flatten().any(|s| inside(mid, s.start, s.end));
+        let waiting = spans.iter().flatten().any(|s| inside(mid, s.ready, s.end));
         let computing = windows.iter().zip(spans).any(|((a, b), sp)| {
             inside(mid, *a, *b) && !sp.iter().any(|s| inside(mid, s.start, s.end))
         });
@@ -1125,6 +1142,7 @@ fn collect_step(
     }
     for a in all_to_all.iter_mut().flatten() {
         a.start_ns = a.start_ns.saturating_sub(origin);
+        a.ready_ns = a.ready_ns.saturating_sub(origin);
         a.end_ns = a.end_ns.saturating_sub(origin);
     }
     let sort = |v: &mut Vec<(u32, LossSums)>| {

@@ -291,6 +291,9 @@ pub struct Measured {
     pub kinds: Vec<KindProfile>,
     /// The link between two ranks (threads): latency and bandwidth of a transfer.
     pub link: Link,
+    /// The expert-parallel all-to-all between two ranks (threads) through the executor's
+    /// [`crate::model::experts::ExpertLink`], for a model with mixture-of-experts layers.
+    pub all_to_all: Option<Link>,
     /// AdamW step seconds per parameter.
     pub optimizer_s_per_param: f64,
     /// How the figures were measured (the profile's provenance notes).
@@ -612,6 +615,60 @@ fn profile_link(cfg: &ProfileConfig) -> Result<Link> {
     })
 }
 
+/// Times the executor's expert-parallel all-to-all between two rank threads, both ready (each
+/// sends the other `bytes` of rows and waits for the other's, through
+/// [`crate::model::experts::ExpertLink`]), for each size, and fits `alpha + bytes / beta` per
+/// peer. What a run adds to it, a partner that is not yet ready, is the schedule's, not the
+/// link's.
+fn profile_all_to_all(cfg: &ProfileConfig) -> Result<Link> {
+    use crate::model::experts::ExpertLink;
+    let abort = Arc::new(AtomicBool::new(false));
+    let mut links = ExpertLink::group(2, &abort).into_iter();
+    let (Some(mut me), Some(mut peer)) = (links.next(), links.next()) else {
+        return Err(Error::Invalid("an expert-parallel group of 2".into()));
+    };
+    let sizes = cfg.link_sizes.clone();
+    let rounds = cfg.warmup + cfg.reps.max(5);
+    let partner = std::thread::spawn(move || -> Result<()> {
+        for (i, &bytes) in sizes.iter().enumerate() {
+            for round in 0..rounds {
+                peer.exchange_for_profile(i * 1000 + round as usize, bytes / 4)?;
+            }
+        }
+        Ok(())
+    });
+    let mut samples = Vec::new();
+    for (i, &bytes) in cfg.link_sizes.iter().enumerate() {
+        let mut times = Vec::new();
+        for round in 0..rounds {
+            let s = Instant::now();
+            me.exchange_for_profile(i * 1000 + round as usize, bytes / 4)?;
+            if round >= cfg.warmup {
+                times.push(s.elapsed().as_secs_f64());
+            }
+        }
+        samples.push(Sample {
+            tokens: bytes as f64,
+            pairs: 0.0,
+            seconds: median(times).max(1e-9),
+        });
+    }
+    partner.join().map_err(|_| {
+        Error::Invalid("the all-to-all profiler's partner thread panicked".into())
+    })??;
+    let fit = nnls_fit(&samples, false)?;
+    Ok(Link {
+        name: "all-to-all between rank threads (the executor's expert link)".into(),
+        alpha_s: fit.coeffs.c0_s,
+        beta_bytes_per_s: if fit.coeffs.c_tok_s > 1e-15 {
+            1.0 / fit.coeffs.c_tok_s
+        } else {
+            1e15
+        },
+        post_s: 0.0,
+    })
+}
+
 /// Seconds per parameter of the gradient norm and one AdamW step over the whole model (memory-bound: the weights,
 /// gradients and both moments stream through once, so a small layer whose state fits in cache
 /// would look faster than a stage is).
@@ -686,13 +743,19 @@ pub fn profile_cpu(
     let kinds = profile_kinds(model, cfg, &make, progress)?;
     progress("links");
     let link = profile_link(cfg)?;
+    let all_to_all = if model.layers().iter().any(|l| l.moe.is_some()) {
+        Some(profile_all_to_all(cfg)?)
+    } else {
+        None
+    };
     progress("optimizer");
     let optimizer_s_per_param = profile_optimizer(model, cfg.reps, cfg.concurrency)?;
     Ok(Measured {
         kinds,
         link,
+        all_to_all,
         optimizer_s_per_param,
-        notes: "measured by `flatpipe profile` on the CPU backend's kernels (host clock): t = c0 + c_tok * tokens + c_attn * attn_pairs per layer kind and phase, non-negative least squares on relative residuals; activation bytes from the saved tensors (F -> I -> W); link = a buffer moving through a channel between rank threads; optimizer = gradient norm + AdamW over the whole model. FLOPs per token (MFU) are the analytic counts.".into(),
+        notes: "measured by `flatpipe profile` on the CPU backend's kernels (host clock): t = c0 + c_tok * tokens + c_attn * attn_pairs per layer kind and phase, non-negative least squares on relative residuals; activation bytes from the saved tensors (F -> I -> W); link = a buffer moving through a channel between rank threads; all-to-all (mixture-of-experts models) = two rank threads exchanging rows through the executor's expert link; optimizer = gradient norm + AdamW over the whole model. FLOPs per token (MFU) are the analytic counts.".into(),
     })
 }
 
@@ -846,6 +909,7 @@ pub fn to_profile(
     hw.name = device.to_string();
     hw.intra_node = m.link.clone();
     hw.inter_node = m.link.clone();
+    hw.all_to_all = m.all_to_all.clone();
     let mut p = analytic_profile(model, &hw, &AnalyticOptions::default())?;
     for l in &mut p.layers {
         let Some(k) = m.kinds.iter().find(|k| k.kind == l.kind) else {
@@ -1101,5 +1165,28 @@ mod tests {
         assert_eq!(dec.param_bytes, model.layers()[1].param_count() * 4);
         assert!(m.link.alpha_s >= 0.0 && m.link.beta_bytes_per_s > 0.0);
         assert!(m.optimizer_s_per_param > 0.0);
+        // A dense model has no all-to-all to measure.
+        assert!(m.all_to_all.is_none());
+    }
+
+    /// The expert link's all-to-all between two threads: a latency and a finite bandwidth,
+    /// and a profile that carries it prices expert parallelism's exchanges on it.
+    #[test]
+    fn the_all_to_all_is_measured_and_priced() {
+        let cfg = ProfileConfig {
+            link_sizes: vec![4096, 1 << 20],
+            ..ProfileConfig::quick()
+        };
+        let l = profile_all_to_all(&cfg).unwrap();
+        assert!(l.alpha_s >= 0.0 && l.beta_bytes_per_s > 0.0, "{l:?}");
+        let model = flatpipe_profiles::builtins::model("tiny-moe").unwrap();
+        let mut hw = flatpipe_profiles::builtins::hardware("cpu").unwrap();
+        let priced = |hw: &Hardware| {
+            let p = analytic_profile(&model, hw, &AnalyticOptions::default()).unwrap();
+            p.expert_parallel(2, 1, false).unwrap().layers[1].f.c0_s - p.layers[1].f.c0_s
+        };
+        hw.all_to_all = Some(Link { alpha_s: 1e-3, ..l });
+        // Two all-to-alls per forward, each one pairwise exchange's latency at ep = 2.
+        assert!((priced(&hw) - 2e-3).abs() < 1e-9, "{}", priced(&hw));
     }
 }

@@ -131,6 +131,9 @@ pub struct Prediction {
     /// Replica 0's predicted timeline (its first round), to set beside the measured one action
     /// by action; `None` when the step has no prediction.
     pub timeline: Option<flatpipe_simulator::Timeline>,
+    /// The predicted expert-parallel all-to-all time of the rank that exposes the most
+    /// ([`flatpipe_simulator::run::step::StepOutcome::all_to_all`]); `None` without any.
+    pub all_to_all: Option<flatpipe_simulator::replay::metrics::AllToAllTime>,
 }
 
 impl PreparedStep {
@@ -148,10 +151,15 @@ impl PreparedStep {
             .as_deref()
             .is_some_and(|p| std::ptr::eq(p, profile));
         let replayed;
-        let plan = if same {
+        let plan = if same && setup.ep <= 1 {
             &self.plan
         } else {
-            replayed = self.plan.replayed_on(&setup.config, profile)?;
+            // An expert-parallel group runs in step with its slowest member, microbatch by
+            // microbatch.
+            replayed = self
+                .plan
+                .expert_coupled(setup.ep, profile)
+                .replayed_on(&setup.config, profile)?;
             &replayed
         };
         let outcome = plan
@@ -176,6 +184,7 @@ impl PreparedStep {
             makespan_s: outcome.step_time_s,
             bubbles,
             timeline: first.map(|p| p.simulation.timeline.clone()),
+            all_to_all: outcome.all_to_all,
         })
     }
 }

@@ -353,6 +353,9 @@ pub struct AllToAllSpan {
     pub values_sent: usize,
     /// First send.
     pub start: std::time::Instant,
+    /// When the last member of the group entered it: from `start` to here this rank waited
+    /// for a slower partner, from here to `end` the exchange itself ran.
+    pub ready: std::time::Instant,
     /// Last receive.
     pub end: std::time::Instant,
 }

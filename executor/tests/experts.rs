@@ -103,7 +103,7 @@ fn check_exposed(run: &flatpipe_executor::interpreter::StepRun, s: &Setup, name:
     );
     let mut hidden_somewhere = false;
     for (g, spans) in run.all_to_all.iter().enumerate() {
-        let total: u64 = spans.iter().map(|a| a.end_ns - a.start_ns).sum();
+        let total: u64 = spans.iter().map(|a| a.end_ns - a.ready_ns).sum();
         let exposed = run.exposed_all_to_all_ns[g];
         assert!(exposed <= total, "{name} rank {g}: {exposed} > {total}");
         if !pairs {
@@ -197,4 +197,42 @@ fn an_expert_parallel_degree_that_does_not_fit_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("4 routed experts"), "{e}");
+}
+
+/// An expert-parallel group runs in step with its slowest member, microbatch by microbatch:
+/// its prediction replays every member on the group's costliest k-th microbatch for each k (by
+/// model FLOPs), while each member keeps its own microbatches; without expert parallelism the
+/// plan is unchanged.
+#[test]
+fn a_group_is_predicted_on_its_costliest_microbatches() {
+    use flatpipe_simulator::batching::microbatch::Microbatch;
+    let s = setup(ScheduleKind::OneFOneB, (2, 1, 3), 2, 2);
+    let step = s.prepare(0).unwrap();
+    let hw = flatpipe_profiles::builtins::hardware("cpu").unwrap();
+    let profile = flatpipe_profiles::analytic_profile(&s.model, &hw, &Default::default()).unwrap();
+    let flops = |m: &Microbatch| profile.model_flops(m.tokens() as f64, m.attn_pairs() as f64);
+    let coupled = step.plan.expert_coupled(2, &profile);
+    let slots = |p: &flatpipe_simulator::run::step::StepPlan, d: usize| {
+        p.replicas[d].rounds[0].slots.clone()
+    };
+    let (a, b) = (slots(&step.plan, 0), slots(&step.plan, 1));
+    assert_ne!(a, b, "the replicas' microbatches differ");
+    for k in 0..3 {
+        let want = if flops(&b[k]) >= flops(&a[k]) {
+            &b[k]
+        } else {
+            &a[k]
+        };
+        for d in 0..2 {
+            assert_eq!(&slots(&coupled, d)[k], want, "slot {k} of replica {d}");
+        }
+    }
+    for d in 0..2 {
+        assert_eq!(
+            coupled.replicas[d].microbatches,
+            step.plan.replicas[d].microbatches
+        );
+    }
+    let alone = step.plan.expert_coupled(1, &profile);
+    assert_eq!((slots(&alone, 0), slots(&alone, 1)), (a, b));
 }

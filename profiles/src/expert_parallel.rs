@@ -187,7 +187,10 @@ fn all_to_all_pair(
     } else {
         d
     };
-    let (nv, ib) = (&hw.intra_node, &hw.inter_node);
+    let (nv, ib) = (
+        hw.all_to_all.as_ref().unwrap_or(&hw.intra_node),
+        &hw.inter_node,
+    );
     let group = u64::from(ep) * u64::from(tp);
     let nodes = group.div_ceil(u64::from(hw.gpus_per_node.max(1)));
     // Per token: copies over the network and over NVLink, and the latency of one all-to-all.

@@ -87,6 +87,11 @@ pub struct Hardware {
     /// The fused attention kernel's throughput ([`crate::gemm`]). Absent: the GEMM curve's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention: Option<AttentionSpec>,
+    /// An expert-parallel all-to-all's link inside a node where it is not `intra_node`'s: the
+    /// exchange `flatpipe profile` measured on a backend whose all-to-all is not a
+    /// point-to-point transfer (the CPU executor's). Absent: `intra_node`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub all_to_all: Option<Link>,
 }
 
 impl Hardware {

@@ -116,6 +116,7 @@ pub fn profile_cuda(
         Measured {
             kinds,
             link,
+            all_to_all: None,
             optimizer_s_per_param,
             notes,
         },

@@ -196,6 +196,8 @@ struct Key {
 struct Packet {
     key: Key,
     from: usize,
+    /// When the sender entered the all-to-all (its threads share this process's clock).
+    posted: Instant,
     payload: Payload,
 }
 
@@ -205,7 +207,7 @@ pub struct ExpertLink {
     index: usize,
     peers: Vec<Sender<Packet>>,
     rx: Receiver<Packet>,
-    early: HashMap<(Key, usize), Payload>,
+    early: HashMap<(Key, usize), (Instant, Payload)>,
     abort: Arc<AtomicBool>,
     spans: Vec<AllToAllSpan>,
     stream: Option<Arc<ComputeStream>>,
@@ -272,6 +274,29 @@ impl ExpertLink {
         std::mem::take(&mut self.spans)
     }
 
+    /// One all-to-all of `values` floats to every other rank of the group, keyed by `round`
+    /// (the profiler's measurement of the exchange itself).
+    ///
+    /// # Errors
+    /// [`Error::Aborted`] when a peer stopped.
+    pub fn exchange_for_profile(&mut self, round: usize, values: usize) -> Result<()> {
+        let sends = (0..self.ep())
+            .map(|_| Payload {
+                counts: vec![values as u32],
+                rows: vec![1.0; values],
+            })
+            .collect();
+        let key = Key {
+            layer: round,
+            microbatch: 0,
+            forward_only: true,
+            phase: Phase::Dispatch,
+        };
+        self.all_to_all(key, sends)?;
+        self.spans.clear();
+        Ok(())
+    }
+
     /// Sends `sends[r]` to the group's rank `r` and returns what each rank sent this one.
     fn all_to_all(&mut self, key: Key, sends: Vec<Payload>) -> Result<Vec<Payload>> {
         let ep = self.peers.len();
@@ -287,6 +312,7 @@ impl ExpertLink {
             let packet = Packet {
                 key,
                 from: self.index,
+                posted: start,
                 payload,
             };
             self.peers[r]
@@ -297,10 +323,14 @@ impl ExpertLink {
             s.release();
         }
         let mut received = Ok(());
+        let mut ready = start;
         for (r, slot) in got.iter_mut().enumerate() {
             if slot.is_none() {
                 match self.receive(key, r) {
-                    Ok(p) => *slot = Some(p),
+                    Ok((posted, p)) => {
+                        ready = ready.max(posted);
+                        *slot = Some(p);
+                    }
                     Err(e) => {
                         received = Err(e);
                         break;
@@ -320,19 +350,20 @@ impl ExpertLink {
             phase: key.phase,
             values_sent,
             start,
+            ready: ready.min(end),
             end,
         });
         Ok(got.into_iter().flatten().collect())
     }
 
-    fn receive(&mut self, key: Key, from: usize) -> Result<Payload> {
+    fn receive(&mut self, key: Key, from: usize) -> Result<(Instant, Payload)> {
         loop {
             if let Some(p) = self.early.remove(&(key, from)) {
                 return Ok(p);
             }
             match self.rx.recv_timeout(Duration::from_millis(20)) {
                 Ok(p) => {
-                    self.early.insert((p.key, p.from), p.payload);
+                    self.early.insert((p.key, p.from), (p.posted, p.payload));
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     if self.abort.load(Ordering::SeqCst) {

@@ -333,6 +333,57 @@ fn predict_round(
 }
 
 impl StepPlan {
+    /// The step as an expert-parallel group runs it: groups of `ep` consecutive replicas
+    /// exchange every mixture-of-experts layer's tokens microbatch by microbatch, so each waits
+    /// for the group's slowest at every layer, and its k-th microbatch costs what the group's
+    /// costliest k-th microbatch costs. Every member's round slots (and forward-only slots)
+    /// become, slot by slot, the group's costliest by the profile's model FLOPs (tokens and
+    /// attention pairs); its own microbatches (what it computes) stay. Replay it with
+    /// [`StepPlan::replayed_on`]. `ep <= 1`, or members with different slot counts (which the
+    /// executor refuses): the plan unchanged.
+    pub fn expert_coupled(&self, ep: u32, profile: &Profile) -> StepPlan {
+        let mut plan = self.clone();
+        let ep = ep.max(1) as usize;
+        if ep == 1 {
+            return plan;
+        }
+        let cost = |m: &Microbatch| profile.model_flops(m.tokens() as f64, m.attn_pairs() as f64);
+        for group in plan.replicas.chunks_mut(ep) {
+            let rounds = group[0].rounds.len();
+            if group.iter().any(|r| r.rounds.len() != rounds) {
+                continue;
+            }
+            for i in 0..rounds {
+                let same = |f: fn(&RoundPlan) -> &Vec<Microbatch>| {
+                    group
+                        .iter()
+                        .all(|r| f(&r.rounds[i]).len() == f(&group[0].rounds[i]).len())
+                };
+                if !same(|r| &r.slots) || !same(|r| &r.fo) {
+                    continue;
+                }
+                let costliest = |f: fn(&RoundPlan) -> &Vec<Microbatch>| -> Vec<Microbatch> {
+                    (0..f(&group[0].rounds[i]).len())
+                        .map(|k| {
+                            group
+                                .iter()
+                                .map(|r| &f(&r.rounds[i])[k])
+                                .max_by(|a, b| cost(a).total_cmp(&cost(b)))
+                                .cloned()
+                                .unwrap_or_default()
+                        })
+                        .collect()
+                };
+                let (slots, fo) = (costliest(|r| &r.slots), costliest(|r| &r.fo));
+                for r in group.iter_mut() {
+                    r.rounds[i].slots = slots.clone();
+                    r.rounds[i].fo = fo.clone();
+                }
+            }
+        }
+        plan
+    }
+
     /// This plan with every round's prediction replayed under `profile`: the schedules stay
     /// the ones planned (the ones that ran, for an executed step), only their costs change.
     ///

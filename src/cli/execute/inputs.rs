@@ -261,7 +261,7 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
             dp * pp
         );
     }
-    let ep = expert_parallel(a, plan.as_ref(), &config);
+    let (ep, profile) = expert_parallel(a, plan.as_ref(), &config, profile)?;
     let balance = flatpipe_simulator::run::config::balance_cost(&profile);
     let setup = Setup {
         model: model.clone(),
@@ -294,19 +294,27 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
     })
 }
 
-/// The expert-parallel degree: --ep, else the plan's, else 1; warns when the step's
-/// microbatch count is left to the token budget (an expert-parallel group's replicas need the
-/// same count).
+/// The expert-parallel degree (--ep, else the plan's, else 1) and the profile the steps are
+/// planned and predicted on: an expert-parallel rank's (`E / ep` experts, the all-to-alls).
+/// Warns when the step's microbatch count is left to the token budget (an expert-parallel
+/// group's replicas need the same count).
+///
+/// # Errors
+/// The profile's refusal of `ep` (no mixture-of-experts layer, experts it does not divide).
 fn expert_parallel(
     a: &ExecuteArgs,
     plan: Option<&Plan>,
     config: &flatpipe_simulator::run::config::RunConfig,
-) -> u32 {
+    profile: Profile,
+) -> Result<(u32, Profile)> {
     let ep = a.ep.or(plan.map(|p| p.ep)).unwrap_or(1);
-    if ep > 1 && config.params.microbatches.is_none() {
+    if ep <= 1 {
+        return Ok((1, profile));
+    }
+    if config.params.microbatches.is_none() {
         tracing::warn!(
             "ep = {ep} without --microbatches: the replicas of an expert-parallel group pair their microbatches one to one, so a step whose token budget cuts them into different counts is refused; give --microbatches to fix the count"
         );
     }
-    ep
+    Ok((ep, profile.expert_parallel(ep, 1, false)?))
 }

@@ -317,7 +317,7 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
                 // The setup's profile is this profile (an Arc of it): the step carries its
                 // prediction, the replay of the schedules that ran.
                 let on = setup.profile.as_deref().unwrap_or(&r.profile);
-                Some(prepared.predict(setup, on)?.makespan_s)
+                Some(prepared.predict(setup, on)?)
             } else {
                 None
             };
@@ -336,7 +336,7 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
                 }
                 None => None,
             };
-            let row = step_row(step, &prepared, &run, predicted, verify);
+            let row = step_row(step, &prepared, &run, predicted.as_ref(), verify);
             tracing::info!(
                 "execute: step {step}: {} tokens, loss {:.4}, measured makespan {:.4} s",
                 row.tokens,

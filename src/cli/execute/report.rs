@@ -21,6 +21,12 @@ pub(super) struct StepRow {
     /// The measured expert-parallel all-to-all time of the rank with the most exposed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) all_to_all: Option<sim::AllToAllTime>,
+    /// The predicted one, likewise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) predicted_all_to_all: Option<sim::AllToAllTime>,
+    /// The most time a rank's all-to-alls waited for a slower partner, seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) all_to_all_wait_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) predicted_makespan_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -85,9 +91,10 @@ pub(super) fn step_row(
     step: u64,
     prepared: &PreparedStep,
     run: &flatpipe_executor::interpreter::StepRun,
-    predicted: Option<f64>,
+    prediction: Option<&flatpipe_executor::runner::Prediction>,
     verify: Option<VerifyRow>,
 ) -> StepRow {
+    let predicted = prediction.map(|p| p.makespan_s);
     let makespan_s = run.timeline.makespan_ns() as f64 * 1e-9;
     let fo_s: f64 = run
         .timeline
@@ -121,6 +128,8 @@ pub(super) fn step_row(
             .sum(),
         fo_busy_s: fo_s,
         all_to_all: run.all_to_all_time(),
+        predicted_all_to_all: prediction.and_then(|p| p.all_to_all),
+        all_to_all_wait_s: run.all_to_all_wait_s(),
         predicted_makespan_s: predicted,
         rel_error: predicted.map(|p| (p - makespan_s) / makespan_s),
         verify,
@@ -150,10 +159,13 @@ pub(super) fn execute_table(
     }
     let a2a = steps.iter().any(|r| r.all_to_all.is_some());
     if a2a {
-        cols.push("a2a exposed");
+        cols.extend(["a2a exposed", "a2a wait"]);
     }
     if predict {
         cols.extend(["predicted", "error"]);
+        if a2a {
+            cols.push("a2a predicted");
+        }
     }
     if verify {
         cols.extend(["ref. loss", "grad diff (rel)", "param diff (rel)", "ok"]);
@@ -175,9 +187,13 @@ pub(super) fn execute_table(
         }
         if a2a {
             row.push(all_to_all_cell(r.all_to_all));
+            row.push(r.all_to_all_wait_s.map_or("-".into(), fmt_s));
         }
         if let (Some(p), Some(e)) = (r.predicted_makespan_s, r.rel_error) {
             row.extend([fmt_s(p), format!("{:+.1}%", 100.0 * e)]);
+            if a2a {
+                row.push(all_to_all_cell(r.predicted_all_to_all));
+            }
         }
         if let Some(v) = &r.verify {
             row.extend([
