@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The closed loop on a mixture-of-experts model under expert parallelism, on the CPU: profile
-# tiny-moe on this machine (`flatpipe profile --quick`, as many threads busy as the run's
-# ranks: pp 2 x dp 2 = 4; no schedule run enters it), then run three tiny-chat steps of each
-# schedule at pp 2 x dp 2 x ep 2 with 8 microbatches per replica (after one unmeasured step)
+# tiny-moe on this machine (`flatpipe profile`, about 4 minutes, as many threads busy as the
+# run's ranks: pp 2 x dp 2 = 4; no schedule run enters it), then run three tiny-chat steps of
+# each schedule at pp 2 x dp 2 x ep 2 with 8 microbatches per replica (after one unmeasured step)
 # and print, per schedule, the median |error| of the predicted makespan over its steps and, for
 # DualPipeV, the predicted and measured all-to-all times. Repeats the whole loop RUNS times
 # (default 3), each with its own profile. Usage: scripts/moe-closed-loop.sh [RUNS]
@@ -15,7 +15,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 schedules="1f1b interleaved-1f1b zb-h1 dualpipev combined-1f1b"
 for run in $(seq 1 "$runs"); do
-    "$bin" profile --model tiny-moe --quick --concurrency 4 --output "$tmp/p.yaml" >/dev/null 2>&1
+    "$bin" profile --model tiny-moe --concurrency 4 --output "$tmp/p.yaml" >/dev/null 2>&1
     for s in $schedules; do
         "$bin" execute --model tiny-moe --profile "$tmp/p.yaml" --pp 2 --dp 2 --ep 2 \
             --microbatches 8 --schedule "$s" --steps 3 --warmup-steps 1 --format json \
