@@ -491,16 +491,6 @@ mod tests {
     use flatpipe_profiles::builtins;
     use rand::{SeedableRng, rngs::ChaCha8Rng};
 
-    /// A layer's exchange without expert parallelism.
-    fn solo() -> Exchange<'static> {
-        Exchange {
-            link: None,
-            layer: 1,
-            microbatch: 0,
-            forward_only: false,
-        }
-    }
-
     fn small_model() -> ModelSpec {
         ModelSpec::from_yaml(
             "name: t\ndtype: fp32\nlayers:\n  - {kind: embedding, vocab: 32, hidden: 16}\n  - {kind: decoder, count: 2, hidden: 16, ffn: 24, heads: 4, kv_heads: 2}\n  - {kind: head, vocab: 32, hidden: 16}\n",
@@ -564,12 +554,21 @@ mod tests {
             _ => unreachable!(),
         };
         let f = |x: &Array2<f32>| -> f64 {
-            let (y, _) = decoder_forward(&CpuOps, dec, x, data, None, &mut solo()).unwrap();
+            let (y, _) =
+                decoder_forward(&CpuOps, dec, x, data, None, &mut Exchange::solo()).unwrap();
             y.iter().zip(r.iter()).map(|(a, b)| (*a * *b) as f64).sum()
         };
-        let (_, c) = decoder_forward(&CpuOps, dec, &x, data, None, &mut solo()).unwrap();
-        let (dx, _, _) =
-            decoder_dgrad(&CpuOps, dec, c, r.clone(), data, None, &mut solo()).unwrap();
+        let (_, c) = decoder_forward(&CpuOps, dec, &x, data, None, &mut Exchange::solo()).unwrap();
+        let (dx, _, _) = decoder_dgrad(
+            &CpuOps,
+            dec,
+            c,
+            r.clone(),
+            data,
+            None,
+            &mut Exchange::solo(),
+        )
+        .unwrap();
         let e = directional(&x, &dx, &f, 2);
         assert!(e < 2e-3, "{e}");
         // The wgrad of every parameter against finite differences of that parameter.
@@ -590,7 +589,8 @@ mod tests {
                     Layer::Decoder(d) => d,
                     _ => unreachable!(),
                 };
-                let (y, _) = decoder_forward(&CpuOps, dec, &x, data, None, &mut solo()).unwrap();
+                let (y, _) =
+                    decoder_forward(&CpuOps, dec, &x, data, None, &mut Exchange::solo()).unwrap();
                 y.iter().zip(r.iter()).map(|(a, b)| (*a * *b) as f64).sum()
             };
             // Norm weights act through the small MLP / attention branches next to the residual

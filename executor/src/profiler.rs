@@ -601,11 +601,23 @@ fn profile_link(cfg: &ProfileConfig) -> Result<Link> {
     }
     drop(to_peer);
     let _ = peer.join();
-    let fit = nnls_fit(&samples, false)?;
+    fit_link(
+        "channel between rank threads (buffers move, no copy)",
+        &samples,
+    )
+}
+
+/// `alpha + bytes / beta` fitted (non-negative least squares) to `(bytes, seconds)` samples
+/// (`Sample::tokens` holds the bytes), as a link named `name`. A size-independent transfer fits
+/// no per-byte cost: its bandwidth is capped at 1 PB/s.
+///
+/// # Errors
+/// The fit's.
+pub(crate) fn fit_link(name: &str, samples: &[Sample]) -> Result<Link> {
+    let fit = nnls_fit(samples, false)?;
     Ok(Link {
-        name: "channel between rank threads (buffers move, no copy)".into(),
+        name: name.into(),
         alpha_s: fit.coeffs.c0_s,
-        // A size-independent transfer fits c_tok = 0: cap the bandwidth at 1 PB/s.
         beta_bytes_per_s: if fit.coeffs.c_tok_s > 1e-15 {
             1.0 / fit.coeffs.c_tok_s
         } else {
@@ -656,17 +668,10 @@ fn profile_all_to_all(cfg: &ProfileConfig) -> Result<Link> {
     partner.join().map_err(|_| {
         Error::Invalid("the all-to-all profiler's partner thread panicked".into())
     })??;
-    let fit = nnls_fit(&samples, false)?;
-    Ok(Link {
-        name: "all-to-all between rank threads (the executor's expert link)".into(),
-        alpha_s: fit.coeffs.c0_s,
-        beta_bytes_per_s: if fit.coeffs.c_tok_s > 1e-15 {
-            1.0 / fit.coeffs.c_tok_s
-        } else {
-            1e15
-        },
-        post_s: 0.0,
-    })
+    fit_link(
+        "all-to-all between rank threads (the executor's expert link)",
+        &samples,
+    )
 }
 
 /// Seconds per parameter of the gradient norm and one AdamW step over the whole model (memory-bound: the weights,

@@ -1,8 +1,9 @@
 """Prints one overlapped DualPipeV pair's trace from the torch runtime: pp 2 x ep 2 on 4 gloo
 processes, one expert-parallel group per stage, the model and step of
-``python/tests/test_moe.py::test_overlapped_pairs_interleave_around_their_all_to_alls``. The
-first pair on rank 0 whose halves both exchange tokens, its events in ms from the step's start:
-which half, what (a stretch of compute, or an all-to-all from posting to completion).
+``python/tests/test_moe.py::test_overlapped_pairs_interleave_around_their_all_to_alls``
+(``_moe_workers.OVERLAP_SPEC``). The first pair on rank 0 whose halves both exchange tokens,
+its events in ms from the step's start: which half, what (a stretch of compute, or an
+all-to-all from posting to completion).
 
     python python/bench/overlap_trace.py
 """
@@ -17,18 +18,8 @@ import tempfile
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from _moe_workers import OVERLAP_SPEC as SPEC  # noqa: E402
 from _workers import run  # noqa: E402
-
-SPEC = {
-    "schedule": "dualpipev",
-    "decoders": 6,
-    "budget": 64,
-    "microbatches": 4,
-    "dp": 2,
-    "ep": "per-stage",
-    "moe": {"experts": 4, "top_k": 2, "expert_ffn": 16},
-    "steps": [[40, 7, 19, 33, 12, 5, 28, 50, 9, 17, 61, 22]],
-}
 
 
 def main() -> None:

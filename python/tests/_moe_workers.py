@@ -10,6 +10,20 @@ from flatpipe.models import ModelConfig, Stage
 #: The model: two mixture-of-experts decoders, 8 experts, top 2.
 CFG = ModelConfig(experts=8, top_k=2, expert_ffn=16, num_decoders=2, seed=3)
 
+#: The overlapped-pair run (``_workers.run``'s spec): DualPipeV at pp 2 x ep 2 (4 processes),
+#: one expert-parallel group per stage, 6 MoE decoders (every stage holds one), 4 microbatches
+#: per replica of a step of variable-length sequences.
+OVERLAP_SPEC = {
+    "schedule": "dualpipev",
+    "decoders": 6,
+    "budget": 64,
+    "microbatches": 4,
+    "dp": 2,
+    "ep": "per-stage",
+    "moe": {"experts": 4, "top_k": 2, "expert_ffn": 16},
+    "steps": [[40, 7, 19, 33, 12, 5, 28, 50, 9, 17, 61, 22]],
+}
+
 
 def tokens(rank: int):
     """Rank ``rank``'s hidden states, two sequences, and the projection its loss takes. Rank 1's

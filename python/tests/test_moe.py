@@ -135,18 +135,10 @@ def test_overlapped_pairs_interleave_around_their_all_to_alls(tmp_path):
     finished has nothing left to hide under."""
     import json
 
+    from _moe_workers import OVERLAP_SPEC
     from _workers import run
 
-    spec = {
-        "schedule": "dualpipev",
-        "decoders": 6,
-        "budget": 64,
-        "microbatches": 4,
-        "dp": 2,
-        "ep": "per-stage",
-        "moe": {"experts": 4, "top_k": 2, "expert_ffn": 16},
-        "steps": EP_STEPS,
-    }
+    spec = OVERLAP_SPEC
     world = 4
     mp.spawn(run, args=(world, str(tmp_path / "init"), spec, str(tmp_path)), nprocs=world, join=True)
     reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]

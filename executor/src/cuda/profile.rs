@@ -5,7 +5,7 @@ use super::ops::{Gpu, Precision};
 use super::stage::{CudaStage, Init};
 use super::{DeviceInfo, context, context_on, driver, probe};
 use crate::profiler::{
-    DECODERS_PER_STAGE, Measured, ProfileConfig, Profiled, Sample, StageFactory, median, nnls_fit,
+    DECODERS_PER_STAGE, Measured, ProfileConfig, Profiled, Sample, StageFactory, median,
     profile_kinds,
 };
 use crate::worker::{AdamW, StageWorker};
@@ -152,17 +152,7 @@ fn profile_copy_link(dst: &Gpu, src: &Gpu, name: String, cfg: &ProfileConfig) ->
             seconds: median(times).max(1e-9),
         });
     }
-    let fit = nnls_fit(&samples, false)?;
-    Ok(Link {
-        name,
-        alpha_s: fit.coeffs.c0_s,
-        beta_bytes_per_s: if fit.coeffs.c_tok_s > 1e-15 {
-            1.0 / fit.coeffs.c_tok_s
-        } else {
-            1e15
-        },
-        post_s: 0.0,
-    })
+    crate::profiler::fit_link(&name, &samples)
 }
 
 /// Seconds per parameter of the gradient norm and AdamW over a stage of the first decoders

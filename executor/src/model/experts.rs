@@ -388,6 +388,17 @@ pub(crate) struct Exchange<'a> {
 }
 
 impl Exchange<'_> {
+    /// A layer's exchange without expert parallelism (the tests' layer-by-layer calls).
+    #[cfg(test)]
+    pub(crate) fn solo() -> Exchange<'static> {
+        Exchange {
+            link: None,
+            layer: 1,
+            microbatch: 0,
+            forward_only: false,
+        }
+    }
+
     fn ep(&self) -> usize {
         self.link.as_ref().map_or(1, |l| l.ep())
     }
@@ -786,15 +797,6 @@ mod tests {
         CpuStage::new(&m, 1..2, 3, Recompute::None).unwrap()
     }
 
-    fn solo() -> Exchange<'static> {
-        Exchange {
-            link: None,
-            layer: 1,
-            microbatch: 0,
-            forward_only: false,
-        }
-    }
-
     fn max_diff(a: &Array2<f32>, b: &Array2<f32>) -> f32 {
         assert_eq!(a.dim(), b.dim());
         a.iter().zip(b).fold(0.0, |m, (x, y)| m.max((x - y).abs()))
@@ -827,8 +829,8 @@ mod tests {
             let x = randn(&mut rng, (t, h), 1.0);
             let dy = randn(&mut rng, (t, h), 1.0);
             let ops = CpuOps;
-            let (y, c) = moe_forward(&ops, m, &x, (t, h), &mut solo()).unwrap();
-            let (dx, w) = moe_dgrad(&ops, m, c, &dy, (t, h), &mut solo()).unwrap();
+            let (y, c) = moe_forward(&ops, m, &x, (t, h), &mut Exchange::solo()).unwrap();
+            let (dx, w) = moe_dgrad(&ops, m, c, &dy, (t, h), &mut Exchange::solo()).unwrap();
             moe_wgrad(&ops, m, w, &x, &dy, (t, h)).unwrap();
 
             // The reference: the host kernels, expert by expert.
@@ -948,7 +950,8 @@ mod tests {
         });
         let p = moe_of(&whole);
         for (x, y) in xs.iter().zip(&outs) {
-            let (want, _) = moe_forward(&CpuOps, p, x, (x.nrows(), 16), &mut solo()).unwrap();
+            let (want, _) =
+                moe_forward(&CpuOps, p, x, (x.nrows(), 16), &mut Exchange::solo()).unwrap();
             assert!(max_diff(y, &want) <= 1e-6, "{y} vs {want}");
         }
     }
