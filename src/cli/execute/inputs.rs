@@ -179,48 +179,8 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
     let reduction = LossReduction::from(a.loss_reduction);
     let step_size =
         resolve::step_size(a.seqs_per_step, a.tokens_per_step, plan.as_ref(), &workload)?;
-    // A step's data is drawn before anything else: refuse a step too large for this host
-    // before sampling it. Its lengths (4 bytes each, sampled and cut), and per token an id, a
-    // label and a loss weight (12 bytes), twice with --verify's reference.
-    {
-        let (seqs, mean, _) = montecarlo::estimated_step(&workload, 0, step_size);
-        let need = seqs * 8.0 + seqs * mean * 12.0 * if a.verify { 2.0 } else { 1.0 };
-        super::check_memory(
-            "the step",
-            need,
-            &format!(
-                "{step_size} of {} (mean {mean:.0} tokens) hold about {} of lengths and token data",
-                workload.name,
-                fmt_bytes(need)
-            ),
-            "use fewer sequences or tokens per step",
-        )?;
-    }
-    let source = match (&a.schedule_csv, &plan) {
-        (Some(path), _) => Some(ScheduleSource::Given(
-            sim::ir::pytorch_csv::read_pytorch_csv(
-                &profiles::read_to_string(path)?,
-                &path.display().to_string(),
-            )?,
-        )),
-        (None, Some(_)) => None,
-        (None, None) => {
-            let kind: ScheduleKind = match &a.schedule {
-                Some(name) => name.parse()?,
-                None => resolve::DEFAULT_SCHEDULE,
-            };
-            // One schedule is named: a vpp it does not run is refused, not replaced.
-            let v = kind.stages_per_rank(a.vpp)?;
-            if let Some(asked) = a.vpp
-                && asked != v
-            {
-                bail!(
-                    "--vpp = {asked} is invalid for {kind}: it runs {v} stage(s) per rank (interleaved-1f1b and looped-bfs take any --vpp, zb-auto 1 or 2)"
-                );
-            }
-            Some(ScheduleSource::Kind(kind))
-        }
-    };
+    check_step_memory(a, &workload, step_size)?;
+    let source = schedule_source(a, plan.as_ref())?;
     let flags = resolve::RunFlags {
         pp: a.pp,
         vpp: a.vpp,
@@ -317,4 +277,59 @@ fn expert_parallel(
         );
     }
     Ok((ep, profile.expert_parallel(ep, 1, false)?))
+}
+
+/// Refuses a step too large for this host before it is sampled (a step's data is drawn before
+/// anything else): its lengths (4 bytes each, sampled and cut), and per token an id, a label
+/// and a loss weight (12 bytes), twice with --verify's reference.
+///
+/// # Errors
+/// The bytes needed against the memory available.
+fn check_step_memory(a: &ExecuteArgs, workload: &Workload, step_size: StepSize) -> Result<()> {
+    let (seqs, mean, _) = montecarlo::estimated_step(workload, 0, step_size);
+    let need = seqs * 8.0 + seqs * mean * 12.0 * if a.verify { 2.0 } else { 1.0 };
+    super::check_memory(
+        "the step",
+        need,
+        &format!(
+            "{step_size} of {} (mean {mean:.0} tokens) hold about {} of lengths and token data",
+            workload.name,
+            fmt_bytes(need)
+        ),
+        "use fewer sequences or tokens per step",
+    )?;
+    Ok(())
+}
+
+/// The schedule to run: a PyTorch CSV (--schedule-csv), the plan's (`None`), or the named kind
+/// (default 1F1B), whose stages per rank --vpp may not change.
+///
+/// # Errors
+/// An unreadable CSV, an unknown schedule, a --vpp the schedule does not run.
+fn schedule_source(a: &ExecuteArgs, plan: Option<&Plan>) -> Result<Option<ScheduleSource>> {
+    Ok(match (&a.schedule_csv, plan) {
+        (Some(path), _) => Some(ScheduleSource::Given(
+            sim::ir::pytorch_csv::read_pytorch_csv(
+                &profiles::read_to_string(path)?,
+                &path.display().to_string(),
+            )?,
+        )),
+        (None, Some(_)) => None,
+        (None, None) => {
+            let kind: ScheduleKind = match &a.schedule {
+                Some(name) => name.parse()?,
+                None => resolve::DEFAULT_SCHEDULE,
+            };
+            // One schedule is named: a vpp it does not run is refused, not replaced.
+            let v = kind.stages_per_rank(a.vpp)?;
+            if let Some(asked) = a.vpp
+                && asked != v
+            {
+                bail!(
+                    "--vpp = {asked} is invalid for {kind}: it runs {v} stage(s) per rank (interleaved-1f1b and looped-bfs take any --vpp, zb-auto 1 or 2)"
+                );
+            }
+            Some(ScheduleSource::Kind(kind))
+        }
+    })
 }
