@@ -279,7 +279,7 @@ impl ExpertLink {
     ///
     /// # Errors
     /// [`Error::Aborted`] when a peer stopped.
-    pub fn exchange_for_profile(&mut self, round: usize, values: usize) -> Result<()> {
+    pub(crate) fn exchange_for_profile(&mut self, round: usize, values: usize) -> Result<()> {
         let sends = (0..self.ep())
             .map(|_| Payload {
                 counts: vec![values as u32],
