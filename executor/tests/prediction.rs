@@ -79,3 +79,68 @@ fn executed_and_predicted_schedules_are_the_same_with_forward_only_work() {
         }
     }
 }
+
+/// The closed loop's refit, on timings whose truth is known: the "measured" timeline is the
+/// replay on the profile scaled by known factors, and the estimate from it
+/// ([`SpeedEstimate`]) recovers those factors, so the step replayed on the refitted profile is
+/// the measured one. With ZB-H1 (F, I and W apart) every factor comes back; with 1F1B (fused
+/// backwards) I and W come back as B's one factor, so there they are taken equal.
+#[test]
+fn a_profile_refitted_on_a_step_predicts_that_step() {
+    use flatpipe_profiles::PhaseScale;
+    use flatpipe_simulator::run::estimate::SpeedEstimate;
+    let model = builtins::model("tiny-moe").unwrap();
+    let hw = builtins::hardware("h200").unwrap();
+    let base = analytic_profile(&model, &hw, &AnalyticOptions::default()).unwrap();
+    let cases = [
+        (ScheduleKind::ZbH1, (1.3, 0.8, 1.6)),
+        (ScheduleKind::OneFOneB, (0.7, 1.25, 1.25)),
+    ];
+    for (kind, (f, i, w)) in cases {
+        let truth = PhaseScale {
+            f,
+            i,
+            w,
+            b: 1.0,
+            optimizer: 2.0,
+        };
+        let measured_profile = base.scaled(&truth).unwrap();
+        let mut s = common::setup(
+            model.clone(),
+            common::workload(200.0, 2048),
+            ScheduleSource::Kind(kind),
+            (2, 1, 6),
+        );
+        s.profile = Some(Arc::new(base.clone()));
+        let step = s.prepare(0).unwrap();
+        let measured = step.predict(&s, &measured_profile).unwrap();
+        let predicted = step.predict(&s, &base).unwrap();
+        let mut e = SpeedEstimate::new(1.0).unwrap();
+        e.observe(
+            predicted.timeline.as_ref().unwrap(),
+            measured.timeline.as_ref().unwrap(),
+            2,
+        );
+        let got = e.phase_scale();
+        // The replay rounds each action to whole nanoseconds (an optimizer step of a few
+        // microseconds here).
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-4 * b;
+        for (name, a, b) in [
+            ("F", got.f, f),
+            ("I", got.i, i),
+            ("W", got.w, w),
+            ("optimizer", got.optimizer, 2.0),
+        ] {
+            assert!(close(a, b), "{}: {name} {a} vs {b}", kind.name());
+        }
+        let refitted = step.predict(&s, &base.scaled(&got).unwrap()).unwrap();
+        assert!(
+            close(refitted.makespan_s, measured.makespan_s),
+            "{}: {} vs {}",
+            kind.name(),
+            refitted.makespan_s,
+            measured.makespan_s
+        );
+        assert!(!close(predicted.makespan_s, measured.makespan_s));
+    }
+}

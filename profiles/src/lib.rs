@@ -34,6 +34,7 @@ pub mod gemm;
 mod hardware;
 mod model;
 mod profile;
+mod speed;
 mod tensor_parallel;
 mod workload;
 mod yaml;
@@ -47,6 +48,7 @@ pub use profile::{
     ActionOverhead, CostCoeffs, ExpertBatching, FitQuality, GemmSplit, LayerProfile, LayerShape,
     MIN_FIT_R2, Phase, Profile, ProfileSource, Provenance, RoutedCosts,
 };
+pub use speed::PhaseScale;
 pub use workload::{LengthDistribution, StepSize, Workload};
 pub use yaml::{check_writable, read_to_string, write_atomic};
 

@@ -275,6 +275,54 @@ fn execute_compares_with_a_profile_measured_on_its_backend() {
     assert!(errs.contains(&m), "{m} {errs:?}");
 }
 
+/// `--fit-profile` writes the profile with each phase's costs times the steps' measured over
+/// predicted busy time, the factors in the JSON (that the factors make the replay's busy time the
+/// measured one is `executor/tests/prediction.rs`).
+#[test]
+fn execute_refits_the_profile_on_its_steps() {
+    use flatpipe::profiles::{AnalyticOptions, Profile, ProfileSource, analytic_profile, builtins};
+    let dir = tempfile::tempdir().unwrap();
+    let model = builtins::model("tiny").unwrap();
+    let hw = builtins::hardware("cpu").unwrap();
+    let mut p = analytic_profile(&model, &hw, &AnalyticOptions::default()).unwrap();
+    p.provenance.source = ProfileSource::Measured;
+    p.provenance.device = "test CPU".into();
+    std::fs::write(dir.path().join("measured.yaml"), p.to_yaml().unwrap()).unwrap();
+    let v = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--profile",
+            "measured.yaml",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--seqs-per-step",
+            "8",
+            "--steps",
+            "3",
+            "--warmup-steps",
+            "1",
+            "--format",
+            "json",
+            "--fit-profile",
+            "fitted.yaml",
+        ],
+    )
+    .json();
+    let k = &v["fitted_scale"];
+    let scale = serde_json::from_value(k.clone()).unwrap();
+    // 1F1B runs fused backwards: I and W take B's factor.
+    assert_eq!(k["i"], k["b"]);
+    assert_eq!(k["w"], k["b"]);
+    let text = std::fs::read_to_string(dir.path().join("fitted.yaml")).unwrap();
+    let fitted = Profile::from_yaml(&text, "fitted.yaml").unwrap();
+    let want = p.scaled(&scale).unwrap();
+    assert_eq!(fitted.layers, want.layers);
+    assert_eq!(fitted.optimizer_s_per_param, want.optimizer_s_per_param);
+}
+
 // Notes, charts and backends.
 
 /// `execute` says when sequences are longer than the token budget (each runs alone).

@@ -1,9 +1,11 @@
 //! Runs: what a run is ([`config::RunConfig`] and its vocabulary), one step planned once
 //! ([`step::plan_step`]: the dp shares, the microbatches, the schedule that runs and its
 //! prediction), flat-planned's per-step microbatch plan ([`mb_plan`]), many sampled steps
-//! ([`montecarlo`]), and the plan file ([`plan::Plan`]).
+//! ([`montecarlo`]), the plan file ([`plan::Plan`]), and how fast a run goes against its profile
+//! ([`estimate::SpeedEstimate`]).
 
 pub mod config;
+pub mod estimate;
 pub mod mb_plan;
 pub mod montecarlo;
 pub mod plan;

@@ -48,7 +48,10 @@ pub(super) fn check_host_memory(
 pub(super) struct ResolvedRun {
     /// The profile as the user named it (a file or built-in), when one was given.
     pub(super) profile_arg: Option<String>,
+    /// The profile the steps are planned and predicted on (an expert-parallel rank's with ep > 1).
     pub(super) profile: Profile,
+    /// The profile as loaded, before expert parallelism split it (what `--fit-profile` rescales).
+    pub(super) loaded_profile: Profile,
     pub(super) model: flatpipe_profiles::ModelSpec,
     pub(super) workload: Workload,
     /// The Gantt chart's path (`--gantt`, none for `none`).
@@ -170,7 +173,7 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         .gantt
         .clone()
         .and_then(|p| super::chart_path(&Some(p), ""));
-    for p in gantt.iter().chain(&a.trace) {
+    for p in gantt.iter().chain(&a.trace).chain(&a.fit_profile) {
         profiles::check_writable(p)?;
     }
     if let Some(c) = &gantt {
@@ -221,6 +224,7 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
             dp * pp
         );
     }
+    let loaded_profile = profile.clone();
     let (ep, profile) = expert_parallel(a, plan.as_ref(), &config, profile)?;
     let balance = flatpipe_simulator::run::config::balance_cost(&profile);
     let setup = Setup {
@@ -246,6 +250,7 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
     Ok(ResolvedRun {
         profile_arg,
         profile,
+        loaded_profile,
         model,
         workload,
         gantt,

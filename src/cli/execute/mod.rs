@@ -10,6 +10,7 @@ use executor::{AnyExecutor, BackendConfig};
 use flatpipe_executor::runner::{PreparedStep, Reference, Setup};
 use flatpipe_executor::steps::{StepDone, WarmUp, run_steps};
 use flatpipe_executor::{AdamW, LossReduction};
+use flatpipe_simulator::run::estimate::SpeedEstimate;
 #[allow(unused_imports)]
 use inputs::*;
 use profiles::ProfileSource;
@@ -140,6 +141,12 @@ pub(super) struct ExecuteArgs {
     /// Write a Chrome trace (Perfetto) of the last step's measured timeline here.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// After the steps, write the profile refitted on them here: the profile's costs of each
+    /// phase (F, I, W, B, optimizer) times the measured over the predicted busy time of that
+    /// phase over the measured steps. Predicting another schedule from it is the closed loop
+    /// fitted on this one. Needs a profile measured on this backend.
+    #[arg(long)]
+    fit_profile: Option<PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
@@ -182,6 +189,15 @@ struct Built {
 fn build(a: &ExecuteArgs, r: &ResolvedRun) -> Result<Built> {
     let (setup, backend) = (&r.setup, &r.backend);
     let (pp, dp) = (setup.config.pp, setup.config.dp);
+    let predict = backend.backend.measured(&r.profile);
+    if let (Some(path), false) = (&a.fit_profile, predict) {
+        bail!(
+            "--fit-profile {}: the refit scales a profile measured on this backend by what the steps measured against its prediction, and the {} profile was not measured on the {} backend (no prediction): measure one with `flatpipe profile` and pass it with --profile",
+            path.display(),
+            r.profile.model,
+            backend.backend.name()
+        );
+    }
     let first = setup.prepare(0)?;
     if backend.backend == executor::Backend::Cpu {
         let largest = first
@@ -204,7 +220,6 @@ fn build(a: &ExecuteArgs, r: &ResolvedRun) -> Result<Built> {
     } else {
         None
     };
-    let predict = backend.backend.measured(&r.profile);
     let profile_warnings = if predict {
         let busy = match backend.backend {
             executor::Backend::Cpu => ((dp * pp) as usize).min(cores()),
@@ -238,6 +253,8 @@ struct Ran {
     longest: u64,
     predict: bool,
     profile_warnings: Vec<String>,
+    /// Measured over predicted busy time per phase, over the measured steps (`--fit-profile`).
+    estimate: SpeedEstimate,
 }
 
 /// Runs `--warmup-steps` then `--steps` steps ([`run_steps`]): each checked for a finite loss,
@@ -265,6 +282,7 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
         longest: 0,
         predict,
         profile_warnings,
+        estimate: SpeedEstimate::new(1.0)?,
     };
     // Sequences longer than the token budget (each gets a microbatch of its own).
     let budget = setup
@@ -317,7 +335,13 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
                 // The setup's profile is this profile (an Arc of it): the step carries its
                 // prediction, the replay of the schedules that ran.
                 let on = setup.profile.as_deref().unwrap_or(&r.profile);
-                Some(prepared.predict(setup, on)?)
+                let p = prepared.predict(setup, on)?;
+                if let Some(t) = &p.timeline {
+                    // Replica 0's ranks: the predicted timeline's.
+                    ran.estimate
+                        .observe(t, &run.timeline, setup.config.pp as usize);
+                }
+                Some(p)
             } else {
                 None
             };
@@ -397,6 +421,14 @@ fn render(a: &ExecuteArgs, r: &ResolvedRun, ran: Ran) -> Result<ExitCode> {
     );
     notes.push(prediction.clone());
     notes.extend(ran.profile_warnings.iter().map(|w| format!("warning: {w}")));
+    let fitted_scale = match &a.fit_profile {
+        Some(path) => {
+            let (scale, note) = write_fitted_profile(path, &r.loaded_profile, &ran.estimate)?;
+            notes.push(note);
+            Some(scale)
+        }
+        None => None,
+    };
     let report = ExecuteReport {
         model: model.name.clone(),
         workload: r.workload.name.clone(),
@@ -409,6 +441,7 @@ fn render(a: &ExecuteArgs, r: &ResolvedRun, ran: Ran) -> Result<ExitCode> {
         median_abs_rel_error,
         prediction,
         profile_warnings: ran.profile_warnings,
+        fitted_scale,
     };
     let header = format!(
         "{} on the {} backend: {} dp={dp} pp={pp} v={v}, workload {} ({} step(s); {} stages, layers {})",

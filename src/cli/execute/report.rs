@@ -66,6 +66,9 @@ pub(super) struct ExecuteReport {
     /// Why the profile may not predict this run ([`executor::backend::condition_warnings`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub(super) profile_warnings: Vec<String>,
+    /// `--fit-profile`: the measured over predicted busy time per phase it applied.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) fitted_scale: Option<profiles::PhaseScale>,
 }
 
 /// One `--verify` row from the library's comparison.
@@ -305,4 +308,36 @@ pub(super) fn prediction_note(
             backend.name(),
         )
     }
+}
+
+/// Writes `--fit-profile`: `profile` scaled by the estimate's phase factors
+/// ([`profiles::Profile::scaled`]), atomically; returns the factors and the note saying so.
+///
+/// # Errors
+/// No step measured; the file cannot be written.
+pub(super) fn write_fitted_profile(
+    path: &std::path::Path,
+    profile: &profiles::Profile,
+    estimate: &flatpipe_simulator::run::estimate::SpeedEstimate,
+) -> Result<(profiles::PhaseScale, String)> {
+    if estimate.steps() == 0 {
+        bail!(
+            "--fit-profile {}: no measured step had a prediction to fit against (run at least one step)",
+            path.display()
+        );
+    }
+    let s = estimate.phase_scale();
+    let fitted = profile.scaled(&s)?;
+    profiles::write_atomic(path, fitted.to_yaml()?.as_bytes())?;
+    let note = format!(
+        "wrote {}: the profile refitted on {} measured step(s), measured / predicted busy time F x{:.3}, I x{:.3}, W x{:.3}, B x{:.3}, optimizer x{:.3}",
+        path.display(),
+        estimate.steps(),
+        s.f,
+        s.i,
+        s.w,
+        s.b,
+        s.optimizer
+    );
+    Ok((s, note))
 }

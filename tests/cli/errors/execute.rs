@@ -89,3 +89,22 @@ fn too_few_sequences_for_the_replicas_is_said_as_such() {
     let err = &o.stderr;
     assert!(err.contains("too few for dp = 4"), "{err}");
 }
+
+/// `--fit-profile` scales a profile measured on the backend by the steps' measured over
+/// predicted time: without such a profile there is no prediction, and it is refused before
+/// any step runs, nothing written.
+#[test]
+fn fit_profile_without_a_measured_profile_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = flatpipe(
+        dir.path(),
+        &["execute", "--steps", "1", "--fit-profile", "fitted.yaml"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("--fit-profile fitted.yaml") && o.stderr.contains("flatpipe profile"),
+        "{}",
+        o.stderr
+    );
+    assert!(!dir.path().join("fitted.yaml").exists());
+}
