@@ -319,8 +319,24 @@ fn execute_refits_the_profile_on_its_steps() {
     let text = std::fs::read_to_string(dir.path().join("fitted.yaml")).unwrap();
     let fitted = Profile::from_yaml(&text, "fitted.yaml").unwrap();
     let want = p.scaled(&scale).unwrap();
-    assert_eq!(fitted.layers, want.layers);
-    assert_eq!(fitted.optimizer_s_per_param, want.optimizer_s_per_param);
+    // To the last bits JSON's decimal factors may lose.
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
+    assert_eq!(fitted.layers.len(), want.layers.len());
+    for (a, b) in fitted.layers.iter().zip(&want.layers) {
+        for (x, y) in [(a.f, b.f), (a.i, b.i), (a.w, b.w), (a.fo, b.fo)] {
+            assert!(
+                close(x.c0_s, y.c0_s) && close(x.c_tok_s, y.c_tok_s),
+                "{}",
+                a.name
+            );
+            assert!(close(x.c_attn_s, y.c_attn_s), "{}", a.name);
+        }
+        assert_eq!(a.param_bytes, b.param_bytes);
+    }
+    assert!(close(
+        fitted.optimizer_s_per_param,
+        want.optimizer_s_per_param
+    ));
 }
 
 // Notes, charts and backends.
