@@ -21,4 +21,6 @@ $f simulate --costs f=1,b=2,w=0,comm=0.1,ag=6,rs=6 --pp 4 --microbatches 8 \
 $f simulate --schedule 1f1b --policy padded,packed,flat-ffd,flat-balanced --steps 1000 \
     --capacity dynamic,12 --gantt none --histogram docs/histogram-sharegpt-v3.png > /dev/null
 $f execute --plan examples/cpu-tiny/plan.yaml --gantt docs/gantt-execute-zb-h2.png > /dev/null
+$f execute --model tiny-moe --pp 2 --dp 2 --ep 2 --schedule dualpipev --microbatches 4 --steps 1 \
+    --gantt docs/gantt-execute-moe-dualpipev.png > /dev/null
 echo "regenerated: $(ls docs/*.png | tr '\n' ' ')"

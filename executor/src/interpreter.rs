@@ -28,9 +28,10 @@ use crate::worker::{
     AdamW, AllToAllSpan, ComputeStream, LossSums, StageInput, StageOutput, StageWorker,
 };
 use crate::{Error, Result};
-use flatpipe_simulator::ir::{ActionKind, ComputeAction, Rank, Schedule};
+use flatpipe_simulator::ir::comm::{AllToAll, Exchange, LoweredAction};
+use flatpipe_simulator::ir::{ActionKind, ComputeAction, MicrobatchId, Rank, Schedule, StageId};
 use flatpipe_simulator::replay::metrics::AllToAllTime;
-use flatpipe_simulator::replay::timeline::{TimedOp, TimedTransfer, Timeline};
+use flatpipe_simulator::replay::timeline::{TimedComm, TimedOp, TimedTransfer, Timeline};
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Barrier};
@@ -1145,6 +1146,9 @@ fn collect_step(
         a.ready_ns = a.ready_ns.saturating_sub(origin);
         a.end_ns = a.end_ns.saturating_sub(origin);
     }
+    if all_to_all.iter().any(|v| !v.is_empty()) {
+        timeline.comm = all_to_all.iter().map(|v| comm_lane(v)).collect();
+    }
     let sort = |v: &mut Vec<(u32, LossSums)>| {
         v.sort_by_key(|x| x.0);
         v.iter().map(|x| x.1).collect::<Vec<_>>()
@@ -1161,4 +1165,35 @@ fn collect_step(
         all_to_all,
         exposed_all_to_all_ns,
     }
+}
+
+/// A rank's all-to-alls as actions on its comm lane ([`Timeline::comm`]), in start order: each
+/// from its first send to its last receive.
+fn comm_lane(spans: &[MeasuredAllToAll]) -> Vec<TimedComm> {
+    use crate::worker::Phase;
+    let mut lane: Vec<TimedComm> = spans
+        .iter()
+        .map(|a| {
+            let (exchange, kind) = match a.phase {
+                Phase::Dispatch => (Exchange::Dispatch, ActionKind::F),
+                Phase::Combine => (Exchange::Combine, ActionKind::F),
+                Phase::GradDispatch => (Exchange::Dispatch, ActionKind::I),
+                Phase::GradCombine => (Exchange::Combine, ActionKind::I),
+            };
+            let kind = if a.forward_only { ActionKind::Fo } else { kind };
+            TimedComm {
+                action: LoweredAction::AllToAll(AllToAll {
+                    stage: StageId(a.stage),
+                    microbatch: MicrobatchId(a.microbatch),
+                    kind,
+                    exchange,
+                    layer: a.layer as u32,
+                }),
+                start_ns: a.start_ns,
+                end_ns: a.end_ns,
+            }
+        })
+        .collect();
+    lane.sort_by_key(|c| c.start_ns);
+    lane
 }

@@ -218,6 +218,9 @@ impl PyStepPlan {
                 )?
                 .into_any()),
                 LoweredAction::Fsdp(..) => Err(err(format!("{a}: FSDP actions are not run here"))),
+                LoweredAction::AllToAll(_) => Err(err(format!(
+                    "{a}: all-to-alls run inside their compute actions, not as actions of the program"
+                ))),
             })
             .collect()
     }

@@ -523,11 +523,22 @@ fn execute_runs_experts_in_parallel_and_traces_their_all_to_alls() {
     assert!(0.0 < total && exposed <= total, "{a}");
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("t.json")).unwrap()).unwrap();
-    let spans = trace["traceEvents"]
+    let spans: Vec<&serde_json::Value> = trace["traceEvents"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|e| e["cat"] == "all_to_all")
-        .count();
-    assert_eq!(spans, 4 * 6 * 2 * 2);
+        .collect();
+    assert_eq!(spans.len(), 4 * 6 * 2 * 2);
+    // On the ranks' comm lanes, named by stage, exchange, pass, microbatch and layer: the first
+    // MoE decoder is layer 1, on stage 0.
+    let names: Vec<&str> = spans.iter().map(|e| e["name"].as_str().unwrap()).collect();
+    for name in [
+        "0DISPATCH_F0_L1",
+        "0COMBINE_F0_L1",
+        "0DISPATCH_I0_L1",
+        "0COMBINE_I0_L1",
+    ] {
+        assert!(names.contains(&name), "{name} not in {names:?}");
+    }
 }

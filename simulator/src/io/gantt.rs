@@ -246,6 +246,7 @@ fn comm_color(a: LoweredAction) -> (&'static str, RGBColor) {
             ("wait", RGBColor(120, 120, 120))
         }
         LoweredAction::Fsdp(..) => ("FSDP", RGBColor(216, 27, 96)),
+        LoweredAction::AllToAll(_) => ("all-to-all", RGBColor(253, 216, 53)),
         LoweredAction::Compute(_) => ("compute", RGBColor(0, 0, 0)),
     }
 }
@@ -255,16 +256,20 @@ fn comm_color(a: LoweredAction) -> (&'static str, RGBColor) {
 fn comm_boxes(t: &Timeline, p: usize, scale: f64) -> Vec<DataBox> {
     let mut boxes = Vec::new();
     // With FSDP's actions too, the lane splits: point-to-point above, collectives below.
-    let split = t
-        .comm
-        .iter()
-        .flatten()
-        .any(|c| matches!(c.action, LoweredAction::Fsdp(..)));
+    let split = t.comm.iter().flatten().any(|c| {
+        matches!(
+            c.action,
+            LoweredAction::Fsdp(..) | LoweredAction::AllToAll(_)
+        )
+    });
     for (r, lane) in t.comm.iter().enumerate().take(p) {
         let bottom = row_bottom(p, r) + ROW_PAD;
         let (mid, top) = (bottom + (COMM_LANE - 0.04) / 2.0, bottom + COMM_LANE - 0.04);
         for c in lane {
-            let fsdp = matches!(c.action, LoweredAction::Fsdp(..));
+            let fsdp = matches!(
+                c.action,
+                LoweredAction::Fsdp(..) | LoweredAction::AllToAll(_)
+            );
             let (y0, y1) = match (split, fsdp) {
                 (false, _) => (bottom, top),
                 (true, true) => (bottom, mid),

@@ -73,6 +73,7 @@ fn comm_lanes(timeline: &Timeline, events: &mut Vec<Value>) {
                 LoweredAction::Comm(CommAction::Send(_)) => "send",
                 LoweredAction::Comm(CommAction::Recv(_)) => "recv",
                 LoweredAction::WaitSend(_) => "wait",
+                LoweredAction::AllToAll(_) => "all_to_all",
                 _ => "fsdp",
             };
             events.push(json!({

@@ -273,6 +273,108 @@ pub enum LoweredAction {
     /// One of FSDP's per-stage actions in PyTorch 2.15's runtime, on the rank that holds the
     /// stage (`0UNSHARD`, `1REDUCE_GRAD`, ...).
     Fsdp(StageId, FsdpAction),
+    /// An expert-parallel all-to-all of one mixture-of-experts layer, measured inside a compute
+    /// action (the executor's; the replay prices it within the action's cost).
+    AllToAll(AllToAll),
+}
+
+/// An expert-parallel all-to-all: one mixture-of-experts layer's dispatch of a microbatch's
+/// token rows to the ranks of their experts, or the combine of the experts' outputs back, in
+/// a forward (`F`, `Fo`) or the same two for the gradients in an input-gradient pass (`I`).
+/// Named `{stage}{DISPATCH|COMBINE}_{kind}{microbatch}_L{layer}` (`1DISPATCH_F3_L6`); PyTorch's
+/// runtime has no action for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AllToAll {
+    /// The stage whose layer runs it.
+    pub stage: StageId,
+    /// The microbatch.
+    pub microbatch: MicrobatchId,
+    /// The pass it runs in: `F` or `Fo` (tokens out, outputs back) or `I` (their gradients).
+    pub kind: ActionKind,
+    /// Which exchange.
+    pub exchange: Exchange,
+    /// The layer's global index (0 the embedding).
+    pub layer: u32,
+}
+
+/// Which exchange of a mixture-of-experts layer an [`AllToAll`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Exchange {
+    /// Token rows (or, in `I`, output gradients) to the experts' ranks.
+    Dispatch,
+    /// Expert outputs (or, in `I`, input gradients) back to the tokens' ranks.
+    Combine,
+}
+
+impl Exchange {
+    /// The name in an action's text.
+    pub fn name(self) -> &'static str {
+        match self {
+            Exchange::Dispatch => "DISPATCH",
+            Exchange::Combine => "COMBINE",
+        }
+    }
+}
+
+impl fmt::Display for AllToAll {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}{}_{}{}_L{}",
+            self.stage,
+            self.exchange.name(),
+            self.kind.letter(),
+            self.microbatch,
+            self.layer
+        )
+    }
+}
+
+impl FromStr for AllToAll {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |reason: &str| Error::ParseAction {
+            text: s.to_string(),
+            reason: reason.into(),
+        };
+        let t = s.trim();
+        let d = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let stage = t[..d]
+            .parse()
+            .map_err(|_| bad("must start with the stage number"))?;
+        let rest = &t[d..];
+        let (exchange, rest) = [Exchange::Dispatch, Exchange::Combine]
+            .into_iter()
+            .find_map(|e| rest.strip_prefix(e.name()).map(|r| (e, r)))
+            .ok_or_else(|| bad("expected DISPATCH or COMBINE after the stage"))?;
+        let rest = rest
+            .strip_prefix('_')
+            .ok_or_else(|| bad("expected `_` after DISPATCH or COMBINE"))?;
+        let (pass, layer) = rest
+            .split_once("_L")
+            .ok_or_else(|| bad("expected `_L` and the layer at the end"))?;
+        let layer = layer
+            .parse()
+            .map_err(|_| bad("the layer after `_L` must be a number"))?;
+        let (kind, mb) = [
+            (ActionKind::Fo, "Fo"),
+            (ActionKind::F, "F"),
+            (ActionKind::I, "I"),
+        ]
+        .into_iter()
+        .find_map(|(k, l)| pass.strip_prefix(l).map(|r| (k, r)))
+        .ok_or_else(|| bad("the pass must be F, Fo or I"))?;
+        let microbatch = mb
+            .parse()
+            .map_err(|_| bad("expected the microbatch number after the pass"))?;
+        Ok(AllToAll {
+            stage: StageId(stage),
+            microbatch: MicrobatchId(microbatch),
+            kind,
+            exchange,
+            layer,
+        })
+    }
 }
 
 /// FSDP's per-stage actions in PyTorch 2.15's pipeline runtime
@@ -319,6 +421,7 @@ impl LoweredAction {
             LoweredAction::Comm(c) => c.stage(),
             LoweredAction::WaitSend(t) => t.stage,
             LoweredAction::Fsdp(s, _) => s,
+            LoweredAction::AllToAll(a) => a.stage,
         }
     }
 }
@@ -338,6 +441,7 @@ impl fmt::Display for LoweredAction {
                 )
             }
             LoweredAction::Fsdp(s, a) => write!(f, "{s}{}", a.name()),
+            LoweredAction::AllToAll(a) => a.fmt(f),
         }
     }
 }
@@ -353,6 +457,9 @@ impl FromStr for LoweredAction {
                 reason: "must start with the stage number".into(),
             })?;
             return Ok(LoweredAction::Fsdp(StageId(stage), a));
+        }
+        if t.contains("DISPATCH_") || t.contains("COMBINE_") {
+            return Ok(LoweredAction::AllToAll(t.parse()?));
         }
         if let Some(i) = t.find("WAIT_") {
             // `0WAIT_SEND_F3` reads as the send it waits for, `0SEND_F3`.
@@ -612,6 +719,47 @@ fn check_send_waits(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn all_to_all_names_round_trip_and_bad_ones_say_what_is_wrong() {
+        let a = |stage, kind, exchange, microbatch, layer| AllToAll {
+            stage: StageId(stage),
+            microbatch: MicrobatchId(microbatch),
+            kind,
+            exchange,
+            layer,
+        };
+        for (x, text) in [
+            (
+                a(1, ActionKind::F, Exchange::Dispatch, 3, 6),
+                "1DISPATCH_F3_L6",
+            ),
+            (
+                a(0, ActionKind::I, Exchange::Combine, 12, 1),
+                "0COMBINE_I12_L1",
+            ),
+            (
+                a(2, ActionKind::Fo, Exchange::Combine, 0, 4),
+                "2COMBINE_Fo0_L4",
+            ),
+        ] {
+            assert_eq!(x.to_string(), text);
+            assert_eq!(
+                text.parse::<LoweredAction>().unwrap(),
+                LoweredAction::AllToAll(x)
+            );
+        }
+        for (text, why) in [
+            ("DISPATCH_F3_L6", "stage number"),
+            ("1DISPATCH_W3_L6", "F, Fo or I"),
+            ("1DISPATCH_F3", "`_L`"),
+            ("1COMBINE_F3_Lx", "layer"),
+            ("1DISPATCH_F_L2", "microbatch"),
+        ] {
+            let e = text.parse::<LoweredAction>().unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains(text), "{text}: {e}");
+        }
+    }
 
     #[test]
     fn pytorchs_names_round_trip_and_key_the_transfer_by_its_sender() {

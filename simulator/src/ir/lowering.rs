@@ -709,7 +709,9 @@ impl<'a> Deferral<'a> {
                 }
                 emit(r, a);
             }
-            LoweredAction::WaitSend(_) | LoweredAction::Fsdp(..) => emit(r, a),
+            LoweredAction::WaitSend(_) | LoweredAction::Fsdp(..) | LoweredAction::AllToAll(_) => {
+                emit(r, a)
+            }
             LoweredAction::Comm(CommAction::Send(t)) => {
                 let peer = rank_of(t.to_stage());
                 if r < peer {

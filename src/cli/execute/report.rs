@@ -212,8 +212,8 @@ pub(super) fn execute_table(
 }
 
 /// Writes the last step's measured timeline as a Gantt chart and a Chrome trace where asked, and
-/// says where. The trace also shows each rank's expert-parallel all-to-alls, on threads of
-/// their own ([`all_to_all_events`]).
+/// says where. Both show each rank's expert-parallel all-to-alls on its comm lane (the
+/// timeline's `comm`; in the trace, threads `comm k`).
 pub(super) fn write_step_charts(
     title: &str,
     run: &flatpipe_executor::interpreter::StepRun,
@@ -226,51 +226,11 @@ pub(super) fn write_step_charts(
         notes.push(format!("Gantt chart of the last step: {}", path.display()));
     }
     if let Some(path) = trace {
-        let mut doc = sim::io::trace::chrome_trace(&run.timeline);
-        if let Some(events) = doc["traceEvents"].as_array_mut() {
-            events.extend(all_to_all_events(run));
-        }
+        let doc = sim::io::trace::chrome_trace(&run.timeline);
         profiles::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
         notes.push(format!("Chrome trace of the last step: {}", path.display()));
     }
     Ok(notes)
-}
-
-/// Chrome-trace events of the measured all-to-alls: on rank g's threads `1000 + k` ("all-to-all
-/// k", a new thread where spans overlap, as an overlapped pair's two halves' do), named
-/// `L<layer> <phase> <stage>F<microbatch>` (`I` for the backward's two).
-fn all_to_all_events(run: &flatpipe_executor::interpreter::StepRun) -> Vec<serde_json::Value> {
-    use flatpipe_executor::worker::Phase;
-    let mut events = Vec::new();
-    for (g, spans) in run.all_to_all.iter().enumerate() {
-        let mut ends: Vec<u64> = Vec::new();
-        let mut sorted = spans.clone();
-        sorted.sort_by_key(|a| a.start_ns);
-        for a in sorted {
-            let k = match ends.iter().position(|&e| e <= a.start_ns) {
-                Some(k) => k,
-                None => {
-                    events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": g, "tid": 1000 + ends.len(), "args": {"name": format!("all-to-all {}", ends.len())}}));
-                    ends.push(0);
-                    ends.len() - 1
-                }
-            };
-            ends[k] = a.end_ns;
-            let (phase, kind) = match a.phase {
-                Phase::Dispatch => ("dispatch", if a.forward_only { "Fo" } else { "F" }),
-                Phase::Combine => ("combine", if a.forward_only { "Fo" } else { "F" }),
-                Phase::GradDispatch => ("dispatch", "I"),
-                Phase::GradCombine => ("combine", "I"),
-            };
-            events.push(serde_json::json!({
-                "ph": "X", "cat": "all_to_all", "pid": g, "tid": 1000 + k,
-                "name": format!("L{} {phase} {}{kind}{}", a.layer, a.stage, a.microbatch),
-                "ts": a.start_ns as f64 / 1e3, "dur": (a.end_ns - a.start_ns) as f64 / 1e3,
-                "args": {"values_sent": a.values_sent},
-            }));
-        }
-    }
-    events
 }
 
 /// What the prediction column stands on: the profile (`profile_arg` as the user named it) and
