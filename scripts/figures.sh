@@ -233,6 +233,8 @@ CARRIED = [
      "4.6%, 3.0%, 4.3% in three runs (the planned looped BFS alone: 7.7%, 4.3%, 5.4%)", "2 gloo processes, 6 measured steps per schedule after 2 warm-up", f"2026-12-07, {DEV}"),
     ("PyTorch closed loop (`python/bench/closed_loop.py`, fitted on ZB-V): median |error| over six other schedules",
      "1.6-4.8% in five runs of six, 9.6% in the sixth", "12 measured steps after 2 warm-up, gloo", f"2026-12-02, {DEV}"),
+    ("MoE closed loop on the CPU executor (`scripts/moe-closed-loop.sh`: tiny-moe, pp 2 x dp 2 x ep 2, fitted on ZB-H1 by `execute --fit-profile`): median |error| over 1F1B, interleaved 1F1B, DualPipeV and combined 1F1B",
+     "5.4%, 3.8%, 4.9% in three runs (single schedules 1.2-17.4%)", "3 measured steps per schedule after 1 warm-up, four rank threads", f"2026-12-07, {DEV}"),
     ("flatpipe's PyTorch runtime against PyTorch's `Schedule1F1B` on tiny-chat steps (2 gloo processes)",
      "224-243 ms against 289-327 ms per step (1.19-1.40x)", "`python/bench/vs_torch.py`, three runs", f"2026-12-02, {DEV}"),
     ("the PyTorch runtime's overhead: `plan_step` in Rust; one action's span", "4 µs; 454-751 µs (50-103 µs of it bookkeeping)",
