@@ -27,6 +27,7 @@
 
 mod analytic;
 pub mod builtins;
+pub mod context_parallel;
 mod decoder;
 mod error;
 mod expert_parallel;
