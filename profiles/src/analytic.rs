@@ -366,6 +366,7 @@ pub fn analytic_profile(
         action_overhead: Default::default(),
         first_stage_backward_in_w: false,
         expert_parallel: 1,
+        tensor_parallel: 1,
         expert_batching,
     })
 }

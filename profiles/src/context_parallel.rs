@@ -75,6 +75,68 @@ impl CpBalance {
     }
 }
 
+impl std::fmt::Display for CpComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CpComm::Ring => f.write_str("p2p"),
+            CpComm::Ulysses => f.write_str("a2a"),
+            CpComm::AllGather => f.write_str("allgather"),
+            CpComm::Hierarchical { a2a } => write!(f, "a2a+p2p:{a2a}"),
+        }
+    }
+}
+
+impl std::str::FromStr for CpComm {
+    type Err = Error;
+    /// `p2p`, `a2a`, `allgather` or `a2a+p2p:N` (Ulysses over N GPUs of a node).
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || {
+            Error::invalid(
+                "context parallelism",
+                "cp communication",
+                s,
+                "p2p (ring), a2a (Ulysses), allgather, or a2a+p2p:N (Ulysses over N GPUs of a node, the ring across nodes)",
+            )
+        };
+        Ok(match s {
+            "p2p" => CpComm::Ring,
+            "a2a" => CpComm::Ulysses,
+            "allgather" => CpComm::AllGather,
+            _ => {
+                let n = s.strip_prefix("a2a+p2p:").ok_or_else(bad)?;
+                CpComm::Hierarchical {
+                    a2a: n.parse().map_err(|_| bad())?,
+                }
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for CpBalance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CpBalance::Contiguous => "contiguous",
+            CpBalance::Zigzag => "zigzag",
+        })
+    }
+}
+
+impl std::str::FromStr for CpBalance {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "zigzag" => Ok(CpBalance::Zigzag),
+            "contiguous" => Ok(CpBalance::Contiguous),
+            _ => Err(Error::invalid(
+                "context parallelism",
+                "cp balance",
+                s,
+                "zigzag or contiguous",
+            )),
+        }
+    }
+}
+
 /// Causal query-key pairs of the queries `[start, start + len)` of one sequence:
 /// `Σ_{q = start}^{start + len - 1} (q + 1) = len start + len (len + 1) / 2`.
 fn pairs(start: u64, len: u64) -> u64 {
@@ -269,6 +331,183 @@ pub fn activation_bytes_per_rank(bytes: f64, a: &CpAttention, cp: u32, comm: CpC
         }
     };
     bytes / f64::from(cp) + in_flight
+}
+
+/// Context parallelism of a run: `cp` GPUs per pipeline rank (a group acts as one rank of the
+/// pipeline, as a tensor-parallel group does), how they exchange and split, and, for dynamic
+/// cp, the tokens one GPU holds at most.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContextParallel {
+    /// GPUs per group, >= 1.
+    pub cp: u32,
+    /// How the group exchanges keys and values.
+    pub comm: CpComm,
+    /// How a sequence is cut over the group.
+    pub balance: CpBalance,
+    /// Dynamic cp: each microbatch runs on [`gpus_needed`] of its longest sequence at this many
+    /// tokens per GPU (at most `cp`, at least 1), the group's other GPUs idle for it (inside a
+    /// pipeline a stage's group runs one microbatch at a time). `None`: every microbatch on all
+    /// `cp`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_seqlen_per_rank: Option<u64>,
+}
+
+/// One microbatch on a cp group ([`ContextParallel::share`]): what its busiest GPU computes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpShare {
+    /// Tokens on the busiest GPU (padding included).
+    pub tokens: f64,
+    /// Causal query-key pairs on the busiest GPU.
+    pub pairs: f64,
+    /// The sequences (or, with fixed cp, the whole microbatch) that GPU shares with others,
+    /// whose exchanges it pays: each split over `gpus > 1`.
+    pub parts: Vec<CpPart>,
+}
+
+/// A split of sequences over `gpus` GPUs of a cp group, as one GPU of it sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CpPart {
+    /// GPUs it is split over.
+    pub gpus: u32,
+    /// Its tokens over those GPUs, padding included.
+    pub padded_tokens: u64,
+    /// Causal pairs of one GPU of the split (the busiest).
+    pub pairs: f64,
+}
+
+impl ContextParallel {
+    /// Checks `cp >= 1`, a hierarchical `a2a` that divides it, and a dynamic budget >= 1.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let origin = "context parallelism";
+        if self.cp == 0 {
+            return Err(Error::invalid(origin, "cp", 0, ">= 1"));
+        }
+        if let CpComm::Hierarchical { a2a } = self.comm
+            && (a2a == 0 || self.cp % a2a != 0)
+        {
+            return Err(Error::invalid(
+                origin,
+                "a2a",
+                a2a,
+                format!("a divisor of cp = {}", self.cp),
+            ));
+        }
+        if self.max_seqlen_per_rank == Some(0) {
+            return Err(Error::invalid(
+                origin,
+                "max_seqlen_per_rank",
+                0,
+                ">= 1 token",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The GPUs a sequence of `len` tokens runs on: `cp`, or with dynamic cp [`gpus_needed`]
+    /// within `1..=cp`.
+    pub fn gpus_for(&self, len: u64) -> u32 {
+        match self.max_seqlen_per_rank {
+            Some(m) if m > 0 => gpus_needed(len, m).unwrap_or(1).clamp(1, self.cp.max(1)),
+            _ => self.cp.max(1),
+        }
+    }
+
+    /// A flat microbatch of documents `seq_lens` on the group, as its busiest GPU computes it.
+    ///
+    /// Fixed cp (Megatron's static cp): every document is split over all `cp` GPUs, each padded
+    /// to the split's chunks ([`packed_pairs_per_rank`]). Dynamic cp: each document runs on
+    /// [`ContextParallel::gpus_for`] GPUs, an aligned block of the group (powers of two, as
+    /// Megatron-Core's dynamic groups), and the documents are placed most work first on the
+    /// block whose busiest GPU has the least; the GPUs of a smaller block run other documents
+    /// meanwhile. A document's work on one of its GPUs is `tokens + attn_weight x pairs` (its
+    /// share of each; `attn_weight` is the cost of a pair over that of a token, from the
+    /// profile: Megatron-Core's `get_total_workload` counts the attention alone,
+    /// `len^2 / gpus`, which leaves the per-token work unbalanced). The busiest GPU by that
+    /// work is the share.
+    pub fn share(&self, seq_lens: &[u32], attn_weight: f64) -> CpShare {
+        let lens: Vec<u64> = seq_lens.iter().map(|&s| u64::from(s)).collect();
+        if self.max_seqlen_per_rank.is_none() {
+            let part = split(&lens, self.cp.max(1), self.balance);
+            return CpShare {
+                tokens: part.padded_tokens as f64 / f64::from(part.gpus),
+                pairs: part.pairs,
+                parts: if part.gpus > 1 {
+                    vec![part]
+                } else {
+                    Vec::new()
+                },
+            };
+        }
+        let cp = self.cp.max(1) as usize;
+        let mut order: Vec<(CpPart, f64)> = lens
+            .iter()
+            .map(|&l| {
+                let part = split(&[l], self.gpus_for(l), self.balance);
+                let work =
+                    part.padded_tokens as f64 / f64::from(part.gpus) + attn_weight * part.pairs;
+                (part, work)
+            })
+            .collect();
+        order.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let mut load = vec![0.0f64; cp];
+        let mut gpus: Vec<CpShare> = vec![
+            CpShare {
+                tokens: 0.0,
+                pairs: 0.0,
+                parts: Vec::new()
+            };
+            cp
+        ];
+        for (part, work) in order {
+            let g = part.gpus as usize;
+            let start = (0..cp / g)
+                .map(|b| b * g)
+                .min_by(|&a, &b| {
+                    let most = |s: usize| load[s..s + g].iter().copied().fold(0.0, f64::max);
+                    most(a).total_cmp(&most(b))
+                })
+                .unwrap_or(0);
+            for k in start..start + g {
+                load[k] += work;
+                gpus[k].tokens += part.padded_tokens as f64 / g as f64;
+                gpus[k].pairs += part.pairs;
+                if g > 1 {
+                    gpus[k].parts.push(part);
+                }
+            }
+        }
+        let busiest = (0..cp)
+            .max_by(|&a, &b| load[a].total_cmp(&load[b]))
+            .unwrap_or(0);
+        gpus.swap_remove(busiest)
+    }
+}
+
+/// Documents `lens` split over `gpus` GPUs, each padded to the chunks and cut by `balance`; one
+/// GPU cuts nothing.
+fn split(lens: &[u64], gpus: u32, balance: CpBalance) -> CpPart {
+    let tokens: u64 = lens.iter().sum();
+    if gpus <= 1 {
+        return CpPart {
+            gpus: 1,
+            padded_tokens: tokens,
+            pairs: lens.iter().map(|&s| s * (s + 1) / 2).sum::<u64>() as f64,
+        };
+    }
+    // gpus >= 2: the split cannot fail.
+    let s = packed_pairs_per_rank(lens, gpus, balance).unwrap_or(PackedSplit {
+        pairs: vec![0],
+        pad_tokens: 0,
+    });
+    CpPart {
+        gpus,
+        padded_tokens: tokens + s.pad_tokens,
+        pairs: s.pairs.iter().copied().max().unwrap_or(0) as f64,
+    }
 }
 
 /// The links a cp group exchanges on: groups are placed inside a node first, so a group of at
@@ -551,5 +790,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("one node"), "{e}");
+    }
+
+    #[test]
+    fn comm_and_balance_names_round_trip() {
+        for c in [
+            CpComm::Ring,
+            CpComm::Ulysses,
+            CpComm::AllGather,
+            CpComm::Hierarchical { a2a: 8 },
+        ] {
+            assert_eq!(c.to_string().parse::<CpComm>().unwrap(), c);
+        }
+        for b in [CpBalance::Zigzag, CpBalance::Contiguous] {
+            assert_eq!(b.to_string().parse::<CpBalance>().unwrap(), b);
+        }
+        let e = "ring".parse::<CpComm>().unwrap_err().to_string();
+        assert!(e.contains("ring") && e.contains("a2a+p2p:N"), "{e}");
+        assert!("a2a+p2p:x".parse::<CpComm>().is_err());
     }
 }

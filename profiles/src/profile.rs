@@ -298,6 +298,11 @@ pub struct Profile {
     /// `dp`. 1 without expert parallelism.
     #[serde(default = "one_u32", skip_serializing_if = "is_one_u32")]
     pub expert_parallel: u32,
+    /// The tensor-parallel degree this profile is one GPU of ([`Profile::tensor_parallel`]):
+    /// its decoders' `shape.heads` and `kv_heads` are already divided by it, `shape.hidden` is
+    /// the model's. 1 without tensor parallelism.
+    #[serde(default = "one_u32", skip_serializing_if = "is_one_u32")]
+    pub tensor_parallel: u32,
     /// The routed experts' GEMM throughput on one GPU of an expert-parallel group relative to
     /// one GPU without expert parallelism, per group size: with `ep` GPUs each runs `E / ep`
     /// experts on `ep` times taller batches (every GPU's tokens for them), the same FLOPs at

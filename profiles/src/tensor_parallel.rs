@@ -244,6 +244,7 @@ impl Profile {
                 None => format!("GEMM efficiency at tp = {tp} not measured: no loss assumed"),
             }
         );
+        out.tensor_parallel = self.tensor_parallel * tp;
         Ok(out)
     }
 }

@@ -108,6 +108,8 @@ pub(super) struct RunFlags {
     pub(super) memory_limit_bytes: Option<f64>,
     /// `--p2p-posting` and `--p2p-streams`.
     pub(super) lowering: LoweringFlags,
+    /// `--cp` and its options (`None`, or cp = 1: one GPU per rank).
+    pub(super) context_parallel: Option<profiles::context_parallel::ContextParallel>,
 }
 
 /// `--p2p-posting`, `--p2p-streams` and `--fsdp` as given (`None`: the plan file's, else the
@@ -207,6 +209,10 @@ pub(super) fn run_config(
     }
     if let Some(l) = flags.memory_limit_bytes {
         run.memory_limit_bytes = Some(l);
+    }
+    if let Some(cp) = flags.context_parallel.filter(|c| c.cp > 1) {
+        cp.validate()?;
+        run.context_parallel = Some(cp);
     }
     if run.dp == 0 {
         bail!("--dp = 0 is invalid: >= 1 replica");

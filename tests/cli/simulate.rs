@@ -630,3 +630,96 @@ fn a_plan_compares_schedules_on_its_own_split() {
     assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
     assert!(o.stderr.contains("1 stage(s) per rank"), "{}", o.stderr);
 }
+
+/// `--cp` reaches the cost model: cp = 1 is the run without it, cp = 2 holds half the tokens per
+/// GPU (less activation memory, a shorter step on a workload of short sequences), the header
+/// counts its GPUs, and bad names, a cp the heads do not divide for Ulysses and more GPUs than
+/// the cluster has are refused with the numbers.
+#[test]
+fn simulate_prices_context_parallelism() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "simulate",
+            "--model",
+            "llama3.1-8b",
+            "--hardware",
+            "h100",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "4",
+            "--steps",
+            "3",
+            "--gantt",
+            "none",
+            "--format",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        flatpipe_json(dir.path(), &args)[0].clone()
+    };
+    let none = run(&[]);
+    assert_eq!(run(&["--cp", "1"]), none);
+    let cp2 = run(&["--cp", "2"]);
+    let act = |v: &serde_json::Value| v["peak_activation_bytes"].as_f64().unwrap();
+    let step = |v: &serde_json::Value| v["step_time_s"]["mean"].as_f64().unwrap();
+    assert!(
+        act(&cp2) < 0.6 * act(&none),
+        "{} vs {}",
+        act(&cp2),
+        act(&none)
+    );
+    assert!(step(&cp2) < step(&none));
+    let o = flatpipe(
+        dir.path(),
+        &[
+            "simulate",
+            "--model",
+            "llama3.1-8b",
+            "--hardware",
+            "h100",
+            "--pp",
+            "4",
+            "--cp",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--steps",
+            "1",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(
+        o.stdout.contains("8 GPUs") && o.stdout.contains("cp=2 (p2p, zigzag)"),
+        "{}",
+        o.stdout
+    );
+    for (args, want) in [
+        (vec!["--cp", "2", "--cp-comm", "ring"], "a2a+p2p:N"),
+        (vec!["--cp", "64", "--cp-comm", "a2a"], "32 query heads"),
+        (
+            vec!["--cp", "2", "--cp-balance", "halves"],
+            "zigzag or contiguous",
+        ),
+    ] {
+        let mut a = vec![
+            "simulate",
+            "--model",
+            "llama3.1-8b",
+            "--hardware",
+            "h100",
+            "--pp",
+            "4",
+            "--steps",
+            "1",
+            "--gantt",
+            "none",
+        ];
+        a.extend(args);
+        let o = flatpipe(dir.path(), &a);
+        assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
+        assert!(o.stderr.contains(want), "{want}: {}", o.stderr);
+    }
+}

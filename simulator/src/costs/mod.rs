@@ -20,6 +20,7 @@
 //! [`table`] builds the profile-driven table, [`sharding`] prices data-parallel state, and
 //! [`given`] is the model of hand-given costs (`simulate --costs`), uniform or per rank.
 
+pub mod context;
 pub mod given;
 pub mod recompute;
 pub mod routing;

@@ -56,6 +56,9 @@ pub struct CostOptions<'a> {
     /// ([`crate::costs::sharding::StageCollectives`]); otherwise it is 0 and the step's
     /// tail holds them ([`crate::run::step::StepPlan::step_time_with_collectives`]).
     pub fsdp_actions: bool,
+    /// Context parallelism: each rank a group of GPUs sharing every microbatch's tokens
+    /// ([`super::context`]). `None`: one GPU per rank.
+    pub context_parallel: Option<flatpipe_profiles::context_parallel::ContextParallel>,
 }
 
 /// Per (stage, microbatch) costs derived from a profile and the step's microbatches.
@@ -125,6 +128,10 @@ impl TableCosts {
             opts: *opts,
         };
         build.check()?;
+        if let Some(cp) = &opts.context_parallel {
+            super::context::check(cp, profile, microbatches)?;
+            super::context::check(cp, profile, fo_microbatches)?;
+        }
         let (m, mfo) = (microbatches.len(), fo_microbatches.len());
         let (mut cells, b_delta_s) = build.compute_cells(microbatches);
         let mut fo = build.forward_only_cells(fo_microbatches);
@@ -247,6 +254,23 @@ impl TableBuild<'_> {
             .sum()
     }
 
+    /// What one GPU of a rank computes for microbatch `mb` on the layers `r`: `(tokens,
+    /// attention pairs)` (the microbatch's, or with context parallelism its share and its
+    /// busiest GPU's pairs), and the context-parallel exchange exposed in its F and I, seconds.
+    fn per_gpu(&self, r: &Range<usize>, mb: &Microbatch) -> ((f64, f64), (f64, f64)) {
+        match &self.opts.context_parallel {
+            Some(cp) => {
+                let share = super::context::share(cp, self.profile, r, mb);
+                let x = super::context::exchange_s(cp, self.profile, r, &share);
+                ((share.tokens, share.pairs), x)
+            }
+            None => (
+                (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64),
+                (0.0, 0.0),
+            ),
+        }
+    }
+
     /// Bytes stage `s` sends to stage s + 1 for `t` tokens (its last layer's output).
     fn out_bytes(&self, s: usize, t: f64) -> f64 {
         self.profile.layers[self.stages[s].end - 1].output_bytes_per_token * t
@@ -296,7 +320,7 @@ impl TableBuild<'_> {
     /// difference, seconds.
     fn compute_cell(&self, s: usize, mb: &Microbatch) -> (Cell, f64) {
         let (profile, r, n) = (self.profile, &self.stages[s], self.stages.len());
-        let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
+        let ((t, a), (cf, ci)) = self.per_gpu(r, mb);
         let mut act_iw_layer = 0.0f64;
         let e = r.clone().fold(RecomputeEffect::default(), |acc, j| {
             let l = &profile.layers[j];
@@ -320,8 +344,8 @@ impl TableBuild<'_> {
             .sum();
         let ([xf, xi, xw], all_to_all) = self.routing_s(r, mb);
         let cell = Cell {
-            f: s_to_ns(self.phase_s(r, Phase::F, t, a) + xf),
-            i: s_to_ns(self.phase_s(r, Phase::I, t, a) + e.extra_i_s + xi),
+            f: s_to_ns(self.phase_s(r, Phase::F, t, a) + xf + cf),
+            i: s_to_ns(self.phase_s(r, Phase::I, t, a) + e.extra_i_s + xi + ci),
             w: s_to_ns(self.phase_s(r, Phase::W, t, a) + xw),
             b: 0,
             fwd_comm: if s + 1 < n {
@@ -379,7 +403,7 @@ impl TableBuild<'_> {
         let mut fo = vec![(0, 0); n * mfo];
         for (s, r) in self.stages.iter().enumerate() {
             for (k, mb) in fo_microbatches.iter().enumerate() {
-                let (t, a) = (mb.computed_tokens() as f64, mb.computed_attn_pairs() as f64);
+                let ((t, a), (cf, _)) = self.per_gpu(r, mb);
                 let comm = if s + 1 < n {
                     self.transfer_ns(s, s + 1, self.out_bytes(s, t))
                 } else {
@@ -388,7 +412,10 @@ impl TableBuild<'_> {
                 let post = if s + 1 < n { self.post_ns(s, s + 1) } else { 0 }
                     + if s > 0 { self.post_ns(s - 1, s) } else { 0 };
                 let xf = self.routing_s(r, mb).0[0];
-                fo[s * mfo + k] = (s_to_ns(self.phase_s(r, Phase::Fo, t, a) + xf) + post, comm);
+                fo[s * mfo + k] = (
+                    s_to_ns(self.phase_s(r, Phase::Fo, t, a) + xf + cf) + post,
+                    comm,
+                );
             }
         }
         fo

@@ -60,6 +60,9 @@ pub struct RunConfig {
     /// How the pipeline's transfers become sends and receives on streams
     /// ([`crate::ir::lowering`]); the default is the uncontended links.
     pub lowering: Lowering,
+    /// Context parallelism: every pipeline rank a group of `cp` GPUs sharing each microbatch's
+    /// tokens ([`crate::costs::context`]); `None`: one GPU per rank.
+    pub context_parallel: Option<flatpipe_profiles::context_parallel::ContextParallel>,
 }
 
 /// [`RunConfig::cut_key`]: data-parallel degree, policy, its parameters, verl-kk's divisor.
@@ -96,6 +99,7 @@ impl RunConfig {
             sharding: Sharding::Ddp,
             state_bytes: None,
             lowering: Lowering::UNCONTENDED,
+            context_parallel: None,
         }
     }
 
@@ -468,6 +472,7 @@ pub(crate) fn round_costs(
             dp: config.dp,
             state_bytes: config.state_bytes,
             fsdp_actions: config.lowering.fsdp.is_some(),
+            context_parallel: config.context_parallel,
         },
     )?;
     Ok(if last { c } else { c.without_optimizer() })

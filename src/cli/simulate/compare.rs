@@ -128,6 +128,7 @@ pub(super) fn resolve_comparison(a: &SimulateArgs, schedules: Schedules) -> Resu
         sharding,
         forward_only: a.fo.fo_microbatches.map(|_| a.fo.spec()).transpose()?,
         memory_limit_bytes: Some(limit),
+        context_parallel: context_parallel(a)?,
     };
     let (policies, capacities) = policies_and_capacities(a)?;
     let sources = schedule_sources(a, schedules, plan.as_ref())?;
@@ -258,8 +259,8 @@ fn schedule_sources(
 }
 
 /// Refuses, before any work, runs this host or cluster cannot hold: the schedules of a fixed
-/// microbatch count (`--microbatches`), the Monte Carlo's steps, and more GPUs (tp x dp x pp)
-/// than the hardware's cluster has.
+/// microbatch count (`--microbatches`), the Monte Carlo's steps, and more GPUs (tp x cp x dp x
+/// pp) than the hardware's cluster has.
 ///
 /// # Errors
 /// Each check's, with the numbers.
@@ -287,9 +288,10 @@ fn check_combos(
         )?;
     }
     super::check_monte_carlo_memory("the Monte Carlo", workload, seed, size, steps, 0, combos)?;
+    let cp = first.context_parallel.map_or(1, |c| c.cp);
     base_profile
         .hardware
-        .check_gpus(u64::from(tp.0) * u64::from(first.dp.max(1)) * u64::from(p))?;
+        .check_gpus(u64::from(tp.0) * u64::from(cp) * u64::from(first.dp.max(1)) * u64::from(p))?;
     Ok(())
 }
 
@@ -329,4 +331,34 @@ fn plan_schedules(plan: &Plan, kinds: Vec<ScheduleKind>) -> Result<Vec<Option<Sc
         .into_iter()
         .map(|k| Some(ScheduleSource::Kind(k)))
         .collect())
+}
+
+/// `--cp` with `--cp-comm`, `--cp-balance` and `--dynamic-cp` (ring and zigzag by
+/// default); `None` without `--cp`.
+///
+/// # Errors
+/// A communication or balance name that is not one.
+fn context_parallel(
+    a: &SimulateArgs,
+) -> Result<Option<profiles::context_parallel::ContextParallel>> {
+    use profiles::context_parallel::{ContextParallel, CpBalance, CpComm};
+    let Some(cp) = a.cp else {
+        return Ok(None);
+    };
+    let comm = match &a.cp_comm {
+        Some(c) => anyhow::Context::with_context(c.parse::<CpComm>(), || format!("--cp-comm {c}"))?,
+        None => CpComm::Ring,
+    };
+    let balance = match &a.cp_balance {
+        Some(b) => {
+            anyhow::Context::with_context(b.parse::<CpBalance>(), || format!("--cp-balance {b}"))?
+        }
+        None => CpBalance::Zigzag,
+    };
+    Ok(Some(ContextParallel {
+        cp,
+        comm,
+        balance,
+        max_seqlen_per_rank: a.dynamic_cp,
+    }))
 }

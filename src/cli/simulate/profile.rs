@@ -304,15 +304,29 @@ fn header(c: &Comparison, mc: &MonteCarlo) -> String {
     let (p, tp) = (c.p, c.tp);
     let dp = c.configs.first().map_or(1, |c| c.dp.max(1));
     let ep = c.profile.expert_parallel;
-    let layout = if tp.0 > 1 || dp > 1 {
+    let cp = c.configs.first().and_then(|c| c.context_parallel);
+    let cp_n = cp.map_or(1, |x| x.cp);
+    let layout = if tp.0 > 1 || dp > 1 || cp_n > 1 {
         format!(
-            " x {} GPUs (tp={}{} x dp={dp}{} x pp={p}, {})",
-            tp.0 * dp * p,
+            " x {} GPUs (tp={}{}{} x dp={dp}{} x pp={p}, {})",
+            tp.0 * cp_n * dp * p,
             tp.0,
             if tp.0 > 1 && tp.1 {
                 " with sequence parallelism"
             } else {
                 ""
+            },
+            match cp {
+                Some(x) => format!(
+                    " x cp={} ({}, {}{})",
+                    x.cp,
+                    x.comm,
+                    x.balance,
+                    x.max_seqlen_per_rank
+                        .map(|m| format!(", dynamic at {m} tokens per GPU"))
+                        .unwrap_or_default()
+                ),
+                None => String::new(),
             },
             if ep > 1 {
                 format!(" with ep={ep}")

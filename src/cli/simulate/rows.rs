@@ -35,8 +35,10 @@ pub(super) fn comparison_rows(
                 ScheduleSource::Given(s) => s.num_microbatches.to_string(),
                 ScheduleSource::Kind(_) => c.capacity.to_string(),
             };
-            let summary =
+            let mut summary =
                 montecarlo::summarize(outcomes, c.pp * c.dp.max(1), profile.hardware.peak_flops);
+            // A rank is a group of cp GPUs: the model FLOPs utilisation is per GPU.
+            summary.mfu /= f64::from(c.context_parallel.map_or(1, |x| x.cp.max(1)));
             let report = McReport {
                 schedule: c.source.name(),
                 policy: c.policy.to_string(),
