@@ -35,6 +35,10 @@
 
 use crate::{Error, Link, Result};
 
+/// The largest cp group priced, GPUs: per-GPU tables are allocated per group, so a larger one is
+/// refused before allocating (the largest published cp runs use tens of GPUs).
+pub const MAX_CP: u32 = 65_536;
+
 /// How a cp group exchanges keys and values (Megatron's `--cp-comm-type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum CpComm {
@@ -191,10 +195,15 @@ pub struct PackedSplit {
 /// to a multiple of the chunks and cut by `balance` on its own (per-document balancing).
 ///
 /// # Errors
-/// A `cp` of 0.
+/// A `cp` of 0 or above [`MAX_CP`].
 pub fn packed_pairs_per_rank(seq_lens: &[u64], cp: u32, balance: CpBalance) -> Result<PackedSplit> {
-    if cp == 0 {
-        return Err(Error::invalid("context parallelism", "cp", 0, ">= 1"));
+    if cp == 0 || cp > MAX_CP {
+        return Err(Error::invalid(
+            "context parallelism",
+            "cp",
+            cp,
+            format!("1 to {MAX_CP} GPUs"),
+        ));
     }
     let n = balance.chunks(cp);
     let mut out = PackedSplit {
@@ -383,8 +392,13 @@ impl ContextParallel {
     /// [`Error::Invalid`] naming the field.
     pub fn validate(&self) -> Result<()> {
         let origin = "context parallelism";
-        if self.cp == 0 {
-            return Err(Error::invalid(origin, "cp", 0, ">= 1"));
+        if self.cp == 0 || self.cp > MAX_CP {
+            return Err(Error::invalid(
+                origin,
+                "cp",
+                self.cp,
+                format!("1 to {MAX_CP} GPUs"),
+            ));
         }
         if let CpComm::Hierarchical { a2a } = self.comm
             && (a2a == 0 || self.cp % a2a != 0)

@@ -211,7 +211,8 @@ pub(super) fn run_config(
         run.memory_limit_bytes = Some(l);
     }
     if let Some(cp) = flags.context_parallel.filter(|c| c.cp > 1) {
-        cp.validate()?;
+        cp.validate()
+            .map_err(|e| anyhow::anyhow!("--cp {} with --cp-comm / --dynamic-cp: {e}", cp.cp))?;
         run.context_parallel = Some(cp);
     }
     if run.dp == 0 {
