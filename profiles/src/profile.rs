@@ -420,6 +420,9 @@ impl Profile {
         if self.expert_parallel == 0 {
             return Err(Error::invalid(origin, "expert_parallel", 0, ">= 1"));
         }
+        if self.tensor_parallel == 0 {
+            return Err(Error::invalid(origin, "tensor_parallel", 0, ">= 1"));
+        }
         self.hardware.validate(origin)?;
         if self.layers.len() < 2 {
             return Err(Error::invalid(
@@ -531,6 +534,7 @@ mod tests {
             "post_s",
             "action_overhead",
             "first_stage_backward_in_w",
+            "tensor_parallel",
             "\n    b:",
         ] {
             assert!(!text.contains(field), "{field} in {text}");
@@ -554,7 +558,8 @@ mod tests {
         );
         assert!((p.layers[1].fused_backward_s(t, a) - (1e-4 + 2e-4 + 3e-9 * a)).abs() < 1e-15);
         type Spoil = fn(&mut Profile);
-        let cases: [(&str, Spoil); 3] = [
+        let cases: [(&str, Spoil); 4] = [
+            ("tensor_parallel", |p| p.tensor_parallel = 0),
             ("layers[1].b.c_tok_s", |p| {
                 p.layers[1].b.as_mut().unwrap().c_tok_s = -1.0
             }),

@@ -227,18 +227,24 @@ fn warmup_steps_run_before_the_reported_ones_and_are_not_reported() {
 
 // Prediction against measurement.
 
-#[test]
-fn execute_compares_with_a_profile_measured_on_its_backend() {
+/// Stand-in for a profiler output, written to `dir/measured.yaml`: the analytic tiny@cpu
+/// profile marked as measured on a CPU.
+fn measured_stand_in(dir: &std::path::Path) -> flatpipe::profiles::Profile {
     use flatpipe::profiles::{AnalyticOptions, ProfileSource, analytic_profile, builtins};
-    let dir = tempfile::tempdir().unwrap();
-    // Stand-in for a profiler output: the analytic tiny@cpu profile marked as measured on a CPU.
     let model = builtins::model("tiny").unwrap();
     let hw = builtins::hardware("cpu").unwrap();
     let mut p = analytic_profile(&model, &hw, &AnalyticOptions::default()).unwrap();
     p.provenance.source = ProfileSource::Measured;
     p.provenance.device = "test CPU".into();
     p.provenance.date = Some("2026-11-30".into());
-    std::fs::write(dir.path().join("measured.yaml"), p.to_yaml().unwrap()).unwrap();
+    std::fs::write(dir.join("measured.yaml"), p.to_yaml().unwrap()).unwrap();
+    p
+}
+
+#[test]
+fn execute_compares_with_a_profile_measured_on_its_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    measured_stand_in(dir.path());
     let o = flatpipe(
         dir.path(),
         &[
@@ -280,14 +286,8 @@ fn execute_compares_with_a_profile_measured_on_its_backend() {
 /// measured one is `executor/tests/prediction.rs`).
 #[test]
 fn execute_refits_the_profile_on_its_steps() {
-    use flatpipe::profiles::{AnalyticOptions, Profile, ProfileSource, analytic_profile, builtins};
     let dir = tempfile::tempdir().unwrap();
-    let model = builtins::model("tiny").unwrap();
-    let hw = builtins::hardware("cpu").unwrap();
-    let mut p = analytic_profile(&model, &hw, &AnalyticOptions::default()).unwrap();
-    p.provenance.source = ProfileSource::Measured;
-    p.provenance.device = "test CPU".into();
-    std::fs::write(dir.path().join("measured.yaml"), p.to_yaml().unwrap()).unwrap();
+    let p = measured_stand_in(dir.path());
     let v = flatpipe(
         dir.path(),
         &[
@@ -317,7 +317,7 @@ fn execute_refits_the_profile_on_its_steps() {
     assert_eq!(k["i"], k["b"]);
     assert_eq!(k["w"], k["b"]);
     let text = std::fs::read_to_string(dir.path().join("fitted.yaml")).unwrap();
-    let fitted = Profile::from_yaml(&text, "fitted.yaml").unwrap();
+    let fitted = flatpipe::profiles::Profile::from_yaml(&text, "fitted.yaml").unwrap();
     let want = p.scaled(&scale).unwrap();
     // To the last bits JSON's decimal factors may lose.
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();

@@ -671,26 +671,20 @@ fn simulate_prices_context_parallelism() {
         act(&none)
     );
     assert!(step(&cp2) < step(&none));
-    let o = flatpipe(
-        dir.path(),
-        &[
-            "simulate",
-            "--model",
-            "llama3.1-8b",
-            "--hardware",
-            "h100",
-            "--pp",
-            "4",
-            "--cp",
-            "2",
-            "--schedule",
-            "1f1b",
-            "--steps",
-            "1",
-            "--gantt",
-            "none",
-        ],
-    );
+    let base = [
+        "simulate",
+        "--model",
+        "llama3.1-8b",
+        "--hardware",
+        "h100",
+        "--pp",
+        "4",
+        "--steps",
+        "1",
+        "--gantt",
+        "none",
+    ];
+    let o = flatpipe(dir.path(), &[&base[..], &["--cp", "2"]].concat());
     assert!(
         o.stdout.contains("8 GPUs") && o.stdout.contains("cp=2 (p2p, zigzag)"),
         "{}",
@@ -704,21 +698,7 @@ fn simulate_prices_context_parallelism() {
             "zigzag or contiguous",
         ),
     ] {
-        let mut a = vec![
-            "simulate",
-            "--model",
-            "llama3.1-8b",
-            "--hardware",
-            "h100",
-            "--pp",
-            "4",
-            "--steps",
-            "1",
-            "--gantt",
-            "none",
-        ];
-        a.extend(args);
-        let o = flatpipe(dir.path(), &a);
+        let o = flatpipe(dir.path(), &[&base[..], &args[..]].concat());
         assert_eq!(o.status.code(), Some(2), "{}", o.stderr);
         assert!(o.stderr.contains(want), "{want}: {}", o.stderr);
     }
