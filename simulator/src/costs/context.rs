@@ -289,4 +289,44 @@ mod tests {
             (8, 1, 128, 2)
         );
     }
+
+    /// With expert parallelism too, a GPU of a cp group dispatches only its share of the
+    /// tokens: each MoE layer's all-to-all at `T / cp` tokens (`c0 + c_tok T / cp`).
+    #[test]
+    fn the_all_to_alls_carry_the_gpus_share() {
+        let model = builtins::model("mixtral-8x7b").unwrap();
+        let hw = builtins::hardware("h100").unwrap();
+        let p = flatpipe_profiles::analytic_profile(&model, &hw, &Default::default())
+            .unwrap()
+            .expert_parallel(8, 1, false)
+            .unwrap();
+        let stages = [Range { start: 1, end: 3 }];
+        let costs = TableCosts::with_options(
+            &p,
+            &stages,
+            &Placement::looped(1, 1),
+            &[Microbatch::flat(vec![32_768])],
+            &[],
+            &CostOptions {
+                context_parallel: Some(fixed(2, CpComm::Ring)),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let want: f64 = p.layers[1..3]
+            .iter()
+            .map(|l| l.routed.unwrap().all_to_all.time_s(16_384.0, 0.0))
+            .sum();
+        assert!(want > 0.0);
+        let got = costs.all_to_all_ns(ComputeAction {
+            stage: StageId(0),
+            kind: ActionKind::F,
+            microbatch: MicrobatchId(0),
+        });
+        assert!(
+            (got as f64 - want * 1e9).abs() <= 1.0,
+            "{got} vs {}",
+            want * 1e9
+        );
+    }
 }

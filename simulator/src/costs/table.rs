@@ -342,7 +342,7 @@ impl TableBuild<'_> {
                     - l.coeffs(Phase::W).time_s(t, a)
             })
             .sum();
-        let ([xf, xi, xw], all_to_all) = self.routing_s(r, mb);
+        let ([xf, xi, xw], all_to_all) = self.routing_s(r, mb, t);
         let cell = Cell {
             f: s_to_ns(self.phase_s(r, Phase::F, t, a) + xf + cf),
             i: s_to_ns(self.phase_s(r, Phase::I, t, a) + e.extra_i_s + xi + ci),
@@ -372,15 +372,16 @@ impl TableBuild<'_> {
     /// ([`super::routing`]: only a microbatch's padding, which all goes to the same experts,
     /// unbalances it): what the busiest GPU of an expert-parallel group runs beyond the mean, in
     /// seconds of F, I and W (each layer's routed part times the imbalance less one), and the
-    /// seconds of all-to-all one F or one I pays (imbalance included).
-    fn routing_s(&self, r: &Range<usize>, mb: &Microbatch) -> ([f64; 3], f64) {
+    /// seconds of all-to-all one F or one I pays (imbalance included), for `t` tokens on one GPU
+    /// (the microbatch's, or with context parallelism its share).
+    fn routing_s(&self, r: &Range<usize>, mb: &Microbatch, t: f64) -> ([f64; 3], f64) {
         let profile = self.profile;
         let ep = profile.expert_parallel;
-        let t = mb.computed_tokens() as f64;
-        if ep <= 1 || t <= 0.0 {
+        let computed = mb.computed_tokens() as f64;
+        if ep <= 1 || t <= 0.0 || computed <= 0.0 {
             return ([0.0; 3], 0.0);
         }
-        let padding = (t - mb.tokens() as f64) / t;
+        let padding = (computed - mb.tokens() as f64) / computed;
         let (mut out, mut all_to_all) = ([0.0; 3], 0.0);
         for j in r.clone() {
             let l = &profile.layers[j];
@@ -411,7 +412,7 @@ impl TableBuild<'_> {
                 };
                 let post = if s + 1 < n { self.post_ns(s, s + 1) } else { 0 }
                     + if s > 0 { self.post_ns(s - 1, s) } else { 0 };
-                let xf = self.routing_s(r, mb).0[0];
+                let xf = self.routing_s(r, mb, t).0[0];
                 fo[s * mfo + k] = (
                     s_to_ns(self.phase_s(r, Phase::Fo, t, a) + xf + cf) + post,
                     comm,
