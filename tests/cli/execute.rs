@@ -282,7 +282,7 @@ fn execute_compares_with_a_profile_measured_on_its_backend() {
 }
 
 /// `--fit-profile` writes the profile with each phase's costs times the steps' measured over
-/// predicted busy time, the factors in the JSON (that the factors make the replay's busy time the
+/// predicted busy time, the factors in the JSON, and `--estimate-log` the estimate step by step (that the factors make the replay's busy time the
 /// measured one is `executor/tests/prediction.rs`).
 #[test]
 fn execute_refits_the_profile_on_its_steps() {
@@ -308,9 +308,26 @@ fn execute_refits_the_profile_on_its_steps() {
             "json",
             "--fit-profile",
             "fitted.yaml",
+            "--estimate-log",
+            "estimate.jsonl",
         ],
     )
     .json();
+    // One line per measured step, its times those of the step's row; without forgetting the
+    // last line's estimate is the one the refit applied.
+    let log = std::fs::read_to_string(dir.path().join("estimate.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for (line, row) in lines.iter().zip(v["steps"].as_array().unwrap()) {
+        for key in ["step", "predicted_makespan_s", "measured_makespan_s"] {
+            assert_eq!(line[key], row[key], "{key}");
+        }
+        assert_eq!(line["rank_factors"].as_array().unwrap().len(), 2);
+    }
+    assert_eq!(lines[2]["phase_scale"], v["fitted_scale"]);
     let k = &v["fitted_scale"];
     let scale = serde_json::from_value(k.clone()).unwrap();
     // 1F1B runs fused backwards: I and W take B's factor.

@@ -173,7 +173,12 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         .gantt
         .clone()
         .and_then(|p| super::chart_path(&Some(p), ""));
-    for p in gantt.iter().chain(&a.trace).chain(&a.fit_profile) {
+    for p in gantt
+        .iter()
+        .chain(&a.trace)
+        .chain(&a.fit_profile)
+        .chain(&a.estimate_log)
+    {
         profiles::check_writable(p)?;
     }
     if let Some(c) = &gantt {

@@ -147,6 +147,15 @@ pub(super) struct ExecuteArgs {
     /// fitted on this one. Needs a profile measured on this backend.
     #[arg(long)]
     fit_profile: Option<PathBuf>,
+    /// Write, after the steps, one JSON line per measured step: its predicted and measured
+    /// makespan and the estimate after it (measured over predicted busy time per phase and per
+    /// rank). Needs a profile measured on this backend.
+    #[arg(long)]
+    estimate_log: Option<PathBuf>,
+    /// The estimate's forgetting factor in (0, 1]: a step one step older weighs this much
+    /// (memory of about 1 / (1 - factor) steps); 1, the default, weighs every step alike.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    forgetting: f64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
@@ -190,9 +199,14 @@ fn build(a: &ExecuteArgs, r: &ResolvedRun) -> Result<Built> {
     let (setup, backend) = (&r.setup, &r.backend);
     let (pp, dp) = (setup.config.pp, setup.config.dp);
     let predict = backend.backend.measured(&r.profile);
-    if let (Some(path), false) = (&a.fit_profile, predict) {
+    if let (Some(path), false) = (a.fit_profile.as_ref().or(a.estimate_log.as_ref()), predict) {
         bail!(
-            "--fit-profile {}: the refit scales a profile measured on this backend by what the steps measured against its prediction, and the {} profile was not measured on the {} backend (no prediction): measure one with `flatpipe profile` and pass it with --profile",
+            "{} {}: the estimate scales a profile measured on this backend by what the steps measured against its prediction, and the {} profile was not measured on the {} backend (no prediction): measure one with `flatpipe profile` and pass it with --profile",
+            if a.fit_profile.is_some() {
+                "--fit-profile"
+            } else {
+                "--estimate-log"
+            },
             path.display(),
             r.profile.model,
             backend.backend.name()
@@ -255,6 +269,8 @@ struct Ran {
     profile_warnings: Vec<String>,
     /// Measured over predicted busy time per phase, over the measured steps (`--fit-profile`).
     estimate: SpeedEstimate,
+    /// `--estimate-log`'s lines, one per measured step.
+    estimate_log: Vec<String>,
 }
 
 /// Runs `--warmup-steps` then `--steps` steps ([`run_steps`]): each checked for a finite loss,
@@ -282,7 +298,9 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
         longest: 0,
         predict,
         profile_warnings,
-        estimate: SpeedEstimate::new(1.0)?,
+        estimate: SpeedEstimate::new(a.forgetting)
+            .map_err(|e| anyhow::anyhow!("--forgetting {}: {e}", a.forgetting))?,
+        estimate_log: Vec::new(),
     };
     // Sequences longer than the token budget (each gets a microbatch of its own).
     let budget = setup
@@ -340,6 +358,10 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
                     // Replica 0's ranks: the predicted timeline's.
                     ran.estimate
                         .observe(t, &run.timeline, setup.config.pp as usize);
+                    if a.estimate_log.is_some() {
+                        ran.estimate_log
+                            .push(estimate_line(step, &p, &run, &ran.estimate)?);
+                    }
                 }
                 Some(p)
             } else {
@@ -421,6 +443,9 @@ fn render(a: &ExecuteArgs, r: &ResolvedRun, ran: Ran) -> Result<ExitCode> {
     );
     notes.push(prediction.clone());
     notes.extend(ran.profile_warnings.iter().map(|w| format!("warning: {w}")));
+    if let Some(path) = &a.estimate_log {
+        notes.push(write_estimate_log(path, &ran.estimate_log, a.forgetting)?);
+    }
     let fitted_scale = match &a.fit_profile {
         Some(path) => {
             let (scale, note) = write_fitted_profile(path, &r.loaded_profile, &ran.estimate)?;

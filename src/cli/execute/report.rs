@@ -301,3 +301,42 @@ pub(super) fn write_fitted_profile(
     );
     Ok((s, note))
 }
+
+/// One `--estimate-log` line: the step, its predicted and measured makespan (seconds), and the
+/// estimate after it: `phase_scale` (measured over predicted busy time per phase) and
+/// `rank_factors` (per rank of replica 0, over all phases).
+///
+/// # Errors
+/// JSON serialisation.
+pub(super) fn estimate_line(
+    step: u64,
+    prediction: &flatpipe_executor::runner::Prediction,
+    run: &flatpipe_executor::interpreter::StepRun,
+    estimate: &flatpipe_simulator::run::estimate::SpeedEstimate,
+) -> Result<String> {
+    Ok(serde_json::to_string(&serde_json::json!({
+        "step": step,
+        "predicted_makespan_s": prediction.makespan_s,
+        "measured_makespan_s": run.timeline.makespan_ns() as f64 * 1e-9,
+        "phase_scale": estimate.phase_scale(),
+        "rank_factors": estimate.rank_factors(),
+    }))?)
+}
+
+/// Writes `--estimate-log`'s `lines` (JSON lines, atomically); returns the note saying so.
+///
+/// # Errors
+/// The file cannot be written.
+pub(super) fn write_estimate_log(
+    path: &std::path::Path,
+    lines: &[String],
+    forgetting: f64,
+) -> Result<String> {
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    profiles::write_atomic(path, text.as_bytes())?;
+    Ok(format!(
+        "wrote {}: the estimate after each of {} measured step(s), forgetting factor {forgetting}",
+        path.display(),
+        lines.len()
+    ))
+}

@@ -108,3 +108,21 @@ fn fit_profile_without_a_measured_profile_is_refused() {
     );
     assert!(!dir.path().join("fitted.yaml").exists());
 }
+
+/// A forgetting factor outside (0, 1] is refused by name before any step runs.
+#[test]
+fn a_forgetting_factor_outside_zero_to_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for bad in ["0", "1.5", "-0.2"] {
+        let o = flatpipe(
+            dir.path(),
+            &["execute", "--steps", "1", "--forgetting", bad],
+        );
+        assert_eq!(o.status.code(), Some(2), "{bad}: {}", o.stderr);
+        assert!(
+            o.stderr.contains("--forgetting") && o.stderr.contains("(0, 1]"),
+            "{}",
+            o.stderr
+        );
+    }
+}
