@@ -158,9 +158,14 @@ mod tests {
         p
     }
 
-    fn f_and_i_ns(p: &Profile, cp: Option<ContextParallel>, seq_lens: Vec<u32>) -> (u64, u64) {
+    /// The table of one stage of layers 1..3 on one rank, one flat microbatch of `seq_lens`.
+    fn table(
+        p: &Profile,
+        cp: Option<ContextParallel>,
+        seq_lens: Vec<u32>,
+    ) -> crate::Result<TableCosts> {
         let stages = [Range { start: 1, end: 3 }];
-        let costs = TableCosts::with_options(
+        TableCosts::with_options(
             p,
             &stages,
             &Placement::looped(1, 1),
@@ -171,7 +176,10 @@ mod tests {
                 ..Default::default()
             },
         )
-        .unwrap();
+    }
+
+    fn f_and_i_ns(p: &Profile, cp: Option<ContextParallel>, seq_lens: Vec<u32>) -> (u64, u64) {
+        let costs = table(p, cp, seq_lens).unwrap();
         let a = |kind| ComputeAction {
             stage: StageId(0),
             kind,
@@ -255,20 +263,9 @@ mod tests {
         assert_eq!(s.parts.len(), 1);
         assert_eq!(s.parts[0].gpus, 4);
         // Llama-3.1-8B has 32 query heads: Ulysses over 64 GPUs cannot split them.
-        let stages = [Range { start: 1, end: 3 }];
-        let e = TableCosts::with_options(
-            &p,
-            &stages,
-            &Placement::looped(1, 1),
-            &[Microbatch::flat(vec![4096])],
-            &[],
-            &CostOptions {
-                context_parallel: Some(fixed(64, CpComm::Ulysses)),
-                ..Default::default()
-            },
-        )
-        .unwrap_err()
-        .to_string();
+        let e = table(&p, Some(fixed(64, CpComm::Ulysses)), vec![4096])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("32 query heads"), "{e}");
     }
 
@@ -300,19 +297,7 @@ mod tests {
             .unwrap()
             .expert_parallel(8, 1, false)
             .unwrap();
-        let stages = [Range { start: 1, end: 3 }];
-        let costs = TableCosts::with_options(
-            &p,
-            &stages,
-            &Placement::looped(1, 1),
-            &[Microbatch::flat(vec![32_768])],
-            &[],
-            &CostOptions {
-                context_parallel: Some(fixed(2, CpComm::Ring)),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let costs = table(&p, Some(fixed(2, CpComm::Ring)), vec![32_768]).unwrap();
         let want: f64 = p.layers[1..3]
             .iter()
             .map(|l| l.routed.unwrap().all_to_all.time_s(16_384.0, 0.0))
