@@ -30,6 +30,13 @@ trap 'rm -rf "$out"' EXIT
 # Qwen3-30B-A3B's experts over the 8 data-parallel replicas (ep = 8, pp = 2).
 "$bin" plan -o "$out/moe.yaml" --export torchtitan --model qwen3-30b-a3b --hardware h100 --ranks 16 \
     --tp 1 --pp 2 --ep 8 --steps 4 --gantt "$out/g.png" >/dev/null
+# Context parallelism: Llama-3.1-8B (its flex flavor) with a ring of 2 GPUs per rank, and
+# Llama-3.1-70B with all-gathered keys and values, on a long-context workload.
+"$bin" plan -o "$out/cp8b.yaml" --export torchtitan --model llama3.1-8b --ranks 8 --tp 2 --cp 2 --pp 2 \
+    --workload examples/long-context-128k.yaml --token-budgets 32768 --steps 4 --gantt "$out/g.png" >/dev/null
+"$bin" plan -o "$out/cp70b.yaml" --export torchtitan --model llama3.1-70b --ranks 64 --tp 8 --cp 2 --pp 4 \
+    --cp-comm allgather --workload examples/long-context-128k.yaml --token-budgets 32768 --steps 4 \
+    --gantt "$out/g.png" >/dev/null
 (cd "$out" && "$py" "$OLDPWD/scripts/interop/torchtitan_check.py" .)
 # Every schedule kind lowered to sends, receives and send waits, receives ahead and deferred:
 # equal to torch's own lowering (_add_send_recv, _add_wait_send, _defer_recv_ops), and loadable

@@ -225,6 +225,90 @@ fn plan(schedule: ScheduleKind, pp: u32, stages: &[std::ops::Range<usize>]) -> P
 }
 
 #[test]
+fn context_parallelism_exports_as_megatron_and_torchtitan_run_it() {
+    use flatpipe::profiles::context_parallel::{ContextParallel, CpBalance, CpComm};
+    let prof = profile();
+    let stages = even_split(34, 2).unwrap();
+    let group = |cp, comm, balance, dynamic| ContextParallel {
+        cp,
+        comm,
+        balance,
+        max_seqlen_per_rank: dynamic,
+    };
+    for (cp, want_m, want_t) in [
+        (
+            group(2, CpComm::Ring, CpBalance::Zigzag, None),
+            "--cp-comm-type p2p",
+            Some("alltoall"),
+        ),
+        (
+            group(4, CpComm::Ulysses, CpBalance::Zigzag, None),
+            "--cp-comm-type a2a",
+            None,
+        ),
+        (
+            group(2, CpComm::AllGather, CpBalance::Zigzag, None),
+            "--cp-comm-type allgather",
+            Some("allgather"),
+        ),
+        (
+            group(4, CpComm::Hierarchical { a2a: 2 }, CpBalance::Zigzag, None),
+            "--hierarchical-context-parallel-sizes 2 2",
+            None,
+        ),
+    ] {
+        let mut p = plan(ScheduleKind::OneFOneB, 2, &stages);
+        p.run.context_parallel = Some(cp);
+        let args = megatron(&p, &prof, 4).unwrap();
+        megatron_rules(&args, 2, 1).unwrap_or_else(|e| panic!("{e}\n{args}"));
+        assert!(
+            args.contains(&format!("--context-parallel-size {}", cp.cp)) && args.contains(want_m),
+            "{args}"
+        );
+        assert!(
+            !args.contains("# warning: the plan runs dynamic cp"),
+            "{args}"
+        );
+        match (torchtitan(&p, &prof, 4, None), want_t) {
+            (Ok(t), Some(rotate)) => {
+                assert!(
+                    t.contains(&format!("context_parallel_degree = {}", cp.cp)),
+                    "{t}"
+                );
+                assert!(
+                    t.contains(&format!("context_parallel_rotate_method = \"{rotate}\"")),
+                    "{t}"
+                );
+                // Varlen attention does not run with cp in torchtitan: the flex flavor does.
+                assert!(t.contains("flavor = \"8B_flex\""), "{t}");
+            }
+            (Err(e), None) => assert!(e.to_string().contains("no Ulysses"), "{e}"),
+            (got, want) => panic!("{cp:?}: {got:?} vs {want:?}"),
+        }
+    }
+    // A budget the target cannot cut into 2 cp chunks is refused, with the numbers.
+    let mut p = plan(ScheduleKind::OneFOneB, 2, &stages);
+    p.run.context_parallel = Some(group(3, CpComm::Ring, CpBalance::Zigzag, None));
+    let e = megatron(&p, &prof, 4).unwrap_err().to_string();
+    assert!(e.contains("16384") && e.contains("= 6"), "{e}");
+    // Dynamic and contiguous are what neither runs under a pipeline: warned.
+    p.run.context_parallel = Some(group(2, CpComm::Ring, CpBalance::Contiguous, Some(8192)));
+    let args = megatron(&p, &prof, 4).unwrap();
+    megatron_rules(&args, 2, 1).unwrap_or_else(|e| panic!("{e}\n{args}"));
+    assert!(
+        args.contains("dynamic cp") && args.contains("zigzag"),
+        "{args}"
+    );
+    // The rules catch what Megatron refuses.
+    let bad = args.replace("--cp-comm-type p2p", "--cp-comm-type a2a+p2p");
+    assert!(
+        megatron_rules(&bad, 2, 1)
+            .unwrap_err()
+            .contains("without hierarchical")
+    );
+}
+
+#[test]
 fn megatron_layout_round_trips() {
     let prof = profile();
     let stages = even_split(34, 8).unwrap();
@@ -477,12 +561,13 @@ fn megatron_rules(text: &str, pp: u32, dp: u32) -> Result<(), String> {
         if !name.starts_with("--") {
             return Err(format!("stray word `{name}`"));
         }
-        let value = match words.peek() {
-            Some(v) if !v.starts_with("--") => {
-                Some(words.next().unwrap().trim_matches('"').to_string())
-            }
-            _ => None,
-        };
+        // A flag takes the words up to the next flag (`nargs='+'` lists joined by a space).
+        let mut values = Vec::new();
+        while let Some(v) = words.peek().filter(|v| !v.starts_with("--")) {
+            values.push(v.trim_matches('"').to_string());
+            words.next();
+        }
+        let value = (!values.is_empty()).then(|| values.join(" "));
         if args.insert(name.clone(), value).is_some() {
             return Err(format!("{name} given twice"));
         }
@@ -537,6 +622,53 @@ fn megatron_rules(text: &str, pp: u32, dp: u32) -> Result<(), String> {
             return Err("no --seq-length".into());
         }
     }
+    // Context parallelism (arguments.py: `--cp-comm-type` choices p2p, a2a, allgather,
+    // a2a+p2p; a2a+p2p needs `--hierarchical-context-parallel-sizes`, whose product is cp;
+    // megatron/training/utils.py, get_batch_on_this_cp_rank: a sample cut into 2 cp chunks, so
+    // the sequence length a multiple of 2 cp, and of tp with sequence parallelism).
+    let cp = int("--context-parallel-size")?.unwrap_or(1);
+    if cp == 0 {
+        return Err("--context-parallel-size 0".into());
+    }
+    if let Some(comm) = args.get("--cp-comm-type") {
+        let comm = comm.clone().ok_or("--cp-comm-type without a value")?;
+        if !["p2p", "a2a", "allgather", "a2a+p2p"].contains(&comm.as_str()) {
+            return Err(format!("--cp-comm-type {comm}"));
+        }
+        let sizes = args
+            .get("--hierarchical-context-parallel-sizes")
+            .cloned()
+            .flatten();
+        match (comm.as_str(), sizes) {
+            ("a2a+p2p", Some(s)) => {
+                let product: u64 = s
+                    .split(' ')
+                    .map(|x| x.parse::<u64>().unwrap_or(0))
+                    .product();
+                if product != cp {
+                    return Err(format!("hierarchical sizes {s}, product not cp {cp}"));
+                }
+            }
+            ("a2a+p2p", None) => return Err("a2a+p2p without hierarchical sizes".into()),
+            (_, Some(_)) => return Err("hierarchical sizes without a2a+p2p".into()),
+            _ => {}
+        }
+    }
+    if cp > 1 {
+        let seq = int("--seq-length")?.ok_or("context parallelism without --seq-length")?;
+        let tp = int("--tensor-model-parallel-size")?.unwrap_or(1);
+        let sp = if args.contains_key("--sequence-parallel") {
+            tp
+        } else {
+            1
+        };
+        if seq % (2 * cp * sp) != 0 {
+            return Err(format!(
+                "--seq-length {seq} not a multiple of 2 cp x tp = {}",
+                2 * cp * sp
+            ));
+        }
+    }
     // Expert parallelism (arguments.py: "num_experts must be non None to use expert model
     // parallelism", "Number of experts should be a multiple of expert model parallel_size";
     // megatron/core/parallel_state.py: the world size divisible by expert tp x ep x pp).
@@ -547,7 +679,7 @@ fn megatron_rules(text: &str, pp: u32, dp: u32) -> Result<(), String> {
         }
         let tp = int("--tensor-model-parallel-size")?.unwrap_or(1);
         let etp = int("--expert-tensor-parallel-size")?.unwrap_or(tp);
-        let world = tp * u64::from(dp) * u64::from(pp);
+        let world = tp * cp * u64::from(dp) * u64::from(pp);
         if world % (etp * ep * u64::from(pp)) != 0 {
             return Err(format!(
                 "world {world} not divisible by etp {etp} x ep {ep} x pp {pp}"

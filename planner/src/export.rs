@@ -2,6 +2,7 @@
 //! (formats: `docs/reference.md`, "Formats of other tools", gathered 2026-11).
 
 use crate::{Error, Result};
+use flatpipe_profiles::context_parallel::{ContextParallel, CpBalance, CpComm};
 use flatpipe_profiles::{LayerKind, Profile, StepSize, Workload};
 use flatpipe_simulator::costs::sharding::{DpGroup, Sharding};
 use flatpipe_simulator::ir::PlacementKind;
@@ -224,6 +225,11 @@ pub fn torchtitan(
         out.push_str(&format!("expert_parallel_degree = {}\n", plan.ep));
         out.push_str(&format!("expert_tensor_parallel_degree = {tp}\n"));
     }
+    let (cp_lines, cp_warnings) = torchtitan_context_parallel(plan)?;
+    out.push_str(&cp_lines);
+    for w in cp_warnings {
+        head.push_str(&format!("# warning: {w}\n"));
+    }
     if let Some(dp) = Some(plan.run.dp).filter(|d| *d > 1) {
         let (replicate, shard, warning) = torchtitan_data_parallel(plan, profile, dp);
         out.push_str(&format!("data_parallel_replicate_degree = {replicate}\n"));
@@ -321,7 +327,12 @@ pub fn torchtitan_model(plan: &Plan) -> (Option<(&'static str, String)>, Option<
         return (Some(("llama3", size.to_string())), None);
     }
     if size == "8B" {
-        return (Some(("llama3", "8B_varlen".into())), None);
+        // torchtitan's context parallelism runs SDPA or FlexAttention, not varlen
+        // (`TransformerModelArgs.update_from_config` raises for varlen with cp > 1): its flex
+        // flavor keeps the documents apart with the same block_causal mask.
+        let cp = plan.run.context_parallel.is_some_and(|c| c.cp > 1);
+        let flavor = if cp { "8B_flex" } else { "8B_varlen" };
+        return (Some(("llama3", flavor.into())), None);
     }
     (
         Some(("llama3", size.to_string())),
@@ -556,6 +567,7 @@ pub fn megatron(plan: &Plan, profile: &Profile, microbatches: u32) -> Result<Str
     let (batch, batch_warnings) = megatron_batch(plan, microbatches);
     args.extend(batch);
     warnings.extend(batch_warnings);
+    args.extend(megatron_context_parallel(plan, &mut warnings)?);
     // Megatron-LM's sharded data parallelism under PP is its distributed optimizer (ZeRO-1,
     // `--use-distributed-optimizer`); deeper sharding is warned.
     if plan.run.dp > 1 && plan.run.sharding != Sharding::Ddp {
@@ -931,6 +943,124 @@ fn stage_list(ids: &[String]) -> String {
     } else {
         format!("stage {joined}")
     }
+}
+
+/// The plan's context-parallel group (`None` for none or a group of one GPU) and the token
+/// count a row of its microbatches must divide: each sequence is cut into `2 cp` chunks for the
+/// zigzag split, and sequence parallelism cuts the row over `tp` (torchtitan's
+/// `ParallelDims.seq_len_divisor`, `tp x 2 cp`; Megatron-LM's `get_batch_on_this_cp_rank`
+/// splits a sample into `2 cp` chunks).
+fn cp_group(plan: &Plan) -> Option<(ContextParallel, u64)> {
+    let cp = plan.run.context_parallel.filter(|c| c.cp > 1)?;
+    let (tp, sp) = plan.tensor_parallel();
+    let tp = if sp { u64::from(tp) } else { 1 };
+    Some((cp, 2 * u64::from(cp.cp) * tp))
+}
+
+/// A refusal when the plan's token budget (the target's sequence length) is not a multiple of
+/// `divisor` ([`cp_group`]).
+fn check_cp_seq_len(plan: &Plan, format: &'static str, divisor: u64) -> Result<()> {
+    let t = plan.run.params.token_budget;
+    if plan.run.params.microbatches.is_none() && t % divisor != 0 {
+        return Err(Error::Export {
+            format,
+            reason: format!(
+                "the token budget {t} (the sequence length) is not a multiple of 2 x cp x tp = {divisor}: the target cuts each row into 2 cp chunks over the group and the row over tp; plan with budgets that are"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// torchtitan's `[parallelism]` lines for the plan's context parallelism (empty without one)
+/// and warnings. torchtitan 0.2.x runs torch's ring attention (`context_parallel`): keys and
+/// values rotated by all-to-all (`context_parallel_rotate_method = "alltoall"`, the plan's
+/// `p2p` ring) or all-gathered (`"allgather"`), balanced by the head-tail (zigzag) split for
+/// SDPA or `ptrr` for FlexAttention (`torchtitan/distributed/context_parallel.py`, `cp_shard`);
+/// its flat flavor with cp is FlexAttention ([`torchtitan_model`]).
+///
+/// # Errors
+/// [`Error::Export`] for Ulysses or hierarchical communication (torchtitan has neither) and a
+/// token budget that is not a multiple of `tp x 2 cp`.
+pub fn torchtitan_context_parallel(plan: &Plan) -> Result<(String, Vec<String>)> {
+    let Some((cp, divisor)) = cp_group(plan) else {
+        return Ok((String::new(), Vec::new()));
+    };
+    let rotate = match cp.comm {
+        CpComm::Ring => "alltoall",
+        CpComm::AllGather => "allgather",
+        other => {
+            return Err(Error::Export {
+                format: "torchtitan",
+                reason: format!(
+                    "cp communication {other}: torchtitan's context parallelism is torch's ring attention, its keys and values rotated (p2p) or all-gathered (allgather); it has no Ulysses all-to-all of heads"
+                ),
+            });
+        }
+    };
+    check_cp_seq_len(plan, "torchtitan", divisor)?;
+    let flex = plan.run.policy.is_flat() && plan.inputs.model.as_deref() == Some("llama3.1-8b");
+    let mut warnings = Vec::new();
+    if cp.balance == CpBalance::Contiguous {
+        warnings.push(format!(
+            "the plan cuts each sequence into {} contiguous blocks; torchtitan balances the causal work ({}) and its TOML cannot switch that off (the prediction of a zigzag plan is closer)",
+            cp.cp,
+            if flex { "ptrr" } else { "headtail" }
+        ));
+    }
+    if let Some(t) = cp.max_seqlen_per_rank {
+        warnings.push(format!(
+            "the plan runs dynamic cp (each microbatch on the fewest GPUs of the group holding its longest sequence at {t} tokens per GPU); torchtitan runs every microbatch on all {} GPUs",
+            cp.cp
+        ));
+    }
+    let lines = format!(
+        "context_parallel_degree = {}\ncontext_parallel_rotate_method = \"{rotate}\"\ncontext_parallel_load_balancer = \"{}\"\n",
+        cp.cp,
+        if flex { "ptrr" } else { "headtail" }
+    );
+    Ok((lines, warnings))
+}
+
+/// Megatron-LM's context-parallel arguments for the plan (none without a group):
+/// `--context-parallel-size`, `--cp-comm-type` (`p2p`, `a2a`, `allgather`, `a2a+p2p`) and, for
+/// `a2a+p2p`, `--hierarchical-context-parallel-sizes` (the all-to-all inside a node, then the
+/// ring; their product is cp: `megatron/training/arguments.py`). Megatron-LM always splits a
+/// sample into `2 cp` chunks, zigzag (a contiguous plan is warned), and runs a fixed group
+/// under a pipeline (dynamic cp is refused with PP > 1 by Megatron-Bridge: warned, exported
+/// fixed).
+///
+/// # Errors
+/// [`Error::Export`] for a token budget that is not a multiple of `2 cp x tp`.
+fn megatron_context_parallel(plan: &Plan, warnings: &mut Vec<String>) -> Result<Vec<String>> {
+    let Some((cp, divisor)) = cp_group(plan) else {
+        return Ok(Vec::new());
+    };
+    check_cp_seq_len(plan, "megatron", divisor)?;
+    let mut args = vec![format!("--context-parallel-size {}", cp.cp)];
+    match cp.comm {
+        CpComm::Hierarchical { a2a } => {
+            args.push("--cp-comm-type a2a+p2p".into());
+            args.push(format!(
+                "--hierarchical-context-parallel-sizes {a2a} {}",
+                cp.cp / a2a.max(1)
+            ));
+        }
+        other => args.push(format!("--cp-comm-type {other}")),
+    }
+    if cp.balance == CpBalance::Contiguous {
+        warnings.push(format!(
+            "the plan cuts each sequence into {} contiguous blocks; Megatron-LM always cuts 2 cp chunks, zigzag (balanced)",
+            cp.cp
+        ));
+    }
+    if let Some(t) = cp.max_seqlen_per_rank {
+        warnings.push(format!(
+            "the plan runs dynamic cp (each microbatch on the fewest GPUs of the group holding its longest sequence at {t} tokens per GPU); Megatron's dynamic cp does not run with a pipeline, so these arguments run a fixed group of {}",
+            cp.cp
+        ));
+    }
+    Ok(args)
 }
 
 #[cfg(test)]

@@ -39,24 +39,35 @@ use crate::{Error, Link, Result};
 /// refused before allocating (the largest published cp runs use tens of GPUs).
 pub const MAX_CP: u32 = 65_536;
 
-/// How a cp group exchanges keys and values (Megatron's `--cp-comm-type`).
+/// How a cp group exchanges keys and values (Megatron's `--cp-comm-type`). Written in files
+/// as its flag value: `p2p`, `a2a`, `allgather` or `a2a+p2p:N`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum CpComm {
     /// Ring attention over point-to-point sends, overlapped with the attention blocks.
-    #[serde(rename = "p2p")]
     Ring,
     /// Ulysses: all-to-alls between a sequence and a head split.
-    #[serde(rename = "a2a")]
     Ulysses,
     /// All-gather of the keys and values (Llama 3).
-    #[serde(rename = "allgather")]
     AllGather,
     /// Ulysses inside a node over this many GPUs, the ring across nodes.
-    #[serde(rename = "a2a+p2p")]
     Hierarchical {
         /// GPUs of the all-to-all inside a node; divides cp.
         a2a: u32,
     },
+}
+
+impl TryFrom<String> for CpComm {
+    type Error = Error;
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+impl From<CpComm> for String {
+    fn from(c: CpComm) -> String {
+        c.to_string()
+    }
 }
 
 /// How a causal sequence is cut over the cp group.

@@ -9,7 +9,8 @@ schedule (a name torch's `get_schedule_class` knows, or a CSV whose every action
 `_Action.from_str` parses, with one row per rank), one model part per stage, one packed row of
 the token budget per microbatch, the model flavor (a flat Llama-3.1-8B plan's is torchtitan's
 varlen one, whose block_causal mask keeps a row's documents apart), the activation
-checkpointing mode, the tensor- and expert-parallel degrees (torchtitan's `ParallelDims` checks
+checkpointing mode, the context-parallel degree and rotate method (with torchtitan's own check of
+the model flavor against cp and its sequence-length divisor), the tensor- and expert-parallel degrees (torchtitan's `ParallelDims` checks
 the expert-parallel one against the data-parallel shards)
 and the data-parallel degrees: torchtitan's `ParallelDims` accepts them for tp x dp x pp GPUs,
 they are what the plan's sharding maps to (FSDP shard degree dp; HSDP replicate x shard; DDP replicate dp), and never
@@ -51,13 +52,17 @@ def check(toml_path: str) -> None:
         get_schedule_class(par.pipeline_parallel_schedule)
         schedule = par.pipeline_parallel_schedule
     # The model: a flavor torchtitan defines; a flat plan on Llama-3.1-8B runs varlen attention
-    # with the documents of a row kept apart (block_causal), as the plan predicted.
+    # (FlexAttention with context parallelism, which varlen does not run) with the documents of
+    # a row kept apart (block_causal), as the plan predicted.
+    cp_plan = plan.get("context_parallel") or {"cp": 1}
+    cp = cp_plan["cp"]
     from torchtitan.models.llama3 import llama3_args
 
     if cfg.model.name == "llama3" and plan.get("model") == "llama3.1-8b":
         args = llama3_args[cfg.model.flavor]
         if plan.get("policy", "flat-ffd") not in ("padded", "packed"):
-            assert (args.attn_type, args.attn_mask_type) == ("varlen", "block_causal"), (
+            attn = "flex" if cp > 1 else "varlen"
+            assert (args.attn_type, args.attn_mask_type) == (attn, "block_causal"), (
                 cfg.model.flavor,
                 args.attn_type,
                 args.attn_mask_type,
@@ -66,6 +71,18 @@ def check(toml_path: str) -> None:
     sharding = plan.get("sharding", "ddp")
     tp = plan.get("tp") or 1
     ep = plan.get("ep") or 1
+    assert par.context_parallel_degree == cp, (par.context_parallel_degree, cp)
+    if cp > 1:
+        # Ring attention: the plan's p2p ring rotates by all-to-all, its allgather all-gathers.
+        rotate = {"p2p": "alltoall", "allgather": "allgather"}[cp_plan["comm"]]
+        assert par.context_parallel_rotate_method == rotate, (par.context_parallel_rotate_method, rotate)
+        # torchtitan's own check of the model against cp (varlen attention raises).
+        if cfg.model.name == "llama3":
+            import copy
+
+            from torchtitan.models.llama3 import llama3_args
+
+            copy.deepcopy(llama3_args[cfg.model.flavor]).update_from_config(cfg)
     assert par.tensor_parallel_degree == tp, (par.tensor_parallel_degree, tp)
     assert par.expert_parallel_degree == ep, (par.expert_parallel_degree, ep)
     etp = par.expert_tensor_parallel_degree if ep > 1 else 1
@@ -73,13 +90,15 @@ def check(toml_path: str) -> None:
     dims = ParallelDims(
         dp_replicate=par.data_parallel_replicate_degree,
         dp_shard=par.data_parallel_shard_degree,
-        cp=1,
+        cp=cp,
         tp=tp,
         pp=plan["pp"],
         ep=ep,
         etp=etp,
-        world_size=dp * plan["pp"] * tp,
+        world_size=dp * plan["pp"] * tp * cp,
     )
+    # torchtitan's parallelize functions assert seq_len % (tp x 2 cp) == 0.
+    assert cfg.training.seq_len % dims.seq_len_divisor == 0, (cfg.training.seq_len, dims.seq_len_divisor)
     assert dims.dp_replicate * dims.dp_shard == dp, (dims.dp_replicate, dims.dp_shard, dp)
     if plan["pp"] > 1:
         assert not (dims.dp_replicate > 1 and dims.dp_shard == 1), "DDP with PP"
@@ -96,7 +115,7 @@ def check(toml_path: str) -> None:
         f"ok: {toml_path}: pp {par.pipeline_parallel_degree}, {schedule}, "
         f"{len(par.module_fqns_per_model_part)} parts, {cfg.training.local_batch_size} microbatches "
         f"of {cfg.training.seq_len} tokens, activation checkpoint {cfg.activation_checkpoint.mode}, "
-        f"tp {tp}, ep {ep}, dp {dp} {sharding}: replicate {dims.dp_replicate} x shard {dims.dp_shard}"
+        f"tp {tp}, cp {cp}, ep {ep}, dp {dp} {sharding}: replicate {dims.dp_replicate} x shard {dims.dp_shard}"
     )
 
 

@@ -21,6 +21,7 @@ mod backend;
 mod builtins_cmd;
 mod calibrate;
 mod checks;
+mod cp;
 mod errors;
 mod execute;
 mod import_trace;

@@ -403,3 +403,69 @@ fn a_default_step_smaller_than_the_replicas_is_named_with_the_flags_to_set() {
     let o = flatpipe(dir.path(), &with_batch);
     assert!(!o.stderr.contains("default step holds"), "{}", o.stderr);
 }
+
+/// `plan --cp 1,2` weighs context parallelism beside chunks on a long-context workload: a plan
+/// with a cp group is written with it and `simulate --plan` reproduces its prediction, and the
+/// notes say which answer to long sequences the chosen plan takes and what the others cost.
+#[test]
+fn plan_searches_context_parallelism_and_simulate_reproduces_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let workload = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/long-context-128k.yaml"
+    );
+    let args = |cp: &'static str| {
+        vec![
+            "plan",
+            "--model",
+            "llama3.1-8b",
+            "--hardware",
+            "h100",
+            "--ranks",
+            "8",
+            "--tp",
+            "2",
+            "--workload",
+            workload,
+            "--cp",
+            cp,
+            "--steps",
+            "4",
+            "--schedule",
+            "1f1b,zb-h1",
+            "--pp",
+            "2,4",
+            "--token-budgets",
+            "16384,32768",
+            "--gantt",
+            "g.png",
+        ]
+    };
+    let mut only_cp = args("2");
+    only_cp.extend(["-o", "p.yaml", "--format", "json"]);
+    let v = flatpipe(dir.path(), &only_cp).json();
+    let predicted = v["chosen"]["predicted"]["step_time_mean_s"]
+        .as_f64()
+        .unwrap();
+    assert_eq!(v["plans"][0]["context_parallel"]["cp"], 2, "{v}");
+    let text = std::fs::read_to_string(dir.path().join("p.yaml")).unwrap();
+    assert!(
+        text.contains("context_parallel:") && text.contains("comm: p2p"),
+        "{text}"
+    );
+    let s = flatpipe_json(
+        dir.path(),
+        &[
+            "simulate", "--plan", "p.yaml", "--steps", "4", "--format", "json",
+        ],
+    );
+    assert!((s[0]["step_time_s"]["mean"].as_f64().unwrap() - predicted).abs() < 1e-9 * predicted);
+    let both = flatpipe(dir.path(), &args("1,2"));
+    assert!(
+        both.stdout.contains("Long sequences: the chosen plan runs")
+            && both.stdout.contains("cp 2 p2p")
+            && both.stdout.contains("chunks"),
+        "{}",
+        both.stdout
+    );
+}

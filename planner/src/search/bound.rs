@@ -12,7 +12,8 @@ use flatpipe_simulator::costs::sharding::{Sharding, StepCollectives};
 /// compute per step (less its expert-parallel all-to-alls for the schedules that may overlap a
 /// forward with a backward: DualPipeV, combined 1F1B, and zb-auto, which may run DualPipeV's
 /// order), averaged
-/// over the sampled steps and divided over its pp ranks (no bubble), plus without a pipeline
+/// over the sampled steps and divided over its pp ranks (no bubble) and its cp group's GPUs,
+/// plus without a pipeline
 /// the step's data-parallel collectives ([`collectives_lb`]); then orders the candidates by it
 /// (stable: ties keep the enumeration order).
 pub(super) fn bound_and_order(layouts: &mut Layouts) {
@@ -26,9 +27,13 @@ pub(super) fn bound_and_order(layouts: &mut Layouts) {
         } else {
             &stats.replica_work_s
         };
-        let work_lb = work.iter().sum::<f64>() / work.len().max(1) as f64 / c.pp as f64;
+        // A cp group shares each microbatch's work over its GPUs at best evenly.
+        let work_lb = work.iter().sum::<f64>()
+            / work.len().max(1) as f64
+            / c.pp as f64
+            / f64::from(c.cp_gpus());
         let profile = &layouts.profiles[c.tpi].1;
-        c.lower_bound_s = work_lb + collectives_lb(profile, c.sharding, c.pp, c.dp);
+        c.lower_bound_s = work_lb + collectives_lb(profile, c.sharding, c.pp, c.dp * c.cp_gpus());
     }
     layouts
         .pending

@@ -18,7 +18,8 @@ use serde::{Serialize, Serializer};
 /// configuration does not describe (tensor parallelism, which transforms the profile, and the
 /// split solver's report), and the search's results.
 ///
-/// Serialized (`plan --format json`) as the flat fields `tp`, `sequence_parallel`, `ep`, `dp`, `pp`,
+/// Serialized (`plan --format json`) as the flat fields `tp`, `sequence_parallel`, `ep`,
+/// `context_parallel` (only with a group), `dp`, `pp`,
 /// `vpp`, `schedule`, `token_budget`, `chunk_tokens`, `sharding`, `lower_bound_s`, `summary`,
 /// `peak_memory_bytes`, in that order.
 #[derive(Debug, Clone)]
@@ -118,11 +119,12 @@ impl Candidate {
         self.run.params.chunk_tokens
     }
 
-    /// `schedule tp=.. ep=.. dp=.. pp=.. v=.. budget=..[ chunk=..] sharding` (`tp=..` and
-    /// `ep=..` only above 1, `chunk=..` only when long sequences are cut).
+    /// `schedule tp=.. ep=.. cp=.. dp=.. pp=.. v=.. budget=..[ chunk=..] sharding` (`tp=..`
+    /// and `ep=..` only above 1, `cp=N comm balance[ dynamic=T]` only with a context-parallel
+    /// group, `chunk=..` only when long sequences are cut).
     pub fn describe(&self) -> String {
         format!(
-            "{} {}{}dp={} pp={} v={} budget={}{} {}",
+            "{} {}{}{}dp={} pp={} v={} budget={}{} {}",
             self.schedule_name(),
             if self.tp > 1 {
                 format!("tp={} ", self.tp)
@@ -134,6 +136,7 @@ impl Candidate {
             } else {
                 String::new()
             },
+            super::enumerate::cp_prefix(self.run.context_parallel),
             self.run.dp,
             self.run.pp,
             self.run.v,
@@ -142,6 +145,19 @@ impl Candidate {
                 .map_or(String::new(), |c| format!(" chunk={c}")),
             self.run.sharding
         )
+    }
+
+    /// Its answer to sequences longer than the token budget: `whole sequences` (a microbatch
+    /// each), `chunks`, `cp N comm` (a fixed context-parallel group) or `dynamic cp N comm`.
+    pub fn long_sequences(&self) -> String {
+        match (self.run.context_parallel, self.chunk_tokens()) {
+            (Some(c), _) if c.max_seqlen_per_rank.is_some() => {
+                format!("dynamic cp {} {}", c.cp, c.comm)
+            }
+            (Some(c), _) => format!("cp {} {}", c.cp, c.comm),
+            (None, Some(_)) => "chunks".into(),
+            (None, None) => "whole sequences".into(),
+        }
     }
 
     /// The schedule's name, or `no pipeline` for pp = 1 (one rank runs F then B of each
@@ -161,6 +177,8 @@ struct CandidateJson<'a> {
     tp: u32,
     sequence_parallel: bool,
     ep: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    context_parallel: Option<flatpipe_profiles::context_parallel::ContextParallel>,
     dp: u32,
     pp: u32,
     vpp: u32,
@@ -179,6 +197,7 @@ impl Serialize for Candidate {
             tp: self.tp,
             sequence_parallel: self.sequence_parallel,
             ep: self.ep,
+            context_parallel: self.run.context_parallel,
             dp: self.run.dp,
             pp: self.run.pp,
             vpp: self.run.v,

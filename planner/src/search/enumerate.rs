@@ -5,6 +5,7 @@
 use super::stats::{BatchStats, batch_stats, cut_config};
 use super::{SearchConfig, SearchSpace, tensor_parallel_degrees};
 use crate::{Error, Result};
+use flatpipe_profiles::context_parallel::ContextParallel;
 use flatpipe_profiles::{Profile, Workload};
 use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::costs::sharding::{DpGroup, Sharding};
@@ -33,6 +34,8 @@ pub(super) struct Pending {
     pub stats: usize,
     /// Lower bound on the mean step time, seconds (0 until bounded, [`super::bound`]).
     pub lower_bound_s: f64,
+    /// Context parallelism: every rank a group of GPUs (`None`: one).
+    pub cp: Option<ContextParallel>,
 }
 
 impl Pending {
@@ -40,9 +43,10 @@ impl Pending {
     /// only above 1): the name a rejection is reported under.
     pub fn describe(&self, tp: u32, ep: u32) -> String {
         format!(
-            "{} {}dp={} pp={} v={} budget={}{} {}",
+            "{} {}{}dp={} pp={} v={} budget={}{} {}",
             self.kind,
             prefix(tp, ep),
+            cp_prefix(self.cp),
             self.dp,
             self.pp,
             self.v,
@@ -57,6 +61,26 @@ impl Pending {
     /// of the candidates ranked once the others are evaluated.
     pub fn deferred(&self) -> bool {
         self.kind == ScheduleKind::ZbAuto || self.chunk.is_some()
+    }
+
+    /// GPUs of its context-parallel group (1 without one).
+    pub fn cp_gpus(&self) -> u32 {
+        self.cp.map_or(1, |c| c.cp.max(1))
+    }
+}
+
+/// `cp=N[ comm][ dynamic=T] ` for a group, else nothing.
+pub(super) fn cp_prefix(cp: Option<ContextParallel>) -> String {
+    match cp {
+        Some(c) => format!(
+            "cp={} {} {}{}",
+            c.cp,
+            c.comm,
+            c.balance,
+            c.max_seqlen_per_rank
+                .map_or(" ".to_string(), |t| format!(" dynamic={t} "))
+        ),
+        None => String::new(),
     }
 }
 
@@ -137,37 +161,59 @@ pub(super) fn layouts(
         rejected,
     };
     let fewest_seqs = steps.iter().map(Vec::len).min().unwrap_or(0);
+    let cps = if space.context_parallel.is_empty() {
+        vec![None]
+    } else {
+        space.context_parallel.clone()
+    };
     for (tpi, (tp, profile)) in profiles.iter().enumerate() {
-        let ranks = space.ranks / *tp;
-        let ep = profile.expert_parallel;
-        for &pp in space.pp.iter().filter(|&&pp| ranks % pp == 0) {
-            let dp = ranks / pp;
-            if dp % ep != 0 {
+        for &cp in &cps {
+            let gpus = tp * cp.map_or(1, |c| c.cp.max(1));
+            let ep = profile.expert_parallel;
+            let what =
+                |dp: u32, pp: u32| format!("{}{}dp={dp} pp={pp}", prefix(*tp, ep), cp_prefix(cp));
+            if space.ranks % gpus != 0 || (cp.is_some() && !space.policy.is_flat()) {
                 out.rejected.push((
-                    format!("{}dp={dp} pp={pp}", prefix(*tp, ep)),
-                    format!("ep = {ep} does not divide dp = {dp} (the expert-parallel group is made of data-parallel replicas)"),
+                    format!("{}{}", prefix(*tp, ep), cp_prefix(cp)).trim_end().to_string(),
+                    if space.ranks % gpus != 0 {
+                        format!("{gpus} GPUs per rank (tp x cp) do not divide the {} GPUs", space.ranks)
+                    } else {
+                        format!("context parallelism splits flat microbatches by their cu_seqlens, not the {} policy's", space.policy)
+                    },
                 ));
                 continue;
             }
-            if fewest_seqs < dp as usize {
-                out.rejected.push((
-                    format!("{}dp={dp} pp={pp}", prefix(*tp, ep)),
-                    format!(
-                        "{dp} replicas, but a sampled step has only {fewest_seqs} sequence(s): a replica would get none (a larger step: more sequences or tokens per step)"
-                    ),
-                ));
-                continue;
+            let ranks = space.ranks / gpus;
+            for &pp in space.pp.iter().filter(|&&pp| ranks % pp == 0) {
+                let dp = ranks / pp;
+                if dp % ep != 0 {
+                    out.rejected.push((
+                        what(dp, pp),
+                        format!("ep = {ep} does not divide dp = {dp} (the expert-parallel group is made of data-parallel replicas)"),
+                    ));
+                    continue;
+                }
+                if fewest_seqs < dp as usize {
+                    out.rejected.push((
+                        what(dp, pp),
+                        format!(
+                            "{dp} replicas, but a sampled step has only {fewest_seqs} sequence(s): a replica would get none (a larger step: more sequences or tokens per step)"
+                        ),
+                    ));
+                    continue;
+                }
+                let layout = PipelineLayout {
+                    tpi,
+                    tp: *tp,
+                    cp,
+                    profile,
+                    pp,
+                    dp,
+                    n_layers: base.layers.len(),
+                    fo: config.forward_only.map(|f| f.microbatches),
+                };
+                layout.candidates(space, &steps, &mut out)?;
             }
-            let layout = PipelineLayout {
-                tpi,
-                tp: *tp,
-                profile,
-                pp,
-                dp,
-                n_layers: base.layers.len(),
-                fo: config.forward_only.map(|f| f.microbatches),
-            };
-            layout.candidates(space, &steps, &mut out)?;
         }
     }
     out.profiles = profiles;
@@ -230,6 +276,8 @@ fn prefix(tp: u32, ep: u32) -> String {
 struct PipelineLayout<'a> {
     tpi: usize,
     tp: u32,
+    /// The context-parallel group of every rank (`None`: one GPU).
+    cp: Option<ContextParallel>,
     profile: &'a Profile,
     pp: u32,
     dp: u32,
@@ -249,9 +297,13 @@ impl PipelineLayout<'_> {
     /// The cut's ([`batch_stats`]) and a schedule kind's stages per rank.
     fn candidates(&self, space: &SearchSpace, steps: &[Vec<u32>], out: &mut Layouts) -> Result<()> {
         let (tp, pp, dp) = (self.tp, self.pp, self.dp);
-        let shardings = shardings_for(self.profile, space, pp, dp);
+        // A cp group's GPUs shard the state with the replicas (dp x cp of them).
+        let cp_gpus = self.cp.map_or(1, |c| c.cp.max(1));
+        let shardings = shardings_for(self.profile, space, pp, dp * cp_gpus);
         let longest = steps.iter().flatten().copied().max().unwrap_or(0) as u64;
-        for (budget, chunk) in budget_options(space, pp, longest) {
+        // A cp group is the other answer to long sequences: no chunks with it.
+        let chunk_pp = if self.cp.is_some() { 1 } else { pp };
+        for (budget, chunk) in budget_options(space, chunk_pp, longest) {
             // The cut every kind at v = 1 shares (and, but for verl-kk's divisor, every v).
             let mut cuts: Vec<(CutKey, usize)> = Vec::new();
             let mut stats_of = |kind: ScheduleKind, v: u32, out: &mut Layouts| -> Result<usize> {
@@ -270,8 +322,9 @@ impl PipelineLayout<'_> {
                     let s_count = (pp * v) as usize;
                     if s_count > self.n_layers {
                         let what = format!(
-                            "{kind} {}dp={dp} pp={pp} v={v} budget={budget}",
-                            prefix(tp, self.profile.expert_parallel)
+                            "{kind} {}{}dp={dp} pp={pp} v={v} budget={budget}",
+                            prefix(tp, self.profile.expert_parallel),
+                            cp_prefix(self.cp)
                         );
                         out.rejected.push((
                             what,
@@ -292,6 +345,7 @@ impl PipelineLayout<'_> {
                             chunk,
                             stats,
                             lower_bound_s: 0.0,
+                            cp: self.cp,
                         });
                     }
                 }

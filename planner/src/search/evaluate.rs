@@ -11,6 +11,7 @@ use super::{expert_state_bytes, state_bytes};
 use crate::partition::Partition;
 use crate::{Error, Result};
 use flatpipe_simulator::ScheduleKind;
+use flatpipe_simulator::costs::sharding::StateBytes;
 use flatpipe_simulator::run::config::RunConfig;
 use flatpipe_simulator::run::montecarlo;
 use flatpipe_simulator::run::step::StepOutcome;
@@ -67,12 +68,8 @@ pub(super) fn evaluate(
 ) -> Result<Evaluation> {
     let config = &ctx.config;
     let profile = &ctx.profiles[c.tpi].1;
-    let state = (
-        state_bytes(profile, config, c.sharding, c.pp, c.dp),
-        expert_state_bytes(profile, config, c.sharding, c.pp, c.dp),
-    );
+    let (mut act_tokens, state) = split_inputs(ctx, c);
     let stats = &ctx.stats[c.stats];
-    let mut act_tokens = c.budget as f64;
     let mut solved = first;
     loop {
         let split = match solved.take() {
@@ -97,7 +94,7 @@ pub(super) fn evaluate(
         *evaluated += 1;
         // zb-auto builds each step's schedule under the same memory limit; a candidate that fits
         // keeps this run.
-        let run = run_config(
+        let mut run = run_config(
             (c.kind, c.dp, c.pp, c.v, c.budget),
             c.chunk,
             c.sharding,
@@ -105,6 +102,7 @@ pub(super) fn evaluate(
             ctx.space.policy,
             config,
         );
+        run.context_parallel = c.cp;
         let over = match screen(ctx, (c, profile), &partition, &run, bar, screens)? {
             Screen::OverLimit(r, m) => Some((r, m)),
             Screen::Pruned => return Ok(Evaluation::Screened),
@@ -123,8 +121,9 @@ pub(super) fn evaluate(
             },
         };
         if let Some((r, m)) = over {
-            if stats.max_tokens > act_tokens {
-                act_tokens = stats.max_tokens;
+            let longest = gpu_tokens(c, stats.max_tokens);
+            if longest > act_tokens {
+                act_tokens = longest;
                 continue;
             }
             return Ok(Evaluation::Rejected(over_limit_reason(
@@ -132,6 +131,40 @@ pub(super) fn evaluate(
                 m,
                 config.memory_limit_bytes,
             )));
+        }
+    }
+}
+
+/// What the split of candidate `c` is solved under: the tokens whose activations a GPU holds
+/// per microbatch in flight (the budget; a fixed cp group's GPU holds 1/cp of them, a dynamic
+/// one may run a microbatch of short sequences on one GPU), and the bytes per parameter of the
+/// dense and expert state, sharded over dp x cp (every GPU of a cp group holds the whole
+/// stage).
+pub(super) fn split_inputs(ctx: &Context<'_>, c: &Pending) -> (f64, (StateBytes, StateBytes)) {
+    let profile = &ctx.profiles[c.tpi].1;
+    let grad_replicas = c.dp * c.cp_gpus();
+    let state = (
+        state_bytes(profile, &ctx.config, c.sharding, c.pp, grad_replicas),
+        expert_state_bytes(profile, &ctx.config, c.sharding, c.pp, grad_replicas),
+    );
+    let act_tokens = gpu_tokens(c, c.budget as f64);
+    (act_tokens, state)
+}
+
+/// The tokens of a microbatch of `tokens` whose activations one GPU of candidate `c`'s rank
+/// holds: all of them without cp, 1/cp with a fixed group; with a dynamic group (at most `t`
+/// tokens of a sequence per GPU) a microbatch of short sequences runs on one GPU (up to the
+/// budget), a long one on the fewest GPUs that hold it (up to `2 t` each), the longest over
+/// all `cp` of them.
+fn gpu_tokens(c: &Pending, tokens: f64) -> f64 {
+    match c.cp {
+        None => tokens,
+        Some(cp) => {
+            let spread = tokens / f64::from(cp.cp.max(1));
+            match cp.max_seqlen_per_rank {
+                None => spread,
+                Some(t) => tokens.min(spread.max(c.budget as f64).max(2.0 * t as f64)),
+            }
         }
     }
 }

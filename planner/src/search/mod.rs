@@ -45,6 +45,7 @@ pub use candidate::{Candidate, SplitReport};
 
 use crate::partition::ExactSplit;
 use crate::{Error, Result};
+use flatpipe_profiles::context_parallel::ContextParallel;
 use flatpipe_profiles::{Profile, StepSize, Workload};
 use flatpipe_simulator::ScheduleKind;
 use flatpipe_simulator::batching::policy::Policy;
@@ -86,6 +87,10 @@ pub struct SearchSpace {
     /// such sequences into chunks of the budget and of half of it
     /// ([`flatpipe_simulator::batching::policy::PolicyParams::chunk_tokens`]).
     pub chunk: bool,
+    /// Context-parallel groups to try (`None`: one GPU per rank; empty: only that). A group of
+    /// `cp` GPUs takes a candidate's `ranks / (tp x cp)` ranks ([`flatpipe_profiles::context_parallel`]),
+    /// never with chunks (the other answer to long sequences) and only with a flat policy.
+    pub context_parallel: Vec<Option<ContextParallel>>,
 }
 
 impl SearchSpace {
@@ -110,6 +115,7 @@ impl SearchSpace {
             sequence_parallel: true,
             ep: Vec::new(),
             chunk: true,
+            context_parallel: Vec::new(),
         }
     }
 }
@@ -208,6 +214,10 @@ pub fn plan_schedule(
 pub struct SearchResult {
     /// Evaluated, feasible candidates, best first (at most `keep`).
     pub ranked: Vec<Candidate>,
+    /// The best evaluated candidate of each answer to long sequences (whole, chunks, each
+    /// context-parallel group; [`Candidate::long_sequences`]), best first. Candidates pruned
+    /// by their bound are not in it.
+    pub strategies: Vec<Candidate>,
     /// Candidates rejected, with the reason (memory, too many stages, ...).
     pub rejected: Vec<(String, String)>,
     /// Candidates pruned by their lower bound without evaluation.
@@ -269,6 +279,7 @@ pub fn search(
     }
     Ok(SearchResult {
         ranked: ranking.ranked,
+        strategies: ranking.strategies,
         rejected: tally.rejected,
         pruned: tally.pruned,
         evaluated: tally.evaluated,

@@ -6,6 +6,7 @@ use super::enumerate::{Pending, shardings_for};
 use super::evaluate::Fitted;
 use super::{Context, RankBy, state_bytes};
 use crate::Error;
+use flatpipe_profiles::context_parallel::ContextParallel;
 use flatpipe_simulator::costs::sharding::Sharding;
 use flatpipe_simulator::run::montecarlo;
 
@@ -13,6 +14,9 @@ use flatpipe_simulator::run::montecarlo;
 pub(super) struct Ranking {
     /// Best first, at most `keep` (at most 1 for `keep` = 0).
     pub ranked: Vec<Candidate>,
+    /// The best candidate of each answer to long sequences evaluated
+    /// ([`Candidate::long_sequences`]), best first.
+    pub strategies: Vec<Candidate>,
     keep: usize,
     by: RankBy,
 }
@@ -22,6 +26,7 @@ impl Ranking {
     pub fn new(keep: usize, by: RankBy) -> Self {
         Ranking {
             ranked: Vec::new(),
+            strategies: Vec::new(),
             keep,
             by,
         }
@@ -43,6 +48,18 @@ impl Ranking {
     /// then trains on the rows that were predicted), then to the earlier ranked.
     pub fn insert(&mut self, cand: Candidate) {
         let by = self.by;
+        let key = cand.long_sequences();
+        match self
+            .strategies
+            .iter()
+            .position(|c| c.long_sequences() == key)
+        {
+            Some(i) if self.strategies[i].score(by) <= cand.score(by) => {}
+            Some(i) => self.strategies[i] = cand.clone(),
+            None => self.strategies.push(cand.clone()),
+        }
+        self.strategies
+            .sort_by(|a, b| a.score(by).total_cmp(&b.score(by)));
         let pos = self.ranked.partition_point(|x| {
             let (a, b) = (x.score(by), cand.score(by));
             a < b || (a == b && x.token_budget() >= cand.token_budget())
@@ -51,22 +68,22 @@ impl Ranking {
         self.ranked.truncate(self.keep.max(1));
     }
 
-    /// Whether a ranked candidate has the layout ((tp, ep), (dp, pp, token budget, sharding)):
-    /// a deferred candidate of that layout is a finalist.
+    /// Whether a ranked candidate has the layout ((tp, ep, cp), (dp, pp, token budget,
+    /// sharding)): a deferred candidate of that layout is a finalist. Where a cp candidate of
+    /// the same tp and ep is ranked, every layout's chunks of long sequences (no cp) are
+    /// finalists too: the two answers to long sequences compete on the same GPUs.
     pub fn holds_layout(
         &self,
-        (tp, ep): (u32, u32),
+        (tp, ep, cp): (u32, u32, Option<ContextParallel>),
         (dp, pp, budget, sharding): (u32, u32, u64, Sharding),
     ) -> bool {
         self.ranked.iter().any(|r| {
-            (
-                r.tp,
-                r.ep,
-                r.run.dp,
-                r.run.pp,
-                r.token_budget(),
-                r.run.sharding,
-            ) == (tp, ep, dp, pp, budget, sharding)
+            let as_cp = cp.is_none() && r.run.context_parallel.is_some();
+            (r.tp, r.ep) == (tp, ep)
+                && (as_cp
+                    || (r.run.context_parallel == cp
+                        && (r.run.dp, r.run.pp, r.token_budget(), r.run.sharding)
+                            == (dp, pp, budget, sharding)))
         })
     }
 }
@@ -88,7 +105,12 @@ pub(super) fn candidate(ctx: &Context<'_>, c: &Pending, fitted: Fitted) -> Candi
         ep: profile.expert_parallel,
         split: SplitReport::of(split),
         lower_bound_s: c.lower_bound_s,
-        summary: montecarlo::summarize(&outcomes, c.dp * c.pp, profile.hardware.peak_flops),
+        summary: {
+            // Bubbles are per rank's timeline; a cp group's GPUs all count for the MFU.
+            let mut s = montecarlo::summarize(&outcomes, c.dp * c.pp, profile.hardware.peak_flops);
+            s.mfu /= f64::from(c.cp_gpus());
+            s
+        },
         peak_memory_bytes: peak,
     }
 }

@@ -5,11 +5,11 @@
 //! layouts only.
 
 use super::enumerate::Pending;
-use super::evaluate::{Evaluation, evaluate};
+use super::evaluate::{Evaluation, evaluate, split_inputs};
 use super::rank::{Ranking, candidate};
 use super::screen::Screens;
 use super::split::plan_candidate;
-use super::{Context, ZB_AUTO_MAX_FINALISTS, expert_state_bytes, state_bytes};
+use super::{Context, ZB_AUTO_MAX_FINALISTS};
 use crate::Result;
 use crate::partition::Partition;
 use flatpipe_simulator::ScheduleKind;
@@ -109,16 +109,14 @@ impl Round<'_, '_> {
                     return None;
                 }
                 let profile = &ctx.profiles[c.tpi].1;
+                let (act_tokens, state) = split_inputs(ctx, c);
                 Some(plan_candidate(
                     profile,
                     ctx.space,
                     &ctx.config,
                     &ctx.stats[c.stats],
-                    (c.pp, c.v, c.kind, c.budget as f64),
-                    (
-                        state_bytes(profile, &ctx.config, c.sharding, c.pp, c.dp),
-                        expert_state_bytes(profile, &ctx.config, c.sharding, c.pp, c.dp),
-                    ),
+                    (c.pp, c.v, c.kind, act_tokens),
+                    state,
                     &ctx.inflight,
                 ))
             })
@@ -173,7 +171,7 @@ impl Round<'_, '_> {
             let (tp, profile) = &self.ctx.profiles[c.tpi];
             if self.ranking.ranked.is_empty()
                 || self.ranking.holds_layout(
-                    (*tp, profile.expert_parallel),
+                    (*tp, profile.expert_parallel, c.cp),
                     (c.dp, c.pp, c.budget, c.sharding),
                 )
             {

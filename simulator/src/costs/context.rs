@@ -314,4 +314,38 @@ mod tests {
             want * 1e9
         );
     }
+
+    /// Every GPU of a cp group holds the whole stage, so the optimizer shards over the `dp`
+    /// replicas times the group (Megatron-Core's data-parallel group with context parallel):
+    /// ZeRO-1 at dp = 2 and cp = 2 holds `2 + 4 + 12 / 4` bytes per parameter, as dp = 4
+    /// without cp does.
+    #[test]
+    fn the_optimizer_shards_over_dp_times_cp() {
+        use crate::costs::sharding::Sharding;
+        let p = profile(false);
+        let stages = [Range { start: 1, end: 3 }];
+        let params: u64 = p.layers[1..3].iter().map(|l| l.param_count).sum();
+        let bytes = |dp: u32, cp: Option<ContextParallel>| {
+            let t = TableCosts::with_options(
+                &p,
+                &stages,
+                &Placement::looped(1, 1),
+                &[Microbatch::flat(vec![8192])],
+                &[],
+                &CostOptions {
+                    sharding: Sharding::Zero1,
+                    dp,
+                    context_parallel: cp,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            t.static_bytes(crate::ir::Rank(0))
+        };
+        let want = params as f64 * (2.0 + 4.0 + 12.0 / 4.0);
+        let got = bytes(2, Some(fixed(2, CpComm::Ring)));
+        assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}");
+        assert_eq!(got, bytes(4, None));
+        assert!(bytes(2, None) > got);
+    }
 }

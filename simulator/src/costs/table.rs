@@ -61,6 +61,17 @@ pub struct CostOptions<'a> {
     pub context_parallel: Option<flatpipe_profiles::context_parallel::ContextParallel>,
 }
 
+impl CostOptions<'_> {
+    /// GPUs that hold the same stage and reduce its gradients and shard its state: the `dp`
+    /// replicas times the cp group's GPUs (each holds the whole stage; Megatron-Core's
+    /// data-parallel group "with context parallel",
+    /// `megatron/core/parallel_state.py`, `get_data_parallel_group(with_context_parallel=True)`,
+    /// which its distributed optimizer shards over), >= 1.
+    pub fn grad_replicas(&self) -> u32 {
+        self.dp.max(1) * self.context_parallel.map_or(1, |c| c.cp.max(1))
+    }
+}
+
 /// Per (stage, microbatch) costs derived from a profile and the step's microbatches.
 #[derive(Debug, Clone)]
 pub struct TableCosts {
@@ -443,7 +454,7 @@ impl TableBuild<'_> {
                 self.opts.sharding,
                 &profile.hardware,
                 pp,
-                self.opts.dp,
+                self.opts.grad_replicas(),
                 rank,
                 params as f64,
             ) {
@@ -465,7 +476,7 @@ impl TableBuild<'_> {
                 opts.sharding,
                 &profile.hardware,
                 pp,
-                opts.dp,
+                opts.grad_replicas(),
                 rank as u32,
                 params as f64,
             );
@@ -549,14 +560,17 @@ impl TableBuild<'_> {
         let pp = placement.num_ranks;
         let state = opts
             .state_bytes
-            .unwrap_or_else(|| opts.sharding.state_bytes_on(&profile.hardware, pp, opts.dp))
+            .unwrap_or_else(|| {
+                opts.sharding
+                    .state_bytes_on(&profile.hardware, pp, opts.grad_replicas())
+            })
             .total();
         // The routed experts' state shards over the replicas that hold the same experts.
         let ep = profile.expert_parallel.max(1);
         let expert_state = opts
             .state_bytes
             .unwrap_or_else(|| {
-                let dp = (opts.dp / ep).max(1);
+                let dp = (opts.grad_replicas() / ep).max(1);
                 opts.sharding.state_bytes_on(&profile.hardware, pp, dp)
             })
             .total();

@@ -74,6 +74,12 @@ impl RunConfig {
         self.recompute.get(stage).copied().unwrap_or_default()
     }
 
+    /// GPUs that hold the same stage and reduce its gradients: `dp` replicas times the cp
+    /// group's GPUs ([`crate::costs::CostOptions::grad_replicas`]), >= 1.
+    pub fn grad_replicas(&self) -> u32 {
+        self.dp.max(1) * self.context_parallel.map_or(1, |c| c.cp.max(1))
+    }
+
     /// A configuration with one replica, no recomputation, no forward-only work and the default
     /// policy parameters.
     pub fn new(
@@ -119,6 +125,10 @@ impl RunConfig {
         }
         if self.dp == 0 {
             return Err(Error::invalid("dp", 0, ">= 1 replica"));
+        }
+        if let Some(cp) = &self.context_parallel {
+            cp.validate()
+                .map_err(|e| Error::invalid("context_parallel", cp.cp, e.to_string()))?;
         }
         self.validate_v()?;
         let want = self.pp as usize * self.v as usize;

@@ -150,6 +150,10 @@ pub struct PlanFile {
     sharding: Sharding,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     forward_only: Option<ForwardOnlySpec>,
+    /// Context parallelism: `{cp, comm, balance[, max_seqlen_per_rank]}` (default none: one
+    /// GPU per pipeline rank and tensor-parallel slice).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    context_parallel: Option<flatpipe_profiles::context_parallel::ContextParallel>,
     /// How the pipeline's transfers are posted and on which streams (default: ahead receives on
     /// per-peer streams, the uncontended links).
     #[serde(default, skip_serializing_if = "is_uncontended")]
@@ -252,6 +256,7 @@ impl TryFrom<PlanFile> for Plan {
         run.sharding = f.sharding;
         run.forward_only = f.forward_only;
         run.lowering = f.lowering;
+        run.context_parallel = f.context_parallel;
         // zb-auto plans were searched under the prediction's memory limit: built under it too.
         run.memory_limit_bytes = f.predicted.as_ref().map(|p| p.memory_limit_bytes);
         let tp = f.tp.unwrap_or(1);
@@ -316,6 +321,7 @@ impl From<Plan> for PlanFile {
             recompute: run.recompute,
             sharding: run.sharding,
             forward_only: run.forward_only,
+            context_parallel: run.context_parallel,
             lowering: run.lowering,
             seed: p.inputs.seed,
             predicted: p.predicted,
@@ -622,6 +628,48 @@ mod tests {
         let r = Plan::from_yaml(&file("token_budget: 8\n"), "p.yaml").unwrap();
         assert_eq!(r.ep, 1);
         assert!(!r.to_yaml().unwrap().lines().any(|l| l.starts_with("ep:")));
+    }
+
+    /// Context parallelism is one field of the file, its communication written as its flag
+    /// value; a group the file cannot run is refused by validation, naming the field.
+    #[test]
+    fn context_parallelism_round_trips_and_is_checked() {
+        use flatpipe_profiles::context_parallel::{CpBalance, CpComm};
+        let text = file(
+            "token_budget: 8\ncontext_parallel: {cp: 4, comm: a2a+p2p:2, balance: zigzag, max_seqlen_per_rank: 8192}\n",
+        );
+        let p = Plan::from_yaml(&text, "p.yaml").unwrap();
+        let cp = p.run.context_parallel.unwrap();
+        assert_eq!(
+            (cp.cp, cp.comm, cp.balance, cp.max_seqlen_per_rank),
+            (
+                4,
+                CpComm::Hierarchical { a2a: 2 },
+                CpBalance::Zigzag,
+                Some(8192)
+            )
+        );
+        p.validate("p.yaml", 10).unwrap();
+        let yaml = p.to_yaml().unwrap();
+        assert!(yaml.contains("comm: a2a+p2p:2"), "{yaml}");
+        assert_eq!(Plan::from_yaml(&yaml, "q.yaml").unwrap(), p);
+        let bad = Plan::from_yaml(
+            &file("token_budget: 8\ncontext_parallel: {cp: 6, comm: a2a+p2p:4, balance: zigzag}\n"),
+            "p.yaml",
+        )
+        .unwrap();
+        let e = bad.validate("p.yaml", 10).unwrap_err().to_string();
+        assert!(
+            e.contains("p.yaml: context_parallel") && e.contains("a divisor of cp = 6"),
+            "{e}"
+        );
+        let comm = Plan::from_yaml(
+            &file("token_budget: 8\ncontext_parallel: {cp: 2, comm: ring, balance: zigzag}\n"),
+            "p.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(comm.contains("p2p (ring)"), "{comm}");
     }
 
     #[test]

@@ -518,7 +518,7 @@ impl StepPlan {
             });
         }
         let mut o = total?;
-        if config.dp > 1 {
+        if config.grad_replicas() > 1 {
             o.step_time_s = self.step_time_with_collectives(config, profile, o.step_time_s)?;
         }
         Some(o)
@@ -626,7 +626,7 @@ pub fn collectives_tail(
 ) -> f64 {
     let (mut tail, mut delay) = (pipeline_s, 0.0f64);
     let hw = &profile.hardware;
-    let (pp, dp) = (config.pp, config.dp);
+    let (pp, dp) = (config.pp, config.grad_replicas());
     let as_actions =
         fsdp_in_replay && crate::costs::sharding::StageCollectives::runs(config.sharding, pp);
     for r in 0..params.len() {

@@ -60,7 +60,8 @@ pub(super) enum SplitSolver {
 pub(super) struct PlanArgs {
     #[command(flatten)]
     inputs: Inputs,
-    /// GPUs in all (tp x dp x pp: each pipeline rank is tp GPUs). Default 8 (one 8-GPU node).
+    /// GPUs in all (tp x cp x dp x pp: each pipeline rank is tp x cp GPUs). Default 8 (one
+    /// 8-GPU node).
     #[arg(long, default_value_t = 8)]
     ranks: u32,
     /// Memory limit per rank, e.g. 120GiB (default: the hardware's memory minus a reserve for
@@ -106,6 +107,13 @@ pub(super) struct PlanArgs {
     /// candidate's dp (default: 1 and every power of two that divides the routed experts).
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
     ep: Vec<u32>,
+    /// Context-parallel degrees to try: GPUs per rank that split each microbatch's sequences
+    /// along their length (default 1; GPUs = tp x cp x dp x pp), beside chunks of long
+    /// sequences. With --dynamic-cp each degree above 1 is tried fixed and dynamic.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
+    cp: Vec<u32>,
+    #[command(flatten)]
+    cp_opts: super::cp::CpArgs,
     /// Sampled steps per candidate. Default 64.
     #[arg(long, default_value_t = 64)]
     steps: u32,
@@ -181,6 +189,7 @@ pub(super) fn plan_cmd(a: PlanArgs) -> Result<ExitCode> {
     let plan = chosen_plan(&a, &r, best)?;
     let mut notes = sizing_notes(&a, &r.workload, r.seed, r.size, best, r.limit);
     notes.push(baseline.note.clone());
+    notes.extend(long_sequence_note(best, &result.strategies));
     let export_inline = write_outputs(&a, &r, best, &plan, &mut notes)?;
     notes.extend(draw_chosen(&r, best, &plan)?);
     print_plans(&a, &r, &result, &plan, &baseline, &notes, export_inline)

@@ -82,6 +82,7 @@ pub(super) fn fsdp_baseline(
     s.pp = vec![1];
     s.tp = vec![1];
     s.sharding = vec![Sharding::Fsdp];
+    s.context_parallel = Vec::new();
     let mut c = config.clone();
     c.keep = 1;
     match planner::search::search(profile, workload, &s, &c, &|_, _| {}) {
@@ -165,4 +166,35 @@ pub(super) fn headroom_warning(best: &planner::search::Candidate, limit: f64) ->
             1.0 - MARGIN_NOTE_FRACTION
         )
     })
+}
+
+/// Which answer to long sequences the chosen plan takes and what the best of each other one
+/// evaluated costs (mean step time against the chosen), when the search weighed more than one
+/// (chunks, whole sequences, context-parallel groups).
+pub(super) fn long_sequence_note(
+    best: &planner::search::Candidate,
+    strategies: &[planner::search::Candidate],
+) -> Option<String> {
+    if strategies.len() < 2 {
+        return None;
+    }
+    let t = best.summary.step_time_s.mean;
+    let others: Vec<String> = strategies
+        .iter()
+        .filter(|c| c.long_sequences() != best.long_sequences())
+        .map(|c| {
+            format!(
+                "{} {} ({:+.1}%, {})",
+                c.long_sequences(),
+                fmt_s(c.summary.step_time_s.mean),
+                100.0 * (c.summary.step_time_s.mean / t - 1.0),
+                c.describe()
+            )
+        })
+        .collect();
+    Some(format!(
+        "Long sequences: the chosen plan runs {}; the best of each other answer evaluated: {}",
+        best.long_sequences(),
+        others.join("; ")
+    ))
 }

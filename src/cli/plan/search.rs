@@ -134,6 +134,7 @@ fn search_space(a: &PlanArgs, profile: &Profile) -> Result<planner::search::Sear
     space.sequence_parallel = !a.no_sequence_parallel;
     space.chunk = !a.no_chunk;
     space.ep = dedup(a.ep.clone());
+    space.context_parallel = context_parallel_groups(a)?;
     let moe = profile.layers.iter().any(|l| l.shape.experts > 0);
     let ep_one = !space.ep.is_empty() && space.ep.iter().all(|&e| e <= 1);
     if space.kinds.iter().all(|&k| k == ScheduleKind::Combined1F1B) && (!moe || ep_one) {
@@ -380,4 +381,26 @@ fn restrict_to_megatron(kinds: &mut Vec<ScheduleKind>, given: bool) -> Result<()
         );
     }
     Ok(())
+}
+
+/// The context-parallel groups `--cp` asks for: none for 1, a fixed group for each degree above
+/// 1 and, with `--dynamic-cp`, a dynamic one too (empty without `--cp`: one GPU per rank).
+///
+/// # Errors
+/// A `--cp-comm` or `--cp-balance` that is not one.
+fn context_parallel_groups(
+    a: &PlanArgs,
+) -> Result<Vec<Option<profiles::context_parallel::ContextParallel>>> {
+    let mut out = Vec::new();
+    for cp in dedup(a.cp.clone()) {
+        if cp == 1 {
+            out.push(None);
+            continue;
+        }
+        out.push(Some(a.cp_opts.group(cp, false)?));
+        if a.cp_opts.dynamic() {
+            out.push(Some(a.cp_opts.group(cp, true)?));
+        }
+    }
+    Ok(out)
 }

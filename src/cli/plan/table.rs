@@ -2,12 +2,16 @@
 
 use super::*;
 
-/// `plan`'s table: the ranked plans, best first, each with its layout (an `ep` column and, last,
-/// the exposed all-to-all where a row has expert parallelism), predicted step time, lower bound
+/// `plan`'s table: the ranked plans, best first, each with its layout (a `cp` column where a
+/// row has context parallelism; an `ep` column and, last, the exposed all-to-all where a row
+/// has expert parallelism), predicted step time, lower bound
 /// and peak memory against the per-rank `limit` (bytes).
 pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let with_ep = rows.iter().any(|r| r.candidate.ep > 1);
+    let with_cp = rows
+        .iter()
+        .any(|r| r.candidate.run.context_parallel.is_some());
     let mut head = vec![
         "#",
         "schedule",
@@ -27,6 +31,9 @@ pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
         "layers per stage",
         "recompute",
     ];
+    if with_cp {
+        head.insert(3, "cp");
+    }
     if with_ep {
         head.insert(3, "ep");
         head.push("a2a exposed");
@@ -59,6 +66,9 @@ pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
             sizes,
             rec,
         ];
+        if with_cp {
+            row.insert(3, cp_cell(c.run.context_parallel));
+        }
         if with_ep {
             row.insert(3, c.ep.to_string());
             row.push(all_to_all_cell(c.summary.all_to_all_mean));
@@ -66,6 +76,18 @@ pub(super) fn plan_table(rows: &[PlanRow], limit: f64) -> PlainTable {
         t.add_row(row);
     }
     t
+}
+
+/// A row's context parallelism: `-` without, `2 p2p` fixed, `2 p2p dyn 16384` dynamic at
+/// that many tokens per GPU.
+fn cp_cell(cp: Option<profiles::context_parallel::ContextParallel>) -> String {
+    match cp {
+        None => "-".into(),
+        Some(c) => match c.max_seqlen_per_rank {
+            None => format!("{} {}", c.cp, c.comm),
+            Some(t) => format!("{} {} dyn {t}", c.cp, c.comm),
+        },
+    }
 }
 
 /// `none x6, full x2` (run-length counts of the per-stage modes, in stage order).

@@ -341,24 +341,5 @@ fn plan_schedules(plan: &Plan, kinds: Vec<ScheduleKind>) -> Result<Vec<Option<Sc
 fn context_parallel(
     a: &SimulateArgs,
 ) -> Result<Option<profiles::context_parallel::ContextParallel>> {
-    use profiles::context_parallel::{ContextParallel, CpBalance, CpComm};
-    let Some(cp) = a.cp else {
-        return Ok(None);
-    };
-    let comm = match &a.cp_comm {
-        Some(c) => anyhow::Context::with_context(c.parse::<CpComm>(), || format!("--cp-comm {c}"))?,
-        None => CpComm::Ring,
-    };
-    let balance = match &a.cp_balance {
-        Some(b) => {
-            anyhow::Context::with_context(b.parse::<CpBalance>(), || format!("--cp-balance {b}"))?
-        }
-        None => CpBalance::Zigzag,
-    };
-    Ok(Some(ContextParallel {
-        cp,
-        comm,
-        balance,
-        max_seqlen_per_rank: a.dynamic_cp,
-    }))
+    a.cp.map(|cp| a.cp_opts.group(cp, true)).transpose()
 }

@@ -42,19 +42,8 @@ pub(super) struct SimulateArgs {
     /// their length (default 1). GPUs = tp x cp x dp x pp.
     #[arg(long, conflicts_with_all = ["plan", "costs"], value_parser = clap::value_parser!(u32).range(1..))]
     cp: Option<u32>,
-    /// How a cp group exchanges keys and values: p2p (ring attention, the default), a2a
-    /// (Ulysses), allgather, or a2a+p2p:N (Ulysses over N GPUs of a node, the ring across).
-    #[arg(long, requires = "cp")]
-    cp_comm: Option<String>,
-    /// How a sequence is cut over a cp group: zigzag (2 cp chunks, balanced; the default) or
-    /// contiguous.
-    #[arg(long, requires = "cp")]
-    cp_balance: Option<String>,
-    /// Dynamic cp: each microbatch runs on the fewest GPUs of its group (a power of two, at
-    /// most --cp) that hold its longest sequence at this many tokens per GPU; the others idle
-    /// for it.
-    #[arg(long, requires = "cp")]
-    dynamic_cp: Option<u64>,
+    #[command(flatten)]
+    cp_opts: super::cp::CpArgs,
     /// Tensor parallelism without sequence parallelism.
     #[arg(long, conflicts_with_all = ["plan", "costs"])]
     no_sequence_parallel: bool,
