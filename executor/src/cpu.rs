@@ -126,6 +126,9 @@ impl OpSet for CpuOps {
     fn tokens(d: &MicrobatchData) -> usize {
         d.tokens()
     }
+    fn cp_share(d: &MicrobatchData) -> Option<&crate::data::CpShare> {
+        d.cp.as_ref()
+    }
     fn hidden(&self, t: Array2<f32>, _len: usize) -> Array2<f32> {
         t
     }
@@ -291,6 +294,14 @@ impl OpSet for CpuOps {
         head_dim: usize,
         inverse: bool,
     ) -> Result<()> {
+        if let Some(cp) = &data.cp {
+            // Each piece at its position in its document.
+            for (w, p) in data.cu_seqlens.windows(2).zip(&cp.pieces) {
+                let mut rows = x.slice_mut(ndarray::s![w[0]..w[1], ..]);
+                k::rope(&mut rows, &[0, w[1] - w[0]], head_dim, inverse, p.offset);
+            }
+            return Ok(());
+        }
         let offset = data.chunk.map_or(0, |c| c.offset as usize);
         k::rope(
             &mut x.view_mut(),

@@ -61,12 +61,121 @@ pub struct MicrobatchData {
     /// `offset .. offset + T` (ids, labels and weights those of the whole sequence), and its
     /// queries sit at positions `offset ..` and attend to the earlier chunks' keys.
     pub chunk: Option<Chunk>,
+    /// Set when the microbatch is one GPU's share of a microbatch under context parallelism:
+    /// its rows are the pieces [`CpShare::pieces`] of the whole microbatch's documents, each
+    /// piece a sequence of `cu_seqlens` whose queries sit at positions `offset ..` of its
+    /// document and attend to that document's keys, gathered from the group.
+    pub cp: Option<CpShare>,
+}
+
+/// `len` tokens of document `doc` of a microbatch, from position `offset` of that document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpPiece {
+    /// The document's index in the whole microbatch.
+    pub doc: usize,
+    /// First position in the document.
+    pub offset: usize,
+    /// Tokens.
+    pub len: usize,
+}
+
+/// One GPU's share of a microbatch in a context-parallel group of `cp`: the zigzag split of
+/// every document (Megatron-LM's load-balanced split, `get_batch_on_this_cp_rank`; THD
+/// packing splits each document alike): a document of `L` tokens is cut into `2 cp` chunks,
+/// chunk `j` its positions `[L j / 2cp, L (j + 1) / 2cp)`, and GPU `i` takes chunks `i` and
+/// `2 cp - 1 - i`, so every GPU gets about the same causal work.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpShare {
+    /// This GPU's index in the group.
+    pub index: usize,
+    /// GPUs in the group, >= 1.
+    pub cp: usize,
+    /// Tokens of every document of the whole microbatch.
+    pub doc_lens: Vec<usize>,
+    /// This GPU's pieces, in row order (document by document, earlier chunk first; empty
+    /// chunks of short documents left out).
+    pub pieces: Vec<CpPiece>,
+}
+
+impl CpShare {
+    /// The pieces GPU `index` of `cp` takes of documents of `doc_lens` tokens (see
+    /// [`CpShare`]).
+    pub fn zigzag_pieces(doc_lens: &[usize], index: usize, cp: usize) -> Vec<CpPiece> {
+        let n = 2 * cp.max(1);
+        let mut out = Vec::new();
+        for (doc, &len) in doc_lens.iter().enumerate() {
+            let bound = |j: usize| len * j / n;
+            for j in [index, n - 1 - index] {
+                let (a, b) = (bound(j), bound(j + 1));
+                if b > a
+                    && !out.contains(&CpPiece {
+                        doc,
+                        offset: a,
+                        len: b - a,
+                    })
+                {
+                    out.push(CpPiece {
+                        doc,
+                        offset: a,
+                        len: b - a,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// The pieces of GPU `index` of this group.
+    pub fn pieces_of(&self, index: usize) -> Vec<CpPiece> {
+        Self::zigzag_pieces(&self.doc_lens, index, self.cp)
+    }
 }
 
 impl MicrobatchData {
     /// True token count `T`.
     pub fn tokens(&self) -> usize {
         self.ids.len()
+    }
+
+    /// GPU `index`'s share of this microbatch in a context-parallel group of `cp`
+    /// ([`CpShare`]): its rows of the ids, labels and loss weights (the step's weights, so the
+    /// group's gradients add up to the whole microbatch's), its pieces as sequences.
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] for a chunk of a longer sequence or a share already, `cp` 0 or
+    /// `index >= cp`.
+    pub fn cp_share(&self, index: usize, cp: usize) -> crate::Result<MicrobatchData> {
+        if self.chunk.is_some() || self.cp.is_some() || cp == 0 || index >= cp {
+            return Err(crate::Error::Invalid(format!(
+                "context-parallel share {index} of {cp}: a whole microbatch (not a chunk or a share) and an index below cp >= 1"
+            )));
+        }
+        let doc_lens: Vec<usize> = self.cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect();
+        let pieces = CpShare::zigzag_pieces(&doc_lens, index, cp);
+        let mut out = MicrobatchData {
+            seq_lens: Vec::with_capacity(pieces.len()),
+            cu_seqlens: vec![0],
+            ids: Vec::new(),
+            labels: Vec::new(),
+            loss_weights: Vec::new(),
+            chunk: None,
+            cp: None,
+        };
+        for p in &pieces {
+            let rows = self.cu_seqlens[p.doc] + p.offset..self.cu_seqlens[p.doc] + p.offset + p.len;
+            out.ids.extend_from_slice(&self.ids[rows.clone()]);
+            out.labels.extend_from_slice(&self.labels[rows.clone()]);
+            out.loss_weights.extend_from_slice(&self.loss_weights[rows]);
+            out.seq_lens.push(p.len as u32);
+            out.cu_seqlens.push(out.ids.len());
+        }
+        out.cp = Some(CpShare {
+            index,
+            cp,
+            doc_lens,
+            pieces,
+        });
+        Ok(out)
     }
 }
 
@@ -163,6 +272,7 @@ pub fn build_step_of(
                         labels: Vec::new(),
                         loss_weights: Vec::new(),
                         chunk: mb.chunk,
+                        cp: None,
                     };
                     for &s in &mb.seq_lens {
                         let (key, len, from) = match mb.chunk {
@@ -235,6 +345,62 @@ pub fn join_chunks(microbatches: &[MicrobatchData]) -> Vec<MicrobatchData> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The zigzag split by hand: 8 tokens over cp = 2 are chunks [0,2) [2,4) [4,6) [6,8), GPU 0
+    /// taking the first and last, GPU 1 the middle two; a 3-token document gives GPU 0 chunks
+    /// [0,0) and [2,3), GPU 1 [0,1) and [1,2). Every token is in exactly one share, and the
+    /// causal pairs of a long document split evenly.
+    #[test]
+    fn the_zigzag_split_covers_every_token_once_and_balances_pairs() {
+        let p = |doc, offset, len| CpPiece { doc, offset, len };
+        assert_eq!(
+            CpShare::zigzag_pieces(&[8, 3], 0, 2),
+            vec![p(0, 0, 2), p(0, 6, 2), p(1, 2, 1)]
+        );
+        assert_eq!(
+            CpShare::zigzag_pieces(&[8, 3], 1, 2),
+            vec![p(0, 2, 2), p(0, 4, 2), p(1, 0, 1), p(1, 1, 1)]
+        );
+        let lens = [1000usize, 7, 5, 1];
+        for cp in [1, 2, 4] {
+            let mut seen: Vec<Vec<bool>> = lens.iter().map(|&l| vec![false; l]).collect();
+            let mut pairs = Vec::new();
+            for i in 0..cp {
+                let mut mine = 0usize;
+                for q in CpShare::zigzag_pieces(&lens, i, cp) {
+                    for (t, s) in seen[q.doc]
+                        .iter_mut()
+                        .enumerate()
+                        .skip(q.offset)
+                        .take(q.len)
+                    {
+                        assert!(!*s, "token {t} of doc {} twice", q.doc);
+                        *s = true;
+                        if q.doc == 0 {
+                            mine += t + 1;
+                        }
+                    }
+                }
+                pairs.push(mine as f64);
+            }
+            assert!(seen.iter().flatten().all(|&s| s));
+            let (lo, hi) = pairs
+                .iter()
+                .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+            // 1000 = 2 cp chunks of 1000 / 2cp tokens: equal pairs up to one chunk's rounding.
+            assert!(hi / lo < 1.01, "cp {cp}: {pairs:?}");
+        }
+        let whole = build_step(&[vec![vec![6, 3]]], 32, 1, 0, LossReduction::PerToken)
+            .remove(0)
+            .remove(0);
+        // 6 tokens: chunks [0,1) [1,3) [3,4) [4,6); 3 tokens: [0,0) [0,1) [1,2) [2,3).
+        let half = whole.cp_share(1, 2).unwrap();
+        let rows = [1, 2, 3, 6, 7];
+        assert_eq!(half.ids, rows.map(|r| whole.ids[r]).to_vec());
+        assert_eq!(half.labels, rows.map(|r| whole.labels[r]).to_vec());
+        assert_eq!(half.cu_seqlens, vec![0, 2, 3, 4, 5]);
+        assert!(half.cp_share(0, 2).is_err() && whole.cp_share(2, 2).is_err());
+    }
 
     #[test]
     fn per_token_mean_is_not_the_mean_of_means() {

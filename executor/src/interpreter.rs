@@ -1173,15 +1173,17 @@ fn comm_lane(spans: &[MeasuredAllToAll]) -> Vec<TimedComm> {
     use crate::worker::Phase;
     let mut lane: Vec<TimedComm> = spans
         .iter()
-        .map(|a| {
+        .filter_map(|a| {
             let (exchange, kind) = match a.phase {
                 Phase::Dispatch => (Exchange::Dispatch, ActionKind::F),
                 Phase::Combine => (Exchange::Combine, ActionKind::F),
                 Phase::GradDispatch => (Exchange::Dispatch, ActionKind::I),
                 Phase::GradCombine => (Exchange::Combine, ActionKind::I),
+                // A context-parallel group's exchanges are not expert all-to-alls.
+                Phase::KeysValues | Phase::KeysValuesAgain | Phase::KeyValueGrads => return None,
             };
             let kind = if a.forward_only { ActionKind::Fo } else { kind };
-            TimedComm {
+            Some(TimedComm {
                 action: LoweredAction::AllToAll(AllToAll {
                     stage: StageId(a.stage),
                     microbatch: MicrobatchId(a.microbatch),
@@ -1191,7 +1193,7 @@ fn comm_lane(spans: &[MeasuredAllToAll]) -> Vec<TimedComm> {
                 }),
                 start_ns: a.start_ns,
                 end_ns: a.end_ns,
-            }
+            })
         })
         .collect();
     lane.sort_by_key(|c| c.start_ns);

@@ -325,7 +325,8 @@ pub trait StageWorker: Send {
     }
 }
 
-/// Which exchange of an MoE layer a message belongs to.
+/// Which exchange of a layer a message belongs to: an MoE layer's token all-to-alls, or a
+/// context-parallel group's keys and values ([`crate::model::context`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Phase {
     /// F: token rows to the experts' ranks.
@@ -336,6 +337,12 @@ pub enum Phase {
     GradDispatch,
     /// I: input gradients back to the tokens' ranks.
     GradCombine,
+    /// F: a context-parallel group's keys and values, gathered.
+    KeysValues,
+    /// I: the same keys and values gathered again (not kept from F).
+    KeysValuesAgain,
+    /// I: key and value gradients to the GPUs whose rows they are.
+    KeyValueGrads,
 }
 
 /// One all-to-all as this rank saw it: from its first send to its last receive.

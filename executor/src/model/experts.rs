@@ -399,11 +399,14 @@ impl Exchange<'_> {
         }
     }
 
-    fn ep(&self) -> usize {
+    /// Ranks of the group the exchange reaches (1 without a link).
+    pub(crate) fn ep(&self) -> usize {
         self.link.as_ref().map_or(1, |l| l.ep())
     }
 
-    fn all_to_all(&mut self, phase: Phase, sends: Vec<Payload>) -> Result<Vec<Payload>> {
+    /// Sends `sends[r]` to the group's rank `r` and returns what each rank sent this one (without
+    /// a link, `sends` itself).
+    pub(crate) fn all_to_all(&mut self, phase: Phase, sends: Vec<Payload>) -> Result<Vec<Payload>> {
         let key = Key {
             layer: self.layer,
             microbatch: self.microbatch,

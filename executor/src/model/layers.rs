@@ -184,6 +184,11 @@ impl<T> DecoderSelective<T> {
         data: &O::Data,
     ) -> Result<DecoderF<T>> {
         let (t, h) = (O::tokens(data), p.hidden);
+        if O::cp_share(data).is_some() {
+            return Err(Error::Unsupported(
+                "selective recomputation with context parallelism (its attention gathers the group's keys again)".into(),
+            ));
+        }
         let h1 = ops.scale_rows(&self.xhat1, &p.attn_norm.value, t, h)?;
         let (o, lse) = ops.attention(&self.q, &self.k, &self.v, data, p.dims)?;
         let h2 = ops.scale_rows(&self.xhat2, &p.ffn_norm.value, t, h)?;
@@ -236,13 +241,21 @@ pub(crate) fn decoder_forward<O: OpSet>(
     let v = ops.linear(&h1, &p.wv.value, t, h, kv)?;
     ops.rope(&mut q, data, d.heads, d.head_dim, false)?;
     ops.rope(&mut k, data, d.kv_heads, d.head_dim, false)?;
-    let (o, lse) = match prefix {
-        Some((kp, vp)) => {
+    let (o, lse) = match (prefix, O::cp_share(data)) {
+        (Some(_), Some(_)) => {
+            return Err(Error::Unsupported(
+                "a chunk of a sequence under context parallelism (chunks and cp are two answers to long sequences)".into(),
+            ));
+        }
+        (None, Some(share)) => {
+            super::context::attention_forward(ops, share, (&q, &k, &v), (h, kv, d), ex)?
+        }
+        (Some((kp, vp)), None) => {
             let kf = ops.concat_rows(&[kp, &k], kv)?;
             let vf = ops.concat_rows(&[vp, &v], kv)?;
             ops.attention(&q, &kf, &vf, data, d)?
         }
-        None => ops.attention(&q, &k, &v, data, d)?,
+        (None, None) => ops.attention(&q, &k, &v, data, d)?,
     };
     let mut x2 = ops.linear(&o, &p.wo.value, t, h, h)?;
     ops.add_inplace(&mut x2, x, t * h)?;
@@ -320,6 +333,18 @@ pub(crate) fn decoder_dgrad<O: OpSet>(
     // Attention: x2 = x + o Wo
     let dout = ops.linear_dx(&dx2, &p.wo.value, t, h, h)?;
     let (mut dq, mut dk, mut dv, earlier) = match &chunk {
+        _ if O::cp_share(data).is_some() => {
+            let share = O::cp_share(data).expect("checked");
+            let (dq, dk, dv) = super::context::attention_backward(
+                ops,
+                share,
+                &dout,
+                (&c.q, &c.k, &c.v, &c.o, &c.lse),
+                (h, kv, d),
+                ex,
+            )?;
+            (dq, dk, dv, None)
+        }
         Some(ChunkDgrad {
             offset: o,
             prefix: Some((kp, vp)),

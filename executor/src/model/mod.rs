@@ -16,12 +16,15 @@
 //! - [`ops`]: the [`OpSet`] trait a backend implements.
 //! - [`experts`]: the decoder's MLP, dense or mixture of experts, and the expert-parallel
 //!   token exchange ([`experts::ExpertLink`]).
+//! - `context`: a decoder's attention over a context-parallel group's shares (the keys and
+//!   values gathered, their gradients scattered back).
 //! - [`params`]: a parameter with its gradient and moments, and how it is initialised.
 //! - `saved`: what F keeps until I and what I keeps until W, per layer.
 //! - `layers`: the layers' parameters, their construction from a layer range, and each
 //!   layer's forward and dgrad (written once over the op set).
 //! - [`stage`]: [`Stage`], the [`crate::worker::StageWorker`] over any op set.
 
+pub(crate) mod context;
 pub mod experts;
 pub(crate) mod layers;
 pub mod ops;

@@ -30,6 +30,12 @@ pub trait OpSet: Send + Debug + 'static {
     fn upload_data(&self, d: &MicrobatchData) -> Result<Self::Data>;
     /// Tokens `T` of a microbatch.
     fn tokens(d: &Self::Data) -> usize;
+    /// The context-parallel share a microbatch is ([`crate::data::MicrobatchData::cp`]);
+    /// default none (a backend without context parallelism).
+    fn cp_share(d: &Self::Data) -> Option<&crate::data::CpShare> {
+        let _ = d;
+        None
+    }
     /// Wraps a `[T, H]` tensor of `len` values for a transfer.
     fn hidden(&self, t: Self::Tensor, len: usize) -> Self::Hidden;
     /// The tensor of a transferred hidden state.
