@@ -192,6 +192,13 @@ impl AnyExecutor {
     /// where it cannot run; the runner's (a setup that does not fit the model).
     pub fn new(backend: &BackendConfig, setup: &Setup) -> Result<Self> {
         backend.check()?;
+        if setup.cp() > 1 && backend.backend != Backend::Cpu {
+            return Err(Error::Unsupported(format!(
+                "context parallelism (cp = {}) on the {} backend: its attention gathers keys and values through host copies, on the CPU backend only",
+                setup.cp(),
+                backend.backend.name()
+            )));
+        }
         match backend.backend {
             Backend::Cpu => Ok(AnyExecutor::Cpu(Executor::cpu(setup)?)),
             Backend::Cuda => Self::cuda(backend, setup),

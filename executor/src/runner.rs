@@ -91,6 +91,9 @@ pub struct PreparedReplica {
     pub microbatches: Vec<MicrobatchData>,
     /// Forward-only microbatch data (empty without forward-only work).
     pub fo_microbatches: Vec<MicrobatchData>,
+    /// With context parallelism, each GPU of the replica's group: its shares of the training
+    /// and forward-only microbatches ([`MicrobatchData::cp_share`]); empty without.
+    pub cp_shares: Vec<(Vec<MicrobatchData>, Vec<MicrobatchData>)>,
 }
 
 /// A step ready to run: its [`StepPlan`] and every replica's schedule and data.
@@ -198,8 +201,21 @@ impl Setup {
         Ok(self.config.placement()?)
     }
 
+    /// GPUs of a rank's context-parallel group (1 without one): the executor runs
+    /// `dp x cp` replicas, each group of `cp` consecutive ones sharing every microbatch.
+    pub fn cp(&self) -> u32 {
+        self.config.context_parallel.map_or(1, |c| c.cp.max(1))
+    }
+
+    /// Replicas the executor runs: `dp x cp`.
+    pub fn replicas(&self) -> usize {
+        self.config.dp as usize * self.cp() as usize
+    }
+
     /// Checks that the setup can run: the run's own checks ([`RunConfig::validate`]), then what
-    /// the executor adds: a flat policy, dynamic capacity, ddp across replicas.
+    /// the executor adds: a flat policy, dynamic capacity, ddp across replicas, and context
+    /// parallelism only as a fixed zigzag group gathering keys and values, without expert
+    /// parallelism or selective recomputation.
     ///
     /// # Errors
     /// [`Error::Invalid`] / [`Error::Unsupported`] naming what is wrong.
@@ -225,6 +241,7 @@ impl Setup {
                 c.sharding
             )));
         }
+        self.check_context_parallel()?;
         if self.ep == 0 || c.dp % self.ep != 0 {
             return Err(Error::Invalid(format!(
                 "ep = {}: expert parallelism splits the experts over groups of replicas, so it must divide dp = {}",
@@ -250,6 +267,39 @@ impl Setup {
             }
         }
         Ok(())
+    }
+
+    /// What the executor runs of `config.context_parallel`: a fixed group (`p2p` or
+    /// `allgather`: at cp = 2 the ring's one step is the all-gather) split zigzag, without
+    /// expert parallelism or selective recomputation.
+    fn check_context_parallel(&self) -> Result<()> {
+        use flatpipe_profiles::context_parallel::{CpBalance, CpComm};
+        let Some(cp) = self.config.context_parallel.filter(|c| c.cp > 1) else {
+            return Ok(());
+        };
+        let why = if !matches!(cp.comm, CpComm::Ring | CpComm::AllGather) {
+            Some(format!(
+                "cp communication {}: the executor gathers keys and values (p2p or allgather)",
+                cp.comm
+            ))
+        } else if cp.balance != CpBalance::Zigzag {
+            Some("a contiguous split: the executor splits zigzag".to_string())
+        } else if cp.max_seqlen_per_rank.is_some() {
+            Some("dynamic cp: the executor runs a fixed group".to_string())
+        } else if self.ep > 1 {
+            Some("expert parallelism as well".to_string())
+        } else if self.config.recompute.contains(&Recompute::Selective) {
+            Some("selective recomputation (its attention would gather the keys again outside the layer)".to_string())
+        } else {
+            None
+        };
+        match why {
+            Some(w) => Err(Error::Unsupported(format!(
+                "context parallelism cp = {} with {w}",
+                cp.cp
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Samples step `step`, plans it ([`cut_step`], [`plan_step`]: the same functions the
@@ -307,23 +357,49 @@ impl Setup {
             .map(|(r, microbatches)| {
                 // Dynamic capacity (checked): one round, the step's own microbatches.
                 let round = &r.rounds[0];
-                let fo_microbatches = (0..round.fo.len())
+                let fo_microbatches: Vec<MicrobatchData> = (0..round.fo.len())
                     .map(|k| microbatches[k % microbatches.len()].clone())
                     .collect();
-                PreparedReplica {
+                let cp_shares = cp_shares(&microbatches, &fo_microbatches, self.cp() as usize)?;
+                Ok(PreparedReplica {
                     schedule: (*round.schedule).clone(),
                     lengths: r.microbatches.clone(),
                     microbatches,
                     fo_microbatches,
-                }
+                    cp_shares,
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         Ok(PreparedStep {
             step,
             plan,
             replicas,
         })
     }
+}
+
+/// Every GPU's shares of a replica's training and forward-only microbatches in a
+/// context-parallel group of `cp` (empty for cp = 1).
+///
+/// # Errors
+/// [`MicrobatchData::cp_share`]'s (a chunk of a longer sequence).
+#[allow(clippy::type_complexity)]
+fn cp_shares(
+    microbatches: &[MicrobatchData],
+    fo: &[MicrobatchData],
+    cp: usize,
+) -> Result<Vec<(Vec<MicrobatchData>, Vec<MicrobatchData>)>> {
+    if cp <= 1 {
+        return Ok(Vec::new());
+    }
+    let shares = |mbs: &[MicrobatchData], j: usize| {
+        mbs.iter()
+            .map(|m| m.cp_share(j, cp))
+            .collect::<Result<Vec<_>>>()
+    };
+    (0..cp)
+        .map(|j| Ok((shares(microbatches, j)?, shares(fo, j)?)))
+        .collect()
 }
 
 /// A plan's ranks with their stages, run step after step.
@@ -345,15 +421,16 @@ impl Executor<CpuStage> {
     pub fn cpu(setup: &Setup) -> Result<Self> {
         setup.check()?;
         let placement = setup.placement()?;
-        let ep = setup.ep as usize;
-        // One exchange per (expert-parallel group, stage): replica d is index d mod ep of
-        // group d / ep.
-        let groups = setup.config.dp as usize / ep;
+        let (ep, cp) = (setup.ep as usize, setup.cp() as usize);
+        // One exchange per (group, stage): an expert-parallel group's replica d is index d mod ep
+        // of group d / ep; a context-parallel group's (cp > 1, no ep) likewise by cp.
+        let group = ep.max(cp);
+        let groups = setup.replicas() / group;
         let abort = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut links: Vec<Vec<Option<ExpertLink>>> = (0..groups * setup.config.stages.len())
             .map(|_| {
-                if ep > 1 {
-                    ExpertLink::group(ep, &abort)
+                if group > 1 {
+                    ExpertLink::group(group, &abort)
                         .into_iter()
                         .map(Some)
                         .collect()
@@ -374,11 +451,11 @@ impl Executor<CpuStage> {
                 shard,
             )?;
             let link = links
-                .get_mut((d / ep) * num_stages + s)
-                .and_then(|g| g.get_mut(d % ep))
+                .get_mut((d / group) * num_stages + s)
+                .and_then(|g| g.get_mut(d % group))
                 .and_then(Option::take);
             Ok(match link {
-                Some(l) if stage.has_moe() => stage.with_link(l),
+                Some(l) if stage.has_moe() || cp > 1 => stage.with_link(l),
                 _ => stage,
             })
         })
@@ -408,8 +485,8 @@ impl<W: StageWorker> Executor<W> {
         mut make: impl FnMut(usize, usize, usize) -> Result<W>,
     ) -> Result<Self> {
         let pp = setup.config.pp as usize;
-        let mut ranks = Vec::with_capacity(pp * setup.config.dp as usize);
-        for d in 0..setup.config.dp as usize {
+        let mut ranks = Vec::with_capacity(pp * setup.replicas());
+        for d in 0..setup.replicas() {
             for r in 0..pp {
                 let stages = placement
                     .stages_of(Rank(r as u32))
@@ -429,16 +506,27 @@ impl<W: StageWorker> Executor<W> {
     }
 
     /// The interpreter's view of a prepared step's replicas.
+    /// With context parallelism, each replica's group of GPUs in turn, each running the
+    /// replica's schedule on its shares.
     fn replicas<'a>(&self, step: &'a PreparedStep) -> Vec<Replica<'a>> {
-        step.replicas
-            .iter()
-            .map(|r| Replica {
-                schedule: &r.schedule,
-                microbatches: &r.microbatches,
-                fo_microbatches: &r.fo_microbatches,
-                fo_feeds_loss: self.fo_feeds_loss,
-            })
-            .collect()
+        let mut out = Vec::new();
+        for r in &step.replicas {
+            let replica =
+                |(microbatches, fo_microbatches): (&'a [MicrobatchData], &'a [MicrobatchData])| {
+                    Replica {
+                        schedule: &r.schedule,
+                        microbatches,
+                        fo_microbatches,
+                        fo_feeds_loss: self.fo_feeds_loss,
+                    }
+                };
+            if r.cp_shares.is_empty() {
+                out.push(replica((&r.microbatches, &r.fo_microbatches)));
+            } else {
+                out.extend(r.cp_shares.iter().map(|(m, f)| replica((m, f))));
+            }
+        }
+        out
     }
 
     /// Runs one training step (forward, backward, all-reduce, AdamW).

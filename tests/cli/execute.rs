@@ -559,3 +559,94 @@ fn execute_runs_experts_in_parallel_and_traces_their_all_to_alls() {
         assert!(names.contains(&name), "{name} not in {names:?}");
     }
 }
+
+/// `execute --cp 2` runs every rank as two worker ranks, each with its zigzag share of every
+/// microbatch, gathering the keys and values of the group: on a step of one long and several
+/// short sequences (checked here from the workload's own sampler), under 1F1B, ZB-H1 and
+/// interleaved 1F1B at pp 2, and at cp 4 with dp 2, the loss and gradients equal the
+/// single-rank run's (`--verify`). What the executor does not run is refused by name.
+#[test]
+fn execute_runs_context_parallel_groups_equal_to_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = "name: long-and-short\nlengths: {kind: pareto, scale: 8, alpha: 0.7, max: 768}\nseqs_per_step: 6\nseed: 3\n";
+    std::fs::write(dir.path().join("w.yaml"), yaml).unwrap();
+    let w = flatpipe::profiles::Workload::from_file(&dir.path().join("w.yaml")).unwrap();
+    // The first seed whose step 0 is one sequence of at least 256 tokens and five of at most 64.
+    let seed = (0..1000u64)
+        .find(|&seed| {
+            let mut lens = w.sample_step(seed, 0, flatpipe::profiles::StepSize::Seqs(6));
+            lens.sort_unstable();
+            lens[5] >= 256 && lens[4] <= 64
+        })
+        .expect("a heavy tail draws one")
+        .to_string();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "execute",
+            "--model",
+            "tiny",
+            "--hardware",
+            "cpu",
+            "--workload",
+            "w.yaml",
+            "--pp",
+            "2",
+            "--steps",
+            "1",
+            "--verify",
+            "--gantt",
+            "none",
+            "--format",
+            "json",
+            "--seed",
+            &seed,
+        ];
+        args.extend(extra);
+        flatpipe(dir.path(), &args)
+    };
+    let whole = ["--token-budget", "4096"];
+    for extra in [
+        &["--cp", "2"][..],
+        &["--cp", "2", "--schedule", "zb-h1"],
+        &["--cp", "2", "--schedule", "interleaved-1f1b"],
+        &["--cp", "4", "--cp-comm", "allgather", "--dp", "2"],
+    ] {
+        let extra = &[extra, &whole[..]].concat();
+        let o = run(extra);
+        assert!(o.status.success(), "{extra:?}: {}", o.stderr);
+        let v = &o.json()["steps"][0]["verify"];
+        assert_eq!(v["within_tolerance"], true, "{extra:?}: {v}");
+        assert!(
+            v["grad_max_rel_diff"].as_f64().unwrap() < 1e-4,
+            "{extra:?}: {v}"
+        );
+    }
+    for (extra, says) in [
+        (
+            &["--cp", "2", "--cp-comm", "a2a", "--token-budget", "4096"][..],
+            "a2a",
+        ),
+        (
+            &["--cp", "2", "--dynamic-cp", "64", "--token-budget", "4096"],
+            "dynamic cp",
+        ),
+        (
+            &[
+                "--cp",
+                "2",
+                "--token-budget",
+                "128",
+                "--chunk-tokens",
+                "128",
+            ],
+            "chunk",
+        ),
+    ] {
+        let o = run(extra);
+        assert!(
+            !o.status.success() && o.stderr.contains(says),
+            "{extra:?}: {}",
+            o.stderr
+        );
+    }
+}

@@ -3,6 +3,24 @@
 
 use super::*;
 
+/// `--loss-reduction`: the command line's names of [`LossReduction`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum LossReductionArg {
+    /// Σ token losses / the step's true tokens.
+    PerToken,
+    /// Mean over sequences of each sequence's mean token loss.
+    PerSequence,
+}
+
+impl From<LossReductionArg> for LossReduction {
+    fn from(a: LossReductionArg) -> Self {
+        match a {
+            LossReductionArg::PerToken => LossReduction::PerToken,
+            LossReductionArg::PerSequence => LossReduction::PerSequence,
+        }
+    }
+}
+
 /// Refuses, before anything is allocated, a CPU run whose floor
 /// ([`flatpipe_executor::cpu::MemoryFloor`]: fp32 weights, gradients and AdamW state, plus one
 /// microbatch of `microbatch_tokens` tokens in every layer; twice the state with `--verify`'s
@@ -197,6 +215,7 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
         token_budget: a.token_budget,
         chunk_tokens: a.chunk_tokens,
         forward_only: a.fo.fo_microbatches.map(|_| fo),
+        context_parallel: a.cp.map(|cp| a.cp_opts.group(cp, true)).transpose()?,
         ..Default::default()
     };
     let config = resolve::run_config(

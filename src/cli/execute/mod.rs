@@ -21,24 +21,6 @@ use std::sync::Arc;
 // --verify's tolerances are the library's (the oracle tests use the same).
 use flatpipe_executor::verify::{LOSS_RTOL as VERIFY_LOSS_RTOL, TENSOR_RTOL as VERIFY_RTOL};
 
-/// `--loss-reduction`: the command line's names of [`LossReduction`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub(super) enum LossReductionArg {
-    /// Σ token losses / the step's true tokens.
-    PerToken,
-    /// Mean over sequences of each sequence's mean token loss.
-    PerSequence,
-}
-
-impl From<LossReductionArg> for LossReduction {
-    fn from(a: LossReductionArg) -> Self {
-        match a {
-            LossReductionArg::PerToken => LossReduction::PerToken,
-            LossReductionArg::PerSequence => LossReduction::PerSequence,
-        }
-    }
-}
-
 /// Options of `flatpipe execute`.
 #[derive(Debug, Args)]
 pub(super) struct ExecuteArgs {
@@ -69,6 +51,13 @@ pub(super) struct ExecuteArgs {
     /// their tokens by all-to-all. Must divide --dp and the experts.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     ep: Option<u32>,
+    /// Context-parallel degree (inline, or the plan's; default 1): every rank a group of this
+    /// many worker ranks, each holding its zigzag share of every microbatch and gathering the
+    /// keys and values of the group (CPU backend; --cp-comm p2p or allgather).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    cp: Option<u32>,
+    #[command(flatten)]
+    cp_opts: super::cp::CpArgs,
     /// Exactly this many microbatches per replica and step, balanced by predicted cost (inline;
     /// without it, the token budget cuts the step).
     #[arg(long, conflicts_with = "token_budget")]
@@ -415,10 +404,11 @@ fn render(a: &ExecuteArgs, r: &ResolvedRun, ran: Ran) -> Result<ExitCode> {
     }
     if let Some((prepared, run)) = &ran.last {
         let title = format!(
-            "{} measured on {}: {} dp={dp} pp={pp} v={v} m={}, step {}",
+            "{} measured on {}: {} {}dp={dp} pp={pp} v={v} m={}, step {}",
             model.name,
             backend.backend.name(),
             config.source.name(),
+            cp_label(config),
             slash_list(prepared.replicas.iter().map(|r| r.microbatches.len())),
             prepared.step
         );
@@ -469,10 +459,11 @@ fn render(a: &ExecuteArgs, r: &ResolvedRun, ran: Ran) -> Result<ExitCode> {
         fitted_scale,
     };
     let header = format!(
-        "{} on the {} backend: {} dp={dp} pp={pp} v={v}, workload {} ({} step(s); {} stages, layers {})",
+        "{} on the {} backend: {} {}dp={dp} pp={pp} v={v}, workload {} ({} step(s); {} stages, layers {})",
         model.name,
         report.backend,
         report.schedule,
+        cp_label(config),
         r.workload.name,
         a.steps,
         config.stages.len(),

@@ -340,3 +340,11 @@ pub(super) fn write_estimate_log(
         lines.len()
     ))
 }
+
+/// `cp=N ` for a run with a context-parallel group (its rows in a chart: each replica's group,
+/// GPU by GPU), else nothing.
+pub(super) fn cp_label(config: &sim::run::config::RunConfig) -> String {
+    config
+        .context_parallel
+        .map_or(String::new(), |c| format!("cp={} ", c.cp))
+}
