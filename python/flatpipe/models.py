@@ -24,6 +24,13 @@ positions restart at 0 at each sequence's first token (as FlashAttention's varle
 torchtitan's document masking see them). A chunk of a longer sequence (``forward(x, cu_seqlens,
 kv=ChunkKV(...))``) holds one sequence's tokens ``offset ..``: its positions start at the
 offset and its queries attend to the earlier chunks' keys and values, then its own.
+
+Context parallelism (``forward(x, cu_seqlens, cp=CpShard(...))``): the process holds its zigzag
+share of a microbatch (:func:`cp_pieces`: each document cut into ``2 cp`` chunks, process ``i``
+taking chunks ``i`` and ``2 cp - 1 - i``, as Megatron-LM splits), each piece at its positions in
+its document. Every decoder gathers the group's rotated keys and values (an autograd-aware
+all-gather whose backward sums the key and value gradients over the group and keeps this
+process's rows) and attends causally within each document.
 """
 
 from __future__ import annotations
@@ -43,7 +50,9 @@ __all__ = [
     "ModelConfig",
     "Stage",
     "ChunkKV",
+    "CpShard",
     "ComputeStream",
+    "cp_pieces",
     "causal_document_mask",
     "positions",
 ]
@@ -140,6 +149,84 @@ class ChunkKV:
             return k, v
         pk, pv = self.prefix[i]
         return torch.cat([pk, k]), torch.cat([pv, v])
+
+
+def cp_pieces(doc_lens: List[int], index: int, cp: int) -> List[Tuple[int, int, int]]:
+    """Process ``index``'s pieces of a microbatch of documents of ``doc_lens`` tokens in a
+    context-parallel group of ``cp``, in row order: ``(document, offset, length)``. A document
+    of ``L`` tokens is cut into ``2 cp`` chunks, chunk ``j`` its positions ``[L j / 2cp,
+    L (j + 1) / 2cp)``; process ``i`` takes chunks ``i`` and ``2 cp - 1 - i`` (empty chunks
+    left out). The same split as the Rust core's ``CpShare::zigzag_pieces``."""
+    n, out = 2 * cp, []
+    for doc, length in enumerate(doc_lens):
+        for j in (index, n - 1 - index):
+            a, b = length * j // n, length * (j + 1) // n
+            if b > a and (doc, a, b - a) not in out:
+                out.append((doc, a, b - a))
+    return out
+
+
+@dataclass
+class CpShard:
+    """This process's share of one microbatch in a context-parallel group: the ``group``
+    (``None``: a group of one, for tests), this process's ``index`` in it, its size ``cp`` and
+    the whole microbatch's document lengths."""
+
+    group: Optional[object]
+    index: int
+    cp: int
+    doc_lens: List[int]
+
+    def pieces(self, index: Optional[int] = None) -> List[Tuple[int, int, int]]:
+        """Process ``index``'s pieces (default this one's), :func:`cp_pieces`."""
+        return cp_pieces(self.doc_lens, self.index if index is None else index, self.cp)
+
+    def layout(self, index: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(document, position)`` of each of process ``index``'s rows, ``[T_i]`` int64 each."""
+        docs, pos = [], []
+        for d, o, n in self.pieces(index):
+            docs.append(torch.full((n,), d, dtype=torch.int64))
+            pos.append(torch.arange(o, o + n))
+        if not docs:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+        return torch.cat(docs), torch.cat(pos)
+
+    def counts(self) -> List[int]:
+        """Rows of every process of the group."""
+        return [sum(n for _, _, n in self.pieces(i)) for i in range(self.cp)]
+
+    def mask(self) -> torch.Tensor:
+        """``[T_mine, T_all]`` bool: this process's queries against the group's gathered keys
+        (every process's rows in process order): same document, key position <= query
+        position."""
+        qd, qp = self.layout()
+        kd, kp = zip(*(self.layout(i) for i in range(self.cp)))
+        kd, kp = torch.cat(kd), torch.cat(kp)
+        return (qd[:, None] == kd[None, :]) & (kp[None, :] <= qp[:, None])
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gathers rows ``x [T_i, ...]`` of every process of ``group`` (``counts[i]`` each),
+    concatenated in process order; the backward sums the gradient over the group and returns
+    this process's rows of it."""
+
+    @staticmethod
+    def forward(ctx, x, group, counts: List[int], index: int):  # type: ignore[override]
+        ctx.group, ctx.counts, ctx.index = group, counts, index
+        most = max(counts)
+        pad = torch.zeros((most - x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype)
+        parts = [torch.empty((most,) + tuple(x.shape[1:]), dtype=x.dtype) for _ in counts]
+        with _on_the_wire("cp all-gather"):
+            dist.all_gather(parts, torch.cat([x.detach(), pad]).contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, counts)])
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        with _on_the_wire("cp reduce"):
+            dist.all_reduce(grad, group=ctx.group)
+        start = sum(ctx.counts[: ctx.index])
+        return grad[start : start + ctx.counts[ctx.index]], None, None, None
 
 
 class _RMSNorm(nn.Module):
@@ -345,6 +432,7 @@ class _Decoder(nn.Module):
         mask: torch.Tensor,
         pos: torch.Tensor,
         kv: Optional[ChunkKV] = None,
+        cp: Optional[CpShard] = None,
     ) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         a = self.attn_norm(x)
@@ -354,6 +442,10 @@ class _Decoder(nn.Module):
         q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
         if kv is not None:
             k, v = kv.extend(k, v)
+        if cp is not None and cp.cp > 1:
+            counts = cp.counts()
+            k = _GatherRows.apply(k, cp.group, counts, cp.index)
+            v = _GatherRows.apply(v, cp.group, counts, cp.index)
         rep = cfg.heads // cfg.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         o = F.scaled_dot_product_attention(
@@ -396,14 +488,27 @@ class Stage(nn.Module):
             self.output = _init((cfg.hidden, cfg.vocab), g, cfg.hidden**-0.5)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, kv: Optional[ChunkKV] = None
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        kv: Optional[ChunkKV] = None,
+        cp: Optional[CpShard] = None,
     ) -> torch.Tensor:
         """``kv``: for one chunk of a longer sequence (``cu_seqlens = [0, T]``), the earlier
-        chunks' keys and values (:class:`ChunkKV`)."""
+        chunks' keys and values (:class:`ChunkKV`). ``cp``: this process's share of the
+        microbatch in a context-parallel group (:class:`CpShard`; ``x`` holds its rows)."""
+        if kv is not None and cp is not None:
+            raise ValueError("a chunk of a sequence under context parallelism: give kv or cp, not both")
         if self.embedding is not None:
             x = self.embedding[x]
         if len(self.decoders):
-            if kv is None:
+            if cp is not None:
+                mask, pos = cp.mask(), cp.layout()[1]
+                if pos.numel() != x.shape[0]:
+                    raise ValueError(
+                        f"context-parallel share {cp.index} of {cp.cp} holds {pos.numel()} tokens, x has {x.shape[0]} rows"
+                    )
+            elif kv is None:
                 mask, pos = causal_document_mask(cu_seqlens), positions(cu_seqlens)
             else:
                 if cu_seqlens.numel() != 2:
@@ -416,7 +521,7 @@ class Stage(nn.Module):
                 # Query i (position o + i) sees keys 0 ..= o + i of its sequence.
                 mask = torch.arange(o + t, device=x.device)[None, :] <= pos[:, None]
             for d in self.decoders:
-                x = d(x, mask, pos, kv)
+                x = d(x, mask, pos, kv, cp)
         if self.output is not None:
             x = self.norm(x) @ self.output
         return x

@@ -68,7 +68,7 @@ from torch.distributed.pipelining._backward import (
 )
 
 from . import Action, CommAction, ComputeAction, StepPlan, parse_action
-from .models import ChunkKV, ComputeStream
+from .models import ChunkKV, ComputeStream, CpShard, cp_pieces
 
 __all__ = [
     "profile",
@@ -79,6 +79,7 @@ __all__ = [
     "parse_action",
     "token_loss_scale",
     "clip_grad_norm_",
+    "cp_share",
 ]
 
 
@@ -92,9 +93,23 @@ class StageModule(Protocol):
     """
 
     def __call__(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor: ...
-    # With chunked sequences also ``__call__(x, cu_seqlens, kv=ChunkKV)`` (module docstring).
+    # With chunked sequences also ``__call__(x, cu_seqlens, kv=ChunkKV)`` (module docstring);
+    # with a ``cp_group``, ``__call__(x, cu_seqlens, cp=CpShard)``.
 
     def parameters(self, recurse: bool = True): ...
+
+
+def cp_share(x: torch.Tensor, cu_seqlens: Sequence[int], index: int, cp: int) -> torch.Tensor:
+    """Process ``index``'s rows of a whole microbatch's ``x [T, ...]`` (token ids, targets) in a
+    context-parallel group of ``cp``: the zigzag pieces of every document
+    (:func:`flatpipe.models.cp_pieces`), in row order. What each process of the group gives
+    :meth:`PipelineRuntime.step` as its inputs and targets."""
+    cu = [int(c) for c in cu_seqlens]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    rows = [torch.arange(cu[d] + o, cu[d] + o + n) for d, o, n in cp_pieces(lens, index, cp)]
+    if not rows:
+        return x[:0]
+    return x[torch.cat(rows)]
 
 
 def token_loss_scale(targets: Sequence[torch.Tensor], ignore_index: int = -100) -> int:
@@ -181,6 +196,13 @@ class PipelineRuntime:
         expert_dp_group: where the experts' gradients are all-reduced instead of ``dp_group``
             (the parameters a stage marks with ``flatpipe_expert = True``: the ranks holding
             the same experts, ``dp / ep`` of them); ``None``: not reduced (``ep = dp``).
+        cp_group: the context-parallel group of this rank (the same pipeline rank of the other
+            pipelines that share every microbatch): each process gives :meth:`step` its share of
+            every microbatch's inputs and targets (:func:`cp_share`), its stages are called
+            with ``cp=CpShard(...)`` (their attention gathers the group's keys and values), and
+            each stage's gradients are all-reduced (summed) over this group after its last
+            backward, before ``dp_group``'s. Needs ``loss_reduction = "token"`` and the
+            ``loss_denominator`` of the whole step; no chunks, no forward-only microbatches.
         check_plan: before each step, check with one small all-reduce over ``group`` that every
             rank was given the same plan (the step, its microbatches' token counts), so that a
             mismatch raises a ``ValueError`` naming it instead of failing inside the transport.
@@ -205,6 +227,7 @@ class PipelineRuntime:
         posting: str = "ahead",
         ep_group: Optional[dist.ProcessGroup] = None,
         expert_dp_group: Optional[dist.ProcessGroup] = None,
+        cp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if posting not in ("ahead", "deferred"):
             raise ValueError(f"posting = {posting!r} is invalid: 'ahead' or 'deferred'")
@@ -230,6 +253,13 @@ class PipelineRuntime:
         self.posting = posting
         self.ep_group = ep_group
         self.expert_dp_group = expert_dp_group
+        self.cp_group = cp_group
+        self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+        if self.cp > 1 and loss_reduction != "token":
+            raise ValueError(
+                "loss_reduction = 'sequence' with a cp_group is not supported (a sequence's mean "
+                "spans the group's shares): use 'token'"
+            )
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -403,6 +433,9 @@ class PipelineRuntime:
             self.on_stage_backward_done(stage)
         works = []
         for p in self.stages[stage].parameters():
+            if p.grad is not None and self.cp > 1:
+                # The group's shares of every microbatch: their gradients add up.
+                dist.all_reduce(p.grad, group=self.cp_group)
             group = (
                 self.expert_dp_group if getattr(p, "flatpipe_expert", False) else self.dp_group
             )
@@ -586,7 +619,16 @@ class _StepState:
                 "sequence's mean spans its chunks): use 'token', or plan without chunk_tokens"
             )
         self.cu = [self._cu(mb) for mb in self.mbs]
+        # With a cp group: this process's share of every microbatch (its sizes, its pieces as
+        # sequences) and what its stages attend with.
+        self.shards: List[Optional[CpShard]] = [None] * len(self.mbs)
+        if rt.cp > 1:
+            self._take_shares()
         fo_mbs = plan.forward_only_microbatches(replica) if train else []
+        if fo_mbs and rt.cp > 1:
+            raise ValueError(
+                "forward-only microbatches with a cp_group are not supported yet: plan without forward_only"
+            )
         self.fo_mbs = fo_mbs
         self.fo_tokens = [mb.tokens for mb in fo_mbs]
         self.fo_cu = [self._cu(mb) for mb in fo_mbs]
@@ -610,6 +652,26 @@ class _StepState:
 
     def _cu(self, mb) -> torch.Tensor:
         return torch.as_tensor(mb.cu_seqlens, dtype=torch.int64, device=self.rt.device)
+
+    def _take_shares(self) -> None:
+        """Each microbatch as this process's share of it in the cp group: its token count, its
+        pieces as ``cu_seqlens`` and its :class:`CpShard`. Raises ``ValueError`` for chunks."""
+        rt = self.rt
+        if any(c is not None for c in self.chunks):
+            raise ValueError(
+                "chunked sequences with a cp_group: chunks and context parallelism are two "
+                "answers to long sequences; plan without chunk_tokens"
+            )
+        index = dist.get_rank(rt.cp_group)
+        for k, mb in enumerate(self.mbs):
+            shard = CpShard(rt.cp_group, index, rt.cp, list(mb.seq_lens))
+            lens = [n for _, _, n in shard.pieces()]
+            self.shards[k] = shard
+            self.tokens[k] = sum(lens)
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            self.cu[k] = torch.as_tensor(cu, dtype=torch.int64, device=rt.device)
 
     def take_inputs(self, inputs, targets, forward_only_inputs, loss_denominator) -> None:
         """Checks the step's token ids ``[T_k]`` (first stage), targets ``[T_k]`` (last stage)
@@ -843,7 +905,13 @@ class _StepState:
                 self._send(part, out)
             return
         kv = self.chains.forward_kv(stage, mb, self.train) if self.chunks[mb] is not None else None
-        call = (lambda x, c: module(x, c, kv=kv)) if kv is not None else module
+        shard = self.shards[mb]
+        if kv is not None:
+            call = lambda x, c: module(x, c, kv=kv)  # noqa: E731
+        elif shard is not None:
+            call = lambda x, c: module(x, c, cp=shard)  # noqa: E731
+        else:
+            call = module
         if not self.train:
             c0 = time.perf_counter()
             with torch.no_grad():
