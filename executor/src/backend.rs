@@ -231,6 +231,15 @@ impl AnyExecutor {
         }
     }
 
+    /// Sets the straggler test hook ([`crate::interpreter::Slowdown`]) for the steps trained
+    /// from now on (`None`: every rank at full speed).
+    pub fn set_slowdown(&mut self, s: Option<crate::interpreter::Slowdown>) {
+        match self {
+            AnyExecutor::Cpu(e) => e.slowdown = s,
+            AnyExecutor::Cuda(e) => e.slowdown = s,
+        }
+    }
+
     /// Every parameter's gradient of the last step, by name.
     pub fn named_grads(&self) -> BTreeMap<String, Vec<f32>> {
         match self {

@@ -168,9 +168,9 @@ pub fn measure_steps(
         steps,
         None,
         progress,
-        |done: StepDone<'_>| -> Result<()> {
+        |done: StepDone<'_>| -> Result<Option<std::sync::Arc<Profile>>> {
             out.push(compare_step(setup, profile, &done.prepared, &done.run)?);
-            Ok(())
+            Ok(None)
         },
     )?;
     Ok(Comparison { steps: out })

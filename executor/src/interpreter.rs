@@ -61,6 +61,23 @@ pub struct StepOptions {
     /// Expert parallelism: replicas `[g ep, (g + 1) ep)` form an expert-parallel group whose
     /// stages split the routed experts ([`crate::model::experts::ExpertLink`]); 0 or 1: none.
     pub ep: usize,
+    /// A test hook: one rank computing slower than the others ([`Slowdown`]); `None`: none.
+    pub slowdown: Option<Slowdown>,
+}
+
+/// A test hook that makes one rank slow, as a straggler (thermal throttling, a noisy neighbour)
+/// would: after each compute action of rank `rank` (`d * pp + r`, replica-major), the rank
+/// thread sleeps `(factor - 1)` times the action's compute time, so its actions take `factor`
+/// times as long. Not part of any public step signature: `flatpipe execute --slow-rank` and the
+/// re-planning tests set it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slowdown {
+    /// The slowed rank, `d * pp + r`.
+    pub rank: usize,
+    /// How much slower its compute runs, >= 1.
+    pub factor: f64,
+    /// The first step id it applies to (earlier steps run at full speed).
+    pub from_step: u64,
 }
 
 /// What one step measured and computed.
@@ -229,6 +246,8 @@ struct RankCtx<'a, W: StageWorker> {
     /// Actions are timed with the first stage's device clock (timestamps are stamp indices
     /// until the end of the rank's run).
     device: bool,
+    /// The [`Slowdown`] factor of this rank (1: full speed).
+    slow: f64,
     out: RankOut,
 }
 
@@ -372,7 +391,11 @@ impl<'a, W: StageWorker> RankCtx<'a, W> {
     fn compute(&mut self, a: &ComputeAction, input: Option<W::Hidden>) -> Result<()> {
         self.precheck(a)?;
         let data = self.data(a)?;
+        let t = Instant::now();
         let out = work(self.stage(a.stage.0)?, a, data, input)?;
+        if self.slow > 1.0 {
+            std::thread::sleep(t.elapsed().mul_f64(self.slow - 1.0));
+        }
         self.deliver(a, out)
     }
 
@@ -730,7 +753,7 @@ pub fn run_step<W: StageWorker>(
         )));
     }
     check_expert_partners(replicas, ep)?;
-    let outs = run_pipelines(ranks, replicas, pp, t0)?;
+    let outs = run_pipelines(ranks, replicas, pp, t0, opts.slowdown)?;
     let opt_start = t0.elapsed().as_nanos() as u64;
     all_reduce_grads(ranks, dp, pp, ep)?;
     let grad_norm = global_grad_norm(&mut ranks[..pp * ep], pp)?;
@@ -822,6 +845,7 @@ fn run_pipelines<W: StageWorker>(
     replicas: &[Replica<'_>],
     pp: usize,
     t0: Instant,
+    slowdown: Option<Slowdown>,
 ) -> Result<Vec<RankOut>> {
     let n = ranks.len();
     let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| channel::<Msg<W::Hidden>>()).unzip();
@@ -858,6 +882,9 @@ fn run_pipelines<W: StageWorker>(
                     peers,
                     t0,
                     device: false,
+                    slow: slowdown
+                        .filter(|s| s.rank == g)
+                        .map_or(1.0, |s| s.factor.max(1.0)),
                     out: RankOut::default(),
                 };
                 barrier.wait();

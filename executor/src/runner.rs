@@ -411,6 +411,9 @@ pub struct Executor<W> {
     ep: usize,
     steps_done: u64,
     fo_feeds_loss: bool,
+    /// The straggler test hook ([`crate::interpreter::Slowdown`]): applied to the steps whose id
+    /// is at least its `from_step`.
+    pub slowdown: Option<crate::interpreter::Slowdown>,
 }
 
 impl Executor<CpuStage> {
@@ -502,6 +505,7 @@ impl<W: StageWorker> Executor<W> {
             ep: setup.ep.max(1) as usize,
             steps_done: 0,
             fo_feeds_loss: setup.config.forward_only.is_some_and(|f| f.loss_dependency),
+            slowdown: None,
         })
     }
 
@@ -539,6 +543,7 @@ impl<W: StageWorker> Executor<W> {
             optimizer: Some((setup.adamw, self.steps_done + 1)),
             max_grad_norm: setup.max_grad_norm,
             ep: self.ep,
+            slowdown: self.slowdown.filter(|s| step.step >= s.from_step),
         };
         let run = run_step(&mut self.ranks, &replicas, &opts)?;
         self.steps_done += 1;

@@ -12,6 +12,8 @@ use crate::backend::AnyExecutor;
 use crate::interpreter::StepRun;
 use crate::runner::{PreparedStep, Reference, Setup};
 use crate::{Error, Result};
+use flatpipe_profiles::Profile;
+use std::sync::Arc;
 
 /// Which steps run, unreported, before the reported steps `0..steps`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,12 +52,22 @@ pub struct StepDone<'a> {
     /// The single-rank reference, not yet stepped for this step (the caller checks the step
     /// against it, [`crate::verify::verify_step`]).
     pub reference: Option<&'a mut Reference>,
+    /// The setup the step was planned with: the run's, or with the profile the previous
+    /// step's caller returned (re-planning).
+    pub setup: &'a Setup,
+    /// Seconds the step's planning took ([`Setup::prepare`]: sampling, the cut, the schedule,
+    /// the prediction, the data); `None` for a step prepared before the loop.
+    pub prepare_s: Option<f64>,
 }
 
 /// Runs `warmup`'s steps, then steps `0..steps` of `setup` on `exec`, calling `each` with every
 /// reported step in order and `progress` after every step, warm-up included. Warm-up steps
 /// train `reference` too (with its optimizer step), so it stays in step with `exec`. `first`,
 /// when given, is step 0 already prepared. `steps = 0` runs the warm-up alone.
+///
+/// Re-planning: when `each` returns a profile, the following steps are planned with it
+/// ([`Setup::prepare`] under [`Setup::profile`] = that profile: zb-auto's schedule, the
+/// cost-balanced cuts and the prediction follow it); `None` keeps the current one.
 ///
 /// # Errors
 /// The step preparation's and the executor's, converted into `E`; the first error of `each`.
@@ -68,7 +80,7 @@ pub fn run_steps<E: From<Error>>(
     steps: u64,
     first: Option<PreparedStep>,
     progress: &dyn Fn(),
-    mut each: impl FnMut(StepDone<'_>) -> std::result::Result<(), E>,
+    mut each: impl FnMut(StepDone<'_>) -> std::result::Result<Option<Arc<Profile>>, E>,
 ) -> std::result::Result<(), E> {
     for id in warmup.step_ids(steps) {
         let prepared = setup.prepare(id)?;
@@ -79,19 +91,30 @@ pub fn run_steps<E: From<Error>>(
         progress();
     }
     let mut first = first;
+    let mut replanned: Option<Setup> = None;
     for step in 0..steps {
-        let prepared = match first.take() {
-            Some(p) if step == 0 => p,
-            _ => setup.prepare(step)?,
+        let now = replanned.as_ref().unwrap_or(setup);
+        let t = std::time::Instant::now();
+        let (prepared, prepare_s) = match first.take() {
+            Some(p) if step == 0 => (p, None),
+            _ => (now.prepare(step)?, Some(t.elapsed().as_secs_f64())),
         };
-        let run = exec.train_step(setup, &prepared)?;
-        each(StepDone {
+        let run = exec.train_step(now, &prepared)?;
+        let next = each(StepDone {
             step,
             prepared,
             run,
             exec,
             reference: reference.as_deref_mut(),
+            setup: now,
+            prepare_s,
         })?;
+        if let Some(profile) = next {
+            replanned = Some(Setup {
+                profile: Some(profile),
+                ..setup.clone()
+            });
+        }
         progress();
     }
     Ok(())

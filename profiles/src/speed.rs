@@ -68,7 +68,64 @@ fn times(c: &CostCoeffs, k: f64) -> CostCoeffs {
     }
 }
 
+/// Every cost of `l` multiplied by its phase's factor ([`Profile::scaled`]).
+fn scale_layer(l: &mut crate::LayerProfile, scale: &PhaseScale) {
+    l.f = times(&l.f, scale.f);
+    l.fo = times(&l.fo, scale.f);
+    l.i = times(&l.i, scale.i);
+    l.w = times(&l.w, scale.w);
+    l.b = l.b.map(|b| times(&b, scale.b));
+    if let Some(r) = &mut l.routed {
+        r.f = times(&r.f, scale.f);
+        r.i = times(&r.i, scale.i);
+        r.w = times(&r.w, scale.w);
+        // The all-to-alls run inside F and I: priced with the forward's factor, as the
+        // measured forward holds them.
+        r.all_to_all = times(&r.all_to_all, scale.f);
+    }
+}
+
 impl Profile {
+    /// This profile with the layers of each range scaled by its own [`PhaseScale`] (each
+    /// layer's costs as [`Profile::scaled`] scales them; layers in no range unchanged), and the
+    /// optimizer's time per parameter by `optimizer`: the profile of a run whose pipeline ranks
+    /// go at different speeds, each rank's stages (their layer ranges) scaled by what was
+    /// measured on it (a straggler's layers cost more). Links, overheads, memory and the
+    /// model's shape are kept.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a factor that is not finite and > 0, or a range that leaves the
+    /// layer list.
+    pub fn scaled_by_layers(
+        &self,
+        ranges: &[(std::ops::Range<usize>, PhaseScale)],
+        optimizer: f64,
+    ) -> Result<Profile> {
+        let mut p = self.clone();
+        for (range, scale) in ranges {
+            scale.validate()?;
+            let n = p.layers.len();
+            let layers = p.layers.get_mut(range.clone()).ok_or_else(|| {
+                Error::invalid(
+                    "profile scaling",
+                    "layer range",
+                    format!("{}..{}", range.start, range.end),
+                    format!("within the profile's {n} layers"),
+                )
+            })?;
+            for l in layers {
+                scale_layer(l, scale);
+            }
+        }
+        PhaseScale {
+            optimizer,
+            ..PhaseScale::default()
+        }
+        .validate()?;
+        p.optimizer_s_per_param *= optimizer;
+        Ok(p)
+    }
+
     /// This profile with every cost of a phase multiplied by its factor: each layer's `f` and
     /// `fo` by `scale.f`, `i` by `scale.i`, `w` by `scale.w`, a measured fused `b` by `scale.b`
     /// (the routed part of a mixture-of-experts layer, its all-to-alls included, with its
@@ -82,19 +139,7 @@ impl Profile {
         scale.validate()?;
         let mut p = self.clone();
         for l in &mut p.layers {
-            l.f = times(&l.f, scale.f);
-            l.fo = times(&l.fo, scale.f);
-            l.i = times(&l.i, scale.i);
-            l.w = times(&l.w, scale.w);
-            l.b = l.b.map(|b| times(&b, scale.b));
-            if let Some(r) = &mut l.routed {
-                r.f = times(&r.f, scale.f);
-                r.i = times(&r.i, scale.i);
-                r.w = times(&r.w, scale.w);
-                // The all-to-alls run inside F and I: priced with the forward's factor, as the
-                // measured forward holds them.
-                r.all_to_all = times(&r.all_to_all, scale.f);
-            }
+            scale_layer(l, scale);
         }
         let o = &mut p.action_overhead;
         o.f_s *= scale.f;
@@ -137,6 +182,13 @@ mod tests {
             optimizer: 0.25,
         };
         let q = p.scaled(&s).unwrap();
+        // Scaling every layer's range alike is the same (overheads aside).
+        let mut r = p
+            .scaled_by_layers(&[(0..p.layers.len(), s)], s.optimizer)
+            .unwrap();
+        r.action_overhead = q.action_overhead;
+        r.provenance = q.provenance.clone();
+        assert_eq!(r, q);
         let (t, pairs) = (300.0, 20_000.0);
         for (a, b) in p.layers.iter().zip(&q.layers) {
             for (phase, k) in [

@@ -356,6 +356,113 @@ fn execute_refits_the_profile_on_its_steps() {
     ));
 }
 
+/// `--replan` plans each step from the estimate: with rank 1 computing 2x slower from step 1
+/// on (the `--slow-rank` test hook), rank 1's factor rises to about twice rank 0's, each step's
+/// planning time is logged, the refitted profile scales rank 1's layers more than rank 0's, and
+/// a layer split that gives rank 1 fewer layers is proposed and written as a plan that
+/// `execute --plan` runs. What the hook and re-planning need is refused by name.
+#[test]
+fn execute_replans_each_step_and_proposes_a_split_for_a_straggler() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = measured_stand_in(dir.path());
+    let args = [
+        "execute",
+        "--profile",
+        "measured.yaml",
+        "--pp",
+        "2",
+        "--schedule",
+        "zb-auto",
+        "--microbatches",
+        "4",
+        "--seqs-per-step",
+        "8",
+        "--steps",
+        "6",
+        "--format",
+        "json",
+        "--slow-rank",
+        "1:2:1",
+        "--replan",
+        "--forgetting",
+        "0.5",
+        "--estimate-log",
+        "estimate.jsonl",
+        "--fit-profile",
+        "fitted.yaml",
+        "--propose-plan",
+        "proposed.yaml",
+    ];
+    let o = flatpipe(dir.path(), &args);
+    assert!(o.status.success(), "{}", o.stderr);
+    let log = std::fs::read_to_string(dir.path().join("estimate.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let f = lines[5]["rank_factors"].as_array().unwrap();
+    let ratio = f[1].as_f64().unwrap() / f[0].as_f64().unwrap();
+    assert!(ratio > 1.4 && ratio < 2.6, "rank 1 / rank 0: {ratio}");
+    assert!(lines[0]["planning_s"].is_null());
+    assert!(
+        lines[1..]
+            .iter()
+            .all(|l| l["planning_s"].as_f64().unwrap() > 0.0)
+    );
+    // Rank 1 holds layers 5..10 under the even split: they are scaled by its own factors.
+    let fitted = flatpipe::profiles::Profile::from_yaml(
+        &std::fs::read_to_string(dir.path().join("fitted.yaml")).unwrap(),
+        "fitted.yaml",
+    )
+    .unwrap();
+    let k = |l: usize| fitted.layers[l].f.c_tok_s / p.layers[l].f.c_tok_s;
+    assert!(k(6) > 1.4 * k(2), "{} vs {}", k(6), k(2));
+    let plan = std::fs::read_to_string(dir.path().join("proposed.yaml")).unwrap();
+    let proposed = flatpipe::simulator::Plan::from_yaml(&plan, "proposed.yaml").unwrap();
+    let last = proposed.run.stages[1].clone();
+    assert!(last.len() < 5 && last.end == 10, "{plan}");
+    let run = flatpipe(
+        dir.path(),
+        &[
+            "execute",
+            "--plan",
+            "proposed.yaml",
+            "--steps",
+            "1",
+            "--seqs-per-step",
+            "8",
+            "--gantt",
+            "none",
+        ],
+    );
+    assert!(run.status.success(), "{}", run.stderr);
+    for (extra, says) in [
+        (
+            &["--slow-rank", "2:1.5:0"][..],
+            "--slow-rank 2:1.5:0 is invalid",
+        ),
+        (&["--slow-rank", "1:0.5:0"], "a factor >= 1"),
+    ] {
+        let mut a = vec!["execute", "--pp", "2", "--steps", "1", "--gantt", "none"];
+        a.extend(extra);
+        let o = flatpipe(dir.path(), &a);
+        assert!(
+            !o.status.success() && o.stderr.contains(says),
+            "{extra:?}: {}",
+            o.stderr
+        );
+    }
+    let o = flatpipe(
+        dir.path(),
+        &["execute", "--pp", "2", "--steps", "1", "--replan"],
+    );
+    assert!(
+        !o.status.success() && o.stderr.contains("--replan: the estimate"),
+        "{}",
+        o.stderr
+    );
+}
+
 // Notes, charts and backends.
 
 /// `execute` says when sequences are longer than the token budget (each runs alone).

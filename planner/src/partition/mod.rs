@@ -24,6 +24,7 @@
 
 pub mod bnb;
 mod milp;
+pub mod speeds;
 
 pub use milp::{solve_milp, solve_milp_within};
 

@@ -107,10 +107,14 @@ impl SpeedEstimate {
         self.steps += 1;
     }
 
-    /// Summed over the ranks, `(measured, predicted)` of the slots `slots`.
-    fn over_ranks(&self, slots: &[usize]) -> (f64, f64) {
+    /// Summed over the ranks `ranks` (all: `None`), `(measured, predicted)` of the slots
+    /// `slots`.
+    fn over_ranks(&self, ranks: Option<usize>, slots: &[usize]) -> (f64, f64) {
         let mut out = (0.0, 0.0);
-        for rank in &self.sums {
+        for (r, rank) in self.sums.iter().enumerate() {
+            if ranks.is_some_and(|x| x != r) {
+                continue;
+            }
             for &k in slots {
                 out.0 += rank[k].0;
                 out.1 += rank[k].1;
@@ -119,10 +123,23 @@ impl SpeedEstimate {
         out
     }
 
-    /// Measured over predicted time of the slots, if any was observed.
-    fn factor(&self, slots: &[usize]) -> Option<f64> {
-        let (m, p) = self.over_ranks(slots);
-        (p > 0.0).then(|| m / p)
+    /// The phase factors of rank `rank` (all ranks: `None`), with [`SpeedEstimate::phase_scale`]'s
+    /// fallbacks.
+    fn scale_of(&self, rank: Option<usize>) -> PhaseScale {
+        let factor = |slots: &[usize]| {
+            let (m, p) = self.over_ranks(rank, slots);
+            (p > 0.0).then(|| m / p)
+        };
+        let (f, i, w, b, fo, opt) = (0, 1, 2, 3, 4, OPTIMIZER);
+        let one = |x: Option<f64>| x.unwrap_or(1.0);
+        let bwd = factor(&[b]).or_else(|| factor(&[i, w]));
+        PhaseScale {
+            f: one(factor(&[f]).or_else(|| factor(&[fo]))),
+            i: one(factor(&[i]).or(bwd)),
+            w: one(factor(&[w]).or(bwd)),
+            b: one(bwd),
+            optimizer: one(factor(&[opt])),
+        }
     }
 
     /// The phase factors over all ranks, each the measured over the predicted busy time of its
@@ -130,16 +147,16 @@ impl SpeedEstimate {
     /// on `B` (a fused backward is their sum) and `B` on `I` and `W` together, `F` on `Fo`;
     /// with nothing to go on a factor stays 1.
     pub fn phase_scale(&self) -> PhaseScale {
-        let (f, i, w, b, fo, opt) = (0, 1, 2, 3, 4, OPTIMIZER);
-        let one = |x: Option<f64>| x.unwrap_or(1.0);
-        let bwd = self.factor(&[b]).or_else(|| self.factor(&[i, w]));
-        PhaseScale {
-            f: one(self.factor(&[f]).or_else(|| self.factor(&[fo]))),
-            i: one(self.factor(&[i]).or(bwd)),
-            w: one(self.factor(&[w]).or(bwd)),
-            b: one(bwd),
-            optimizer: one(self.factor(&[opt])),
+        self.scale_of(None)
+    }
+
+    /// The phase factors of pipeline rank `rank` alone (as [`SpeedEstimate::phase_scale`];
+    /// every factor 1 for a rank not observed): what re-planning scales that rank's stages by.
+    pub fn rank_phase_scale(&self, rank: usize) -> PhaseScale {
+        if rank >= self.sums.len() {
+            return PhaseScale::default();
         }
+        self.scale_of(Some(rank))
     }
 
     /// Per rank, its measured over predicted busy time over all phases (1 for a rank with
@@ -200,6 +217,36 @@ mod tests {
         let r = e.rank_factors();
         assert!((r[0] - 400.0 / 390.0).abs() < 1e-12, "{r:?}");
         assert!((r[1] - 300.0 / 340.0).abs() < 1e-12, "{r:?}");
+        // Per rank: rank 1 has no W, which falls back on its B.
+        let r1 = e.rank_phase_scale(1);
+        assert_eq!((r1.f, r1.b, r1.w), (1.3, 0.8, 0.8));
+        assert_eq!(e.rank_phase_scale(0).w, 2.0);
+        assert_eq!(e.rank_phase_scale(7), PhaseScale::default());
+    }
+
+    /// A straggler: from its sixth step rank 1 computes 1.5x slower; rank 0 stays at the
+    /// profile's speed. Rank 1's factors follow the change as the geometric sums say, rank 0's
+    /// stay 1, and the phase factors over both ranks sit between.
+    #[test]
+    fn a_slowed_rank_stands_out_in_its_own_factors() {
+        let g: f64 = 0.7;
+        let mut e = SpeedEstimate::new(g).unwrap();
+        let p = timeline(1000, 1000, 1000, 1000);
+        let mut slow = timeline(1000, 1000, 1000, 1000);
+        for op in &mut slow.compute[1] {
+            op.end_ns = op.start_ns + (op.end_ns - op.start_ns) * 3 / 2;
+        }
+        for _ in 0..5 {
+            e.observe(&p, &p, 2);
+        }
+        for k in 1..=10 {
+            e.observe(&p, &slow, 2);
+            let want = 1.5 - 0.5 * g.powi(k) * (1.0 - g.powi(5)) / (1.0 - g.powi(5 + k));
+            assert!((e.rank_phase_scale(1).f - want).abs() < 1e-12, "k = {k}");
+            assert_eq!(e.rank_phase_scale(0).f, 1.0);
+            let f = e.phase_scale().f;
+            assert!(f > 1.0 && f < want, "k = {k}: {f}");
+        }
     }
 
     #[test]

@@ -194,8 +194,8 @@ pub(super) fn resolve_run(a: &ExecuteArgs) -> Result<ResolvedRun> {
     for p in gantt
         .iter()
         .chain(&a.trace)
-        .chain(&a.fit_profile)
-        .chain(&a.estimate_log)
+        .chain(&a.est.fit_profile)
+        .chain(&a.est.estimate_log)
     {
         profiles::check_writable(p)?;
     }

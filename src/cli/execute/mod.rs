@@ -3,6 +3,7 @@
 //! measured on this backend, with the simulator's prediction.
 
 mod inputs;
+mod replan;
 mod report;
 use super::*;
 use backend::backend_config;
@@ -130,21 +131,8 @@ pub(super) struct ExecuteArgs {
     /// Write a Chrome trace (Perfetto) of the last step's measured timeline here.
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// After the steps, write the profile refitted on them here: the profile's costs of each
-    /// phase (F, I, W, B, optimizer) times the measured over the predicted busy time of that
-    /// phase over the measured steps. Predicting another schedule from it is the closed loop
-    /// fitted on this one. Needs a profile measured on this backend.
-    #[arg(long)]
-    fit_profile: Option<PathBuf>,
-    /// Write, after the steps, one JSON line per measured step: its predicted and measured
-    /// makespan and the estimate after it (measured over predicted busy time per phase and per
-    /// rank). Needs a profile measured on this backend.
-    #[arg(long)]
-    estimate_log: Option<PathBuf>,
-    /// The estimate's forgetting factor in (0, 1]: a step one step older weighs this much
-    /// (memory of about 1 / (1 - factor) steps); 1, the default, weighs every step alike.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    forgetting: f64,
+    #[command(flatten)]
+    est: replan::EstimateArgs,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
@@ -188,19 +176,8 @@ fn build(a: &ExecuteArgs, r: &ResolvedRun) -> Result<Built> {
     let (setup, backend) = (&r.setup, &r.backend);
     let (pp, dp) = (setup.config.pp, setup.config.dp);
     let predict = backend.backend.measured(&r.profile);
-    if let (Some(path), false) = (a.fit_profile.as_ref().or(a.estimate_log.as_ref()), predict) {
-        bail!(
-            "{} {}: the estimate scales a profile measured on this backend by what the steps measured against its prediction, and the {} profile was not measured on the {} backend (no prediction): measure one with `flatpipe profile` and pass it with --profile",
-            if a.fit_profile.is_some() {
-                "--fit-profile"
-            } else {
-                "--estimate-log"
-            },
-            path.display(),
-            r.profile.model,
-            backend.backend.name()
-        );
-    }
+    a.est
+        .check(predict, &r.profile.model, backend.backend.name())?;
     let first = setup.prepare(0)?;
     if backend.backend == executor::Backend::Cpu {
         let largest = first
@@ -217,7 +194,10 @@ fn build(a: &ExecuteArgs, r: &ResolvedRun) -> Result<Built> {
         dp * pp,
         backend.backend.name()
     );
-    let exec = AnyExecutor::new(backend, setup)?;
+    let mut exec = AnyExecutor::new(backend, setup)?;
+    if let Some(arg) = &a.est.slow_rank {
+        exec.set_slowdown(Some(replan::slowdown(arg, setup.replicas() * pp as usize)?));
+    }
     let reference = if a.verify {
         Some(Reference::new(setup)?)
     } else {
@@ -287,8 +267,8 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
         longest: 0,
         predict,
         profile_warnings,
-        estimate: SpeedEstimate::new(a.forgetting)
-            .map_err(|e| anyhow::anyhow!("--forgetting {}: {e}", a.forgetting))?,
+        estimate: SpeedEstimate::new(a.est.forgetting)
+            .map_err(|e| anyhow::anyhow!("--forgetting {}: {e}", a.est.forgetting))?,
         estimate_log: Vec::new(),
     };
     // Sequences longer than the token budget (each gets a microbatch of its own).
@@ -309,13 +289,15 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
         u64::from(a.steps),
         Some(first),
         &|| bar.inc(),
-        |done: StepDone<'_>| -> Result<()> {
+        |done: StepDone<'_>| -> Result<Option<Arc<Profile>>> {
             let StepDone {
                 step,
                 prepared,
                 run,
                 exec,
                 reference,
+                setup: planned_with,
+                prepare_s,
             } = done;
             if let Some(b) = budget {
                 for len in prepared
@@ -339,17 +321,24 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
                 );
             }
             let predicted = if predict {
-                // The setup's profile is this profile (an Arc of it): the step carries its
-                // prediction, the replay of the schedules that ran.
-                let on = setup.profile.as_deref().unwrap_or(&r.profile);
-                let p = prepared.predict(setup, on)?;
-                if let Some(t) = &p.timeline {
+                // The step's own prediction (on the profile it was planned with), and, for the
+                // estimate, the same schedules replayed on the run's profile.
+                let base = setup.profile.as_deref().unwrap_or(&r.profile);
+                let own = planned_with.profile.as_deref().unwrap_or(base);
+                let p = prepared.predict(planned_with, own)?;
+                let on_base = prepared.predict(planned_with, base)?;
+                if let Some(t) = &on_base.timeline {
                     // Replica 0's ranks: the predicted timeline's.
                     ran.estimate
                         .observe(t, &run.timeline, setup.config.pp as usize);
-                    if a.estimate_log.is_some() {
-                        ran.estimate_log
-                            .push(estimate_line(step, &p, &run, &ran.estimate)?);
+                    if a.est.estimate_log.is_some() {
+                        ran.estimate_log.push(estimate_line(
+                            step,
+                            &p,
+                            &run,
+                            &ran.estimate,
+                            prepare_s,
+                        )?);
                     }
                 }
                 Some(p)
@@ -380,7 +369,14 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
             );
             ran.rows.push(row);
             ran.last = Some((prepared, run));
-            Ok(())
+            Ok(match (a.est.replan, predict) {
+                (true, true) => Some(replan::replanned_profile(
+                    setup.profile.as_deref().unwrap_or(&r.profile),
+                    &setup.config,
+                    &ran.estimate,
+                )?),
+                _ => None,
+            })
         },
     )?;
     bar.finish();
@@ -433,12 +429,21 @@ fn render(a: &ExecuteArgs, r: &ResolvedRun, ran: Ran) -> Result<ExitCode> {
     );
     notes.push(prediction.clone());
     notes.extend(ran.profile_warnings.iter().map(|w| format!("warning: {w}")));
-    if let Some(path) = &a.estimate_log {
-        notes.push(write_estimate_log(path, &ran.estimate_log, a.forgetting)?);
+    if let Some(path) = &a.est.estimate_log {
+        notes.push(write_estimate_log(
+            path,
+            &ran.estimate_log,
+            a.est.forgetting,
+        )?);
     }
-    let fitted_scale = match &a.fit_profile {
+    if let (true, Some((last, _))) = (a.est.replan && ran.predict, &ran.last) {
+        notes.extend(replan::proposal_note(a, r, &ran.estimate, last)?);
+    }
+    let fitted_scale = match &a.est.fit_profile {
         Some(path) => {
-            let (scale, note) = write_fitted_profile(path, &r.loaded_profile, &ran.estimate)?;
+            let per_rank = a.est.replan.then_some(config);
+            let (scale, note) =
+                write_fitted_profile(path, &r.loaded_profile, &ran.estimate, per_rank)?;
             notes.push(note);
             Some(scale)
         }

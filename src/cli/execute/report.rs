@@ -14,6 +14,9 @@ pub(super) struct StepRow {
     pub(super) measured_makespan_s: f64,
     pub(super) tokens_per_s: f64,
     pub(super) bubble_ratio: f64,
+    /// Each rank's busy time (its compute actions), seconds, ranks replica-major: a step can
+    /// be no shorter than the busiest's.
+    pub(super) rank_busy_s: Vec<f64>,
     /// Forward-only microbatches of the step (all replicas).
     pub(super) fo_microbatches: usize,
     /// Time the ranks spent on forward-only actions, summed over ranks, seconds.
@@ -124,6 +127,9 @@ pub(super) fn step_row(
         measured_makespan_s: makespan_s,
         tokens_per_s: tokens as f64 / makespan_s,
         bubble_ratio: 1.0 - busy / (n as f64 * makespan_s),
+        rank_busy_s: (0..n)
+            .map(|r| run.timeline.busy_ns(r) as f64 * 1e-9)
+            .collect(),
         fo_microbatches: prepared
             .replicas
             .iter()
@@ -279,6 +285,7 @@ pub(super) fn write_fitted_profile(
     path: &std::path::Path,
     profile: &profiles::Profile,
     estimate: &flatpipe_simulator::run::estimate::SpeedEstimate,
+    per_rank: Option<&sim::run::config::RunConfig>,
 ) -> Result<(profiles::PhaseScale, String)> {
     if estimate.steps() == 0 {
         bail!(
@@ -287,12 +294,22 @@ pub(super) fn write_fitted_profile(
         );
     }
     let s = estimate.phase_scale();
-    let fitted = profile.scaled(&s)?;
+    // Re-planning: each rank's stages scaled by that rank's factors (what the next step would
+    // be planned with), else every layer by the run's.
+    let fitted = match per_rank {
+        Some(config) => (*super::replan::replanned_profile(profile, config, estimate)?).clone(),
+        None => profile.scaled(&s)?,
+    };
     profiles::write_atomic(path, fitted.to_yaml()?.as_bytes())?;
     let note = format!(
-        "wrote {}: the profile refitted on {} measured step(s), measured / predicted busy time F x{:.3}, I x{:.3}, W x{:.3}, B x{:.3}, optimizer x{:.3}",
+        "wrote {}: the profile refitted on {} measured step(s){}, measured / predicted busy time F x{:.3}, I x{:.3}, W x{:.3}, B x{:.3}, optimizer x{:.3}",
         path.display(),
         estimate.steps(),
+        if per_rank.is_some() {
+            " per pipeline rank (each rank's stages by its own factors; over all ranks)"
+        } else {
+            ""
+        },
         s.f,
         s.i,
         s.w,
@@ -302,7 +319,8 @@ pub(super) fn write_fitted_profile(
     Ok((s, note))
 }
 
-/// One `--estimate-log` line: the step, its predicted and measured makespan (seconds), and the
+/// One `--estimate-log` line: the step, its predicted and measured makespan (seconds), the
+/// seconds its planning took (`null` for the first step, planned before the loop), and the
 /// estimate after it: `phase_scale` (measured over predicted busy time per phase) and
 /// `rank_factors` (per rank of replica 0, over all phases).
 ///
@@ -313,11 +331,13 @@ pub(super) fn estimate_line(
     prediction: &flatpipe_executor::runner::Prediction,
     run: &flatpipe_executor::interpreter::StepRun,
     estimate: &flatpipe_simulator::run::estimate::SpeedEstimate,
+    prepare_s: Option<f64>,
 ) -> Result<String> {
     Ok(serde_json::to_string(&serde_json::json!({
         "step": step,
         "predicted_makespan_s": prediction.makespan_s,
         "measured_makespan_s": run.timeline.makespan_ns() as f64 * 1e-9,
+        "planning_s": prepare_s,
         "phase_scale": estimate.phase_scale(),
         "rank_factors": estimate.rank_factors(),
     }))?)
