@@ -326,7 +326,7 @@ pub trait StageWorker: Send {
 }
 
 /// Which exchange of a layer a message belongs to: an MoE layer's token all-to-alls, or a
-/// context-parallel group's keys and values ([`crate::model::context`]).
+/// context-parallel group's keys and values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Phase {
     /// F: token rows to the experts' ranks.

@@ -18,6 +18,15 @@ from flatpipe.torch import PipelineRuntime
 RTOL, ATOL = 1e-4, 1e-6
 
 
+def spawn_reports(run, world: int, spec: dict, tmp_path) -> list:
+    """Runs ``run(rank, world, init, spec, out_dir)`` in ``world`` gloo processes and returns
+    each rank's report (``rank<r>.json`` in ``tmp_path``), in rank order."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(run, args=(world, str(tmp_path / "init"), spec, str(tmp_path)), nprocs=world, join=True)
+    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+
+
 def gradient_excess(stages, want):
     """``(worst, missing)``: the largest ``|grad - want| - RTOL |want|`` over the stages'
     parameters (by their whole-model names, ``layer_parameters()``), and the names of those with

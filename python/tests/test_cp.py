@@ -4,12 +4,8 @@ single-process run of the whole model."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flatpipe.models import CpShard, ModelConfig, Stage, cp_pieces
 from flatpipe.torch import cp_share
@@ -46,11 +42,11 @@ def test_cp_2_inside_pp_2_equals_one_process(tmp_path, schedule):
     microbatch, the group's attention gathers keys and values; the loss summed over the group
     and every gradient after the group's all-reduce equal the single-process run's."""
     from _cp_workers import run
+    from _workers import spawn_reports
 
     spec = {"cp": 2, "schedule": schedule, "decoders": 2, "budget": 256, "steps": STEPS}
     world = 4
-    mp.spawn(run, args=(world, str(tmp_path / "init"), spec, str(tmp_path)), nprocs=world, join=True)
-    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    reports = spawn_reports(run, world, spec, tmp_path)
     for rank, steps in enumerate(reports):
         for i, s in enumerate(steps):
             where = f"{schedule} rank {rank} step {i}"

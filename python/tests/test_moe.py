@@ -98,9 +98,7 @@ def test_pipeline_with_expert_parallelism_equals_one_process(tmp_path, schedule)
     two replicas of its pipeline rank (ep = dp = 2): the step's loss, and every gradient against
     the single-process run of the whole model on both replicas' data (experts' on the process
     holding them, the rest after the data-parallel all-reduce)."""
-    import json
-
-    from _workers import run
+    from _workers import run, spawn_reports
 
     spec = {
         "schedule": schedule,
@@ -113,8 +111,7 @@ def test_pipeline_with_expert_parallelism_equals_one_process(tmp_path, schedule)
         "steps": EP_STEPS,
     }
     world = 4
-    mp.spawn(run, args=(world, str(tmp_path / "init"), spec, str(tmp_path)), nprocs=world, join=True)
-    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    reports = spawn_reports(run, world, spec, tmp_path)
     for rank, steps in enumerate(reports):
         for i, s in enumerate(steps):
             where = f"{schedule} rank {rank} step {i}"
@@ -133,15 +130,12 @@ def test_overlapped_pairs_interleave_around_their_all_to_alls(tmp_path):
     other half computed while it was on the wire). A half without a mixture-of-experts layer
     (a stage of only the head) computes in one stretch, and a pair whose other half has
     finished has nothing left to hide under."""
-    import json
-
     from _moe_workers import OVERLAP_SPEC
-    from _workers import run
+    from _workers import run, spawn_reports
 
     spec = OVERLAP_SPEC
     world = 4
-    mp.spawn(run, args=(world, str(tmp_path / "init"), spec, str(tmp_path)), nprocs=world, join=True)
-    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    reports = spawn_reports(run, world, spec, tmp_path)
     pairs = hidden = 0
     for rank, steps in enumerate(reports):
         s = steps[0]
@@ -166,7 +160,7 @@ def test_partners_with_different_microbatch_counts_are_refused(tmp_path):
     """Without a fixed count the two replicas cut this step into different numbers of
     microbatches: their all-to-alls would not pair up, so the runtime refuses the step on both
     (one process per replica, pp = 1)."""
-    from _workers import run
+    from _workers import run, spawn_reports
 
     spec = {
         "schedule": "1f1b",

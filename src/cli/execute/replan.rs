@@ -47,12 +47,12 @@ impl EstimateArgs {
     /// # Errors
     /// `--fit-profile`, `--estimate-log` or `--replan` without a measured profile.
     pub(super) fn check(&self, predict: bool, model: &str, backend: &str) -> Result<()> {
-        let asked = if self.fit_profile.is_some() {
-            Some("--fit-profile")
-        } else if self.estimate_log.is_some() {
-            Some("--estimate-log")
+        let asked = if let Some(p) = &self.fit_profile {
+            Some(format!("--fit-profile {}", p.display()))
+        } else if let Some(p) = &self.estimate_log {
+            Some(format!("--estimate-log {}", p.display()))
         } else if self.replan {
-            Some("--replan")
+            Some("--replan".to_string())
         } else {
             None
         };
