@@ -240,6 +240,8 @@ struct Ran {
     estimate: SpeedEstimate,
     /// `--estimate-log`'s lines, one per measured step.
     estimate_log: Vec<String>,
+    /// `--estimate-chart`'s points, one per measured step.
+    estimate_points: Vec<sim::io::estimate_chart::EstimatePoint>,
 }
 
 /// Runs `--warmup-steps` then `--steps` steps ([`run_steps`]): each checked for a finite loss,
@@ -270,6 +272,7 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
         estimate: SpeedEstimate::new(a.est.forgetting)
             .map_err(|e| anyhow::anyhow!("--forgetting {}: {e}", a.est.forgetting))?,
         estimate_log: Vec::new(),
+        estimate_points: Vec::new(),
     };
     // Sequences longer than the token budget (each gets a microbatch of its own).
     let budget = setup
@@ -340,6 +343,8 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
                             prepare_s,
                         )?);
                     }
+                    ran.estimate_points
+                        .push(replan::point(step, &p, &run, &ran.estimate));
                 }
                 Some(p)
             } else {
@@ -436,19 +441,11 @@ fn render(a: &ExecuteArgs, r: &ResolvedRun, ran: Ran) -> Result<ExitCode> {
             a.est.forgetting,
         )?);
     }
+    notes.extend(replan::estimate_chart(a, r, &ran.estimate_points)?);
     if let (true, Some((last, _))) = (a.est.replan && ran.predict, &ran.last) {
         notes.extend(replan::proposal_note(a, r, &ran.estimate, last)?);
     }
-    let fitted_scale = match &a.est.fit_profile {
-        Some(path) => {
-            let per_rank = a.est.replan.then_some(config);
-            let (scale, note) =
-                write_fitted_profile(path, &r.loaded_profile, &ran.estimate, per_rank)?;
-            notes.push(note);
-            Some(scale)
-        }
-        None => None,
-    };
+    let fitted_scale = replan::fit_profile(a, r, &ran.estimate, &mut notes)?;
     let report = ExecuteReport {
         model: model.name.clone(),
         workload: r.workload.name.clone(),

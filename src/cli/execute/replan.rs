@@ -19,6 +19,11 @@ pub(super) struct EstimateArgs {
     /// busy time per phase and per rank). Needs a profile measured on this backend.
     #[arg(long)]
     pub(super) estimate_log: Option<PathBuf>,
+    /// Draw the estimate step by step here (.svg or .png): each step's predicted and measured
+    /// makespan, and each rank's speed factor after it. Needs a profile measured on this
+    /// backend.
+    #[arg(long)]
+    pub(super) estimate_chart: Option<PathBuf>,
     /// The estimate's forgetting factor in (0, 1]: a step one step older weighs this much
     /// (memory of about 1 / (1 - factor) steps); 1, the default, weighs every step alike.
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
@@ -51,6 +56,8 @@ impl EstimateArgs {
             Some(format!("--fit-profile {}", p.display()))
         } else if let Some(p) = &self.estimate_log {
             Some(format!("--estimate-log {}", p.display()))
+        } else if let Some(p) = &self.estimate_chart {
+            Some(format!("--estimate-chart {}", p.display()))
         } else if self.replan {
             Some("--replan".to_string())
         } else {
@@ -232,4 +239,63 @@ pub(super) fn proposal_note(
         ));
     }
     Ok(Some(note))
+}
+
+/// One step of `--estimate-chart`: its predicted and measured makespan and the rank factors
+/// after it.
+pub(super) fn point(
+    step: u64,
+    prediction: &flatpipe_executor::runner::Prediction,
+    run: &flatpipe_executor::interpreter::StepRun,
+    estimate: &SpeedEstimate,
+) -> sim::io::estimate_chart::EstimatePoint {
+    sim::io::estimate_chart::EstimatePoint {
+        step,
+        predicted_s: prediction.makespan_s,
+        measured_s: run.timeline.makespan_ns() as f64 * 1e-9,
+        rank_factors: estimate.rank_factors(),
+    }
+}
+
+/// Draws `--estimate-chart` (when given) and returns the note saying where.
+///
+/// # Errors
+/// The chart cannot be drawn or written; no measured step had a prediction.
+pub(super) fn estimate_chart(
+    a: &ExecuteArgs,
+    r: &ResolvedRun,
+    points: &[sim::io::estimate_chart::EstimatePoint],
+) -> Result<Option<String>> {
+    let Some(path) = &a.est.estimate_chart else {
+        return Ok(None);
+    };
+    let title = format!(
+        "{} on {}: {}{}, predicted and measured step by step",
+        r.model.name,
+        r.backend.backend.name(),
+        r.setup.config.source.name(),
+        if a.est.replan { " re-planned" } else { "" }
+    );
+    sim::io::estimate_chart::write_estimate_chart(path, &title, points)?;
+    Ok(Some(format!("Estimate chart: {}", path.display())))
+}
+
+/// Writes `--fit-profile` (when given: per rank with `--replan`, [`write_fitted_profile`]),
+/// adds its note to `notes` and returns the run's phase factors.
+///
+/// # Errors
+/// As [`write_fitted_profile`].
+pub(super) fn fit_profile(
+    a: &ExecuteArgs,
+    r: &ResolvedRun,
+    estimate: &SpeedEstimate,
+    notes: &mut Vec<String>,
+) -> Result<Option<profiles::PhaseScale>> {
+    let Some(path) = &a.est.fit_profile else {
+        return Ok(None);
+    };
+    let per_rank = a.est.replan.then_some(&r.setup.config);
+    let (scale, note) = write_fitted_profile(path, &r.loaded_profile, estimate, per_rank)?;
+    notes.push(note);
+    Ok(Some(scale))
 }
