@@ -15,7 +15,7 @@
 //! CPU backend only.
 
 use super::OpSet;
-use super::experts::{Exchange, Payload, Phase};
+use super::experts::{Exchange, Payload, Phase, device, host};
 use crate::data::{CpPiece, CpShare};
 use crate::kernels::{self, AttnDims};
 use crate::{Error, Result};
@@ -32,17 +32,6 @@ fn rows(pieces: &[CpPiece]) -> Vec<(CpPiece, usize)> {
             r
         })
         .collect()
-}
-
-fn host<O: OpSet>(ops: &O, t: &O::Tensor, rows: usize, cols: usize) -> Result<Array2<f32>> {
-    Array2::from_shape_vec((rows, cols), ops.to_host(t))
-        .map_err(|e| Error::Invalid(format!("a [{rows}, {cols}] tensor: {e}")))
-}
-
-fn device<O: OpSet>(ops: &O, a: Array2<f32>) -> Result<O::Tensor> {
-    let (r, c) = a.dim();
-    let (v, _) = a.into_raw_vec_and_offset();
-    ops.upload_host(v, r, c)
 }
 
 /// One array per document of a microbatch, `[L, cols]`.

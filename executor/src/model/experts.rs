@@ -580,13 +580,26 @@ impl<T> MoeW<T> {
     }
 }
 
-fn host<O: OpSet>(ops: &O, t: &O::Tensor, rows: usize, cols: usize) -> Result<Array2<f32>> {
+/// A `[rows, cols]` tensor copied to the host (row-major).
+///
+/// # Errors
+/// [`Error::Invalid`] when the tensor does not hold `rows x cols` values.
+pub(super) fn host<O: OpSet>(
+    ops: &O,
+    t: &O::Tensor,
+    rows: usize,
+    cols: usize,
+) -> Result<Array2<f32>> {
     let v = ops.to_host(t);
     Array2::from_shape_vec((rows, cols), v)
         .map_err(|e| Error::Invalid(format!("a [{rows}, {cols}] tensor: {e}")))
 }
 
-fn device<O: OpSet>(ops: &O, a: Array2<f32>) -> Result<O::Tensor> {
+/// A host array uploaded as a tensor of its shape.
+///
+/// # Errors
+/// The backend's [`OpSet::upload_host`] (unsupported off the CPU backend).
+pub(super) fn device<O: OpSet>(ops: &O, a: Array2<f32>) -> Result<O::Tensor> {
     let (r, c) = a.dim();
     let (v, _) = a.into_raw_vec_and_offset();
     ops.upload_host(v, r, c)
