@@ -22,6 +22,7 @@ mod builtins_cmd;
 mod calibrate;
 mod checks;
 mod cp;
+mod drift;
 mod errors;
 mod execute;
 mod import_trace;
@@ -37,6 +38,7 @@ use backend::{Backend, GemmPrecision};
 use builtins_cmd::{BuiltinsArgs, list_builtins};
 use calibrate::{CalibrateArgs, calibrate};
 use checks::*;
+use drift::{DriftArgs, drift_cmd};
 use errors::*;
 pub use errors::{StdoutClosed, render_error};
 use execute::{ExecuteArgs, execute};
@@ -95,6 +97,10 @@ enum Command {
     /// The closed loop: profile this machine, plan each schedule on the measured profile,
     /// execute it, and compare predicted with measured makespan and bubbles.
     Calibrate(Box<CalibrateArgs>),
+    /// Simulate a run that drifts, step by step: GPUs that slow down (--stragglers) or lengths
+    /// that grow (--grow), planned once against planned before every step from what the last
+    /// steps measured.
+    Drift(Box<DriftArgs>),
     /// Read a PyTorch profiler trace (actions labelled PP:<action>) into a measured timeline:
     /// Gantt chart, bubble per rank, and the comparison with flatpipe's prediction.
     ImportTrace(Box<ImportTraceArgs>),
@@ -152,6 +158,7 @@ pub fn run() -> Result<ExitCode> {
         Command::Execute(a) => execute(*a),
         Command::Profile(a) => profile_cmd(*a),
         Command::Calibrate(a) => calibrate(*a),
+        Command::Drift(a) => drift_cmd(*a),
         Command::ImportTrace(a) => import_trace(*a),
         Command::Schedule(a) => schedule_cmd(a),
         Command::Builtins(a) => list_builtins(a),

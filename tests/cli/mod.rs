@@ -6,6 +6,7 @@ mod builtins;
 mod calibrate;
 mod common;
 mod communication;
+mod drift;
 mod errors;
 mod execute;
 mod export;

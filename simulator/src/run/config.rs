@@ -420,20 +420,37 @@ pub fn balance_cost(profile: &Profile) -> impl Fn(u64, u64) -> f64 + Send + Sync
 
 /// Splits a step's sequences into `dp` shares balanced by predicted cost (LPT; Graham 1969).
 pub fn dp_shares(seqs: &[u32], dp: u32, cost: &dyn Fn(u64, u64) -> f64) -> Vec<Vec<u32>> {
-    if dp <= 1 {
+    dp_shares_for_speeds(seqs, &vec![1.0; dp.max(1) as usize], cost)
+}
+
+/// Splits a step's sequences into one share per replica, replica `d` taking `speeds[d]` times
+/// the predicted cost of what it gets (1: the profile's speed; a straggler's is larger): LPT on
+/// uniform machines, each sequence, longest first, to the replica on which it would finish
+/// first (Gonzalez, Ibarra and Sahni 1977, "Bounds for LPT schedules on uniform processors",
+/// SIAM J. Comput. 6(1)). With equal speeds this is [`dp_shares`]'s LPT. `speeds` must be
+/// non-empty, each finite and > 0.
+pub fn dp_shares_for_speeds(
+    seqs: &[u32],
+    speeds: &[f64],
+    cost: &dyn Fn(u64, u64) -> f64,
+) -> Vec<Vec<u32>> {
+    if speeds.len() <= 1 {
         return vec![seqs.to_vec()];
     }
     let mut order: Vec<u32> = seqs.to_vec();
     order.sort_by(|a, b| b.cmp(a));
-    let mut load = vec![0.0f64; dp as usize];
-    let mut out = vec![Vec::new(); dp as usize];
+    let mut load = vec![0.0f64; speeds.len()];
+    let mut out = vec![Vec::new(); speeds.len()];
     for s in order {
+        let c = cost(s as u64, s as u64 * (s as u64 + 1) / 2);
         let (k, _) = load
             .iter()
+            .zip(speeds)
+            .map(|(l, v)| l + c * v)
             .enumerate()
-            .min_by(|a, b| a.1.total_cmp(b.1).then(a.0.cmp(&b.0)))
-            .expect("dp >= 1");
-        load[k] += cost(s as u64, s as u64 * (s as u64 + 1) / 2);
+            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
+            .expect("two replicas or more");
+        load[k] += c * speeds[k];
         out[k].push(s);
     }
     out

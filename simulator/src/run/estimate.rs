@@ -13,7 +13,8 @@
 
 use crate::ir::{Action, ActionKind};
 use crate::replay::timeline::Timeline;
-use flatpipe_profiles::PhaseScale;
+use crate::run::config::RunConfig;
+use flatpipe_profiles::{PhaseScale, Profile};
 
 /// The phases estimated, in slot order: F, I, W, B, Fo, optimizer. Overlapped pairs (`F&B`)
 /// are left out: their predicted time holds the overlap model, so their ratio says as much
@@ -170,6 +171,51 @@ impl SpeedEstimate {
             })
             .collect()
     }
+}
+
+impl SpeedEstimate {
+    /// The profile the next step is planned with: `base` with each pipeline rank's stages
+    /// scaled by that rank's phase factors ([`SpeedEstimate::rank_phase_scale`]) and the
+    /// optimizer by the run's ([`profile_for_ranks`]).
+    ///
+    /// # Errors
+    /// [`profile_for_ranks`]'s.
+    pub fn planning_profile(&self, base: &Profile, config: &RunConfig) -> crate::Result<Profile> {
+        let scales: Vec<PhaseScale> = (0..config.pp as usize)
+            .map(|r| self.rank_phase_scale(r))
+            .collect();
+        profile_for_ranks(base, config, &scales, self.phase_scale().optimizer)
+    }
+}
+
+/// `base` as one replica of `config` sees it when pipeline rank `r` goes at `scales[r]`
+/// against the profile: every stage's layers scaled by its rank's factors
+/// ([`Profile::scaled_by_layers`]), the optimizer's time by `optimizer`.
+///
+/// # Errors
+/// [`crate::Error::InvalidArgument`] for fewer scales than ranks; the placement's; a factor
+/// that is not finite and > 0.
+pub fn profile_for_ranks(
+    base: &Profile,
+    config: &RunConfig,
+    scales: &[PhaseScale],
+    optimizer: f64,
+) -> crate::Result<Profile> {
+    if scales.len() < config.pp as usize {
+        return Err(crate::Error::invalid(
+            "rank speeds",
+            scales.len(),
+            format!("one per pipeline rank ({})", config.pp),
+        ));
+    }
+    let placement = config.placement()?;
+    let ranges: Vec<_> = config
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(s, layers)| (layers.clone(), scales[placement.rank_of[s].idx()]))
+        .collect();
+    Ok(base.scaled_by_layers(&ranges, optimizer)?)
 }
 
 #[cfg(test)]

@@ -1,10 +1,12 @@
 //! Runs: what a run is ([`config::RunConfig`] and its vocabulary), one step planned once
 //! ([`step::plan_step`]: the dp shares, the microbatches, the schedule that runs and its
 //! prediction), flat-planned's per-step microbatch plan ([`mb_plan`]), many sampled steps
-//! ([`montecarlo`]), the plan file ([`plan::Plan`]), and how fast a run goes against its profile
-//! ([`estimate::SpeedEstimate`]).
+//! ([`montecarlo`]), the plan file ([`plan::Plan`]), how fast a run goes against its profile
+//! ([`estimate::SpeedEstimate`]), and runs that drift, fixed plans against re-planned ones
+//! ([`drift`]).
 
 pub mod config;
+pub mod drift;
 pub mod estimate;
 pub mod mb_plan;
 pub mod montecarlo;

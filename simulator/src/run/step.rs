@@ -21,8 +21,8 @@ use crate::costs::{CostModel, TableCosts, UniformCostSpec, UniformCosts, ns_to_s
 use crate::ir::lowering::Lowering;
 use crate::ir::{Placement, Rank, Schedule};
 use crate::run::config::{
-    Capacity, RunConfig, ScheduleSource, cached_schedule, dp_shares, round_costs,
-    zb_auto_activation_limit,
+    Capacity, RunConfig, ScheduleSource, cached_schedule, dp_shares, dp_shares_for_speeds,
+    round_costs, zb_auto_activation_limit,
 };
 use crate::schedules::forward_only::{forward_only_pass, with_forward_only};
 use crate::schedules::generators::ScheduleKind;
@@ -96,8 +96,35 @@ pub fn cut_step(
     seqs: &[u32],
     cost: &dyn Fn(u64, u64) -> f64,
 ) -> Result<Vec<Batched>> {
+    cut_step_for_speeds(config, seqs, cost, None)
+}
+
+/// [`cut_step`] with the data-parallel shares balanced for replicas going at `speeds` (one
+/// per replica, time per unit of `cost`; [`dp_shares_for_speeds`]); `None`: equal speeds.
+///
+/// # Errors
+/// [`cut_step`]'s, and [`Error::InvalidArgument`] for a speed list that is not one finite,
+/// positive speed per replica.
+pub fn cut_step_for_speeds(
+    config: &RunConfig,
+    seqs: &[u32],
+    cost: &dyn Fn(u64, u64) -> f64,
+    speeds: Option<&[f64]>,
+) -> Result<Vec<Batched>> {
     let dp = config.dp.max(1);
-    let shares = dp_shares(seqs, dp, cost);
+    let shares = match speeds {
+        None => dp_shares(seqs, dp, cost),
+        Some(v) => {
+            if v.len() != dp as usize || v.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+                return Err(Error::invalid(
+                    "replica speeds",
+                    format!("{v:?}"),
+                    format!("one finite speed > 0 per replica ({dp})"),
+                ));
+            }
+            dp_shares_for_speeds(seqs, v, cost)
+        }
+    };
     if let Some(d) = shares.iter().position(Vec::is_empty) {
         return Err(Error::invalid(
             "data-parallel degree",
@@ -145,17 +172,31 @@ pub fn plan_step(
     let replicas = cut
         .iter()
         .enumerate()
-        .map(|(d, b)| match (config.policy, profile) {
-            (Policy::FlatPlanned, Some(profile)) => {
-                let planned = crate::run::mb_plan::plan(config, profile, &b.microbatches, d)?;
-                let mut r = plan_replica(config, Some(profile), planned.microbatches, d)?;
-                r.lower_bound_s = Some(planned.lower_bound_s);
-                Ok(r)
-            }
-            _ => plan_replica(config, profile, b.microbatches.clone(), d),
-        })
+        .map(|(d, b)| plan_share(config, profile, b, d))
         .collect::<Result<_>>()?;
     Ok(StepPlan { step, replicas })
+}
+
+/// Plans replica `replica`'s share `cut` of a step ([`plan_step`] for one replica): under
+/// `flat-planned` with a profile, its microbatches planned first ([`crate::run::mb_plan::plan`]).
+///
+/// # Errors
+/// [`plan_replica`]'s and the microbatch plan's.
+pub fn plan_share(
+    config: &RunConfig,
+    profile: Option<&Profile>,
+    cut: &Batched,
+    replica: usize,
+) -> Result<ReplicaPlan> {
+    match (config.policy, profile) {
+        (Policy::FlatPlanned, Some(profile)) => {
+            let planned = crate::run::mb_plan::plan(config, profile, &cut.microbatches, replica)?;
+            let mut r = plan_replica(config, Some(profile), planned.microbatches, replica)?;
+            r.lower_bound_s = Some(planned.lower_bound_s);
+            Ok(r)
+        }
+        _ => plan_replica(config, profile, cut.microbatches.clone(), replica),
+    }
 }
 
 /// Builds the training schedule of one round: every kind from the same inputs (placement,

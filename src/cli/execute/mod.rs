@@ -375,11 +375,10 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
             ran.rows.push(row);
             ran.last = Some((prepared, run));
             Ok(match (a.est.replan, predict) {
-                (true, true) => Some(replan::replanned_profile(
+                (true, true) => Some(Arc::new(ran.estimate.planning_profile(
                     setup.profile.as_deref().unwrap_or(&r.profile),
                     &setup.config,
-                    &ran.estimate,
-                )?),
+                )?)),
                 _ => None,
             })
         },

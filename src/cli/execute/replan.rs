@@ -97,31 +97,6 @@ pub(super) fn slowdown(arg: &str, ranks: usize) -> Result<Slowdown> {
     Ok(s)
 }
 
-/// The profile the next step is planned with: `base` with each pipeline rank's stages scaled
-/// by that rank's phase factors ([`SpeedEstimate::rank_phase_scale`], replica 0's ranks) and
-/// the optimizer by the run's.
-///
-/// # Errors
-/// The placement's, a factor that is not finite and > 0.
-pub(super) fn replanned_profile(
-    base: &Profile,
-    config: &sim::run::config::RunConfig,
-    estimate: &SpeedEstimate,
-) -> Result<Arc<Profile>> {
-    let placement = config.placement()?;
-    let ranges: Vec<_> = config
-        .stages
-        .iter()
-        .enumerate()
-        .map(|(s, layers)| {
-            let rank = placement.rank_of[s].idx();
-            (layers.clone(), estimate.rank_phase_scale(rank))
-        })
-        .collect();
-    let optimizer = estimate.phase_scale().optimizer;
-    Ok(Arc::new(base.scaled_by_layers(&ranges, optimizer)?))
-}
-
 /// A rank that stays slower than the others by more than this ratio of their factors gets a
 /// layer split proposed.
 const SLOW_RATIO: f64 = 1.1;

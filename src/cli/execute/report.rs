@@ -297,7 +297,7 @@ pub(super) fn write_fitted_profile(
     // Re-planning: each rank's stages scaled by that rank's factors (what the next step would
     // be planned with), else every layer by the run's.
     let fitted = match per_rank {
-        Some(config) => (*super::replan::replanned_profile(profile, config, estimate)?).clone(),
+        Some(config) => estimate.planning_profile(profile, config)?,
         None => profile.scaled(&s)?,
     };
     profiles::write_atomic(path, fitted.to_yaml()?.as_bytes())?;
