@@ -29,6 +29,7 @@ from ._core import (
     Microbatch,
     Pipeline,
     Profile,
+    SpeedEstimate,
     StepPlan,
     Workload,
     __version__,
@@ -90,6 +91,7 @@ __all__ = [
     "Profile",
     "SimulationSummary",
     "Span",
+    "SpeedEstimate",
     "StepPlan",
     "Workload",
     "__version__",
@@ -98,12 +100,12 @@ __all__ = [
     "plan",
 ]
 
-# The submodules that need torch (torch, models; hf and titan, stages from Hugging Face and
+# The submodules that need torch (torch, models, replan; hf and titan, stages from Hugging Face and
 # torchtitan models, which also need those libraries) or numpy-only helpers (fit) load on first
 # use,
 # so `import flatpipe` does not import torch: `flatpipe.torch.PipelineRuntime` works without an
 # explicit `import flatpipe.torch`.
-_LAZY = ("torch", "models", "fit", "hf", "titan")
+_LAZY = ("torch", "models", "fit", "hf", "titan", "replan")
 
 
 def __getattr__(name: str):

@@ -21,6 +21,7 @@ __all__ = [
     "Workload",
     "Microbatch",
     "StepPlan",
+    "SpeedEstimate",
     "ComputeAction",
     "Action",
     "CommAction",
@@ -242,6 +243,25 @@ class StepPlan:
     def predicted_peak_bytes(self, replica: int = 0) -> Optional[list[float]]: ...
     def timeline(self, replica: int = 0) -> list[tuple[int, str, float, float]]:
         """``(rank, action, start_s, end_s)`` per compute action; empty without a profile."""
+
+@final
+class SpeedEstimate:
+    """Per pipeline rank and phase, the measured over the predicted busy time of the steps
+    seen, exponentially weighted; :meth:`planning_pipeline` plans the next step from it."""
+
+    def __new__(cls, pipeline: Pipeline, forgetting: float = 1.0) -> SpeedEstimate: ...
+    def observe(
+        self, plan: StepPlan, timings: Sequence[tuple[int, str, float]], replica: int = 0
+    ) -> None:
+        """Adds one step: ``(rank, action, compute_s)`` per action of every rank
+        (``flatpipe.replan.gather_timings``) against ``plan`` replayed on the profile."""
+    @property
+    def steps(self) -> int: ...
+    def rank_factors(self) -> list[float]: ...
+    def phase_factors(self, rank: int) -> dict[str, float]:
+        """``{"f", "i", "w", "b", "optimizer"}`` of pipeline rank ``rank``."""
+    def planning_pipeline(self) -> Pipeline:
+        """The pipeline with each rank's stages scaled by that rank's factors."""
 
 @final
 class Pipeline:

@@ -255,6 +255,9 @@ class PipelineRuntime:
         self.expert_dp_group = expert_dp_group
         self.cp_group = cp_group
         self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+        #: Test hook (:func:`flatpipe.replan.slow_rank_for_testing`): ``(factor, from_step)``
+        #: makes this rank's compute ``factor`` times longer from plan step ``from_step`` on.
+        self._test_slowdown: Optional[Tuple[float, int]] = None
         if self.cp > 1 and loss_reduction != "token":
             raise ValueError(
                 "loss_reduction = 'sequence' with a cp_group is not supported (a sequence's mean "
@@ -608,6 +611,7 @@ class _StepState:
                 f"rank {me} holds stages {sorted(rt.stages)}, the plan puts stages {sorted(mine)} on it"
             )
         self.rt, self.me, self.mine, self.train = rt, me, mine, train
+        self.step_number = plan.step
         self.stage_rank = plan.stage_ranks
         self.first, self.last = 0, plan.num_stages - 1
         self.mbs = plan.microbatches(replica)
@@ -749,12 +753,19 @@ class _StepState:
 
     def run_part(self, p: ComputeAction, got: Dict[_Key, torch.Tensor]) -> None:
         """One compute action on its received inputs."""
+        before = self.compute_s
         if p.kind in ("F", "Fo"):
             self.forward(p, got)
         elif p.kind in ("I", "B"):
             self.input_backward(p, got)
         else:
             self.weight_backward(p)
+        slow = self.rt._test_slowdown
+        if slow is not None and self.step_number >= slow[1]:
+            # The straggler hook: the action's compute, made `factor` times as long.
+            extra = (slow[0] - 1.0) * (self.compute_s - before)
+            time.sleep(extra)
+            self.compute_s += extra
 
     def _interleaves(self, parts: Sequence[ComputeAction]) -> bool:
         """Whether an overlapped pair runs with its halves interleaved: a training step, two

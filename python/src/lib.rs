@@ -38,6 +38,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 mod actions;
+mod estimate;
 mod functions;
 mod microbatch;
 mod pipeline;
@@ -150,6 +151,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyWorkload>()?;
     m.add_class::<PyMicrobatch>()?;
     m.add_class::<PyStepPlan>()?;
+    m.add_class::<estimate::PySpeedEstimate>()?;
     m.add_class::<PyComputeAction>()?;
     m.add_class::<PyAction>()?;
     m.add_class::<PyCommAction>()?;

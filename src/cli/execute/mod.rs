@@ -238,6 +238,8 @@ struct Ran {
     profile_warnings: Vec<String>,
     /// Measured over predicted busy time per phase, over the measured steps (`--fit-profile`).
     estimate: SpeedEstimate,
+    /// The links' alpha and beta from the timed transfers (none on the CPU backend's host clock).
+    links: sim::run::link_estimate::LinkEstimate,
     /// `--estimate-log`'s lines, one per measured step.
     estimate_log: Vec<String>,
     /// `--estimate-chart`'s points, one per measured step.
@@ -271,6 +273,7 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
         profile_warnings,
         estimate: SpeedEstimate::new(a.est.forgetting)
             .map_err(|e| anyhow::anyhow!("--forgetting {}: {e}", a.est.forgetting))?,
+        links: sim::run::link_estimate::LinkEstimate::new(a.est.forgetting)?,
         estimate_log: Vec::new(),
         estimate_points: Vec::new(),
     };
@@ -334,14 +337,11 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
                     // Replica 0's ranks: the predicted timeline's.
                     ran.estimate
                         .observe(t, &run.timeline, setup.config.pp as usize);
+                    replan::observe_links(&mut ran.links, &run, &prepared, base, &setup.config);
                     if a.est.estimate_log.is_some() {
-                        ran.estimate_log.push(estimate_line(
-                            step,
-                            &p,
-                            &run,
-                            &ran.estimate,
-                            prepare_s,
-                        )?);
+                        let link = ran.links.pooled();
+                        let line = estimate_line(step, (&p, &run), &ran.estimate, link, prepare_s);
+                        ran.estimate_log.push(line?);
                     }
                     ran.estimate_points
                         .push(replan::point(step, &p, &run, &ran.estimate));
@@ -375,10 +375,10 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
             ran.rows.push(row);
             ran.last = Some((prepared, run));
             Ok(match (a.est.replan, predict) {
-                (true, true) => Some(Arc::new(ran.estimate.planning_profile(
+                (true, true) => Some(Arc::new(ran.links.apply(&ran.estimate.planning_profile(
                     setup.profile.as_deref().unwrap_or(&r.profile),
                     &setup.config,
-                )?)),
+                )?))),
                 _ => None,
             })
         },

@@ -97,6 +97,29 @@ pub(super) fn slowdown(arg: &str, ranks: usize) -> Result<Slowdown> {
     Ok(s)
 }
 
+/// Adds a step's timed transfers to the link estimate, each sized as the cost model sizes it
+/// (`sim::run::link_estimate::message_bytes`, its replica's microbatch tokens; global rank
+/// `d * pp + r` is replica d's rank r). The CPU backend's hand-offs take no measured time and
+/// add nothing.
+pub(super) fn observe_links(
+    links: &mut sim::run::link_estimate::LinkEstimate,
+    run: &flatpipe_executor::interpreter::StepRun,
+    prepared: &PreparedStep,
+    profile: &Profile,
+    config: &sim::run::config::RunConfig,
+) {
+    let pp = config.pp.max(1) as usize;
+    let bytes = |t: &sim::replay::timeline::TimedTransfer| {
+        let tokens = prepared
+            .replicas
+            .get(t.from.idx() / pp)
+            .and_then(|r| r.lengths.get(t.microbatch.idx()))
+            .map_or(0, |m| m.tokens());
+        sim::run::link_estimate::message_bytes(profile, &config.stages, t, tokens)
+    };
+    links.observe(&run.timeline.transfers, &bytes);
+}
+
 /// A rank that stays slower than the others by more than this ratio of their factors gets a
 /// layer split proposed.
 const SLOW_RATIO: f64 = 1.1;

@@ -328,9 +328,12 @@ pub(super) fn write_fitted_profile(
 /// JSON serialisation.
 pub(super) fn estimate_line(
     step: u64,
-    prediction: &flatpipe_executor::runner::Prediction,
-    run: &flatpipe_executor::interpreter::StepRun,
+    (prediction, run): (
+        &flatpipe_executor::runner::Prediction,
+        &flatpipe_executor::interpreter::StepRun,
+    ),
     estimate: &flatpipe_simulator::run::estimate::SpeedEstimate,
+    link: Option<sim::run::link_estimate::FittedLink>,
     prepare_s: Option<f64>,
 ) -> Result<String> {
     Ok(serde_json::to_string(&serde_json::json!({
@@ -340,6 +343,9 @@ pub(super) fn estimate_line(
         "planning_s": prepare_s,
         "phase_scale": estimate.phase_scale(),
         "rank_factors": estimate.rank_factors(),
+        "link": link.map(|l| serde_json::json!({
+            "alpha_s": l.alpha_s, "beta_bytes_per_s": l.beta_bytes_per_s,
+        })),
     }))?)
 }
 
