@@ -17,9 +17,21 @@ pub struct PySpeedEstimate {
     inner: SpeedEstimate,
 }
 
-/// The measured timeline of `timings` (`(rank, action, compute_s)`) on `pp` ranks: each
-/// rank's actions one after the other, each as long as its compute time.
-fn measured_timeline(timings: &[(i128, String, f64)], pp: usize) -> PyResult<Timeline> {
+/// The measured timeline of `timings` (`(rank, action, compute_s)`) on the ranks of
+/// `schedule` (the replica's round that ran): each rank's actions one after the other, each as
+/// long as its compute time. Every timing must be an action the schedule puts on its rank, at
+/// most once.
+fn measured_timeline(
+    timings: &[(i128, String, f64)],
+    schedule: &flatpipe_simulator::ir::Schedule,
+) -> PyResult<Timeline> {
+    if timings.is_empty() {
+        return Err(err(
+            "timings is empty: give every rank's (rank, action, compute_s) of the step",
+        ));
+    }
+    let pp = schedule.ranks.len();
+    let mut seen = std::collections::HashSet::new();
     let mut compute: Vec<Vec<TimedOp>> = vec![Vec::new(); pp];
     for (k, (rank, text, secs)) in timings.iter().enumerate() {
         let r: usize = nat(&format!("timings[{k}] rank"), *rank)?;
@@ -38,6 +50,20 @@ fn measured_timeline(timings: &[(i128, String, f64)], pp: usize) -> PyResult<Tim
             ));
         }
         let action = Action::from_str(text).map_err(err)?;
+        if !schedule.ranks[r].contains(&action) {
+            return Err(invalid(
+                &format!("timings[{k}] action"),
+                text,
+                &format!("an action the plan puts on rank {r}"),
+            ));
+        }
+        if !seen.insert((r, action)) {
+            return Err(invalid(
+                &format!("timings[{k}] action"),
+                text,
+                &format!("each of rank {r}'s actions once"),
+            ));
+        }
         let start_ns = compute[r].last().map_or(0, |op| op.end_ns);
         compute[r].push(TimedOp {
             action,
@@ -71,8 +97,10 @@ impl PySpeedEstimate {
 
     /// Adds one step: `plan` (planned by this pipeline or by :meth:`planning_pipeline`) and
     /// what replica `replica`'s ranks measured, `(rank, action, compute_s)` per action (every
-    /// rank's: :func:`flatpipe.torch.gather_timings`). The plan's schedules are replayed on the
+    /// rank's: `flatpipe.replan.gather_timings`). The plan's schedules are replayed on the
     /// pipeline's profile and each rank's busy time per phase set against the measured one.
+    /// One estimate follows one replica: with dp > 1, keep one per replica. Refuses empty
+    /// timings, an action the plan does not put on that rank, an action given twice.
     #[pyo3(signature = (plan, timings, replica = 0))]
     fn observe(
         &mut self,
@@ -95,7 +123,16 @@ impl PySpeedEstimate {
             .chart()
             .map(|(_, s)| s.timeline)
             .ok_or_else(|| err("the plan has no prediction to set the timings against"))?;
-        let measured = measured_timeline(&timings, pp)?;
+        let ran = &plan.plan.replicas[replica].rounds;
+        let schedule = match ran.as_slice() {
+            [round] => &round.schedule,
+            _ => {
+                return Err(err(
+                    "the plan's replica runs several rounds; the runtime runs one",
+                ));
+            }
+        };
+        let measured = measured_timeline(&timings, schedule)?;
         self.inner.observe(&predicted, &measured, pp);
         Ok(())
     }
@@ -113,7 +150,16 @@ impl PySpeedEstimate {
 
     /// Pipeline rank `rank`'s factor per phase: ``{"f", "i", "w", "b", "optimizer"}``.
     fn phase_factors<'py>(&self, py: Python<'py>, rank: i128) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.rank_phase_scale(nat("rank", rank)?);
+        let rank: usize = nat("rank", rank)?;
+        let pp = self.pipeline.config.pp as usize;
+        if rank >= pp {
+            return Err(invalid(
+                "rank",
+                rank,
+                &format!("a pipeline rank below {pp}"),
+            ));
+        }
+        let s = self.inner.rank_phase_scale(rank);
         let d = PyDict::new(py);
         for (k, v) in [
             ("f", s.f),

@@ -80,6 +80,16 @@ def test_bad_timings_are_refused_with_the_field():
         est.observe(plan, [(7, "0F0", 0.1)])
     with pytest.raises(flatpipe.FlatpipeError, match="compute_s"):
         est.observe(plan, [(0, "0F0", -1.0)])
+    good = _timings(plan)
+    with pytest.raises(flatpipe.FlatpipeError, match="an action the plan puts on rank 0"):
+        est.observe(plan, [(0, "0F99", 0.1)])
+    with pytest.raises(flatpipe.FlatpipeError, match="once"):
+        est.observe(plan, good + good[:1])
+    with pytest.raises(flatpipe.FlatpipeError, match="timings is empty"):
+        est.observe(plan, [])
+    with pytest.raises(flatpipe.FlatpipeError, match="rank"):
+        est.phase_factors(4)
+    assert est.steps == 0, "nothing refused was counted"
     with pytest.raises(flatpipe.FlatpipeError, match="needs a pipeline with a profile"):
         flatpipe.SpeedEstimate(flatpipe.Pipeline("1f1b", pp=2, num_layers=4))
     with pytest.raises(flatpipe.FlatpipeError, match="forgetting"):

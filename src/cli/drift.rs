@@ -6,8 +6,9 @@ use super::*;
 use sim::run::config::RunConfig;
 use sim::run::drift::{self, Stragglers};
 
-/// Options of `flatpipe drift`.
+/// Options of `flatpipe drift`: one drift, `--grow` or `--stragglers`.
 #[derive(Debug, Args)]
+#[command(group = clap::ArgGroup::new("drift").args(["grow", "stragglers"]).required(true))]
 pub(super) struct DriftArgs {
     #[command(flatten)]
     inputs: Inputs,
@@ -17,7 +18,8 @@ pub(super) struct DriftArgs {
     /// Pipeline-parallel degree (ranks per pipeline).
     #[arg(long, default_value_t = resolve::DEFAULT_PP, value_parser = clap::value_parser!(u32).range(1..))]
     pp: u32,
-    /// Data-parallel replicas of the pipeline. GPUs = tp x pp x dp.
+    /// Data-parallel replicas of the pipeline. GPUs = tp x pp x dp. The replicas share each
+    /// step's sequences: give --tokens-per-step to grow the step with them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     dp: u32,
     /// Schedule (one kind; zb-auto is searched per step under the memory limit).
@@ -26,8 +28,8 @@ pub(super) struct DriftArgs {
     /// Microbatching policy (flat-planned plans each step's cut for its schedule).
     #[arg(long, default_value = "flat-planned")]
     policy: String,
-    /// Token budget per microbatch (with --stragglers; --grow tries --budgets).
-    #[arg(long, default_value_t = sim::batching::policy::DEFAULT_TOKEN_BUDGET)]
+    /// Token budget per microbatch (with --stragglers; --grow compares --budgets).
+    #[arg(long, default_value_t = sim::batching::policy::DEFAULT_TOKEN_BUDGET, conflicts_with = "grow")]
     token_budget: u64,
     /// Cut a sequence longer than the token budget into chunks of at most this many tokens
     /// (with --grow, at most each budget compared).
@@ -38,9 +40,9 @@ pub(super) struct DriftArgs {
     sharding: String,
     /// Per-rank memory limit (bytes or a size such as 75GiB; default: the hardware's memory
     /// less a reserve).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     memory_limit: Option<String>,
-    /// Steps to simulate.
+    /// Steps to simulate, >= 2.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(2..))]
     steps: u32,
     /// Sequences per step (default: the workload's).
@@ -55,26 +57,24 @@ pub(super) struct DriftArgs {
     /// Lengths that grow: every length times a factor rising linearly from 1 at the first step
     /// to this at the last (an RL run whose responses lengthen). Compares every budget of
     /// --budgets held for the whole run with the budget re-chosen per step.
-    #[arg(
-        long,
-        conflicts_with = "stragglers",
-        required_unless_present = "stragglers"
-    )]
+    #[arg(long, allow_negative_numbers = true)]
     grow: Option<f64>,
-    /// With --grow: truncate every grown length to at most this many tokens (an RL run's
+    /// Truncate every length (grown, with --grow) to at most this many tokens (an RL run's
     /// maximum response length).
-    #[arg(long, requires = "grow", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     max_len: Option<u32>,
     /// Token budgets to compare with --grow.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "4096,8192,16384,32768,65536"
+        default_value = "4096,8192,16384,32768,65536",
+        requires = "grow"
     )]
     budgets: Vec<u64>,
     /// GPUs that slow down, drawn per GPU and step: a steady spread of --straggler-spread and
-    /// fail-slows (module sim::run::drift: Sinha et al. SC '22, Wu et al. ATC '25). Compares
-    /// the plan made once, re-planning from the measured speeds, and the oracle.
+    /// fail-slows (Sinha et al., SC '22, arXiv 2208.11035; Wu et al., arXiv 2410.12588).
+    /// Compares the plan made once, re-planning from the measured speeds, and the plan made
+    /// knowing the true speeds (the same planner: not a bound).
     #[arg(long)]
     stragglers: bool,
     /// Each GPU's steady time is 1 + U(0, this) times the profile's.
@@ -90,7 +90,12 @@ pub(super) struct DriftArgs {
     #[arg(long, default_value = "1.1:1.5", requires = "stragglers")]
     straggler_factor: String,
     /// The estimate's forgetting factor in (0, 1] (re-planning with --stragglers).
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(
+        long,
+        default_value_t = 0.5,
+        allow_negative_numbers = true,
+        requires = "stragglers"
+    )]
     forgetting: f64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
@@ -148,10 +153,17 @@ pub(super) fn drift_cmd(a: DriftArgs) -> Result<ExitCode> {
     }
     let size = resolve::step_size(a.seqs_per_step, a.tokens_per_step, None, &workload)?;
     let n = a.steps as usize;
-    let sample = |t: usize| workload.sample_step(a.seed, t as u64, size);
+    let cap = a.max_len.unwrap_or(u32::MAX);
+    let capped = |mut seqs: Vec<u32>| {
+        seqs.iter_mut().for_each(|s| *s = (*s).min(cap));
+        seqs
+    };
+    let sample = |t: usize| capped(workload.sample_step(a.seed, t as u64, size));
     let progress = Progress::new(n as u64);
     let tick = || progress.inc();
-    let gpus = a.tp * a.pp * a.dp;
+    let gpus = u64::from(a.tp) * u64::from(a.pp) * u64::from(a.dp);
+    profile.hardware.check_gpus(gpus)?;
+    check_drift_memory(&a, &run, &workload, size)?;
     let what = format!(
         "{} on {} GPUs (tp {} x pp {} x dp {}), {}, {}, {} steps of {}",
         profile.model,
@@ -169,16 +181,18 @@ pub(super) fn drift_cmd(a: DriftArgs) -> Result<ExitCode> {
             if !(g > 0.0 && g.is_finite()) {
                 bail!("--grow {g} is invalid: a factor > 0 (2: lengths double over the run)");
             }
-            let cap = a.max_len.unwrap_or(u32::MAX);
             let steps: Vec<Vec<u32>> = (0..n)
                 .map(|t| {
                     let factor = 1.0 + (g - 1.0) * t as f64 / (n - 1) as f64;
-                    let mut seqs = drift::grown(&sample(t), factor);
-                    seqs.iter_mut().for_each(|s| *s = (*s).min(cap));
-                    seqs
+                    capped(drift::grown(
+                        &workload.sample_step(a.seed, t as u64, size),
+                        factor,
+                    ))
                 })
                 .collect();
-            let out = drift::budget_run(&run, &profile, &steps, &a.budgets, &tick)?;
+            let longest = steps.iter().flatten().copied().max().unwrap_or(0);
+            let out = drift::budget_run(&run, &profile, &steps, &a.budgets, &tick)
+                .map_err(|e| too_long(e, longest))?;
             grow_report(out, g)
         }
         None => {
@@ -189,12 +203,59 @@ pub(super) fn drift_cmd(a: DriftArgs) -> Result<ExitCode> {
                 .enumerate()
                 .map(|(t, f)| (sample(t), f))
                 .collect();
-            let arms = drift::straggler_run(&run, &profile, &steps, a.forgetting, &tick)?;
+            let longest = steps.iter().flat_map(|x| &x.0).copied().max().unwrap_or(0);
+            let arms = drift::straggler_run(&run, &profile, &steps, a.forgetting, &tick)
+                .map_err(|e| too_long(e, longest))?;
             straggler_report(&arms, &s)
         }
     };
     progress.finish();
+    let mut doc = doc;
+    doc["run"] = serde_json::json!({
+        "model": profile.model, "gpus": gpus, "tp": a.tp, "pp": a.pp, "dp": a.dp,
+        "schedule": run.source.name(), "policy": run.policy.name(), "steps": n,
+        "seed": a.seed, "workload": workload.name, "grow": a.grow, "max_len": a.max_len,
+    });
     emit(a.format, &doc, &what, &table, &notes)
+}
+
+/// `e`, with the run's longest sequence and what to do about it when a step's activations
+/// did not fit the memory limit (the limit is then the activations' share of it).
+fn too_long(e: sim::Error, longest: u32) -> anyhow::Error {
+    match e {
+        sim::Error::MemoryLimit { ref limit, .. } if limit.ends_with("of activations") => {
+            anyhow::anyhow!(
+                "{e}; the run's longest sequence has {longest} tokens: cap the lengths with --max-len, cut them into chunks with --chunk-tokens, or give a smaller --token-budget, more ranks or memory"
+            )
+        }
+        e => e.into(),
+    }
+}
+
+/// Refuses, before anything is allocated, a run whose sampled steps, step plans (one step's
+/// at a time, every budget's with --grow) or straggler draw would not fit in memory.
+fn check_drift_memory(a: &DriftArgs, run: &RunConfig, w: &Workload, size: StepSize) -> Result<()> {
+    let configs: Vec<RunConfig> = match a.grow {
+        Some(_) => a
+            .budgets
+            .iter()
+            .map(|&b| {
+                let mut c = run.clone();
+                c.params.token_budget = b.max(1);
+                c
+            })
+            .collect(),
+        None => vec![run.clone()],
+    };
+    check_monte_carlo_memory("drift", w, a.seed, size, 1, a.steps, &configs)?;
+    let gpus = f64::from(a.tp) * f64::from(a.pp) * f64::from(a.dp);
+    let draw = f64::from(a.steps) * f64::from(a.pp) * f64::from(a.dp) * 8.0 + gpus * 24.0;
+    check_memory(
+        "drift's straggler draw",
+        if a.stragglers { draw } else { 0.0 },
+        &format!("{} steps of {gpus} GPUs hold {}", a.steps, fmt_bytes(draw)),
+        "use fewer steps or GPUs",
+    )
 }
 
 /// The straggler model of the flags.
@@ -263,7 +324,7 @@ fn straggler_report(arms: &drift::StragglerArms, s: &Stragglers) -> Report {
             100.0 * plan_s / r
         ),
         format!(
-            "stragglers: steady spread {:.0}%, fail-slows x{}-{} for {} steps on average, onset {} per GPU and step, {} GPUs per rank",
+            "stragglers: steady spread {:.0}%, fail-slows x{}-{} for {} steps on average, onset {} per GPU and step, {} GPU(s) per rank",
             100.0 * s.spread,
             s.factor.0,
             s.factor.1,
@@ -275,6 +336,9 @@ fn straggler_report(arms: &drift::StragglerArms, s: &Stragglers) -> Report {
     let doc = serde_json::json!({
         "ideal_s": arms.ideal, "fixed_s": arms.fixed, "replanned_s": arms.replanned,
         "oracle_s": arms.oracle, "planning_s": arms.planning_s,
+        "mean_s": {"ideal": ideal, "fixed": f, "replanned": r, "oracle": o},
+        "stragglers": {"gpus_per_rank": s.gpus_per_rank, "spread": s.spread, "onset": s.onset,
+            "mean_steps": s.mean_steps, "factor": [s.factor.0, s.factor.1]},
     });
     (doc, table, notes)
 }
@@ -335,7 +399,7 @@ fn grow_report(run: drift::BudgetRun, g: f64) -> Report {
         if unfit == 0 {
             format!("{r:.3}")
         } else {
-            format!("{r:.3} ({} steps)", ran.len())
+            format!("{r:.3} ({} step(s))", ran.len())
         },
         "+0.0%".to_string(),
         unfit.to_string(),

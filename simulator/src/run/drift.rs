@@ -9,7 +9,8 @@
 //! ([`crate::run::estimate::profile_for_ranks`]); the plan then runs at the true speeds (its
 //! replay on the true profile). Believing the profile's speeds is the fixed plan; believing
 //! [`SpeedEstimate`]'s factors after the last step is re-planning; believing the truth is the
-//! oracle that re-planning can at best reach.
+//! oracle: the same planner told the true speeds, what re-planning aims at (not a bound: the
+//! planner's heuristics can do worse on the truth than on a belief, by noise).
 //!
 //! Two drifts: GPUs that slow down ([`Stragglers`], [`straggler_run`]) and lengths that grow
 //! ([`grown`], [`budget_run`]: every token budget of a grid on every step, so that a budget
@@ -213,7 +214,11 @@ impl Stragglers {
         }
         let (lo, hi) = self.factor;
         if !(lo >= 1.0 && hi >= lo && hi.is_finite()) {
-            return bad("stragglers.factor", lo, "1 <= lo <= hi, finite");
+            return Err(Error::invalid(
+                "stragglers.factor",
+                format!("{lo}:{hi}"),
+                "LO:HI with 1 <= LO <= HI, finite",
+            ));
         }
         Ok(())
     }
@@ -238,10 +243,14 @@ impl Stragglers {
             for s in slow.iter_mut() {
                 if s.1 == 0 && rng.random::<f64>() < self.onset {
                     let (lo, hi) = self.factor;
-                    let mut len = 1u64;
-                    while rng.random::<f64>() >= end {
-                        len += 1;
-                    }
+                    // Geometric on 1, 2, ... with mean 1 / end, by inversion: ceil(ln U /
+                    // ln(1 - end)) for U in (0, 1] (a saturating cast for U near 0).
+                    let u = 1.0 - rng.random::<f64>();
+                    let len = if end >= 1.0 {
+                        1
+                    } else {
+                        (u.ln() / (1.0 - end).ln()).ceil().max(1.0) as u64
+                    };
                     *s = (lo + (hi - lo) * rng.random::<f64>(), len);
                 }
             }
@@ -565,6 +574,25 @@ mod tests {
         .unwrap();
         let m = quiet[0].iter().sum::<f64>() / 512.0;
         assert!((m - (1.0 + 0.08 * 8.0 / 9.0)).abs() < 0.003, "{m}");
+        // A fail-slow lasts mean_steps (4) on average: on one GPU with onset 1/2, a run of L
+        // slowed steps is followed by (1 - 1/2) / (1/2) = 1 quiet step on average, so 4/5 of
+        // the steps are slowed.
+        let runs = Stragglers {
+            gpus_per_rank: 1,
+            spread: 0.0,
+            onset: 0.5,
+            mean_steps: 4.0,
+            factor: (2.0, 2.0),
+        };
+        let d = runs.draw(1, 40_000, 1).unwrap();
+        let slowed = d.iter().filter(|x| x[0] > 1.5).count() as f64;
+        assert!((slowed / 40_000.0 - 4.0 / 5.0).abs() < 0.01, "{slowed}");
+        // A huge mean length does not loop.
+        let long = Stragglers {
+            mean_steps: 1e15,
+            ..runs
+        };
+        assert_eq!(long.draw(1, 3, 0).unwrap().len(), 3);
         let bad = Stragglers {
             factor: (0.9, 1.2),
             ..Stragglers::cited(1)
