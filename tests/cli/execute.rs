@@ -328,6 +328,11 @@ fn execute_refits_the_profile_on_its_steps() {
         assert_eq!(line["rank_factors"].as_array().unwrap().len(), 2);
         // The CPU backend's hand-offs are not timed: no link is fitted.
         assert!(line["link"].is_null(), "{}", line["link"]);
+        // Each layer kind's factors, fitted on the same actions.
+        for kind in ["embedding", "decoder", "head"] {
+            let f = line["kind_factors"][kind]["f"].as_f64().unwrap();
+            assert!(f > 0.0 && f.is_finite(), "{kind}: {f}");
+        }
     }
     assert_eq!(lines[2]["phase_scale"], v["fitted_scale"]);
     let k = &v["fitted_scale"];

@@ -240,6 +240,8 @@ struct Ran {
     estimate: SpeedEstimate,
     /// The links' alpha and beta from the timed transfers (none on the CPU backend's host clock).
     links: sim::run::link_estimate::LinkEstimate,
+    /// Per layer kind and phase, measured over predicted time (`--estimate-log`).
+    kinds: sim::run::kind_estimate::KindEstimate,
     /// `--estimate-log`'s lines, one per measured step.
     estimate_log: Vec<String>,
     /// `--estimate-chart`'s points, one per measured step.
@@ -274,6 +276,7 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
         estimate: SpeedEstimate::new(a.est.forgetting)
             .map_err(|e| anyhow::anyhow!("--forgetting {}: {e}", a.est.forgetting))?,
         links: sim::run::link_estimate::LinkEstimate::new(a.est.forgetting)?,
+        kinds: sim::run::kind_estimate::KindEstimate::new(a.est.forgetting)?,
         estimate_log: Vec::new(),
         estimate_points: Vec::new(),
     };
@@ -338,10 +341,14 @@ fn run_reported_steps(a: &ExecuteArgs, r: &ResolvedRun, built: Built) -> Result<
                     ran.estimate
                         .observe(t, &run.timeline, setup.config.pp as usize);
                     replan::observe_links(&mut ran.links, &run, &prepared, base, &setup.config);
+                    let mbs = &prepared.replicas[0].lengths;
+                    let pp = setup.config.pp as usize;
+                    ran.kinds
+                        .observe(base, &setup.config, mbs, &run.timeline, pp);
                     if a.est.estimate_log.is_some() {
-                        let link = ran.links.pooled();
-                        let line = estimate_line(step, (&p, &run), &ran.estimate, link, prepare_s);
-                        ran.estimate_log.push(line?);
+                        let est = (&ran.estimate, ran.links.pooled(), ran.kinds.factors());
+                        ran.estimate_log
+                            .push(estimate_line(step, (&p, &run), est, prepare_s)?);
                     }
                     ran.estimate_points
                         .push(replan::point(step, &p, &run, &ran.estimate));

@@ -321,8 +321,10 @@ pub(super) fn write_fitted_profile(
 
 /// One `--estimate-log` line: the step, its predicted and measured makespan (seconds), the
 /// seconds its planning took (`null` for the first step, planned before the loop), and the
-/// estimate after it: `phase_scale` (measured over predicted busy time per phase) and
-/// `rank_factors` (per rank of replica 0, over all phases).
+/// estimate after it: `phase_scale` (measured over predicted busy time per phase),
+/// `rank_factors` (per rank of replica 0, over all phases), `kind_factors` (per layer kind and
+/// phase, `sim::run::kind_estimate`) and `link` (the fitted alpha and beta, `null` without
+/// timed transfers).
 ///
 /// # Errors
 /// JSON serialisation.
@@ -332,10 +334,17 @@ pub(super) fn estimate_line(
         &flatpipe_executor::runner::Prediction,
         &flatpipe_executor::interpreter::StepRun,
     ),
-    estimate: &flatpipe_simulator::run::estimate::SpeedEstimate,
-    link: Option<sim::run::link_estimate::FittedLink>,
+    (estimate, link, kinds): (
+        &flatpipe_simulator::run::estimate::SpeedEstimate,
+        Option<sim::run::link_estimate::FittedLink>,
+        Vec<(profiles::LayerKind, profiles::PhaseScale)>,
+    ),
     prepare_s: Option<f64>,
 ) -> Result<String> {
+    let kinds: serde_json::Map<String, serde_json::Value> = kinds
+        .into_iter()
+        .map(|(k, s)| Ok((format!("{k:?}").to_lowercase(), serde_json::to_value(s)?)))
+        .collect::<Result<_>>()?;
     Ok(serde_json::to_string(&serde_json::json!({
         "step": step,
         "predicted_makespan_s": prediction.makespan_s,
@@ -343,6 +352,7 @@ pub(super) fn estimate_line(
         "planning_s": prepare_s,
         "phase_scale": estimate.phase_scale(),
         "rank_factors": estimate.rank_factors(),
+        "kind_factors": kinds,
         "link": link.map(|l| serde_json::json!({
             "alpha_s": l.alpha_s, "beta_bytes_per_s": l.beta_bytes_per_s,
         })),
