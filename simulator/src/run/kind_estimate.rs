@@ -196,9 +196,9 @@ impl KindEstimate {
     }
 
     /// Adds one step: every compute action (overlapped pairs left out) of ranks `0..ranks` of
-    /// `measured`, its measured time against [`KindEstimate::parts`] on `profile` for the
-    /// stages of `config`, its microbatch `microbatches[mb]`; actions on a microbatch past the
-    /// list are skipped.
+    /// `measured`, its measured time against `profile`'s time of each kind's layers in its
+    /// stage (`config`'s stages) at its microbatch `microbatches[mb]`; actions on a microbatch
+    /// past the list are skipped.
     pub fn observe(
         &mut self,
         profile: &Profile,
