@@ -55,6 +55,21 @@ fn busy(t: &Timeline, r: usize) -> [f64; SLOTS] {
     out
 }
 
+/// Refuses a forgetting factor outside (0, 1] (every estimate here takes one).
+///
+/// # Errors
+/// [`crate::Error::InvalidArgument`] naming the factor.
+pub(crate) fn check_forgetting(forgetting: f64) -> crate::Result<()> {
+    if forgetting > 0.0 && forgetting <= 1.0 {
+        return Ok(());
+    }
+    Err(crate::Error::invalid(
+        "forgetting factor",
+        forgetting,
+        "the weight of a step one step older, in (0, 1] (1: no forgetting)",
+    ))
+}
+
 impl SpeedEstimate {
     /// An estimate with no step observed yet (every factor 1) and forgetting factor
     /// `forgetting` in (0, 1] (1: every step weighs the same).
@@ -62,13 +77,7 @@ impl SpeedEstimate {
     /// # Errors
     /// A forgetting factor outside (0, 1].
     pub fn new(forgetting: f64) -> crate::Result<Self> {
-        if !(forgetting > 0.0 && forgetting <= 1.0) {
-            return Err(crate::Error::invalid(
-                "forgetting factor",
-                forgetting,
-                "the weight of a step one step older, in (0, 1] (1: no forgetting)",
-            ));
-        }
+        check_forgetting(forgetting)?;
         Ok(SpeedEstimate {
             forgetting,
             steps: 0,

@@ -64,13 +64,7 @@ impl LinkEstimate {
     /// # Errors
     /// A forgetting factor outside (0, 1].
     pub fn new(forgetting: f64) -> crate::Result<Self> {
-        if !(forgetting > 0.0 && forgetting <= 1.0) {
-            return Err(crate::Error::invalid(
-                "forgetting factor",
-                forgetting,
-                "the weight of a step one step older, in (0, 1] (1: no forgetting)",
-            ));
-        }
+        crate::run::estimate::check_forgetting(forgetting)?;
         Ok(LinkEstimate {
             forgetting,
             steps: 0,
