@@ -262,6 +262,8 @@ class SpeedEstimate:
         """``{"f", "i", "w", "b", "optimizer"}`` of pipeline rank ``rank``."""
     def planning_pipeline(self) -> Pipeline:
         """The pipeline with each rank's stages scaled by that rank's factors."""
+    def propose_split(self, tokens: float, pairs: float = 0.0) -> Optional[list[tuple[int, int]]]:
+        """A layer split for the measured rank speeds when a rank stays > 10% slower."""
 
 @final
 class Pipeline:

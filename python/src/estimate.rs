@@ -187,6 +187,36 @@ impl PySpeedEstimate {
         })
     }
 
+    /// A layer split for the rank speeds measured so far, when a rank stays more than 10%
+    /// slower than another (the planner's `partition::speeds::propose_split`: each layer's
+    /// F + I + W at a microbatch of `tokens` tokens and `pairs` causal pairs, each rank's stage
+    /// times its factor, the slowest stage minimised exactly): the stages as `(start, end)`
+    /// layer ranges, or `None` (no rank slow enough, several stages per rank, or no faster
+    /// split). It is for the next launch: moving layers mid-run moves weights and optimizer
+    /// state.
+    #[pyo3(signature = (tokens, pairs = 0.0))]
+    fn propose_split(&self, tokens: f64, pairs: f64) -> PyResult<Option<Vec<(usize, usize)>>> {
+        if !(tokens.is_finite() && tokens > 0.0 && pairs.is_finite() && pairs >= 0.0) {
+            return Err(invalid(
+                "tokens, pairs",
+                format!("{tokens}, {pairs}"),
+                "a microbatch's tokens (> 0) and causal pairs (>= 0)",
+            ));
+        }
+        let config = &self.pipeline.config;
+        let speeds = self.inner.rank_factors();
+        if config.v != 1 || speeds.len() != config.pp as usize {
+            return Ok(None);
+        }
+        Ok(flatpipe_planner::partition::speeds::propose_split(
+            &self.base,
+            &config.stages,
+            &speeds,
+            (tokens, pairs),
+        )
+        .map(|(stages, _, _)| stages.into_iter().map(|r| (r.start, r.end)).collect()))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "SpeedEstimate(steps={}, rank_factors={:?})",

@@ -72,6 +72,27 @@ def test_the_planning_pipeline_predicts_the_slowed_rank():
     assert busy(slowed, 1) == pytest.approx(1.5 * busy(plan, 1), rel=0.02)
 
 
+def test_a_rank_that_stays_slow_gets_a_split_proposed():
+    """Rank 1 measured 1.5x: the proposed split gives it fewer layers than the even split's
+    (32 decoders + embedding + head over 4 ranks), the others more; at equal speeds nothing is
+    proposed."""
+    pipe = _pipe()
+    plan = pipe.plan_step(LENGTHS, 0)
+    even = flatpipe.SpeedEstimate(pipe)
+    even.observe(plan, _timings(plan))
+    assert even.propose_split(4096, 4096 * 300) is None
+    est = flatpipe.SpeedEstimate(pipe)
+    est.observe(plan, _timings(plan, slow=(1, 1.5)))
+    stages = est.propose_split(4096, 4096 * 300)
+    assert stages is not None and len(stages) == 4
+    assert stages[0][0] == 0 and stages[-1][1] == pipe.num_layers
+    layers = [b - a for a, b in stages]
+    was = [b - a for a, b in pipe.stages]
+    assert layers[1] < was[1], (layers, was)
+    with pytest.raises(flatpipe.FlatpipeError, match="tokens"):
+        est.propose_split(0)
+
+
 def test_bad_timings_are_refused_with_the_field():
     pipe = _pipe()
     est = flatpipe.SpeedEstimate(pipe)

@@ -54,6 +54,49 @@ pub fn split_for_speeds(costs: &[f64], speeds: &[f64]) -> Option<(Vec<Range<usiz
     Some((stages, best[p - 1][n]))
 }
 
+/// A rank that stays slower than the fastest by more than this ratio gets a layer split
+/// proposed ([`propose_split`]).
+pub const SLOW_RATIO: f64 = 1.1;
+
+/// A layer split for ranks measured at `speeds` (one per pipeline rank, time factors against
+/// `profile`, one stage per rank on `stages`): each layer's F + I + W at a microbatch of
+/// `tokens` tokens and `pairs` causal pairs, each rank's stage times its factor
+/// ([`split_for_speeds`]). `None` when no rank is slower than another by more than
+/// [`SLOW_RATIO`], there is not one stage per rank, or the split found is the current one or
+/// no faster. Returns the proposed stages, the current and the proposed bottleneck (seconds
+/// per microbatch).
+pub fn propose_split(
+    profile: &flatpipe_profiles::Profile,
+    stages: &[Range<usize>],
+    speeds: &[f64],
+    (tokens, pairs): (f64, f64),
+) -> Option<(Vec<Range<usize>>, f64, f64)> {
+    use flatpipe_profiles::Phase;
+    let (lo, hi) = speeds
+        .iter()
+        .fold((f64::INFINITY, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+    if speeds.len() != stages.len() || hi < SLOW_RATIO * lo {
+        return None;
+    }
+    let costs: Vec<f64> = profile
+        .layers
+        .iter()
+        .map(|l| {
+            [Phase::F, Phase::I, Phase::W]
+                .iter()
+                .map(|&ph| l.coeffs(ph).time_s(tokens, pairs))
+                .sum()
+        })
+        .collect();
+    let now = stages
+        .iter()
+        .zip(speeds)
+        .map(|(r, s)| s * costs.get(r.clone()).map_or(0.0, |c| c.iter().sum::<f64>()))
+        .fold(0.0, f64::max);
+    let (proposed, t) = split_for_speeds(&costs, speeds)?;
+    (proposed != stages && t < now).then_some((proposed, now, t))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -120,47 +120,20 @@ pub(super) fn observe_links(
     links.observe(&run.timeline.transfers, &bytes);
 }
 
-/// A rank that stays slower than the others by more than this ratio of their factors gets a
-/// layer split proposed.
-const SLOW_RATIO: f64 = 1.1;
-
-/// A layer split for the speeds the estimate measured (`--replan`, one stage per rank): each
-/// layer's F + I + W at a microbatch of `tokens` tokens and `pairs` causal pairs on `base`, each
-/// rank's stage times its factor ([`planner::partition::speeds::split_for_speeds`]). `None`
-/// when no rank is slower than another by more than [`SLOW_RATIO`], the schedule has several
-/// stages per rank, or the split is the current one. Returns the proposed stages, the current
-/// and the proposed bottleneck (seconds per microbatch).
+/// A layer split for the speeds the estimate measured (`--replan`, one stage per rank): the
+/// planner's [`planner::partition::speeds::propose_split`] on `base` at a microbatch of
+/// `tokens` tokens and `pairs` causal pairs; `None` with several stages per rank.
 pub(super) fn propose_split(
     base: &Profile,
     config: &sim::run::config::RunConfig,
     estimate: &SpeedEstimate,
-    (tokens, pairs): (f64, f64),
+    at: (f64, f64),
 ) -> Option<(Vec<std::ops::Range<usize>>, f64, f64)> {
     let speeds = estimate.rank_factors();
-    let (lo, hi) = speeds
-        .iter()
-        .fold((f64::INFINITY, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
-    if config.v != 1 || speeds.len() != config.pp as usize || hi < SLOW_RATIO * lo {
+    if config.v != 1 || speeds.len() != config.pp as usize {
         return None;
     }
-    let costs: Vec<f64> = base
-        .layers
-        .iter()
-        .map(|l| {
-            [profiles::Phase::F, profiles::Phase::I, profiles::Phase::W]
-                .iter()
-                .map(|&ph| l.coeffs(ph).time_s(tokens, pairs))
-                .sum()
-        })
-        .collect();
-    let now = config
-        .stages
-        .iter()
-        .zip(&speeds)
-        .map(|(r, s)| s * costs[r.clone()].iter().sum::<f64>())
-        .fold(0.0, f64::max);
-    let (stages, t) = planner::partition::speeds::split_for_speeds(&costs, &speeds)?;
-    (stages != config.stages && t < now).then_some((stages, now, t))
+    planner::partition::speeds::propose_split(base, &config.stages, &speeds, at)
 }
 
 /// After a re-planned run: the note on a rank that stayed slow and the layer split proposed
