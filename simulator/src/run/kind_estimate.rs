@@ -20,7 +20,7 @@ use crate::replay::timeline::Timeline;
 use crate::run::config::RunConfig;
 use flatpipe_profiles::{LayerKind, PhaseScale, Profile};
 
-/// The kinds fitted, in column order.
+/// The kinds fitted, in column order (`parts` indexes them the same way).
 const KINDS: [LayerKind; 3] = [LayerKind::Embedding, LayerKind::Decoder, LayerKind::Head];
 /// Phase slots: F (and Fo), I, W, B.
 const PHASES: usize = 4;
@@ -176,7 +176,11 @@ impl KindEstimate {
             let Some(layer) = profile.layers.get(l) else {
                 continue;
             };
-            let k = KINDS.iter().position(|&x| x == layer.kind).unwrap_or(1);
+            let k = match layer.kind {
+                LayerKind::Embedding => 0,
+                LayerKind::Decoder => 1,
+                LayerKind::Head => 2,
+            };
             out[k] += match kind {
                 ActionKind::F | ActionKind::Fo => layer.f.time_s(t, a),
                 ActionKind::I if whole => 0.0,
